@@ -68,4 +68,4 @@ def stock_loss_and_grads(model, world_columns, batch, dims, weights=None, simila
             prefix = (lambda x, d: shrink(x, d)) if similarity == "cosine" else (lambda x, d: x[:, :d])
             loss = sum(w * base.calculate_loss([[prefix(x, d)] for x in local], None) for d, w in zip(dims, weights))
             loss.backward()
-    return float(loss), [leaf.grad for leaf in leaves]
+    return float(loss.detach()), [leaf.grad for leaf in leaves]

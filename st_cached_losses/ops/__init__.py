@@ -164,8 +164,10 @@ class _MatryoshkaInfoNCE(torch.autograd.Function):
         if need_grad:
             d_queries, d_docs, d_world = result.grads
             if world_queries is None:
-                d_queries = d_queries + d_world
+                d_queries = d_queries if d_world is None else d_queries + d_world
                 d_world = None
+            elif d_world is None:
+                d_world = torch.zeros_like(world_queries)
             ctx.save_for_backward(d_queries, d_docs, d_world)
         return loss, per_dim
 

@@ -1,9 +1,309 @@
-"""Row-tiled PyTorch Matryoshka InfoNCE (CPU, and the GPU fallback). Placeholder: dense for now."""
+"""Row-tiled PyTorch Matryoshka InfoNCE: the CPU backend and the GPU fallback.
+
+One sweep over row tiles of ``chunk`` queries computes, for every Matryoshka dim and direction, the
+tile's logits against *all* columns, so each row's LSE is complete inside its tile and the gradients
+can be formed at once (as Liger's fused linear cross-entropy does): nothing but the inputs, their
+gradients and per-row/per-column scalars outlives a tile, and no score is ever recomputed.
+
+All dims share the matmul work of the largest one. With dims d_1 > ... > d_K and bands
+[d_{k+1}, d_k) (d_{K+1} = 0), the raw prefix dot products are accumulated from the smallest band up,
+    dot_K = R[:, :d_K] C[:, :d_K]^T,   dot_k = dot_{k+1} + R[:, band_k] C[:, band_k]^T,
+and the gradient wrt. band k's features is driven by the sum of the per-dim logit gradients of every
+dim that contains it, accumulated from the largest dim down (A_1 + ... + A_k). Cosine similarity is
+handled with per-prefix norms (row and column scale factors) instead of normalised copies; the
+normalisation's own gradient term is a per-row / per-column scalar times the input prefix.
+
+References: GradCache (arXiv 2101.06983), Matryoshka (arXiv 2205.13147), FlashAttention-2 (arXiv
+2307.08691) and Inf-CL (arXiv 2410.17243) for tiling with saved per-row LSEs only.
+"""
 
 from __future__ import annotations
 
-from . import reference
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .result import InfoNCEResult
+from .spec import NORM_EPS, InfoNCESpec
+
+DEFAULT_TILE_BYTES = 64 * 2**20
+
+# A logit shift of the cosine bound keeps exp() in range while every logit >= -bound, i.e. when
+# exp(-2 * bound) is a normal fp32 number; above this bound each row's max is used instead.
+_MAX_FIXED_SHIFT = 40.0
 
 
-def forward(queries, docs, world_queries, spec, need_grad, chunk_size=None):
-    return reference.forward(queries, docs, world_queries, spec, need_grad)
+@dataclass
+class _Direction:
+    """One block of logits: rows from ``row_source`` ('q' queries, 'd' local positives) against
+    columns from ``col_source`` ('c' all docs, 'w' world queries); ``mask`` is None, 'self' or 'own_docs'."""
+
+    name: str
+    row_source: str
+    col_source: str
+    mask: str | None
+
+
+_DIRECTIONS = {
+    "query_to_doc": _Direction("query_to_doc", "q", "c", None),
+    "query_to_query": _Direction("query_to_query", "q", "w", "self"),
+    "doc_to_query": _Direction("doc_to_query", "d", "w", None),
+    "doc_to_doc": _Direction("doc_to_doc", "d", "c", "own_docs"),
+}
+
+
+def tile_rows(spec: InfoNCESpec, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
+    """Rows per tile so that all of a tile's temporaries fit in ``tile_bytes`` (fp32 scores)."""
+    columns = sum(spec.num_docs if _DIRECTIONS[d].col_source == "c" else spec.world_batch_size for d in spec.directions)
+    per_row = 4 * columns * (len(spec.dims) + 1)  # K prefix dot products + one exp / gradient buffer
+    return max(1, min(spec.batch_size, tile_bytes // per_row))
+
+
+def forward(
+    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, chunk_size: int | None = None
+) -> InfoNCEResult:
+    """Per-dim losses, per-row LSEs and (if ``need_grad``) gradients, one sweep over row tiles.
+
+    Shapes: queries (B, D), docs (M, D), world_queries (Bw, D). Computes in fp32 (fp64 for fp64 inputs,
+    upcasting bf16/fp16 once); gradients come back in the inputs' dtype. Memory beyond the inputs:
+    their gradients, O((B + M) * K) scalars and one tile of ``chunk x columns x (K + 1)`` scores.
+    """
+    sweep = _Sweep(queries, docs, world_queries, spec, need_grad)
+    rows = chunk_size or tile_rows(spec)
+    for begin in range(0, spec.batch_size, rows):
+        sweep.tile(begin, min(begin + rows, spec.batch_size))
+    return sweep.result()
+
+
+class _Sweep:
+    """State of one forward sweep: inputs, prefix norms, workspaces and gradient accumulators."""
+
+    def __init__(self, queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool):
+        dtype = torch.promote_types(queries.dtype, torch.float32)
+        self.spec, self.need_grad, self.input_dtype = spec, need_grad, queries.dtype
+        self.sources = {"q": queries.to(dtype), "c": docs.to(dtype), "w": world_queries.to(dtype)}
+        self.directions = [_DIRECTIONS[name] for name in spec.directions]
+        # Inverse prefix norms per dim, (K, rows): the cosine row/column scale factors.
+        self.inv_norms = {key: _inverse_prefix_norms(x, spec) for key, x in self.sources.items()}
+        self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=queries.device)
+        self.lse = torch.empty(len(spec.dims), len(self.directions), spec.batch_size, dtype=dtype, device=queries.device)
+        self.workspaces: dict[str, list[Tensor]] = {}
+        if need_grad:
+            uses_world = any(d.col_source == "w" for d in self.directions)
+            self.grads = {key: torch.zeros_like(x) for key, x in self.sources.items() if key != "w" or uses_world}
+            # Column sums of A * dot per dim, for the column normalisation term applied once at the end.
+            self.col_norm_terms = {
+                key: torch.zeros(len(spec.dims), self.grads[key].shape[0], dtype=dtype, device=queries.device)
+                for key in self.grads
+                if key != "q"
+            }
+
+    def _workspace(self, direction: _Direction, rows: int, cols: int) -> list[Tensor]:
+        buffers = self.workspaces.get(direction.name)
+        if buffers is None or buffers[0].shape[0] < rows:
+            source = self.sources["q"]
+            buffers = [source.new_empty(rows, cols) for _ in range(len(self.spec.dims) + 1)]
+            self.workspaces[direction.name] = buffers
+        return [b[:rows] for b in buffers]
+
+    def _rows(self, direction: _Direction, begin: int, end: int) -> tuple[Tensor, Tensor, str, slice]:
+        """The tile's row operand, its inverse norms, and where its gradient goes."""
+        offset = self.spec.offset
+        if direction.row_source == "q":
+            return self.sources["q"][begin:end], self.inv_norms["q"][:, begin:end], "q", slice(begin, end)
+        rows = slice(offset + begin, offset + end)
+        return self.sources["c"][rows], self.inv_norms["c"][:, rows], "c", rows
+
+    def tile(self, begin: int, end: int) -> None:
+        spec = self.spec
+        count = end - begin
+        tiles = []
+        for direction in self.directions:
+            rows, row_inv, row_key, row_slice = self._rows(direction, begin, end)
+            cols = self.sources[direction.col_source]
+            buffers = self._workspace(direction, count, cols.shape[0])
+            _band_dots(rows, cols, spec.dims, buffers[1:])
+            tiles.append(_TileDirection(direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec))
+        for k in range(len(spec.dims)):
+            self._dim(k, tiles, begin, end)
+
+    def _dim(self, k: int, tiles: list[_TileDirection], begin: int, end: int) -> None:
+        spec = self.spec
+        for t in tiles:
+            t.exponentiate(k, self.inv_norms[t.direction.col_source][k])
+        lse = torch.stack([t.lse for t in tiles])  # (ndir, rows)
+        self.lse[k, :, begin:end] = lse
+        log_norm = torch.logsumexp(lse, dim=0) if spec.partition_mode == "joint" else lse.mean(dim=0)
+        positive = tiles[0].positive_logit
+        self.per_dim_sum[k] += (log_norm - positive).sum()
+        if not self.need_grad:
+            return
+        share = 1.0 if spec.partition_mode == "joint" else 1.0 / len(tiles)
+        normaliser = log_norm if spec.partition_mode == "joint" else None
+        for t in tiles:
+            col_key = t.direction.col_source
+            coefficient = t.logit_gradient(k, self.inv_norms[col_key][k], normaliser, share)
+            if spec.cosine:
+                row_term, col_term = t.normalisation_terms(k)
+                dim = spec.dims[k]
+                self.grads[t.row_key][t.row_slice, :dim] -= (row_term * t.row_inv[k] ** 2)[:, None] * t.rows[:, :dim]
+                self.col_norm_terms[col_key][k] += col_term
+            t.accumulate(k, coefficient)
+            t.band_gradients(k, self.grads[t.row_key][t.row_slice], self.grads[col_key])
+
+    def result(self) -> InfoNCEResult:
+        spec = self.spec
+        per_dim = self.per_dim_sum / spec.batch_size
+        grads = None
+        if self.need_grad:
+            if spec.cosine:
+                for key, terms in self.col_norm_terms.items():
+                    x, inv = self.sources[key], self.inv_norms[key]
+                    for k, dim in enumerate(spec.dims):
+                        self.grads[key][:, :dim] -= (terms[k] * inv[k] ** 2)[:, None] * x[:, :dim]
+            dtype = self.input_dtype
+            world = self.grads.get("w")
+            grads = (
+                self.grads["q"].to(dtype),
+                self.grads["c"].to(dtype),
+                None if world is None else world.to(dtype),
+            )
+        return InfoNCEResult(per_dim, self.lse, grads)
+
+
+class _TileDirection:
+    """One direction's logits for one row tile, across the dims of one sweep.
+
+    ``buffers[1 + k]`` holds the raw prefix dot products of dim k (descending dims). Dim k's
+    exponentials go to ``buffers[0]`` for k = 0 (which then becomes the running gradient sum A_1 + ...)
+    and to dim k-1's dot buffer afterwards, which is free by then.
+    """
+
+    def __init__(self, direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec: InfoNCESpec):
+        self.direction, self.rows, self.row_inv, self.row_key, self.row_slice = direction, rows, row_inv, row_key, row_slice
+        self.cols, self.buffers, self.spec = cols, buffers, spec
+        count = rows.shape[0]
+        self.row_index = torch.arange(count, device=rows.device)
+        own = self.row_index + (spec.offset + begin)
+        # The columns of each row's own documents (positive, then its hard negatives): (count, columns).
+        if direction.col_source == "c":
+            self.own_cols = own[:, None] + spec.world_batch_size * torch.arange(spec.num_columns, device=rows.device)
+        else:
+            self.own_cols = own[:, None]
+        self.penalty = _penalty_plan(direction, spec)
+
+    def _dots(self, k: int) -> Tensor:
+        return self.buffers[1 + k]
+
+    def _exp_buffer(self, k: int) -> Tensor:
+        return self.buffers[0] if k == 0 else self.buffers[k]
+
+    def _logit_scale(self, k: int) -> Tensor | float:
+        return self.spec.scale * self.row_inv[k] if self.spec.cosine else self.spec.scale
+
+    def exponentiate(self, k: int, col_inv: Tensor) -> None:
+        """E = exp(logits - shift) into the exp buffer; sets self.lse, self.shift and the positive logit."""
+        spec, dots, out = self.spec, self._dots(k), self._exp_buffer(k)
+        row_scale = self._logit_scale(k)
+        dense_factor, exceptions = self.penalty
+        scale = row_scale * dense_factor
+        if spec.cosine:
+            torch.mul(dots, scale[:, None], out=out)
+            out.mul_(col_inv[None, :])
+        else:
+            torch.mul(dots, scale, out=out)
+        own_logits = self._own_logits(k, col_inv)
+        if exceptions is not None:
+            out.scatter_(1, self.own_cols, own_logits * own_logits.new_tensor(exceptions))
+        if self.direction.mask is not None:
+            masked = self.own_cols if self.direction.mask == "own_docs" else self.own_cols[:, :1]
+            out.scatter_(1, masked, -math.inf)
+        if self.direction.name == "query_to_doc":
+            self.positive_logit = own_logits[:, 0]
+        bound = spec.logit_bound
+        if bound is not None and bound <= _MAX_FIXED_SHIFT:
+            shift = torch.full_like(self.row_inv[k], bound)
+        else:
+            shift = out.amax(dim=1)
+            shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+        out.sub_(shift[:, None])
+        out.exp_()
+        self.shift = shift
+        self.lse = shift + out.sum(dim=1).log()
+
+    def _own_logits(self, k: int, col_inv: Tensor) -> Tensor:
+        """Unpenalised logits of each row's own columns, exactly: (count, own columns)."""
+        own_dots = self._dots(k).gather(1, self.own_cols)
+        if self.spec.cosine:
+            return own_dots * (self._logit_scale(k)[:, None] * col_inv[self.own_cols])
+        return own_dots * self.spec.scale
+
+    def logit_gradient(self, k: int, col_inv: Tensor, log_norm: Tensor | None, share: float) -> Tensor:
+        """Turn the exp buffer into A = d(w_k L_k) / d(raw prefix dot product), in place."""
+        spec, grad = self.spec, self._exp_buffer(k)
+        weight = spec.weights[k] / spec.batch_size
+        log_norm = self.lse if log_norm is None else log_norm
+        row_factor = weight * share * torch.exp(self.shift - log_norm) * spec.scale
+        if spec.cosine:
+            row_factor = row_factor * self.row_inv[k]
+            grad.mul_(row_factor[:, None])
+            grad.mul_(col_inv[None, :])
+        else:
+            grad.mul_(row_factor[:, None])
+        if self.direction.name == "query_to_doc":
+            positive = weight * spec.scale * (self.row_inv[k] * col_inv[self.own_cols[:, 0]] if spec.cosine else 1.0)
+            grad[self.row_index, self.own_cols[:, 0]] -= positive
+        return grad
+
+    def normalisation_terms(self, k: int) -> tuple[Tensor, Tensor]:
+        """Row and column sums of A * dot: the scalars of the cosine normalisation's gradient term."""
+        product = self._dots(k).mul_(self._exp_buffer(k))  # the dot buffer is not needed any more
+        return product.sum(dim=1), product.sum(dim=0)
+
+    def accumulate(self, k: int, coefficient: Tensor) -> None:
+        if k > 0:
+            self.buffers[0].add_(coefficient)
+
+    def band_gradients(self, k: int, row_grad: Tensor, col_grad: Tensor) -> None:
+        """Backpropagate A_1 + ... + A_k through band k's matmul into both operands' gradients."""
+        dims = self.spec.dims
+        lo, hi = (dims[k + 1] if k + 1 < len(dims) else 0), dims[k]
+        total = self.buffers[0]
+        row_grad[:, lo:hi].addmm_(total, self.cols[:, lo:hi])
+        col_grad[:, lo:hi].addmm_(total.T, self.rows[:, lo:hi])
+
+
+def _band_dots(rows: Tensor, cols: Tensor, dims: tuple[int, ...], out: list[Tensor]) -> None:
+    """out[k] = rows[:, :dims[k]] @ cols[:, :dims[k]].T for every k, with the matmul work of dims[0]."""
+    smallest = len(dims) - 1
+    torch.mm(rows[:, : dims[smallest]], cols[:, : dims[smallest]].T, out=out[smallest])
+    for k in range(smallest - 1, -1, -1):
+        lo, hi = dims[k + 1], dims[k]
+        torch.addmm(out[k + 1], rows[:, lo:hi], cols[:, lo:hi].T, out=out[k])
+
+
+def _inverse_prefix_norms(x: Tensor, spec: InfoNCESpec) -> Tensor:
+    """(K, rows) 1 / max(||x[:, :d_k]||, eps), as F.normalize divides; ones for dot similarity."""
+    if not spec.cosine:
+        return torch.ones(len(spec.dims), x.shape[0], dtype=x.dtype, device=x.device)
+    squares = torch.stack([x[:, :dim].pow(2).sum(dim=1) for dim in spec.dims])
+    return squares.sqrt().clamp_min(NORM_EPS).reciprocal()
+
+
+def _penalty_plan(direction: _Direction, spec: InfoNCESpec) -> tuple[float, list[float] | None]:
+    """The hardness penalty as a dense logit factor plus exact factors for each row's own columns.
+
+    Adding ``strength * stop_grad(sim)`` to ``scale * sim`` multiplies the logit by 1 + strength / scale.
+    Returns (dense factor, factor of each own column [positive, hard negatives...] or None).
+    """
+    if direction.name != "query_to_doc" or not spec.hardness:
+        return 1.0, None
+    boosted = 1.0 + spec.hardness_strength / spec.scale
+    if spec.hardness_mode == "in_batch_negatives":  # own positive and hard negatives unpenalised
+        return boosted, [1.0] * spec.num_columns
+    own_hard_negatives_boosted = [1.0] + [boosted] * (spec.num_columns - 1)
+    if spec.hardness_mode == "hard_negatives":  # only own hard negatives penalised
+        return 1.0, own_hard_negatives_boosted
+    return boosted, own_hard_negatives_boosted  # all_negatives: everything but the positive

@@ -14,8 +14,9 @@ class InfoNCEResult(NamedTuple):
         per_dim: (K,) unweighted loss per Matryoshka dim, dims in descending order, fp32 (fp64 for fp64 inputs).
         lse: (K, ndir, B) logsumexp of each row's logits per dim and direction (directions in
             ``spec.directions`` order), same dtype as ``per_dim``.
-        grads: ``(d queries, d docs, d world_queries)`` of ``sum_k w_k per_dim[k]`` in the inputs' dtype,
-            or None when gradients were not requested.
+        grads: ``(d queries, d docs, d world_queries)`` of ``sum_k w_k per_dim[k]`` in the inputs' dtype
+            (``d world_queries`` may be None when no direction reads world_queries), or None when
+            gradients were not requested.
     """
 
     per_dim: Tensor

@@ -1,0 +1,216 @@
+"""The chunked backend against the dense reference (loss, per-row LSE, dQ, dC), and the op's input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from st_cached_losses import matryoshka_infonce
+from st_cached_losses.ops import InfoNCESpec, run_backend, select_backend
+from st_cached_losses.ops.chunked import tile_rows
+
+ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+OPTIONS = {
+    "default": {},
+    "gte_joint": dict(directions=ALL_DIRECTIONS),
+    "symmetric_per_direction": dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"),
+    "in_batch_hardness": dict(hardness_mode="in_batch_negatives", hardness_strength=9.0),
+    "hard_negatives_hardness": dict(hardness_mode="hard_negatives", hardness_strength=5.0),
+    "all_negatives_hardness_all_directions": dict(
+        directions=ALL_DIRECTIONS, hardness_mode="all_negatives", hardness_strength=2.0
+    ),
+    "dot": dict(similarity="dot", scale=1.0),
+    "dot_gte_hardness": dict(similarity="dot", scale=2.0, directions=ALL_DIRECTIONS, hardness_mode="all_negatives",
+                             hardness_strength=1.0),
+    "large_scale_row_max_shift": dict(scale=60.0),
+}
+
+
+def _inputs(batch, world, num_docs, dim, seed=0, dtype=torch.float32, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+    world_q = (spread * torch.randn(world, dim, generator=g, dtype=torch.float64)).to(dtype)
+    docs = (spread * torch.randn(num_docs, dim, generator=g, dtype=torch.float64)).to(dtype)
+    return world_q, docs
+
+
+def _spec(queries, docs, world_q, dims, weights=None, offset=0, similarity="cosine", scale=20.0, **options):
+    return InfoNCESpec.build(
+        queries, docs, world_q, dims=dims, weights=weights, scale=scale, similarity=similarity, offset=offset,
+        directions=options.pop("directions", ("query_to_doc",)), partition_mode=options.pop("partition_mode", "joint"),
+        hardness_mode=options.pop("hardness_mode", None), hardness_strength=options.pop("hardness_strength", 0.0),
+    )
+
+
+def _compare(batch, world, num_docs, dim, dims, offset, chunk_size, options, weights=None, rtol=1e-5, seed=0):
+    world_q, docs = _inputs(batch, world, num_docs, dim, seed=seed, spread=0.3 if options.get("similarity") == "dot" else 1.0)
+    queries = world_q[offset : offset + batch]
+    spec = _spec(queries, docs, world_q, dims, weights, offset, **dict(options))
+    truth = run_backend("dense", queries, docs, world_q, spec, need_grad=True)
+    tiled = run_backend("chunked", queries, docs, world_q, spec, need_grad=True, chunk_size=chunk_size)
+    torch.testing.assert_close(tiled.per_dim, truth.per_dim, rtol=rtol, atol=0)
+    torch.testing.assert_close(tiled.lse, truth.lse, rtol=rtol, atol=rtol)
+    for got, want in zip(tiled.grads, truth.grads):
+        got = torch.zeros_like(want) if got is None else got
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+def test_chunked_matches_reference_ragged(options):
+    """Ragged shapes: B=255 local rows at offset 100 of a 507-row world, M=507, D=123, 64-row tiles."""
+    _compare(batch=255, world=507, num_docs=507, dim=123, dims=[123, 100, 48, 7], offset=100, chunk_size=64,
+             options=options, weights=[1.0, 0.3, 2.0, 0.5])
+
+
+@pytest.mark.parametrize("options", [OPTIONS["default"], OPTIONS["gte_joint"], OPTIONS["all_negatives_hardness_all_directions"]])
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, None])
+def test_chunked_hard_negatives_chunk_sizes(options, chunk_size):
+    """Two hard-negative columns; tiles of 1 row, not dividing B, larger than B, and from the byte budget."""
+    _compare(batch=37, world=37, num_docs=3 * 37, dim=48, dims=[48, 32, 16], offset=0, chunk_size=chunk_size,
+             options=options)
+
+
+def test_single_pair_and_single_dim():
+    _compare(batch=1, world=1, num_docs=2, dim=5, dims=[5], offset=0, chunk_size=None, options=OPTIONS["gte_joint"])
+
+
+def test_public_op_backends_agree_and_per_dim_order():
+    world_q, docs = _inputs(40, 40, 80, 32, seed=3)
+    results = {}
+    for backend in ("dense", "chunked"):
+        q = world_q.clone().requires_grad_()
+        c = docs.clone().requires_grad_()
+        loss, per_dim = matryoshka_infonce(q, c, dims=[8, 32, 16], weights=[0.5, 1.0, 2.0], backend=backend,
+                                           return_per_dim=True, chunk_size=9)
+        (3.0 * loss).backward()  # grad_output scaling must reach the gradients
+        results[backend] = (loss.detach(), per_dim, q.grad, c.grad)
+    for got, want in zip(results["chunked"], results["dense"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    loss, per_dim = results["dense"][:2]
+    # per_dim follows the caller's dims order: [8, 32, 16] with weights [0.5, 1, 2].
+    torch.testing.assert_close(loss, 0.5 * per_dim[0] + per_dim[1] + 2.0 * per_dim[2])
+    single = matryoshka_infonce(world_q, docs, dims=[8], backend="dense")
+    torch.testing.assert_close(per_dim[0], single)
+
+
+def test_no_grad_forward_matches_and_skips_gradients():
+    world_q, docs = _inputs(30, 30, 30, 16)
+    with torch.no_grad():
+        value = matryoshka_infonce(world_q, docs, dims=[16, 4], backend="chunked", chunk_size=8)
+    spec = _spec(world_q, docs, world_q, [16, 4])
+    result = run_backend("chunked", world_q, docs, world_q, spec, need_grad=False, chunk_size=8)
+    assert result.grads is None
+    torch.testing.assert_close(value, matryoshka_infonce(world_q, docs, dims=[16, 4], backend="dense"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_against_fp32_truth(dtype):
+    """bf16/fp16 inputs are upcast once and computed in fp32: the loss is within 1e-5 of the fp32 loss on
+    the same (rounded) values; gradients come back in the input dtype, within its rounding (2^-7 for bf16)."""
+    world_q, docs = _inputs(64, 64, 128, 40, seed=4)
+    q_low, c_low = world_q.to(dtype), docs.to(dtype)
+    q_low.requires_grad_(), c_low.requires_grad_()
+    loss = matryoshka_infonce(q_low, c_low, dims=[40, 20], backend="chunked", chunk_size=16)
+    loss.backward()
+    q32, c32 = q_low.detach().float().requires_grad_(), c_low.detach().float().requires_grad_()
+    truth = matryoshka_infonce(q32, c32, dims=[40, 20], backend="dense")
+    truth.backward()
+    assert loss.dtype == torch.float32 and q_low.grad.dtype == dtype
+    torch.testing.assert_close(loss, truth, rtol=1e-5, atol=0)
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    for got, want in ((q_low.grad, q32.grad), (c_low.grad, c32.grad)):
+        torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * float(want.abs().max()))
+
+
+def test_tile_rows_respects_byte_budget():
+    world_q, docs = _inputs(1000, 1000, 3000, 8)
+    spec = _spec(world_q, docs, world_q, [8, 4, 2], directions=ALL_DIRECTIONS)
+    rows = tile_rows(spec, tile_bytes=2**22)
+    columns = 3000 + 1000 + 1000 + 3000
+    assert rows * columns * 4 * (3 + 1) <= 2**22 < (rows + 1) * columns * 4 * (3 + 1)
+
+
+def test_auto_backend_picks_dense_for_tiny_and_chunked_for_large():
+    small_q, small_c = _inputs(8, 8, 8, 4)
+    large_q, large_c = torch.zeros(2048, 4), torch.zeros(2048, 4)
+    assert select_backend(small_q, _spec(small_q, small_c, small_q, [4]), "auto") == "dense"
+    assert select_backend(large_q, _spec(large_q + 1, large_c + 1, large_q + 1, [4]), "auto") == "chunked"
+    assert select_backend(small_q, _spec(small_q, small_c, small_q, [4]), "chunked") == "chunked"
+
+
+def _call(**overrides):
+    world_q, docs = _inputs(6, 6, 12, 8)
+    kwargs = dict(queries=world_q, docs=docs, dims=[8, 4])
+    kwargs.update(overrides)
+    queries, docs = kwargs.pop("queries"), kwargs.pop("docs")
+    return matryoshka_infonce(queries, docs, **kwargs)
+
+
+BAD_INPUTS = {
+    "dims_empty": (dict(dims=[]), ValueError, "dims must be a non-empty"),
+    "dims_int": (dict(dims=8), ValueError, "dims must be a non-empty"),
+    "dims_non_positive": (dict(dims=[8, 0]), ValueError, "positive ints"),
+    "dims_too_large": (dict(dims=[9, 4]), ValueError, "larger than the embedding dimension D=8"),
+    "dims_duplicated": (dict(dims=[8, 4, 4]), ValueError, "duplicates"),
+    "weights_length": (dict(weights=[1.0]), ValueError, "one weight per dim"),
+    "weights_nan": (dict(weights=[1.0, float("nan")]), ValueError, "weights must be finite"),
+    "different_d": (dict(docs=torch.randn(12, 7)), ValueError, "docs has D=7 but queries has D=8"),
+    "different_dtype": (dict(docs=torch.randn(12, 8, dtype=torch.float64)), ValueError, "cast them to one dtype"),
+    "integer_tensor": (dict(docs=torch.ones(12, 8, dtype=torch.long)), TypeError, "floating-point"),
+    "not_a_tensor": (dict(docs=[[1.0] * 8] * 12), TypeError, "docs must be a torch.Tensor"),
+    "one_dimensional": (dict(queries=torch.randn(8)), ValueError, "must be 2-D"),
+    "docs_not_multiple": (dict(docs=torch.randn(13, 8)), ValueError, "not a multiple of the 6 query rows"),
+    "nan_queries": (dict(queries=torch.full((6, 8), float("nan"))), ValueError, "queries contains NaN or Inf"),
+    "inf_docs": (dict(docs=torch.full((12, 8), float("inf"))), ValueError, "docs contains NaN or Inf"),
+    "empty_batch": (dict(queries=torch.randn(0, 8), docs=torch.randn(0, 8)), ValueError, "empty"),
+    "similarity": (dict(similarity="euclidean"), ValueError, "similarity must be one of"),
+    "direction_unknown": (dict(directions=("query_to_doc", "doc_to_everything")), ValueError, "Unknown directions"),
+    "direction_missing_q2d": (dict(directions=("doc_to_query",)), ValueError, "must include 'query_to_doc'"),
+    "directions_string": (dict(directions="query_to_doc"), ValueError, "non-empty tuple"),
+    "partition_unknown": (dict(partition_mode="both"), ValueError, "partition_mode must be one of"),
+    "per_direction_q2q": (dict(partition_mode="per_direction", directions=("query_to_doc", "query_to_query")),
+                          ValueError, "use partition_mode='joint'"),
+    "hardness_mode": (dict(hardness_mode="hardest"), ValueError, "hardness_mode must be one of"),
+    "hardness_strength": (dict(hardness_mode="hard_negatives", hardness_strength=-1.0), ValueError, ">= 0"),
+    "scale": (dict(scale=0.0), ValueError, "scale must be a finite number > 0"),
+    "backend": (dict(backend="cuda"), ValueError, "backend must be one of"),
+    "chunk_size": (dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
+    "offset_without_world": (dict(offset=2), ValueError, "pass world_queries"),
+    "offset_out_of_range": (dict(offset=3, world_queries=torch.randn(8, 8)), ValueError, "offset + B <= Bw"),
+    "world_d": (dict(world_queries=torch.randn(6, 5)), ValueError, "world_queries has D=5"),
+}
+
+
+@pytest.mark.parametrize("overrides,error,message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
+def test_bad_input_raises_clear_error(overrides, error, message):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        _call(**overrides)
+
+
+def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA tensors|needs the triton package"):
+        _call(backend="triton")
+
+
+def _float64_truth_by_row_blocks(queries, docs, dims, block):
+    """The loss in float64 from the dense reference, one row block at a time (each a gathered slice)."""
+    world = queries.double()
+    docs64 = docs.double()
+    total = torch.zeros((), dtype=torch.float64)
+    for begin in range(0, world.shape[0], block):
+        rows = world[begin : begin + block]
+        spec = _spec(rows, docs64, world, dims, offset=begin)
+        result = run_backend("dense", rows, docs64, world, spec, need_grad=False)
+        total += result.per_dim.sum() * rows.shape[0]
+    return total / world.shape[0]
+
+
+@pytest.mark.slow
+def test_more_than_2_pow_31_logits_matches_float64():
+    """B x M = 46400 x 46400 > 2^31 scores: int64 index arithmetic, against a float64 row-block truth."""
+    batch, dim, dims = 46400, 8, [8, 4]
+    assert batch * batch > 2**31
+    world_q, docs = _inputs(batch, batch, batch, dim, seed=5)
+    loss = matryoshka_infonce(world_q, docs, dims=dims, backend="chunked")
+    truth = _float64_truth_by_row_blocks(world_q, docs, dims, block=2048)
+    assert float(loss) == pytest.approx(float(truth), rel=1e-5)
