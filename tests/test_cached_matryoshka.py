@@ -1,0 +1,360 @@
+"""CachedMatryoshkaLoss against stock sentence-transformers on a tiny BERT: loss values and every parameter
+gradient, dropout replay, dim sampling, grad_output scaling, evaluation, sorting by length, errors."""
+
+from __future__ import annotations
+
+import random
+from unittest import mock
+
+import pytest
+import torch
+from sentence_transformers.base.losses import gradcache
+from sentence_transformers.sentence_transformer.losses import (
+    CachedMultipleNegativesRankingLoss,
+    CoSENTLoss,
+    MatryoshkaLoss,
+    MultipleNegativesRankingLoss,
+)
+from sentence_transformers.util import dot_score, euclidean_sim
+
+from st_cached_losses import CachedMatryoshkaLoss
+from st_cached_losses.cached_matryoshka import _length_order
+from st_cached_losses.testing import tiny_sentence_transformer
+
+WORDS = (
+    "the cat dog sat ran on a mat park city river blue green quick slow small large house tree book "
+    "reads writes old new music plays loud soft morning evening rain sun cloud"
+).split()
+ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+CONFIGS = {
+    "default": {},
+    "symmetric_per_direction": dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"),
+    "gte_joint": dict(directions=ALL_DIRECTIONS),
+    "hard_negatives_hardness": dict(hardness_mode="hard_negatives", hardness_strength=5.0),
+    "dot_score_scale_1": dict(similarity_fct=dot_score, scale=1.0),
+}
+DIMS, WEIGHTS = [8, 48, 32], [2.0, 1.0, 0.5]  # unsorted on purpose: both losses sort them
+
+
+def _texts(rows, seed):
+    """Short sentences of 1 to 14 words (varied lengths, so padding and sorting matter)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(1, 14))) for _ in range(rows)]
+
+
+def _features(model, rows=13, negatives=1, seed=0):
+    return [model.preprocess(_texts(rows, seed + 100 * column)) for column in range(2 + negatives)]
+
+
+def _loss_and_grads(model, loss_fn, features, grad_scale=1.0):
+    """Run ``loss_fn`` once and back-propagate ``grad_scale`` x its total; returns (total, {name: grad})."""
+    model.zero_grad(set_to_none=True)
+    out = loss_fn(features, None)
+    total = torch.stack(list(out.values())).sum() if isinstance(out, dict) else out
+    (total * grad_scale).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return float(total.detach()), grads
+
+
+def _assert_grads_close(actual, expected, rtol=1e-4):
+    assert actual.keys() == expected.keys()
+    largest = max(float(g.abs().max()) for g in expected.values())
+    for name, grad in expected.items():
+        # A parameter whose true gradient is ~0 (e.g. attention key biases) is compared at 1e-3 of the largest.
+        scale = max(float(grad.abs().max()), 1e-3 * largest)
+        torch.testing.assert_close(actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("sort_by_length", [True, False], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("mini_batch_size", [3, 50])
+def test_matches_stock_matryoshka_mnrl(tiny_model, config, sort_by_length, mini_batch_size):
+    features = _features(tiny_model, negatives=1)
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model, **config), DIMS, WEIGHTS)
+    ours = CachedMatryoshkaLoss(
+        tiny_model,
+        MultipleNegativesRankingLoss(tiny_model, **config),
+        DIMS,
+        WEIGHTS,
+        mini_batch_size=mini_batch_size,
+        sort_by_length=sort_by_length,
+    )
+    stock_loss, stock_grads = _loss_and_grads(tiny_model, stock, features)
+    loss, grads = _loss_and_grads(tiny_model, ours, features)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    _assert_grads_close(grads, stock_grads)
+
+
+def test_pairs_without_negatives_match_stock(tiny_model):
+    features = _features(tiny_model, rows=11, negatives=0, seed=3)
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
+    ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=4)
+    stock_loss, stock_grads = _loss_and_grads(tiny_model, stock, features)
+    loss, grads = _loss_and_grads(tiny_model, ours, features)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    _assert_grads_close(grads, stock_grads)
+
+
+def test_components_are_weighted_per_dim_losses(tiny_model):
+    """One entry per dim (descending), each weight x that dim's stock loss; they sum to the loss."""
+    features = _features(tiny_model, negatives=1, seed=5)
+    out = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)(features, None)
+    assert list(out) == ["loss_dim_48", "loss_dim_32", "loss_dim_8"]
+    for dim, weight in zip(DIMS, WEIGHTS):
+        stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [dim], [weight])
+        with torch.no_grad():
+            assert float(out[f"loss_dim_{dim}"]) == pytest.approx(float(stock(features, None)), rel=1e-4)
+    # Only the sum carries the gradient (one re-embedding pass); the others are detached, for logging.
+    assert [value.requires_grad for value in out.values()] == [True, False, False]
+
+
+@pytest.fixture(scope="module")
+def dropout_model():
+    model = tiny_sentence_transformer(dropout=0.1, seed=1)
+    model.train()
+    return model
+
+
+@pytest.mark.parametrize("mini_batch_size", [3, 50])
+def test_dropout_replay_matches_stock_cached(dropout_model, mini_batch_size):
+    features = _features(dropout_model, negatives=1, seed=7)
+
+    def run(loss_fn):
+        torch.manual_seed(1234)
+        return _loss_and_grads(dropout_model, loss_fn, features)
+
+    base = dict(directions=("query_to_doc", "doc_to_query"))
+    stock = MatryoshkaLoss(
+        dropout_model,
+        CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=mini_batch_size, **base),
+        DIMS,
+        WEIGHTS,
+    )
+    ours = CachedMatryoshkaLoss(
+        dropout_model,
+        CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=mini_batch_size, **base),
+        DIMS,
+        WEIGHTS,
+        sort_by_length=False,
+    )
+    assert ours.mini_batch_size == mini_batch_size  # read from the base loss
+    stock_loss, stock_grads = run(stock)
+    loss, grads = run(ours)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    _assert_grads_close(grads, stock_grads)
+    # Dropout is really on: another seed draws other masks, hence another loss.
+    torch.manual_seed(99)
+    with torch.no_grad():
+        assert float(sum(ours(features, None).values())) != pytest.approx(loss, rel=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_n_dims_per_step_samples_as_stock(tiny_model, seed):
+    dims, weights = [48, 32, 16, 8], [1.0, 0.5, 2.0, 0.25]
+    features = _features(tiny_model, rows=10, negatives=1, seed=11)
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), dims, weights, n_dims_per_step=2)
+    ours = CachedMatryoshkaLoss(
+        tiny_model, MultipleNegativesRankingLoss(tiny_model), dims, weights, n_dims_per_step=2, mini_batch_size=4
+    )
+    random.seed(seed)
+    stock_loss, stock_grads = _loss_and_grads(tiny_model, stock, features)
+    random.seed(seed)
+    with torch.no_grad():
+        out = ours(features, None)
+    assert float(sum(out.values())) == pytest.approx(stock_loss, rel=1e-4)
+    assert sum(float(value) != 0.0 for value in out.values()) == 2  # unsampled dims log 0
+    random.seed(seed)
+    loss, grads = _loss_and_grads(tiny_model, ours, features)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    _assert_grads_close(grads, stock_grads)
+
+
+def test_n_dims_per_step_varies_with_the_seed(tiny_model):
+    features = _features(tiny_model, rows=6, negatives=0, seed=2)
+    loss = CachedMatryoshkaLoss(
+        tiny_model, MultipleNegativesRankingLoss(tiny_model), [48, 32, 16, 8], n_dims_per_step=2
+    )
+    picked = set()
+    with torch.no_grad():
+        for seed in range(8):
+            random.seed(seed)
+            picked.add(tuple(key for key, value in loss(features, None).items() if float(value) != 0.0))
+    assert len(picked) > 1
+
+
+def test_grad_output_scaling_reaches_every_mini_batch(tiny_model):
+    """Gradient accumulation divides, an fp16 scaler multiplies: the factor must reach each re-embedded mini-batch."""
+    features = _features(tiny_model, negatives=1, seed=13)
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
+    ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=2)
+    for factor in (0.25, 1024.0):
+        _, stock_grads = _loss_and_grads(tiny_model, stock, features, grad_scale=factor)
+        _, grads = _loss_and_grads(tiny_model, ours, features, grad_scale=factor)
+        _assert_grads_close(grads, stock_grads)
+
+
+def test_two_forwards_before_one_backward_keep_their_caches(tiny_model):
+    first = _features(tiny_model, rows=9, negatives=1, seed=17)
+    second = _features(tiny_model, rows=12, negatives=1, seed=19)
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
+    ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=4)
+
+    def both(loss_fn):
+        def run(_features, _labels):
+            a, b = loss_fn(first, None), loss_fn(second, None)
+            total = (lambda out: torch.stack(list(out.values())).sum() if isinstance(out, dict) else out)
+            return total(a) + 3.0 * total(b)
+
+        return run
+
+    stock_loss, stock_grads = _loss_and_grads(tiny_model, both(stock), None)
+    loss, grads = _loss_and_grads(tiny_model, both(ours), None)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    _assert_grads_close(grads, stock_grads)
+
+
+def test_evaluation_has_no_rng_capture_and_no_gradient_cache(tiny_model):
+    features = _features(tiny_model, negatives=1, seed=23)
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
+    ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=3)
+    with torch.no_grad():
+        expected = float(stock(features, None))
+        with mock.patch.object(gradcache, "RandContext", wraps=gradcache.RandContext) as rand_context:
+            out = ours(features, None)
+    assert rand_context.call_count == 0
+    assert not any(value.requires_grad for value in out.values())
+    assert float(sum(out.values())) == pytest.approx(expected, rel=1e-4)
+    # In training, one RNG snapshot per embedded mini-batch (3 columns x ceil(13 / 3) mini-batches).
+    with mock.patch.object(gradcache, "RandContext", wraps=gradcache.RandContext) as rand_context:
+        ours(features, None)
+    assert rand_context.call_count == 3 * 5
+
+
+def _embedded_shapes(model, loss_fn, features):
+    """(rows, padded width) of every mini-batch the model embeds in one forward + backward."""
+    shapes = []
+    original = model.forward
+
+    def recording(batch, *args, **kwargs):
+        shapes.append(tuple(batch["input_ids"].shape))
+        return original(batch, *args, **kwargs)
+
+    with mock.patch.object(model, "forward", recording):
+        sum(loss_fn(features, None).values()).backward()
+    model.zero_grad(set_to_none=True)
+    return shapes
+
+
+def test_sort_by_length_pads_each_mini_batch_to_its_own_longest_row(tiny_model):
+    features = _features(tiny_model, rows=16, negatives=0, seed=29)
+    sorted_loss, plain_loss = (
+        CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, mini_batch_size=4, sort_by_length=s)
+        for s in (True, False)
+    )
+    sorted_shapes = _embedded_shapes(tiny_model, sorted_loss, features)
+    plain_shapes = _embedded_shapes(tiny_model, plain_loss, features)
+    assert len(sorted_shapes) == len(plain_shapes) == 2 * 2 * 4  # 2 columns x 4 mini-batches x 2 passes
+    for shapes, feature in zip((sorted_shapes[:4], sorted_shapes[4:8]), features):
+        lengths = feature["attention_mask"].sum(dim=1).sort(descending=True).values
+        assert [width for _, width in shapes] == [int(lengths[i]) for i in range(0, 16, 4)]
+    assert sorted_shapes[8:] == sorted_shapes[:8]  # step (3) replays step (1)'s mini-batches
+    padded_tokens = lambda shapes: sum(rows * width for rows, width in shapes)  # noqa: E731
+    assert padded_tokens(sorted_shapes) < padded_tokens(plain_shapes)
+
+
+def test_sorting_falls_back_for_inputs_it_cannot_reorder(tiny_model):
+    feature = tiny_model.preprocess(["a b c", "a", "a b c d e f", "a b"])
+    order = _length_order(feature)
+    assert order.tolist() == [2, 0, 3, 1]
+    lengths = feature["attention_mask"].sum(dim=1)
+    flattened = {
+        "input_ids": feature["input_ids"][feature["attention_mask"].bool()][None],
+        "cu_seq_lens_q": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+    }
+    assert _length_order(flattened) is None
+    assert _length_order({**feature, "pixel_values": torch.zeros(7, 3)}) is None
+    assert _length_order({**feature, "image_grid_thw": torch.ones(4, 3)}) is None
+    already_sorted = {key: value[order] if torch.is_tensor(value) else value for key, value in feature.items()}
+    assert _length_order(already_sorted) is None
+
+
+def test_config_and_citation(tiny_model):
+    base = CachedMultipleNegativesRankingLoss(tiny_model, scale=30.0, mini_batch_size=7, mini_batch_num_tokens=64)
+    loss = CachedMatryoshkaLoss(tiny_model, base, [16, 48], [0.5, 1.0], n_dims_per_step=1, backend="chunked")
+    config = loss.get_config_dict()
+    assert config["loss"] is base
+    assert config["matryoshka_dims"] == (48, 16) and config["matryoshka_weights"] == (1.0, 0.5)
+    assert (config["mini_batch_size"], config["mini_batch_num_tokens"]) == (7, 64)  # read from the base loss
+    assert (config["n_dims_per_step"], config["sort_by_length"], config["backend"]) == (1, True, "chunked")
+    assert loss.scale == 30.0 and loss.temperature == pytest.approx(1 / 30)
+    assert "2101.06983" in loss.citation and "2205.13147" in loss.citation
+
+
+def test_hyperparameters_are_read_from_the_base_loss_at_each_step(tiny_model):
+    features = _features(tiny_model, rows=8, negatives=0, seed=31)
+    base = MultipleNegativesRankingLoss(tiny_model)
+    ours = CachedMatryoshkaLoss(tiny_model, base, DIMS)
+    base.scale = 7.0
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model, scale=7.0), DIMS)
+    with torch.no_grad():
+        assert float(sum(ours(features, None).values())) == pytest.approx(float(stock(features, None)), rel=1e-4)
+
+
+def test_error_unsupported_loss(tiny_model):
+    with pytest.raises(TypeError, match="MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss"):
+        CachedMatryoshkaLoss(tiny_model, CoSENTLoss(tiny_model), [48])
+
+
+def test_error_dims_larger_than_the_embedding(tiny_model):
+    with pytest.raises(ValueError, match=r"\[64\] exceed the model's embedding dimension of 48"):
+        CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [64, 48, 8])
+
+
+@pytest.mark.parametrize(
+    "dims, weights, match",
+    [([], None, "non-empty"), ([48, 0], None, "positive ints"), ([48, 48], None, "duplicates"), ([48], [1, 2], "one weight per dim")],
+)
+def test_error_bad_dims_or_weights(tiny_model, dims, weights, match):
+    with pytest.raises(ValueError, match=match):
+        CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), dims, weights)
+
+
+def test_error_static_embedding_model():
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+    from transformers import AutoTokenizer
+
+    from st_cached_losses.testing import minilm_path
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path()).backend_tokenizer
+    model = SentenceTransformer(modules=[StaticEmbedding(tokenizer, embedding_dim=16)], device="cpu")
+    with pytest.raises(ValueError, match="StaticEmbedding"):
+        CachedMatryoshkaLoss(model, MultipleNegativesRankingLoss(model), [16, 8])
+
+
+def test_error_unsupported_similarity(tiny_model):
+    with pytest.raises(ValueError, match="cos_sim or dot_score.*euclidean_sim"):
+        CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model, similarity_fct=euclidean_sim), [48])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(backend="cuda"), "backend must be one of"), (dict(mini_batch_size=0), "mini_batch_size"), (dict(mini_batch_num_tokens=0), "mini_batch_num_tokens")],
+)
+def test_error_bad_options(tiny_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [48], **kwargs)
+
+
+def test_error_fewer_than_two_columns(tiny_model):
+    loss = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [48, 8])
+    with pytest.raises(ValueError, match="at least 2 input columns"):
+        loss([tiny_model.preprocess(["only anchors", "here"])], None)
+
+
+def test_error_columns_of_different_lengths(tiny_model):
+    loss = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [48, 8])
+    anchors, positives = tiny_model.preprocess(["a", "b", "c"]), tiny_model.preprocess(["x", "y"])
+    with pytest.raises(ValueError, match=r"column sizes \[3, 2\]"):
+        loss([anchors, positives], None)
