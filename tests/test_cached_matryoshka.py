@@ -17,7 +17,7 @@ from sentence_transformers.sentence_transformer.losses import (
 )
 from sentence_transformers.util import dot_score, euclidean_sim
 
-from st_cached_losses import CachedMatryoshkaLoss
+from st_cached_losses import CachedMatryoshkaLoss, cached_matryoshka
 from st_cached_losses.cached_matryoshka import _length_order
 from st_cached_losses.testing import tiny_sentence_transformer
 
@@ -96,10 +96,25 @@ def test_pairs_without_negatives_match_stock(tiny_model):
     _assert_grads_close(grads, stock_grads)
 
 
+def test_gather_across_devices_on_one_process_matches_stock(tiny_model):
+    features = _features(tiny_model, rows=10, negatives=1, seed=37)
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model, gather_across_devices=True), DIMS)
+    ours = CachedMatryoshkaLoss(
+        tiny_model, MultipleNegativesRankingLoss(tiny_model, gather_across_devices=True), DIMS, mini_batch_size=3
+    )
+    stock_loss, stock_grads = _loss_and_grads(tiny_model, stock, features)
+    loss, grads = _loss_and_grads(tiny_model, ours, features)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    _assert_grads_close(grads, stock_grads)
+
+
 def test_components_are_weighted_per_dim_losses(tiny_model):
     """One entry per dim (descending), each weight x that dim's stock loss; they sum to the loss."""
     features = _features(tiny_model, negatives=1, seed=5)
-    out = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)(features, None)
+    loss = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
+    with mock.patch.object(cached_matryoshka, "matryoshka_infonce", wraps=cached_matryoshka.matryoshka_infonce) as op:
+        out = loss(features, None)
+    assert op.call_count == 1  # all dims in one call of the op
     assert list(out) == ["loss_dim_48", "loss_dim_32", "loss_dim_8"]
     for dim, weight in zip(DIMS, WEIGHTS):
         stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [dim], [weight])
