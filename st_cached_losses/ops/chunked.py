@@ -144,13 +144,12 @@ class _Sweep:
         normaliser = log_norm if spec.partition_mode == "joint" else None
         for t in tiles:
             col_key = t.direction.col_source
-            coefficient = t.logit_gradient(k, self.inv_norms[col_key][k], normaliser, share)
-            if spec.cosine:
-                row_term, col_term = t.normalisation_terms(k)
+            terms = t.backpropagate(k, self.inv_norms[col_key][k], normaliser, share)
+            if terms is not None:
+                row_terms, col_terms = terms
                 dim = spec.dims[k]
-                self.grads[t.row_key][t.row_slice, :dim] -= (row_term * t.row_inv[k] ** 2)[:, None] * t.rows[:, :dim]
-                self.col_norm_terms[col_key][k] += col_term
-            t.accumulate(k, coefficient)
+                self.grads[t.row_key][t.row_slice, :dim] -= (row_terms * t.row_inv[k] ** 2)[:, None] * t.rows[:, :dim]
+                self.col_norm_terms[col_key][k] += col_terms
             t.band_gradients(k, self.grads[t.row_key][t.row_slice], self.grads[col_key])
 
     def result(self) -> InfoNCEResult:
@@ -206,29 +205,29 @@ class _TileDirection:
     def exponentiate(self, k: int, col_inv: Tensor) -> None:
         """E = exp(logits - shift) into the exp buffer; sets self.lse, self.shift and the positive logit."""
         spec, dots, out = self.spec, self._dots(k), self._exp_buffer(k)
-        row_scale = self._logit_scale(k)
         dense_factor, exceptions = self.penalty
-        scale = row_scale * dense_factor
+        scale = self._logit_scale(k) * dense_factor
+        bound = spec.logit_bound
+        fixed_shift = bound is not None and bound <= _MAX_FIXED_SHIFT
+        shift = torch.full_like(self.row_inv[k], bound if fixed_shift else 0.0)
         if spec.cosine:
-            torch.mul(dots, scale[:, None], out=out)
-            out.mul_(col_inv[None, :])
+            torch.mul(dots, col_inv[None, :], out=out)
+            # logits - shift in one pass: (dots * col_inv) * row_scale - shift.
+            torch.addcmul(-shift[:, None], out, scale[:, None], out=out)
         else:
             torch.mul(dots, scale, out=out)
         own_logits = self._own_logits(k, col_inv)
         if exceptions is not None:
-            out.scatter_(1, self.own_cols, own_logits * own_logits.new_tensor(exceptions))
+            out.scatter_(1, self.own_cols, own_logits * own_logits.new_tensor(exceptions) - shift[:, None])
         if self.direction.mask is not None:
             masked = self.own_cols if self.direction.mask == "own_docs" else self.own_cols[:, :1]
             out.scatter_(1, masked, -math.inf)
         if self.direction.name == "query_to_doc":
             self.positive_logit = own_logits[:, 0]
-        bound = spec.logit_bound
-        if bound is not None and bound <= _MAX_FIXED_SHIFT:
-            shift = torch.full_like(self.row_inv[k], bound)
-        else:
+        if not fixed_shift:
             shift = out.amax(dim=1)
             shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-        out.sub_(shift[:, None])
+            out.sub_(shift[:, None])
         out.exp_()
         self.shift = shift
         self.lse = shift + out.sum(dim=1).log()
@@ -240,31 +239,33 @@ class _TileDirection:
             return own_dots * (self._logit_scale(k)[:, None] * col_inv[self.own_cols])
         return own_dots * self.spec.scale
 
-    def logit_gradient(self, k: int, col_inv: Tensor, log_norm: Tensor | None, share: float) -> Tensor:
-        """Turn the exp buffer into A = d(w_k L_k) / d(raw prefix dot product), in place."""
+    def backpropagate(self, k: int, col_inv: Tensor, log_norm: Tensor | None, share: float) -> tuple[Tensor, Tensor] | None:
+        """Add A_k = d(w_k L_k) / d(raw prefix dot products) to the running sum in ``buffers[0]``.
+
+        For cosine similarity also returns the row and column sums of A_k * dots, the scalars of the
+        prefix normalisation's gradient term. The column factor of A_k (inverse column norms) is folded
+        into those sums and into the accumulation instead of costing a pass of its own.
+        """
         spec, grad = self.spec, self._exp_buffer(k)
         weight = spec.weights[k] / spec.batch_size
         log_norm = self.lse if log_norm is None else log_norm
-        row_factor = weight * share * torch.exp(self.shift - log_norm) * spec.scale
-        if spec.cosine:
-            row_factor = row_factor * self.row_inv[k]
-            grad.mul_(row_factor[:, None])
+        row_factor = weight * share * spec.scale * torch.exp(self.shift - log_norm)
+        row_scale = self.row_inv[k] if spec.cosine else 1.0
+        grad.mul_((row_factor * row_scale)[:, None])  # = A_k / col_inv (cosine), A_k (dot)
+        if self.direction.name == "query_to_doc":
+            grad[self.row_index, self.own_cols[:, 0]] -= weight * spec.scale * row_scale
+        if not spec.cosine:
+            if k > 0:
+                self.buffers[0].add_(grad)
+            return None
+        product = self._dots(k).mul_(grad)  # the dot buffer is not needed any more
+        row_terms = torch.mv(product, col_inv)
+        col_terms = product.sum(dim=0).mul_(col_inv)
+        if k == 0:
             grad.mul_(col_inv[None, :])
         else:
-            grad.mul_(row_factor[:, None])
-        if self.direction.name == "query_to_doc":
-            positive = weight * spec.scale * (self.row_inv[k] * col_inv[self.own_cols[:, 0]] if spec.cosine else 1.0)
-            grad[self.row_index, self.own_cols[:, 0]] -= positive
-        return grad
-
-    def normalisation_terms(self, k: int) -> tuple[Tensor, Tensor]:
-        """Row and column sums of A * dot: the scalars of the cosine normalisation's gradient term."""
-        product = self._dots(k).mul_(self._exp_buffer(k))  # the dot buffer is not needed any more
-        return product.sum(dim=1), product.sum(dim=0)
-
-    def accumulate(self, k: int, coefficient: Tensor) -> None:
-        if k > 0:
-            self.buffers[0].add_(coefficient)
+            self.buffers[0].addcmul_(grad, col_inv[None, :])
+        return row_terms, col_terms
 
     def band_gradients(self, k: int, row_grad: Tensor, col_grad: Tensor) -> None:
         """Backpropagate A_1 + ... + A_k through band k's matmul into both operands' gradients."""
