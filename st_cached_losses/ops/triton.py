@@ -40,7 +40,7 @@ __all__ = ["MAX_DIMS", "forward", "supports", "cost_model", "benchmark"]
 # Each kernel keeps one (BM, BN) score tile per Matryoshka dim live; beyond this the unrolled code grows.
 MAX_DIMS = 16
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 MASK_NONE, MASK_SELF, MASK_OWN_DOCS = 0, 1, 2
 HARDNESS_CODES = {None: 0, "in_batch_negatives": 1, "hard_negatives": 2, "all_negatives": 3}
@@ -71,11 +71,15 @@ def _mm(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _load_chunk(P, stride, idx, ok, d0, hi, BD: tl.constexpr):
-    """P[idx, d0:d0 + BD], zero outside the valid rows and beyond feature ``hi`` (any D, any dim)."""
-    feats = d0 + tl.arange(0, BD)
-    ptrs = P + idx[:, None] * stride + feats[None, :]
-    return tl.load(ptrs, mask=ok[:, None] & (feats[None, :] < hi), other=0.0)
+def _load_chunk(P, stride, start, n, d0, hi, BR: tl.constexpr, BD: tl.constexpr):
+    """P[start:start + BR, d0:d0 + BD], zero beyond row ``n`` and feature ``hi`` (any D, any dim).
+
+    The row offset is an int64 scalar; only the in-tile offsets are int32 (fewer 64-bit registers).
+    """
+    local = tl.arange(0, BR)
+    feats = tl.arange(0, BD)
+    ptrs = (P + start * stride + d0) + (local[:, None] * stride.to(tl.int32) + feats[None, :])
+    return tl.load(ptrs, mask=(local[:, None] < n - start) & (feats[None, :] < hi - d0), other=0.0)
 
 
 @triton.jit
@@ -92,7 +96,7 @@ def _load_inv_norms(INV, idx, ok, K: tl.constexpr, COSINE: tl.constexpr, ACC: tl
 
 @triton.jit
 def _band_sims(
-    X, stride_x, rows, row_ok, a, Y, stride_y, cols, col_ok, b, DIMS,
+    X, stride_x, row0, n_rows, a, Y, stride_y, col0, n_cols, b, DIMS,
     K: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -103,13 +107,12 @@ def _band_sims(
     """
     dot = tl.zeros((BM, BN), ACC)
     sims = ()
-    for i in tl.static_range(K):
-        k = K - 1 - i  # smallest dim first
+    for k in tl.static_range(K - 1, -1, -1):  # smallest dim first
         lo = tl.load(DIMS + k + 1)
         hi = tl.load(DIMS + k)
         for d0 in range(lo, hi, BD):
-            x = _load_chunk(X, stride_x, rows, row_ok, d0, hi, BD)
-            y = _load_chunk(Y, stride_y, cols, col_ok, d0, hi, BD)
+            x = _load_chunk(X, stride_x, row0, n_rows, d0, hi, BM, BD)
+            y = _load_chunk(Y, stride_y, col0, n_cols, d0, hi, BN, BD)
             dot = _mm(x, tl.trans(y), dot, PREC, UPCAST)
         sims = (dot * a[k][:, None] * b[k][None, :],) + sims
     return sims
@@ -144,16 +147,17 @@ def _logits2(sim, rows_w, row_ok, cols, col_ok, bw, scale2, strength2, MASK: tl.
 
 @triton.jit
 def _add_band_product(
-    DZ, stride_dz, z_idx, z_ok, H, V, stride_v, v_idx, v_ok, lo, hi,
-    BD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DZ, stride_dz, z0, n_z, H, V, stride_v, v0, n_v, lo, hi,
+    BZ: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """DZ[z_idx, lo:hi] += H @ V[v_idx, lo:hi]. The calling program owns these DZ rows, so a plain
-    read-add-write: no atomics, and a fixed summation order."""
+    """DZ[z0:z0 + BZ, lo:hi] += H @ V[v0:v0 + BV, lo:hi]. The calling program owns these DZ rows, so a
+    plain read-add-write: no atomics, and a fixed summation order."""
+    local = tl.arange(0, BZ)
+    feats = tl.arange(0, BD)
     for d0 in range(lo, hi, BD):
-        v = _load_chunk(V, stride_v, v_idx, v_ok, d0, hi, BD).to(H.dtype)
-        feats = d0 + tl.arange(0, BD)
-        ptrs = DZ + z_idx[:, None] * stride_dz + feats[None, :]
-        mask = z_ok[:, None] & (feats[None, :] < hi)
+        v = _load_chunk(V, stride_v, v0, n_v, d0, hi, BV, BD).to(H.dtype)
+        ptrs = (DZ + z0 * stride_dz + d0) + (local[:, None] * stride_dz.to(tl.int32) + feats[None, :])
+        mask = (local[:, None] < n_z - z0) & (feats[None, :] < hi - d0)
         acc = tl.load(ptrs, mask=mask, other=0.0)
         tl.store(ptrs, _mm(H, v, acc, PREC, UPCAST), mask=mask)
 
@@ -169,7 +173,8 @@ def _lse_kernel(
     FlashAttention-2's (arXiv 2307.08691) online softmax without the value matmul, as in Inf-CL
     (arXiv 2410.17243): a running max and sum per row and dim; the B x M scores are never stored.
     """
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM).to(tl.int64)
+    row0 = tl.program_id(0).to(tl.int64) * BM
+    rows = row0 + tl.arange(0, BM)
     row_ok = rows < n_rows
     a = _load_inv_norms(INVX, rows, row_ok, K, COSINE, ACC)
     run_max = ()
@@ -178,10 +183,11 @@ def _lse_kernel(
         run_max = run_max + (tl.full((BM,), float("-inf"), ACC),)
         run_sum = run_sum + (tl.zeros((BM,), ACC),)
     for c0 in range(0, n_cols, BN):
-        cols = c0 + tl.arange(0, BN).to(tl.int64)
+        col0 = tl.cast(c0, tl.int64)
+        cols = col0 + tl.arange(0, BN)
         col_ok = cols < n_cols
         b = _load_inv_norms(INVY, cols, col_ok, K, COSINE, ACC)
-        sims = _band_sims(X, stride_x, rows, row_ok, a, Y, stride_y, cols, col_ok, b, DIMS, K, ACC, BM, BN, BD, PREC, UPCAST)
+        sims = _band_sims(X, stride_x, row0, n_rows, a, Y, stride_y, col0, n_cols, b, DIMS, K, ACC, BM, BN, BD, PREC, UPCAST)
         new_max = ()
         new_sum = ()
         for k in tl.static_range(K):
@@ -195,7 +201,8 @@ def _lse_kernel(
         run_max = new_max
         run_sum = new_sum
     for k in tl.static_range(K):
-        lse = (run_max[k] + tl.log2(run_sum[k])) * LN2
+        # A sum of 0 comes with max -inf (every logit masked): log2(1) keeps the LSE at -inf, quietly.
+        lse = (run_max[k] + tl.log2(tl.where(run_sum[k] > 0, run_sum[k], 1.0))) * LN2
         tl.store(LSE + k * stride_lse + rows, lse, mask=row_ok)
 
 
@@ -223,7 +230,8 @@ def _row_grad_kernel(
     largest dim down), so the K dims cost one D-wide matmul. RX[i, k] += sum_j w_k P sim_k (the
     cosine norms' share, applied on the host).
     """
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM).to(tl.int64)
+    row0 = tl.program_id(0).to(tl.int64) * BM
+    rows = row0 + tl.arange(0, BM)
     row_ok = rows < n_rows
     a = _load_inv_norms(INVX, rows, row_ok, K, COSINE, ACC)
     nrm2 = ()
@@ -232,10 +240,11 @@ def _row_grad_kernel(
         nrm2 = nrm2 + (tl.load(NRM2 + k * n_rows + rows, mask=row_ok, other=0.0),)
         r_acc = r_acc + (tl.zeros((BM,), ACC),)
     for c0 in range(0, n_cols, BN):
-        cols = c0 + tl.arange(0, BN).to(tl.int64)
+        col0 = tl.cast(c0, tl.int64)
+        cols = col0 + tl.arange(0, BN)
         col_ok = cols < n_cols
         b = _load_inv_norms(INVY, cols, col_ok, K, COSINE, ACC)
-        sims = _band_sims(X, stride_x, rows, row_ok, a, Y, stride_y, cols, col_ok, b, DIMS, K, ACC, BM, BN, BD, PREC, UPCAST)
+        sims = _band_sims(X, stride_x, row0, n_rows, a, Y, stride_y, col0, n_cols, b, DIMS, K, ACC, BM, BN, BD, PREC, UPCAST)
         h = tl.zeros((BM, BN), ACC)
         new_r = ()
         for k in tl.static_range(K):
@@ -246,7 +255,9 @@ def _row_grad_kernel(
             h += g * a[k][:, None] * b[k][None, :]
             lo = tl.load(DIMS + k + 1)
             hi = tl.load(DIMS + k)
-            _add_band_product(DX, stride_dx, rows, row_ok, h.to(GD), Y, stride_y, cols, col_ok, lo, hi, BD, PREC_GRAD, UPCAST)
+            _add_band_product(
+                DX, stride_dx, row0, n_rows, h.to(GD), Y, stride_y, col0, n_cols, lo, hi, BM, BN, BD, PREC_GRAD, UPCAST
+            )
         r_acc = new_r
     if COSINE:
         for k in tl.static_range(K):
@@ -265,20 +276,22 @@ def _col_grad_kernel(
     """Backward, column side: DY[cols] += sum_i dsim[i, j] * dsim/dy_j for one column tile (the dK
     pass of FlashAttention-2, arXiv 2307.08691; Inf-CL, arXiv 2410.17243), sweeping the row tiles.
     Same band-wise gradient as ``_row_grad_kernel``; RY[j, k] += sum_i w_k P sim_k."""
-    cols = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
+    col0 = tl.program_id(0).to(tl.int64) * BN
+    cols = col0 + tl.arange(0, BN)
     col_ok = cols < n_cols
     b = _load_inv_norms(INVY, cols, col_ok, K, COSINE, ACC)
     r_acc = ()
     for k in tl.static_range(K):
         r_acc = r_acc + (tl.zeros((BN,), ACC),)
     for r0 in range(0, n_rows, BM):
-        rows = r0 + tl.arange(0, BM).to(tl.int64)
+        row0 = tl.cast(r0, tl.int64)
+        rows = row0 + tl.arange(0, BM)
         row_ok = rows < n_rows
         a = _load_inv_norms(INVX, rows, row_ok, K, COSINE, ACC)
         nrm2 = ()
         for k in tl.static_range(K):
             nrm2 = nrm2 + (tl.load(NRM2 + k * n_rows + rows, mask=row_ok, other=0.0),)
-        sims = _band_sims(X, stride_x, rows, row_ok, a, Y, stride_y, cols, col_ok, b, DIMS, K, ACC, BM, BN, BD, PREC, UPCAST)
+        sims = _band_sims(X, stride_x, row0, n_rows, a, Y, stride_y, col0, n_cols, b, DIMS, K, ACC, BM, BN, BD, PREC, UPCAST)
         h = tl.zeros((BM, BN), ACC)
         new_r = ()
         for k in tl.static_range(K):
@@ -289,9 +302,324 @@ def _col_grad_kernel(
             h += g * a[k][:, None] * b[k][None, :]
             lo = tl.load(DIMS + k + 1)
             hi = tl.load(DIMS + k)
-            _add_band_product(DY, stride_dy, cols, col_ok, tl.trans(h.to(GD)), X, stride_x, rows, row_ok, lo, hi, BD, PREC_GRAD, UPCAST)
+            _add_band_product(
+                DY, stride_dy, col0, n_cols, tl.trans(h.to(GD)), X, stride_x, row0, n_rows, lo, hi, BN, BM, BD, PREC_GRAD, UPCAST
+            )
         r_acc = new_r
     if COSINE:
         for k in tl.static_range(K):
             ptrs = RY + cols * K + k
             tl.store(ptrs, tl.load(ptrs, mask=col_ok, other=0.0) + r_acc[k], mask=col_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tile configs
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Rows per tile (BM), columns per tile (BN), features per matmul step (BD), warps, pipeline stages."""
+
+    block_rows: int
+    block_cols: int
+    block_d: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Candidates in order of preference (the first that fits is the untuned default). BD = 32 keeps the
+# masked tail of bands like [32, 48) small; K score tiles of BM x BN fp32 must stay in registers.
+CANDIDATES = (
+    TileConfig(64, 64, 32, 4, 3),
+    TileConfig(128, 64, 32, 8, 3),
+    TileConfig(64, 64, 64, 8, 2),
+    TileConfig(64, 32, 32, 4, 3),
+    TileConfig(32, 64, 32, 4, 3),
+    TileConfig(32, 32, 32, 4, 2),
+    TileConfig(32, 16, 32, 4, 2),
+)
+# The interpreter runs one numpy op per tile op: big tiles are fastest, and warps/stages are ignored.
+INTERPRETER_CONFIG = TileConfig(32, 32, 32)
+AUTOTUNE = os.environ.get("ST_CACHED_LOSSES_TRITON_AUTOTUNE", "1") != "0"
+_TUNED: dict[tuple, TileConfig] = {}
+
+
+def _fits(config: TileConfig, num_dims: int) -> bool:
+    """The K live score tiles take at most ~96 fp32 registers per thread (32 threads per warp)."""
+    return num_dims * config.block_rows * config.block_cols <= 96 * 32 * config.num_warps
+
+
+def _pick_config(key: tuple, num_dims: int, launch, outputs: list[Tensor], chunk_size: int | None) -> TileConfig:
+    """Tile config for ``key`` (rounded shapes): timed once per key on CUDA on scratch outputs,
+    since the gradient kernels accumulate into theirs."""
+    fitting = [c for c in CANDIDATES if _fits(c, num_dims)]
+    base = INTERPRETER_CONFIG if _INTERPRETED else fitting[0]
+    if chunk_size is not None:
+        rows = 1 << max(4, min(8, int(chunk_size).bit_length() - 1))  # a power of two in [16, 256]
+        return TileConfig(rows, base.block_cols, base.block_d, base.num_warps, base.num_stages)
+    if _INTERPRETED or not AUTOTUNE or len(fitting) == 1:
+        return base
+    if key not in _TUNED:
+        times = []
+        for config in fitting:
+            scratch = [torch.zeros_like(t) for t in outputs]
+            times.append(triton.testing.do_bench(lambda: launch(config, scratch), warmup=5, rep=25))
+        _TUNED[key] = fitting[min(range(len(times)), key=times.__getitem__)]
+    return _TUNED[key]
+
+
+def _round_key(*sizes: int) -> tuple[int, ...]:
+    return tuple(triton.next_power_of_2(max(1, s)) for s in sizes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+
+_INTERPRETED = isinstance(_lse_kernel, InterpretedFunction)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def supports(spec: InfoNCESpec) -> bool:
+    """Whether the kernels handle ``spec``: every direction, partition mode, hardness mode, offset and
+    similarity; at most ``MAX_DIMS`` Matryoshka dims. (fp32/bf16/fp16/fp64 inputs.)"""
+    return len(spec.dims) <= MAX_DIMS
+
+
+@dataclass
+class _Operand:
+    """One set of embedding rows as the kernels see it; ``grad`` and ``r`` are accumulated into."""
+
+    x: Tensor  # (N, D) contiguous embeddings
+    inv: Tensor  # (N, K) inverse prefix norms (cosine), else a placeholder the kernels never read
+    norms: Tensor | None  # (N, K) prefix norms (cosine)
+    grad: Tensor | None  # (N, D) accumulation dtype: gradient wrt x, before the scale / B factor
+    r: Tensor | None  # (N, K) sum_j w_k P sim_k, for the norms' share of the gradient (cosine)
+
+
+@dataclass(frozen=True)
+class _Types:
+    acc: torch.dtype  # fp32 (fp64 for fp64 inputs): scores, LSE, gradient accumulation
+    consts: dict  # ACC, GD, PREC, PREC_GRAD, UPCAST kernel constexprs
+
+
+def _types(dtype: torch.dtype) -> _Types:
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    tf32 = "tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee"
+    precision = tf32 if dtype == torch.float32 else "ieee"
+    # The gradient matmul multiplies the fp32 softmax tile by embeddings: bf16 like FlashAttention-2's
+    # P @ V; fp16 would overflow (1 / norm factors) or underflow (small probabilities), so fp32 with
+    # TF32 there, which holds fp16 embeddings exactly and rounds the tile to fp16's 10-bit mantissa.
+    grad_dot = {torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}.get(dtype, tl.float32)
+    grad_precision = {torch.float32: precision, torch.float16: "tf32"}.get(dtype, "ieee")
+    consts = dict(
+        ACC=tl.float64 if acc == torch.float64 else tl.float32,
+        GD=grad_dot,
+        PREC=precision,
+        PREC_GRAD=grad_precision,
+        UPCAST=_INTERPRETED and dtype == torch.bfloat16,
+    )
+    return _Types(acc, consts)
+
+
+def _check_inputs(queries: Tensor, spec: InfoNCESpec) -> None:
+    if not supports(spec):
+        raise NotImplementedError(
+            f"backend='triton' supports at most {MAX_DIMS} Matryoshka dims, got {len(spec.dims)}: use backend='chunked'."
+        )
+    if queries.dtype not in _DTYPES:
+        raise NotImplementedError(
+            f"backend='triton' supports {[str(d) for d in _DTYPES]} embeddings, got {queries.dtype}: cast them, or "
+            "use backend='chunked'."
+        )
+    if not queries.is_cuda and not _INTERPRETED:
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors, got {queries.device}: move the embeddings to a GPU, use "
+            "backend='chunked' on CPU, or set TRITON_INTERPRET=1 before importing st_cached_losses.ops.triton to "
+            "run the kernels in Triton's CPU interpreter."
+        )
+
+
+def _operand(x: Tensor, spec: InfoNCESpec, need_grad: bool, acc: torch.dtype) -> _Operand:
+    x = x.detach().contiguous()
+    rows, num_dims = x.shape[0], len(spec.dims)
+    norms = inv = None
+    if spec.cosine:
+        # F.normalize semantics: x / max(||x||, eps), per prefix.
+        norms = torch.stack([torch.linalg.vector_norm(x[:, :d], dim=1, dtype=acc) for d in spec.dims], 1)
+        inv = norms.clamp_min(NORM_EPS).reciprocal()
+    else:
+        inv = torch.ones(1, dtype=acc, device=x.device)
+    grad = torch.zeros(x.shape, dtype=acc, device=x.device) if need_grad else None
+    r = torch.zeros(rows, num_dims, dtype=acc, device=x.device) if need_grad and spec.cosine else None
+    return _Operand(x, inv, norms, grad, r)
+
+
+def _operands(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, acc) -> dict[str, _Operand]:
+    """The row/column sets the directions use: "q", "c", "w" (only when used) and "d" (views into "c")."""
+    ops = {"q": _operand(queries, spec, need_grad, acc), "c": _operand(docs, spec, need_grad, acc)}
+    if {"query_to_query", "doc_to_query"} & set(spec.directions):
+        ops["w"] = _operand(world_queries, spec, need_grad, acc)
+    c, local = ops["c"], slice(spec.offset, spec.offset + spec.batch_size)
+
+    def view(t):
+        return None if t is None else t[local]
+
+    ops["d"] = _Operand(c.x[local], c.inv[local] if spec.cosine else c.inv, view(c.norms), view(c.grad), view(c.r))
+    return ops
+
+
+def _direction_consts(spec: InfoNCESpec, direction: str) -> dict:
+    _, _, mask, hard = DIRECTION_OPERANDS[direction]
+    hardness = HARDNESS_CODES[spec.hardness_mode] if hard and spec.hardness else 0
+    return dict(K=len(spec.dims), COSINE=spec.cosine, MASK=mask, HARD=hardness)
+
+
+def _scalars(spec: InfoNCESpec) -> tuple:
+    """offset, Bw, scale and strength in log2 units (the kernels use exp2)."""
+    return spec.offset, spec.world_batch_size, spec.scale * LOG2E, spec.hardness_strength * LOG2E
+
+
+def _tune_key(kind: str, x: _Operand, y: _Operand, consts: dict, dtype) -> tuple:
+    d = x.x.shape[1]
+    return (kind, *_round_key(x.x.shape[0], y.x.shape[0]), -(-d // 64) * 64, dtype, tuple(sorted(consts.items())), x.x.device)
+
+
+def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direction, types, chunk_size) -> None:
+    """lse (K, B) view: per-row LSE of one direction, all dims."""
+    consts = {**_direction_consts(spec, direction), **types.consts}
+    consts.pop("GD"), consts.pop("PREC_GRAD")
+    n_rows, n_cols = x.x.shape[0], y.x.shape[0]
+
+    def launch(cfg: TileConfig, outputs):
+        (out,) = outputs
+        _lse_kernel[(triton.cdiv(n_rows, cfg.block_rows),)](
+            x.x, x.x.stride(0), x.inv, n_rows, y.x, y.x.stride(0), y.inv, n_cols, dims, out, out.stride(0),
+            *_scalars(spec), **consts, BM=cfg.block_rows, BN=cfg.block_cols, BD=cfg.block_d,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    key = _tune_key("lse", x, y, consts, x.x.dtype)
+    launch(_pick_config(key, len(spec.dims), launch, [lse], chunk_size), [lse])
+
+
+def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction, types, chunk_size) -> None:
+    """x.grad/x.r += row side and y.grad/y.r += column side of one direction's softmax gradient."""
+    consts = {**_direction_consts(spec, direction), **types.consts}
+    n_rows, n_cols = x.x.shape[0], y.x.shape[0]
+    placeholder = x.inv  # RX/RY are only touched for cosine similarity
+    scalars = _scalars(spec)
+
+    def launch_rows(cfg: TileConfig, outputs):
+        dx, rx = outputs
+        _row_grad_kernel[(triton.cdiv(n_rows, cfg.block_rows),)](
+            x.x, x.x.stride(0), x.inv, dx, dx.stride(0), rx, n_rows, y.x, y.x.stride(0), y.inv, n_cols,
+            dims, weights, nrm2, *scalars, **consts, BM=cfg.block_rows, BN=cfg.block_cols, BD=cfg.block_d,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    def launch_cols(cfg: TileConfig, outputs):
+        dy, ry = outputs
+        _col_grad_kernel[(triton.cdiv(n_cols, cfg.block_cols),)](
+            x.x, x.x.stride(0), x.inv, n_rows, y.x, y.x.stride(0), y.inv, dy, dy.stride(0), ry, n_cols,
+            dims, weights, nrm2, *scalars, **consts, BM=cfg.block_rows, BN=cfg.block_cols, BD=cfg.block_d,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    num_dims = len(spec.dims)
+    for kind, launch, outputs in (
+        ("rows", launch_rows, [x.grad, placeholder if x.r is None else x.r]),
+        ("cols", launch_cols, [y.grad, placeholder if y.r is None else y.r]),
+    ):
+        key = _tune_key(kind, x, y, consts, x.x.dtype)
+        launch(_pick_config(key, num_dims, launch, outputs, chunk_size), outputs)
+
+
+def _positives(queries: Tensor, local_docs: Tensor, spec: InfoNCESpec, need_grad: bool, acc):
+    """pos_k[i] = scale * sim_k(q_i, c_{offset+i}) (K, B), and the gradients of -sum_k w_k mean_i pos_k
+    wrt (queries, local docs): row-wise O(K B D) work, done with autograd."""
+    leaves = [t.detach().to(acc).requires_grad_(need_grad) for t in (queries, local_docs)]
+    with torch.enable_grad() if need_grad else torch.no_grad():
+        q, c = leaves
+        sims = []
+        for d in spec.dims:
+            qd, cd = q[:, :d], c[:, :d]
+            if spec.cosine:
+                qd, cd = F.normalize(qd, dim=1, eps=NORM_EPS), F.normalize(cd, dim=1, eps=NORM_EPS)
+            sims.append((qd * cd).sum(1))
+        pos = spec.scale * torch.stack(sims)
+        grads = None
+        if need_grad:
+            weights = torch.tensor(spec.weights, dtype=acc, device=pos.device)
+            grads = torch.autograd.grad(-(weights * pos.mean(1)).sum(), leaves)
+    return pos.detach(), grads
+
+
+def _finish_grad(op: _Operand, spec: InfoNCESpec) -> Tensor:
+    """op.grad * scale / B, plus (cosine) the prefix norms' share: -(scale / B) r_k / ||x_:d_k||^2 x_:d_k."""
+    factor = spec.scale / spec.batch_size
+    grad = op.grad.mul_(factor)
+    if spec.cosine:
+        # F.normalize's clamp_min(eps) passes no gradient to a norm below eps.
+        coef = factor * op.r * op.inv.square() * (op.norms > NORM_EPS)
+        for k, d in enumerate(spec.dims):
+            grad[:, :d].addcmul_(coef[:, k : k + 1], op.x[:, :d].to(grad.dtype), value=-1.0)
+    return grad
+
+
+def forward(
+    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, chunk_size=None
+) -> InfoNCEResult:
+    """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``.
+
+    Runs the LSE kernel once per direction, combines the directions' LSEs on the host ((K, ndir, B)
+    numbers), then, with ``need_grad``, the row and column gradient kernels per direction.
+
+    Args:
+        queries: (B, D) this rank's queries; CUDA, or CPU under ``TRITON_INTERPRET=1``.
+        docs: (M, D) ``[positives | negatives_1 | ...]``.
+        world_queries: (Bw, D) the gathered queries (``queries`` itself when not gathered).
+        spec: the validated problem (``InfoNCESpec.build``).
+        need_grad: also compute the gradients.
+        chunk_size: rows per tile (rounded down to a power of two in [16, 256]); default: tuned.
+
+    Returns:
+        ``InfoNCEResult``: per_dim (K,) and lse (K, ndir, B) in fp32 (fp64 for fp64 inputs), grads in
+        the inputs' dtype.
+
+    Raises:
+        NotImplementedError: more than ``MAX_DIMS`` dims, or a dtype other than fp32/bf16/fp16/fp64.
+        ValueError: CPU tensors without Triton's interpreter.
+    """
+    _check_inputs(queries, spec)
+    types = _types(queries.dtype)
+    device, num_dirs = queries.device, len(spec.directions)
+    ops = _operands(queries, docs, world_queries, spec, need_grad, types.acc)
+    dims = torch.tensor([*spec.dims, 0], dtype=torch.int64, device=device)
+    lse = torch.empty(len(spec.dims), num_dirs, spec.batch_size, dtype=types.acc, device=device)
+    for index, direction in enumerate(spec.directions):
+        rows, cols = DIRECTION_OPERANDS[direction][:2]
+        _launch_lse(ops[rows], ops[cols], dims, lse[:, index], spec, direction, types, chunk_size)
+
+    pos, pos_grads = _positives(queries, ops["d"].x, spec, need_grad, types.acc)
+    log_z = torch.logsumexp(lse, dim=1) if spec.partition_mode == "joint" else lse.mean(dim=1)
+    per_dim = (log_z - pos).mean(dim=1)
+    if not need_grad:
+        return InfoNCEResult(per_dim, lse, None)
+
+    weights = torch.tensor(spec.weights, dtype=types.acc, device=device)
+    for index, direction in enumerate(spec.directions):
+        # Softmax normaliser per direction: joint -> log Z; per_direction -> its own LSE + log(ndir)
+        # (the mean over directions weighs each softmax by 1 / ndir).
+        nrm = log_z if spec.partition_mode == "joint" else lse[:, index] + math.log(num_dirs)
+        rows, cols = DIRECTION_OPERANDS[direction][:2]
+        nrm2 = (nrm * LOG2E).contiguous()
+        _launch_grads(ops[rows], ops[cols], dims, weights, nrm2, spec, direction, types, chunk_size)
+
+    d_queries, d_docs = _finish_grad(ops["q"], spec), _finish_grad(ops["c"], spec)
+    d_queries += pos_grads[0]
+    d_docs[spec.offset : spec.offset + spec.batch_size] += pos_grads[1]
+    d_world = _finish_grad(ops["w"], spec) if "w" in ops else torch.zeros_like(world_queries, dtype=types.acc)
+    dtype = queries.dtype
+    return InfoNCEResult(per_dim, lse, (d_queries.to(dtype), d_docs.to(dtype), d_world.to(dtype)))
