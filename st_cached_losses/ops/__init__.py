@@ -168,14 +168,21 @@ class _MatryoshkaInfoNCE(torch.autograd.Function):
                 d_world = None
             elif d_world is None:
                 d_world = torch.zeros_like(world_queries)
-            ctx.save_for_backward(d_queries, d_docs, d_world)
+            # Held as plain attributes (not saved tensors) and handed over in backward, so autograd can
+            # adopt them as .grad without a copy: peak memory stays at one set of gradients.
+            ctx.grads = (d_queries, d_docs, d_world)
         return loss, per_dim
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, _grad_per_dim):
-        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
-        return (*grads, None, None, None)
+        grads, ctx.grads = getattr(ctx, "grads", None), None
+        if grads is None:
+            raise RuntimeError(
+                "matryoshka_infonce computes its gradients in the forward pass and hands them over once: "
+                "call the op again instead of backpropagating twice (retain_graph=True)."
+            )
+        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], None, None, None)
 
 
 def _triton_available() -> bool:

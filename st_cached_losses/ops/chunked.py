@@ -151,7 +151,8 @@ class _Sweep:
             if terms is not None:
                 row_terms, col_terms = terms
                 dim = spec.dims[k]
-                self.grads[t.row_key][t.row_slice, :dim] -= (row_terms * t.row_inv[k] ** 2)[:, None] * t.rows[:, :dim]
+                row_grad = self.grads[t.row_key][t.row_slice, :dim]
+                row_grad.addcmul_(t.rows[:, :dim], (row_terms * t.row_inv[k] ** 2)[:, None], value=-1.0)
                 self.col_norm_terms[col_key][k] += col_terms
             t.band_gradients(k, self.grads[t.row_key][t.row_slice], self.grads[col_key])
 
@@ -164,7 +165,8 @@ class _Sweep:
                 for key, terms in self.col_norm_terms.items():
                     x, inv = self.sources[key], self.inv_norms[key]
                     for k, dim in enumerate(spec.dims):
-                        self.grads[key][:, :dim] -= (terms[k] * inv[k] ** 2)[:, None] * x[:, :dim]
+                        # In place: a (M, D) temporary here would cost half the inputs' bytes again.
+                        self.grads[key][:, :dim].addcmul_(x[:, :dim], (terms[k] * inv[k] ** 2)[:, None], value=-1.0)
             dtype = self.input_dtype
             world = self.grads.get("w")
             grads = (

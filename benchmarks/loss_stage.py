@@ -1,0 +1,228 @@
+"""Loss stage (GradCache step 2) benchmark: matryoshka_infonce vs stock MatryoshkaLoss(CachedMNRL).
+
+Times forward + backward of the loss over fixed random embeddings (the part of a training step between
+the two embedding passes) and measures the exact peak of tensor bytes it allocates, side by side in one
+run, for each batch size. Also times the three B x M x D matmuls that any exact fwd+bwd needs
+(S = Q C^T, dQ = G C, dC = G^T Q) to report the fraction of this machine's matmul throughput reached.
+
+    python benchmarks/loss_stage.py                       # B in 1024 4096 16384, CSV + PNG in benchmarks/results/
+    python benchmarks/loss_stage.py --sizes 64 128 --out /tmp/smoke   # smoke run
+    python benchmarks/loss_stage.py --crossover           # dense vs chunked, to place DENSE_MAX_LOGITS
+
+On a CUDA machine the Triton backend joins (timed with triton.testing.do_bench, memory with
+torch.cuda.max_memory_allocated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+from st_cached_losses import __version__, matryoshka_infonce
+from st_cached_losses.ops.chunked import DEFAULT_TILE_BYTES
+from st_cached_losses.profiling import peak_tensor_bytes, summarize, time_call
+
+RESULTS = Path(__file__).parent / "results"
+FIELDS = ["contender", "B", "metric", "value", "machine", "versions", "date"]
+
+
+def _embeddings(batch: int, dim: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, dim, generator=generator).to(device)
+    c = torch.randn(batch, dim, generator=generator).to(device)
+    return q, c
+
+
+def _stock_loss(dim: int, dims: list[int], mini_batch_size: int):
+    """Stock MatryoshkaLoss(CachedMNRL(mini_batch_size))'s decorated calculate_loss (step 2 of GradCache)."""
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss, MatryoshkaLoss
+
+    from st_cached_losses.testing import tiny_sentence_transformer
+
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    model = tiny_sentence_transformer(hidden_size=dim, num_layers=1)  # only read for its embedding dim
+    base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch_size)
+    return MatryoshkaLoss(model, base, dims).loss.calculate_loss
+
+
+def contenders(q, c, dims, mini_batch_size: int, device: str) -> dict:
+    """name -> zero-argument callable running the loss stage forward + backward once."""
+    stock_calculate = _stock_loss(q.shape[1], dims, mini_batch_size)
+
+    def stock():
+        reps = [[m.detach().requires_grad_() for m in x.split(mini_batch_size)] for x in (q, c)]
+        return stock_calculate(reps, None, with_backward=True)
+
+    def ours(backend):
+        def run():
+            # One op call for all dims over the batch's embeddings (leaves sharing q's and c's storage).
+            queries, docs = q.detach().requires_grad_(), c.detach().requires_grad_()
+            loss = matryoshka_infonce(queries, docs, dims=dims, backend=backend)
+            loss.backward()
+            return loss
+
+        return run
+
+    runs = {"stock": stock, "chunked": ours("chunked")}
+    if device == "cuda":
+        runs["triton"] = ours("triton")
+    return runs
+
+
+def matmul_floor(q: torch.Tensor, c: torch.Tensor) -> callable:
+    """The three B x M x D matmuls of an exact fwd + bwd, on full matrices (torch.mm)."""
+
+    def run():
+        scores = torch.mm(q, c.T)
+        torch.mm(scores, c)
+        torch.mm(scores.T, q)
+
+    return run
+
+
+def _time(fn, repeats: int, warmup: int, device: str) -> list[float]:
+    if device == "cuda":
+        import triton.testing
+
+        return [triton.testing.do_bench(fn, rep=max(100, 100 * repeats)) / 1000.0]
+    return time_call(fn, repeats=repeats, warmup=warmup)
+
+
+def run(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=3, stock_repeats=1, mini_batch_size=32, device="cpu"):
+    """Rows of (contender, B, metric, value) for every size and contender."""
+    dims = list(dims)
+    rows = []
+    for batch in sizes:
+        q, c = _embeddings(batch, dim, device)
+        embedding_bytes = (q.numel() + c.numel()) * q.element_size()
+        rows.append(("inputs", batch, "embedding_bytes", embedding_bytes))
+        rows.append(("inputs", batch, "tile_budget_bytes", DEFAULT_TILE_BYTES))
+        for name, fn in contenders(q, c, dims, mini_batch_size, device).items():
+            is_stock = name == "stock"
+            seconds = _time(fn, stock_repeats if is_stock else repeats, 0 if is_stock else 1, device)
+            stats = summarize(seconds)
+            _, peak = peak_tensor_bytes(fn, device)
+            rows += [(name, batch, f"seconds_{key}", value) for key, value in stats.items()]
+            rows.append((name, batch, "peak_bytes", peak))
+            print(f"B={batch:>6} {name:>8}: {stats['median']:8.3f} s  peak {peak / 2**20:8.1f} MiB", flush=True)
+        floor = summarize(_time(matmul_floor(q, c), repeats, 1, device))
+        rows.append(("matmul", batch, "seconds_median", floor["median"]))
+        print(f"B={batch:>6}   matmul: {floor['median']:8.3f} s (3 x B x M x D, torch.mm)", flush=True)
+    return rows
+
+
+def crossover(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=5):
+    """Rows comparing dense vs chunked fwd + bwd time per B, to place ops.DENSE_MAX_LOGITS."""
+    rows = []
+    for batch in sizes:
+        q, c = _embeddings(batch, dim, "cpu")
+        for backend in ("dense", "chunked"):
+            def fn(backend=backend):
+                qq, cc = q.clone().requires_grad_(), c.clone().requires_grad_()
+                matryoshka_infonce(qq, cc, dims=list(dims), backend=backend).backward()
+
+            median = summarize(time_call(fn, repeats=repeats))["median"]
+            rows.append((backend, batch, "seconds_median", median))
+            print(f"B={batch:>6} {backend:>8}: {median * 1e3:8.2f} ms  logits {batch * batch * len(dims)}", flush=True)
+    return rows
+
+
+def _context() -> tuple[str, str, str]:
+    import sentence_transformers
+
+    machine = f"{platform.machine()} {torch.get_num_threads()} threads"
+    if torch.cuda.is_available():
+        machine += f" {torch.cuda.get_device_name()}"
+    versions = f"st_cached_losses {__version__}; torch {torch.__version__}; sentence-transformers {sentence_transformers.__version__}"
+    return machine, versions, datetime.date.today().isoformat()
+
+
+def write_csv(rows, path: Path) -> None:
+    machine, versions, date = _context()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(FIELDS)
+        writer.writerows([*row, machine, versions, date] for row in rows)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with Path(path).open() as handle:
+        return [{**row, "B": int(row["B"]), "value": float(row["value"])} for row in csv.DictReader(handle)]
+
+
+def plot(records: list[dict], path: Path, title: str = "Loss stage (fwd + bwd)") -> None:
+    """Time and peak memory vs B, log scale, one line per contender."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, label in ((axes[0], "seconds_median", "seconds"), (axes[1], "peak_bytes", "peak MiB")):
+        for name in sorted({r["contender"] for r in records if r["metric"] == metric}):
+            points = sorted((r["B"], r["value"]) for r in records if r["contender"] == name and r["metric"] == metric)
+            scale = 2**20 if metric == "peak_bytes" else 1
+            ax.plot([b for b, _ in points], [v / scale for _, v in points], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary_table(records: list[dict]) -> str:
+    """Markdown table: time and peak per contender, ratios to stock, matmul fraction."""
+    value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
+    lines = [
+        "| B | stock s | chunked s | speed-up | stock peak MiB | chunked peak MiB | chunked peak / embeddings | matmul share |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for batch in sorted({r["B"] for r in records}):
+        stock, ours = value[("stock", batch, "seconds_median")], value[("chunked", batch, "seconds_median")]
+        stock_peak, ours_peak = value[("stock", batch, "peak_bytes")], value[("chunked", batch, "peak_bytes")]
+        embeddings, floor = value[("inputs", batch, "embedding_bytes")], value[("matmul", batch, "seconds_median")]
+        lines.append(
+            f"| {batch} | {stock:.3f} | {ours:.3f} | {stock / ours:.1f}x | {stock_peak / 2**20:.1f} | "
+            f"{ours_peak / 2**20:.1f} | {ours_peak / embeddings:.2f}x | {floor / ours:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--dims", type=int, nargs="+", default=[384, 256, 128, 64, 32])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--stock-repeats", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--crossover", action="store_true", help="dense vs chunked instead of stock vs ours")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dims = [d for d in args.dims if d <= args.dim] or [args.dim]
+    if args.crossover:
+        rows = crossover(args.sizes, args.dim, dims)
+        write_csv(rows, args.out / "crossover.csv")
+        return
+    rows = run(args.sizes, args.dim, dims, args.repeats, args.stock_repeats, device=device)
+    name = "loss_stage" if device == "cpu" else "loss_stage_gpu"
+    write_csv(rows, args.out / f"{name}.csv")
+    records = read_csv(args.out / f"{name}.csv")
+    plot(records, args.out / f"{name}.png")
+    print(summary_table(records))
+
+
+if __name__ == "__main__":
+    main()

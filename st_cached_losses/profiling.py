@@ -1,0 +1,72 @@
+"""Peak-memory and timing helpers shared by the tests and the benchmarks.
+
+Peak memory is measured exactly, not sampled: on CUDA with the caching allocator's peak counter, on
+CPU by replaying the allocation/free timeline that ``torch.profiler`` records for every tensor
+(profile_memory=True). Both report the peak of tensor bytes allocated *during* the call, above what
+was live when it started (inputs excluded), in bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def peak_tensor_bytes(fn: Callable[[], Any], device: str | torch.device = "cpu") -> tuple[Any, int]:
+    """Run ``fn()`` once and return ``(its result, peak bytes of tensors it allocated)``.
+
+    CPU: exact, from the profiler's tensor timeline (slows the call down; time it separately).
+    CUDA: ``torch.cuda.max_memory_allocated`` above the allocation at the start.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - start
+    return _cpu_peak(fn)
+
+
+def _cpu_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        result = fn()
+    live = peak = 0
+    for _, action, (key, _version), size in sorted(prof._memory_profile().timeline, key=lambda row: row[0]):
+        if key.device.type != "cpu":
+            continue
+        if action == Action.CREATE:
+            live += size
+        elif action == Action.DESTROY:
+            live -= size  # may go below zero when a tensor from before the call is freed
+        peak = max(peak, live)
+    return result, peak
+
+
+def time_call(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, device: str | torch.device = "cpu") -> list[float]:
+    """Wall-clock seconds of ``repeats`` calls of ``fn()`` after ``warmup`` untimed ones (CUDA synchronised)."""
+    device = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def summarize(seconds: list[float]) -> dict[str, float]:
+    """Median, min and max of a list of timings (seconds)."""
+    return {"median": statistics.median(seconds), "min": min(seconds), "max": max(seconds)}

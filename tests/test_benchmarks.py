@@ -1,0 +1,25 @@
+"""Smoke runs of the benchmark scripts at tiny sizes: they run, and what they write is well-formed."""
+
+from __future__ import annotations
+
+from benchmarks import loss_stage
+
+
+def test_loss_stage_smoke(tmp_path):
+    loss_stage.main(["--sizes", "32", "64", "--dim", "48", "--dims", "48", "24", "--repeats", "1", "--out", str(tmp_path)])
+    records = loss_stage.read_csv(tmp_path / "loss_stage.csv")
+    contenders = {r["contender"] for r in records}
+    assert {"stock", "chunked", "matmul", "inputs"} <= contenders
+    for batch in (32, 64):
+        peaks = {r["contender"]: r["value"] for r in records if r["B"] == batch and r["metric"] == "peak_bytes"}
+        assert peaks["stock"] > 0 and peaks["chunked"] > 0
+        times = [r["value"] for r in records if r["B"] == batch and r["metric"] == "seconds_median"]
+        assert all(t > 0 for t in times)
+    assert (tmp_path / "loss_stage.png").stat().st_size > 0
+    assert "| 64 |" in loss_stage.summary_table(records)
+
+
+def test_crossover_smoke(tmp_path):
+    loss_stage.main(["--crossover", "--sizes", "16", "--dim", "8", "--dims", "8", "4", "--out", str(tmp_path)])
+    records = loss_stage.read_csv(tmp_path / "crossover.csv")
+    assert {r["contender"] for r in records} == {"dense", "chunked"}
