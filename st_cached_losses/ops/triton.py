@@ -95,27 +95,16 @@ def _load_inv_norms(INV, idx, ok, K: tl.constexpr, COSINE: tl.constexpr, ACC: tl
 
 
 @triton.jit
-def _band_sims(
-    X, stride_x, row0, n_rows, a, Y, stride_y, col0, n_cols, b, DIMS,
-    K: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+def _dot_tile(
+    X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, lo, hi, acc,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """The K similarity tiles (BM, BN) of one (row tile, column tile), dims in descending order.
-
-    The dot product is accumulated band by band from the smallest dim up, each prefix reusing the
-    one below it: the matmul work of all K dims is that of the largest (Matryoshka, arXiv 2205.13147).
-    """
-    dot = tl.zeros((BM, BN), ACC)
-    sims = ()
-    for k in tl.static_range(K - 1, -1, -1):  # smallest dim first
-        lo = tl.load(DIMS + k + 1)
-        hi = tl.load(DIMS + k)
-        for d0 in range(lo, hi, BD):
-            x = _load_chunk(X, stride_x, row0, n_rows, d0, hi, BM, BD)
-            y = _load_chunk(Y, stride_y, col0, n_cols, d0, hi, BN, BD)
-            dot = _mm(x, tl.trans(y), dot, PREC, UPCAST)
-        sims = (dot * a[k][:, None] * b[k][None, :],) + sims
-    return sims
+    """acc + X[row0:row0 + BM, lo:hi] @ Y[col0:col0 + BN, lo:hi]^T."""
+    for d0 in range(lo, hi, BD):
+        x = _load_chunk(X, stride_x, row0, n_rows, d0, hi, BM, BD)
+        y = _load_chunk(Y, stride_y, col0, n_cols, d0, hi, BN, BD)
+        acc = _mm(x, tl.trans(y), acc, PREC, UPCAST)
+    return acc
 
 
 @triton.jit
@@ -146,20 +135,12 @@ def _logits2(sim, rows_w, row_ok, cols, col_ok, bw, scale2, strength2, MASK: tl.
 
 
 @triton.jit
-def _add_band_product(
-    DZ, stride_dz, z0, n_z, H, V, stride_v, v0, n_v, lo, hi,
-    BZ: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """DZ[z0:z0 + BZ, lo:hi] += H @ V[v0:v0 + BV, lo:hi]. The calling program owns these DZ rows, so a
-    plain read-add-write: no atomics, and a fixed summation order."""
-    local = tl.arange(0, BZ)
-    feats = tl.arange(0, BD)
-    for d0 in range(lo, hi, BD):
-        v = _load_chunk(V, stride_v, v0, n_v, d0, hi, BV, BD).to(H.dtype)
-        ptrs = (DZ + z0 * stride_dz + d0) + (local[:, None] * stride_dz.to(tl.int32) + feats[None, :])
-        mask = (local[:, None] < n_z - z0) & (feats[None, :] < hi - d0)
-        acc = tl.load(ptrs, mask=mask, other=0.0)
-        tl.store(ptrs, _mm(H, v, acc, PREC, UPCAST), mask=mask)
+def _online_lse(run_max, run_sum, t):
+    """One step of the online logsumexp (base 2) of FlashAttention-2's forward pass."""
+    m = tl.maximum(run_max, tl.max(t, 1))
+    # A row masked so far has max -inf: shift by 0 instead, so exp2(-inf - -inf) never makes a NaN.
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    return m, run_sum * tl.exp2(run_max - shift) + tl.sum(tl.exp2(t - shift[:, None]), 1)
 
 
 @triton.jit
@@ -172,6 +153,8 @@ def _lse_kernel(
 
     FlashAttention-2's (arXiv 2307.08691) online softmax without the value matmul, as in Inf-CL
     (arXiv 2410.17243): a running max and sum per row and dim; the B x M scores are never stored.
+    The dot product is accumulated band by band from the smallest dim up, each prefix extending the
+    one below it, so the matmul work of all K dims is that of the largest (arXiv 2205.13147).
     """
     row0 = tl.program_id(0).to(tl.int64) * BM
     rows = row0 + tl.arange(0, BM)
@@ -187,17 +170,18 @@ def _lse_kernel(
         cols = col0 + tl.arange(0, BN)
         col_ok = cols < n_cols
         b = _load_inv_norms(INVY, cols, col_ok, K, COSINE, ACC)
-        sims = _band_sims(X, stride_x, row0, n_rows, a, Y, stride_y, col0, n_cols, b, DIMS, K, ACC, BM, BN, BD, PREC, UPCAST)
+        dot = tl.zeros((BM, BN), ACC)
         new_max = ()
         new_sum = ()
-        for k in tl.static_range(K):
-            t = _logits2(sims[k], rows + offset, row_ok, cols, col_ok, bw, scale2, strength2, MASK, HARD)
-            m = tl.maximum(run_max[k], tl.max(t, 1))
-            # A row masked so far has max -inf: shift by 0 instead, so exp2(-inf - -inf) never makes a NaN.
-            shift = tl.where(m == float("-inf"), 0.0, m)
-            s = run_sum[k] * tl.exp2(run_max[k] - shift) + tl.sum(tl.exp2(t - shift[:, None]), 1)
-            new_max = new_max + (m,)
-            new_sum = new_sum + (s,)
+        for k in tl.static_range(K - 1, -1, -1):  # smallest dim first
+            lo = tl.load(DIMS + k + 1)
+            hi = tl.load(DIMS + k)
+            dot = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, lo, hi, dot, BM, BN, BD, PREC, UPCAST)
+            sim = dot * a[k][:, None] * b[k][None, :]
+            t = _logits2(sim, rows + offset, row_ok, cols, col_ok, bw, scale2, strength2, MASK, HARD)
+            m, s = _online_lse(run_max[k], run_sum[k], t)
+            new_max = (m,) + new_max
+            new_sum = (s,) + new_sum
         run_max = new_max
         run_sum = new_sum
     for k in tl.static_range(K):
@@ -215,6 +199,76 @@ def _softmax_grad_tile(sim, nrm2, weight, rows, row_ok, cols, col_ok, offset, bw
 
 
 @triton.jit
+def _accumulate(DZ, stride_dz, z0, n_z, hz, v, d0, hi, BZ: tl.constexpr, BD: tl.constexpr, PREC, UPCAST):
+    """DZ[z0:z0 + BZ, d0:d0 + BD] += hz @ v. The calling program owns these DZ rows, so a plain
+    read-add-write (as Inf-CL's dq/dk kernels): no atomics, and a fixed summation order."""
+    local = tl.arange(0, BZ)
+    feats = tl.arange(0, BD)
+    ptrs = (DZ + z0 * stride_dz + d0) + (local[:, None] * stride_dz.to(tl.int32) + feats[None, :])
+    mask = (local[:, None] < n_z - z0) & (feats[None, :] < hi - d0)
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, _mm(hz, v.to(hz.dtype), acc, PREC, UPCAST), mask=mask)
+
+
+@triton.jit
+def _band_step(
+    X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, DZ, stride_dz, hz, lo, hi,
+    ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, COL_SIDE: tl.constexpr,
+    RECOMPUTE: tl.constexpr, PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Band [lo, hi) of one tile: DZ += the gradient product (row side: hz @ Y, column side: hz @ X with
+    hz = h^T), and, if RECOMPUTE, this band's dot product X @ Y^T from the same chunk loads."""
+    band = tl.zeros((BM, BN), ACC)
+    for d0 in range(lo, hi, BD):
+        x = _load_chunk(X, stride_x, row0, n_rows, d0, hi, BM, BD)
+        y = _load_chunk(Y, stride_y, col0, n_cols, d0, hi, BN, BD)
+        if RECOMPUTE:
+            band = _mm(x, tl.trans(y), band, PREC, UPCAST)
+        if COL_SIDE:
+            _accumulate(DZ, stride_dz, col0, n_cols, hz, x, d0, hi, BN, BD, PREC_GRAD, UPCAST)
+        else:
+            _accumulate(DZ, stride_dz, row0, n_rows, hz, y, d0, hi, BM, BD, PREC_GRAD, UPCAST)
+    return band
+
+
+@triton.jit
+def _grad_tile(
+    X, stride_x, row0, n_rows, rows, row_ok, a, nrm2, Y, stride_y, col0, n_cols, cols, col_ok, b,
+    DZ, stride_dz, DIMS, W, r_acc, offset, bw, scale2, strength2,
+    K: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, ACC: tl.constexpr, GD: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, COL_SIDE: tl.constexpr,
+    PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One (row tile, column tile) of the backward pass: recompute the scores, then add the gradient
+    product of one side into DZ band by band; returns the updated per-dim sums r_k += sum w_k P sim_k
+    (reduced over the other side).
+
+    Band k ([d_{k+1}, d_k)) belongs to dims 0..k, so its gradient product uses h = sum_{k' <= k} of
+    the per-dim gradient tiles: one D-wide matmul for all K dims. The dims are visited from the
+    largest down, so each smaller prefix's dot product is the larger one minus the band between them,
+    recomputed from the chunks the gradient product loads anyway: only two (BM, BN) fp32 tiles stay
+    live for any K (storing K score tiles would spill registers or shrink the tiles). The subtraction
+    costs about eps * |x| |y| / (|x_:d| |y_:d|) relative error in the smallest dims' cosines.
+    """
+    dot = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, 0, tl.load(DIMS), tl.zeros((BM, BN), ACC),
+                    BM, BN, BD, PREC, UPCAST)  # fmt: skip
+    h = tl.zeros((BM, BN), ACC)
+    new_r = ()
+    for k in tl.static_range(K):
+        sim = dot * a[k][:, None] * b[k][None, :]
+        g = _softmax_grad_tile(sim, nrm2[k], tl.load(W + k), rows, row_ok, cols, col_ok, offset, bw, scale2, strength2,
+                               MASK, HARD)  # fmt: skip
+        new_r = new_r + (r_acc[k] + tl.sum(g * sim, 1 - COL_SIDE),)
+        h += g * a[k][:, None] * b[k][None, :]
+        hz = tl.trans(h.to(GD)) if COL_SIDE else h.to(GD)
+        band = _band_step(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, DZ, stride_dz, hz,
+                          tl.load(DIMS + k + 1), tl.load(DIMS + k), ACC, BM, BN, BD, COL_SIDE, k < K - 1,
+                          PREC, PREC_GRAD, UPCAST)  # fmt: skip
+        dot = dot - band
+    return new_r
+
+
+@triton.jit
 def _row_grad_kernel(
     X, stride_x, INVX, DX, stride_dx, RX, n_rows, Y, stride_y, INVY, n_cols, DIMS, W, NRM2,
     offset, bw, scale2, strength2,
@@ -222,14 +276,10 @@ def _row_grad_kernel(
     GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """Backward, row side: DX[rows] += sum_j dsim[i, j] * dsim/dx_i for one row tile (the dQ pass of
-    FlashAttention-2, arXiv 2307.08691; Inf-CL, arXiv 2410.17243), recomputing the scores tile by
-    tile from X, Y and the saved normaliser NRM2 (K, n_rows) in log2 units.
-
-    Band m of DX takes the gradient tiles of all dims that contain it (a running sum from the
-    largest dim down), so the K dims cost one D-wide matmul. RX[i, k] += sum_j w_k P sim_k (the
-    cosine norms' share, applied on the host).
-    """
+    """Backward, row side: DX[rows] += sum_j dsim[i, j] * dsim/dx_i for one row tile, sweeping the
+    column tiles (the dQ pass of FlashAttention-2, arXiv 2307.08691, and of Inf-CL, arXiv
+    2410.17243), recomputing the scores from X, Y and the saved normaliser NRM2 (K, n_rows), log2
+    units. RX[i, k] += sum_j w_k P sim_k (the cosine norms' share, applied on the host)."""
     row0 = tl.program_id(0).to(tl.int64) * BM
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < n_rows
@@ -244,21 +294,9 @@ def _row_grad_kernel(
         cols = col0 + tl.arange(0, BN)
         col_ok = cols < n_cols
         b = _load_inv_norms(INVY, cols, col_ok, K, COSINE, ACC)
-        sims = _band_sims(X, stride_x, row0, n_rows, a, Y, stride_y, col0, n_cols, b, DIMS, K, ACC, BM, BN, BD, PREC, UPCAST)
-        h = tl.zeros((BM, BN), ACC)
-        new_r = ()
-        for k in tl.static_range(K):
-            g = _softmax_grad_tile(
-                sims[k], nrm2[k], tl.load(W + k), rows, row_ok, cols, col_ok, offset, bw, scale2, strength2, MASK, HARD
-            )
-            new_r = new_r + (r_acc[k] + tl.sum(g * sims[k], 1),)
-            h += g * a[k][:, None] * b[k][None, :]
-            lo = tl.load(DIMS + k + 1)
-            hi = tl.load(DIMS + k)
-            _add_band_product(
-                DX, stride_dx, row0, n_rows, h.to(GD), Y, stride_y, col0, n_cols, lo, hi, BM, BN, BD, PREC_GRAD, UPCAST
-            )
-        r_acc = new_r
+        r_acc = _grad_tile(X, stride_x, row0, n_rows, rows, row_ok, a, nrm2, Y, stride_y, col0, n_cols, cols, col_ok, b,
+                           DX, stride_dx, DIMS, W, r_acc, offset, bw, scale2, strength2, K, MASK, HARD, ACC, GD,
+                           BM, BN, BD, False, PREC, PREC_GRAD, UPCAST)  # fmt: skip
     if COSINE:
         for k in tl.static_range(K):
             ptrs = RX + rows * K + k
@@ -273,9 +311,9 @@ def _col_grad_kernel(
     GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """Backward, column side: DY[cols] += sum_i dsim[i, j] * dsim/dy_j for one column tile (the dK
-    pass of FlashAttention-2, arXiv 2307.08691; Inf-CL, arXiv 2410.17243), sweeping the row tiles.
-    Same band-wise gradient as ``_row_grad_kernel``; RY[j, k] += sum_i w_k P sim_k."""
+    """Backward, column side: DY[cols] += sum_i dsim[i, j] * dsim/dy_j for one column tile, sweeping
+    the row tiles (the dK pass of FlashAttention-2, arXiv 2307.08691, and of Inf-CL, arXiv
+    2410.17243). RY[j, k] += sum_i w_k P sim_k."""
     col0 = tl.program_id(0).to(tl.int64) * BN
     cols = col0 + tl.arange(0, BN)
     col_ok = cols < n_cols
@@ -291,21 +329,9 @@ def _col_grad_kernel(
         nrm2 = ()
         for k in tl.static_range(K):
             nrm2 = nrm2 + (tl.load(NRM2 + k * n_rows + rows, mask=row_ok, other=0.0),)
-        sims = _band_sims(X, stride_x, row0, n_rows, a, Y, stride_y, col0, n_cols, b, DIMS, K, ACC, BM, BN, BD, PREC, UPCAST)
-        h = tl.zeros((BM, BN), ACC)
-        new_r = ()
-        for k in tl.static_range(K):
-            g = _softmax_grad_tile(
-                sims[k], nrm2[k], tl.load(W + k), rows, row_ok, cols, col_ok, offset, bw, scale2, strength2, MASK, HARD
-            )
-            new_r = new_r + (r_acc[k] + tl.sum(g * sims[k], 0),)
-            h += g * a[k][:, None] * b[k][None, :]
-            lo = tl.load(DIMS + k + 1)
-            hi = tl.load(DIMS + k)
-            _add_band_product(
-                DY, stride_dy, col0, n_cols, tl.trans(h.to(GD)), X, stride_x, row0, n_rows, lo, hi, BN, BM, BD, PREC_GRAD, UPCAST
-            )
-        r_acc = new_r
+        r_acc = _grad_tile(X, stride_x, row0, n_rows, rows, row_ok, a, nrm2, Y, stride_y, col0, n_cols, cols, col_ok, b,
+                           DY, stride_dy, DIMS, W, r_acc, offset, bw, scale2, strength2, K, MASK, HARD, ACC, GD,
+                           BM, BN, BD, True, PREC, PREC_GRAD, UPCAST)  # fmt: skip
     if COSINE:
         for k in tl.static_range(K):
             ptrs = RY + cols * K + k
