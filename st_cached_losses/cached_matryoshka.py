@@ -187,7 +187,9 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         self._step_orders: list[Tensor | None] = []
         self._step_per_dim: Tensor | None = None
 
-    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> dict[str, Tensor]:
+    def forward(
+        self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None
+    ) -> dict[str, Tensor]:
         """Embed the columns [anchor, positive, negative_1, ...] (each a tokenized dict) and return the
         weighted loss per Matryoshka dim as ``{"loss_dim_<d>": 0-dim tensor}``; their sum is the loss and the
         only gradient-carrying quantity. ``labels`` are unused."""
@@ -338,7 +340,8 @@ def _sorted_dims(
         weights = [1] * len(dims)
     elif len(weights) != len(dims):
         raise ValueError(
-            f"matryoshka_weights has {len(weights)} entries but matryoshka_dims has {len(dims)}: give one weight per dim."
+            f"matryoshka_weights has {len(weights)} entries but matryoshka_dims has {len(dims)}: "
+            "give one weight per dim."
         )
     embedding_dim = model.get_embedding_dimension()
     if embedding_dim is not None:

@@ -264,8 +264,10 @@ def _embedded_shapes(model, loss_fn, features):
 def test_sort_by_length_pads_each_mini_batch_to_its_own_longest_row(tiny_model):
     features = _features(tiny_model, rows=16, negatives=0, seed=29)
     sorted_loss, plain_loss = (
-        CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, mini_batch_size=4, sort_by_length=s)
-        for s in (True, False)
+        CachedMatryoshkaLoss(
+            tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, mini_batch_size=4, sort_by_length=sort
+        )
+        for sort in (True, False)
     )
     sorted_shapes = _embedded_shapes(tiny_model, sorted_loss, features)
     plain_shapes = _embedded_shapes(tiny_model, plain_loss, features)
@@ -328,7 +330,12 @@ def test_error_dims_larger_than_the_embedding(tiny_model):
 
 @pytest.mark.parametrize(
     "dims, weights, match",
-    [([], None, "non-empty"), ([48, 0], None, "positive ints"), ([48, 48], None, "duplicates"), ([48], [1, 2], "one weight per dim")],
+    [
+        ([], None, "non-empty"),
+        ([48, 0], None, "positive ints"),
+        ([48, 48], None, "duplicates"),
+        ([48], [1, 2], "one weight per dim"),
+    ],
 )
 def test_error_bad_dims_or_weights(tiny_model, dims, weights, match):
     with pytest.raises(ValueError, match=match):
@@ -355,7 +362,11 @@ def test_error_unsupported_similarity(tiny_model):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(backend="cuda"), "backend must be one of"), (dict(mini_batch_size=0), "mini_batch_size"), (dict(mini_batch_num_tokens=0), "mini_batch_num_tokens")],
+    [
+        (dict(backend="cuda"), "backend must be one of"),
+        (dict(mini_batch_size=0), "mini_batch_size"),
+        (dict(mini_batch_num_tokens=0), "mini_batch_num_tokens"),
+    ],
 )
 def test_error_bad_options(tiny_model, kwargs, match):
     with pytest.raises(ValueError, match=match):

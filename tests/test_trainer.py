@@ -19,7 +19,8 @@ WORDS = "red blue green cat dog bird runs sleeps eats fast slow big small house 
 def _dataset(rows=24, seed=0):
     rng = random.Random(seed)
     sentence = lambda: " ".join(rng.choices(WORDS, k=rng.randint(2, 10)))  # noqa: E731
-    return Dataset.from_dict({column: [sentence() for _ in range(rows)] for column in ("anchor", "positive", "negative")})
+    columns = ("anchor", "positive", "negative")
+    return Dataset.from_dict({column: [sentence() for _ in range(rows)] for column in columns})
 
 
 def test_trainer_trains_logs_per_dim_losses_and_writes_the_model_card(tmp_path):
