@@ -83,15 +83,12 @@ def _load_chunk(P, stride, start, n, d0, hi, BR: tl.constexpr, BD: tl.constexpr)
 
 
 @triton.jit
-def _load_inv_norms(INV, idx, ok, K: tl.constexpr, COSINE: tl.constexpr, ACC: tl.constexpr):
-    """Per-prefix inverse norms of some rows: a tuple of K vectors (ones for dot similarity)."""
-    out = ()
-    for k in tl.static_range(K):
-        if COSINE:
-            out = out + (tl.load(INV + idx * K + k, mask=ok, other=0.0),)
-        else:
-            out = out + (tl.full(idx.shape, 1.0, ACC),)
-    return out
+def _inv_norm(INV, idx, ok, k, K: tl.constexpr, COSINE: tl.constexpr, ACC: tl.constexpr):
+    """1 / ||x[:d_k]|| of some rows (ones for dot similarity). Loaded where used rather than held for
+    all K dims: a column vector costs BN / 4 registers per thread in the MMA layout."""
+    if COSINE:
+        return tl.load(INV + idx * K + k, mask=ok, other=0.0)
+    return tl.full(idx.shape, 1.0, ACC)
 
 
 @triton.jit
@@ -108,30 +105,31 @@ def _dot_tile(
 
 
 @triton.jit
-def _logits2(sim, rows_w, row_ok, cols, col_ok, bw, scale2, strength2, MASK: tl.constexpr, HARD: tl.constexpr):
-    """Logits in log2 units (scale folded with log2(e) for exp2); masked or out-of-range: -inf.
+def _logits2(sim, rows_w, cols, col_ok, bw, scale2, strength2, MASK: tl.constexpr, HARD: tl.constexpr):
+    """Logits in log2 units (scale folded with log2(e) for exp2); masked or out-of-range columns: -inf.
 
     ``rows_w`` are world row indices (offset + i): row i's own docs are the columns j with j % Bw == rows_w.
+    Out-of-range rows are left finite: their results are never stored (and the column kernel gives
+    them a normaliser of +inf). Masks are applied with ``where`` on the fly, not kept as (BM, BN)
+    boolean tiles, which cost as many registers as fp32 tiles.
     """
-    r = rows_w[:, None]
-    j = cols[None, :]
-    keep = row_ok[:, None] & col_ok[None, :]
-    if MASK == 1:  # query_to_query: the query itself
-        keep = keep & (j != r)
-    if MASK == 2:  # doc_to_doc: the doc itself and its hard negatives
-        keep = keep & (j % bw != r)
-    if HARD == 0:
-        t = sim * scale2
-    else:
+    t = sim * scale2 + tl.where(col_ok, 0.0, float("-inf"))[None, :]
+    if HARD != 0:
         # Hardness (a stop-gradient penalty): only the softmax weights see it, not the sim's gradient.
+        r = rows_w[:, None]
+        j = cols[None, :]
         if HARD == 1:  # in_batch_negatives: other rows' docs
             pen = j % bw != r
         elif HARD == 2:  # hard_negatives: this row's own hard negatives
             pen = (j % bw == r) & (j >= bw)
         else:  # all_negatives
             pen = j != r
-        t = sim * (scale2 + tl.where(pen, strength2, 0.0))
-    return tl.where(keep, t, float("-inf"))
+        t += tl.where(pen, sim * strength2, 0.0)
+    if MASK == 1:  # query_to_query: the query itself
+        t = tl.where(cols[None, :] != rows_w[:, None], t, float("-inf"))
+    if MASK == 2:  # doc_to_doc: the doc itself and its hard negatives
+        t = tl.where((cols % bw)[None, :] != rows_w[:, None], t, float("-inf"))
+    return t
 
 
 @triton.jit
@@ -159,7 +157,6 @@ def _lse_kernel(
     row0 = tl.program_id(0).to(tl.int64) * BM
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < n_rows
-    a = _load_inv_norms(INVX, rows, row_ok, K, COSINE, ACC)
     run_max = ()
     run_sum = ()
     for k in tl.static_range(K):
@@ -169,7 +166,6 @@ def _lse_kernel(
         col0 = tl.cast(c0, tl.int64)
         cols = col0 + tl.arange(0, BN)
         col_ok = cols < n_cols
-        b = _load_inv_norms(INVY, cols, col_ok, K, COSINE, ACC)
         dot = tl.zeros((BM, BN), ACC)
         new_max = ()
         new_sum = ()
@@ -177,8 +173,9 @@ def _lse_kernel(
             lo = tl.load(DIMS + k + 1)
             hi = tl.load(DIMS + k)
             dot = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, lo, hi, dot, BM, BN, BD, PREC, UPCAST)
-            sim = dot * a[k][:, None] * b[k][None, :]
-            t = _logits2(sim, rows + offset, row_ok, cols, col_ok, bw, scale2, strength2, MASK, HARD)
+            a = _inv_norm(INVX, rows, row_ok, k, K, COSINE, ACC)
+            b = _inv_norm(INVY, cols, col_ok, k, K, COSINE, ACC)
+            t = _logits2(dot * a[:, None] * b[None, :], rows + offset, cols, col_ok, bw, scale2, strength2, MASK, HARD)
             m, s = _online_lse(run_max[k], run_sum[k], t)
             new_max = (m,) + new_max
             new_sum = (s,) + new_sum
@@ -191,10 +188,10 @@ def _lse_kernel(
 
 
 @triton.jit
-def _softmax_grad_tile(sim, nrm2, weight, rows, row_ok, cols, col_ok, offset, bw, scale2, strength2, MASK, HARD):
+def _softmax_grad_tile(sim, nrm2, weight, rows, cols, col_ok, offset, bw, scale2, strength2, MASK, HARD):
     """w_k * exp(logit_k - normaliser): d(weighted loss) / d(sim_k), up to the factor scale / B and
-    without the positive's one-hot (both applied on the host)."""
-    t = _logits2(sim, rows + offset, row_ok, cols, col_ok, bw, scale2, strength2, MASK, HARD)
+    without the positive's one-hot (both applied on the host). Rows out of range have normaliser +inf: 0."""
+    t = _logits2(sim, rows + offset, cols, col_ok, bw, scale2, strength2, MASK, HARD)
     return weight * tl.exp2(t - nrm2[:, None])
 
 
@@ -233,15 +230,15 @@ def _band_step(
 
 @triton.jit
 def _grad_tile(
-    X, stride_x, row0, n_rows, rows, row_ok, a, nrm2, Y, stride_y, col0, n_cols, cols, col_ok, b,
-    DZ, stride_dz, DIMS, W, r_acc, offset, bw, scale2, strength2,
-    K: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, ACC: tl.constexpr, GD: tl.constexpr,
+    X, stride_x, INVX, row0, n_rows, rows, row_ok, nrm2, Y, stride_y, INVY, col0, n_cols, cols, col_ok,
+    DZ, stride_dz, DIMS, W, offset, bw, scale2, strength2,
+    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, ACC: tl.constexpr, GD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, COL_SIDE: tl.constexpr,
     PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """One (row tile, column tile) of the backward pass: recompute the scores, then add the gradient
-    product of one side into DZ band by band; returns the updated per-dim sums r_k += sum w_k P sim_k
-    (reduced over the other side).
+    product of one side into DZ band by band; returns the per-dim sums sum w_k P sim_k over the other
+    side (a tuple of K vectors).
 
     Band k ([d_{k+1}, d_k)) belongs to dims 0..k, so its gradient product uses h = sum_{k' <= k} of
     the per-dim gradient tiles: one D-wide matmul for all K dims. The dims are visited from the
@@ -253,19 +250,20 @@ def _grad_tile(
     dot = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, 0, tl.load(DIMS), tl.zeros((BM, BN), ACC),
                     BM, BN, BD, PREC, UPCAST)  # fmt: skip
     h = tl.zeros((BM, BN), ACC)
-    new_r = ()
+    sums = ()
     for k in tl.static_range(K):
-        sim = dot * a[k][:, None] * b[k][None, :]
-        g = _softmax_grad_tile(sim, nrm2[k], tl.load(W + k), rows, row_ok, cols, col_ok, offset, bw, scale2, strength2,
-                               MASK, HARD)  # fmt: skip
-        new_r = new_r + (r_acc[k] + tl.sum(g * sim, 1 - COL_SIDE),)
-        h += g * a[k][:, None] * b[k][None, :]
+        a = _inv_norm(INVX, rows, row_ok, k, K, COSINE, ACC)
+        b = _inv_norm(INVY, cols, col_ok, k, K, COSINE, ACC)
+        sim = dot * a[:, None] * b[None, :]
+        g = _softmax_grad_tile(sim, nrm2[k], tl.load(W + k), rows, cols, col_ok, offset, bw, scale2, strength2, MASK, HARD)
+        sums = sums + (tl.sum(g * sim, 1 - COL_SIDE),)
+        h += g * a[:, None] * b[None, :]
         hz = tl.trans(h.to(GD)) if COL_SIDE else h.to(GD)
         band = _band_step(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, DZ, stride_dz, hz,
                           tl.load(DIMS + k + 1), tl.load(DIMS + k), ACC, BM, BN, BD, COL_SIDE, k < K - 1,
                           PREC, PREC_GRAD, UPCAST)  # fmt: skip
         dot = dot - band
-    return new_r
+    return sums
 
 
 @triton.jit
@@ -283,20 +281,22 @@ def _row_grad_kernel(
     row0 = tl.program_id(0).to(tl.int64) * BM
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < n_rows
-    a = _load_inv_norms(INVX, rows, row_ok, K, COSINE, ACC)
     nrm2 = ()
     r_acc = ()
     for k in tl.static_range(K):
-        nrm2 = nrm2 + (tl.load(NRM2 + k * n_rows + rows, mask=row_ok, other=0.0),)
+        nrm2 = nrm2 + (tl.load(NRM2 + k * n_rows + rows, mask=row_ok, other=float("inf")),)
         r_acc = r_acc + (tl.zeros((BM,), ACC),)
     for c0 in range(0, n_cols, BN):
         col0 = tl.cast(c0, tl.int64)
         cols = col0 + tl.arange(0, BN)
         col_ok = cols < n_cols
-        b = _load_inv_norms(INVY, cols, col_ok, K, COSINE, ACC)
-        r_acc = _grad_tile(X, stride_x, row0, n_rows, rows, row_ok, a, nrm2, Y, stride_y, col0, n_cols, cols, col_ok, b,
-                           DX, stride_dx, DIMS, W, r_acc, offset, bw, scale2, strength2, K, MASK, HARD, ACC, GD,
-                           BM, BN, BD, False, PREC, PREC_GRAD, UPCAST)  # fmt: skip
+        sums = _grad_tile(X, stride_x, INVX, row0, n_rows, rows, row_ok, nrm2, Y, stride_y, INVY, col0, n_cols, cols,
+                          col_ok, DX, stride_dx, DIMS, W, offset, bw, scale2, strength2, K, COSINE, MASK, HARD, ACC, GD,
+                          BM, BN, BD, False, PREC, PREC_GRAD, UPCAST)  # fmt: skip
+        new_r = ()
+        for k in tl.static_range(K):
+            new_r = new_r + (r_acc[k] + sums[k],)
+        r_acc = new_r
     if COSINE:
         for k in tl.static_range(K):
             ptrs = RX + rows * K + k
@@ -317,25 +317,22 @@ def _col_grad_kernel(
     col0 = tl.program_id(0).to(tl.int64) * BN
     cols = col0 + tl.arange(0, BN)
     col_ok = cols < n_cols
-    b = _load_inv_norms(INVY, cols, col_ok, K, COSINE, ACC)
-    r_acc = ()
-    for k in tl.static_range(K):
-        r_acc = r_acc + (tl.zeros((BN,), ACC),)
     for r0 in range(0, n_rows, BM):
         row0 = tl.cast(r0, tl.int64)
         rows = row0 + tl.arange(0, BM)
         row_ok = rows < n_rows
-        a = _load_inv_norms(INVX, rows, row_ok, K, COSINE, ACC)
         nrm2 = ()
         for k in tl.static_range(K):
-            nrm2 = nrm2 + (tl.load(NRM2 + k * n_rows + rows, mask=row_ok, other=0.0),)
-        r_acc = _grad_tile(X, stride_x, row0, n_rows, rows, row_ok, a, nrm2, Y, stride_y, col0, n_cols, cols, col_ok, b,
-                           DY, stride_dy, DIMS, W, r_acc, offset, bw, scale2, strength2, K, MASK, HARD, ACC, GD,
-                           BM, BN, BD, True, PREC, PREC_GRAD, UPCAST)  # fmt: skip
-    if COSINE:
-        for k in tl.static_range(K):
-            ptrs = RY + cols * K + k
-            tl.store(ptrs, tl.load(ptrs, mask=col_ok, other=0.0) + r_acc[k], mask=col_ok)
+            nrm2 = nrm2 + (tl.load(NRM2 + k * n_rows + rows, mask=row_ok, other=float("inf")),)
+        sums = _grad_tile(X, stride_x, INVX, row0, n_rows, rows, row_ok, nrm2, Y, stride_y, INVY, col0, n_cols, cols,
+                          col_ok, DY, stride_dy, DIMS, W, offset, bw, scale2, strength2, K, COSINE, MASK, HARD, ACC, GD,
+                          BM, BN, BD, True, PREC, PREC_GRAD, UPCAST)  # fmt: skip
+        if COSINE:
+            # Per-column sums go straight to RY (this program's columns): K column vectors held
+            # across the sweep would cost K * BN / 4 registers per thread.
+            for k in tl.static_range(K):
+                ptrs = RY + cols * K + k
+                tl.store(ptrs, tl.load(ptrs, mask=col_ok, other=0.0) + sums[k], mask=col_ok)
 
 
 # --------------------------------------------------------------------------------------------------
