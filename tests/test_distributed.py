@@ -1,0 +1,270 @@
+"""gather_across_devices across 2 gloo processes on CPU: each process holds half of the batch.
+
+``test_gathered_gradients_match_one_process_on_the_whole_batch``: with ``gather_across_devices=True`` each rank's
+loss is the mean over its own rows against the gathered documents, and ``all_gather_with_grad`` sums in its
+backward every rank's gradient wrt. a rank's embeddings, so the mean over ranks of the per-rank parameter gradients
+(what DDP all-reduces) is the gradient of one process on the whole batch. Checked for our loss (plain model with an
+explicit all-reduce, and DDP-wrapped with ``find_unused_parameters`` both ways, where a comm hook also counts one
+gradient synchronisation per step, not one per mini-batch) and for stock ``MatryoshkaLoss(CachedMNRL)``.
+
+``test_trainer_ddp_ranks_end_with_identical_weights``: ``SentenceTransformerTrainer`` under DDP (2 gloo processes),
+2 steps, ``ddp_find_unused_parameters`` True and False.
+
+Every child runs with one thread; a failing child fails the test (its traceback is re-raised), a hung one is killed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD_SIZE = 2
+ROWS = 8  # whole batch; ROWS // WORLD_SIZE per process
+MINI_BATCH_SIZE = 3  # 4 local rows -> 2 embedding mini-batches per column
+DIMS, WEIGHTS = [48, 32, 8], [1.0, 0.5, 0.25]
+CASES = {
+    "pairs": (0, {}),
+    "triplets": (1, {}),
+    "triplets_all_directions": (
+        1,
+        dict(directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"), partition_mode="joint"),
+    ),
+    "triplets_hardness": (1, dict(hardness_mode="all_negatives", hardness_strength=5.0)),
+}
+MODES = ("ours", "ours_ddp_find_unused", "ours_ddp_static", "stock")
+JOIN_TIMEOUT_S = 300  # failure guard only: the whole file takes well under this
+WORDS = (
+    "the cat dog sat ran on a mat park city river blue green quick slow small large house tree book "
+    "reads writes old new music plays loud soft morning evening rain sun cloud"
+).split()
+
+
+def _texts(rows, seed):
+    """Sentences of 1 to 12 words, so that rows pad and sort differently on each process."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(1, 12))) for _ in range(rows)]
+
+
+def _columns(negatives, seed=11):
+    return [_texts(ROWS, seed + 100 * column) for column in range(2 + negatives)]
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(fn, *args):
+    """Run ``fn(rank, *args)`` in WORLD_SIZE spawned processes; re-raise a child's failure, kill them on timeout."""
+    context = mp.start_processes(fn, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        # join raises (and terminates the others) as soon as one child fails; True once all exited cleanly.
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{fn.__name__} did not finish within {JOIN_TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+
+
+def _child_setup(rank, port):
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD_SIZE),
+        LOCAL_WORLD_SIZE=str(WORLD_SIZE),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+
+
+def _make_loss(model, kind, config):
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss, MatryoshkaLoss
+
+    from st_cached_losses import CachedMatryoshkaLoss
+
+    gather = dist.is_initialized()
+    base = CachedMultipleNegativesRankingLoss(
+        model, mini_batch_size=MINI_BATCH_SIZE, gather_across_devices=gather, **config
+    )
+    if kind == "stock":
+        return MatryoshkaLoss(model, base, DIMS, WEIGHTS)
+    return CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=MINI_BATCH_SIZE)
+
+
+def _loss_and_grads(model, loss_fn, features):
+    model.zero_grad(set_to_none=True)
+    out = loss_fn(features, None)
+    total = torch.stack(list(out.values())).sum() if isinstance(out, dict) else out
+    total.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return total.detach(), grads
+
+
+def _gradient_worker(rank, port, state_path, out_path):
+    _child_setup(rank, port)
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from st_cached_losses.testing import tiny_sentence_transformer
+
+    # Built before the process group: once it exists, transformers' save_pretrained (which
+    # tiny_sentence_transformer goes through) writes nothing on ranks other than 0.
+    model = tiny_sentence_transformer()
+    model.load_state_dict(torch.load(state_path))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=120))
+    local = slice(rank * ROWS // WORLD_SIZE, (rank + 1) * ROWS // WORLD_SIZE)
+    results = {}
+    for case, (negatives, config) in CASES.items():
+        features = [model.preprocess(texts[local]) for texts in _columns(negatives)]
+        for mode in MODES:
+            loss_fn = _make_loss(model, "stock" if mode == "stock" else "ours", config)
+            syncs = None
+            if mode.startswith("ours_ddp"):
+                find_unused = mode == "ours_ddp_find_unused"
+                # Mean pooling leaves BERT's pooler unused: without find_unused_parameters DDP needs it frozen.
+                model[0].model.pooler.requires_grad_(find_unused)
+                ddp = DistributedDataParallel(model, find_unused_parameters=find_unused)
+                counter = {"syncs": 0}
+
+                def counting_hook(state, bucket):
+                    state["syncs"] += bucket.is_last()  # one per gradient synchronisation
+                    return allreduce_hook(None, bucket)
+
+                ddp.register_comm_hook(counter, counting_hook)
+                loss_fn.model = ddp  # as SentenceTransformerTrainer.override_model_in_loss does
+                loss, grads = _loss_and_grads(model, loss_fn, features)  # DDP averaged the gradients already
+                syncs = counter["syncs"]
+                loss_fn = ddp = None
+                gc.collect()  # the DDP reducer removes its gradient hooks from the parameters
+                model[0].model.pooler.requires_grad_(True)
+            else:
+                loss, grads = _loss_and_grads(model, loss_fn, features)
+                for grad in grads.values():
+                    dist.all_reduce(grad)
+                    grad /= WORLD_SIZE
+            dist.all_reduce(loss)
+            results[case, mode] = {"loss": float(loss) / WORLD_SIZE, "grads": grads, "syncs": syncs}
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _assert_grads_close(actual, expected, rtol=1e-4):
+    missing = expected.keys() - actual.keys()
+    assert not missing, f"no gradient for {sorted(missing)}"
+    largest = max(float(g.abs().max()) for g in expected.values())
+    for name, grad in expected.items():
+        # A parameter whose true gradient is ~0 (e.g. attention key biases) is compared at 1e-3 of the largest.
+        scale = max(float(grad.abs().max()), 1e-3 * largest)
+        torch.testing.assert_close(actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def one_process_and_two(tmp_path_factory, tiny_model):
+    """(whole-batch results on this process, {(case, mode): results mean-reduced over 2 processes})."""
+    tmp = tmp_path_factory.mktemp("distributed_gradients")
+    state_path, out_path = tmp / "state.pt", tmp / "results.pt"
+    torch.save(tiny_model.state_dict(), state_path)
+    reference = {}
+    for case, (negatives, config) in CASES.items():
+        features = [tiny_model.preprocess(texts) for texts in _columns(negatives)]
+        loss, grads = _loss_and_grads(tiny_model, _make_loss(tiny_model, "ours", config), features)
+        reference[case] = {"loss": float(loss), "grads": grads}
+    _spawn(_gradient_worker, _free_port(), str(state_path), str(out_path))
+    return reference, torch.load(out_path)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES)
+def test_gathered_gradients_match_one_process_on_the_whole_batch(one_process_and_two, case, mode):
+    reference, distributed = one_process_and_two
+    result = distributed[case, mode]
+    assert result["loss"] == pytest.approx(reference[case]["loss"], rel=1e-4)
+    _assert_grads_close(result["grads"], reference[case]["grads"])
+    if mode.startswith("ours_ddp"):
+        # 2 mini-batches per column are re-embedded in the backward pass; DDP all-reduces once, after the last.
+        assert result["syncs"] == 1
+
+
+def _trainer_worker(rank, port, out_dir):
+    _child_setup(rank, port)
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+
+    from st_cached_losses import CachedMatryoshkaLoss
+    from st_cached_losses.testing import tiny_sentence_transformer
+
+    dataset = Dataset.from_dict({column: _texts(32, seed) for seed, column in enumerate(("anchor", "positive", "negative"))})
+    # Both models are built before the first trainer initialises the process group (see _gradient_worker).
+    models = {find_unused: tiny_sentence_transformer(dropout=0.1, seed=3) for find_unused in (True, False)}
+    for find_unused, model in models.items():
+        if not find_unused:
+            model[0].model.pooler.requires_grad_(False)  # unused by mean pooling
+        initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+        base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH_SIZE, gather_across_devices=True)
+        loss = CachedMatryoshkaLoss(model, base, [48, 24, 8], [1.0, 0.5, 0.25])
+        anchors = []
+        loss.register_forward_pre_hook(lambda module, args: anchors.append(args[0][0]["input_ids"].clone()))
+        args = SentenceTransformerTrainingArguments(
+            output_dir=os.path.join(out_dir, f"run_{find_unused}_{rank}"),
+            max_steps=2,
+            per_device_train_batch_size=4,
+            learning_rate=1e-3,
+            report_to="none",
+            use_cpu=True,
+            ddp_backend="gloo",
+            ddp_find_unused_parameters=find_unused,
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            seed=0,
+        )
+        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
+        trainer.train()
+        weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        changed = sum(not torch.equal(weights[name], initial[name]) for name in weights)
+        torch.save(
+            {"weights": weights, "changed": changed, "anchors": anchors},
+            os.path.join(out_dir, f"find_unused_{find_unused}_rank{rank}.pt"),
+        )
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("distributed_trainer")
+    _spawn(_trainer_worker, _free_port(), str(out_dir))
+    return out_dir
+
+
+@pytest.mark.parametrize("find_unused", [True, False], ids=["find_unused", "static"])
+def test_trainer_ddp_ranks_end_with_identical_weights(trainer_runs, find_unused):
+    rank0, rank1 = (torch.load(trainer_runs / f"find_unused_{find_unused}_rank{rank}.pt") for rank in range(2))
+    assert len(rank0["anchors"]) == len(rank1["anchors"]) == 2  # 2 steps
+    # The ranks trained on different rows, so only synchronised gradients keep their weights equal.
+    assert not any(torch.equal(a, b) for a, b in zip(rank0["anchors"], rank1["anchors"]))
+    assert rank0["changed"] > len(rank0["weights"]) // 2
+    assert rank0["weights"].keys() == rank1["weights"].keys()
+    for name, weight in rank0["weights"].items():
+        torch.testing.assert_close(rank1["weights"][name], weight, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
