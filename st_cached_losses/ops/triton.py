@@ -37,8 +37,8 @@ from .spec import NORM_EPS, InfoNCESpec
 
 __all__ = ["MAX_DIMS", "forward", "supports", "cost_model", "benchmark"]
 
-# Each kernel keeps one (BM, BN) score tile per Matryoshka dim live; beyond this the unrolled code grows.
-MAX_DIMS = 16
+# The dims are a runtime loop; the forward kernel keeps a (BM, next_power_of_2(K)) running max and sum.
+MAX_DIMS = 64
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -144,47 +144,47 @@ def _online_lse(run_max, run_sum, t):
 @triton.jit
 def _lse_kernel(
     X, stride_x, INVX, n_rows, Y, stride_y, INVY, n_cols, DIMS, LSE, stride_lse, offset, bw, scale2, strength2,
-    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, ACC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr,
+    ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Forward: LSE[k, i] = logsumexp_j logit_k[i, j] for one row tile, all K dims, one direction.
 
     FlashAttention-2's (arXiv 2307.08691) online softmax without the value matmul, as in Inf-CL
-    (arXiv 2410.17243): a running max and sum per row and dim; the B x M scores are never stored.
-    The dot product is accumulated band by band from the smallest dim up, each prefix extending the
-    one below it, so the matmul work of all K dims is that of the largest (arXiv 2205.13147).
+    (arXiv 2410.17243): a running max and sum per row and dim, in (BM, KP) tiles (KP = K rounded up to
+    a power of two); the B x M scores are never stored. The dot product is accumulated band by band
+    from the smallest dim up, each prefix extending the one below it, so the matmul work of all K
+    dims is that of the largest (arXiv 2205.13147). The dims are a runtime loop, not unrolled: code
+    size and registers do not grow with K.
     """
     row0 = tl.program_id(0).to(tl.int64) * BM
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < n_rows
-    run_max = ()
-    run_sum = ()
-    for k in tl.static_range(K):
-        run_max = run_max + (tl.full((BM,), float("-inf"), ACC),)
-        run_sum = run_sum + (tl.zeros((BM,), ACC),)
+    dim_index = tl.arange(0, KP)[None, :]
+    run_max = tl.full((BM, KP), float("-inf"), ACC)
+    run_sum = tl.zeros((BM, KP), ACC)
     for c0 in range(0, n_cols, BN):
         col0 = tl.cast(c0, tl.int64)
         cols = col0 + tl.arange(0, BN)
         col_ok = cols < n_cols
         dot = tl.zeros((BM, BN), ACC)
-        new_max = ()
-        new_sum = ()
-        for k in tl.static_range(K - 1, -1, -1):  # smallest dim first
+        for i in range(K):
+            k = K - 1 - i  # smallest dim first
             lo = tl.load(DIMS + k + 1)
             hi = tl.load(DIMS + k)
             dot = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, lo, hi, dot, BM, BN, BD, PREC, UPCAST)
             a = _inv_norm(INVX, rows, row_ok, k, K, COSINE, ACC)
             b = _inv_norm(INVY, cols, col_ok, k, K, COSINE, ACC)
             t = _logits2(dot * a[:, None] * b[None, :], rows + offset, cols, col_ok, bw, scale2, strength2, MASK, HARD)
-            m, s = _online_lse(run_max[k], run_sum[k], t)
-            new_max = (m,) + new_max
-            new_sum = (s,) + new_sum
-        run_max = new_max
-        run_sum = new_sum
-    for k in tl.static_range(K):
-        # A sum of 0 comes with max -inf (every logit masked): log2(1) keeps the LSE at -inf, quietly.
-        lse = (run_max[k] + tl.log2(tl.where(run_sum[k] > 0, run_sum[k], 1.0))) * LN2
-        tl.store(LSE + k * stride_lse + rows, lse, mask=row_ok)
+            this_dim = dim_index == k
+            m, s = _online_lse(
+                tl.max(tl.where(this_dim, run_max, float("-inf")), 1), tl.sum(tl.where(this_dim, run_sum, 0.0), 1), t
+            )
+            run_max = tl.where(this_dim, m[:, None], run_max)
+            run_sum = tl.where(this_dim, s[:, None], run_sum)
+    # A sum of 0 comes with max -inf (every logit masked): log2(1) keeps the LSE at -inf, quietly.
+    lse = (run_max + tl.log2(tl.where(run_sum > 0, run_sum, 1.0))) * LN2
+    tl.store(LSE + dim_index * stride_lse + rows[:, None], lse, mask=row_ok[:, None] & (dim_index < K))
 
 
 @triton.jit
@@ -211,16 +211,16 @@ def _accumulate(DZ, stride_dz, z0, n_z, hz, v, d0, hi, BZ: tl.constexpr, BD: tl.
 def _band_step(
     X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, DZ, stride_dz, hz, lo, hi,
     ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, COL_SIDE: tl.constexpr,
-    RECOMPUTE: tl.constexpr, PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Band [lo, hi) of one tile: DZ += the gradient product (row side: hz @ Y, column side: hz @ X with
-    hz = h^T), and, if RECOMPUTE, this band's dot product X @ Y^T from the same chunk loads."""
+    hz = h^T), and this band's dot product X @ Y^T from the same chunk loads (unused after the
+    smallest dim's band: an extra d_K / d of a matmul, cheaper than a branch in the loop)."""
     band = tl.zeros((BM, BN), ACC)
     for d0 in range(lo, hi, BD):
         x = _load_chunk(X, stride_x, row0, n_rows, d0, hi, BM, BD)
         y = _load_chunk(Y, stride_y, col0, n_cols, d0, hi, BN, BD)
-        if RECOMPUTE:
-            band = _mm(x, tl.trans(y), band, PREC, UPCAST)
+        band = _mm(x, tl.trans(y), band, PREC, UPCAST)
         if COL_SIDE:
             _accumulate(DZ, stride_dz, col0, n_cols, hz, x, d0, hi, BN, BD, PREC_GRAD, UPCAST)
         else:
@@ -230,40 +230,46 @@ def _band_step(
 
 @triton.jit
 def _grad_tile(
-    X, stride_x, INVX, row0, n_rows, rows, row_ok, nrm2, Y, stride_y, INVY, col0, n_cols, cols, col_ok,
-    DZ, stride_dz, DIMS, W, offset, bw, scale2, strength2,
-    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, ACC: tl.constexpr, GD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, COL_SIDE: tl.constexpr,
+    X, stride_x, INVX, row0, n_rows, rows, row_ok, Y, stride_y, INVY, col0, n_cols, cols, col_ok,
+    DZ, stride_dz, RZ, DIMS, W, NRM2, offset, bw, scale2, strength2,
+    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, ACC: tl.constexpr,
+    GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, COL_SIDE: tl.constexpr,
     PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """One (row tile, column tile) of the backward pass: recompute the scores, then add the gradient
-    product of one side into DZ band by band; returns the per-dim sums sum w_k P sim_k over the other
-    side (a tuple of K vectors).
+    """One (row tile, column tile) of the backward pass: recompute the scores, add one side's gradient
+    product into DZ band by band, and (cosine) that side's sums w_k sum P sim_k into RZ (N, K).
 
     Band k ([d_{k+1}, d_k)) belongs to dims 0..k, so its gradient product uses h = sum_{k' <= k} of
     the per-dim gradient tiles: one D-wide matmul for all K dims. The dims are visited from the
     largest down, so each smaller prefix's dot product is the larger one minus the band between them,
-    recomputed from the chunks the gradient product loads anyway: only two (BM, BN) fp32 tiles stay
-    live for any K (storing K score tiles would spill registers or shrink the tiles). The subtraction
-    costs about eps * |x| |y| / (|x_:d| |y_:d|) relative error in the smallest dims' cosines.
+    recomputed from the chunks the gradient product loads anyway: two (BM, BN) fp32 tiles stay live
+    for any K (storing K score tiles would spill registers or shrink the tiles). The subtraction costs
+    about eps * |x| |y| / (|x_:d| |y_:d|) relative error in the smallest dims' cosines.
     """
     dot = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, 0, tl.load(DIMS), tl.zeros((BM, BN), ACC),
                     BM, BN, BD, PREC, UPCAST)  # fmt: skip
     h = tl.zeros((BM, BN), ACC)
-    sums = ()
-    for k in tl.static_range(K):
+    for k in range(K):  # largest dim first
         a = _inv_norm(INVX, rows, row_ok, k, K, COSINE, ACC)
         b = _inv_norm(INVY, cols, col_ok, k, K, COSINE, ACC)
         sim = dot * a[:, None] * b[None, :]
-        g = _softmax_grad_tile(sim, nrm2[k], tl.load(W + k), rows, cols, col_ok, offset, bw, scale2, strength2, MASK, HARD)
-        sums = sums + (tl.sum(g * sim, 1 - COL_SIDE),)
+        # Rows out of range get normaliser +inf, so a gradient of 0.
+        nrm2 = tl.load(NRM2 + k * n_rows + rows, mask=row_ok, other=float("inf"))
+        g = _softmax_grad_tile(sim, nrm2, tl.load(W + k), rows, cols, col_ok, offset, bw, scale2, strength2, MASK, HARD)
+        if COSINE:
+            # This program owns these RZ rows: a plain read-add-write, once per tile and dim.
+            if COL_SIDE:
+                ptrs = RZ + cols * K + k
+                tl.store(ptrs, tl.load(ptrs, mask=col_ok, other=0.0) + tl.sum(g * sim, 0), mask=col_ok)
+            else:
+                ptrs = RZ + rows * K + k
+                tl.store(ptrs, tl.load(ptrs, mask=row_ok, other=0.0) + tl.sum(g * sim, 1), mask=row_ok)
         h += g * a[:, None] * b[None, :]
         hz = tl.trans(h.to(GD)) if COL_SIDE else h.to(GD)
         band = _band_step(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, DZ, stride_dz, hz,
-                          tl.load(DIMS + k + 1), tl.load(DIMS + k), ACC, BM, BN, BD, COL_SIDE, k < K - 1,
-                          PREC, PREC_GRAD, UPCAST)  # fmt: skip
+                          tl.load(DIMS + k + 1), tl.load(DIMS + k), ACC, BM, BN, BD, COL_SIDE, PREC, PREC_GRAD,
+                          UPCAST)  # fmt: skip
         dot = dot - band
-    return sums
 
 
 @triton.jit
@@ -281,26 +287,12 @@ def _row_grad_kernel(
     row0 = tl.program_id(0).to(tl.int64) * BM
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < n_rows
-    nrm2 = ()
-    r_acc = ()
-    for k in tl.static_range(K):
-        nrm2 = nrm2 + (tl.load(NRM2 + k * n_rows + rows, mask=row_ok, other=float("inf")),)
-        r_acc = r_acc + (tl.zeros((BM,), ACC),)
     for c0 in range(0, n_cols, BN):
         col0 = tl.cast(c0, tl.int64)
         cols = col0 + tl.arange(0, BN)
-        col_ok = cols < n_cols
-        sums = _grad_tile(X, stride_x, INVX, row0, n_rows, rows, row_ok, nrm2, Y, stride_y, INVY, col0, n_cols, cols,
-                          col_ok, DX, stride_dx, DIMS, W, offset, bw, scale2, strength2, K, COSINE, MASK, HARD, ACC, GD,
-                          BM, BN, BD, False, PREC, PREC_GRAD, UPCAST)  # fmt: skip
-        new_r = ()
-        for k in tl.static_range(K):
-            new_r = new_r + (r_acc[k] + sums[k],)
-        r_acc = new_r
-    if COSINE:
-        for k in tl.static_range(K):
-            ptrs = RX + rows * K + k
-            tl.store(ptrs, tl.load(ptrs, mask=row_ok, other=0.0) + r_acc[k], mask=row_ok)
+        _grad_tile(X, stride_x, INVX, row0, n_rows, rows, row_ok, Y, stride_y, INVY, col0, n_cols, cols, cols < n_cols,
+                   DX, stride_dx, RX, DIMS, W, NRM2, offset, bw, scale2, strength2, K, COSINE, MASK, HARD, ACC, GD,
+                   BM, BN, BD, False, PREC, PREC_GRAD, UPCAST)  # fmt: skip
 
 
 @triton.jit
@@ -320,19 +312,9 @@ def _col_grad_kernel(
     for r0 in range(0, n_rows, BM):
         row0 = tl.cast(r0, tl.int64)
         rows = row0 + tl.arange(0, BM)
-        row_ok = rows < n_rows
-        nrm2 = ()
-        for k in tl.static_range(K):
-            nrm2 = nrm2 + (tl.load(NRM2 + k * n_rows + rows, mask=row_ok, other=float("inf")),)
-        sums = _grad_tile(X, stride_x, INVX, row0, n_rows, rows, row_ok, nrm2, Y, stride_y, INVY, col0, n_cols, cols,
-                          col_ok, DY, stride_dy, DIMS, W, offset, bw, scale2, strength2, K, COSINE, MASK, HARD, ACC, GD,
-                          BM, BN, BD, True, PREC, PREC_GRAD, UPCAST)  # fmt: skip
-        if COSINE:
-            # Per-column sums go straight to RY (this program's columns): K column vectors held
-            # across the sweep would cost K * BN / 4 registers per thread.
-            for k in tl.static_range(K):
-                ptrs = RY + cols * K + k
-                tl.store(ptrs, tl.load(ptrs, mask=col_ok, other=0.0) + sums[k], mask=col_ok)
+        _grad_tile(X, stride_x, INVX, row0, n_rows, rows, rows < n_rows, Y, stride_y, INVY, col0, n_cols, cols, col_ok,
+                   DY, stride_dy, RY, DIMS, W, NRM2, offset, bw, scale2, strength2, K, COSINE, MASK, HARD, ACC, GD,
+                   BM, BN, BD, True, PREC, PREC_GRAD, UPCAST)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -351,16 +333,17 @@ class TileConfig:
     num_stages: int = 2
 
 
-# Candidates in order of preference (the first that fits is the untuned default). BD = 32 keeps the
-# masked tail of bands like [32, 48) small; K score tiles of BM x BN fp32 must stay in registers.
+# Candidates, the untuned default first. Checked with compile_kernels + ptxas -v for sm_90 (bf16,
+# K = 5 and 8): 64 x 64 with 8 warps and 32 or 16 features per step compile without register
+# spills; the bigger tiles spill a little but halve the gradient accumulators' read-add-write
+# traffic (which scales as 1 / the swept tile), so the tuner times them too.
 CANDIDATES = (
-    TileConfig(64, 64, 32, 4, 3),
-    TileConfig(128, 64, 32, 8, 3),
-    TileConfig(64, 64, 64, 8, 2),
-    TileConfig(64, 32, 32, 4, 3),
-    TileConfig(32, 64, 32, 4, 3),
+    TileConfig(64, 64, 32, 8, 2),
+    TileConfig(64, 64, 16, 8, 2),
+    TileConfig(128, 64, 32, 8, 2),
+    TileConfig(64, 128, 32, 8, 2),
+    TileConfig(64, 32, 32, 4, 2),
     TileConfig(32, 32, 32, 4, 2),
-    TileConfig(32, 16, 32, 4, 2),
 )
 # The interpreter runs one numpy op per tile op: big tiles are fastest, and warps/stages are ignored.
 INTERPRETER_CONFIG = TileConfig(32, 32, 32)
@@ -368,27 +351,22 @@ AUTOTUNE = os.environ.get("ST_CACHED_LOSSES_TRITON_AUTOTUNE", "1") != "0"
 _TUNED: dict[tuple, TileConfig] = {}
 
 
-def _fits(config: TileConfig, num_dims: int) -> bool:
-    """The K live score tiles take at most ~96 fp32 registers per thread (32 threads per warp)."""
-    return num_dims * config.block_rows * config.block_cols <= 96 * 32 * config.num_warps
-
-
-def _pick_config(key: tuple, num_dims: int, launch, outputs: list[Tensor], chunk_size: int | None) -> TileConfig:
-    """Tile config for ``key`` (rounded shapes): timed once per key on CUDA on scratch outputs,
-    since the gradient kernels accumulate into theirs."""
-    fitting = [c for c in CANDIDATES if _fits(c, num_dims)]
-    base = INTERPRETER_CONFIG if _INTERPRETED else fitting[0]
+def _pick_config(key: tuple, launch, outputs: list[Tensor], chunk_size: int | None) -> TileConfig:
+    """Tile config for ``key`` (rounded shapes and the kernel's constants): timed once per key on CUDA
+    (set ST_CACHED_LOSSES_TRITON_AUTOTUNE=0 to skip), on scratch outputs since the gradient kernels
+    accumulate into theirs. ``chunk_size`` fixes the row tile instead."""
+    base = INTERPRETER_CONFIG if _INTERPRETED else CANDIDATES[0]
     if chunk_size is not None:
         rows = 1 << max(4, min(8, int(chunk_size).bit_length() - 1))  # a power of two in [16, 256]
         return TileConfig(rows, base.block_cols, base.block_d, base.num_warps, base.num_stages)
-    if _INTERPRETED or not AUTOTUNE or len(fitting) == 1:
+    if _INTERPRETED or not AUTOTUNE:
         return base
     if key not in _TUNED:
         times = []
-        for config in fitting:
+        for config in CANDIDATES:
             scratch = [torch.zeros_like(t) for t in outputs]
             times.append(triton.testing.do_bench(lambda: launch(config, scratch), warmup=5, rep=25))
-        _TUNED[key] = fitting[min(range(len(times)), key=times.__getitem__)]
+        _TUNED[key] = CANDIDATES[min(range(len(times)), key=times.__getitem__)]
     return _TUNED[key]
 
 
@@ -513,6 +491,7 @@ def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direc
     """lse (K, B) view: per-row LSE of one direction, all dims."""
     consts = {**_direction_consts(spec, direction), **types.consts}
     consts.pop("GD"), consts.pop("PREC_GRAD")
+    consts["KP"] = triton.next_power_of_2(len(spec.dims))
     n_rows, n_cols = x.x.shape[0], y.x.shape[0]
 
     def launch(cfg: TileConfig, outputs):
@@ -524,7 +503,7 @@ def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direc
         )  # fmt: skip
 
     key = _tune_key("lse", x, y, consts, x.x.dtype)
-    launch(_pick_config(key, len(spec.dims), launch, [lse], chunk_size), [lse])
+    launch(_pick_config(key, launch, [lse], chunk_size), [lse])
 
 
 def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction, types, chunk_size) -> None:
@@ -550,13 +529,12 @@ def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    num_dims = len(spec.dims)
     for kind, launch, outputs in (
         ("rows", launch_rows, [x.grad, placeholder if x.r is None else x.r]),
         ("cols", launch_cols, [y.grad, placeholder if y.r is None else y.r]),
     ):
         key = _tune_key(kind, x, y, consts, x.x.dtype)
-        launch(_pick_config(key, num_dims, launch, outputs, chunk_size), outputs)
+        launch(_pick_config(key, launch, outputs, chunk_size), outputs)
 
 
 def _positives(queries: Tensor, local_docs: Tensor, spec: InfoNCESpec, need_grad: bool, acc):
@@ -646,3 +624,198 @@ def forward(
     d_world = _finish_grad(ops["w"], spec) if "w" in ops else torch.zeros_like(world_queries, dtype=types.acc)
     dtype = queries.dtype
     return InfoNCEResult(per_dim, lse, (d_queries.to(dtype), d_docs.to(dtype), d_world.to(dtype)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tools: ahead-of-time compilation check, cost model, GPU benchmark
+# --------------------------------------------------------------------------------------------------
+
+_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def compile_kernels(
+    dtype: torch.dtype = torch.bfloat16,
+    num_dims: int = 5,
+    config: TileConfig | None = None,
+    arch: int = 90,
+    cosine: bool = True,
+    mask: int = MASK_OWN_DOCS,
+    hardness: int = 1,
+) -> dict:
+    """Compile the three kernels for an NVIDIA GPU of compute capability ``arch`` (90: H100/H200)
+    without a GPU, with Triton's LLVM and bundled ptxas.
+
+    The interpreter runs programs the compiler rejects (and says nothing of registers), so CI calls
+    this in a process without TRITON_INTERPRET. ``ptxas -v`` on ``kernel.asm["ptx"]`` reports spills.
+
+    Returns:
+        {kernel name: triton CompiledKernel} (``.asm`` holds "ttgir", "ptx", "cubin").
+
+    Raises:
+        RuntimeError: under the interpreter (TRITON_INTERPRET=1 at import), where no JIT kernels exist.
+    """
+    if _INTERPRETED:
+        raise RuntimeError("compile_kernels needs the compiler: import this module without TRITON_INTERPRET=1.")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    config = config or CANDIDATES[0]
+    types = _types(dtype)
+    emb, acc = _TRITON_DTYPES[dtype], _TRITON_DTYPES[types.acc]
+    pointers = {"X": emb, "Y": emb, "DIMS": "i64", **{n: acc for n in ("INVX", "INVY", "LSE", "DX", "DY", "RX", "RY", "NRM2", "W")}}
+    consts = dict(K=num_dims, KP=triton.next_power_of_2(num_dims), COSINE=cosine, MASK=mask, HARD=hardness, BM=config.block_rows, BN=config.block_cols,
+                  BD=config.block_d, **types.consts)  # fmt: skip
+    compiled = {}
+    for kernel in (_lse_kernel, _row_grad_kernel, _col_grad_kernel):
+        kernel_consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
+        signature = {}
+        for name in kernel.arg_names:
+            if name in kernel_consts:
+                signature[name] = "constexpr"
+            elif name in pointers:
+                signature[name] = "*" + pointers[name]
+            else:
+                signature[name] = "fp32" if name in ("scale2", "strength2") else "i32"
+        source = ASTSource(fn=kernel, signature=signature, constexprs=kernel_consts)
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        compiled[kernel.__name__] = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    return compiled
+
+
+# H100 SXM5 peaks (NVIDIA datasheet, dense): tensor cores per input dtype, FLOP/s; HBM3 bytes/s; exp2 on
+# the special function units, 1/s (FlashAttention-3, arXiv 2407.08608: 3.9 TFLOPS of exponentials);
+# L2 bytes/s is a microbenchmark figure, not a datasheet one.
+H100_SXM = {
+    "tensor_flops": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12, "fp64": 66.9e12},
+    "hbm_bytes": 3.35e12,
+    "exp2": 3.9e12,
+    "l2_bytes": 5.5e12,
+}
+
+
+def cost_model(
+    batch_size: int,
+    dims,
+    num_docs: int | None = None,
+    world_batch_size: int | None = None,
+    directions=("query_to_doc",),
+    dtype: torch.dtype = torch.bfloat16,
+    need_grad: bool = True,
+    config: TileConfig | None = None,
+    device: dict | None = None,
+) -> dict:
+    """Work of one ``forward`` call of this backend, and its lower-bound times on ``device`` (H100 SXM).
+
+    Per direction with R rows and N columns, d = max(dims), K dims, e bytes per input
+    element, tiles BM x BN:
+      matmul FLOPs: forward 2RNd; each gradient kernel 6RNd (scores, the band re-dots that give the
+        smaller prefixes, the gradient product); exp2: K R N per kernel;
+      L2 -> SM bytes: each kernel streams embedding chunks, e R N d (1/BM + 1/BN) per score pass (two
+        passes in a gradient kernel), and a gradient kernel reads and writes its fp32 accumulator
+        chunk once per tile of the swept side: 8 R N d / BN (rows) and 8 R N d / BM (columns);
+      HBM bytes: the embeddings once per kernel, the fp32 gradients once per kernel, and the host's
+        finishing passes (scale, K norm corrections, cast): about 4 (K + 3) bytes per gradient element.
+
+    Returns:
+        dict with "matmul_flops", "exp2", "l2_bytes", "hbm_bytes", "seconds" ({"tensor", "exp2", "l2",
+        "hbm"}: each term at the device's peak), "bound" (the largest term's name) and "seconds_bound".
+    """
+    device = device or H100_SXM
+    config = config or CANDIDATES[0]
+    world = world_batch_size or batch_size
+    num_docs = num_docs or world
+    d, k = max(dims), len(dims)
+    e = torch.finfo(dtype).bits // 8
+    bm, bn = config.block_rows, config.block_cols
+    columns = {"query_to_doc": num_docs, "doc_to_doc": num_docs, "query_to_query": world, "doc_to_query": world}
+    flops = exp2 = l2 = hbm = 0.0
+    for direction in directions:
+        r, n = batch_size, columns[direction]
+        stream = e * r * n * d * (1 / bm + 1 / bn)
+        flops += 2 * r * n * d
+        exp2 += k * r * n
+        l2 += stream
+        hbm += e * (r + n) * d
+        if need_grad:
+            flops += 2 * 6 * r * n * d
+            exp2 += 2 * k * r * n
+            l2 += 4 * stream + 8 * r * n * d * (1 / bn + 1 / bm)
+            hbm += 2 * (e + 8) * (r + n) * d
+    if need_grad:
+        hbm += 4 * (k + 3) * (batch_size + num_docs + world) * d
+    precision = _TRITON_DTYPES[dtype]
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        precision = "tf32"
+    seconds = {
+        "tensor": flops / device["tensor_flops"][precision],
+        "exp2": exp2 / device["exp2"],
+        "l2": l2 / device["l2_bytes"],
+        "hbm": hbm / device["hbm_bytes"],
+    }
+    bound = max(seconds, key=seconds.get)
+    return {"matmul_flops": flops, "exp2": exp2, "l2_bytes": l2, "hbm_bytes": hbm, "seconds": seconds,
+            "bound": bound, "seconds_bound": seconds[bound]}  # fmt: skip
+
+
+def benchmark(
+    batch_size: int = 16384,
+    dim: int = 768,
+    dims=(768, 512, 256, 128, 64),
+    negatives: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    directions=("query_to_doc",),
+    backends=("triton", "chunked"),
+    repeats: int = 10,
+    seed: int = 0,
+) -> list[dict]:
+    """Time ``matryoshka_infonce`` forward + backward on the current CUDA device, side by side.
+
+    Each backend runs once untimed (compilation, tile tuning), then ``repeats`` times between CUDA
+    events. Peak memory is what the step allocates beyond its inputs.
+
+    Returns:
+        One dict per backend: "backend", "batch_size", "num_docs", "dim", "dims", "dtype", "seconds"
+        (median), "peak_bytes", "loss", "tflops" (model matmul FLOPs / seconds), and the cost model's
+        "seconds_bound", "bound" and "fraction_of_bound" (bound / measured).
+
+    Raises:
+        RuntimeError: without a CUDA device.
+    """
+    from . import matryoshka_infonce
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("benchmark needs a CUDA device.")
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    queries = torch.randn(batch_size, dim, device="cuda", dtype=dtype, generator=generator)
+    docs = torch.randn(batch_size * (1 + negatives), dim, device="cuda", dtype=dtype, generator=generator)
+    model = cost_model(batch_size, dims, num_docs=docs.shape[0], directions=directions, dtype=dtype)
+    rows = []
+    for backend in backends:
+
+        def step():
+            q, c = queries.detach().requires_grad_(), docs.detach().requires_grad_()
+            loss = matryoshka_infonce(q, c, dims=list(dims), directions=directions, backend=backend)
+            loss.backward()
+            return loss
+
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        seconds = sorted(times)[len(times) // 2]
+        rows.append({
+            "backend": backend, "batch_size": batch_size, "num_docs": docs.shape[0], "dim": dim, "dims": list(dims),
+            "dtype": str(dtype).removeprefix("torch."), "seconds": seconds,
+            "peak_bytes": torch.cuda.max_memory_allocated() - base, "loss": float(loss),
+            "tflops": model["matmul_flops"] / seconds / 1e12, "seconds_bound": model["seconds_bound"],
+            "bound": model["bound"], "fraction_of_bound": model["seconds_bound"] / seconds,
+        })  # fmt: skip
+    return rows

@@ -1,0 +1,234 @@
+"""The Triton backend under Triton's CPU interpreter, against the dense reference on the same inputs.
+
+TRITON_INTERPRET must be set before the kernels are decorated (triton.jit picks the interpreter at
+decoration time), so it is set here, before the backend is imported; if another test module imported
+the backend first without it, the module is reloaded. Shapes stay small: the interpreter runs each
+tile op as a numpy op, program by program.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from st_cached_losses import matryoshka_infonce  # noqa: E402
+from st_cached_losses.ops import InfoNCESpec, run_backend  # noqa: E402
+from st_cached_losses.ops import triton as triton_backend  # noqa: E402
+
+if not triton_backend._INTERPRETED:  # imported earlier in this process without the interpreter
+    triton_backend = importlib.reload(triton_backend)
+
+ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+RTOL = 1e-4  # fp32
+
+
+def _problem(batch, dim, negatives=1, world=None, offset=0, dtype=torch.float32, seed=0, **options):
+    """(queries, docs, world_queries, spec): this rank owns world rows [offset, offset + batch)."""
+    generator = torch.Generator().manual_seed(seed)
+    world = world or batch
+    world_queries = torch.randn(world, dim, generator=generator).to(dtype)
+    docs = torch.randn(world * (1 + negatives), dim, generator=generator).to(dtype)
+    queries = world_queries[offset : offset + batch].clone()
+    options = {
+        "dims": [dim],
+        "weights": None,
+        "scale": 20.0,
+        "similarity": "cosine",
+        "directions": ("query_to_doc",),
+        "partition_mode": "joint",
+        "hardness_mode": None,
+        "hardness_strength": 0.0,
+        **options,
+    }
+    spec = InfoNCESpec.build(queries, docs, world_queries if world != batch else None, offset=offset, **options)
+    return queries, docs, world_queries, spec
+
+
+def _assert_close(actual, expected, rtol, what):
+    """Entries are compared at rtol of the largest one (|true gradient| ~ 0 entries included)."""
+    scale = max(float(expected.abs().max()), 1.0)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what}: {m}")
+
+
+def _assert_matches_dense(queries, docs, world, spec, rtol=RTOL, grad_rtol=RTOL, chunk_size=None):
+    got = run_backend("triton", queries, docs, world, spec, need_grad=True, chunk_size=chunk_size)
+    # The truth: the dense reference in fp32 on the same (upcast) values.
+    want = run_backend("dense", queries.float(), docs.float(), world.float(), spec, need_grad=True)
+    assert got.per_dim.dtype == torch.float32 and got.lse.shape == want.lse.shape
+    _assert_close(got.per_dim, want.per_dim, rtol, "per_dim")
+    assert torch.equal(torch.isinf(got.lse), torch.isinf(want.lse)), "fully masked rows must have LSE -inf"
+    finite = torch.isfinite(want.lse)
+    _assert_close(got.lse[finite], want.lse[finite], rtol, "lse")
+    for name, g, w, x in zip(("d_queries", "d_docs", "d_world_queries"), got.grads, want.grads, (queries, docs, world)):
+        assert g.dtype == x.dtype and g.shape == x.shape, name
+        _assert_close(g.float(), w, grad_rtol, name)
+    return got
+
+
+def test_interpreter_is_active():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(triton_backend._lse_kernel, InterpretedFunction)
+
+
+# Ragged shapes: B=37 and M=74 are not multiples of the 32-row/column interpreter tiles, D=48 and
+# the dims 40, 24 are not multiples of the 32-feature chunks.
+CASES = {
+    "ragged_q2d": dict(batch=37, dim=48, dims=[48, 24, 40], weights=[1.0, 0.5, 2.0]),
+    "all_directions_joint": dict(batch=37, dim=48, dims=[48, 16], directions=ALL_DIRECTIONS),
+    "q2q_joint": dict(batch=21, dim=40, dims=[40, 8], directions=("query_to_doc", "query_to_query")),
+    "d2d_joint": dict(batch=21, dim=40, dims=[40, 8], negatives=2, directions=("query_to_doc", "doc_to_doc")),
+    "symmetric_per_direction": dict(
+        batch=37, dim=48, dims=[48, 24], directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"
+    ),
+    "in_batch_hardness": dict(batch=21, dim=40, dims=[40, 8], negatives=2, hardness_mode="in_batch_negatives",
+                              hardness_strength=9.0),
+    "hard_negatives_hardness": dict(batch=21, dim=40, dims=[40, 8], negatives=2, hardness_mode="hard_negatives",
+                                    hardness_strength=5.0),
+    "all_negatives_hardness_all_directions": dict(batch=21, dim=40, dims=[40, 8], negatives=2,
+                                                  hardness_mode="all_negatives", hardness_strength=3.0,
+                                                  directions=ALL_DIRECTIONS),
+    "gathered_offset": dict(batch=20, world=45, offset=17, dim=40, dims=[40, 24, 8], directions=ALL_DIRECTIONS,
+                            hardness_mode="in_batch_negatives", hardness_strength=4.0),
+    "dot_all_directions": dict(batch=21, dim=40, dims=[40, 12], similarity="dot", scale=0.5, directions=ALL_DIRECTIONS),
+    "dims_96_48": dict(batch=19, dim=96, dims=[96, 48], negatives=0, scale=50.0),
+    "single_pair_fully_masked_rows": dict(batch=1, dim=16, dims=[16, 4], negatives=0, directions=ALL_DIRECTIONS),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_dense_fp32(case):
+    _assert_matches_dense(*_problem(**case))
+
+
+def test_row_tiles_smaller_than_batch():
+    """chunk_size picks the row tile: 16 rows, so B=37 spans three row tiles, the last one ragged."""
+    queries, docs, world, spec = _problem(batch=37, dim=48, dims=[48, 24], directions=ALL_DIRECTIONS)
+    _assert_matches_dense(queries, docs, world, spec, chunk_size=16)
+
+
+@pytest.mark.parametrize(
+    "dtype, grad_rtol",
+    # bf16: the softmax tile is rounded to bf16 for the gradient matmul (as FlashAttention-2 does for
+    # P @ V) and the gradients are returned in bf16 (2^-9 relative); fp16 keeps the tile in fp32.
+    [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)],
+)
+def test_half_precision_against_fp32_truth(dtype, grad_rtol):
+    queries, docs, world, spec = _problem(
+        batch=37, dim=96, dims=[96, 48], world=45, offset=5, dtype=dtype, directions=ALL_DIRECTIONS,
+        hardness_mode="all_negatives", hardness_strength=2.0,
+    )  # fmt: skip
+    got = _assert_matches_dense(queries, docs, world, spec, rtol=1e-4, grad_rtol=grad_rtol)
+    assert all(g.dtype == dtype for g in got.grads)
+
+
+def test_fp64_inputs_accumulate_in_fp64():
+    queries, docs, world, spec = _problem(batch=19, dim=40, dims=[40, 8], dtype=torch.float64)
+    got = run_backend("triton", queries, docs, world, spec, need_grad=True)
+    want = run_backend("dense", queries, docs, world, spec, need_grad=True)
+    assert got.per_dim.dtype == torch.float64
+    # The scale enters the kernels as an fp32 scalar, so agreement is ~1e-7 rather than 1e-15.
+    _assert_close(got.per_dim, want.per_dim, 1e-6, "per_dim")
+    for g, w in zip(got.grads, want.grads):
+        _assert_close(g, w, 1e-6, "grad")
+
+
+def test_no_grad_and_deterministic():
+    queries, docs, world, spec = _problem(batch=37, dim=48, dims=[48, 24], directions=ALL_DIRECTIONS)
+    first = run_backend("triton", queries, docs, world, spec, need_grad=True)
+    second = run_backend("triton", queries, docs, world, spec, need_grad=True)
+    no_grad = run_backend("triton", queries, docs, world, spec, need_grad=False)
+    assert no_grad.grads is None
+    assert torch.equal(no_grad.per_dim, first.per_dim) and torch.equal(no_grad.lse, first.lse)
+    for a, b in zip(first.grads, second.grads):  # fixed summation order, no atomics
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_public_op_backward(gathered):
+    generator = torch.Generator().manual_seed(3)
+    world_q = torch.randn(30, 48, generator=generator)
+    docs = torch.randn(60, 48, generator=generator)
+    offset, batch = (7, 16) if gathered else (0, 30)
+    results = {}
+    for backend in ("triton", "dense"):
+        q = world_q[offset : offset + batch].clone().requires_grad_()
+        wq = world_q.clone().requires_grad_()
+        c = docs.clone().requires_grad_()
+        loss, per_dim = matryoshka_infonce(
+            q, c, dims=[24, 48], weights=[2.0, 1.0], offset=offset, backend=backend, return_per_dim=True,
+            world_queries=wq if gathered else None, directions=("query_to_doc", "doc_to_query"),
+        )  # fmt: skip
+        (3.0 * loss).backward()
+        results[backend] = (loss.detach(), per_dim, q.grad, c.grad, wq.grad)
+    for got, want in zip(results["triton"], results["dense"]):
+        if want is None:
+            assert got is None
+        else:
+            _assert_close(got, want, RTOL, "matryoshka_infonce")
+
+
+def test_too_many_dims_not_implemented():
+    too_many = triton_backend.MAX_DIMS + 1
+    queries, docs, world, spec = _problem(batch=4, dim=too_many, dims=list(range(1, too_many + 1)))
+    assert not triton_backend.supports(spec)
+    with pytest.raises(NotImplementedError, match="Matryoshka dims"):
+        run_backend("triton", queries, docs, world, spec, need_grad=False)
+    # "auto" routes it elsewhere (on CUDA too, since supports() is False).
+    assert torch.isfinite(matryoshka_infonce(queries, docs, dims=list(spec.dims), backend="auto"))
+
+
+def _run_python(code: str, **env) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environ.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+
+
+def test_cpu_without_interpreter_raises_clear_error():
+    result = _run_python("""
+        import torch
+        from st_cached_losses import matryoshka_infonce
+        from st_cached_losses.ops import InfoNCESpec, run_backend
+        q, c = torch.randn(4, 8), torch.randn(4, 8)
+        for call in (
+            lambda: matryoshka_infonce(q, c, dims=[8], backend="triton"),
+            lambda: run_backend("triton", q, c, q, InfoNCESpec.build(q, c, None, dims=[8], weights=None, scale=20.0,
+                similarity="cosine", offset=0, directions=("query_to_doc",), partition_mode="joint",
+                hardness_mode=None, hardness_strength=0.0), need_grad=False),
+        ):
+            try:
+                call()
+            except ValueError as error:
+                assert "TRITON_INTERPRET=1" in str(error) and "chunked" in str(error), error
+            else:
+                raise AssertionError("no error")
+        print("ok")
+    """)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_kernels_compile_for_hopper():
+    """The interpreter runs programs the compiler rejects: compile all three kernels for sm_90 (no GPU
+    needed: Triton's LLVM and bundled ptxas), in a process without TRITON_INTERPRET."""
+    pytest.importorskip("triton.backends.nvidia")
+    result = _run_python("""
+        import torch
+        from st_cached_losses.ops import triton as backend
+        kernels = backend.compile_kernels(dtype=torch.bfloat16, num_dims=3, arch=90)
+        assert set(kernels) == {"_lse_kernel", "_row_grad_kernel", "_col_grad_kernel"}
+        assert all(k.asm.get("cubin") for k in kernels.values())
+        print("ok")
+    """)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
