@@ -26,7 +26,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -427,7 +426,8 @@ def _types(dtype: torch.dtype) -> _Types:
 def _check_inputs(queries: Tensor, spec: InfoNCESpec) -> None:
     if not supports(spec):
         raise NotImplementedError(
-            f"backend='triton' supports at most {MAX_DIMS} Matryoshka dims, got {len(spec.dims)}: use backend='chunked'."
+            f"backend='triton' supports at most {MAX_DIMS} Matryoshka dims, got {len(spec.dims)}: use "
+            "backend='chunked'."
         )
     if queries.dtype not in _DTYPES:
         raise NotImplementedError(
@@ -483,8 +483,9 @@ def _scalars(spec: InfoNCESpec) -> tuple:
 
 
 def _tune_key(kind: str, x: _Operand, y: _Operand, consts: dict, dtype) -> tuple:
-    d = x.x.shape[1]
-    return (kind, *_round_key(x.x.shape[0], y.x.shape[0]), -(-d // 64) * 64, dtype, tuple(sorted(consts.items())), x.x.device)
+    """Shapes rounded up to powers of two (rows, columns) and to a multiple of 64 (features)."""
+    d = -(-x.x.shape[1] // 64) * 64
+    return (kind, *_round_key(x.x.shape[0], y.x.shape[0]), d, dtype, tuple(sorted(consts.items())), x.x.device)
 
 
 def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direction, types, chunk_size) -> None:
@@ -537,36 +538,54 @@ def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction
         launch(_pick_config(key, launch, outputs, chunk_size), outputs)
 
 
-def _positives(queries: Tensor, local_docs: Tensor, spec: InfoNCESpec, need_grad: bool, acc):
-    """pos_k[i] = scale * sim_k(q_i, c_{offset+i}) (K, B), and the gradients of -sum_k w_k mean_i pos_k
-    wrt (queries, local docs): row-wise O(K B D) work, done with autograd."""
-    leaves = [t.detach().to(acc).requires_grad_(need_grad) for t in (queries, local_docs)]
-    with torch.enable_grad() if need_grad else torch.no_grad():
-        q, c = leaves
-        sims = []
-        for d in spec.dims:
-            qd, cd = q[:, :d], c[:, :d]
-            if spec.cosine:
-                qd, cd = F.normalize(qd, dim=1, eps=NORM_EPS), F.normalize(cd, dim=1, eps=NORM_EPS)
-            sims.append((qd * cd).sum(1))
-        pos = spec.scale * torch.stack(sims)
-        grads = None
-        if need_grad:
-            weights = torch.tensor(spec.weights, dtype=acc, device=pos.device)
-            grads = torch.autograd.grad(-(weights * pos.mean(1)).sum(), leaves)
-    return pos.detach(), grads
+def _bands(spec: InfoNCESpec):
+    """(k, lo, hi) of band k = features [d_{k+1}, d_k), largest dim first (d_{K+1} = 0)."""
+    bounds = (*spec.dims, 0)
+    return [(k, bounds[k + 1], bounds[k]) for k in range(len(spec.dims))]
 
 
-def _finish_grad(op: _Operand, spec: InfoNCESpec) -> Tensor:
-    """op.grad * scale / B, plus (cosine) the prefix norms' share: -(scale / B) r_k / ||x_:d_k||^2 x_:d_k."""
-    factor = spec.scale / spec.batch_size
-    grad = op.grad.mul_(factor)
+def _positive_cosines(ops: dict[str, _Operand], spec: InfoNCESpec, acc) -> Tensor:
+    """sim_k(q_i, c_{offset+i}) (K, B): row-wise band dot products summed from the smallest band up."""
+    q, c = ops["q"].x, ops["d"].x
+    band_dots = torch.stack([(q[:, lo:hi].to(acc) * c[:, lo:hi].to(acc)).sum(1) for _, lo, hi in _bands(spec)])
+    dots = band_dots.flip(0).cumsum(0).flip(0)  # prefix k = bands k..K-1
     if spec.cosine:
-        # F.normalize's clamp_min(eps) passes no gradient to a norm below eps.
-        coef = factor * op.r * op.inv.square() * (op.norms > NORM_EPS)
-        for k, d in enumerate(spec.dims):
-            grad[:, :d].addcmul_(coef[:, k : k + 1], op.x[:, :d].to(grad.dtype), value=-1.0)
-    return grad
+        dots = dots * ops["q"].inv.T * ops["d"].inv.T
+    return dots
+
+
+def _finish_grads(ops: dict[str, _Operand], spec: InfoNCESpec, pos_sims: Tensor) -> None:
+    """In place: each ``grad`` becomes the gradient of sum_k w_k L_k wrt its rows.
+
+    The kernels left sum_k (w_k P_k a_k b_k) @ y band by band, and r_k = sum_j w_k P_k sim_k. Here, per
+    band m (features of dims 0..m), all with the factor scale / B:
+      - the prefix norms' share (cosine): -a_k^2 r_k x, summed over k <= m (F.normalize's clamp at eps
+        passes no gradient to a norm below it);
+      - the positive logit, -w_k sim_k(q_i, c_{offset+i}): -w_k a_k b_k times the partner row, and
+        +w_k a_k^2 sim_k times the row itself (cosine).
+    Band-wise in-place updates: no temporaries of the embeddings' size.
+    """
+    weights = torch.tensor(spec.weights, dtype=pos_sims.dtype, device=pos_sims.device)
+    local = slice(spec.offset, spec.offset + spec.batch_size)
+    q, d = ops["q"], ops["d"]
+    if spec.cosine:
+        q.r -= (weights[:, None] * pos_sims).T
+        d.r -= (weights[:, None] * pos_sims).T  # a view into the docs' r
+        partner = (weights[:, None] * q.inv.T * d.inv.T).cumsum(0).T  # (B, K): sum_{k <= m} w_k a_k b_k
+    else:
+        partner = weights.cumsum(0).expand(spec.batch_size, -1)
+    for k, lo, hi in _bands(spec):
+        q.grad[:, lo:hi].addcmul_(partner[:, k : k + 1], d.x[:, lo:hi], value=-1.0)
+        d.grad[:, lo:hi].addcmul_(partner[:, k : k + 1], q.x[:, lo:hi], value=-1.0)
+    for name in ("q", "c", "w"):
+        op = ops.get(name)
+        if op is None:
+            continue
+        if spec.cosine:
+            norm_share = (op.r * op.inv.square() * (op.norms > NORM_EPS)).cumsum(1)  # (N, K), sum over k <= m
+            for k, lo, hi in _bands(spec):
+                op.grad[:, lo:hi].addcmul_(norm_share[:, k : k + 1], op.x[:, lo:hi], value=-1.0)
+        op.grad.mul_(spec.scale / spec.batch_size)
 
 
 def forward(
@@ -603,9 +622,9 @@ def forward(
         rows, cols = DIRECTION_OPERANDS[direction][:2]
         _launch_lse(ops[rows], ops[cols], dims, lse[:, index], spec, direction, types, chunk_size)
 
-    pos, pos_grads = _positives(queries, ops["d"].x, spec, need_grad, types.acc)
+    pos_sims = _positive_cosines(ops, spec, types.acc)
     log_z = torch.logsumexp(lse, dim=1) if spec.partition_mode == "joint" else lse.mean(dim=1)
-    per_dim = (log_z - pos).mean(dim=1)
+    per_dim = (log_z - spec.scale * pos_sims).mean(dim=1)
     if not need_grad:
         return InfoNCEResult(per_dim, lse, None)
 
@@ -618,12 +637,10 @@ def forward(
         nrm2 = (nrm * LOG2E).contiguous()
         _launch_grads(ops[rows], ops[cols], dims, weights, nrm2, spec, direction, types, chunk_size)
 
-    d_queries, d_docs = _finish_grad(ops["q"], spec), _finish_grad(ops["c"], spec)
-    d_queries += pos_grads[0]
-    d_docs[spec.offset : spec.offset + spec.batch_size] += pos_grads[1]
-    d_world = _finish_grad(ops["w"], spec) if "w" in ops else torch.zeros_like(world_queries, dtype=types.acc)
+    _finish_grads(ops, spec, pos_sims)
     dtype = queries.dtype
-    return InfoNCEResult(per_dim, lse, (d_queries.to(dtype), d_docs.to(dtype), d_world.to(dtype)))
+    d_world = ops["w"].grad.to(dtype) if "w" in ops else torch.zeros_like(world_queries)
+    return InfoNCEResult(per_dim, lse, (ops["q"].grad.to(dtype), ops["c"].grad.to(dtype), d_world))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -662,9 +679,10 @@ def compile_kernels(
     config = config or CANDIDATES[0]
     types = _types(dtype)
     emb, acc = _TRITON_DTYPES[dtype], _TRITON_DTYPES[types.acc]
-    pointers = {"X": emb, "Y": emb, "DIMS": "i64", **{n: acc for n in ("INVX", "INVY", "LSE", "DX", "DY", "RX", "RY", "NRM2", "W")}}
-    consts = dict(K=num_dims, KP=triton.next_power_of_2(num_dims), COSINE=cosine, MASK=mask, HARD=hardness, BM=config.block_rows, BN=config.block_cols,
-                  BD=config.block_d, **types.consts)  # fmt: skip
+    pointers = {"X": emb, "Y": emb, "DIMS": "i64"}
+    pointers.update({name: acc for name in ("INVX", "INVY", "LSE", "DX", "DY", "RX", "RY", "NRM2", "W")})
+    consts = dict(K=num_dims, KP=triton.next_power_of_2(num_dims), COSINE=cosine, MASK=mask, HARD=hardness,
+                  BM=config.block_rows, BN=config.block_cols, BD=config.block_d, **types.consts)  # fmt: skip
     compiled = {}
     for kernel in (_lse_kernel, _row_grad_kernel, _col_grad_kernel):
         kernel_consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
