@@ -31,16 +31,24 @@ WORLD_SIZE = 2
 ROWS = 8  # whole batch; ROWS // WORLD_SIZE per process
 MINI_BATCH_SIZE = 3  # 4 local rows -> 2 embedding mini-batches per column
 DIMS, WEIGHTS = [48, 32, 8], [1.0, 0.5, 0.25]
-CASES = {
+CASES = {  # name: (hard negatives per row, base loss config)
     "pairs": (0, {}),
     "triplets": (1, {}),
-    "triplets_all_directions": (
+    # query_to_query and doc_to_query read the gathered queries; the hardness penalty reads the own-columns layout.
+    "triplets_all_directions_hardness": (
         1,
-        dict(directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"), partition_mode="joint"),
+        dict(
+            directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
+            hardness_mode="all_negatives",
+            hardness_strength=5.0,
+        ),
     ),
-    "triplets_hardness": (1, dict(hardness_mode="all_negatives", hardness_strength=5.0)),
 }
-MODES = ("ours", "ours_ddp_find_unused", "ours_ddp_static", "stock")
+# ours: plain model, gradients all-reduced by hand; ours_ddp_*: DDP-wrapped model (find_unused_parameters True /
+# False; token_budget: mini_batch_num_tokens, so that the ranks re-embed different numbers of mini-batches);
+# stock: MatryoshkaLoss(CachedMultipleNegativesRankingLoss(gather_across_devices=True)), all-reduced by hand.
+MODES = ("ours", "ours_ddp_find_unused", "ours_ddp_static", "ours_ddp_token_budget", "stock")
+TOKEN_BUDGET = 24
 JOIN_TIMEOUT_S = 300  # failure guard only: the whole file takes well under this
 WORDS = (
     "the cat dog sat ran on a mat park city river blue green quick slow small large house tree book "
@@ -96,7 +104,7 @@ def _child_setup(rank, port):
     )
 
 
-def _make_loss(model, kind, config):
+def _make_loss(model, kind, config, mini_batch_num_tokens=None):
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss, MatryoshkaLoss
 
     from st_cached_losses import CachedMatryoshkaLoss
@@ -107,7 +115,9 @@ def _make_loss(model, kind, config):
     )
     if kind == "stock":
         return MatryoshkaLoss(model, base, DIMS, WEIGHTS)
-    return CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=MINI_BATCH_SIZE)
+    return CachedMatryoshkaLoss(
+        model, base, DIMS, WEIGHTS, mini_batch_size=MINI_BATCH_SIZE, mini_batch_num_tokens=mini_batch_num_tokens
+    )
 
 
 def _loss_and_grads(model, loss_fn, features):
@@ -120,40 +130,63 @@ def _loss_and_grads(model, loss_fn, features):
     return total.detach(), grads
 
 
-def _gradient_worker(rank, port, state_path, out_path):
+def _worker(rank, port, state_path, out_dir):
+    """One spawned process: the gradient cases, then the trainer runs, on one gloo process group."""
     _child_setup(rank, port)
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel
-
     from st_cached_losses.testing import tiny_sentence_transformer
 
-    # Built before the process group: once it exists, transformers' save_pretrained (which
+    # Models are built before the process group: once it exists, transformers' save_pretrained (which
     # tiny_sentence_transformer goes through) writes nothing on ranks other than 0.
     model = tiny_sentence_transformer()
     model.load_state_dict(torch.load(state_path))
+    trainer_models = {find_unused: tiny_sentence_transformer(dropout=0.1, seed=3) for find_unused in (True, False)}
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=120))
+    results = _gradient_cases(rank, model)
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "gradients.pt"))
+    for find_unused, trainer_model in trainer_models.items():
+        # SentenceTransformerTrainer (accelerate) finds the process group initialised and uses it.
+        run = _train_two_steps(trainer_model, find_unused, os.path.join(out_dir, f"run_{find_unused}_{rank}"))
+        torch.save(run, os.path.join(out_dir, f"trainer_find_unused_{find_unused}_rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _gradient_cases(rank, model):
+    """{(case, mode): loss and parameter gradients, both averaged over the ranks} for this rank's rows."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
     local = slice(rank * ROWS // WORLD_SIZE, (rank + 1) * ROWS // WORLD_SIZE)
     results = {}
     for case, (negatives, config) in CASES.items():
         features = [model.preprocess(texts[local]) for texts in _columns(negatives)]
         for mode in MODES:
-            loss_fn = _make_loss(model, "stock" if mode == "stock" else "ours", config)
-            syncs = None
+            budget = TOKEN_BUDGET if mode == "ours_ddp_token_budget" else None
+            loss_fn = _make_loss(model, "stock" if mode == "stock" else "ours", config, budget)
+            syncs = forwards = None
             if mode.startswith("ours_ddp"):
-                find_unused = mode == "ours_ddp_find_unused"
+                find_unused = mode != "ours_ddp_static"
                 # Mean pooling leaves BERT's pooler unused: without find_unused_parameters DDP needs it frozen.
                 model[0].model.pooler.requires_grad_(find_unused)
                 ddp = DistributedDataParallel(model, find_unused_parameters=find_unused)
-                counter = {"syncs": 0}
+                counter = {"syncs": 0, "forwards": 0}
 
                 def counting_hook(state, bucket):
                     state["syncs"] += bucket.is_last()  # one per gradient synchronisation
                     return allreduce_hook(None, bucket)
 
+                def count_forward(module, args):
+                    counter["forwards"] += 1
+
+                forward_hook = model.register_forward_pre_hook(count_forward)
                 ddp.register_comm_hook(counter, counting_hook)
                 loss_fn.model = ddp  # as SentenceTransformerTrainer.override_model_in_loss does
                 loss, grads = _loss_and_grads(model, loss_fn, features)  # DDP averaged the gradients already
                 syncs = counter["syncs"]
+                forwards = [None] * WORLD_SIZE  # embedding forwards of each rank: 2 per mini-batch
+                dist.all_gather_object(forwards, counter["forwards"])
+                forward_hook.remove()
                 loss_fn = ddp = None
                 gc.collect()  # the DDP reducer removes its gradient hooks from the parameters
                 model[0].model.pooler.requires_grad_(True)
@@ -163,11 +196,22 @@ def _gradient_worker(rank, port, state_path, out_path):
                     dist.all_reduce(grad)
                     grad /= WORLD_SIZE
             dist.all_reduce(loss)
-            results[case, mode] = {"loss": float(loss) / WORLD_SIZE, "grads": grads, "syncs": syncs}
-    if rank == 0:
-        torch.save(results, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+            results[case, mode] = {
+                "loss": float(loss) / WORLD_SIZE,
+                "grads": grads,
+                "syncs": syncs,
+                "forwards": forwards,
+            }
+    return results
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory, tiny_model):
+    """Run the 2 processes once for the whole module; returns the folder holding their results."""
+    out_dir = tmp_path_factory.mktemp("distributed")
+    torch.save(tiny_model.state_dict(), out_dir / "state.pt")
+    _spawn(_worker, _free_port(), str(out_dir / "state.pt"), str(out_dir))
+    return out_dir
 
 
 def _assert_grads_close(actual, expected, rtol=1e-4):
@@ -181,18 +225,14 @@ def _assert_grads_close(actual, expected, rtol=1e-4):
 
 
 @pytest.fixture(scope="module")
-def one_process_and_two(tmp_path_factory, tiny_model):
-    """(whole-batch results on this process, {(case, mode): results mean-reduced over 2 processes})."""
-    tmp = tmp_path_factory.mktemp("distributed_gradients")
-    state_path, out_path = tmp / "state.pt", tmp / "results.pt"
-    torch.save(tiny_model.state_dict(), state_path)
+def one_process_and_two(spawned, tiny_model):
+    """(whole-batch results on this one process, {(case, mode): results averaged over the 2 processes})."""
     reference = {}
     for case, (negatives, config) in CASES.items():
         features = [tiny_model.preprocess(texts) for texts in _columns(negatives)]
         loss, grads = _loss_and_grads(tiny_model, _make_loss(tiny_model, "ours", config), features)
         reference[case] = {"loss": float(loss), "grads": grads}
-    _spawn(_gradient_worker, _free_port(), str(state_path), str(out_path))
-    return reference, torch.load(out_path)
+    return reference, torch.load(spawned / "gradients.pt")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -203,67 +243,64 @@ def test_gathered_gradients_match_one_process_on_the_whole_batch(one_process_and
     assert result["loss"] == pytest.approx(reference[case]["loss"], rel=1e-4)
     _assert_grads_close(result["grads"], reference[case]["grads"])
     if mode.startswith("ours_ddp"):
-        # 2 mini-batches per column are re-embedded in the backward pass; DDP all-reduces once, after the last.
+        # Every mini-batch is embedded twice (without, then with gradients); the backward pass re-embeds them one
+        # by one, and DDP all-reduces once, after the last one, not once per mini-batch.
+        columns = 2 + CASES[case][0]
+        if mode == "ours_ddp_token_budget":
+            assert result["forwards"][0] != result["forwards"][1], "pick TOKEN_BUDGET so that the ranks differ"
+        else:
+            assert result["forwards"] == [2 * 2 * columns] * WORLD_SIZE  # 4 local rows: 2 mini-batches per column
         assert result["syncs"] == 1
 
 
-def _trainer_worker(rank, port, out_dir):
-    _child_setup(rank, port)
+def _train_two_steps(model, find_unused, output_dir):
+    """SentenceTransformerTrainer, 2 steps of 4 rows per rank, gather_across_devices=True; returns the weights."""
     from datasets import Dataset
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
     from st_cached_losses import CachedMatryoshkaLoss
-    from st_cached_losses.testing import tiny_sentence_transformer
 
-    dataset = Dataset.from_dict({column: _texts(32, seed) for seed, column in enumerate(("anchor", "positive", "negative"))})
-    # Both models are built before the first trainer initialises the process group (see _gradient_worker).
-    models = {find_unused: tiny_sentence_transformer(dropout=0.1, seed=3) for find_unused in (True, False)}
-    for find_unused, model in models.items():
-        if not find_unused:
-            model[0].model.pooler.requires_grad_(False)  # unused by mean pooling
-        initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-        base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH_SIZE, gather_across_devices=True)
-        loss = CachedMatryoshkaLoss(model, base, [48, 24, 8], [1.0, 0.5, 0.25])
-        anchors = []
-        loss.register_forward_pre_hook(lambda module, args: anchors.append(args[0][0]["input_ids"].clone()))
-        args = SentenceTransformerTrainingArguments(
-            output_dir=os.path.join(out_dir, f"run_{find_unused}_{rank}"),
-            max_steps=2,
-            per_device_train_batch_size=4,
-            learning_rate=1e-3,
-            report_to="none",
-            use_cpu=True,
-            ddp_backend="gloo",
-            ddp_find_unused_parameters=find_unused,
-            save_strategy="no",
-            logging_steps=1,
-            disable_tqdm=True,
-            seed=0,
-        )
-        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
-        trainer.train()
-        weights = {name: p.detach().clone() for name, p in model.named_parameters()}
-        changed = sum(not torch.equal(weights[name], initial[name]) for name in weights)
-        torch.save(
-            {"weights": weights, "changed": changed, "anchors": anchors},
-            os.path.join(out_dir, f"find_unused_{find_unused}_rank{rank}.pt"),
-        )
+    columns = ("anchor", "positive", "negative")
+    dataset = Dataset.from_dict({column: _texts(32, seed) for seed, column in enumerate(columns)})
+    if not find_unused:
+        model[0].model.pooler.requires_grad_(False)  # unused by mean pooling
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH_SIZE, gather_across_devices=True)
+    loss = CachedMatryoshkaLoss(model, base, [48, 24, 8], [1.0, 0.5, 0.25])
+    seen = []  # (anchor input_ids, type of the model the loss embeds with) per step
 
+    def record(module, args):
+        seen.append((args[0][0]["input_ids"].clone(), type(module.model).__name__))
 
-@pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("distributed_trainer")
-    _spawn(_trainer_worker, _free_port(), str(out_dir))
-    return out_dir
+    loss.register_forward_pre_hook(record)
+    args = SentenceTransformerTrainingArguments(
+        output_dir=output_dir,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to="none",
+        use_cpu=True,
+        ddp_backend="gloo",
+        ddp_find_unused_parameters=find_unused,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+    )
+    SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss).train()
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    changed = sum(not torch.equal(weights[name], initial[name]) for name in weights)
+    return {"weights": weights, "changed": changed, "seen": seen}
 
 
 @pytest.mark.parametrize("find_unused", [True, False], ids=["find_unused", "static"])
-def test_trainer_ddp_ranks_end_with_identical_weights(trainer_runs, find_unused):
-    rank0, rank1 = (torch.load(trainer_runs / f"find_unused_{find_unused}_rank{rank}.pt") for rank in range(2))
-    assert len(rank0["anchors"]) == len(rank1["anchors"]) == 2  # 2 steps
+def test_trainer_ddp_ranks_end_with_identical_weights(spawned, find_unused):
+    rank0, rank1 = (torch.load(spawned / f"trainer_find_unused_{find_unused}_rank{rank}.pt") for rank in range(2))
+    assert len(rank0["seen"]) == len(rank1["seen"]) == 2  # 2 steps
+    assert {model for _, model in rank0["seen"] + rank1["seen"]} == {"DistributedDataParallel"}
     # The ranks trained on different rows, so only synchronised gradients keep their weights equal.
-    assert not any(torch.equal(a, b) for a, b in zip(rank0["anchors"], rank1["anchors"]))
+    assert not any(torch.equal(a, b) for (a, _), (b, _) in zip(rank0["seen"], rank1["seen"]))
     assert rank0["changed"] > len(rank0["weights"]) // 2
     assert rank0["weights"].keys() == rank1["weights"].keys()
     for name, weight in rank0["weights"].items():
