@@ -4,8 +4,9 @@
 loss is the mean over its own rows against the gathered documents, and ``all_gather_with_grad`` sums in its
 backward every rank's gradient wrt. a rank's embeddings, so the mean over ranks of the per-rank parameter gradients
 (what DDP all-reduces) is the gradient of one process on the whole batch. Checked for our loss (plain model with an
-explicit all-reduce, and DDP-wrapped with ``find_unused_parameters`` both ways, where a comm hook also counts one
-gradient synchronisation per step, not one per mini-batch) and for stock ``MatryoshkaLoss(CachedMNRL)``.
+explicit all-reduce; DDP-wrapped with ``find_unused_parameters`` both ways and with a token budget that gives the
+ranks different numbers of mini-batches, where a comm hook also counts one gradient synchronisation per step, not
+one per mini-batch) and for stock ``MatryoshkaLoss(CachedMNRL)``. The gradient cache holds only the local rows.
 
 ``test_trainer_ddp_ranks_end_with_identical_weights``: ``SentenceTransformerTrainer`` under DDP (2 gloo processes),
 2 steps, ``ddp_find_unused_parameters`` True and False.
@@ -164,7 +165,7 @@ def _gradient_cases(rank, model):
         for mode in MODES:
             budget = TOKEN_BUDGET if mode == "ours_ddp_token_budget" else None
             loss_fn = _make_loss(model, "stock" if mode == "stock" else "ours", config, budget)
-            syncs = forwards = None
+            syncs = forwards = cache_rows = None
             if mode.startswith("ours_ddp"):
                 find_unused = mode != "ours_ddp_static"
                 # Mean pooling leaves BERT's pooler unused: without find_unused_parameters DDP needs it frozen.
@@ -191,6 +192,8 @@ def _gradient_cases(rank, model):
                 gc.collect()  # the DDP reducer removes its gradient hooks from the parameters
                 model[0].model.pooler.requires_grad_(True)
             else:
+                if mode == "ours":
+                    loss_fn.calculate_loss = _recording_cache_rows(loss_fn.calculate_loss, cache_rows := [])
                 loss, grads = _loss_and_grads(model, loss_fn, features)
                 for grad in grads.values():
                     dist.all_reduce(grad)
@@ -201,8 +204,20 @@ def _gradient_cases(rank, model):
                 "grads": grads,
                 "syncs": syncs,
                 "forwards": forwards,
+                "cache_rows": cache_rows,
             }
     return results
+
+
+def _recording_cache_rows(calculate_loss, rows):
+    """Wrap step (2) to append, per column, the rows of the gradient cache it leaves on the embeddings."""
+
+    def wrapped(reps, labels=None, **kwargs):
+        loss = calculate_loss(reps, labels, **kwargs)
+        rows.extend(sum(rep.grad.shape[0] for rep in column) for column in reps)
+        return loss
+
+    return wrapped
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +257,8 @@ def test_gathered_gradients_match_one_process_on_the_whole_batch(one_process_and
     result = distributed[case, mode]
     assert result["loss"] == pytest.approx(reference[case]["loss"], rel=1e-4)
     _assert_grads_close(result["grads"], reference[case]["grads"])
+    if mode == "ours":
+        assert result["cache_rows"] == [ROWS // WORLD_SIZE] * (2 + CASES[case][0])  # only this rank's rows
     if mode.startswith("ours_ddp"):
         # Every mini-batch is embedded twice (without, then with gradients); the backward pass re-embeds them one
         # by one, and DDP all-reduces once, after the last one, not once per mini-batch.
