@@ -189,6 +189,23 @@ def test_too_many_dims_not_implemented():
     assert torch.isfinite(matryoshka_infonce(queries, docs, dims=list(spec.dims), backend="auto"))
 
 
+def test_cost_model_counts():
+    """Forward 2RNd + two gradient kernels 6RNd each; exp2 K R N per kernel; the largest term bounds."""
+    model = triton_backend.cost_model(1024, [64, 32], num_docs=2048, dtype=torch.bfloat16)
+    assert model["matmul_flops"] == 14 * 1024 * 2048 * 64
+    assert model["exp2"] == 3 * 2 * 1024 * 2048
+    assert model["seconds_bound"] == max(model["seconds"].values()) == model["seconds"][model["bound"]]
+    no_grad = triton_backend.cost_model(1024, [64, 32], num_docs=2048, need_grad=False)
+    assert no_grad["matmul_flops"] == 2 * 1024 * 2048 * 64
+
+
+def test_benchmark_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        triton_backend.benchmark(batch_size=8, dim=16, dims=(16,))
+
+
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     environ.update(env)

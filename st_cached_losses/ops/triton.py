@@ -34,7 +34,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from .result import InfoNCEResult
 from .spec import NORM_EPS, InfoNCESpec
 
-__all__ = ["MAX_DIMS", "forward", "supports", "cost_model", "benchmark"]
+__all__ = ["CANDIDATES", "MAX_DIMS", "TileConfig", "benchmark", "compile_kernels", "cost_model", "forward", "supports"]
 
 # The dims are a runtime loop; the forward kernel keeps a (BM, next_power_of_2(K)) running max and sum.
 MAX_DIMS = 64
@@ -159,7 +159,7 @@ def _lse_kernel(
     row0 = tl.program_id(0).to(tl.int64) * BM
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < n_rows
-    dim_index = tl.arange(0, KP)[None, :]
+    dim_index = tl.arange(0, KP).to(tl.int64)[None, :]
     run_max = tl.full((BM, KP), float("-inf"), ACC)
     run_sum = tl.zeros((BM, KP), ACC)
     for c0 in range(0, n_cols, BN):
@@ -253,7 +253,7 @@ def _grad_tile(
         b = _inv_norm(INVY, cols, col_ok, k, K, COSINE, ACC)
         sim = dot * a[:, None] * b[None, :]
         # Rows out of range get normaliser +inf, so a gradient of 0.
-        nrm2 = tl.load(NRM2 + k * n_rows + rows, mask=row_ok, other=float("inf"))
+        nrm2 = tl.load(NRM2 + tl.cast(k, tl.int64) * n_rows + rows, mask=row_ok, other=float("inf"))
         g = _softmax_grad_tile(sim, nrm2, tl.load(W + k), rows, cols, col_ok, offset, bw, scale2, strength2, MASK, HARD)
         if COSINE:
             # This program owns these RZ rows: a plain read-add-write, once per tile and dim.
@@ -332,17 +332,18 @@ class TileConfig:
     num_stages: int = 2
 
 
-# Candidates, the untuned default first. Checked with compile_kernels + ptxas -v for sm_90 (bf16,
-# K = 5 and 8): 64 x 64 with 8 warps and 32 or 16 features per step compile without register
-# spills; the bigger tiles spill a little but halve the gradient accumulators' read-add-write
-# traffic (which scales as 1 / the swept tile), so the tuner times them too.
+# Candidates the tuner times. Checked with compile_kernels + ptxas -v for sm_90, K = 3, 5 and 8:
+# 64 x 64 with 8 warps compiles without register spills (32 features per step for bf16/fp16/TF32,
+# 16 for IEEE fp32, whose dot products run on the FMA units); fp64 needs 32 x 32 x 16. The bigger
+# tiles spill a little but halve the gradient accumulators' read-add-write traffic (which scales as
+# 1 / the swept tile), so the tuner times them too.
 CANDIDATES = (
     TileConfig(64, 64, 32, 8, 2),
     TileConfig(64, 64, 16, 8, 2),
     TileConfig(128, 64, 32, 8, 2),
     TileConfig(64, 128, 32, 8, 2),
     TileConfig(64, 32, 32, 4, 2),
-    TileConfig(32, 32, 32, 4, 2),
+    TileConfig(32, 32, 16, 4, 2),
 )
 # The interpreter runs one numpy op per tile op: big tiles are fastest, and warps/stages are ignored.
 INTERPRETER_CONFIG = TileConfig(32, 32, 32)
@@ -350,11 +351,22 @@ AUTOTUNE = os.environ.get("ST_CACHED_LOSSES_TRITON_AUTOTUNE", "1") != "0"
 _TUNED: dict[tuple, TileConfig] = {}
 
 
-def _pick_config(key: tuple, launch, outputs: list[Tensor], chunk_size: int | None) -> TileConfig:
-    """Tile config for ``key`` (rounded shapes and the kernel's constants): timed once per key on CUDA
-    (set ST_CACHED_LOSSES_TRITON_AUTOTUNE=0 to skip), on scratch outputs since the gradient kernels
-    accumulate into theirs. ``chunk_size`` fixes the row tile instead."""
-    base = INTERPRETER_CONFIG if _INTERPRETED else CANDIDATES[0]
+def default_config(dtype: torch.dtype) -> TileConfig:
+    """The untuned tile config for embeddings of ``dtype`` (see CANDIDATES)."""
+    if _INTERPRETED:
+        return INTERPRETER_CONFIG
+    if dtype == torch.float64:
+        return CANDIDATES[5]
+    if dtype == torch.float32 and _types(dtype).consts["PREC"] == "ieee":
+        return CANDIDATES[1]
+    return CANDIDATES[0]
+
+
+def _pick_config(key: tuple, dtype: torch.dtype, launch, outputs: list[Tensor], chunk_size: int | None) -> TileConfig:
+    """Tile config for ``key`` (the kernel, rounded shapes, dtype and constants; see ``_tune_key``):
+    timed once per key on CUDA (set ST_CACHED_LOSSES_TRITON_AUTOTUNE=0 to skip), on scratch outputs
+    since the gradient kernels accumulate into theirs. ``chunk_size`` fixes the row tile instead."""
+    base = default_config(dtype)
     if chunk_size is not None:
         rows = 1 << max(4, min(8, int(chunk_size).bit_length() - 1))  # a power of two in [16, 256]
         return TileConfig(rows, base.block_cols, base.block_d, base.num_warps, base.num_stages)
@@ -504,7 +516,7 @@ def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direc
         )  # fmt: skip
 
     key = _tune_key("lse", x, y, consts, x.x.dtype)
-    launch(_pick_config(key, launch, [lse], chunk_size), [lse])
+    launch(_pick_config(key, x.x.dtype, launch, [lse], chunk_size), [lse])
 
 
 def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction, types, chunk_size) -> None:
@@ -535,7 +547,7 @@ def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction
         ("cols", launch_cols, [y.grad, placeholder if y.r is None else y.r]),
     ):
         key = _tune_key(kind, x, y, consts, x.x.dtype)
-        launch(_pick_config(key, launch, outputs, chunk_size), outputs)
+        launch(_pick_config(key, x.x.dtype, launch, outputs, chunk_size), outputs)
 
 
 def _bands(spec: InfoNCESpec):
@@ -676,7 +688,7 @@ def compile_kernels(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    config = config or CANDIDATES[0]
+    config = config or default_config(dtype)
     types = _types(dtype)
     emb, acc = _TRITON_DTYPES[dtype], _TRITON_DTYPES[types.acc]
     pointers = {"X": emb, "Y": emb, "DIMS": "i64"}
@@ -728,9 +740,10 @@ def cost_model(
     element, tiles BM x BN:
       matmul FLOPs: forward 2RNd; each gradient kernel 6RNd (scores, the band re-dots that give the
         smaller prefixes, the gradient product); exp2: K R N per kernel;
-      L2 -> SM bytes: each kernel streams embedding chunks, e R N d (1/BM + 1/BN) per score pass (two
-        passes in a gradient kernel), and a gradient kernel reads and writes its fp32 accumulator
-        chunk once per tile of the swept side: 8 R N d / BN (rows) and 8 R N d / BM (columns);
+      L2 -> SM bytes: a program streams the swept side's embedding chunks, e R N d / BM (forward and
+        row kernels) or / BN (column kernel) per score pass, two passes in a gradient kernel (its own
+        tile's chunks are assumed to hit L1), and a gradient kernel reads and writes its fp32
+        accumulator chunk once per swept tile: 8 R N d / BN (row kernel), 8 R N d / BM (column kernel);
       HBM bytes: the embeddings once per kernel, the fp32 gradients once per kernel, and the host's
         finishing passes (scale, K norm corrections, cast): about 4 (K + 3) bytes per gradient element.
 
@@ -749,15 +762,14 @@ def cost_model(
     flops = exp2 = l2 = hbm = 0.0
     for direction in directions:
         r, n = batch_size, columns[direction]
-        stream = e * r * n * d * (1 / bm + 1 / bn)
         flops += 2 * r * n * d
         exp2 += k * r * n
-        l2 += stream
+        l2 += e * r * n * d / bm
         hbm += e * (r + n) * d
         if need_grad:
             flops += 2 * 6 * r * n * d
             exp2 += 2 * k * r * n
-            l2 += 4 * stream + 8 * r * n * d * (1 / bn + 1 / bm)
+            l2 += (2 * e + 8) * r * n * d * (1 / bm + 1 / bn)
             hbm += 2 * (e + 8) * (r + n) * d
     if need_grad:
         hbm += 4 * (k + 3) * (batch_size + num_docs + world) * d
@@ -793,8 +805,9 @@ def benchmark(
 
     Returns:
         One dict per backend: "backend", "batch_size", "num_docs", "dim", "dims", "dtype", "seconds"
-        (median), "peak_bytes", "loss", "tflops" (model matmul FLOPs / seconds), and the cost model's
-        "seconds_bound", "bound" and "fraction_of_bound" (bound / measured).
+        (median), "peak_bytes", "loss", "tflops" (the Triton cost model's matmul FLOPs / seconds: an
+        effective rate, comparable across backends), and the cost model's "seconds_bound", "bound" and
+        "fraction_of_bound" (bound / measured).
 
     Raises:
         RuntimeError: without a CUDA device.
@@ -814,7 +827,7 @@ def benchmark(
             q, c = queries.detach().requires_grad_(), docs.detach().requires_grad_()
             loss = matryoshka_infonce(q, c, dims=list(dims), directions=directions, backend=backend)
             loss.backward()
-            return loss
+            return loss.detach()
 
         step()
         torch.cuda.synchronize()
