@@ -75,10 +75,10 @@ def test_deduplicate_drops_ambiguous_anchors():
 
 
 def test_pairs_are_deterministic_across_processes(pairs):
-    """Same pairs in a fresh process with another hash seed that first imports transformers (which patches
-    logging.Logger) and sentence_transformers."""
+    """Same pairs in a fresh process with another hash seed that first imports transformers (which adds
+    methods to logging.Logger), and in this one, where pytest has replaced sys.unraisablehook."""
     code = (
-        "import json, sys, sentence_transformers, transformers\n"
+        "import json, sys, transformers\n"
         "from st_cached_losses.data import stdlib_pairs\n"
         "json.dump(stdlib_pairs(), sys.stdout)\n"
     )

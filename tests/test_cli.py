@@ -1,0 +1,222 @@
+"""`st-cached-losses train` end to end on a tiny model and a small slice of the built-in data, plus bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+
+from st_cached_losses import cli
+from st_cached_losses.cli import build_evaluate, load_pairs, main
+from st_cached_losses.data import load_stdlib_dataset
+from st_cached_losses.testing import tiny_sentence_transformer
+
+# 48 training pairs in batches of 16 (3 steps an epoch, 2 taken), 24 held-out queries: seconds on a CPU.
+SMALL = ["--max-train-samples", "48", "--max-eval-samples", "24", "--batch-size", "16", "--mini-batch-size", "8",
+         "--max-steps", "2", "--learning-rate", "1e-3", "--seed", "3"]
+ERROR_PREFIX = "st-cached-losses train: error: "
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A saved 2-layer BERT with 64-dim embeddings: the default dims are then [64, 32]."""
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    tiny_sentence_transformer(hidden_size=64).save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tiny_dir, tmp_path_factory):
+    """One default-dims run on the built-in data: (output dir, results.json, stdout)."""
+    out = tmp_path_factory.mktemp("run") / "out"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["train", "--model", str(tiny_dir), *SMALL, "--output-dir", str(out)])
+    assert code == 0
+    return out, json.loads((out / "results.json").read_text()), stdout.getvalue()
+
+
+def _train(tiny_dir, out, *extra: str) -> int:
+    return main(["train", "--model", str(tiny_dir), *SMALL, "--output-dir", str(out), *extra])
+
+
+def _stdlib_jsonl(path, rows: int, columns=("anchor", "positive", "negative")):
+    """The first ``rows`` built-in training pairs as JSON lines; the negative is the next row's positive."""
+    train = load_stdlib_dataset()["train"]
+    with open(path, "w") as f:
+        for i in range(rows):
+            row = {"anchor": train[i]["anchor"], "positive": train[i]["positive"],
+                   "negative": train[i + 1]["positive"], "module": train[i]["module"]}
+            f.write(json.dumps({c: row[c] for c in columns}) + "\n")
+    return path
+
+
+def test_results_schema(run):
+    out, results, _ = run
+    assert set(results) == {"config", "before", "after", "train_seconds", "peak_memory_bytes"}
+    for stage in ("before", "after"):
+        assert list(results[stage]) == ["64", "32"]  # the model's dim halved down to 32
+        for metrics in results[stage].values():
+            assert list(metrics) == ["ndcg@10", "mrr@10", "recall@10"]
+            assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in metrics.values())
+            # with 24 queries each metric is a mean of per-query values, so MRR <= Recall
+            assert metrics["mrr@10"] <= metrics["recall@10"] + 1e-12
+    assert results["before"] != results["after"]
+    assert 0 < results["train_seconds"] < 600
+    assert 50 * 2**20 < results["peak_memory_bytes"] < 64 * 2**30  # peak RSS of this process, in bytes
+    config = results["config"]
+    assert config["dims"] == [64, 32] and config["batch_size"] == 16 and config["mini_batch_size"] == 8
+    assert config["steps"] == 2 and config["train_pairs"] == 48 and config["eval_queries"] == 24
+    assert config["eval_corpus"] == 24 and config["dataset"] == "stdlib" and config["seed"] == 3
+    assert sorted(p.name for p in out.iterdir()) == ["model", "results.json"]
+    assert not list(out.parent.glob(".*"))  # no staging or backup directory left behind
+
+
+def test_saved_model_is_the_trained_one(run, tiny_dir):
+    """Re-evaluating the saved model gives the 'after' numbers, the initial one the 'before' numbers, and
+    the weights moved: the table is about the model that was trained and written."""
+    out, results, _ = run
+    trained = SentenceTransformer(str(out / "model"), device="cpu")
+    initial = SentenceTransformer(str(tiny_dir), device="cpu")
+    assert trained.get_embedding_dimension() == 64 and trained.max_seq_length == 64
+    changed = [not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), initial.state_dict().values())]
+    assert sum(changed) > len(changed) // 2
+    assert "CachedMatryoshkaLoss" in (out / "model" / "README.md").read_text()  # the model card
+
+    _, test = load_pairs("stdlib", seed=3, max_eval=24)
+    evaluate = build_evaluate(test, [64, 32])
+    for model, stage in ((trained, "after"), (initial, "before")):
+        for dim, metrics in evaluate(model).items():
+            assert metrics == pytest.approx(results[stage][dim], abs=1e-6)
+
+
+def test_shared_encoding_matches_truncate_dim(tiny_dir):
+    """The evaluator's one-encoding-for-all-dims shortcut gives what a plain truncate_dim evaluator gives."""
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+    model = SentenceTransformer(str(tiny_dir), device="cpu")
+    _, test = load_pairs("stdlib", seed=0, max_eval=20)
+    shared = build_evaluate(test, [64, 16])(model)
+    queries = dict(enumerate(test["anchor"]))
+    corpus = {f"d{i}": t for i, t in enumerate(test["positive"])}
+    relevant = {i: {f"d{i}"} for i in range(len(test))}
+    for dim in (64, 16):
+        plain = InformationRetrievalEvaluator(queries, corpus, relevant, truncate_dim=dim, write_csv=False)(model)
+        assert shared[str(dim)]["ndcg@10"] == pytest.approx(plain["cosine_ndcg@10"], abs=1e-6)
+        assert shared[str(dim)]["recall@10"] == pytest.approx(plain["cosine_recall@10"], abs=1e-6)
+    assert shared["64"] != shared["16"]
+
+
+def test_prints_the_table(run):
+    _, results, stdout = run
+    assert "NDCG@10" in stdout and "Recall@10" in stdout and "train:" in stdout
+    after = results["after"]["32"]["ndcg@10"]
+    assert any(line.split()[0] == "32" and f"{after:.4f}" in line for line in stdout.splitlines() if line.strip())
+
+
+def test_local_jsonl_with_negatives_and_compare_stock(tiny_dir, tmp_path):
+    data = _stdlib_jsonl(tmp_path / "pairs.jsonl", rows=60)
+    out = tmp_path / "out"
+    assert _train(tiny_dir, out, "--dataset", str(data), "--dims", "16", "48", "--compare-stock") == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["after"]) == ["48", "16"]
+    assert results["config"]["dataset"] == str(data) and results["config"]["train_pairs"] == 48
+    # a local file is split 80/20 with the seed; negatives join the evaluation corpus
+    assert results["config"]["eval_queries"] == 12 and results["config"]["eval_corpus"] > 12
+    stock = results["compare_stock"]
+    assert stock["train_seconds"] > 0
+    assert stock["speedup"] == pytest.approx(stock["train_seconds"] / results["train_seconds"])
+
+
+def test_overwrite_replaces_a_previous_run(run, tiny_dir, tmp_path):
+    previous, _, _ = run
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    assert _train(tiny_dir, out, "--overwrite", "--max-steps", "1") == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["steps"] == 1 and results["config"]["overwrite"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the old run and the staging dir are gone
+
+
+def test_failure_while_writing_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
+    def broken_publish(staging, target):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cli, "publish", broken_publish)
+    with pytest.raises(OSError, match="disk full"):
+        _train(tiny_dir, tmp_path / "out", "--max-steps", "1")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _unknown_model(tmp):
+    return ["--model", str(tmp / "no-such-model")]
+
+
+def _dataset_without_positive(tmp):
+    return ["--dataset", str(_stdlib_jsonl(tmp / "qa.jsonl", 8, columns=("anchor", "negative")))]
+
+
+def _previous_run(tmp):
+    (tmp / "prev" / "model").mkdir(parents=True)
+    (tmp / "prev" / "results.json").write_text("{}")
+    return ["--output-dir", str(tmp / "prev")]
+
+
+def _not_a_run(tmp):
+    (tmp / "notes").mkdir()
+    (tmp / "notes" / "keep.txt").write_text("mine")
+    return ["--output-dir", str(tmp / "notes"), "--overwrite"]
+
+
+BAD_INPUTS = {
+    "unknown model": (_unknown_model, "no-such-model': no such directory"),
+    "dataset columns": (_dataset_without_positive, "needs an 'anchor' and a 'positive' column"),
+    "missing dataset file": (lambda tmp: ["--dataset", str(tmp / "none.jsonl")], "none.jsonl': no such file"),
+    "dims larger than model": (lambda tmp: ["--dims", "64", "128"], "--dims 128 is larger than the model's embedding "
+                               "dimension 64"),
+    "repeated dims": (lambda tmp: ["--dims", "32", "32"], "repeats a dim"),
+    "batch smaller than mini-batch": (lambda tmp: ["--batch-size", "4", "--mini-batch-size", "8"],
+                                      "--batch-size 4 is smaller than --mini-batch-size 8"),
+    "previous run": (_previous_run, "holds a previous run; pass --overwrite to replace it"),
+    "not a run, even with --overwrite": (_not_a_run, "holds no previous run"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_and_exit_2(case, tiny_dir, tmp_path, capsys):
+    make_args, message = BAD_INPUTS[case]
+    args = make_args(tmp_path)
+    inputs = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    out = [] if "--output-dir" in args else ["--output-dir", str(tmp_path / "out")]
+    code = main(["train", "--model", str(tiny_dir), *SMALL, *out, *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(ERROR_PREFIX) and err.count("\n") == 1 and message in err, err
+    # nothing written: no new file or directory, the inputs (a previous run included) untouched
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == inputs
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["train", "--output-dir", "x", "--batch-size", "0"])
+    assert raised.value.code == 2
+    assert "must be a positive integer" in capsys.readouterr().err
+
+
+def test_python_dash_m_exit_code(tmp_path):
+    """The module entry point: a missing model fails fast (before heavy imports) with exit code 2."""
+    missing = tmp_path / "missing"
+    proc = subprocess.run(
+        [sys.executable, "-m", "st_cached_losses", "train", "--model", str(missing), "--output-dir", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == f"{ERROR_PREFIX}--model {str(missing)!r}: no such directory\n"
+    assert list(tmp_path.iterdir()) == []
