@@ -27,7 +27,7 @@ from sentence_transformers.sentence_transformer.losses import (
 )
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from sentence_transformers.sparse_encoder.losses.cached_splade import _reconstruct_loss_components
-from sentence_transformers.util import all_gather_with_grad, cos_sim, dot_score, get_rank
+from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, dot_score, get_rank, get_world_size
 from torch import Tensor, nn
 
 from .ops import matryoshka_infonce
@@ -112,7 +112,8 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             ValueError: a StaticEmbedding model; empty, non-positive, duplicate dims or dims larger than the
                 model's embedding dimension; weights of another length; an unsupported ``similarity_fct``,
                 ``backend``, ``mini_batch_size`` or ``mini_batch_num_tokens``. ``forward`` raises ValueError
-                for fewer than two input columns or columns with different numbers of rows.
+                for fewer than two input columns or columns with different numbers of rows, and, with the base
+                loss's ``gather_across_devices=True``, for different numbers of rows on different processes.
 
         References:
             - Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup (GradCache):
@@ -224,6 +225,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         world_queries, offset = None, 0
         if self.gather_across_devices:
             # As stock calculate_loss: this rank's queries against the gathered queries and documents.
+            _check_same_rows_on_every_rank(queries)
             gathered = all_gather_with_grad(queries)
             docs = [all_gather_with_grad(doc) for doc in docs]
             if gathered.shape[0] != queries.shape[0]:
@@ -370,6 +372,21 @@ def _prefix_similarity(similarity_fct) -> str:
             f"base loss, got {name}. Both score the re-normalised Matryoshka prefixes by cosine similarity."
         )
     return similarity
+
+
+def _check_same_rows_on_every_rank(queries: Tensor) -> None:
+    """With gather_across_devices, every rank must hold the same number of rows: the all-gather needs equal shapes
+    (else gloo aborts the process and NCCL may hang), and row i of rank r is row r * B + i of the world batch.
+    Costs one all-gather of one integer per step; all ranks see the same sizes, so all raise together."""
+    if get_world_size() == 1:
+        return
+    sizes = all_gather(torch.tensor([queries.shape[0]], device=queries.device)).tolist()
+    if len(set(sizes)) != 1:
+        raise ValueError(
+            f"gather_across_devices=True needs the same number of rows on every process, got {sizes} rows per "
+            "rank: keep accelerate's even_batches=True (the default) with a fixed-size batch sampler, or set "
+            "dataloader_drop_last=True, so that every process gets full batches."
+        )
 
 
 def _check_columns(sentence_features: list[dict[str, Any]]) -> None:

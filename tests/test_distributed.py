@@ -145,6 +145,8 @@ def _worker(rank, port, state_path, out_dir):
     results = _gradient_cases(rank, model)
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "gradients.pt"))
+    with open(os.path.join(out_dir, f"uneven_rank{rank}.txt"), "w") as file:
+        file.write(_uneven_rows_error(rank, model))
     for find_unused, trainer_model in trainer_models.items():
         # SentenceTransformerTrainer (accelerate) finds the process group initialised and uses it.
         run = _train_two_steps(trainer_model, find_unused, os.path.join(out_dir, f"run_{find_unused}_{rank}"))
@@ -209,6 +211,17 @@ def _gradient_cases(rank, model):
     return results
 
 
+def _uneven_rows_error(rank, model):
+    """The error each rank raises when rank 0 holds 4 rows and rank 1 holds 3 (both raise, nothing hangs)."""
+    rows = ROWS // WORLD_SIZE - rank
+    features = [model.preprocess(texts[:rows]) for texts in _columns(0)]
+    try:
+        _make_loss(model, "ours", {})(features, None)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def _recording_cache_rows(calculate_loss, rows):
     """Wrap step (2) to append, per column, the rows of the gradient cache it leaves on the embeddings."""
 
@@ -268,6 +281,13 @@ def test_gathered_gradients_match_one_process_on_the_whole_batch(one_process_and
         else:
             assert result["forwards"] == [2 * 2 * columns] * WORLD_SIZE  # 4 local rows: 2 mini-batches per column
         assert result["syncs"] == 1
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_uneven_rows_across_ranks_raise_on_every_rank(spawned, rank):
+    message = (spawned / f"uneven_rank{rank}.txt").read_text()
+    assert "same number of rows on every process, got [4, 3] rows per rank" in message
+    assert "dataloader_drop_last=True" in message
 
 
 def _train_two_steps(model, find_unused, output_dir):
