@@ -210,21 +210,53 @@ def _accumulate(DZ, stride_dz, z0, n_z, hz, v, d0, hi, BZ: tl.constexpr, BD: tl.
 def _band_step(
     X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, DZ, stride_dz, hz, lo, hi,
     ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, COL_SIDE: tl.constexpr,
-    PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
+    RECOMPUTE: tl.constexpr, PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Band [lo, hi) of one tile: DZ += the gradient product (row side: hz @ Y, column side: hz @ X with
-    hz = h^T), and this band's dot product X @ Y^T from the same chunk loads (unused after the
-    smallest dim's band: an extra d_K / d of a matmul, cheaper than a branch in the loop)."""
+    hz = h^T), and (RECOMPUTE) this band's dot product X @ Y^T from the same chunk loads."""
     band = tl.zeros((BM, BN), ACC)
     for d0 in range(lo, hi, BD):
         x = _load_chunk(X, stride_x, row0, n_rows, d0, hi, BM, BD)
         y = _load_chunk(Y, stride_y, col0, n_cols, d0, hi, BN, BD)
-        band = _mm(x, tl.trans(y), band, PREC, UPCAST)
+        if RECOMPUTE:
+            band = _mm(x, tl.trans(y), band, PREC, UPCAST)
         if COL_SIDE:
             _accumulate(DZ, stride_dz, col0, n_cols, hz, x, d0, hi, BN, BD, PREC_GRAD, UPCAST)
         else:
             _accumulate(DZ, stride_dz, row0, n_rows, hz, y, d0, hi, BM, BD, PREC_GRAD, UPCAST)
     return band
+
+
+@triton.jit
+def _grad_dim(
+    X, stride_x, INVX, row0, n_rows, rows, row_ok, Y, stride_y, INVY, col0, n_cols, cols, col_ok,
+    DZ, stride_dz, RZ, DIMS, W, NRM2, offset, bw, scale2, strength2, dot, h, k,
+    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, ACC: tl.constexpr,
+    GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, COL_SIDE: tl.constexpr,
+    RECOMPUTE: tl.constexpr, PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Dim k of one tile, given its prefix dot product: adds its gradient tile to h (the sum over dims
+    0..k), band k's gradient product to DZ and (cosine) sum w_k P sim_k to RZ. Returns (h, band k's
+    dot product if RECOMPUTE)."""
+    a = _inv_norm(INVX, rows, row_ok, k, K, COSINE, ACC)
+    b = _inv_norm(INVY, cols, col_ok, k, K, COSINE, ACC)
+    sim = dot * a[:, None] * b[None, :]
+    # Rows out of range get normaliser +inf, so a gradient of 0.
+    nrm2 = tl.load(NRM2 + tl.cast(k, tl.int64) * n_rows + rows, mask=row_ok, other=float("inf"))
+    g = _softmax_grad_tile(sim, nrm2, tl.load(W + k), rows, cols, col_ok, offset, bw, scale2, strength2, MASK, HARD)
+    if COSINE:
+        # This program owns these RZ rows: a plain read-add-write, once per tile and dim.
+        if COL_SIDE:
+            ptrs = RZ + cols * K + k
+            tl.store(ptrs, tl.load(ptrs, mask=col_ok, other=0.0) + tl.sum(g * sim, 0), mask=col_ok)
+        else:
+            ptrs = RZ + rows * K + k
+            tl.store(ptrs, tl.load(ptrs, mask=row_ok, other=0.0) + tl.sum(g * sim, 1), mask=row_ok)
+    h += g * a[:, None] * b[None, :]
+    hz = tl.trans(h.to(GD)) if COL_SIDE else h.to(GD)
+    band = _band_step(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, DZ, stride_dz, hz, tl.load(DIMS + k + 1),
+                      tl.load(DIMS + k), ACC, BM, BN, BD, COL_SIDE, RECOMPUTE, PREC, PREC_GRAD, UPCAST)  # fmt: skip
+    return h, band
 
 
 @triton.jit
@@ -240,35 +272,26 @@ def _grad_tile(
 
     Band k ([d_{k+1}, d_k)) belongs to dims 0..k, so its gradient product uses h = sum_{k' <= k} of
     the per-dim gradient tiles: one D-wide matmul for all K dims. The dims are visited from the
-    largest down, so each smaller prefix's dot product is the larger one minus the band between them,
-    recomputed from the chunks the gradient product loads anyway: two (BM, BN) fp32 tiles stay live
+    largest down, so each prefix's dot product is the larger one minus the band between them,
+    recomputed from the chunks the gradient product loads anyway: three (BM, BN) fp32 tiles stay live
     for any K (storing K score tiles would spill registers or shrink the tiles). The subtraction costs
-    about eps * |x| |y| / (|x_:d| |y_:d|) relative error in the smallest dims' cosines.
+    about eps * |x| |y| / (|x_:d| |y_:d|) relative error in a dim's cosines; the smallest dim, where
+    that ratio is largest, keeps its own exact dot product (the extra tile).
     """
-    dot = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, 0, tl.load(DIMS), tl.zeros((BM, BN), ACC),
+    smallest = tl.load(DIMS + K - 1)
+    exact = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, 0, smallest, tl.zeros((BM, BN), ACC),
+                      BM, BN, BD, PREC, UPCAST)  # fmt: skip
+    dot = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, smallest, tl.load(DIMS), exact,
                     BM, BN, BD, PREC, UPCAST)  # fmt: skip
     h = tl.zeros((BM, BN), ACC)
-    for k in range(K):  # largest dim first
-        a = _inv_norm(INVX, rows, row_ok, k, K, COSINE, ACC)
-        b = _inv_norm(INVY, cols, col_ok, k, K, COSINE, ACC)
-        sim = dot * a[:, None] * b[None, :]
-        # Rows out of range get normaliser +inf, so a gradient of 0.
-        nrm2 = tl.load(NRM2 + tl.cast(k, tl.int64) * n_rows + rows, mask=row_ok, other=float("inf"))
-        g = _softmax_grad_tile(sim, nrm2, tl.load(W + k), rows, cols, col_ok, offset, bw, scale2, strength2, MASK, HARD)
-        if COSINE:
-            # This program owns these RZ rows: a plain read-add-write, once per tile and dim.
-            if COL_SIDE:
-                ptrs = RZ + cols * K + k
-                tl.store(ptrs, tl.load(ptrs, mask=col_ok, other=0.0) + tl.sum(g * sim, 0), mask=col_ok)
-            else:
-                ptrs = RZ + rows * K + k
-                tl.store(ptrs, tl.load(ptrs, mask=row_ok, other=0.0) + tl.sum(g * sim, 1), mask=row_ok)
-        h += g * a[:, None] * b[None, :]
-        hz = tl.trans(h.to(GD)) if COL_SIDE else h.to(GD)
-        band = _band_step(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, DZ, stride_dz, hz,
-                          tl.load(DIMS + k + 1), tl.load(DIMS + k), ACC, BM, BN, BD, COL_SIDE, PREC, PREC_GRAD,
-                          UPCAST)  # fmt: skip
+    for k in range(K - 1):  # largest dim first
+        h, band = _grad_dim(X, stride_x, INVX, row0, n_rows, rows, row_ok, Y, stride_y, INVY, col0, n_cols, cols,
+                            col_ok, DZ, stride_dz, RZ, DIMS, W, NRM2, offset, bw, scale2, strength2, dot, h, k, K,
+                            COSINE, MASK, HARD, ACC, GD, BM, BN, BD, COL_SIDE, True, PREC, PREC_GRAD, UPCAST)  # fmt: skip
         dot = dot - band
+    _grad_dim(X, stride_x, INVX, row0, n_rows, rows, row_ok, Y, stride_y, INVY, col0, n_cols, cols, col_ok,
+              DZ, stride_dz, RZ, DIMS, W, NRM2, offset, bw, scale2, strength2, exact, h, K - 1, K, COSINE, MASK, HARD,
+              ACC, GD, BM, BN, BD, COL_SIDE, False, PREC, PREC_GRAD, UPCAST)  # fmt: skip
 
 
 @triton.jit
@@ -736,10 +759,10 @@ def cost_model(
 ) -> dict:
     """Work of one ``forward`` call of this backend, and its lower-bound times on ``device`` (H100 SXM).
 
-    Per direction with R rows and N columns, d = max(dims), K dims, e bytes per input
+    Per direction with R rows and N columns, d = max(dims), d_K = min(dims), K dims, e bytes per input
     element, tiles BM x BN:
-      matmul FLOPs: forward 2RNd; each gradient kernel 6RNd (scores, the band re-dots that give the
-        smaller prefixes, the gradient product); exp2: K R N per kernel;
+      matmul FLOPs: forward 2RNd; each gradient kernel 2RN(3d - d_K) (scores, the band re-dots that
+        give the smaller prefixes, the gradient product); exp2: K R N per kernel;
       L2 -> SM bytes: a program streams the swept side's embedding chunks, e R N d / BM (forward and
         row kernels) or / BN (column kernel) per score pass, two passes in a gradient kernel (its own
         tile's chunks are assumed to hit L1), and a gradient kernel reads and writes its fp32
@@ -755,7 +778,7 @@ def cost_model(
     config = config or CANDIDATES[0]
     world = world_batch_size or batch_size
     num_docs = num_docs or world
-    d, k = max(dims), len(dims)
+    d, d_min, k = max(dims), min(dims), len(dims)
     e = torch.finfo(dtype).bits // 8
     bm, bn = config.block_rows, config.block_cols
     columns = {"query_to_doc": num_docs, "doc_to_doc": num_docs, "query_to_query": world, "doc_to_query": world}
@@ -767,7 +790,7 @@ def cost_model(
         l2 += e * r * n * d / bm
         hbm += e * (r + n) * d
         if need_grad:
-            flops += 2 * 6 * r * n * d
+            flops += 2 * 2 * r * n * (3 * d - d_min)
             exp2 += 2 * k * r * n
             l2 += (2 * e + 8) * r * n * d * (1 / bm + 1 / bn)
             hbm += 2 * (e + 8) * (r + n) * d
