@@ -9,14 +9,19 @@ follow FlashAttention-2 (arXiv 2307.08691) as Inf-CL (arXiv 2410.17243) does for
   saved row normaliser, and accumulate the row (dQ) resp. column (dC) gradients. Each program owns
   its output rows, so there are no atomics and the summation order is fixed (deterministic).
 
-All Matryoshka dims share one sweep: the prefix dot products are accumulated band by band
+All Matryoshka dims share one sweep: the forward accumulates the prefix dot products band by band
 ([0, d_K), [d_K, d_{K-1}), ..., [d_2, d_1)), so the score matmul costs one D-wide matmul for all K
-dims, and the gradient matmul of band m uses the running sum of the K per-dim gradient tiles (dims
-containing that band). Cosine similarity divides each prefix dot product by per-prefix norms
-computed on the host; the norms' share of the gradient is a per-row scalar applied on the host.
+dims; the backward visits the dims from the largest down (band m's gradient product uses the running
+sum of the gradient tiles of the dims containing it) and gets each smaller prefix by subtracting the
+band it recomputes for that product. Cosine similarity divides each prefix dot product by per-prefix
+norms computed on the host; the norms' and the positive pair's shares of the gradient are row-wise
+and applied on the host, band by band.
 
-Never materialises a B x M buffer. Launchable on CUDA tensors, or on CPU tensors under Triton's
-interpreter (``TRITON_INTERPRET=1`` set before this module is imported).
+Supports every direction, partition mode, hardness mode, offset and similarity of ``InfoNCESpec``,
+fp32 / bf16 / fp16 (fp32 accumulation and LSE) and fp64 inputs, any D and dims; NotImplementedError
+beyond ``MAX_DIMS`` dims or for other dtypes. Never materialises a B x M buffer. Launchable on CUDA
+tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before this module
+is imported). ``cost_model`` and ``benchmark`` (CUDA) describe and measure its speed.
 """
 
 from __future__ import annotations
