@@ -117,7 +117,7 @@ def run(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=3, stock_repeats=1
     return rows
 
 
-def crossover(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=5):
+def crossover(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=15):
     """Rows comparing dense vs chunked fwd + bwd time per B, to place ops.DENSE_MAX_LOGITS."""
     rows = []
     for batch in sizes:

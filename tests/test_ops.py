@@ -129,12 +129,17 @@ def test_tile_rows_respects_byte_budget():
     assert rows * columns * 4 * (3 + 1) <= 2**22 < (rows + 1) * columns * 4 * (3 + 1)
 
 
-def test_auto_backend_picks_dense_for_tiny_and_chunked_for_large():
+def test_auto_backend_follows_the_dense_threshold(monkeypatch):
+    from st_cached_losses import ops
+
     small_q, small_c = _inputs(8, 8, 8, 4)
-    large_q, large_c = torch.zeros(2048, 4), torch.zeros(2048, 4)
-    assert select_backend(small_q, _spec(small_q, small_c, small_q, [4]), "auto") == "dense"
-    assert select_backend(large_q, _spec(large_q + 1, large_c + 1, large_q + 1, [4]), "auto") == "chunked"
-    assert select_backend(small_q, _spec(small_q, small_c, small_q, [4]), "chunked") == "chunked"
+    spec = _spec(small_q, small_c, small_q, [4, 2])  # 8 x 8 x 2 = 128 logits
+    assert select_backend(small_q, spec, "auto") == ("dense" if 128 <= ops.DENSE_MAX_LOGITS else "chunked")
+    monkeypatch.setattr(ops, "DENSE_MAX_LOGITS", 128)
+    assert select_backend(small_q, spec, "auto") == "dense"
+    monkeypatch.setattr(ops, "DENSE_MAX_LOGITS", 127)
+    assert select_backend(small_q, spec, "auto") == "chunked"
+    assert select_backend(small_q, spec, "dense") == "dense"
 
 
 def _call(**overrides):

@@ -21,9 +21,10 @@ from .spec import BACKENDS, InfoNCESpec
 
 __all__ = ["InfoNCEResult", "InfoNCESpec", "matryoshka_infonce", "run_backend", "select_backend"]
 
-# Below this many logits (B x M x directions, all dims) the dense reference is faster than the tiled
-# backend on CPU: see benchmarks/results/crossover.csv (benchmarks/loss_stage.py --crossover).
-DENSE_MAX_LOGITS = 2**18
+# Up to this many logits (B x M x directions x dims) "auto" uses the dense reference. Measured on a
+# 2-core CPU (benchmarks/results/crossover.csv, benchmarks/loss_stage.py --crossover): the chunked
+# backend is faster at every size down to B = 4 (dense pays autograd's graph), so dense is never picked.
+DENSE_MAX_LOGITS = 0
 
 
 def matryoshka_infonce(
@@ -67,8 +68,8 @@ def matryoshka_infonce(
         hardness_mode: None, "in_batch_negatives", "hard_negatives" or "all_negatives": adds
             ``hardness_strength * stop_grad(similarity)`` to those negatives' logits.
         hardness_strength: >= 0.
-        backend: "auto" (Triton for CUDA tensors when it imports, dense when B x M is tiny, else
-            chunked), "triton", "chunked" or "dense".
+        backend: "auto" (Triton for CUDA tensors when it imports, dense up to ``DENSE_MAX_LOGITS``
+            logits, else chunked), "triton", "chunked" or "dense".
         chunk_size: rows per tile for the tiled backends (default: from a 64 MiB byte budget).
         return_per_dim: also return the (K,) unweighted loss per dim, in the order of ``dims`` (no grad).
         world_queries: (Bw, D) all queries of the gathered batch when ``queries`` are rows
