@@ -1,0 +1,33 @@
+"""Regenerate the benchmark results (CSV + PNG under benchmarks/results/).
+
+    python -m benchmarks                          # everything, default sizes: train_step, then loss_stage
+    python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
+    python -m benchmarks loss_stage [FLAGS...]
+"""
+
+from __future__ import annotations
+
+import sys
+
+from benchmarks import loss_stage, train_step
+
+BENCHMARKS = {"train_step": train_step.main, "loss_stage": loss_stage.main}
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return
+    if argv and argv[0] in BENCHMARKS:
+        BENCHMARKS[argv[0]](argv[1:])
+        return
+    if argv:
+        raise SystemExit(f"usage: python -m benchmarks [{' | '.join(BENCHMARKS)} [FLAGS...]], got {argv[0]!r}")
+    for name, run in BENCHMARKS.items():
+        print(f"== {name}", flush=True)
+        run([])
+
+
+if __name__ == "__main__":
+    main()

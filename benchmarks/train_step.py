@@ -1,0 +1,542 @@
+"""End-to-end training-step benchmark: CachedMatryoshkaLoss vs the stock sentence-transformers losses.
+
+One training step = forward + backward of the loss on one batch of B (anchor, positive) pairs from the built-in
+stdlib code-search data (``st_cached_losses.data``), embedded by the packaged all-MiniLM-L6-v2 (max_seq_length 128,
+train mode, dropout on); the optimizer step is excluded, ``zero_grad(set_to_none=True)`` runs before each step
+outside the timed region (so every step allocates the parameter gradients, as in a trainer). Contenders, all
+with mini-batch 32 and dims [384, 256, 128, 64, 32] where they have dims:
+
+    ours            CachedMatryoshkaLoss(model, CachedMNRL(model, mini_batch_size=32), dims)
+    ours_unsorted   the same with sort_by_length=False (stock's mini-batch composition: isolates the loss stage)
+    stock           MatryoshkaLoss(model, CachedMNRL(model, mini_batch_size=32), dims)   <- the ratios' baseline
+    stock_cmnrl     CachedMNRL(model, mini_batch_size=32) alone (one dim: what the Matryoshka dims cost stock)
+    mnrl            MatryoshkaLoss(model, MNRL(model), dims), not cached: the whole batch embedded with
+                    gradients at once; run only where its estimated peak fits ``--mnrl-max-bytes``
+
+Phases (the same wrappers for every contender, installed for the timed step only):
+
+    cached losses:  loss     = time inside ``calculate_loss`` (step 2 of GradCache: loss + its backward to the
+                               embeddings; for stock Matryoshka that is its per-dim decorator, all dims)
+                    embed    = forward time - loss  (step 1: embed every mini-batch without grad)
+                    backward = backward time        (step 3: re-embed every mini-batch with grad + backward)
+    mnrl:           embed    = time inside ``model.forward`` (one forward per column with grad)
+                    loss     = forward time - embed (the K per-dim losses' forward)
+                    backward = backward time        (the losses' and the encoder's backward; no re-embed)
+
+Timing: one process, the model and the tokenized batch shared by all contenders. One untimed warm-up step per
+contender, then ``repeats`` rounds, each running every contender once in the same fixed order, so load drift
+on a shared machine hits all contenders alike; the ratio to stock is taken per round (its median, min and max
+are reported as ``time_ratio_to_stock_*``).
+
+Memory: a fresh process per (contender, B) (``python -m benchmarks.train_step --one CONTENDER B ...``) that
+loads the model and the batch, reads its resident set size, runs one step and reads ``ru_maxrss``
+(``rss_peak_bytes``: the whole process, model and Python included; ``rss_base_bytes``: its RSS just before the
+step), then runs a second step under ``st_cached_losses.profiling.peak_tensor_bytes`` (``peak_bytes``: the exact
+peak of tensor bytes allocated during the step above what was live at its start: activations, embeddings,
+loss stage, parameter gradients).
+
+    python -m benchmarks.train_step                                  # B in 256 1024 4096 -> benchmarks/results/
+    python -m benchmarks.train_step --sizes 16 32 --model tiny --rows 40 --repeats 1 --out /tmp/smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from benchmarks.loss_stage import RESULTS, plot, read_csv, write_csv
+
+CONTENDERS = ("ours", "ours_unsorted", "stock", "stock_cmnrl", "mnrl")
+BASELINE = "stock"
+PHASES = ("embed", "loss", "backward")
+DEFAULT_SIZES = (256, 1024, 4096)
+DEFAULT_DIMS = (384, 256, 128, 64, 32)
+# Non-cached MNRL holds every layer's activations for the whole batch: run it only where its peak of tensor
+# bytes, extrapolated from a smaller B by the padded token count, stays under this (the machine has 24 GiB,
+# shared with other jobs).
+DEFAULT_MNRL_MAX_BYTES = 8 * 2**30
+
+
+# --------------------------------------------------------------------------------------------- set-up
+
+
+def load_pairs(rows: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
+    """(anchor, positive) pairs of the built-in data, both splits, shuffled with ``seed``; ``rows`` of them."""
+    from st_cached_losses.data import load_stdlib_dataset
+
+    data = load_stdlib_dataset()
+    pairs = [(row["anchor"], row["positive"]) for split in ("train", "test") for row in data[split]]
+    random.Random(seed).shuffle(pairs)
+    return pairs[:rows] if rows else pairs
+
+
+def batch_of(pairs: Sequence[tuple[str, str]], batch: int) -> list[tuple[str, str]]:
+    """The first ``batch`` pairs, cycling through ``pairs`` again when there are fewer (B > the data)."""
+    return [pairs[i % len(pairs)] for i in range(batch)]
+
+
+def build_model(name: str, max_seq_length: int):
+    """``"minilm"``: the packaged all-MiniLM-L6-v2; ``"tiny"``: a 2-layer 48-dim BERT (smoke runs). Train mode."""
+    import logging
+
+    import transformers
+
+    from st_cached_losses.testing import minilm_path, tiny_sentence_transformer
+
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if name == "tiny":
+        model = tiny_sentence_transformer(dropout=0.1, max_seq_length=max_seq_length)
+    elif name == "minilm":
+        from sentence_transformers import SentenceTransformer
+
+        model = SentenceTransformer(minilm_path(), device="cpu")
+    else:
+        raise ValueError(f"model must be 'minilm' or 'tiny', got {name!r}")
+    model.max_seq_length = max_seq_length
+    model.train()
+    return model
+
+
+def build_loss(name: str, model, dims: Sequence[int], mini_batch_size: int):
+    from sentence_transformers.sentence_transformer.losses import (
+        CachedMultipleNegativesRankingLoss,
+        MatryoshkaLoss,
+        MultipleNegativesRankingLoss,
+    )
+
+    from st_cached_losses import CachedMatryoshkaLoss
+
+    dims = list(dims)
+    cmnrl = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch_size)
+    if name == "ours":
+        return CachedMatryoshkaLoss(model, cmnrl, dims, mini_batch_size=mini_batch_size)
+    if name == "ours_unsorted":
+        return CachedMatryoshkaLoss(model, cmnrl, dims, mini_batch_size=mini_batch_size, sort_by_length=False)
+    if name == "stock":
+        return MatryoshkaLoss(model, cmnrl, dims)
+    if name == "stock_cmnrl":
+        return cmnrl
+    if name == "mnrl":
+        return MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), dims)
+    raise ValueError(f"contender must be one of {CONTENDERS}, got {name!r}")
+
+
+def tokenize(model, pairs: Sequence[tuple[str, str]]) -> list[dict]:
+    """One padded feature dict per column (anchor, positive), as the trainer's collator builds them."""
+    return [model.preprocess([pair[column] for pair in pairs]) for column in (0, 1)]
+
+
+def padded_tokens(features: list[dict]) -> int:
+    return sum(int(f["attention_mask"].numel()) for f in features)
+
+
+class Step:
+    """One training step (forward + backward) of ``loss`` on ``features``; ``last`` holds its phase times (s)."""
+
+    def __init__(self, model, loss, features: list[dict]) -> None:
+        from sentence_transformers.base.losses.gradcache import uses_gradient_cache
+
+        self.model, self.loss, self.features = model, loss, features
+        self.cached = uses_gradient_cache(loss)
+        # The object whose calculate_loss CachedLossMixin.forward_cached calls (stock Matryoshka decorates its base's).
+        self.stage_owner = getattr(loss, "loss", loss) if type(loss).__name__ == "MatryoshkaLoss" else loss
+        self.last: dict[str, float] = {}
+
+    def _timed(self, fn: Callable, inner: list[float]) -> Callable:
+        def wrapper(*args, **kwargs):
+            start, cpu_start = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inner[0] += time.perf_counter() - start
+                inner[1] += time.process_time() - cpu_start
+
+        return wrapper
+
+    def __call__(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        inner = [0.0, 0.0]  # wall, CPU seconds inside the wrapped call
+        owner, attribute = (self.stage_owner, "calculate_loss") if self.cached else (self.model, "forward")
+        had_own = attribute in vars(owner)  # stock Matryoshka's decorator is an instance attribute: put it back
+        original = getattr(owner, attribute)
+        setattr(owner, attribute, self._timed(original, inner))
+        try:
+            clock = [(time.perf_counter(), time.process_time())]
+            out = self.loss(self.features, None)
+            total = sum(out.values()) if isinstance(out, dict) else out
+            clock.append((time.perf_counter(), time.process_time()))
+            total.backward()
+            clock.append((time.perf_counter(), time.process_time()))
+        finally:
+            if had_own:
+                setattr(owner, attribute, original)
+            else:
+                delattr(owner, attribute)
+        self.last = {}
+        for i, prefix in ((0, ""), (1, "cpu_")):
+            forward, backward = clock[1][i] - clock[0][i], clock[2][i] - clock[1][i]
+            embed, loss = (forward - inner[i], inner[i]) if self.cached else (inner[i], forward - inner[i])
+            self.last.update({f"{prefix}step": forward + backward, f"{prefix}embed": embed, f"{prefix}loss": loss,
+                              f"{prefix}backward": backward})
+
+
+# --------------------------------------------------------------------------------------------- timing
+
+
+def time_steps(steps: dict[str, Step], repeats: int, warmup: int = 1, log: bool = False) -> dict[str, list[dict[str, float]]]:
+    """Phase times of ``repeats`` rounds; each round (and each warm-up round) runs every contender once, in order."""
+    times: dict[str, list[dict[str, float]]] = {name: [] for name in steps}
+    for round_ in range(-warmup, repeats):
+        for name, step in steps.items():
+            step()
+            gc.collect()
+            if round_ >= 0:
+                times[name].append(step.last)
+            if log:
+                label = "warm-up" if round_ < 0 else f"round {round_ + 1}/{repeats}"
+                print(f"    {label} {name:>13}: {step.last['step']:8.2f} s", flush=True)
+    return times
+
+
+def timing_rows(batch: int, times: dict[str, list[dict[str, float]]]) -> list[tuple]:
+    """CSV rows: seconds_{median,min,max} (wall, the step), seconds_<phase>_{...}, the same with cpu_ (process CPU
+    time, all threads), and the per-round ratios of the step time to stock's (time_ratio_ / cpu_ratio_to_stock_)."""
+    rows = []
+    for name, runs in times.items():
+        for prefix in ("", "cpu_"):
+            for key in ("step", *PHASES):
+                values = [run[prefix + key] for run in runs]
+                metric = f"{prefix}seconds" if key == "step" else f"{prefix}seconds_{key}"
+                rows += [
+                    (name, batch, f"{metric}_median", statistics.median(values)),
+                    (name, batch, f"{metric}_min", min(values)),
+                    (name, batch, f"{metric}_max", max(values)),
+                ]
+            if BASELINE in times and len(times[BASELINE]) == len(runs):
+                ratios = [run[prefix + "step"] / base[prefix + "step"] for run, base in zip(runs, times[BASELINE])]
+                metric = "time_ratio_to_stock" if prefix == "" else "cpu_ratio_to_stock"
+                rows += [
+                    (name, batch, f"{metric}_median", statistics.median(ratios)),
+                    (name, batch, f"{metric}_min", min(ratios)),
+                    (name, batch, f"{metric}_max", max(ratios)),
+                ]
+        rows.append((name, batch, "repeats", len(runs)))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+
+def _rss_bytes() -> int:
+    """Current resident set size of this process (bytes), from /proc/self/statm."""
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_one(contender: str, batch: int, pairs_path: Path, model_name: str, max_seq_length: int,
+                dims: Sequence[int], mini_batch_size: int, tensor_peak: bool = True) -> dict[str, float]:
+    """In this (fresh) process: RSS before and peak RSS over one step (and that step's times), then the exact
+    tensor peak of a second step."""
+    from st_cached_losses.profiling import peak_tensor_bytes
+
+    pairs = [tuple(pair) for pair in json.loads(Path(pairs_path).read_text())]
+    model = build_model(model_name, max_seq_length)
+    features = tokenize(model, batch_of(pairs, batch))
+    loss = build_loss(contender, model, dims, mini_batch_size)
+    # Warm-up on two mini-batches' worth of rows: one-time initialisation (lazy imports, thread pools, first-call
+    # dispatch) stays out of the measured step, at a memory cost far below the step's.
+    Step(model, loss, tokenize(model, batch_of(pairs, min(batch, 2 * mini_batch_size))))()
+    step = Step(model, loss, features)
+    gc.collect()
+    result: dict[str, float] = {"rss_base_bytes": _rss_bytes(), "padded_tokens": padded_tokens(features)}
+    step()
+    result["rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    result.update({f"first_{key}": value for key, value in step.last.items()})
+    if tensor_peak:
+        gc.collect()
+        _, result["peak_bytes"] = peak_tensor_bytes(step, "cpu")
+    return result
+
+
+def measure_in_subprocess(contender: str, batch: int, pairs_path: Path, args, tensor_peak: bool = True) -> dict:
+    command = [
+        sys.executable, "-m", "benchmarks.train_step", "--one", contender, str(batch), "--pairs", str(pairs_path),
+        "--model", args.model, "--max-seq-length", str(args.max_seq_length), "--mini-batch-size",
+        str(args.mini_batch_size), "--dims", *map(str, args.dims),
+    ]
+    if not tensor_peak or args.no_tensor_peak:
+        command.append("--no-tensor-peak")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=root, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def minibatch_tokens(features: list[dict], mini_batch_size: int, sort: bool) -> int:
+    """Token positions the encoder processes in one pass over the batch: each mini-batch of ``mini_batch_size``
+    rows is cut to its longest row (as sentence-transformers' ``_create_minibatch`` trims trailing padding);
+    ``sort``: rows ordered by length first, as CachedMatryoshkaLoss(sort_by_length=True) does."""
+    import torch
+
+    total = 0
+    for feature in features:
+        lengths = feature["attention_mask"].sum(dim=1)
+        if sort:
+            lengths = torch.sort(lengths, descending=True, stable=True).values
+        for chunk in lengths.split(mini_batch_size):
+            total += int(chunk.max()) * len(chunk)
+    return total
+
+
+# --------------------------------------------------------------------------------------------- run
+
+# Default plan for the default sizes (2 cores: a MiniLM step over B=4096 pairs takes minutes). For each B: the
+# timed contenders, the contenders whose memory is measured, timed rounds, warm-up rounds. At B >= --fresh-from
+# the timed steps are the first steps of the fresh memory processes (one per round) instead of rounds here.
+PLAN = {
+    256: (CONTENDERS, ("ours", "stock", "stock_cmnrl", "mnrl"), 3, 1),
+    1024: (("ours", "stock", "stock_cmnrl", "mnrl"), ("ours", "stock", "stock_cmnrl", "mnrl"), 2, 0),
+    4096: (("ours", "stock"), ("ours", "stock"), 1, 0),
+}
+
+
+def plan_for(batch: int, first: bool, args) -> tuple[list[str], list[str], int, int]:
+    """(timed contenders, memory contenders, rounds, warm-up rounds) at ``batch``; flags override the plan."""
+    contenders, memory, repeats, warmup = PLAN.get(batch, (CONTENDERS, CONTENDERS, 3, 1 if first else 0))
+    contenders = args.contenders or contenders
+    memory = [c for c in (args.contenders or memory) if c in contenders]
+    if args.no_memory or (args.memory_sizes is not None and batch not in args.memory_sizes):
+        memory = []
+    repeats = args.repeats if args.repeats is not None else repeats
+    warmup = args.warmup if args.warmup is not None else warmup
+    return list(contenders), memory, repeats, warmup
+
+
+def run(args, pairs: list[tuple[str, str]]) -> list[tuple]:
+    """Rows of (contender, B, metric, value) for every size: memory (fresh processes) then timing."""
+    import torch
+
+    rows: list[tuple] = []
+    mnrl_bytes_per_token: float | None = None
+    model = build_model(args.model, args.max_seq_length)
+    with tempfile.TemporaryDirectory() as tmp:
+        pairs_path = Path(tmp) / "pairs.json"
+        pairs_path.write_text(json.dumps(pairs))
+        for index, batch in enumerate(args.sizes):
+            contenders, memory, repeats, warmup = plan_for(batch, index == 0, args)
+            fresh = batch >= args.fresh_from
+            batch_pairs = batch_of(pairs, batch)
+            features = tokenize(model, batch_pairs)
+            tokens = padded_tokens(features)
+            rows += [
+                ("inputs", batch, "unique_pairs", len(set(batch_pairs))),
+                ("inputs", batch, "real_tokens", sum(int(f["attention_mask"].sum()) for f in features)),
+                ("inputs", batch, "padded_tokens", tokens),
+                ("inputs", batch, "minibatch_tokens_sorted", minibatch_tokens(features, args.mini_batch_size, True)),
+                ("inputs", batch, "minibatch_tokens_unsorted", minibatch_tokens(features, args.mini_batch_size, False)),
+                ("inputs", batch, "threads", torch.get_num_threads()),
+            ]
+            if "mnrl" in contenders and mnrl_bytes_per_token is not None:
+                estimate = mnrl_bytes_per_token * tokens
+                if estimate > args.mnrl_max_bytes:
+                    contenders.remove("mnrl")
+                    memory = [c for c in memory if c != "mnrl"]
+                    rows.append(("mnrl", batch, "skipped_estimated_peak_bytes", estimate))
+                    print(f"B={batch:>5} mnrl skipped: estimated peak {estimate / 2**30:.1f} GiB "
+                          f"> {args.mnrl_max_bytes / 2**30:.1f} GiB", flush=True)
+            times: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
+            for round_ in range(repeats if fresh else 1):
+                for name in memory if round_ == 0 else []:
+                    result = measure_in_subprocess(name, batch, pairs_path, args)
+                    rows += [(name, batch, key, value) for key, value in result.items() if key.endswith("_bytes")]
+                    if name == "mnrl" and "peak_bytes" in result:
+                        mnrl_bytes_per_token = result["peak_bytes"] / result["padded_tokens"]
+                    if fresh:
+                        times[name].append({k[len("first_"):]: v for k, v in result.items() if k.startswith("first_")})
+                    print(f"B={batch:>5} {name:>13}: peak {result.get('peak_bytes', 0) / 2**20:9.1f} MiB tensors, "
+                          f"{result['rss_peak_bytes'] / 2**20:9.1f} MiB RSS, first step {result['first_step']:.1f} s",
+                          flush=True)
+                if fresh:
+                    for name in contenders if round_ > 0 else [c for c in contenders if c not in memory]:
+                        result = measure_in_subprocess(name, batch, pairs_path, args, tensor_peak=False)
+                        times[name].append({k[len("first_"):]: v for k, v in result.items() if k.startswith("first_")})
+                        print(f"    fresh round {round_ + 1}/{repeats} {name:>13}: {result['first_step']:8.2f} s",
+                              flush=True)
+            if not fresh:
+                steps = {name: Step(model, build_loss(name, model, args.dims, args.mini_batch_size), features)
+                         for name in contenders}
+                times = time_steps(steps, repeats, warmup=warmup, log=True)
+                del steps
+                gc.collect()
+            rows += timing_rows(batch, times)
+            rows += [(name, batch, "timed_in_fresh_process", int(fresh)) for name in contenders]
+            for name, runs in times.items():
+                median = {key: statistics.median(run[key] for run in runs) for key in ("step", *PHASES)}
+                print(f"B={batch:>5} {name:>13}: step {median['step']:8.2f} s = embed {median['embed']:7.2f} + "
+                      f"loss {median['loss']:7.2f} + backward {median['backward']:7.2f}", flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- report
+
+
+def _values(records: list[dict]) -> dict[tuple[str, int, str], float]:
+    return {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
+
+
+def summary_table(records: list[dict]) -> str:
+    """Markdown table per (B, contender): step time with spread, phases, ratios to stock, peaks."""
+    value = _values(records)
+    lines = [
+        "| B | contender | step s (min-max) | embed / loss / backward s | time / stock (min-max) | CPU time / stock | "
+        "tensor peak MiB | / stock | peak RSS MiB | / stock |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    contenders = [c for c in CONTENDERS if any(r["contender"] == c for r in records)]
+    for batch in sorted({r["B"] for r in records}):
+        for name in contenders:
+            get = lambda metric, n=name: value.get((n, batch, metric))  # noqa: E731
+            if get("skipped_estimated_peak_bytes") is not None:
+                lines.append(f"| {batch} | {name} | not run: estimated peak "
+                             f"{get('skipped_estimated_peak_bytes') / 2**30:.0f} GiB | | | | | | | |")
+                continue
+            if get("seconds_median") is None:
+                continue
+            ratios = []
+            for metric in ("time_ratio_to_stock", "cpu_ratio_to_stock"):
+                ratio = get(f"{metric}_median")
+                ratios.append("" if ratio is None else
+                              f"{ratio:.2f} ({get(f'{metric}_min'):.2f}-{get(f'{metric}_max'):.2f})")
+            cells = [
+                str(batch), name,
+                f"{get('seconds_median'):.1f} ({get('seconds_min'):.1f}-{get('seconds_max'):.1f})",
+                " / ".join(f"{get(f'seconds_{p}_median'):.1f}" for p in PHASES),
+                *ratios,
+            ]
+            for metric in ("peak_bytes", "rss_peak_bytes"):
+                mine, base = get(metric), value.get((BASELINE, batch, metric))
+                cells.append("" if mine is None else f"{mine / 2**20:.0f}")
+                cells.append("" if mine is None or not base else f"{mine / base:.2f}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_phases(records: list[dict], path: Path, title: str = "Training step by phase, and peak RSS") -> None:
+    """Left: median phase times per contender and B (stacked bars). Right: peak RSS vs B (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    value = _values(records)
+    sizes = sorted({r["B"] for r in records if r["metric"] == "seconds_median"})
+    contenders = [c for c in CONTENDERS if any(r["contender"] == c and r["metric"] == "seconds_median" for r in records)]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(contenders))
+    colors = {"embed": "tab:blue", "loss": "tab:red", "backward": "tab:green"}
+    for i, name in enumerate(contenders):
+        for j, batch in enumerate(sizes):
+            bottom = 0.0
+            stock = value.get((BASELINE, batch, "seconds_median"))
+            for phase in PHASES:
+                seconds = value.get((name, batch, f"seconds_{phase}_median"))
+                if seconds is None or not stock:
+                    continue
+                axes[0].bar(j + (i - (len(contenders) - 1) / 2) * width, seconds / stock, width, bottom=bottom,
+                            color=colors[phase], edgecolor="black", linewidth=0.5,
+                            label=phase if (i, j) == (0, 0) else None)
+                bottom += seconds / stock
+            if bottom:
+                axes[0].text(j + (i - (len(contenders) - 1) / 2) * width, bottom, name, rotation=90, ha="center",
+                             va="bottom", fontsize=7)
+    axes[0].set_xticks(range(len(sizes)), [f"B={b}" for b in sizes])
+    axes[0].set_ylabel("step time / stock step time")
+    axes[0].set_ylim(0, axes[0].get_ylim()[1] * 1.35)
+    axes[0].legend(loc="upper right")
+    axes[0].grid(True, axis="y", alpha=0.3)
+    for name in contenders:
+        points = sorted((b, value[(name, b, "rss_peak_bytes")]) for b in sizes if (name, b, "rss_peak_bytes") in value)
+        if points:
+            axes[1].plot([b for b, _ in points], [v / 2**20 for _, v in points], marker="o", label=name)
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_yscale("log")
+    axes[1].set_xlabel("batch size B")
+    axes[1].set_ylabel("peak RSS MiB (fresh process, one step)")
+    axes[1].grid(True, which="both", alpha=0.3)
+    axes[1].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(rows: list[tuple], out: Path, name: str = "train_step") -> list[dict]:
+    write_csv(rows, out / f"{name}.csv")
+    records = read_csv(out / f"{name}.csv")
+    plot(records, out / f"{name}.png", title="Training step (forward + backward, MiniLM, dims 384..32, mini-batch 32)")
+    plot_phases(records, out / f"{name}_phases.png")
+    return records
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))
+    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, help="at every B (default: PLAN per B)")
+    parser.add_argument("--dims", type=int, nargs="+", default=list(DEFAULT_DIMS))
+    parser.add_argument("--model", default="minilm", choices=("minilm", "tiny"))
+    parser.add_argument("--max-seq-length", type=int, default=128)
+    parser.add_argument("--mini-batch-size", type=int, default=32)
+    parser.add_argument("--rows", type=int, default=None, help="use only this many pairs of the data (cycled)")
+    parser.add_argument("--repeats", type=int, help="timed rounds at every B (default: PLAN per B)")
+    parser.add_argument("--warmup", type=int, help="untimed rounds before them (default: PLAN per B)")
+    parser.add_argument("--fresh-from", type=int, default=4096,
+                        help="at B >= this, time the first step of a fresh process per contender and round")
+    parser.add_argument("--mnrl-max-bytes", type=float, default=DEFAULT_MNRL_MAX_BYTES)
+    parser.add_argument("--no-memory", action="store_true", help="timing only")
+    parser.add_argument("--memory-sizes", type=int, nargs="+", help="measure memory only at these B (default: all)")
+    parser.add_argument("--data", type=Path, help="a JSON list of [anchor, positive] pairs instead of the built-in data")
+    parser.add_argument("--no-tensor-peak", action="store_true", help="peak RSS only (no profiler run)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", default="train_step", help="file stem of the CSV and PNGs")
+    parser.add_argument("--one", nargs=2, metavar=("CONTENDER", "B"), help=argparse.SUPPRESS)
+    parser.add_argument("--pairs", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.dims = sorted(set(args.dims), reverse=True)
+    return args
+
+
+def main(argv=None) -> list[dict] | None:
+    args = parse_args(argv)
+    if args.one:
+        contender, batch = args.one[0], int(args.one[1])
+        result = measure_one(contender, batch, args.pairs, args.model, args.max_seq_length, args.dims,
+                             args.mini_batch_size, tensor_peak=not args.no_tensor_peak)
+        print(json.dumps(result))
+        return None
+    if args.data:
+        pairs = [tuple(pair) for pair in json.loads(args.data.read_text())][: args.rows]
+    else:
+        pairs = load_pairs(args.rows)
+    rows = run(args, pairs)
+    records = write_outputs(rows, args.out, args.name)
+    print(summary_table(records))
+    return records
+
+
+if __name__ == "__main__":
+    main()

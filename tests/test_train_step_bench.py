@@ -1,0 +1,51 @@
+"""Smoke run of the training-step benchmark at tiny sizes: it runs, and what it writes is well-formed."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from benchmarks import train_step
+from benchmarks.loss_stage import FIELDS
+
+PAIRS = [(f"return the {w} of the {v} list", f"mod.{w}_{v}(items, key=None)")
+         for w in ("sum", "max", "min", "length") for v in ("first", "second", "third", "fourth", "last")]
+
+
+def test_train_step_smoke(tmp_path):
+    pairs = tmp_path / "pairs.json"
+    pairs.write_text(json.dumps(PAIRS))
+    out = tmp_path / "results"
+    records = train_step.main([
+        "--sizes", "8", "24", "--model", "tiny", "--dims", "48", "16", "--max-seq-length", "16",
+        "--mini-batch-size", "4", "--contenders", "ours", "stock", "mnrl", "--repeats", "2", "--warmup", "0",
+        "--memory-sizes", "8", "--data", str(pairs), "--out", str(out),
+        # mnrl's peak at B=8 extrapolates to more than 1 byte at B=24: it is skipped there, and says so.
+        "--mnrl-max-bytes", "1",
+    ])
+
+    with (out / "train_step.csv").open() as handle:
+        rows = list(csv.reader(handle))
+    assert rows[0] == FIELDS and all(len(row) == len(FIELDS) for row in rows)
+    value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
+    for name in ("ours", "stock", "mnrl"):
+        assert value[(name, 8, "repeats")] == 2
+        step = value[(name, 8, "seconds_median")]
+        phases = sum(value[(name, 8, f"seconds_{phase}_median")] for phase in train_step.PHASES)
+        assert step > 0 and all(value[(name, 8, f"seconds_{p}_min")] >= 0 for p in train_step.PHASES)
+        assert value[(name, 8, "seconds_min")] <= step <= value[(name, 8, "seconds_max")]
+        assert abs(phases - step) <= 0.05 * step + 1e-3  # medians of parts need not add up exactly
+    assert value[("stock", 8, "time_ratio_to_stock_median")] == 1.0
+    for name in ("ours", "stock", "mnrl"):
+        assert value[(name, 8, "peak_bytes")] > 0
+        assert value[(name, 8, "rss_peak_bytes")] >= value[(name, 8, "rss_base_bytes")] > 0
+        assert (name, 24, "peak_bytes") not in value  # memory only at --memory-sizes
+    assert value[("ours", 24, "repeats")] == value[("stock", 24, "repeats")] == 2
+    assert value[("inputs", 8, "minibatch_tokens_sorted")] <= value[("inputs", 8, "minibatch_tokens_unsorted")]
+    assert ("mnrl", 24, "seconds_median") not in value and value[("mnrl", 24, "skipped_estimated_peak_bytes")] > 1
+    assert value[("inputs", 24, "unique_pairs")] == 20  # 24 > 20 pairs: cycled
+
+    for png in ("train_step.png", "train_step_phases.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = train_step.summary_table(records)
+    assert "| 24 | mnrl | not run" in table and "| 8 | ours |" in table
