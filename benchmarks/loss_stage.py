@@ -19,7 +19,9 @@ import argparse
 import csv
 import datetime
 import logging
+import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -86,12 +88,22 @@ def matmul_floor(q: torch.Tensor, c: torch.Tensor) -> callable:
     return run
 
 
-def _time(fn, repeats: int, warmup: int, device: str) -> list[float]:
+def _time(fn, repeats: int, warmup: int, device: str) -> tuple[list[float], list[float]]:
+    """(wall seconds, CPU seconds of this process) of each timed call; on CUDA, do_bench's median twice."""
     if device == "cuda":
         import triton.testing
 
-        return [triton.testing.do_bench(fn, rep=max(100, 100 * repeats)) / 1000.0]
-    return time_call(fn, repeats=repeats, warmup=warmup)
+        seconds = [triton.testing.do_bench(fn, rep=max(100, 100 * repeats)) / 1000.0]
+        return seconds, seconds
+    cpu = []
+
+    def timed():
+        start = time.process_time()
+        fn()
+        cpu.append(time.process_time() - start)
+
+    wall = time_call(timed, repeats=repeats, warmup=warmup)
+    return wall, cpu[warmup:]
 
 
 def run(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=3, stock_repeats=1, mini_batch_size=32, device="cpu"):
@@ -105,14 +117,23 @@ def run(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=3, stock_repeats=1
         rows.append(("inputs", batch, "tile_budget_bytes", DEFAULT_TILE_BYTES))
         for name, fn in contenders(q, c, dims, mini_batch_size, device).items():
             is_stock = name == "stock"
-            seconds = _time(fn, stock_repeats if is_stock else repeats, 0 if is_stock else 1, device)
+            seconds, cpu_seconds = _time(fn, stock_repeats if is_stock else repeats, 0 if is_stock else 1, device)
             stats = summarize(seconds)
             _, peak = peak_tensor_bytes(fn, device)
             rows += [(name, batch, f"seconds_{key}", value) for key, value in stats.items()]
+            cpu_median = summarize(cpu_seconds)["median"]
+            rows.append((name, batch, "cpu_seconds_median", cpu_median))
             rows.append((name, batch, "peak_bytes", peak))
-            print(f"B={batch:>6} {name:>8}: {stats['median']:8.3f} s  peak {peak / 2**20:8.1f} MiB", flush=True)
-        floor = summarize(_time(matmul_floor(q, c), repeats, 1, device))
-        rows.append(("matmul", batch, "seconds_median", floor["median"]))
+            rows.append((name, batch, "load_average_1min", os.getloadavg()[0]))
+            print(
+                f"B={batch:>6} {name:>8}: {stats['median']:8.3f} s wall, {cpu_median:8.3f} s CPU, "
+                f"peak {peak / 2**20:8.1f} MiB, load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+        wall, cpu_seconds = _time(matmul_floor(q, c), repeats, 1, device)
+        rows.append(("matmul", batch, "seconds_median", summarize(wall)["median"]))
+        rows.append(("matmul", batch, "cpu_seconds_median", summarize(cpu_seconds)["median"]))
+        floor = summarize(wall)
         print(f"B={batch:>6}   matmul: {floor['median']:8.3f} s (3 x B x M x D, torch.mm)", flush=True)
     return rows
 
@@ -127,7 +148,7 @@ def crossover(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=15):
                 qq, cc = q.clone().requires_grad_(), c.clone().requires_grad_()
                 matryoshka_infonce(qq, cc, dims=list(dims), backend=backend).backward()
 
-            median = summarize(time_call(fn, repeats=repeats))["median"]
+            median = summarize(time_call(fn, repeats=repeats, warmup=2))["median"]
             rows.append((backend, batch, "seconds_median", median))
             print(f"B={batch:>6} {backend:>8}: {median * 1e3:8.2f} ms  logits {batch * batch * len(dims)}", flush=True)
     return rows
@@ -183,19 +204,22 @@ def plot(records: list[dict], path: Path, title: str = "Loss stage (fwd + bwd)")
 
 
 def summary_table(records: list[dict]) -> str:
-    """Markdown table: time and peak per contender, ratios to stock, matmul fraction."""
+    """Markdown table: wall and CPU time per contender, ratios to stock, peaks, matmul fraction."""
     value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
     lines = [
-        "| B | stock s | chunked s | speed-up | stock peak MiB | chunked peak MiB | chunked peak / embeddings | matmul share |",
-        "|---|---|---|---|---|---|---|---|",
+        "| B | stock s | chunked s | speed-up (wall) | speed-up (CPU s) | stock peak MiB | chunked peak MiB "
+        "| (chunked peak − tile budget) / embeddings | matmul share |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for batch in sorted({r["B"] for r in records}):
         stock, ours = value[("stock", batch, "seconds_median")], value[("chunked", batch, "seconds_median")]
+        cpu_ratio = value[("stock", batch, "cpu_seconds_median")] / value[("chunked", batch, "cpu_seconds_median")]
         stock_peak, ours_peak = value[("stock", batch, "peak_bytes")], value[("chunked", batch, "peak_bytes")]
         embeddings, floor = value[("inputs", batch, "embedding_bytes")], value[("matmul", batch, "seconds_median")]
+        beyond_tile = max(0.0, ours_peak - value[("inputs", batch, "tile_budget_bytes")]) / embeddings
         lines.append(
-            f"| {batch} | {stock:.3f} | {ours:.3f} | {stock / ours:.1f}x | {stock_peak / 2**20:.1f} | "
-            f"{ours_peak / 2**20:.1f} | {ours_peak / embeddings:.2f}x | {floor / ours:.0%} |"
+            f"| {batch} | {stock:.2f} | {ours:.3f} | {stock / ours:.1f}x | {cpu_ratio:.1f}x | {stock_peak / 2**20:.1f} | "
+            f"{ours_peak / 2**20:.1f} | {beyond_tile:.2f}x | {floor / ours:.0%} |"
         )
     return "\n".join(lines)
 
