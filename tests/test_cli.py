@@ -211,10 +211,11 @@ def test_argparse_errors_exit_2(capsys):
 
 
 def test_python_dash_m_exit_code(tmp_path):
-    """The module entry point: a missing model fails fast (before heavy imports) with exit code 2."""
+    """The module entry point: a missing model fails before anything is loaded, one line, exit code 2."""
     missing = tmp_path / "missing"
     proc = subprocess.run(
-        [sys.executable, "-m", "st_cached_losses", "train", "--model", str(missing), "--output-dir", str(tmp_path / "o")],
+        [sys.executable, "-m", "st_cached_losses", "train", "--model", str(missing),
+         "--output-dir", str(tmp_path / "o")],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2

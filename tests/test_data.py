@@ -37,7 +37,8 @@ def test_pairs_are_docstring_to_signature(pairs):
     # non-literal defaults are elided (here a bound method, whose repr has an address)
     assert "json.decoder.JSONDecoder.decode(self, s, _w=...)" in by_positive
     # C accelerators count as their module: heapq.heappush is defined in _heapq
-    assert by_positive["heapq.heappush(heap, item, /)"]["anchor"] == "Push item onto heap, maintaining the heap invariant."
+    heappush = by_positive["heapq.heappush(heap, item, /)"]
+    assert heappush["anchor"] == "Push item onto heap, maintaining the heap invariant."
 
 
 def test_pairs_are_clean(pairs):
