@@ -233,7 +233,14 @@ def main(argv=None) -> None:
     parser.add_argument("--stock-repeats", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--crossover", action="store_true", help="dense vs chunked instead of stock vs ours")
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="torch threads (default: torch's). 1 keeps a loaded shared machine from penalising the many small "
+        "parallel ops of stock with OpenMP synchronisation waits; CPU seconds then measure the work itself.",
+    )
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dims = [d for d in args.dims if d <= args.dim] or [args.dim]
     if args.crossover:

@@ -1,7 +1,7 @@
 """Peak-memory and timing helpers shared by the tests and the benchmarks.
 
 Peak memory is measured exactly, not sampled: on CUDA with the caching allocator's peak counter, on
-CPU by replaying the allocation/free timeline that ``torch.profiler`` records for every tensor
+CPU by replaying every allocation and free of the CPU allocator that ``torch.profiler`` records
 (profile_memory=True). Both report the peak of tensor bytes allocated *during* the call, above what
 was live when it started (inputs excluded), in bytes.
 """
@@ -19,7 +19,7 @@ import torch
 def peak_tensor_bytes(fn: Callable[[], Any], device: str | torch.device = "cpu") -> tuple[Any, int]:
     """Run ``fn()`` once and return ``(its result, peak bytes of tensors it allocated)``.
 
-    CPU: exact, from the profiler's tensor timeline (slows the call down; time it separately).
+    CPU: exact, from the profiler's allocation events (slows the call down; time it separately).
     CUDA: ``torch.cuda.max_memory_allocated`` above the allocation at the start.
     """
     device = torch.device(device)
@@ -34,19 +34,21 @@ def peak_tensor_bytes(fn: Callable[[], Any], device: str | torch.device = "cpu")
 
 
 def _cpu_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
+    # Every allocation and free of the CPU allocator, in time order (frees carry negative sizes).
+    changes, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
+            changes.append((event.start_time_ns, event.typed[1].alloc_size))
     live = peak = 0
-    for _, action, (key, _version), size in sorted(prof._memory_profile().timeline, key=lambda row: row[0]):
-        if key.device.type != "cpu":
-            continue
-        if action == Action.CREATE:
-            live += size
-        elif action == Action.DESTROY:
-            live -= size  # may go below zero when a tensor from before the call is freed
+    for _, size in sorted(changes):
+        live += size  # may go below zero when a tensor from before the call is freed
         peak = max(peak, live)
     return result, peak
 
