@@ -1,17 +1,19 @@
 """End-to-end training-step benchmark: CachedMatryoshkaLoss vs the stock sentence-transformers losses.
 
 One training step = forward + backward of the loss on one batch of B (anchor, positive) pairs from the built-in
-stdlib code-search data (``st_cached_losses.data``), embedded by the packaged all-MiniLM-L6-v2 (max_seq_length 128,
-train mode, dropout on); the optimizer step is excluded, ``zero_grad(set_to_none=True)`` runs before each step
-outside the timed region (so every step allocates the parameter gradients, as in a trainer). Contenders, all
-with mini-batch 32 and dims [384, 256, 128, 64, 32] where they have dims:
+stdlib code-search data (``st_cached_losses.data``, both splits, shuffled; cycled when B exceeds its ~4000 pairs),
+embedded by the packaged all-MiniLM-L6-v2 (max_seq_length 128, train mode, dropout on). The optimizer step is
+excluded; ``zero_grad(set_to_none=True)`` runs before each step outside the timed region (so every step allocates
+the parameter gradients, as in a trainer). Contenders, all with mini-batch 32 and, where they have dims,
+dims [384, 256, 128, 64, 32]:
 
     ours            CachedMatryoshkaLoss(model, CachedMNRL(model, mini_batch_size=32), dims)
-    ours_unsorted   the same with sort_by_length=False (stock's mini-batch composition: isolates the loss stage)
+    ours_unsorted   the same with sort_by_length=False (stock's mini-batches: isolates the loss stage)
     stock           MatryoshkaLoss(model, CachedMNRL(model, mini_batch_size=32), dims)   <- the ratios' baseline
     stock_cmnrl     CachedMNRL(model, mini_batch_size=32) alone (one dim: what the Matryoshka dims cost stock)
     mnrl            MatryoshkaLoss(model, MNRL(model), dims), not cached: the whole batch embedded with
-                    gradients at once; run only where its estimated peak fits ``--mnrl-max-bytes``
+                    gradients at once; skipped where its peak of tensor bytes, extrapolated from a smaller B by the
+                    padded token count, exceeds --mnrl-max-bytes (6 GiB: the machine has 24 GiB, shared with other jobs)
 
 Phases (the same wrappers for every contender, installed for the timed step only):
 
@@ -23,20 +25,29 @@ Phases (the same wrappers for every contender, installed for the timed step only
                     loss     = forward time - embed (the K per-dim losses' forward)
                     backward = backward time        (the losses' and the encoder's backward; no re-embed)
 
-Timing: one process, the model and the tokenized batch shared by all contenders. One untimed warm-up step per
-contender, then ``repeats`` rounds, each running every contender once in the same fixed order, so load drift
-on a shared machine hits all contenders alike; the ratio to stock is taken per round (its median, min and max
-are reported as ``time_ratio_to_stock_*``).
+Each is recorded as wall time (``seconds_*``) and as the process's CPU time (``cpu_seconds_*``, all threads), which
+other jobs on a shared machine disturb far less than wall time.
+
+Timing (B < --fresh-from): one process; the model and the tokenized batch are shared by all contenders. Every
+contender first runs one untimed warm-up step on two mini-batches' worth of rows, then ``repeats`` rounds each run
+every contender once in the same fixed order, so load drift hits all contenders alike; the ratio to stock is taken
+per round (``time_ratio_to_stock_*`` / ``cpu_ratio_to_stock_*``: median, min, max over rounds).
+Timing (B >= --fresh-from, where a step takes many minutes): each round runs one fresh process per contender,
+--jobs at a time (all contenders at once by default: one core each, the same load at the same time), and times
+its first full step after the same small warm-up step; round 1 is the memory processes below.
 
 Memory: a fresh process per (contender, B) (``python -m benchmarks.train_step --one CONTENDER B ...``) that
-loads the model and the batch, reads its resident set size, runs one step and reads ``ru_maxrss``
-(``rss_peak_bytes``: the whole process, model and Python included; ``rss_base_bytes``: its RSS just before the
-step), then runs a second step under ``st_cached_losses.profiling.peak_tensor_bytes`` (``peak_bytes``: the exact
-peak of tensor bytes allocated during the step above what was live at its start: activations, embeddings,
-loss stage, parameter gradients).
+loads the model and the batch, runs the small warm-up step, reads its resident set size (``rss_base_bytes``),
+runs one step and reads ``ru_maxrss`` (``rss_peak_bytes``: the whole process, model and Python included), then
+runs a second step under ``st_cached_losses.profiling.peak_tensor_bytes`` (``peak_bytes``: the exact peak of
+tensor bytes allocated during the step above what was live at its start: activations, embeddings, loss stage,
+parameter gradients). Up to --jobs of these run at a time (memory does not depend on the machine's load).
 
-    python -m benchmarks.train_step                                  # B in 256 1024 4096 -> benchmarks/results/
-    python -m benchmarks.train_step --sizes 16 32 --model tiny --rows 40 --repeats 1 --out /tmp/smoke
+Threads: every process uses --threads 1 torch thread. On a 2-core machine that other jobs share, two OpenMP
+threads wait on each other whenever one is descheduled: a MiniLM step took ~3x longer with 2 threads than with 1.
+
+    python -m benchmarks.train_step                                  # B in 128 256 1024 4096 -> benchmarks/results/
+    python -m benchmarks.train_step --sizes 16 32 --model tiny --dims 48 16 --repeats 1 --out /tmp/smoke
 """
 
 from __future__ import annotations
@@ -60,12 +71,12 @@ from benchmarks.loss_stage import RESULTS, plot, read_csv, write_csv
 CONTENDERS = ("ours", "ours_unsorted", "stock", "stock_cmnrl", "mnrl")
 BASELINE = "stock"
 PHASES = ("embed", "loss", "backward")
-DEFAULT_SIZES = (256, 1024, 4096)
+DEFAULT_SIZES = (128, 256, 1024, 4096)
 DEFAULT_DIMS = (384, 256, 128, 64, 32)
 # Non-cached MNRL holds every layer's activations for the whole batch: run it only where its peak of tensor
 # bytes, extrapolated from a smaller B by the padded token count, stays under this (the machine has 24 GiB,
 # shared with other jobs).
-DEFAULT_MNRL_MAX_BYTES = 8 * 2**30
+DEFAULT_MNRL_MAX_BYTES = 6 * 2**30
 
 
 # --------------------------------------------------------------------------------------------- set-up
@@ -271,20 +282,43 @@ def measure_one(contender: str, batch: int, pairs_path: Path, model_name: str, m
     return result
 
 
-def measure_in_subprocess(contender: str, batch: int, pairs_path: Path, args, tensor_peak: bool = True) -> dict:
+def _command(contender: str, batch: int, pairs_path: Path, args, tensor_peak: bool) -> list[str]:
     command = [
         sys.executable, "-m", "benchmarks.train_step", "--one", contender, str(batch), "--pairs", str(pairs_path),
         "--model", args.model, "--max-seq-length", str(args.max_seq_length), "--mini-batch-size",
-        str(args.mini_batch_size), "--dims", *map(str, args.dims),
+        str(args.mini_batch_size), "--threads", str(args.threads), "--dims", *map(str, args.dims),
     ]
-    if not tensor_peak or args.no_tensor_peak:
-        command.append("--no-tensor-peak")
+    return command + (["--no-tensor-peak"] if not tensor_peak or args.no_tensor_peak else [])
+
+
+def measure_in_subprocesses(jobs: list[tuple[str, bool]], batch: int, pairs_path: Path, args) -> list[dict]:
+    """Run ``measure_one`` for each (contender, tensor_peak) in a fresh process, ``args.jobs`` at a time, in order
+    (so with jobs >= len(jobs) they all start together); their results, in the same order."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(command, capture_output=True, text=True, cwd=root, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    results: list[dict | None] = [None] * len(jobs)
+    running: dict[int, tuple[subprocess.Popen, list[str]]] = {}
+    pending = list(enumerate(jobs))
+    while pending or running:
+        while pending and len(running) < max(1, args.jobs):
+            index, (contender, tensor_peak) = pending.pop(0)
+            command = _command(contender, batch, pairs_path, args, tensor_peak)
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
+                                       env=env)
+            running[index] = (process, command)
+        index = next(i for i, (process, _) in running.items() if process.poll() is not None) if any(
+            process.poll() is not None for process, _ in running.values()) else None
+        if index is None:
+            time.sleep(0.2)
+            continue
+        process, command = running.pop(index)
+        stdout, stderr = process.communicate()
+        if process.returncode != 0:  # e.g. -9: killed for memory; recorded, the run goes on
+            print(f"{' '.join(command)} failed ({process.returncode}):\n{stderr[-2000:]}", file=sys.stderr, flush=True)
+            results[index] = {"exit_code": process.returncode}
+        else:
+            results[index] = json.loads(stdout.strip().splitlines()[-1])
+    return results
 
 
 def minibatch_tokens(features: list[dict], mini_batch_size: int, sort: bool) -> int:
@@ -305,30 +339,33 @@ def minibatch_tokens(features: list[dict], mini_batch_size: int, sort: bool) -> 
 
 # --------------------------------------------------------------------------------------------- run
 
-# Default plan for the default sizes (2 cores: a MiniLM step over B=4096 pairs takes minutes). For each B: the
-# timed contenders, the contenders whose memory is measured, timed rounds, warm-up rounds. At B >= --fresh-from
-# the timed steps are the first steps of the fresh memory processes (one per round) instead of rounds here.
+# Default plan for the default sizes: for each B, (timed contenders, contenders whose memory is measured, timed
+# rounds). On 2 cores a MiniLM step over B=4096 pairs takes many minutes, hence fewer contenders and rounds there.
+# B=128 is where non-cached MNRL fits next to the other jobs on this machine.
 PLAN = {
-    256: (CONTENDERS, ("ours", "stock", "stock_cmnrl", "mnrl"), 3, 1),
-    1024: (("ours", "stock", "stock_cmnrl", "mnrl"), ("ours", "stock", "stock_cmnrl", "mnrl"), 2, 0),
-    4096: (("ours", "stock"), ("ours", "stock"), 1, 0),
+    128: (("ours", "stock", "mnrl"), ("ours", "stock", "mnrl"), 3),
+    256: (CONTENDERS, ("ours", "stock", "stock_cmnrl", "mnrl"), 3),
+    1024: (("ours", "stock", "mnrl"), ("ours", "stock", "stock_cmnrl", "mnrl"), 2),
+    4096: (("ours", "stock"), ("ours", "stock"), 1),
 }
 
 
-def plan_for(batch: int, first: bool, args) -> tuple[list[str], list[str], int, int]:
-    """(timed contenders, memory contenders, rounds, warm-up rounds) at ``batch``; flags override the plan."""
-    contenders, memory, repeats, warmup = PLAN.get(batch, (CONTENDERS, CONTENDERS, 3, 1 if first else 0))
-    contenders = args.contenders or contenders
-    memory = [c for c in (args.contenders or memory) if c in contenders]
+def plan_for(batch: int, args) -> tuple[list[str], list[str], int]:
+    """(timed contenders, memory contenders, rounds) at ``batch``; --contenders / --repeats override the plan."""
+    contenders, memory, repeats = PLAN.get(batch, (CONTENDERS, CONTENDERS, 3))
+    if args.contenders:
+        contenders = memory = args.contenders
     if args.no_memory or (args.memory_sizes is not None and batch not in args.memory_sizes):
         memory = []
-    repeats = args.repeats if args.repeats is not None else repeats
-    warmup = args.warmup if args.warmup is not None else warmup
-    return list(contenders), memory, repeats, warmup
+    return list(contenders), list(memory), args.repeats if args.repeats is not None else repeats
+
+
+def _first_step(result: dict) -> dict[str, float]:
+    return {key[len("first_"):]: value for key, value in result.items() if key.startswith("first_")}
 
 
 def run(args, pairs: list[tuple[str, str]]) -> list[tuple]:
-    """Rows of (contender, B, metric, value) for every size: memory (fresh processes) then timing."""
+    """Rows of (contender, B, metric, value) for every size: memory (fresh processes), then timing."""
     import torch
 
     rows: list[tuple] = []
@@ -337,8 +374,8 @@ def run(args, pairs: list[tuple[str, str]]) -> list[tuple]:
     with tempfile.TemporaryDirectory() as tmp:
         pairs_path = Path(tmp) / "pairs.json"
         pairs_path.write_text(json.dumps(pairs))
-        for index, batch in enumerate(args.sizes):
-            contenders, memory, repeats, warmup = plan_for(batch, index == 0, args)
+        for batch in args.sizes:
+            contenders, memory, repeats = plan_for(batch, args)
             fresh = batch >= args.fresh_from
             batch_pairs = batch_of(pairs, batch)
             features = tokenize(model, batch_pairs)
@@ -351,37 +388,54 @@ def run(args, pairs: list[tuple[str, str]]) -> list[tuple]:
                 ("inputs", batch, "minibatch_tokens_unsorted", minibatch_tokens(features, args.mini_batch_size, False)),
                 ("inputs", batch, "threads", torch.get_num_threads()),
             ]
-            if "mnrl" in contenders and mnrl_bytes_per_token is not None:
+            if "mnrl" in contenders + memory and mnrl_bytes_per_token is not None:
                 estimate = mnrl_bytes_per_token * tokens
                 if estimate > args.mnrl_max_bytes:
-                    contenders.remove("mnrl")
-                    memory = [c for c in memory if c != "mnrl"]
+                    contenders, memory = [c for c in contenders if c != "mnrl"], [c for c in memory if c != "mnrl"]
                     rows.append(("mnrl", batch, "skipped_estimated_peak_bytes", estimate))
                     print(f"B={batch:>5} mnrl skipped: estimated peak {estimate / 2**30:.1f} GiB "
                           f"> {args.mnrl_max_bytes / 2**30:.1f} GiB", flush=True)
+
+            # Memory: a fresh process per contender. In fresh mode their first steps are timing round 1.
             times: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
-            for round_ in range(repeats if fresh else 1):
-                for name in memory if round_ == 0 else []:
-                    result = measure_in_subprocess(name, batch, pairs_path, args)
+            first_round = memory + ([c for c in contenders if c not in memory] if fresh else [])
+            jobs = [(name, name in memory) for name in first_round]
+            for (name, measured), result in zip(jobs, measure_in_subprocesses(jobs, batch, pairs_path, args)):
+                if "exit_code" in result:
+                    rows.append((name, batch, "failed_exit_code", result["exit_code"]))
+                    contenders = [c for c in contenders if c != name]
+                    times.pop(name, None)
+                    print(f"B={batch:>5} {name:>13}: failed ({result['exit_code']}), not timed", flush=True)
+                    continue
+                if measured:
                     rows += [(name, batch, key, value) for key, value in result.items() if key.endswith("_bytes")]
                     if name == "mnrl" and "peak_bytes" in result:
                         mnrl_bytes_per_token = result["peak_bytes"] / result["padded_tokens"]
-                    if fresh:
-                        times[name].append({k[len("first_"):]: v for k, v in result.items() if k.startswith("first_")})
                     print(f"B={batch:>5} {name:>13}: peak {result.get('peak_bytes', 0) / 2**20:9.1f} MiB tensors, "
-                          f"{result['rss_peak_bytes'] / 2**20:9.1f} MiB RSS, first step {result['first_step']:.1f} s",
-                          flush=True)
-                if fresh:
-                    for name in contenders if round_ > 0 else [c for c in contenders if c not in memory]:
-                        result = measure_in_subprocess(name, batch, pairs_path, args, tensor_peak=False)
-                        times[name].append({k[len("first_"):]: v for k, v in result.items() if k.startswith("first_")})
+                          f"{result['rss_peak_bytes'] / 2**20:9.1f} MiB RSS", flush=True)
+                if fresh and name in contenders:
+                    times[name].append(_first_step(result))
+                    print(f"    fresh round 1/{repeats} {name:>13}: {result['first_step']:8.2f} s", flush=True)
+
+            # Timing.
+            if fresh:
+                for round_ in range(1, repeats):
+                    jobs = [(name, False) for name in contenders]
+                    for name, result in zip(contenders, measure_in_subprocesses(jobs, batch, pairs_path, args)):
+                        if "exit_code" in result:
+                            rows.append((name, batch, "failed_exit_code", result["exit_code"]))
+                            continue
+                        times[name].append(_first_step(result))
                         print(f"    fresh round {round_ + 1}/{repeats} {name:>13}: {result['first_step']:8.2f} s",
                               flush=True)
-            if not fresh:
-                steps = {name: Step(model, build_loss(name, model, args.dims, args.mini_batch_size), features)
-                         for name in contenders}
-                times = time_steps(steps, repeats, warmup=warmup, log=True)
-                del steps
+            else:
+                losses = {name: build_loss(name, model, args.dims, args.mini_batch_size) for name in contenders}
+                warmup = tokenize(model, batch_of(pairs, min(batch, 2 * args.mini_batch_size)))
+                for loss in losses.values():  # the same small warm-up step for every contender
+                    Step(model, loss, warmup)()
+                steps = {name: Step(model, loss, features) for name, loss in losses.items()}
+                times = time_steps(steps, repeats, warmup=0, log=True)
+                del steps, losses
                 gc.collect()
             rows += timing_rows(batch, times)
             rows += [(name, batch, "timed_in_fresh_process", int(fresh)) for name in contenders]
@@ -414,6 +468,9 @@ def summary_table(records: list[dict]) -> str:
             if get("skipped_estimated_peak_bytes") is not None:
                 lines.append(f"| {batch} | {name} | not run: estimated peak "
                              f"{get('skipped_estimated_peak_bytes') / 2**30:.0f} GiB | | | | | | | |")
+                continue
+            if get("failed_exit_code") is not None:
+                lines.append(f"| {batch} | {name} | failed: exit code {get('failed_exit_code'):.0f} | | | | | | | |")
                 continue
             if get("seconds_median") is None:
                 continue
@@ -503,9 +560,10 @@ def parse_args(argv=None):
     parser.add_argument("--mini-batch-size", type=int, default=32)
     parser.add_argument("--rows", type=int, default=None, help="use only this many pairs of the data (cycled)")
     parser.add_argument("--repeats", type=int, help="timed rounds at every B (default: PLAN per B)")
-    parser.add_argument("--warmup", type=int, help="untimed rounds before them (default: PLAN per B)")
     parser.add_argument("--fresh-from", type=int, default=4096,
                         help="at B >= this, time the first step of a fresh process per contender and round")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every process")
+    parser.add_argument("--jobs", type=int, default=2, help="fresh (memory) processes run at a time")
     parser.add_argument("--mnrl-max-bytes", type=float, default=DEFAULT_MNRL_MAX_BYTES)
     parser.add_argument("--no-memory", action="store_true", help="timing only")
     parser.add_argument("--memory-sizes", type=int, nargs="+", help="measure memory only at these B (default: all)")
@@ -522,6 +580,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict] | None:
     args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
     if args.one:
         contender, batch = args.one[0], int(args.one[1])
         result = measure_one(contender, batch, args.pairs, args.model, args.max_seq_length, args.dims,
