@@ -38,7 +38,7 @@ its first full step after the same small warm-up step; round 1 is the memory pro
 
 Memory: a fresh process per (contender, B) (``python -m benchmarks.train_step --one CONTENDER B ...``) that
 loads the model and the batch, runs the small warm-up step, reads its resident set size (``rss_base_bytes``),
-runs one step and reads ``ru_maxrss`` (``rss_peak_bytes``: the whole process, model and Python included), then
+runs one step and reads its peak RSS (``rss_peak_bytes``, VmHWM: the whole process, model and Python included), then
 runs a second step under ``st_cached_losses.profiling.peak_tensor_bytes`` (``peak_bytes``: the exact peak of
 tensor bytes allocated during the step above what was live at its start: activations, embeddings, loss stage,
 parameter gradients). Up to --jobs of these run at a time (memory does not depend on the machine's load).
@@ -257,6 +257,22 @@ def _rss_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _peak_rss_bytes() -> int:
+    """Peak resident set size of this process (bytes): ``VmHWM``, the high-water mark of its own address space.
+
+    Not ``getrusage().ru_maxrss``: Linux carries the parent's high-water mark over fork + exec into the child's
+    ``ru_maxrss``, so a child of a large process would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 def measure_one(contender: str, batch: int, pairs_path: Path, model_name: str, max_seq_length: int,
                 dims: Sequence[int], mini_batch_size: int, tensor_peak: bool = True) -> dict[str, float]:
     """In this (fresh) process: RSS before and peak RSS over one step (and that step's times), then the exact
@@ -274,7 +290,7 @@ def measure_one(contender: str, batch: int, pairs_path: Path, model_name: str, m
     gc.collect()
     result: dict[str, float] = {"rss_base_bytes": _rss_bytes(), "padded_tokens": padded_tokens(features)}
     step()
-    result["rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    result["rss_peak_bytes"] = _peak_rss_bytes()
     result.update({f"first_{key}": value for key, value in step.last.items()})
     if tensor_peak:
         gc.collect()
@@ -364,7 +380,7 @@ def _first_step(result: dict) -> dict[str, float]:
     return {key[len("first_"):]: value for key, value in result.items() if key.startswith("first_")}
 
 
-def run(args, pairs: list[tuple[str, str]]) -> list[tuple]:
+def run(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], None] | None = None) -> list[tuple]:
     """Rows of (contender, B, metric, value) for every size: memory (fresh processes), then timing."""
     import torch
 
@@ -443,6 +459,8 @@ def run(args, pairs: list[tuple[str, str]]) -> list[tuple]:
                 median = {key: statistics.median(run[key] for run in runs) for key in ("step", *PHASES)}
                 print(f"B={batch:>5} {name:>13}: step {median['step']:8.2f} s = embed {median['embed']:7.2f} + "
                       f"loss {median['loss']:7.2f} + backward {median['backward']:7.2f}", flush=True)
+            if on_size is not None:
+                on_size(rows)  # the sizes so far, written as they complete
     return rows
 
 
@@ -593,7 +611,7 @@ def main(argv=None) -> list[dict] | None:
         pairs = [tuple(pair) for pair in json.loads(args.data.read_text())][: args.rows]
     else:
         pairs = load_pairs(args.rows)
-    rows = run(args, pairs)
+    rows = run(args, pairs, on_size=lambda rows: write_outputs(rows, args.out, args.name))
     records = write_outputs(rows, args.out, args.name)
     print(summary_table(records))
     return records

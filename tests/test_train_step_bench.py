@@ -38,8 +38,7 @@ def test_train_step_smoke(tmp_path):
     assert value[("stock", 8, "time_ratio_to_stock_median")] == 1.0
     for name in ("ours", "stock", "mnrl"):
         assert value[(name, 8, "peak_bytes")] > 0
-        # ru_maxrss and /proc/self/statm account pages slightly differently: equal within 1% for a tiny step.
-        assert value[(name, 8, "rss_peak_bytes")] >= 0.99 * value[(name, 8, "rss_base_bytes")] > 0
+        assert value[(name, 8, "rss_peak_bytes")] >= value[(name, 8, "rss_base_bytes")] > 0
         assert (name, 24, "peak_bytes") not in value  # memory only at --memory-sizes
     assert value[("ours", 24, "repeats")] == value[("stock", 24, "repeats")] == 2
     assert value[("inputs", 8, "minibatch_tokens_sorted")] <= value[("inputs", 8, "minibatch_tokens_unsorted")]
