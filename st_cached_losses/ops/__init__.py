@@ -22,7 +22,7 @@ from .spec import BACKENDS, InfoNCESpec
 __all__ = ["InfoNCEResult", "InfoNCESpec", "matryoshka_infonce", "run_backend", "select_backend"]
 
 # Up to this many logits (B x M x directions x dims) "auto" uses the dense reference. Measured on a
-# 2-core CPU (benchmarks/results/crossover.csv, benchmarks/loss_stage.py --crossover): the chunked
+# 2-core CPU (benchmarks/results/crossover.csv, loss_stage.py --crossover --threads 1): the chunked
 # backend is faster at every size down to B = 4 (dense pays autograd's graph), so dense is never picked.
 DENSE_MAX_LOGITS = 0
 
