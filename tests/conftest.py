@@ -4,6 +4,9 @@ import os
 
 import pytest
 
+# Before anything imports triton (transformers and torch may): Triton reads it once, at import, and
+# the Triton kernels are tested on CPU tensors in its interpreter.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
