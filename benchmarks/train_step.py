@@ -522,23 +522,24 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
     sizes = sorted({r["B"] for r in records if r["metric"] == "seconds_median"})
     contenders = [c for c in CONTENDERS if any(r["contender"] == c and r["metric"] == "seconds_median" for r in records)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / max(1, len(contenders))
     colors = {"embed": "tab:blue", "loss": "tab:red", "backward": "tab:green"}
-    for i, name in enumerate(contenders):
-        for j, batch in enumerate(sizes):
-            bottom = 0.0
-            stock = value.get((BASELINE, batch, "seconds_median"))
+    labelled = set()
+    for j, batch in enumerate(sizes):
+        stock = value.get((BASELINE, batch, "seconds_median"))
+        present = [name for name in contenders if (name, batch, "seconds_median") in value]
+        width = 0.8 / max(1, len(present))
+        for i, name in enumerate(present):
+            x, bottom = j + (i - (len(present) - 1) / 2) * width, 0.0
             for phase in PHASES:
                 seconds = value.get((name, batch, f"seconds_{phase}_median"))
                 if seconds is None or not stock:
                     continue
-                axes[0].bar(j + (i - (len(contenders) - 1) / 2) * width, seconds / stock, width, bottom=bottom,
-                            color=colors[phase], edgecolor="black", linewidth=0.5,
-                            label=phase if (i, j) == (0, 0) else None)
+                axes[0].bar(x, seconds / stock, width, bottom=bottom, color=colors[phase], edgecolor="black",
+                            linewidth=0.5, label=None if phase in labelled else phase)
+                labelled.add(phase)
                 bottom += seconds / stock
             if bottom:
-                axes[0].text(j + (i - (len(contenders) - 1) / 2) * width, bottom, name, rotation=90, ha="center",
-                             va="bottom", fontsize=7)
+                axes[0].text(x, bottom, name, rotation=90, ha="center", va="bottom", fontsize=7)
     axes[0].set_xticks(range(len(sizes)), [f"B={b}" for b in sizes])
     axes[0].set_ylabel("step time / stock step time")
     axes[0].set_ylim(0, axes[0].get_ylim()[1] * 1.35)
