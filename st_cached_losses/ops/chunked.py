@@ -33,9 +33,9 @@ DEFAULT_TILE_BYTES = 64 * 2**20
 # exp2 is ~2.5x faster than exp on CPU (both vectorised): logits are scaled to base 2 for it.
 _LOG2E = 1.4426950408889634
 
-# A logit shift of the cosine bound keeps exp() in range while every logit >= -bound, i.e. when
-# exp(-2 * bound) is a normal fp32 number; above this bound each row's max is used instead.
-_MAX_FIXED_SHIFT = 40.0
+# Cosine logits lie in [-bound, bound]. Up to this bound they need no shift at all: exp(+-40) and
+# 2^40 columns times exp(40) are normal fp32 numbers. Above it each row's max is the shift.
+_MAX_UNSHIFTED_BOUND = 40.0
 
 
 @dataclass
@@ -219,24 +219,23 @@ class _TileDirection:
         dense_factor, exceptions = self.penalty
         scale2 = self._logit_scale(k) * (dense_factor * _LOG2E)
         bound = spec.logit_bound
-        fixed_shift = bound is not None and bound <= _MAX_FIXED_SHIFT
-        shift2 = torch.full_like(self.row_inv[k], bound * _LOG2E if fixed_shift else 0.0)
+        unshifted = bound is not None and bound <= _MAX_UNSHIFTED_BOUND
+        shift2 = torch.zeros_like(self.row_inv[k])
         if spec.cosine:
             torch.mul(dots, col_inv[None, :], out=out)
-            # base-2 logits - shift in one pass: (dots * col_inv) * row_scale - shift.
-            torch.addcmul(-shift2[:, None], out, scale2[:, None], out=out)
+            out.mul_(scale2[:, None])
         else:
             torch.mul(dots, scale2, out=out)
         own_logits = self._own_logits(k, col_inv)
         if exceptions is not None:
             own2 = own_logits * own_logits.new_tensor(exceptions) * _LOG2E
-            out.scatter_(1, self.own_cols, own2 - shift2[:, None])
+            out.scatter_(1, self.own_cols, own2)
         if self.direction.mask is not None:
             masked = self.own_cols if self.direction.mask == "own_docs" else self.own_cols[:, :1]
             out.scatter_(1, masked, -math.inf)
         if self.direction.name == "query_to_doc":
             self.positive_logit = own_logits[:, 0]
-        if not fixed_shift:
+        if not unshifted:
             shift2 = out.amax(dim=1)
             shift2 = torch.where(torch.isfinite(shift2), shift2, torch.zeros_like(shift2))
             out.sub_(shift2[:, None])
