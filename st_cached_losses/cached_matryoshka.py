@@ -199,7 +199,10 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         self._step_dims = self._sample_dims()
         if self.sort_by_length:
             self._step_orders = [_length_order(feature) for feature in sentence_features]
-            sentence_features = [_reorder(f, order) for f, order in zip(sentence_features, self._step_orders)]
+            # With a fixed mini-batch size each mini-batch gathers its own rows (no copy of the whole batch's
+            # features); a token budget cuts mini-batches from the lengths, so it needs the sorted copy.
+            sort = _reorder if self.mini_batch_num_tokens is not None else _length_sorted
+            sentence_features = [sort(f, order) for f, order in zip(sentence_features, self._step_orders)]
         else:
             self._step_orders = [None] * len(sentence_features)
         total = self.forward_cached(sentence_features, labels)
@@ -210,6 +213,12 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             for dim, weight in zip(self.matryoshka_dims, self.matryoshka_weights)
         }
         return _reconstruct_loss_components(total, components)
+
+    def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
+        """Stock ``embed_minibatch``; for a length-sorted column, rows ``order[begin:end]`` of it."""
+        if isinstance(sentence_feature, _LengthSorted):
+            sentence_feature, begin, end = _reorder(sentence_feature, sentence_feature.order[begin:end]), 0, end - begin
+        return super().embed_minibatch(sentence_feature, begin, end, with_grad, copy_random_state, random_state)
 
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
@@ -418,6 +427,18 @@ def _length_order(feature: dict[str, Any]) -> Tensor | None:
     if bool((order == torch.arange(rows, device=order.device)).all()):
         return None
     return order
+
+
+class _LengthSorted(dict):
+    """A column's features as given (no copy) and the row ``order`` in which ``embed_minibatch`` reads them."""
+
+    def __init__(self, feature: dict[str, Any], order: Tensor) -> None:
+        super().__init__(feature)
+        self.order = order
+
+
+def _length_sorted(feature: dict[str, Any], order: Tensor | None) -> dict[str, Any]:
+    return feature if order is None else _LengthSorted(feature, order)
 
 
 def _reorder(feature: dict[str, Any], order: Tensor | None) -> dict[str, Any]:

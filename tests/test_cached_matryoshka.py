@@ -280,6 +280,34 @@ def test_sort_by_length_pads_each_mini_batch_to_its_own_longest_row(tiny_model):
     assert padded_tokens(sorted_shapes) < padded_tokens(plain_shapes)
 
 
+def test_sorting_by_length_copies_no_feature_tensor(tiny_model):
+    # Each mini-batch gathers its own rows: a sorted copy of the whole batch's features would sit in memory
+    # beside the trainer's through step (3).
+    features = _features(tiny_model, rows=16, negatives=0, seed=31)
+    ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, mini_batch_size=4)
+    handed = []
+    forward_cached = CachedMatryoshkaLoss.forward_cached
+    spy = lambda self, columns, labels=None: handed.extend(columns) or forward_cached(self, columns, labels)  # noqa: E731
+    with mock.patch.object(CachedMatryoshkaLoss, "forward_cached", spy):
+        sum(ours(features, None).values()).backward()
+    assert len(handed) == len(features)
+    for column, feature in zip(handed, features):
+        assert column.order is not None  # these columns were sorted...
+        assert all(column[key] is value for key, value in feature.items())  # ...in place
+
+
+def test_sorted_with_a_token_budget_matches_stock(tiny_model):
+    features = _features(tiny_model, rows=13, negatives=1, seed=41)
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
+    ours = CachedMatryoshkaLoss(
+        tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=4, mini_batch_num_tokens=40
+    )
+    stock_loss, stock_grads = _loss_and_grads(tiny_model, stock, features)
+    loss, grads = _loss_and_grads(tiny_model, ours, features)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    _assert_grads_close(grads, stock_grads)
+
+
 def test_sorting_falls_back_for_inputs_it_cannot_reorder(tiny_model):
     feature = tiny_model.preprocess(["a b c", "a", "a b c d e f", "a b"])
     order = _length_order(feature)
