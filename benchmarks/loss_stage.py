@@ -8,6 +8,7 @@ run, for each batch size. Also times the three B x M x D matmuls that any exact 
     python benchmarks/loss_stage.py                       # B in 1024 4096 16384, CSV + PNG in benchmarks/results/
     python benchmarks/loss_stage.py --sizes 64 128 --out /tmp/smoke   # smoke run
     python benchmarks/loss_stage.py --crossover           # dense vs chunked, to place DENSE_MAX_LOGITS
+    python benchmarks/loss_stage.py --threads 2 --name loss_stage_2threads   # another CSV + PNG beside it
 
 On a CUDA machine the Triton backend joins (timed with triton.testing.do_bench, memory with
 torch.cuda.max_memory_allocated).
@@ -241,6 +242,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stock-repeats", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", help="file stem of the CSV and PNG (default: loss_stage, loss_stage_gpu on CUDA)")
     parser.add_argument("--crossover", action="store_true", help="dense vs chunked instead of stock vs ours")
     parser.add_argument(
         "--threads", type=int, default=None,
@@ -257,7 +259,7 @@ def main(argv=None) -> None:
         write_csv(rows, args.out / "crossover.csv")
         return
     rows = run(args.sizes, args.dim, dims, args.repeats, args.stock_repeats, device=device)
-    name = "loss_stage" if device == "cpu" else "loss_stage_gpu"
+    name = args.name or ("loss_stage" if device == "cpu" else "loss_stage_gpu")
     write_csv(rows, args.out / f"{name}.csv")
     records = read_csv(args.out / f"{name}.csv")
     plot(records, args.out / f"{name}.png")
