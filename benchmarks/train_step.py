@@ -48,6 +48,7 @@ threads wait on each other whenever one is descheduled: a MiniLM step took ~3x l
 
     python -m benchmarks.train_step                                  # B in 128 256 1024 4096 -> benchmarks/results/
     python -m benchmarks.train_step --sizes 16 32 --model tiny --dims 48 16 --repeats 1 --out /tmp/smoke
+    python -m benchmarks.train_step --sizes 1024 --contenders ours --memory-only --merge   # re-measure one cell
 """
 
 from __future__ import annotations
@@ -371,6 +372,8 @@ def plan_for(batch: int, args) -> tuple[list[str], list[str], int]:
     contenders, memory, repeats = PLAN.get(batch, (CONTENDERS, CONTENDERS, 3))
     if args.contenders:
         contenders = memory = args.contenders
+    if args.memory_only:
+        contenders = []
     if args.no_memory or (args.memory_sizes is not None and batch not in args.memory_sizes):
         memory = []
     return list(contenders), list(memory), args.repeats if args.repeats is not None else repeats
@@ -561,8 +564,14 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
     plt.close(fig)
 
 
-def write_outputs(rows: list[tuple], out: Path, name: str = "train_step") -> list[dict]:
-    write_csv(rows, out / f"{name}.csv")
+def write_outputs(rows: list[tuple], out: Path, name: str = "train_step", merge: bool = False) -> list[dict]:
+    """CSV + PNGs of ``rows``; ``merge``: the CSV's other rows are kept, those measured again are replaced."""
+    path = out / f"{name}.csv"
+    if merge and path.exists():
+        measured = {row[:3] for row in rows}
+        kept = [(r["contender"], r["B"], r["metric"], r["value"]) for r in read_csv(path)]
+        rows = [row for row in kept if row[:3] not in measured] + rows
+    write_csv(rows, path)
     records = read_csv(out / f"{name}.csv")
     plot(records, out / f"{name}.png", title="Training step (forward + backward, MiniLM, dims 384..32, mini-batch 32)")
     plot_phases(records, out / f"{name}_phases.png")
@@ -585,6 +594,9 @@ def parse_args(argv=None):
     parser.add_argument("--jobs", type=int, default=2, help="fresh (memory) processes run at a time")
     parser.add_argument("--mnrl-max-bytes", type=float, default=DEFAULT_MNRL_MAX_BYTES)
     parser.add_argument("--no-memory", action="store_true", help="timing only")
+    parser.add_argument("--memory-only", action="store_true", help="the fresh-process memory measurements only")
+    parser.add_argument("--merge", action="store_true",
+                        help="replace the rows this run measures in the existing CSV and keep the others")
     parser.add_argument("--memory-sizes", type=int, nargs="+", help="measure memory only at these B (default: all)")
     parser.add_argument("--data", type=Path, help="a JSON list of [anchor, positive] pairs instead of the built-in data")
     parser.add_argument("--no-tensor-peak", action="store_true", help="peak RSS only (no profiler run)")
@@ -612,8 +624,8 @@ def main(argv=None) -> list[dict] | None:
         pairs = [tuple(pair) for pair in json.loads(args.data.read_text())][: args.rows]
     else:
         pairs = load_pairs(args.rows)
-    rows = run(args, pairs, on_size=lambda rows: write_outputs(rows, args.out, args.name))
-    records = write_outputs(rows, args.out, args.name)
+    rows = run(args, pairs, on_size=lambda rows: write_outputs(rows, args.out, args.name, args.merge))
+    records = write_outputs(rows, args.out, args.name, args.merge)
     print(summary_table(records))
     return records
 

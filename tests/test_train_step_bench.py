@@ -49,3 +49,21 @@ def test_train_step_smoke(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = train_step.summary_table(records)
     assert "| 24 | mnrl | not run" in table and "| 8 | ours |" in table
+
+
+def test_memory_only_merge_replaces_just_the_measured_rows(tmp_path):
+    pairs = tmp_path / "pairs.json"
+    pairs.write_text(json.dumps(PAIRS))
+    out = tmp_path / "results"
+    common = ["--model", "tiny", "--dims", "48", "16", "--max-seq-length", "16", "--mini-batch-size", "4",
+              "--data", str(pairs), "--out", str(out)]
+    first = train_step.main(["--sizes", "8", "--contenders", "ours", "stock", "--repeats", "1", *common])
+    (out / "train_step.csv").write_text((out / "train_step.csv").read_text().replace("ours,8,peak_bytes,", "ours,8,peak_bytes,-"))
+    merged = train_step.main(["--sizes", "8", "--contenders", "ours", "--memory-only", "--merge", *common])
+
+    before = {(r["contender"], r["B"], r["metric"]): r["value"] for r in first}
+    after = {(r["contender"], r["B"], r["metric"]): r["value"] for r in merged}
+    assert after.keys() == before.keys()  # nothing timed again, nothing lost
+    assert after[("ours", 8, "peak_bytes")] > 0  # the edited (negative) cell was measured again
+    unchanged = [key for key in before if key[0] == "stock" or "seconds" in key[2]]
+    assert unchanged and all(after[key] == before[key] for key in unchanged)
