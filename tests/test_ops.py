@@ -22,6 +22,8 @@ OPTIONS = {
     "dot": dict(similarity="dot", scale=1.0),
     "dot_gte_hardness": dict(similarity="dot", scale=2.0, directions=ALL_DIRECTIONS, hardness_mode="all_negatives",
                              hardness_strength=1.0),
+    "largest_unshifted_scale_gte": dict(scale=30.0, directions=ALL_DIRECTIONS, hardness_mode="all_negatives",
+                                        hardness_strength=10.0),  # logit bound 40: exp without a shift
     "large_scale_row_max_shift": dict(scale=60.0),
 }
 
