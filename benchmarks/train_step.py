@@ -572,7 +572,7 @@ def write_outputs(rows: list[tuple], out: Path, name: str = "train_step", merge:
         kept = [(r["contender"], r["B"], r["metric"], r["value"]) for r in read_csv(path)]
         rows = [row for row in kept if row[:3] not in measured] + rows
     write_csv(rows, path)
-    records = read_csv(out / f"{name}.csv")
+    records = read_csv(path)
     plot(records, out / f"{name}.png", title="Training step (forward + backward, MiniLM, dims 384..32, mini-batch 32)")
     plot_phases(records, out / f"{name}_phases.png")
     return records
