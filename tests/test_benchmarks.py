@@ -23,3 +23,17 @@ def test_crossover_smoke(tmp_path):
     loss_stage.main(["--crossover", "--sizes", "16", "--dim", "8", "--dims", "8", "4", "--out", str(tmp_path)])
     records = loss_stage.read_csv(tmp_path / "crossover.csv")
     assert {r["contender"] for r in records} == {"dense", "chunked"}
+
+
+def test_python_m_benchmarks_regenerates_every_committed_result(monkeypatch):
+    from benchmarks import __main__ as everything
+
+    calls = []
+    monkeypatch.setattr(everything, "BENCHMARKS", {name: (lambda flags, n=name: calls.append((n, flags)))
+                                                   for name in everything.BENCHMARKS})
+    everything.main([])
+    assert calls == [(name, list(flags)) for name, flags in everything.EVERYTHING]
+    # Each committed CSV has exactly one producer among those runs (1 and 2 threads write different files).
+    stems = ["loss_stage" if "--name" not in flags else flags[flags.index("--name") + 1]
+             for name, flags in calls if name == "loss_stage"]
+    assert sorted(stems) == sorted(p.stem for p in loss_stage.RESULTS.glob("loss_stage*.csv"))
