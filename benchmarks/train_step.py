@@ -323,8 +323,7 @@ def measure_in_subprocesses(jobs: list[tuple[str, bool]], batch: int, pairs_path
             process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
                                        env=env)
             running[index] = (process, command)
-        index = next(i for i, (process, _) in running.items() if process.poll() is not None) if any(
-            process.poll() is not None for process, _ in running.values()) else None
+        index = next((i for i, (process, _) in running.items() if process.poll() is not None), None)
         if index is None:
             time.sleep(0.2)
             continue

@@ -310,36 +310,6 @@ def load_pairs(spec: str, seed: int, max_train: int | None = None, max_eval: int
 # -------------------------------------------------------------------------------------------- evaluation
 
 
-def truncated_retrieval_evaluator() -> type:
-    """``TruncatedRetrievalEvaluator``: an ``InformationRetrievalEvaluator`` (made on first use, since importing
-    sentence_transformers takes seconds) that takes a shared ``cache`` dict as its first argument and encodes
-    each text list once at full dim for all the evaluators that share the cache, then truncates."""
-    global _TRUNCATED_EVALUATOR
-    if _TRUNCATED_EVALUATOR is None:
-        from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
-
-        class TruncatedRetrievalEvaluator(InformationRetrievalEvaluator):
-            def __init__(self, cache: dict, *args, **kwargs) -> None:
-                super().__init__(*args, **kwargs)
-                self.cache = cache
-
-            def embed_inputs(self, model, sentences, encode_fn_name=None, **kwargs):
-                key = (encode_fn_name, tuple(sentences))
-                if key not in self.cache:
-                    truncate_dim, self.truncate_dim = self.truncate_dim, None
-                    try:
-                        self.cache[key] = super().embed_inputs(model, sentences, encode_fn_name, **kwargs)
-                    finally:
-                        self.truncate_dim = truncate_dim
-                return self.cache[key][..., : self.truncate_dim]
-
-        _TRUNCATED_EVALUATOR = TruncatedRetrievalEvaluator
-    return _TRUNCATED_EVALUATOR
-
-
-_TRUNCATED_EVALUATOR: type | None = None
-
-
 def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[str, float]]]:
     """An ``evaluate(model) -> {"<dim>": {"ndcg@10", "mrr@10", "recall@10"}}`` over the held-out pairs.
 
@@ -348,6 +318,8 @@ def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[
     all sharing one encoding of the queries and corpus per call: truncating the full embeddings is exactly
     what ``encode(truncate_dim=d)`` does, and it saves (len(dims) - 1) encodings of the whole split.
     """
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
     doc_ids: dict[str, str] = {}
     for column in test.column_names[1:]:
         for text in test[column]:
@@ -360,10 +332,21 @@ def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[
     queries = {qid: text for text, qid in query_ids.items()}
     corpus = {did: text for text, did in doc_ids.items()}
     cache: dict[tuple, Any] = {}
-    evaluator_class = truncated_retrieval_evaluator()
+
+    class SharedEncodingEvaluator(InformationRetrievalEvaluator):
+        def embed_inputs(self, model, sentences, encode_fn_name=None, **kwargs):
+            key = (encode_fn_name, tuple(sentences))
+            if key not in cache:
+                truncate_dim, self.truncate_dim = self.truncate_dim, None
+                try:
+                    cache[key] = super().embed_inputs(model, sentences, encode_fn_name, **kwargs)
+                finally:
+                    self.truncate_dim = truncate_dim
+            return cache[key][..., : self.truncate_dim]
+
     evaluators = {
-        dim: evaluator_class(
-            cache, queries, corpus, relevant, mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[10],
+        dim: SharedEncodingEvaluator(
+            queries, corpus, relevant, mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[10],
             precision_recall_at_k=[10], map_at_k=[10], batch_size=64, name=f"dim_{dim}", write_csv=False,
             truncate_dim=dim,
             show_progress_bar=True,  # only the first dim encodes (the rest reuse it): two bars per call

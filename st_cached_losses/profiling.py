@@ -53,18 +53,8 @@ def _cpu_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
     return result, peak
 
 
-def time_call(
-    fn: Callable[[], Any],
-    repeats: int = 3,
-    warmup: int = 1,
-    device: str | torch.device = "cpu",
-    clock: Callable[[], float] = time.perf_counter,
-) -> list[float]:
-    """Seconds of ``repeats`` calls of ``fn()`` after ``warmup`` untimed ones (CUDA synchronised).
-
-    ``clock`` is wall-clock time by default; ``time.process_time`` gives this process's CPU seconds (all
-    threads), which a loaded shared machine distorts less.
-    """
+def time_call(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, device: str | torch.device = "cpu") -> list[float]:
+    """Wall-clock seconds of ``repeats`` calls of ``fn()`` after ``warmup`` untimed ones (CUDA synchronised)."""
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
@@ -72,10 +62,10 @@ def time_call(
     sync()
     seconds = []
     for _ in range(repeats):
-        start = clock()
+        start = time.perf_counter()
         fn()
         sync()
-        seconds.append(clock() - start)
+        seconds.append(time.perf_counter() - start)
     return seconds
 
 
