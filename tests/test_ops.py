@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from st_cached_losses import matryoshka_infonce
-from st_cached_losses.ops import InfoNCESpec, run_backend, select_backend
+from st_cached_losses.ops import InfoNCESpec, run_backend
 from st_cached_losses.ops.chunked import tile_rows
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -131,19 +131,6 @@ def test_tile_rows_respects_byte_budget():
     assert rows * columns * 4 * (3 + 1) <= 2**22 < (rows + 1) * columns * 4 * (3 + 1)
 
 
-def test_auto_backend_follows_the_dense_threshold(monkeypatch):
-    from st_cached_losses import ops
-
-    small_q, small_c = _inputs(8, 8, 8, 4)
-    spec = _spec(small_q, small_c, small_q, [4, 2])  # 8 x 8 x 2 = 128 logits
-    assert select_backend(small_q, spec, "auto") == ("dense" if 128 <= ops.DENSE_MAX_LOGITS else "chunked")
-    monkeypatch.setattr(ops, "DENSE_MAX_LOGITS", 128)
-    assert select_backend(small_q, spec, "auto") == "dense"
-    monkeypatch.setattr(ops, "DENSE_MAX_LOGITS", 127)
-    assert select_backend(small_q, spec, "auto") == "chunked"
-    assert select_backend(small_q, spec, "dense") == "dense"
-
-
 def _call(**overrides):
     world_q, docs = _inputs(6, 6, 12, 8)
     kwargs = dict(queries=world_q, docs=docs, dims=[8, 4])
@@ -191,12 +178,6 @@ BAD_INPUTS = {
 def test_bad_input_raises_clear_error(overrides, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         _call(**overrides)
-
-
-def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="needs CUDA tensors|needs the triton package"):
-        _call(backend="triton")
 
 
 def _float64_truth_by_row_blocks(queries, docs, dims, block):

@@ -8,23 +8,31 @@ This module never imports sentence_transformers.
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import contextlib
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from . import chunked, reference
+from .backend import BACKENDS, TritonUnavailableError, check_backend, choices, fall_back, note_choice, select_backend
 from .result import InfoNCEResult
-from .spec import BACKENDS, InfoNCESpec
+from .spec import InfoNCESpec
 
-__all__ = ["InfoNCEResult", "InfoNCESpec", "matryoshka_infonce", "run_backend", "select_backend"]
+__all__ = [
+    "BACKENDS",
+    "NONFINITE_POLICIES",
+    "InfoNCEResult",
+    "InfoNCESpec",
+    "TritonUnavailableError",
+    "check_backend",
+    "choices",
+    "matryoshka_infonce",
+    "run_backend",
+    "select_backend",
+]
 
-# Up to this many logits (B x M x directions x dims) "auto" uses the dense reference. Measured on a
-# 2-core CPU (benchmarks/results/crossover.csv, loss_stage.py --crossover --threads 1): the chunked
-# backend is faster at every size down to B = 4 (dense pays autograd's graph), so dense is never picked.
-DENSE_MAX_LOGITS = 0
+NONFINITE_POLICIES = ("auto", "raise", "propagate")
 
 
 def matryoshka_infonce(
@@ -44,6 +52,7 @@ def matryoshka_infonce(
     chunk_size: int | None = None,
     return_per_dim: bool = False,
     world_queries: Tensor | None = None,
+    nonfinite: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """In-batch InfoNCE (multiple negatives ranking) loss, summed over Matryoshka dims with weights.
 
@@ -68,20 +77,31 @@ def matryoshka_infonce(
         hardness_mode: None, "in_batch_negatives", "hard_negatives" or "all_negatives": adds
             ``hardness_strength * stop_grad(similarity)`` to those negatives' logits.
         hardness_strength: >= 0.
-        backend: "auto" (Triton for CUDA tensors when it imports, dense up to ``DENSE_MAX_LOGITS``
-            logits, else chunked), "triton", "chunked" or "dense".
+        backend: "auto", "triton", "chunked" or "dense". "auto" runs the Triton kernels only on a GPU where
+            they have been verified (``ops.backend.VERIFIED_TRITON_CAPABILITIES``), else the chunked backend on
+            the same device, and falls back to chunked (warning once) if Triton cannot compile or launch; the
+            choice is logged once at INFO (``ops.choices()`` lists them).
         chunk_size: rows per tile for the tiled backends (default: from a 64 MiB byte budget).
         return_per_dim: also return the (K,) unweighted loss per dim, in the order of ``dims`` (no grad).
         world_queries: (Bw, D) all queries of the gathered batch when ``queries`` are rows
             ``[offset, offset + B)`` of it (``gather_across_devices``); default ``queries``.
+        nonfinite: what NaN or Inf in the embeddings do. "raise": a ValueError (in fp32 or bf16 training a
+            non-finite embedding means the run diverged). "propagate": the loss and every gradient are NaN,
+            so that fp16 mixed precision's gradient scaler skips the step, as it does with stock losses.
+            "auto" (default): "propagate" under fp16 autocast or for fp16 inputs, else "raise".
+
+    The op computes in fp32 (fp64 for fp64 inputs) whatever autocast is active; gradients come back in the
+    inputs' dtype. A row whose only candidate is its positive (a batch of one pair) has loss and
+    gradient exactly 0.
 
     Returns:
         The scalar loss (fp32; fp64 for fp64 inputs), or ``(loss, per_dim)`` with ``return_per_dim``.
 
     Raises:
-        ValueError / TypeError: for bad shapes, dtypes, devices, NaN/Inf inputs, empty batches or
-            options, naming the argument and the fix.
+        ValueError / TypeError: for bad shapes, dtypes, devices, NaN/Inf inputs (see ``nonfinite``), empty
+            batches or options, naming the argument and the fix; ``backend="triton"`` where it cannot run.
         NotImplementedError: backend="triton" with an option its kernels do not support.
+        TritonUnavailableError: backend="triton" and the kernels fail to compile or launch.
 
     References:
         - Matryoshka Representation Learning: https://arxiv.org/abs/2205.13147
@@ -97,6 +117,8 @@ def matryoshka_infonce(
             loss = matryoshka_infonce(q, c, dims=[384, 256, 128, 64, 32])
             loss.backward()
     """
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
     spec = InfoNCESpec.build(
         queries,
         docs,
@@ -113,26 +135,23 @@ def matryoshka_infonce(
     )
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None (automatic), got {chunk_size!r}.")
-    name = select_backend(queries, spec, backend)
-    loss, per_dim = _MatryoshkaInfoNCE.apply(queries, docs, world_queries, spec, name, chunk_size)
+    name, reason = select_backend(queries.device, backend)
+    if name == "triton" and backend == "auto" and not _triton_module().supports(spec):
+        name, reason = "chunked", "auto: the Triton kernels do not support these options"
+    nonfinite_input = _first_nonfinite(queries=queries, docs=docs, world_queries=world_queries)
+    if nonfinite_input is not None:
+        if not _propagates_nonfinite(nonfinite, queries):
+            raise ValueError(
+                f"{nonfinite_input} contains NaN or Inf: the run diverged (lower the learning rate, or use bf16/fp32 "
+                "instead of fp16); under fp16 mixed precision pass nonfinite='propagate' so that the gradient "
+                "scaler skips the step."
+            )
+        name, reason = "nonfinite", f"NaN or Inf in {nonfinite_input}"
+    with _autocast_off(queries.device):
+        loss, per_dim = _MatryoshkaInfoNCE.apply(queries, docs, world_queries, spec, name, reason, chunk_size)
     if return_per_dim:
         return loss, per_dim
     return loss
-
-
-def select_backend(queries: Tensor, spec: InfoNCESpec, backend: str) -> str:
-    """Resolve ``backend`` ("auto" included) to "triton", "chunked" or "dense", or raise ValueError."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
-    if backend == "triton":
-        _check_triton_usable(queries)
-        return backend
-    if backend != "auto":
-        return backend
-    if queries.is_cuda and _triton_available() and _triton_module().supports(spec):
-        return "triton"
-    logits = spec.batch_size * spec.num_docs * len(spec.directions) * len(spec.dims)
-    return "dense" if logits <= DENSE_MAX_LOGITS else "chunked"
 
 
 def run_backend(
@@ -148,15 +167,38 @@ def run_backend(
     raise ValueError(f"Unknown backend {name!r}: choose from {BACKENDS[1:]}.")
 
 
+def _run(name, reason, queries, docs, world_queries, spec, need_grad, chunk_size) -> InfoNCEResult:
+    """The chosen backend's result, falling back from Triton to chunked on the auto path; exact zeros
+    where every row's only candidate is its positive (the backends' rounding would leave ~1e-7 there,
+    which AdamW turns into weight updates)."""
+    if name == "nonfinite":
+        return _nan_result(queries, docs, world_queries, spec, need_grad)
+    try:
+        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size)
+    except TritonUnavailableError as error:
+        if reason == "requested":
+            raise
+        fall_back(queries.device, error)
+        name, reason = "chunked", f"auto: Triton failed ({error})"
+        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size)
+    note_choice(name, queries.device, reason, result.tile)
+    if spec.single_candidate:
+        result = result._replace(
+            per_dim=torch.zeros_like(result.per_dim),
+            grads=None if result.grads is None else tuple(None if g is None else torch.zeros_like(g) for g in result.grads),
+        )
+    return result
+
+
 class _MatryoshkaInfoNCE(torch.autograd.Function):
     """Gradients are computed in the forward sweep (saving a recompute of every score tile) and kept
     only when an input needs them; backward scales them by grad_output (accumulation, AMP scaler)."""
 
     @staticmethod
-    def forward(ctx, queries, docs, world_queries, spec, name, chunk_size):
+    def forward(ctx, queries, docs, world_queries, spec, name, reason, chunk_size):
         need_grad = any(ctx.needs_input_grad[:3])
         world = queries if world_queries is None else world_queries
-        result = run_backend(name, queries, docs, world, spec, need_grad, chunk_size)
+        result = _run(name, reason, queries, docs, world, spec, need_grad, chunk_size)
         weights = torch.tensor(spec.weights, dtype=result.per_dim.dtype, device=result.per_dim.device)
         loss = (weights * result.per_dim).sum()
         per_dim = torch.empty_like(result.per_dim)
@@ -183,11 +225,7 @@ class _MatryoshkaInfoNCE(torch.autograd.Function):
                 "matryoshka_infonce computes its gradients in the forward pass and hands them over once: "
                 "call the op again instead of backpropagating twice (retain_graph=True)."
             )
-        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], None, None, None)
-
-
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None and importlib.util.find_spec(f"{__name__}.triton") is not None
+        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], None, None, None, None)
 
 
 def _triton_module():
@@ -196,11 +234,36 @@ def _triton_module():
     return triton_backend
 
 
-def _check_triton_usable(queries: Tensor) -> None:
-    if not _triton_available():
-        raise ValueError("backend='triton' needs the triton package (pip install triton): use backend='chunked'.")
-    if not queries.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors, got {queries.device}: move the embeddings to a GPU, use "
-            "backend='chunked' on CPU, or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter."
-        )
+def _first_nonfinite(**tensors: Tensor | None) -> str | None:
+    """The name of the first tensor holding NaN or Inf, or None."""
+    return next((name for name, t in tensors.items() if t is not None and not bool(torch.isfinite(t).all())), None)
+
+
+def _propagates_nonfinite(policy: str, queries: Tensor) -> bool:
+    if policy != "auto":
+        return policy == "propagate"
+    device = queries.device.type
+    fp16_autocast = (
+        torch.amp.is_autocast_available(device)
+        and torch.is_autocast_enabled(device)
+        and torch.get_autocast_dtype(device) == torch.float16
+    )
+    return fp16_autocast or queries.dtype == torch.float16
+
+
+def _autocast_off(device: torch.device):
+    """Autocast would run the score matmuls in bf16/fp16 (``mm`` and ``mv`` are on its lower-precision lists)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _nan_result(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool) -> InfoNCEResult:
+    """NaN losses and gradients: what stock losses give for a non-finite embedding, so a gradient scaler
+    (fp16 mixed precision) detects it and skips the step."""
+    dtype = torch.promote_types(queries.dtype, torch.float32)
+    per_dim = torch.full((len(spec.dims),), float("nan"), dtype=dtype, device=queries.device)
+    lse = torch.full((len(spec.dims), len(spec.directions), spec.batch_size), float("nan"), dtype=dtype,
+                     device=queries.device)  # fmt: skip
+    grads = tuple(torch.full_like(t, float("nan")) for t in (queries, docs, world_queries)) if need_grad else None
+    return InfoNCEResult(per_dim, lse, grads, tile="none")

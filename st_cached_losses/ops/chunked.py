@@ -77,7 +77,7 @@ def forward(
     rows = chunk_size or tile_rows(spec)
     for begin in range(0, spec.batch_size, rows):
         sweep.tile(begin, min(begin + rows, spec.batch_size))
-    return sweep.result()
+    return sweep.result()._replace(tile=f"{min(rows, spec.batch_size)} rows")
 
 
 class _Sweep:

@@ -32,7 +32,7 @@ def forward(queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCES
             grads = tuple(
                 torch.zeros_like(t) if g is None else g.to(t.dtype) for g, t in zip(grads, (queries, docs, world_queries))
             )
-    return InfoNCEResult(per_dim.detach(), torch.stack(lses).detach(), grads)
+    return InfoNCEResult(per_dim.detach(), torch.stack(lses).detach(), grads, tile="dense")
 
 
 def _prefix(x: Tensor, dim: int, cosine: bool) -> Tensor:

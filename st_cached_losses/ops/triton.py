@@ -26,8 +26,11 @@ is imported). ``cost_model`` and ``benchmark`` (CUDA) describe and measure its s
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +39,23 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from .backend import TritonUnavailableError, triton_unusable_reason
 from .result import InfoNCEResult
 from .spec import NORM_EPS, InfoNCESpec
 
-__all__ = ["CANDIDATES", "MAX_DIMS", "TileConfig", "benchmark", "compile_kernels", "cost_model", "forward", "supports"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CANDIDATES",
+    "MAX_DIMS",
+    "TileConfig",
+    "benchmark",
+    "compile_kernels",
+    "cost_model",
+    "forced_tile_config",
+    "forward",
+    "supports",
+]
 
 # The dims are a runtime loop; the forward kernel keeps a (BM, next_power_of_2(K)) running max and sum.
 MAX_DIMS = 64
@@ -394,6 +410,8 @@ def _pick_config(key: tuple, dtype: torch.dtype, launch, outputs: list[Tensor], 
     """Tile config for ``key`` (the kernel, rounded shapes, dtype and constants; see ``_tune_key``):
     timed once per key on CUDA (set ST_CACHED_LOSSES_TRITON_AUTOTUNE=0 to skip), on scratch outputs
     since the gradient kernels accumulate into theirs. ``chunk_size`` fixes the row tile instead."""
+    if _FORCED_CONFIG is not None:
+        return _FORCED_CONFIG
     base = default_config(dtype)
     if chunk_size is not None:
         rows = 1 << max(4, min(8, int(chunk_size).bit_length() - 1))  # a power of two in [16, 256]
@@ -401,12 +419,60 @@ def _pick_config(key: tuple, dtype: torch.dtype, launch, outputs: list[Tensor], 
     if _INTERPRETED or not AUTOTUNE:
         return base
     if key not in _TUNED:
-        times = []
-        for config in CANDIDATES:
+
+        def time_one(config: TileConfig) -> float:
             scratch = [torch.zeros_like(t) for t in outputs]
-            times.append(triton.testing.do_bench(lambda: launch(config, scratch), warmup=5, rep=25))
-        _TUNED[key] = CANDIDATES[min(range(len(times)), key=times.__getitem__)]
+            return triton.testing.do_bench(lambda: launch(config, scratch), warmup=5, rep=25)
+
+        _TUNED[key] = fastest_config(CANDIDATES, time_one)
+        logger.info("Triton tile config for %s: %s", key[0], _TUNED[key])
     return _TUNED[key]
+
+
+def fastest_config(candidates, time_one: Callable[[TileConfig], float]) -> TileConfig:
+    """The candidate with the least ``time_one(config)``. A candidate that cannot compile or launch here (a
+    tile out of shared memory or registers on this GPU) is dropped; if none can, TritonUnavailableError."""
+    times, failures = {}, []
+    for config in candidates:
+        try:
+            times[config] = time_one(config)
+        except Exception as error:  # noqa: BLE001 - filtered just below
+            if not _is_launch_error(error):
+                raise
+            failures.append(f"{config}: {_describe(error)}")
+            logger.debug("Triton tile config %s dropped: %s", config, error)
+    if not times:
+        raise TritonUnavailableError("no tile config compiles and launches here: " + "; ".join(failures))
+    return min(times, key=times.__getitem__)
+
+
+_FORCED_CONFIG: TileConfig | None = None
+
+
+@contextlib.contextmanager
+def forced_tile_config(config: TileConfig) -> Iterator[None]:
+    """Every kernel launched inside uses ``config`` (no tuning): the CUDA suite runs each candidate this way."""
+    global _FORCED_CONFIG
+    previous, _FORCED_CONFIG = _FORCED_CONFIG, config
+    try:
+        yield
+    finally:
+        _FORCED_CONFIG = previous
+
+
+def _is_launch_error(error: Exception) -> bool:
+    """A Triton compile or launch failure (the driver's errors reach Python as "Triton Error [CUDA]: ...")."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return isinstance(error, (CompilationError, OutOfResources)) or (
+        isinstance(error, RuntimeError) and str(error).startswith("Triton Error")
+    )
+
+
+def _describe(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _round_key(*sizes: int) -> tuple[int, ...]:
@@ -474,12 +540,9 @@ def _check_inputs(queries: Tensor, spec: InfoNCESpec) -> None:
             f"backend='triton' supports {[str(d) for d in _DTYPES]} embeddings, got {queries.dtype}: cast them, or "
             "use backend='chunked'."
         )
-    if not queries.is_cuda and not _INTERPRETED:
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors, got {queries.device}: move the embeddings to a GPU, use "
-            "backend='chunked' on CPU, or set TRITON_INTERPRET=1 before importing st_cached_losses.ops.triton to "
-            "run the kernels in Triton's CPU interpreter."
-        )
+    reason = triton_unusable_reason(queries.device)
+    if reason is not None:
+        raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
 
 
 def _operand(x: Tensor, spec: InfoNCESpec, need_grad: bool, acc: torch.dtype) -> _Operand:
@@ -528,8 +591,8 @@ def _tune_key(kind: str, x: _Operand, y: _Operand, consts: dict, dtype) -> tuple
     return (kind, *_round_key(x.x.shape[0], y.x.shape[0]), d, dtype, tuple(sorted(consts.items())), x.x.device)
 
 
-def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direction, types, chunk_size) -> None:
-    """lse (K, B) view: per-row LSE of one direction, all dims."""
+def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direction, types, chunk_size) -> dict:
+    """lse (K, B) view: per-row LSE of one direction, all dims. Returns {"lse": the tile config used}."""
     consts = {**_direction_consts(spec, direction), **types.consts}
     consts.pop("GD"), consts.pop("PREC_GRAD")
     consts["KP"] = triton.next_power_of_2(len(spec.dims))
@@ -544,11 +607,14 @@ def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direc
         )  # fmt: skip
 
     key = _tune_key("lse", x, y, consts, x.x.dtype)
-    launch(_pick_config(key, x.x.dtype, launch, [lse], chunk_size), [lse])
+    config = _pick_config(key, x.x.dtype, launch, [lse], chunk_size)
+    launch(config, [lse])
+    return {"lse": config}
 
 
-def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction, types, chunk_size) -> None:
-    """x.grad/x.r += row side and y.grad/y.r += column side of one direction's softmax gradient."""
+def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction, types, chunk_size) -> dict:
+    """x.grad/x.r += row side and y.grad/y.r += column side of one direction's softmax gradient.
+    Returns {"rows": config, "cols": config}, the tile configs used."""
     consts = {**_direction_consts(spec, direction), **types.consts}
     n_rows, n_cols = x.x.shape[0], y.x.shape[0]
     placeholder = x.inv  # RX/RY are only touched for cosine similarity
@@ -570,12 +636,15 @@ def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
+    used = {}
     for kind, launch, outputs in (
         ("rows", launch_rows, [x.grad, placeholder if x.r is None else x.r]),
         ("cols", launch_cols, [y.grad, placeholder if y.r is None else y.r]),
     ):
         key = _tune_key(kind, x, y, consts, x.x.dtype)
-        launch(_pick_config(key, x.x.dtype, launch, outputs, chunk_size), outputs)
+        used[kind] = _pick_config(key, x.x.dtype, launch, outputs, chunk_size)
+        launch(used[kind], outputs)
+    return used
 
 
 def _bands(spec: InfoNCESpec):
@@ -650,9 +719,19 @@ def forward(
 
     Raises:
         NotImplementedError: more than ``MAX_DIMS`` dims, or a dtype other than fp32/bf16/fp16/fp64.
-        ValueError: CPU tensors without Triton's interpreter.
+        ValueError: tensors the kernels cannot run on (see ``backend.triton_unusable_reason``).
+        TritonUnavailableError: the kernels fail to compile or launch here (``backend="auto"`` falls back).
     """
     _check_inputs(queries, spec)
+    try:
+        return _forward(queries, docs, world_queries, spec, need_grad, chunk_size)
+    except Exception as error:  # noqa: BLE001 - filtered just below
+        if not _is_launch_error(error):
+            raise
+        raise TritonUnavailableError(_describe(error)) from error
+
+
+def _forward(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, chunk_size) -> InfoNCEResult:
     types = _types(queries.dtype)
     device, num_dirs = queries.device, len(spec.directions)
     ops = _operands(queries, docs, world_queries, spec, need_grad, types.acc)
@@ -660,13 +739,13 @@ def forward(
     lse = torch.empty(len(spec.dims), num_dirs, spec.batch_size, dtype=types.acc, device=device)
     for index, direction in enumerate(spec.directions):
         rows, cols = DIRECTION_OPERANDS[direction][:2]
-        _launch_lse(ops[rows], ops[cols], dims, lse[:, index], spec, direction, types, chunk_size)
+        used = _launch_lse(ops[rows], ops[cols], dims, lse[:, index], spec, direction, types, chunk_size)
 
     pos_sims = _positive_cosines(ops, spec, types.acc)
     log_z = torch.logsumexp(lse, dim=1) if spec.partition_mode == "joint" else lse.mean(dim=1)
     per_dim = (log_z - spec.scale * pos_sims).mean(dim=1)
     if not need_grad:
-        return InfoNCEResult(per_dim, lse, None)
+        return InfoNCEResult(per_dim, lse, None, tile=_tiles(used))
 
     weights = torch.tensor(spec.weights, dtype=types.acc, device=device)
     for index, direction in enumerate(spec.directions):
@@ -675,12 +754,19 @@ def forward(
         nrm = log_z if spec.partition_mode == "joint" else lse[:, index] + math.log(num_dirs)
         rows, cols = DIRECTION_OPERANDS[direction][:2]
         nrm2 = (nrm * LOG2E).contiguous()
-        _launch_grads(ops[rows], ops[cols], dims, weights, nrm2, spec, direction, types, chunk_size)
+        used.update(_launch_grads(ops[rows], ops[cols], dims, weights, nrm2, spec, direction, types, chunk_size))
 
     _finish_grads(ops, spec, pos_sims)
     dtype = queries.dtype
     d_world = ops["w"].grad.to(dtype) if "w" in ops else torch.zeros_like(world_queries)
-    return InfoNCEResult(per_dim, lse, (ops["q"].grad.to(dtype), ops["c"].grad.to(dtype), d_world))
+    return InfoNCEResult(per_dim, lse, (ops["q"].grad.to(dtype), ops["c"].grad.to(dtype), d_world), tile=_tiles(used))
+
+
+def _tiles(used: dict[str, TileConfig]) -> str:
+    """The tile configs of the last direction's kernels, e.g. "lse 64x64x32 w8 s2, rows ..." (for the log)."""
+    return ", ".join(
+        f"{kind} {c.block_rows}x{c.block_cols}x{c.block_d} w{c.num_warps} s{c.num_stages}" for kind, c in used.items()
+    )
 
 
 # --------------------------------------------------------------------------------------------------
