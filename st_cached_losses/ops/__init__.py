@@ -179,7 +179,7 @@ def _run(name, reason, queries, docs, world_queries, spec, need_grad, chunk_size
         if reason == "requested":
             raise
         fall_back(queries.device, error)
-        name, reason = "chunked", f"auto: Triton failed ({error})"
+        name, reason = select_backend(queries.device, "auto")
         result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size)
     note_choice(name, queries.device, reason, result.tile)
     if spec.single_candidate:

@@ -99,23 +99,21 @@ def triton_unusable_reason(device: torch.device) -> str | None:
 
 
 def triton_verified(device: torch.device) -> bool:
-    """Whether "auto" may pick Triton on ``device``: a CUDA GPU of a verified compute capability where the
-    kernels have not failed to compile or launch in this process."""
+    """Whether "auto" may pick Triton on ``device``: a CUDA GPU of a verified compute capability."""
     return (
         device.type == "cuda"
         and torch.version.cuda is not None
         and torch.cuda.get_device_capability(device) in VERIFIED_TRITON_CAPABILITIES
-        and str(device) not in _FAILED
         and triton_unusable_reason(device) is None
     )
 
 
-def select_backend(device: torch.device, backend: str, triton_supports: bool = True) -> tuple[str, str]:
+def select_backend(device: torch.device, backend: str) -> tuple[str, str]:
     """Resolve ``backend`` for tensors on ``device`` to ``(name, reason)``.
 
-    ``"auto"``: "triton" on a verified GPU (see :data:`VERIFIED_TRITON_CAPABILITIES`) when ``triton_supports``
-    the problem, else "chunked" (faster than the dense reference at every size measured, down to B = 4:
-    benchmarks/results/crossover.csv). An explicit name is checked by :func:`check_backend`.
+    ``"auto"``: "triton" on a verified GPU (see :data:`VERIFIED_TRITON_CAPABILITIES`) unless the kernels failed
+    there earlier in this process, else "chunked" (faster than the dense reference at every size measured, down
+    to B = 4: benchmarks/results/crossover.csv). An explicit name is checked by :func:`check_backend`.
 
     Raises:
         ValueError: see :func:`check_backend`.
@@ -123,16 +121,16 @@ def select_backend(device: torch.device, backend: str, triton_supports: bool = T
     check_backend(backend, device)
     if backend != "auto":
         return backend, "requested"
+    if str(device) in _FAILED:
+        return "chunked", f"auto: the Triton kernels failed here ({_FAILED[str(device)]})"
+    if triton_verified(device):
+        return "triton", "auto: verified on this GPU"
     if device.type != "cuda":
         return "chunked", f"auto: the Triton kernels run on CUDA GPUs only, not {device.type}"
-    if not triton_verified(device):
-        return "chunked", (
-            "auto: the Triton kernels are not verified on this GPU yet (python -m benchmarks.gpu); "
-            "pass backend='triton' to opt in"
-        )
-    if not triton_supports:
-        return "chunked", "auto: the Triton kernels do not support these options"
-    return "triton", "auto: verified on this GPU"
+    return "chunked", (
+        "auto: the Triton kernels are not verified on this GPU yet (python -m benchmarks.gpu); "
+        "pass backend='triton' to opt in"
+    )
 
 
 _CHOICES: dict[tuple, dict] = {}
