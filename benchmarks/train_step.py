@@ -98,8 +98,9 @@ def batch_of(pairs: Sequence[tuple[str, str]], batch: int) -> list[tuple[str, st
     return [pairs[i % len(pairs)] for i in range(batch)]
 
 
-def build_model(name: str, max_seq_length: int):
-    """``"minilm"``: the packaged all-MiniLM-L6-v2; ``"tiny"``: a 2-layer 48-dim BERT (smoke runs). Train mode."""
+def build_model(name: str, max_seq_length: int, device: str = "cpu"):
+    """``"minilm"``: the packaged all-MiniLM-L6-v2; ``"tiny"``: a 2-layer 48-dim BERT (smoke runs); else a local
+    model directory (e.g. an fp16 copy carried to an offline GPU machine). fp32 weights, train mode."""
     import logging
 
     import transformers
@@ -111,15 +112,28 @@ def build_model(name: str, max_seq_length: int):
     transformers.utils.logging.disable_progress_bar()
     if name == "tiny":
         model = tiny_sentence_transformer(dropout=0.1, max_seq_length=max_seq_length)
-    elif name == "minilm":
+    else:
         from sentence_transformers import SentenceTransformer
 
-        model = SentenceTransformer(minilm_path(), device="cpu")
-    else:
-        raise ValueError(f"model must be 'minilm' or 'tiny', got {name!r}")
+        if name != "minilm" and not Path(name).is_dir():
+            raise ValueError(f"model must be 'minilm', 'tiny' or a local model directory, got {name!r}")
+        model = SentenceTransformer(minilm_path() if name == "minilm" else name, device="cpu")
     model.max_seq_length = max_seq_length
+    model.float().to(device)  # mixed precision is autocast's job (--autocast), as in the trainer
     model.train()
     return model
+
+
+def autocast_model(model, dtype_name: str | None) -> None:
+    """Run ``model.forward`` under autocast with fp32 outputs, as accelerate does for the trainer's bf16/fp16
+    (so the re-embedding in GradCache's backward runs under autocast too)."""
+    if not dtype_name:
+        return
+    import torch
+    from accelerate.utils import convert_outputs_to_fp32
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    model.forward = convert_outputs_to_fp32(torch.autocast(model.device.type, dtype=dtype)(model.forward))
 
 
 def build_loss(name: str, model, dims: Sequence[int], mini_batch_size: int):
@@ -147,12 +161,38 @@ def build_loss(name: str, model, dims: Sequence[int], mini_batch_size: int):
 
 
 def tokenize(model, pairs: Sequence[tuple[str, str]]) -> list[dict]:
-    """One padded feature dict per column (anchor, positive), as the trainer's collator builds them."""
-    return [model.preprocess([pair[column] for pair in pairs]) for column in (0, 1)]
+    """One padded feature dict per column (anchor, positive), as the trainer's collator builds them, on the
+    model's device."""
+    features = [model.preprocess([pair[column] for pair in pairs]) for column in (0, 1)]
+    return [{k: v.to(model.device) if hasattr(v, "to") else v for k, v in f.items()} for f in features]
 
 
 def padded_tokens(features: list[dict]) -> int:
     return sum(int(f["attention_mask"].numel()) for f in features)
+
+
+class _Clock:
+    """Time marks: (wall, CPU) seconds of this process; on CUDA the wall time comes from CUDA events, read
+    once the step has synchronised."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event, time.process_time()
+        return time.perf_counter(), time.process_time()
+
+    def seconds(self, start, end) -> tuple[float, float]:
+        """(wall, CPU) seconds from ``start`` to ``end`` (after a synchronisation on CUDA)."""
+        wall = start[0].elapsed_time(end[0]) / 1e3 if self.cuda else end[0] - start[0]
+        return wall, end[1] - start[1]
 
 
 class Step:
@@ -165,44 +205,49 @@ class Step:
         self.cached = uses_gradient_cache(loss)
         # The object whose calculate_loss CachedLossMixin.forward_cached calls (stock Matryoshka decorates its base's).
         self.stage_owner = getattr(loss, "loss", loss) if type(loss).__name__ == "MatryoshkaLoss" else loss
+        self.clock = _Clock(model.device)
         self.last: dict[str, float] = {}
 
-    def _timed(self, fn: Callable, inner: list[float]) -> Callable:
+    def _timed(self, fn: Callable, spans: list) -> Callable:
         def wrapper(*args, **kwargs):
-            start, cpu_start = time.perf_counter(), time.process_time()
+            start = self.clock.mark()
             try:
                 return fn(*args, **kwargs)
             finally:
-                inner[0] += time.perf_counter() - start
-                inner[1] += time.process_time() - cpu_start
+                spans.append((start, self.clock.mark()))
 
         return wrapper
 
     def __call__(self) -> None:
         self.model.zero_grad(set_to_none=True)
-        inner = [0.0, 0.0]  # wall, CPU seconds inside the wrapped call
+        spans: list = []  # (start, end) marks of each call of the wrapped function
         owner, attribute = (self.stage_owner, "calculate_loss") if self.cached else (self.model, "forward")
-        had_own = attribute in vars(owner)  # stock Matryoshka's decorator is an instance attribute: put it back
+        had_own = attribute in vars(owner)  # stock Matryoshka's decorator (and autocast) is an instance attribute
         original = getattr(owner, attribute)
-        setattr(owner, attribute, self._timed(original, inner))
+        setattr(owner, attribute, self._timed(original, spans))
         try:
-            clock = [(time.perf_counter(), time.process_time())]
+            marks = [self.clock.mark()]
             out = self.loss(self.features, None)
             total = sum(out.values()) if isinstance(out, dict) else out
-            clock.append((time.perf_counter(), time.process_time()))
+            marks.append(self.clock.mark())
             total.backward()
-            clock.append((time.perf_counter(), time.process_time()))
+            marks.append(self.clock.mark())
         finally:
             if had_own:
                 setattr(owner, attribute, original)
             else:
                 delattr(owner, attribute)
+        if self.clock.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        forward, backward = self.clock.seconds(marks[0], marks[1]), self.clock.seconds(marks[1], marks[2])
+        inner = [sum(self.clock.seconds(a, b)[i] for a, b in spans) for i in (0, 1)]
         self.last = {}
         for i, prefix in ((0, ""), (1, "cpu_")):
-            forward, backward = clock[1][i] - clock[0][i], clock[2][i] - clock[1][i]
-            embed, loss = (forward - inner[i], inner[i]) if self.cached else (inner[i], forward - inner[i])
-            self.last.update({f"{prefix}step": forward + backward, f"{prefix}embed": embed, f"{prefix}loss": loss,
-                              f"{prefix}backward": backward})
+            embed, loss = (forward[i] - inner[i], inner[i]) if self.cached else (inner[i], forward[i] - inner[i])
+            self.last.update({f"{prefix}step": forward[i] + backward[i], f"{prefix}embed": embed,
+                              f"{prefix}loss": loss, f"{prefix}backward": backward[i]})  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- timing
@@ -466,6 +511,54 @@ def run(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], Non
     return rows
 
 
+def run_in_process(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], None] | None = None) -> list[tuple]:
+    """Rows for every size with every contender in this process: the GPU path (``--device cuda``), where
+    ``torch.cuda.max_memory_allocated`` measures each step's tensor peak without a fresh process. Per B: one
+    warm-up step per contender, ``repeats`` rounds of timed steps (CUDA events per phase), then one step each
+    for the tensor peak (``peak_bytes``: allocated during the step above what was live at its start). A
+    contender that runs out of memory is recorded (``out_of_memory``) and the run goes on."""
+    import torch
+
+    from st_cached_losses.profiling import peak_tensor_bytes
+
+    rows: list[tuple] = []
+    model = build_model(args.model, args.max_seq_length, args.device)
+    autocast_model(model, args.autocast)
+    for batch in args.sizes:
+        contenders, _, repeats = plan_for(batch, args)
+        features = tokenize(model, batch_of(pairs, batch))
+        rows += [("inputs", batch, "padded_tokens", padded_tokens(features)),
+                 ("inputs", batch, "minibatch_tokens_sorted", minibatch_tokens(features, args.mini_batch_size, True))]
+        warmup = tokenize(model, batch_of(pairs, min(batch, 2 * args.mini_batch_size)))
+        steps = {}
+        for name in contenders:
+            loss = build_loss(name, model, args.dims, args.mini_batch_size)
+            Step(model, loss, warmup)()
+            steps[name] = Step(model, loss, features)
+        times = {}
+        for name, step in steps.items():  # one contender at a time: an out-of-memory error is its own
+            try:
+                times[name] = time_steps({name: step}, repeats, warmup=0, log=True)[name]
+                _, peak = peak_tensor_bytes(step, args.device)
+                rows.append((name, batch, "peak_bytes", peak))
+            except torch.OutOfMemoryError:
+                rows.append((name, batch, "out_of_memory", 1))
+                print(f"B={batch:>6} {name:>13}: out of memory", flush=True)
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        rows += timing_rows(batch, times)
+        for name, runs in times.items():
+            median = {key: statistics.median(run[key] for run in runs) for key in ("step", *PHASES)}
+            print(f"B={batch:>6} {name:>13}: step {median['step']:8.3f} s = embed {median['embed']:7.3f} + "
+                  f"loss {median['loss']:7.3f} + backward {median['backward']:7.3f}", flush=True)
+        del steps
+        if on_size is not None:
+            on_size(rows)
+    return rows
+
+
 # --------------------------------------------------------------------------------------------- report
 
 
@@ -491,6 +584,9 @@ def summary_table(records: list[dict]) -> str:
                 continue
             if get("failed_exit_code") is not None:
                 lines.append(f"| {batch} | {name} | failed: exit code {get('failed_exit_code'):.0f} | | | | | | | |")
+                continue
+            if get("out_of_memory") is not None:
+                lines.append(f"| {batch} | {name} | out of memory | | | | | | | |")
                 continue
             if get("seconds_median") is None:
                 continue
@@ -547,14 +643,17 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
     axes[0].set_ylim(0, axes[0].get_ylim()[1] * 1.35)
     axes[0].legend(loc="upper right")
     axes[0].grid(True, axis="y", alpha=0.3)
+    # Peak RSS of a fresh process (CPU runs), else the step's tensor peak (in-process and GPU runs).
+    memory = "rss_peak_bytes" if any(r["metric"] == "rss_peak_bytes" for r in records) else "peak_bytes"
     for name in contenders:
-        points = sorted((b, value[(name, b, "rss_peak_bytes")]) for b in sizes if (name, b, "rss_peak_bytes") in value)
+        points = sorted((b, value[(name, b, memory)]) for b in sizes if (name, b, memory) in value)
         if points:
             axes[1].plot([b for b, _ in points], [v / 2**20 for _, v in points], marker="o", label=name)
     axes[1].set_xscale("log", base=2)
     axes[1].set_yscale("log")
     axes[1].set_xlabel("batch size B")
-    axes[1].set_ylabel("peak RSS MiB (fresh process, one step)")
+    axes[1].set_ylabel("peak RSS MiB (fresh process, one step)" if memory == "rss_peak_bytes"
+                       else "tensor peak MiB (one step)")
     axes[1].grid(True, which="both", alpha=0.3)
     axes[1].legend()
     fig.suptitle(title)
@@ -563,7 +662,8 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
     plt.close(fig)
 
 
-def write_outputs(rows: list[tuple], out: Path, name: str = "train_step", merge: bool = False) -> list[dict]:
+def write_outputs(rows: list[tuple], out: Path, name: str = "train_step", merge: bool = False,
+                  title: str = "Training step (forward + backward, MiniLM, dims 384..32, mini-batch 32)") -> list[dict]:
     """CSV + PNGs of ``rows``; ``merge``: the CSV's other rows are kept, those measured again are replaced."""
     path = out / f"{name}.csv"
     if merge and path.exists():
@@ -572,7 +672,7 @@ def write_outputs(rows: list[tuple], out: Path, name: str = "train_step", merge:
         rows = [row for row in kept if row[:3] not in measured] + rows
     write_csv(rows, path)
     records = read_csv(path)
-    plot(records, out / f"{name}.png", title="Training step (forward + backward, MiniLM, dims 384..32, mini-batch 32)")
+    plot(records, out / f"{name}.png", title=title)
     plot_phases(records, out / f"{name}_phases.png")
     return records
 
@@ -601,6 +701,12 @@ def parse_args(argv=None):
     parser.add_argument("--no-tensor-peak", action="store_true", help="peak RSS only (no profiler run)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="train_step", help="file stem of the CSV and PNGs")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]; cuda runs every contender in one process "
+                        "(CUDA events per phase, max_memory_allocated)")
+    parser.add_argument("--autocast", choices=("bf16", "fp16"), help="the model's forward under autocast, as the "
+                        "trainer's --bf16/--fp16 (default: fp32)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="the GPU path on any device: all contenders in this process, no RSS measurements")
     parser.add_argument("--one", nargs=2, metavar=("CONTENDER", "B"), help=argparse.SUPPRESS)
     parser.add_argument("--pairs", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -612,7 +718,9 @@ def main(argv=None) -> list[dict] | None:
     args = parse_args(argv)
     import torch
 
-    torch.set_num_threads(args.threads)
+    in_process = args.in_process or args.device.startswith("cuda")
+    if not args.device.startswith("cuda"):
+        torch.set_num_threads(args.threads)
     if args.one:
         contender, batch = args.one[0], int(args.one[1])
         result = measure_one(contender, batch, args.pairs, args.model, args.max_seq_length, args.dims,
@@ -623,8 +731,11 @@ def main(argv=None) -> list[dict] | None:
         pairs = [tuple(pair) for pair in json.loads(args.data.read_text())][: args.rows]
     else:
         pairs = load_pairs(args.rows)
-    rows = run(args, pairs, on_size=lambda rows: write_outputs(rows, args.out, args.name, args.merge))
-    records = write_outputs(rows, args.out, args.name, args.merge)
+    runner = run_in_process if in_process else run
+    title = (f"Training step (forward + backward, {Path(args.model).name}, dims {args.dims[0]}..{args.dims[-1]}, "
+             f"mini-batch {args.mini_batch_size}, {args.device}{', ' + args.autocast if args.autocast else ''})")
+    rows = runner(args, pairs, on_size=lambda rows: write_outputs(rows, args.out, args.name, args.merge, title))
+    records = write_outputs(rows, args.out, args.name, args.merge, title)
     print(summary_table(records))
     return records
 

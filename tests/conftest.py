@@ -4,11 +4,32 @@ import os
 
 import pytest
 
-# Before anything imports triton (transformers and torch may): Triton reads it once, at import, and
-# the Triton kernels are tested on CPU tensors in its interpreter.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Modules that need Triton's CPU interpreter, and the module that must never have it.
+INTERPRETER_MODULES = ("test_triton.py",)
+CUDA_MODULES = ("test_cuda.py",)
+
+
+def _cuda_suite(config: pytest.Config) -> bool:
+    """``python -m pytest -m cuda``: the compiled kernels on a GPU."""
+    expression = config.getoption("markexpr") or ""
+    return "cuda" in expression and "not cuda" not in expression
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before anything imports triton (collection imports the test modules, and they import transformers and
+    # torch, which may): Triton reads TRITON_INTERPRET once, at import. The CPU suite tests the kernels in
+    # Triton's interpreter on CPU tensors; the CUDA suite runs them compiled.
+    if not _cuda_suite(config):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:
+    """The CUDA suite is collected only by ``-m cuda``, and the interpreter's tests never with it."""
+    skipped = INTERPRETER_MODULES if _cuda_suite(config) else CUDA_MODULES
+    return True if collection_path.name in skipped else None
 
 
 @pytest.fixture(scope="session")

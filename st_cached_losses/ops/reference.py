@@ -15,12 +15,16 @@ from .result import InfoNCEResult
 from .spec import NORM_EPS, InfoNCESpec
 
 
-def forward(queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool) -> InfoNCEResult:
+def forward(
+    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, compute_dtype=None
+) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``.
 
-    Computes in fp32 (fp64 for fp64 inputs); gradients come back in the inputs' dtype.
+    Computes in ``compute_dtype``, by default fp32 (fp64 for fp64 inputs); gradients come back in the inputs'
+    dtype. ``compute_dtype=queries.dtype`` is plain PyTorch in the inputs' precision, the yardstick of the
+    GPU checks (``benchmarks/cuda_checks.py``).
     """
-    compute_dtype = torch.promote_types(queries.dtype, torch.float32)
+    compute_dtype = compute_dtype or torch.promote_types(queries.dtype, torch.float32)
     leaves = [t.detach().to(compute_dtype).requires_grad_(need_grad) for t in (queries, docs, world_queries)]
     with torch.enable_grad() if need_grad else torch.no_grad():
         losses, lses = zip(*(_one_dim(*leaves, spec, dim) for dim in spec.dims))

@@ -375,6 +375,11 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
 
+    @property
+    def label(self) -> str:
+        """e.g. "64x64x32 w8 s2": rows x columns x features per step, warps, stages."""
+        return f"{self.block_rows}x{self.block_cols}x{self.block_d} w{self.num_warps} s{self.num_stages}"
+
 
 # Candidates the tuner times. Checked with compile_kernels + ptxas -v for sm_90, K = 3, 5 and 8:
 # 64 x 64 with 8 warps compiles without register spills (32 features per step for bf16/fp16/TF32,
@@ -764,9 +769,7 @@ def _forward(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, c
 
 def _tiles(used: dict[str, TileConfig]) -> str:
     """The tile configs of the last direction's kernels, e.g. "lse 64x64x32 w8 s2, rows ..." (for the log)."""
-    return ", ".join(
-        f"{kind} {c.block_rows}x{c.block_cols}x{c.block_d} w{c.num_warps} s{c.num_stages}" for kind, c in used.items()
-    )
+    return ", ".join(f"{kind} {config.label}" for kind, config in used.items())
 
 
 # --------------------------------------------------------------------------------------------------
