@@ -1,0 +1,103 @@
+"""CachedMatryoshkaLoss under mixed precision on CPU: bf16 autocast (as the trainer's ``bf16=True`` runs the model)
+against stock under the same autocast. The loss stage itself computes in fp32; parameter gradients agree with
+stock's within bf16 rounding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from accelerate.utils import convert_outputs_to_fp32
+from datasets import Dataset
+from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss, MatryoshkaLoss
+
+from st_cached_losses import CachedMatryoshkaLoss, matryoshka_infonce
+from st_cached_losses.testing import tiny_sentence_transformer
+
+WORDS = "red blue green cat dog bird runs sleeps eats fast slow big small house garden river sky".split()
+DIMS = [48, 24, 8]
+BF16_RTOL = 2**-6  # a few bf16 roundings (8-bit mantissa) through a 2-layer encoder
+
+
+def _texts(rows: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(2, 10))) for _ in range(rows)]
+
+
+def _bf16_autocast_forward(model) -> None:
+    """What accelerate does for the trainer's bf16=True: the model's forward under autocast, fp32 outputs."""
+    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
+
+
+def _assert_close_within_bf16(actual: dict, expected: dict) -> None:
+    """Each parameter's gradient within BF16_RTOL of stock's, relative to its norm; a gradient that is ~0
+    (attention key biases: softmax ignores them) is compared at 1% of the largest norm."""
+    assert actual.keys() == expected.keys()
+    largest = max(float(g.norm()) for g in expected.values())
+    for name, want in expected.items():
+        error = float((actual[name] - want).norm())
+        assert error <= BF16_RTOL * max(float(want.norm()), 1e-2 * largest), f"{name}: {error:.3g}"
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "scope,backend", [("model", "auto"), ("whole_loss", "chunked"), ("whole_loss", "dense")],
+    ids=["trainer_style", "user_autocast_chunked", "user_autocast_dense"],
+)  # fmt: skip
+def test_bf16_autocast_matches_stock_and_keeps_the_loss_in_fp32(scope, backend):
+    """scope "model": the model's forward under autocast, as accelerate runs the trainer's bf16=True; "whole_loss":
+    a user's ``with torch.autocast(...)`` around the loss call, so the loss stage itself runs under it."""
+    model = tiny_sentence_transformer(seed=1)
+    if scope == "model":
+        _bf16_autocast_forward(model)
+    features = [model.preprocess(_texts(12, seed)) for seed in (0, 1)]
+    base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)  # one mini-batch: the same embeddings
+    ours = CachedMatryoshkaLoss(model, base, DIMS, sort_by_length=False, backend=backend)
+    stock = MatryoshkaLoss(model, base, DIMS)
+
+    results = {}
+    for name, loss_fn in (("ours", ours), ("stock", stock)):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scope == "whole_loss"):
+            out = loss_fn(features, None)
+            total = sum(out.values()) if isinstance(out, dict) else out
+        total.backward()
+        results[name] = (total.detach(), _grads(model))
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=scope == "whole_loss"):
+        queries, docs = (model(dict(f))["sentence_embedding"] for f in features)
+    fp32_loss = matryoshka_infonce(queries.float(), docs.float(), dims=DIMS, backend="dense")
+    (ours_loss, ours_grads), (stock_loss, stock_grads) = results["ours"], results["stock"]
+    assert ours_loss.dtype == torch.float32
+    torch.testing.assert_close(ours_loss, fp32_loss, rtol=1e-6, atol=0)  # the loss stage ran in fp32
+    assert float(ours_loss) == pytest.approx(float(stock_loss), rel=BF16_RTOL)  # stock scores in bf16
+    _assert_close_within_bf16(ours_grads, stock_grads)
+
+
+def _one_sgd_step(tmp_path, loss_name: str) -> dict[str, torch.Tensor]:
+    """Parameter change of one trainer step with bf16=True and SGD at lr 1 (= minus the gradient)."""
+    model = tiny_sentence_transformer(seed=2)
+    base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=4)
+    loss = CachedMatryoshkaLoss(model, base, DIMS, sort_by_length=False) if loss_name == "ours" else MatryoshkaLoss(
+        model, base, DIMS
+    )
+    data = Dataset.from_dict({"anchor": _texts(16, 3), "positive": _texts(16, 4)})
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / loss_name), max_steps=1, per_device_train_batch_size=16, learning_rate=1.0,
+        optim="sgd", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0, bf16=True, use_cpu=True,
+        report_to="none", save_strategy="no", seed=0,
+    )  # fmt: skip
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss).train()
+    return {name: p.detach() - before[name] for name, p in model.named_parameters()}
+
+
+def test_trainer_bf16_step_matches_stock(tmp_path):
+    ours, stock = _one_sgd_step(tmp_path, "ours"), _one_sgd_step(tmp_path, "stock")
+    assert sum(bool(delta.abs().max() > 0) for delta in stock.values()) > len(stock) // 2
+    _assert_close_within_bf16(ours, stock)
