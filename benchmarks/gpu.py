@@ -75,11 +75,11 @@ def _plan(args) -> dict:
 
 def correctness(plan: dict, quick: bool, dry_run: bool) -> list[dict]:
     """Rows of ``cuda_checks.run_case`` for both backends over every case, then every tile config."""
-    from st_cached_losses.ops import triton as triton_backend
+    from st_cached_losses.ops import triton_tiles
 
     stand_in = "chunked" if dry_run else None
-    rows, autotune = [], triton_backend.AUTOTUNE
-    triton_backend.AUTOTUNE = False
+    rows, autotune = [], triton_tiles.AUTOTUNE
+    triton_tiles.AUTOTUNE = False
     try:
         for case in cuda_checks.cases(plan["size"]):
             if quick and case.name == "int64_offsets":
@@ -88,11 +88,11 @@ def correctness(plan: dict, quick: bool, dry_run: bool) -> list[dict]:
                 for backend in ("triton", "chunked"):
                     rows += _checked(case, backend, precision, plan["device"], stand_in)
         tiles = cuda_checks.tile_case(plan["size"])
-        for tile in triton_backend.CANDIDATES:
+        for tile in triton_tiles.CANDIDATES:
             for precision in tiles.precisions:
                 rows += _checked(tiles, "triton", precision, plan["device"], stand_in, tile)
     finally:
-        triton_backend.AUTOTUNE = autotune
+        triton_tiles.AUTOTUNE = autotune
     return rows
 
 

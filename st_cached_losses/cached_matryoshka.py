@@ -31,7 +31,7 @@ from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim
 from torch import Tensor, nn
 
 from .ops import matryoshka_infonce
-from .ops.spec import BACKENDS
+from .ops.backend import BACKENDS
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from triton.runtime.errors import OutOfResources
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops import TritonUnavailableError, backend, check_backend
 from st_cached_losses.ops import triton as triton_backend
+from st_cached_losses.ops import triton_kernels
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
@@ -78,7 +79,7 @@ def test_triton_refuses_gpus_older_than_ampere(monkeypatch, capability):
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(triton_backend, "_INTERPRETED", False)
+    monkeypatch.setattr(triton_kernels, "INTERPRETED", False)
     with pytest.raises(ValueError, match="the kernels need CUDA tensors, got cpu"):
         check_backend("triton", "cpu")
     queries, docs = _pairs()

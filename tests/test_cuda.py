@@ -19,13 +19,13 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from st_cached_losses.ops import triton as triton_backend  # noqa: E402
+from st_cached_losses.ops import triton_kernels, triton_tiles  # noqa: E402
 
 RUNS = [(case, precision) for case in cases() for precision in case.precisions]
 
 
 def test_kernels_are_compiled_not_interpreted():
-    assert not triton_backend._INTERPRETED
+    assert not triton_kernels.INTERPRETED
 
 
 @pytest.mark.parametrize("backend", ["triton", "chunked"])
@@ -35,7 +35,7 @@ def test_error_within_plain_pytorch_error_plus_tolerance(case, precision, backen
 
 
 @pytest.mark.parametrize("precision", tile_case().precisions)
-@pytest.mark.parametrize("tile", triton_backend.CANDIDATES, ids=[c.label for c in triton_backend.CANDIDATES])
+@pytest.mark.parametrize("tile", triton_tiles.CANDIDATES, ids=[c.label for c in triton_tiles.CANDIDATES])
 def test_every_tile_config_the_tuner_may_pick(tile, precision):
     assert not failures(run_case(tile_case(), "triton", precision, "cuda", tile=tile))
 

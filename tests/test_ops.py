@@ -7,7 +7,7 @@ import torch
 
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops import InfoNCESpec, run_backend
-from st_cached_losses.ops.chunked import tile_rows
+from st_cached_losses.ops.chunked import default_tile_rows as tile_rows
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 OPTIONS = {

@@ -81,7 +81,8 @@ def matryoshka_infonce(
             they have been verified (``ops.backend.VERIFIED_TRITON_CAPABILITIES``), else the chunked backend on
             the same device, and falls back to chunked (warning once) if Triton cannot compile or launch; the
             choice is logged once at INFO (``ops.choices()`` lists them).
-        chunk_size: rows per tile for the tiled backends (default: from a 64 MiB byte budget).
+        chunk_size: rows per row tile of the tiled backends (chunked: as given, default from a 64 MiB byte
+            budget; Triton: rounded down to a power of two in [16, 256], default tuned).
         return_per_dim: also return the (K,) unweighted loss per dim, in the order of ``dims`` (no grad).
         world_queries: (Bw, D) all queries of the gathered batch when ``queries`` are rows
             ``[offset, offset + B)`` of it (``gather_across_devices``); default ``queries``.
@@ -157,13 +158,14 @@ def matryoshka_infonce(
 def run_backend(
     name: str, queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, chunk_size=None
 ) -> InfoNCEResult:
-    """Call one backend's forward by name (the tests compare them on the same inputs)."""
+    """Call one backend's forward by name (the tests compare them on the same inputs); ``chunk_size`` as in
+    :func:`matryoshka_infonce`."""
     if name == "dense":
         return reference.forward(queries, docs, world_queries, spec, need_grad)
     if name == "chunked":
-        return chunked.forward(queries, docs, world_queries, spec, need_grad, chunk_size=chunk_size)
+        return chunked.forward(queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size)
     if name == "triton":
-        return _triton_module().forward(queries, docs, world_queries, spec, need_grad, chunk_size=chunk_size)
+        return _triton_module().forward(queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size)
     raise ValueError(f"Unknown backend {name!r}: choose from {BACKENDS[1:]}.")
 
 

@@ -85,15 +85,15 @@ def triton_unusable_reason(device: torch.device) -> str | None:
     elif device.type != "cpu":
         return f"the kernels are written for NVIDIA GPUs, got {device}"
     try:
-        from . import triton as kernels
+        from . import triton as _host, triton_kernels  # noqa: F401 - importing them is the check
     except Exception as error:  # noqa: BLE001 - an old Triton may lack what the kernels import
         return f"the Triton kernels cannot be imported ({type(error).__name__}: {error})"
-    if device.type == "cpu" and not kernels._INTERPRETED:
+    if device.type == "cpu" and not triton_kernels.INTERPRETED:
         return (
             "the kernels need CUDA tensors, got cpu (or set TRITON_INTERPRET=1 before triton is imported to run "
             "them in Triton's CPU interpreter)"
         )
-    if device.type == "cuda" and kernels._INTERPRETED:
+    if device.type == "cuda" and triton_kernels.INTERPRETED:
         return "Triton's CPU interpreter is on (TRITON_INTERPRET=1 at import), which cannot launch on a GPU"
     return None
 

@@ -20,13 +20,12 @@ References: GradCache (arXiv 2101.06983), Matryoshka (arXiv 2205.13147), FlashAt
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .result import InfoNCEResult
-from .spec import NORM_EPS, InfoNCESpec
+from .spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
 
 DEFAULT_TILE_BYTES = 64 * 2**20
 
@@ -38,34 +37,15 @@ _LOG2E = 1.4426950408889634
 _MAX_UNSHIFTED_BOUND = 40.0
 
 
-@dataclass
-class _Direction:
-    """One block of logits: rows from ``row_source`` ('q' queries, 'd' local positives) against
-    columns from ``col_source`` ('c' all docs, 'w' world queries); ``mask`` is None, 'self' or 'own_docs'."""
-
-    name: str
-    row_source: str
-    col_source: str
-    mask: str | None
-
-
-_DIRECTIONS = {
-    "query_to_doc": _Direction("query_to_doc", "q", "c", None),
-    "query_to_query": _Direction("query_to_query", "q", "w", "self"),
-    "doc_to_query": _Direction("doc_to_query", "d", "w", None),
-    "doc_to_doc": _Direction("doc_to_doc", "d", "c", "own_docs"),
-}
-
-
-def tile_rows(spec: InfoNCESpec, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
+def default_tile_rows(spec: InfoNCESpec, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
     """Rows per tile so that all of a tile's temporaries fit in ``tile_bytes`` (fp32 scores)."""
-    columns = sum(spec.num_docs if _DIRECTIONS[d].col_source == "c" else spec.world_batch_size for d in spec.directions)
+    columns = sum(spec.num_docs if DIRECTIONS[d].cols == "c" else spec.world_batch_size for d in spec.directions)
     per_row = 4 * columns * (len(spec.dims) + 1)  # K prefix dot products + one exp / gradient buffer
     return max(1, min(spec.batch_size, tile_bytes // per_row))
 
 
 def forward(
-    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, chunk_size: int | None = None
+    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, tile_rows: int | None = None
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) gradients, one sweep over row tiles.
 
@@ -74,7 +54,7 @@ def forward(
     their gradients, O((B + M) * K) scalars and one tile of ``chunk x columns x (K + 1)`` scores.
     """
     sweep = _Sweep(queries, docs, world_queries, spec, need_grad)
-    rows = chunk_size or tile_rows(spec)
+    rows = tile_rows or default_tile_rows(spec)
     for begin in range(0, spec.batch_size, rows):
         sweep.tile(begin, min(begin + rows, spec.batch_size))
     return sweep.result()._replace(tile=f"{min(rows, spec.batch_size)} rows")
@@ -87,14 +67,14 @@ class _Sweep:
         dtype = torch.promote_types(queries.dtype, torch.float32)
         self.spec, self.need_grad, self.input_dtype = spec, need_grad, queries.dtype
         self.sources = {"q": queries.to(dtype), "c": docs.to(dtype), "w": world_queries.to(dtype)}
-        self.directions = [_DIRECTIONS[name] for name in spec.directions]
+        self.directions = [DIRECTIONS[name] for name in spec.directions]
         # Inverse prefix norms per dim, (K, rows): the cosine row/column scale factors.
         self.inv_norms = {key: _inverse_prefix_norms(x, spec) for key, x in self.sources.items()}
         self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=queries.device)
         self.lse = torch.empty(len(spec.dims), len(self.directions), spec.batch_size, dtype=dtype, device=queries.device)
-        self.workspaces: dict[str, list[Tensor]] = {}
+        self.workspaces: dict[int, list[Tensor]] = {}  # direction index -> K + 1 tile buffers
         if need_grad:
-            uses_world = any(d.col_source == "w" for d in self.directions)
+            uses_world = any(d.cols == "w" for d in self.directions)
             self.grads = {key: torch.zeros_like(x) for key, x in self.sources.items() if key != "w" or uses_world}
             # Column sums of A * dot per dim, for the column normalisation term applied once at the end.
             self.col_norm_terms = {
@@ -103,18 +83,18 @@ class _Sweep:
                 if key != "q"
             }
 
-    def _workspace(self, direction: _Direction, rows: int, cols: int) -> list[Tensor]:
-        buffers = self.workspaces.get(direction.name)
+    def _workspace(self, index: int, rows: int, cols: int) -> list[Tensor]:
+        buffers = self.workspaces.get(index)
         if buffers is None or buffers[0].shape[0] < rows:
             source = self.sources["q"]
             buffers = [source.new_empty(rows, cols) for _ in range(len(self.spec.dims) + 1)]
-            self.workspaces[direction.name] = buffers
+            self.workspaces[index] = buffers
         return [b[:rows] for b in buffers]
 
-    def _rows(self, direction: _Direction, begin: int, end: int) -> tuple[Tensor, Tensor, str, slice]:
+    def _rows(self, direction: Direction, begin: int, end: int) -> tuple[Tensor, Tensor, str, slice]:
         """The tile's row operand, its inverse norms, and where its gradient goes."""
         offset = self.spec.offset
-        if direction.row_source == "q":
+        if direction.rows == "q":
             return self.sources["q"][begin:end], self.inv_norms["q"][:, begin:end], "q", slice(begin, end)
         rows = slice(offset + begin, offset + end)
         return self.sources["c"][rows], self.inv_norms["c"][:, rows], "c", rows
@@ -123,10 +103,10 @@ class _Sweep:
         spec = self.spec
         count = end - begin
         tiles = []
-        for direction in self.directions:
+        for index, direction in enumerate(self.directions):
             rows, row_inv, row_key, row_slice = self._rows(direction, begin, end)
-            cols = self.sources[direction.col_source]
-            buffers = self._workspace(direction, count, cols.shape[0])
+            cols = self.sources[direction.cols]
+            buffers = self._workspace(index, count, cols.shape[0])
             _band_dots(rows, cols, spec.dims, buffers[1:])
             tiles.append(_TileDirection(direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec))
         for k in range(len(spec.dims)):
@@ -135,7 +115,7 @@ class _Sweep:
     def _dim(self, k: int, tiles: list[_TileDirection], begin: int, end: int) -> None:
         spec = self.spec
         for t in tiles:
-            t.exponentiate(k, self.inv_norms[t.direction.col_source][k])
+            t.exponentiate(k, self.inv_norms[t.direction.cols][k])
         lse = torch.stack([t.lse for t in tiles])  # (ndir, rows)
         self.lse[k, :, begin:end] = lse
         log_norm = torch.logsumexp(lse, dim=0) if spec.partition_mode == "joint" else lse.mean(dim=0)
@@ -146,7 +126,7 @@ class _Sweep:
         share = 1.0 if spec.partition_mode == "joint" else 1.0 / len(tiles)
         normaliser = log_norm if spec.partition_mode == "joint" else None
         for t in tiles:
-            col_key = t.direction.col_source
+            col_key = t.direction.cols
             terms = t.backpropagate(k, self.inv_norms[col_key][k], normaliser, share)
             if terms is not None:
                 row_terms, col_terms = terms
@@ -192,7 +172,7 @@ class _TileDirection:
         self.row_index = torch.arange(count, device=rows.device)
         own = self.row_index + (spec.offset + begin)
         # The columns of each row's own documents (positive, then its hard negatives): (count, columns).
-        if direction.col_source == "c":
+        if direction.cols == "c":
             self.own_cols = own[:, None] + spec.world_batch_size * torch.arange(spec.num_columns, device=rows.device)
         else:
             self.own_cols = own[:, None]
@@ -233,7 +213,7 @@ class _TileDirection:
         if self.direction.mask is not None:
             masked = self.own_cols if self.direction.mask == "own_docs" else self.own_cols[:, :1]
             out.scatter_(1, masked, -math.inf)
-        if self.direction.name == "query_to_doc":
+        if self.direction.label:
             self.positive_logit = own_logits[:, 0]
         if not unshifted:
             shift2 = out.amax(dim=1)
@@ -263,7 +243,7 @@ class _TileDirection:
         row_factor = weight * share * spec.scale * torch.exp(self.shift - log_norm)
         row_scale = self.row_inv[k] if spec.cosine else 1.0
         grad.mul_((row_factor * row_scale)[:, None])  # = A_k / col_inv (cosine), A_k (dot)
-        if self.direction.name == "query_to_doc":
+        if self.direction.label:
             grad[self.row_index, self.own_cols[:, 0]] -= weight * spec.scale * row_scale
         if not spec.cosine:
             if k > 0:
@@ -304,18 +284,15 @@ def _inverse_prefix_norms(x: Tensor, spec: InfoNCESpec) -> Tensor:
     return squares.sqrt().clamp_min(NORM_EPS).reciprocal()
 
 
-def _penalty_plan(direction: _Direction, spec: InfoNCESpec) -> tuple[float, list[float] | None]:
+def _penalty_plan(direction: Direction, spec: InfoNCESpec) -> tuple[float, list[float] | None]:
     """The hardness penalty as a dense logit factor plus exact factors for each row's own columns.
 
     Adding ``strength * stop_grad(sim)`` to ``scale * sim`` multiplies the logit by 1 + strength / scale.
     Returns (dense factor, factor of each own column [positive, hard negatives...] or None).
     """
-    if direction.name != "query_to_doc" or not spec.hardness:
+    penalised = spec.penalised
+    if not direction.label or penalised is None:
         return 1.0, None
     boosted = 1.0 + spec.hardness_strength / spec.scale
-    if spec.hardness_mode == "in_batch_negatives":  # own positive and hard negatives unpenalised
-        return boosted, [1.0] * spec.num_columns
-    own_hard_negatives_boosted = [1.0] + [boosted] * (spec.num_columns - 1)
-    if spec.hardness_mode == "hard_negatives":  # only own hard negatives penalised
-        return 1.0, own_hard_negatives_boosted
-    return boosted, own_hard_negatives_boosted  # all_negatives: everything but the positive
+    own_hard_negatives = boosted if penalised.own_hard_negatives else 1.0
+    return (boosted if penalised.others else 1.0), [1.0] + [own_hard_negatives] * (spec.num_columns - 1)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .result import InfoNCEResult
-from .spec import NORM_EPS, InfoNCESpec
+from .spec import DIRECTIONS, NORM_EPS, InfoNCESpec
 
 
 def forward(
@@ -53,24 +53,24 @@ def _one_dim(q: Tensor, c: Tensor, wq: Tensor, spec: InfoNCESpec, dim: int) -> t
     own_doc = torch.zeros(batch, spec.num_docs, dtype=torch.bool, device=q.device)
     for column in range(spec.num_columns):
         own_doc[rows, own + column * world] = True
-    local_docs = c[own]
+    operands = {"q": q, "d": c[own], "c": c, "w": wq}
 
-    sims = {"query_to_doc": q @ c.T}
-    if "query_to_query" in spec.directions:
-        sims["query_to_query"] = (q @ wq.T).index_put((rows, own), torch.tensor(-torch.inf, dtype=q.dtype))
-    if "doc_to_query" in spec.directions:
-        sims["doc_to_query"] = local_docs @ wq.T
-    if "doc_to_doc" in spec.directions:
-        sims["doc_to_doc"] = (local_docs @ c.T).masked_fill(own_doc, -torch.inf)
+    logits, positive = [], None
+    for name in spec.directions:
+        direction = DIRECTIONS[name]
+        sim = operands[direction.rows] @ operands[direction.cols].T
+        logit = sim * spec.scale
+        if direction.label:
+            positive = logit[rows, own]
+            if spec.hardness:
+                logit = logit + spec.hardness_strength * sim.detach() * _penalised(own_doc, spec)
+        if direction.mask == "self":
+            logit = logit.index_put((rows, own), torch.tensor(-torch.inf, dtype=q.dtype))
+        elif direction.mask == "own_docs":
+            logit = logit.masked_fill(own_doc, -torch.inf)
+        logits.append(logit)
 
-    logits = {key: sim * spec.scale for key, sim in sims.items()}
-    if spec.hardness:
-        logits["query_to_doc"] = logits["query_to_doc"] + spec.hardness_strength * sims[
-            "query_to_doc"
-        ].detach() * _penalised(own_doc, spec)
-
-    positive = logits["query_to_doc"][rows, own]
-    lse = torch.stack([torch.logsumexp(logit, dim=1) for logit in logits.values()])
+    lse = torch.stack([torch.logsumexp(logit, dim=1) for logit in logits])
     if spec.partition_mode == "joint":
         log_z = torch.logsumexp(lse, dim=0)
     else:
@@ -79,14 +79,13 @@ def _one_dim(q: Tensor, c: Tensor, wq: Tensor, spec: InfoNCESpec, dim: int) -> t
 
 
 def _penalised(own_doc: Tensor, spec: InfoNCESpec) -> Tensor:
-    """Which query_to_doc logits get the hardness penalty (Lan et al. 2025; EmbeddingGemma)."""
+    """Which query_to_doc logits get the hardness penalty (``spec.penalised``), as a boolean (B, M) mask."""
     hard_negative_column = torch.zeros_like(own_doc)
     hard_negative_column[:, spec.world_batch_size :] = True
-    positive = own_doc & ~hard_negative_column
-    if spec.hardness_mode == "in_batch_negatives":
-        mask = ~own_doc
-    elif spec.hardness_mode == "hard_negatives":
-        mask = own_doc & hard_negative_column
-    else:  # all_negatives
-        mask = ~positive
+    own_hard_negatives = own_doc & hard_negative_column
+    mask = torch.zeros_like(own_doc)
+    if spec.penalised.others:
+        mask |= ~own_doc
+    if spec.penalised.own_hard_negatives:
+        mask |= own_hard_negatives
     return mask

@@ -10,14 +10,52 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
-DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+@dataclass(frozen=True)
+class Direction:
+    """One block of logits of sentence-transformers' MultipleNegativesRankingLoss.
+
+    ``rows``: "q" (this rank's queries) or "d" (this rank's positive docs, docs rows [offset, offset + B));
+    ``cols``: "c" (all docs: positives, then each hard-negative column) or "w" (the world's queries);
+    ``mask``: which columns a row does not score: None, "self" (the row itself) or "own_docs" (the row's
+    positive and its hard negatives); ``label``: the row's positive is this block's label column (the
+    cross-entropy target), and the hardness penalty applies here.
+    """
+
+    rows: str
+    cols: str
+    mask: str | None
+    label: bool
+
+
+# In sentence-transformers' order (the order of the joint softmax's columns).
+DIRECTIONS = {
+    "query_to_doc": Direction("q", "c", None, label=True),
+    "query_to_query": Direction("q", "w", "self", label=False),
+    "doc_to_query": Direction("d", "w", None, label=False),
+    "doc_to_doc": Direction("d", "c", "own_docs", label=False),
+}
+
+
+@dataclass(frozen=True)
+class Hardness:
+    """Which query_to_doc negatives a hardness mode penalises (Lan et al. 2025; EmbeddingGemma): the other rows'
+    documents (their positives and hard negatives) and/or the row's own hard negatives; never its positive."""
+
+    others: bool
+    own_hard_negatives: bool
+
+
+HARDNESS_MODES = {
+    None: None,
+    "in_batch_negatives": Hardness(others=True, own_hard_negatives=False),
+    "hard_negatives": Hardness(others=False, own_hard_negatives=True),
+    "all_negatives": Hardness(others=True, own_hard_negatives=True),
+}
 PARTITION_MODES = ("joint", "per_direction")
-HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
 SIMILARITIES = ("cosine", "dot")
-BACKENDS = ("auto", "triton", "chunked", "dense")
 
 # F.normalize's eps, so a zero prefix gives the same (zero) vector as sentence-transformers' shrink().
 NORM_EPS = 1e-12
@@ -52,6 +90,11 @@ class InfoNCESpec:
     @property
     def hardness(self) -> bool:
         return self.hardness_mode is not None and self.hardness_strength > 0.0
+
+    @property
+    def penalised(self) -> Hardness | None:
+        """The query_to_doc negatives the hardness penalty applies to, or None without a penalty."""
+        return HARDNESS_MODES[self.hardness_mode] if self.hardness else None
 
     @property
     def single_candidate(self) -> bool:
@@ -178,10 +221,10 @@ def _check_choices(similarity: str, directions: Sequence[str], partition_mode: s
     if similarity not in SIMILARITIES:
         raise ValueError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}.")
     if isinstance(directions, str) or not directions:
-        raise ValueError(f"directions must be a non-empty tuple drawn from {DIRECTIONS}, got {directions!r}.")
+        raise ValueError(f"directions must be a non-empty tuple drawn from {tuple(DIRECTIONS)}, got {directions!r}.")
     unknown = [d for d in directions if d not in DIRECTIONS]
     if unknown:
-        raise ValueError(f"Unknown directions {unknown}: choose from {DIRECTIONS}.")
+        raise ValueError(f"Unknown directions {unknown}: choose from {tuple(DIRECTIONS)}.")
     if "query_to_doc" not in directions:
         raise ValueError("directions must include 'query_to_doc' (it holds the positive pair).")
     if len(set(directions)) != len(directions):
@@ -194,4 +237,4 @@ def _check_choices(similarity: str, directions: Sequence[str], partition_mode: s
             "'query_to_query' and 'doc_to_doc' lack: use partition_mode='joint'."
         )
     if hardness_mode not in HARDNESS_MODES:
-        raise ValueError(f"hardness_mode must be one of {HARDNESS_MODES}, got {hardness_mode!r}.")
+        raise ValueError(f"hardness_mode must be one of {tuple(HARDNESS_MODES)}, got {hardness_mode!r}.")
