@@ -53,7 +53,12 @@ def matryoshka_infonce(
     return_per_dim: bool = False,
     world_queries: Tensor | None = None,
     nonfinite: str = "auto",
-) -> Tensor | tuple[Tensor, Tensor]:
+    false_negative_margin: float | None = None,
+    false_negative_strategy: str = "absolute",
+    guide_queries: Tensor | None = None,
+    guide_docs: Tensor | None = None,
+    return_masked_share: bool = False,
+) -> Tensor | tuple[Tensor, ...]:
     """In-batch InfoNCE (multiple negatives ranking) loss, summed over Matryoshka dims with weights.
 
     For each dim ``d`` the embeddings are truncated to their first ``d`` features (and, for cosine
@@ -72,7 +77,9 @@ def matryoshka_infonce(
         similarity: "cosine" (each dim's prefix re-normalised) or "dot" (raw prefix dot product).
         offset: index of this rank's first query in the gathered batch; needs ``world_queries``.
         directions: any of "query_to_doc" (required), "query_to_query", "doc_to_query", "doc_to_doc",
-            as in sentence-transformers' MultipleNegativesRankingLoss.
+            as in sentence-transformers' MultipleNegativesRankingLoss, and GISTEmbed's blocks "anchor_to_anchor"
+            (this rank's queries against themselves, no self mask) and "positive_to_positive" (positives
+            against the positives), as in CachedGISTEmbedLoss's contrast_anchors / contrast_positives.
         partition_mode: "joint" (one softmax over all directions) or "per_direction" (mean of their LSEs).
         hardness_mode: None, "in_batch_negatives", "hard_negatives" or "all_negatives": adds
             ``hardness_strength * stop_grad(similarity)`` to those negatives' logits.
@@ -90,13 +97,23 @@ def matryoshka_infonce(
             non-finite embedding means the run diverged). "propagate": the loss and every gradient are NaN,
             so that fp16 mixed precision's gradient scaler skips the step, as it does with stock losses.
             "auto" (default): "propagate" under fp16 autocast or for fp16 inputs, else "raise".
+        false_negative_margin: turns GISTEmbed's false-negative filter on (any finite number; with a guide the
+            default is 0): row i scores no candidate but its partner whose guide similarity exceeds
+            ``s_i - margin`` (``s_i - |s_i| * margin`` with false_negative_strategy="relative"), s_i the guide
+            similarity of its positive pair. Without a guide the model is its own guide: its full-dim
+            similarity, detached (Qwen3-Embedding masks above s_i + 0.1: margin -0.1).
+        false_negative_strategy: "absolute" or "relative".
+        guide_queries, guide_docs: (B, Dg) and (M, Dg) embeddings of the same texts by a guide model, scored by
+            cosine similarity (CachedGISTEmbedLoss's guide); the filter never holds a B x M matrix of them.
+        return_masked_share: also return the share of candidates the filter dropped (0-dim, no grad).
 
     The op computes in fp32 (fp64 for fp64 inputs) whatever autocast is active; gradients come back in the
     inputs' dtype. A row whose only candidate is its positive (a batch of one pair) has loss and
     gradient exactly 0.
 
     Returns:
-        The scalar loss (fp32; fp64 for fp64 inputs), or ``(loss, per_dim)`` with ``return_per_dim``.
+        The scalar loss (fp32; fp64 for fp64 inputs); with ``return_per_dim`` and/or ``return_masked_share``
+        the tuple ``(loss, per_dim, masked_share)`` without the ones not asked for.
 
     Raises:
         ValueError / TypeError: for bad shapes, dtypes, devices, NaN/Inf inputs (see ``nonfinite``), empty
@@ -106,6 +123,7 @@ def matryoshka_infonce(
 
     References:
         - Matryoshka Representation Learning: https://arxiv.org/abs/2205.13147
+        - GISTEmbed (the false-negative filter): https://arxiv.org/abs/2402.16829
         - Representation Learning with Contrastive Predictive Coding (InfoNCE): https://arxiv.org/abs/1807.03748
         - FlashAttention-2 (online softmax tiling): https://arxiv.org/abs/2307.08691
         - Breaking the Memory Barrier (Inf-CL): https://arxiv.org/abs/2410.17243
@@ -133,6 +151,10 @@ def matryoshka_infonce(
         partition_mode=partition_mode,
         hardness_mode=hardness_mode,
         hardness_strength=hardness_strength,
+        false_negative_margin=false_negative_margin,
+        false_negative_strategy=false_negative_strategy,
+        guide_queries=guide_queries,
+        guide_docs=guide_docs,
     )
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None (automatic), got {chunk_size!r}.")
@@ -148,41 +170,44 @@ def matryoshka_infonce(
                 "scaler skips the step."
             )
         name, reason = "nonfinite", f"NaN or Inf in {nonfinite_input}"
+    guide = None if guide_queries is None else (guide_queries, guide_docs)
     with _autocast_off(queries.device):
-        loss, per_dim = _MatryoshkaInfoNCE.apply(queries, docs, world_queries, spec, name, reason, chunk_size)
-    if return_per_dim:
-        return loss, per_dim
-    return loss
+        loss, per_dim, masked_share = _MatryoshkaInfoNCE.apply(
+            queries, docs, world_queries, spec, name, reason, chunk_size, guide
+        )
+    extra = [per_dim] * return_per_dim + [masked_share] * return_masked_share
+    return (loss, *extra) if extra else loss
 
 
 def run_backend(
-    name: str, queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, chunk_size=None
+    name: str, queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, chunk_size=None,
+    guide: tuple[Tensor, Tensor] | None = None,
 ) -> InfoNCEResult:
     """Call one backend's forward by name (the tests compare them on the same inputs); ``chunk_size`` as in
-    :func:`matryoshka_infonce`."""
+    :func:`matryoshka_infonce`, ``guide`` the guide model's (queries, docs) embeddings."""
     if name == "dense":
-        return reference.forward(queries, docs, world_queries, spec, need_grad)
+        return reference.forward(queries, docs, world_queries, spec, need_grad, guide=guide)
     if name == "chunked":
-        return chunked.forward(queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size)
+        return chunked.forward(queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size, guide=guide)
     if name == "triton":
         return _triton_module().forward(queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size)
     raise ValueError(f"Unknown backend {name!r}: choose from {BACKENDS[1:]}.")
 
 
-def _run(name, reason, queries, docs, world_queries, spec, need_grad, chunk_size) -> InfoNCEResult:
+def _run(name, reason, queries, docs, world_queries, spec, need_grad, chunk_size, guide) -> InfoNCEResult:
     """The chosen backend's result, falling back from Triton to chunked on the auto path; exact zeros
     where every row's only candidate is its positive (the backends' rounding would leave ~1e-7 there,
     which AdamW turns into weight updates)."""
     if name == "nonfinite":
         return _nan_result(queries, docs, world_queries, spec, need_grad)
     try:
-        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size)
+        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide)
     except TritonUnavailableError as error:
         if reason == "requested":
             raise
         fall_back(queries.device, error)
         name, reason = select_backend(queries.device, "auto")
-        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size)
+        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide)
     note_choice(name, queries.device, reason, result.tile)
     if spec.single_candidate:
         result = result._replace(
@@ -197,15 +222,16 @@ class _MatryoshkaInfoNCE(torch.autograd.Function):
     only when an input needs them; backward scales them by grad_output (accumulation, AMP scaler)."""
 
     @staticmethod
-    def forward(ctx, queries, docs, world_queries, spec, name, reason, chunk_size):
+    def forward(ctx, queries, docs, world_queries, spec, name, reason, chunk_size, guide):
         need_grad = any(ctx.needs_input_grad[:3])
         world = queries if world_queries is None else world_queries
-        result = _run(name, reason, queries, docs, world, spec, need_grad, chunk_size)
+        result = _run(name, reason, queries, docs, world, spec, need_grad, chunk_size, guide)
         weights = torch.tensor(spec.weights, dtype=result.per_dim.dtype, device=result.per_dim.device)
         loss = (weights * result.per_dim).sum()
         per_dim = torch.empty_like(result.per_dim)
         per_dim[list(spec.order)] = result.per_dim
-        ctx.mark_non_differentiable(per_dim)
+        masked_share = result.per_dim.new_zeros(()) if result.masked_share is None else result.masked_share
+        ctx.mark_non_differentiable(per_dim, masked_share)
         if need_grad:
             d_queries, d_docs, d_world = result.grads
             if world_queries is None:
@@ -216,18 +242,18 @@ class _MatryoshkaInfoNCE(torch.autograd.Function):
             # Held as plain attributes (not saved tensors) and handed over in backward, so autograd can
             # adopt them as .grad without a copy: peak memory stays at one set of gradients.
             ctx.grads = (d_queries, d_docs, d_world)
-        return loss, per_dim
+        return loss, per_dim, masked_share
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_per_dim):
+    def backward(ctx, grad_loss, _grad_per_dim, _grad_masked_share):
         grads, ctx.grads = getattr(ctx, "grads", None), None
         if grads is None:
             raise RuntimeError(
                 "matryoshka_infonce computes its gradients in the forward pass and hands them over once: "
                 "call the op again instead of backpropagating twice (retain_graph=True)."
             )
-        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], None, None, None, None)
+        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], *[None] * 5)
 
 
 def _triton_module():

@@ -24,6 +24,7 @@ import math
 import torch
 from torch import Tensor
 
+from .false_negatives import Guide, num_candidates
 from .result import InfoNCEResult
 from .spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
 
@@ -39,21 +40,27 @@ _MAX_UNSHIFTED_BOUND = 40.0
 
 def default_tile_rows(spec: InfoNCESpec, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
     """Rows per tile so that all of a tile's temporaries fit in ``tile_bytes`` (fp32 scores)."""
-    columns = sum(spec.num_docs if DIRECTIONS[d].cols == "c" else spec.world_batch_size for d in spec.directions)
+    sizes = {"c": spec.num_docs, "p": spec.world_batch_size, "w": spec.world_batch_size, "q": spec.batch_size}
+    columns = sum(sizes[DIRECTIONS[d].cols] for d in spec.directions)
     per_row = 4 * columns * (len(spec.dims) + 1)  # K prefix dot products + one exp / gradient buffer
+    if spec.false_negatives is not None:
+        per_row += 5 * columns  # the guide's scores of a direction and the mask they give
     return max(1, min(spec.batch_size, tile_bytes // per_row))
 
 
 def forward(
-    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, tile_rows: int | None = None
+    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, tile_rows: int | None = None,
+    guide: tuple[Tensor, Tensor] | None = None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) gradients, one sweep over row tiles.
 
     Shapes: queries (B, D), docs (M, D), world_queries (Bw, D). Computes in fp32 (fp64 for fp64 inputs,
     upcasting bf16/fp16 once); gradients come back in the inputs' dtype. Memory beyond the inputs:
     their gradients, O((B + M) * K) scalars and one tile of ``chunk x columns x (K + 1)`` scores.
+    ``guide``: a guide model's (queries, docs) embeddings for ``spec.false_negatives`` (whose mask each tile
+    computes once, for all dims).
     """
-    sweep = _Sweep(queries, docs, world_queries, spec, need_grad)
+    sweep = _Sweep(queries, docs, world_queries, spec, need_grad, guide)
     rows = tile_rows or default_tile_rows(spec)
     for begin in range(0, spec.batch_size, rows):
         sweep.tile(begin, min(begin + rows, spec.batch_size))
@@ -63,24 +70,30 @@ def forward(
 class _Sweep:
     """State of one forward sweep: inputs, prefix norms, workspaces and gradient accumulators."""
 
-    def __init__(self, queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool):
+    def __init__(self, queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, guide=None):
         dtype = torch.promote_types(queries.dtype, torch.float32)
+        device, positives = queries.device, slice(0, spec.world_batch_size)
         self.spec, self.need_grad, self.input_dtype = spec, need_grad, queries.dtype
         self.sources = {"q": queries.to(dtype), "c": docs.to(dtype), "w": world_queries.to(dtype)}
         self.directions = [DIRECTIONS[name] for name in spec.directions]
         # Inverse prefix norms per dim, (K, rows): the cosine row/column scale factors.
         self.inv_norms = {key: _inverse_prefix_norms(x, spec) for key, x in self.sources.items()}
-        self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=queries.device)
-        self.lse = torch.empty(len(spec.dims), len(self.directions), spec.batch_size, dtype=dtype, device=queries.device)
+        # "p", the positives, are the first Bw docs: views, so their gradients land in the docs'.
+        self.sources["p"], self.inv_norms["p"] = self.sources["c"][positives], self.inv_norms["c"][:, positives]
+        self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
+        self.lse = torch.empty(len(spec.dims), len(self.directions), spec.batch_size, dtype=dtype, device=device)
         self.workspaces: dict[int, list[Tensor]] = {}  # direction index -> K + 1 tile buffers
+        self.filter = None if spec.false_negatives is None else Guide.build(queries, docs, world_queries, spec, guide,
+                                                                            dtype)  # fmt: skip
+        self.dropped, self.candidates = torch.zeros((), device=device), 0
         if need_grad:
             uses_world = any(d.cols == "w" for d in self.directions)
-            self.grads = {key: torch.zeros_like(x) for key, x in self.sources.items() if key != "w" or uses_world}
+            self.grads = {key: torch.zeros_like(self.sources[key]) for key in ("q", "c", "w") if key != "w" or uses_world}
+            self.grads["p"] = self.grads["c"][positives]
             # Column sums of A * dot per dim, for the column normalisation term applied once at the end.
             self.col_norm_terms = {
-                key: torch.zeros(len(spec.dims), self.grads[key].shape[0], dtype=dtype, device=queries.device)
-                for key in self.grads
-                if key != "q"
+                key: torch.zeros(len(spec.dims), self.sources[key].shape[0], dtype=dtype, device=device)
+                for key in {d.cols for d in self.directions}
             }
 
     def _workspace(self, index: int, rows: int, cols: int) -> list[Tensor]:
@@ -108,7 +121,11 @@ class _Sweep:
             cols = self.sources[direction.cols]
             buffers = self._workspace(index, count, cols.shape[0])
             _band_dots(rows, cols, spec.dims, buffers[1:])
-            tiles.append(_TileDirection(direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec))
+            dropped = None if self.filter is None else self.filter.dropped(direction, spec, begin, end)
+            if dropped is not None:
+                self.dropped += dropped.sum()
+                self.candidates += num_candidates(direction, spec, *dropped.shape)
+            tiles.append(_TileDirection(direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, dropped))
         for k in range(len(spec.dims)):
             self._dim(k, tiles, begin, end)
 
@@ -154,7 +171,8 @@ class _Sweep:
                 self.grads["c"].to(dtype),
                 None if world is None else world.to(dtype),
             )
-        return InfoNCEResult(per_dim, self.lse, grads)
+        share = None if self.filter is None else self.dropped.to(torch.float32) / max(self.candidates, 1)
+        return InfoNCEResult(per_dim, self.lse, grads, masked_share=share)
 
 
 class _TileDirection:
@@ -165,12 +183,12 @@ class _TileDirection:
     and to dim k-1's dot buffer afterwards, which is free by then.
     """
 
-    def __init__(self, direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec: InfoNCESpec):
+    def __init__(self, direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec: InfoNCESpec, dropped):
         self.direction, self.rows, self.row_inv, self.row_key, self.row_slice = direction, rows, row_inv, row_key, row_slice
-        self.cols, self.buffers, self.spec = cols, buffers, spec
+        self.cols, self.buffers, self.spec, self.dropped = cols, buffers, spec, dropped
         count = rows.shape[0]
         self.row_index = torch.arange(count, device=rows.device)
-        own = self.row_index + (spec.offset + begin)
+        own = self.row_index + (begin if direction.cols == "q" else spec.offset + begin)  # "q": local columns
         # The columns of each row's own documents (positive, then its hard negatives): (count, columns).
         if direction.cols == "c":
             self.own_cols = own[:, None] + spec.world_batch_size * torch.arange(spec.num_columns, device=rows.device)
@@ -206,13 +224,15 @@ class _TileDirection:
             out.mul_(scale2[:, None])
         else:
             torch.mul(dots, scale2, out=out)
-        own_logits = self._own_logits(k, col_inv)
+        own_logits = self._own_logits(k, col_inv) if self.direction.label else None
         if exceptions is not None:
             own2 = own_logits * own_logits.new_tensor(exceptions) * _LOG2E
             out.scatter_(1, self.own_cols, own2)
         if self.direction.mask is not None:
             masked = self.own_cols if self.direction.mask == "own_docs" else self.own_cols[:, :1]
             out.scatter_(1, masked, -math.inf)
+        if self.dropped is not None:
+            out.masked_fill_(self.dropped, -math.inf)
         if self.direction.label:
             self.positive_logit = own_logits[:, 0]
         if not unshifted:

@@ -1,8 +1,8 @@
 """Dense Matryoshka InfoNCE: materialises every B x M score matrix, differentiated by autograd.
 
-The test oracle for the other backends (it follows sentence-transformers'
-``MultipleNegativesRankingLoss.compute_loss_from_embeddings`` line by line, once per Matryoshka
-dim), and the fastest backend when B x M is tiny. Memory: O(K * B * M) floats.
+The test oracle for the other backends: sentence-transformers' ``MultipleNegativesRankingLoss``
+(``compute_loss_from_embeddings``) once per Matryoshka dim, each direction a block of the joint softmax, with
+the false-negative filter's masks applied to whole blocks. Memory: O(K * B * M) floats.
 """
 
 from __future__ import annotations
@@ -11,23 +11,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .false_negatives import Guide, num_candidates
 from .result import InfoNCEResult
 from .spec import DIRECTIONS, NORM_EPS, InfoNCESpec
 
 
 def forward(
-    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, compute_dtype=None
+    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, compute_dtype=None,
+    guide: tuple[Tensor, Tensor] | None = None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``.
 
     Computes in ``compute_dtype``, by default fp32 (fp64 for fp64 inputs); gradients come back in the inputs'
     dtype. ``compute_dtype=queries.dtype`` is plain PyTorch in the inputs' precision, the yardstick of the
-    GPU checks (``benchmarks/cuda_checks.py``).
+    GPU checks (``benchmarks/cuda_checks.py``). ``guide``: a guide model's (queries, docs) embeddings for
+    ``spec.false_negatives``.
     """
     compute_dtype = compute_dtype or torch.promote_types(queries.dtype, torch.float32)
     leaves = [t.detach().to(compute_dtype).requires_grad_(need_grad) for t in (queries, docs, world_queries)]
+    dropped, masked_share = _false_negatives(*leaves, spec, guide)
     with torch.enable_grad() if need_grad else torch.no_grad():
-        losses, lses = zip(*(_one_dim(*leaves, spec, dim) for dim in spec.dims))
+        losses, lses = zip(*(_one_dim(*leaves, spec, dim, dropped) for dim in spec.dims))
         per_dim = torch.stack(losses)
         grads = None
         if need_grad:
@@ -36,7 +40,18 @@ def forward(
             grads = tuple(
                 torch.zeros_like(t) if g is None else g.to(t.dtype) for g, t in zip(grads, (queries, docs, world_queries))
             )
-    return InfoNCEResult(per_dim.detach(), torch.stack(lses).detach(), grads, tile="dense")
+    return InfoNCEResult(per_dim.detach(), torch.stack(lses).detach(), grads, tile="dense", masked_share=masked_share)
+
+
+def _false_negatives(q, c, wq, spec: InfoNCESpec, guide) -> tuple[dict[str, Tensor], Tensor | None]:
+    """Each direction's (B, columns) mask of the candidates the false-negative filter drops, and their share."""
+    if spec.false_negatives is None:
+        return {}, None
+    filtered = Guide.build(q, c, wq, spec, guide, q.dtype)
+    dropped = {name: filtered.dropped(DIRECTIONS[name], spec, 0, spec.batch_size) for name in spec.directions}
+    candidates = sum(num_candidates(DIRECTIONS[name], spec, *mask.shape) for name, mask in dropped.items())
+    share = sum(int(m.sum()) for m in dropped.values()) / max(candidates, 1)
+    return dropped, torch.tensor(share, dtype=torch.float32, device=q.device)
 
 
 def _prefix(x: Tensor, dim: int, cosine: bool) -> Tensor:
@@ -44,8 +59,9 @@ def _prefix(x: Tensor, dim: int, cosine: bool) -> Tensor:
     return F.normalize(x, p=2, dim=-1, eps=NORM_EPS) if cosine else x
 
 
-def _one_dim(q: Tensor, c: Tensor, wq: Tensor, spec: InfoNCESpec, dim: int) -> tuple[Tensor, Tensor]:
-    """Loss (scalar) and per-direction LSE (ndir, B) at one Matryoshka dim."""
+def _one_dim(q: Tensor, c: Tensor, wq: Tensor, spec: InfoNCESpec, dim: int, dropped) -> tuple[Tensor, Tensor]:
+    """Loss (scalar) and per-direction LSE (ndir, B) at one Matryoshka dim; ``dropped``: the false-negative
+    filter's masks per direction."""
     q, c, wq = (_prefix(x, dim, spec.cosine) for x in (q, c, wq))
     batch, world = spec.batch_size, spec.world_batch_size
     rows = torch.arange(batch, device=q.device)
@@ -53,7 +69,7 @@ def _one_dim(q: Tensor, c: Tensor, wq: Tensor, spec: InfoNCESpec, dim: int) -> t
     own_doc = torch.zeros(batch, spec.num_docs, dtype=torch.bool, device=q.device)
     for column in range(spec.num_columns):
         own_doc[rows, own + column * world] = True
-    operands = {"q": q, "d": c[own], "c": c, "w": wq}
+    operands = {"q": q, "d": c[own], "c": c, "p": c[:world], "w": wq}
 
     logits, positive = [], None
     for name in spec.directions:
@@ -68,6 +84,8 @@ def _one_dim(q: Tensor, c: Tensor, wq: Tensor, spec: InfoNCESpec, dim: int) -> t
             logit = logit.index_put((rows, own), torch.tensor(-torch.inf, dtype=q.dtype))
         elif direction.mask == "own_docs":
             logit = logit.masked_fill(own_doc, -torch.inf)
+        if name in dropped:
+            logit = logit.masked_fill(dropped[name], -torch.inf)
         logits.append(logit)
 
     lse = torch.stack([torch.logsumexp(logit, dim=1) for logit in logits])

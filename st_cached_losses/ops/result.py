@@ -17,10 +17,12 @@ class InfoNCEResult(NamedTuple):
         grads: ``(d queries, d docs, d world_queries)`` of ``sum_k w_k per_dim[k]`` in the inputs' dtype
             (``d world_queries`` may be None when no direction reads world_queries), or None when
             gradients were not requested.
-        tile: how the backend tiled the problem, for the log (e.g. "256 rows x 8192 columns").
+        tile: how the backend tiled the problem, for the log (e.g. "256 rows").
+        masked_share: with a false-negative filter, the share of candidates it dropped (0-dim, fp32), else None.
     """
 
     per_dim: Tensor
     lse: Tensor
     grads: tuple[Tensor, Tensor, Tensor] | None
     tile: str = ""
+    masked_share: Tensor | None = None

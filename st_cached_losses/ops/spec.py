@@ -18,10 +18,11 @@ class Direction:
     """One block of logits of sentence-transformers' MultipleNegativesRankingLoss.
 
     ``rows``: "q" (this rank's queries) or "d" (this rank's positive docs, docs rows [offset, offset + B));
-    ``cols``: "c" (all docs: positives, then each hard-negative column) or "w" (the world's queries);
-    ``mask``: which columns a row does not score: None, "self" (the row itself) or "own_docs" (the row's
-    positive and its hard negatives); ``label``: the row's positive is this block's label column (the
-    cross-entropy target), and the hardness penalty applies here.
+    ``cols``: "c" (all docs: positives, then each hard-negative column), "p" (the positives: the first Bw
+    docs), "w" (the world's queries) or "q" (this rank's queries); ``mask``: which columns a row does not
+    score: None, "self" (the row itself) or "own_docs" (the row's positive and its hard negatives);
+    ``label``: the row's positive is this block's label column (the cross-entropy target), and the hardness
+    penalty applies here.
     """
 
     rows: str
@@ -29,14 +30,46 @@ class Direction:
     mask: str | None
     label: bool
 
+    @property
+    def partner(self) -> bool:
+        """Column offset + i holds row i's partner (query_to_doc: its positive; doc_to_query: its query), the pair
+        a false-negative filter never drops; in the other blocks that column is the row itself, or none."""
+        return (self.rows == "q") == (self.cols in ("c", "p"))
 
-# In sentence-transformers' order (the order of the joint softmax's columns).
+
+# In sentence-transformers' order (the order of the joint softmax's columns). The last two are GISTEmbed's
+# anchor-anchor and positive-positive blocks (CachedGISTEmbedLoss's contrast_anchors / contrast_positives):
+# no structural mask (the guide's rule drops the row itself), this rank's anchors only, the positives only.
 DIRECTIONS = {
     "query_to_doc": Direction("q", "c", None, label=True),
     "query_to_query": Direction("q", "w", "self", label=False),
     "doc_to_query": Direction("d", "w", None, label=False),
     "doc_to_doc": Direction("d", "c", "own_docs", label=False),
+    "anchor_to_anchor": Direction("q", "q", None, label=False),
+    "positive_to_positive": Direction("d", "p", None, label=False),
 }
+GIST_DIRECTIONS = ("anchor_to_anchor", "positive_to_positive")
+FALSE_NEGATIVE_STRATEGIES = ("absolute", "relative")
+
+
+@dataclass(frozen=True)
+class FalseNegativeFilter:
+    """GISTEmbed's false-negative filter (arXiv 2402.16829): row i scores no candidate (other than its partner,
+    see ``Direction.partner``) whose guide similarity exceeds ``s_i - margin`` ("absolute") or
+    ``s_i - |s_i| * margin`` ("relative"), s_i being the guide similarity of row i's positive pair. The guide is
+    a guide model's embeddings, by cosine (``guided``), or the model's own full-dim embeddings, detached, by the
+    loss's similarity (self-guided: Qwen3-Embedding's and pplx-embed's recipe; their "+ 0.1" is margin -0.1).
+    The filter does not depend on the Matryoshka dim."""
+
+    margin: float
+    strategy: str
+    guided: bool
+
+    def thresholds(self, positive: Tensor) -> Tensor:
+        """(rows,) similarity above which a candidate is dropped, from the rows' positive similarities."""
+        if self.strategy == "absolute":
+            return positive - self.margin
+        return positive - positive.abs() * self.margin
 
 
 @dataclass(frozen=True)
@@ -82,6 +115,7 @@ class InfoNCESpec:
     partition_mode: str
     hardness_mode: str | None
     hardness_strength: float
+    false_negatives: FalseNegativeFilter | None = None
 
     @property
     def num_docs(self) -> int:
@@ -101,7 +135,7 @@ class InfoNCESpec:
         """Whether every row's only candidate is its positive, so the loss and its gradient are exactly 0:
         one pair in the world batch and no hard negatives, with no direction that adds the positive again
         ("doc_to_query" does under a joint partition; "query_to_query" and "doc_to_doc" mask theirs)."""
-        if self.world_batch_size != 1 or self.num_columns != 1:
+        if self.world_batch_size != 1 or self.num_columns != 1 or set(GIST_DIRECTIONS) & set(self.directions):
             return False
         return self.partition_mode == "per_direction" or "doc_to_query" not in self.directions
 
@@ -126,6 +160,10 @@ class InfoNCESpec:
         partition_mode: str,
         hardness_mode: str | None,
         hardness_strength: float,
+        false_negative_margin: float | None = None,
+        false_negative_strategy: str = "absolute",
+        guide_queries: Tensor | None = None,
+        guide_docs: Tensor | None = None,
     ) -> InfoNCESpec:
         _check_tensors(queries, docs, world_queries)
         batch_size, dim = queries.shape
@@ -153,6 +191,10 @@ class InfoNCESpec:
             raise ValueError(f"hardness_strength must be a finite number, got {hardness_strength!r}.")
         if hardness_strength < 0:
             raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}.")
+        false_negatives = _false_negative_filter(
+            false_negative_margin, false_negative_strategy, guide_queries, guide_docs, queries, docs, world_queries,
+            directions,
+        )
         return cls(
             dims=sorted_dims,
             weights=sorted_weights,
@@ -167,7 +209,43 @@ class InfoNCESpec:
             partition_mode=partition_mode,
             hardness_mode=hardness_mode,
             hardness_strength=float(hardness_strength),
+            false_negatives=false_negatives,
         )
+
+
+def _false_negative_filter(margin, strategy, guide_queries, guide_docs, queries, docs, world_queries, directions):
+    """The filter the arguments ask for, or None: a guide (both guide tensors) filters with margin 0 by default;
+    without one, a margin alone turns the self-guided filter on."""
+    if (guide_queries is None) != (guide_docs is None):
+        raise ValueError("pass both guide_queries and guide_docs (the guide model's embeddings), or neither.")
+    guided = guide_queries is not None
+    if margin is None and not guided:
+        return None
+    margin = 0.0 if margin is None else margin
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise ValueError(f"false_negative_margin must be a finite number (either sign), got {margin!r}.")
+    if strategy not in FALSE_NEGATIVE_STRATEGIES:
+        raise ValueError(f"false_negative_strategy must be one of {FALSE_NEGATIVE_STRATEGIES}, got {strategy!r}.")
+    if guided:
+        _check_guide(guide_queries, guide_docs, queries, docs, world_queries, directions)
+    return FalseNegativeFilter(float(margin), strategy, guided)
+
+
+def _check_guide(guide_queries, guide_docs, queries, docs, world_queries, directions) -> None:
+    for name, guide, partner in (("guide_queries", guide_queries, queries), ("guide_docs", guide_docs, docs)):
+        if not isinstance(guide, Tensor) or guide.ndim != 2 or not guide.is_floating_point():
+            raise TypeError(f"{name} must be a 2-D floating-point torch.Tensor (rows, guide D), got {guide!r:.80}.")
+        if guide.shape[0] != partner.shape[0]:
+            raise ValueError(f"{name} has {guide.shape[0]} rows but its embeddings have {partner.shape[0]}: embed "
+                             "the same texts with the guide.")  # fmt: skip
+        if guide.device != queries.device:
+            raise ValueError(f"{name} is on {guide.device} but queries is on {queries.device}: move the guide's "
+                             "embeddings (or the guide model) to the model's device.")  # fmt: skip
+    if guide_queries.shape[1] != guide_docs.shape[1]:
+        raise ValueError(f"guide_queries has D={guide_queries.shape[1]} but guide_docs has D={guide_docs.shape[1]}.")
+    if world_queries is not None and {"query_to_query", "doc_to_query"} & set(directions):
+        raise ValueError("a guide filters query_to_query and doc_to_query only without gathering (the guide's "
+                         "embeddings of the other ranks' queries are not passed); use the GIST directions.")  # fmt: skip
 
 
 def _check_tensors(queries: Tensor, docs: Tensor, world_queries: Tensor | None) -> None:
@@ -231,10 +309,11 @@ def _check_choices(similarity: str, directions: Sequence[str], partition_mode: s
         raise ValueError(f"directions holds duplicates: {list(directions)}.")
     if partition_mode not in PARTITION_MODES:
         raise ValueError(f"partition_mode must be one of {PARTITION_MODES}, got {partition_mode!r}.")
-    if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
+    if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc", *GIST_DIRECTIONS} & set(directions):
         raise ValueError(
             "partition_mode='per_direction' needs the positive in every direction's candidates, which "
-            "'query_to_query' and 'doc_to_doc' lack: use partition_mode='joint'."
+            "'query_to_query', 'doc_to_doc', 'anchor_to_anchor' and 'positive_to_positive' lack: use "
+            "partition_mode='joint'."
         )
     if hardness_mode not in HARDNESS_MODES:
         raise ValueError(f"hardness_mode must be one of {tuple(HARDNESS_MODES)}, got {hardness_mode!r}.")

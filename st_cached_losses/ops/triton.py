@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .backend import TritonUnavailableError, triton_unusable_reason
 from .result import InfoNCEResult
-from .spec import DIRECTIONS, NORM_EPS, InfoNCESpec
+from .spec import DIRECTIONS, GIST_DIRECTIONS, NORM_EPS, InfoNCESpec
 from .triton_kernels import (
     HARD_OTHERS,
     HARD_OWN_HARD_NEGATIVES,
@@ -66,9 +66,19 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def supports(spec: InfoNCESpec) -> bool:
-    """Whether the kernels handle ``spec``: every direction, partition mode, hardness mode, offset and
-    similarity; at most ``MAX_DIMS`` Matryoshka dims. (fp32/bf16/fp16/fp64 inputs.)"""
-    return len(spec.dims) <= MAX_DIMS
+    """Whether the kernels handle ``spec``: sentence-transformers' four directions, every partition mode,
+    hardness mode, offset and similarity, at most ``MAX_DIMS`` Matryoshka dims (fp32/bf16/fp16/fp64 inputs);
+    not the false-negative filter nor GISTEmbed's directions (``backend="auto"`` runs chunked for those)."""
+    return unsupported(spec) is None
+
+
+def unsupported(spec: InfoNCESpec) -> str | None:
+    """What of ``spec`` the kernels do not support, or None."""
+    if len(spec.dims) > MAX_DIMS:
+        return f"at most {MAX_DIMS} Matryoshka dims, got {len(spec.dims)}"
+    if spec.false_negatives is not None or set(GIST_DIRECTIONS) & set(spec.directions):
+        return "no false-negative filter and no GISTEmbed directions"
+    return None
 
 
 @dataclass
@@ -108,11 +118,9 @@ def _types(dtype: torch.dtype) -> _Types:
 
 
 def _check_inputs(queries: Tensor, spec: InfoNCESpec) -> None:
-    if not supports(spec):
-        raise NotImplementedError(
-            f"backend='triton' supports at most {MAX_DIMS} Matryoshka dims, got {len(spec.dims)}: use "
-            "backend='chunked'."
-        )
+    missing = unsupported(spec)
+    if missing is not None:
+        raise NotImplementedError(f"backend='triton' supports {missing}: use backend='chunked'.")
     if queries.dtype not in _DTYPES:
         raise NotImplementedError(
             f"backend='triton' supports {[str(d) for d in _DTYPES]} embeddings, got {queries.dtype}: cast them, or "

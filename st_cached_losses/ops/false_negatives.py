@@ -1,0 +1,69 @@
+"""The false-negative filter inside the loss: which candidates a row does not score, computed tile by tile.
+
+GISTEmbed (arXiv 2402.16829) drops, for each row, the candidates its guide scores above the row's positive pair
+(minus a margin): the threshold rule is ``spec.FalseNegativeFilter``. The guide is either a guide model's
+embeddings (cosine similarity, as ``CachedGISTEmbedLoss``) or the model's own full-dim embeddings, detached,
+scored by the loss's similarity (self-guided). A row's partner (its positive, or its query in doc_to_query) and
+the columns a direction masks anyway are never counted as dropped. The backends ask for one tile of rows at a
+time, so no B x M matrix of guide scores is held; the mask is the same for every Matryoshka dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .spec import NORM_EPS, Direction, InfoNCESpec
+
+
+@dataclass
+class Guide:
+    """The guide's embeddings per operand ("q", "d", "c", "p", "w": see ``spec.Direction``), unit rows for
+    cosine, and each row's threshold (B,)."""
+
+    operands: dict[str, Tensor]
+    thresholds: Tensor
+
+    @classmethod
+    def build(cls, queries, docs, world_queries, spec: InfoNCESpec, guide: tuple[Tensor, Tensor] | None, dtype):
+        """``guide``: (guide queries (B, Dg), guide docs (M, Dg)) of a guide model, or None for the model itself."""
+        cosine = spec.cosine or spec.false_negatives.guided
+        q, c, w = (queries, docs, world_queries) if guide is None else (guide[0], guide[1], guide[0])
+        q, c, w = (_unit(x.detach().to(dtype), cosine) for x in (q, c, w))
+        local = slice(spec.offset, spec.offset + spec.batch_size)
+        operands = {"q": q, "d": c[local], "c": c, "p": c[: spec.world_batch_size], "w": w}
+        positive = (operands["q"] * operands["d"]).sum(dim=1)
+        return cls(operands, spec.false_negatives.thresholds(positive))
+
+    def dropped(self, direction: Direction, spec: InfoNCESpec, begin: int, end: int) -> Tensor:
+        """(end - begin, columns) bool: the candidates rows [begin, end) of ``direction`` do not score."""
+        sims = self.operands[direction.rows][begin:end] @ self.operands[direction.cols].T
+        drop = sims > self.thresholds[begin:end, None]
+        kept = kept_columns(direction, spec, begin, end, drop.device)
+        if kept is not None:
+            drop.scatter_(1, kept, False)
+        return drop
+
+
+def kept_columns(direction: Direction, spec: InfoNCESpec, begin: int, end: int, device=None) -> Tensor | None:
+    """(rows, n) column indices the filter never drops for rows [begin, end): the row's partner, and the
+    columns the direction masks itself (the row; its own docs). None where there are none."""
+    own = torch.arange(begin, end, device=device) + spec.offset
+    if direction.mask == "own_docs":
+        return own[:, None] + spec.world_batch_size * torch.arange(spec.num_columns, device=device)
+    if direction.partner or direction.mask == "self":
+        return own[:, None]
+    return None
+
+
+def num_candidates(direction: Direction, spec: InfoNCESpec, rows: int, columns: int) -> int:
+    """Candidates the filter could drop in ``rows`` rows of ``direction`` (all but the kept columns)."""
+    kept = kept_columns(direction, spec, 0, 1)
+    return rows * (columns - (0 if kept is None else kept.shape[1]))
+
+
+def _unit(x: Tensor, cosine: bool) -> Tensor:
+    return F.normalize(x, dim=-1, eps=NORM_EPS) if cosine else x
