@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import cuda_checks
-from benchmarks.loss_stage import _stock_loss, read_csv, write_csv
+from benchmarks import cuda_checks, report
+from benchmarks.loss_stage import _stock_loss
 
-RESULTS = Path(__file__).parent / "results" / "gpu"
+RESULTS = report.RESULTS / "gpu"
 DIM, DIMS = 768, (768, 512, 256, 128, 64)
 TRAIN_DIMS = (384, 256, 128, 64, 32)
 LOSS_STAGE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -124,11 +124,11 @@ def write_correctness(rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 5))
-    for (backend, marker), color in zip((("triton", "o"), ("chunked", "s")), ("tab:blue", "tab:orange")):
+    for backend in ("triton", "chunked"):
         points = [(r["torch_error"], r["error"]) for r in rows
                   if r["backend"] == backend and math.isfinite(r["error"]) and r["torch_error"] > 0]  # fmt: skip
         if points:
-            ax.scatter(*zip(*points), s=12, marker=marker, color=color, alpha=0.6, label=backend)
+            ax.scatter(*zip(*points), s=12, alpha=0.6, label=backend, **report.style(backend))
     limits = [1e-9, 1.0]
     ax.plot(limits, limits, color="gray", lw=1, label="error = PyTorch's")
     ax.set(xscale="log", yscale="log", xlim=limits, ylim=limits, xlabel="plain PyTorch's relative error",
@@ -265,31 +265,15 @@ def largest_batch(plan: dict, dry_run: bool) -> list[tuple]:
 
 
 def write_loss_stage(rows: list[tuple], out: Path) -> list[dict]:
-    write_csv(rows, out / "loss_stage.csv")
-    records = read_csv(out / "loss_stage.csv")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    styles = {"triton": ("tab:blue", "o"), "chunked": ("tab:orange", "s"), "stock": ("tab:red", "^")}
-    for ax, metric, label, scale in ((axes[0], "seconds_median", "fwd + bwd ms", 1e-3),
-                                     (axes[1], "peak_bytes", "MiB above the inputs", 2**20)):  # fmt: skip
-        for name, (color, marker) in styles.items():
-            for dtype_name, line in (("bf16", "-"), ("fp32", "--")):
-                points = sorted((r["B"], r["value"] / scale) for r in records
-                                if r["contender"] == f"{name}_{dtype_name}" and r["metric"] == metric)  # fmt: skip
-                if points:
-                    ax.plot(*zip(*points), line, color=color, marker=marker, label=f"{name} {dtype_name}")
-        ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel=label)
-        ax.set_xscale("log", base=2)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("Loss stage on the GPU (D = 768, dims 768..64)")
-    fig.tight_layout()
-    fig.savefig(out / "loss_stage.png", dpi=120)
-    plt.close(fig)
+    """loss_stage.csv, and loss_stage.png: time and memory vs B, one panel pair per dtype."""
+    report.write_csv(rows, out / "loss_stage.csv")
+    records = report.read_csv(out / "loss_stage.csv")
+    for dtype_name in LOSS_STAGE_DTYPES:
+        subset = [{**r, "contender": r["contender"].removesuffix(f"_{dtype_name}")} for r in records
+                  if r["contender"].endswith(f"_{dtype_name}")]  # fmt: skip
+        report.plot(subset, out / f"loss_stage_{dtype_name}.png", f"Loss stage on the GPU, {dtype_name} "
+                    f"(D = {DIM}, dims {DIMS[0]}..{DIMS[-1]})",
+                    panels=(("seconds_median", "fwd + bwd seconds", 1), ("peak_bytes", "MiB above the inputs", 2**20)))  # fmt: skip
     return records
 
 

@@ -17,22 +17,17 @@ torch.cuda.max_memory_allocated).
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import logging
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
-from st_cached_losses import __version__, matryoshka_infonce
+from benchmarks.report import RESULTS, plot, read_csv, write_csv
+from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops.chunked import DEFAULT_TILE_BYTES
 from st_cached_losses.profiling import peak_tensor_bytes, summarize, time_call
-
-RESULTS = Path(__file__).parent / "results"
-FIELDS = ["contender", "B", "metric", "value", "machine", "versions", "date"]
 
 
 def _embeddings(batch: int, dim: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,55 +159,6 @@ def crossover(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=15):
     return rows
 
 
-def _context() -> tuple[str, str, str]:
-    import sentence_transformers
-
-    machine = f"{platform.machine()} {torch.get_num_threads()} threads"
-    if torch.cuda.is_available():
-        machine += f" {torch.cuda.get_device_name()}"
-    versions = f"st_cached_losses {__version__}; torch {torch.__version__}; sentence-transformers {sentence_transformers.__version__}"
-    return machine, versions, datetime.date.today().isoformat()
-
-
-def write_csv(rows, path: Path) -> None:
-    machine, versions, date = _context()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(FIELDS)
-        writer.writerows([*row, machine, versions, date] for row in rows)
-
-
-def read_csv(path: Path) -> list[dict]:
-    with Path(path).open() as handle:
-        return [{**row, "B": int(row["B"]), "value": float(row["value"])} for row in csv.DictReader(handle)]
-
-
-def plot(records: list[dict], path: Path, title: str = "Loss stage (fwd + bwd)") -> None:
-    """Time and peak memory vs B, log scale, one line per contender."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, metric, label in ((axes[0], "seconds_median", "seconds"), (axes[1], "peak_bytes", "peak MiB")):
-        for name in sorted({r["contender"] for r in records if r["metric"] == metric}):
-            points = sorted((r["B"], r["value"]) for r in records if r["contender"] == name and r["metric"] == metric)
-            scale = 2**20 if metric == "peak_bytes" else 1
-            ax.plot([b for b, _ in points], [v / scale for _, v in points], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch size B")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def summary_table(records: list[dict]) -> str:
     """Markdown table: wall and CPU time per contender, ratios to stock, peaks, matmul fraction."""
     value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
@@ -262,7 +208,7 @@ def main(argv=None) -> None:
     name = args.name or ("loss_stage" if device == "cpu" else "loss_stage_gpu")
     write_csv(rows, args.out / f"{name}.csv")
     records = read_csv(args.out / f"{name}.csv")
-    plot(records, args.out / f"{name}.png")
+    plot(records, args.out / f"{name}.png", title="Loss stage (fwd + bwd)")
     print(summary_table(records))
 
 

@@ -1,14 +1,17 @@
 """Peak-memory and timing helpers shared by the tests and the benchmarks.
 
-Peak memory is measured exactly, not sampled: on CUDA with the caching allocator's peak counter, on
+Peak tensor memory is measured exactly, not sampled: on CUDA with the caching allocator's peak counter, on
 CPU by replaying every allocation and free of the CPU allocator that ``torch.profiler`` records
 (profile_memory=True). Both report the peak of tensor bytes allocated *during* the call, above what
-was live when it started (inputs excluded), in bytes.
+was live when it started (inputs excluded), in bytes. ``rss_bytes`` / ``peak_rss_bytes`` read the whole
+process's resident set (Linux's /proc; elsewhere ``getrusage``).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -72,3 +75,31 @@ def time_call(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, device: 
 def summarize(seconds: list[float]) -> dict[str, float]:
     """Median, min and max of a list of timings (seconds)."""
     return {"median": statistics.median(seconds), "min": min(seconds), "max": max(seconds)}
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now, in bytes (/proc/self/statm; 0 where there is no /proc)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size, in bytes: ``VmHWM``, the high-water mark of its own address space.
+
+    Not ``getrusage().ru_maxrss`` where /proc exists: Linux carries the parent's high-water mark over fork + exec
+    into the child's ``ru_maxrss``, so a child of a large process would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    import resource  # not on Windows, which has neither /proc
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux

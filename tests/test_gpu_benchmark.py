@@ -21,7 +21,9 @@ def test_dry_run_writes_every_result(dry_run):
     code, out = dry_run
     assert code == 0
     for name in ("correctness", "loss_stage", "train_step"):
-        assert (out / f"{name}.csv").stat().st_size > 0 and (out / f"{name}.png").stat().st_size > 0
+        assert (out / f"{name}.csv").stat().st_size > 0
+    for name in ("correctness", "loss_stage_bf16", "loss_stage_fp32", "train_step", "train_step_phases"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (out / "summary.md").read_text()
     for section in ("**Correctness**", "**Loss stage**", "**Training step**", "**Targets**", "Largest loss-stage B"):
         assert section in summary
@@ -43,7 +45,7 @@ def test_dry_run_checks_every_case_backend_and_tile_config(dry_run):
 
 
 def test_dry_run_measures_every_contender(dry_run):
-    from benchmarks.loss_stage import read_csv
+    from benchmarks.report import read_csv
 
     _, out = dry_run
     stage = {(r["contender"], r["metric"]) for r in read_csv(out / "loss_stage.csv")}

@@ -6,7 +6,9 @@ import csv
 import json
 
 from benchmarks import train_step
-from benchmarks.loss_stage import FIELDS
+from benchmarks.step import PHASES
+from benchmarks.train_step_report import summary_table
+from benchmarks.report import FIELDS
 
 PAIRS = [(f"return the {w} of the {v} list", f"mod.{w}_{v}(items, key=None)")
          for w in ("sum", "max", "min", "length") for v in ("first", "second", "third", "fourth", "last")]
@@ -31,8 +33,8 @@ def test_train_step_smoke(tmp_path):
     for name in ("ours", "stock", "mnrl"):
         assert value[(name, 8, "repeats")] == 2
         step = value[(name, 8, "seconds_median")]
-        phases = sum(value[(name, 8, f"seconds_{phase}_median")] for phase in train_step.PHASES)
-        assert step > 0 and all(value[(name, 8, f"seconds_{p}_min")] >= 0 for p in train_step.PHASES)
+        phases = sum(value[(name, 8, f"seconds_{phase}_median")] for phase in PHASES)
+        assert step > 0 and all(value[(name, 8, f"seconds_{p}_min")] >= 0 for p in PHASES)
         assert value[(name, 8, "seconds_min")] <= step <= value[(name, 8, "seconds_max")]
         assert abs(phases - step) <= 0.05 * step + 1e-3  # medians of parts need not add up exactly
     assert value[("stock", 8, "time_ratio_to_stock_median")] == 1.0
@@ -47,7 +49,7 @@ def test_train_step_smoke(tmp_path):
 
     for png in ("train_step.png", "train_step_phases.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    table = train_step.summary_table(records)
+    table = summary_table(records)
     assert "| 24 | mnrl | not run" in table and "| 8 | ours |" in table
 
 

@@ -1,0 +1,148 @@
+"""One training step of a loss, timed by phase, and the rounds that time several contenders side by side.
+
+A step is forward + backward of the loss on one batch (the optimizer excluded; ``zero_grad(set_to_none=True)``
+first, so every step allocates the parameter gradients as in a trainer). Phases, the same for every contender:
+
+    cached losses:  loss     = time inside ``calculate_loss`` (GradCache step 2: loss + its backward to the
+                               embeddings; for stock Matryoshka that is its per-dim decorator, all dims)
+                    embed    = forward time - loss  (step 1: embed every mini-batch without grad)
+                    backward = backward time        (step 3: re-embed every mini-batch with grad + backward)
+    non-cached:     embed    = time inside ``model.forward`` (one forward per column with grad)
+                    loss     = forward time - embed (the losses' forward)
+                    backward = backward time        (the losses' and the encoder's backward; no re-embed)
+
+Each is recorded as wall time (CUDA events on a GPU) and as the process's CPU time (``cpu_``, all threads).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+PHASES = ("embed", "loss", "backward")
+BASELINE = "stock"
+
+
+class _Clock:
+    """Time marks: (wall, CPU) seconds of this process; on CUDA the wall time comes from CUDA events, read
+    once the step has synchronised."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event, time.process_time()
+        return time.perf_counter(), time.process_time()
+
+    def seconds(self, start, end) -> tuple[float, float]:
+        """(wall, CPU) seconds from ``start`` to ``end`` (after a synchronisation on CUDA)."""
+        wall = start[0].elapsed_time(end[0]) / 1e3 if self.cuda else end[0] - start[0]
+        return wall, end[1] - start[1]
+
+
+class Step:
+    """One training step (forward + backward) of ``loss`` on ``features``; ``last`` holds its phase times (s)."""
+
+    def __init__(self, model, loss, features: list[dict]) -> None:
+        from sentence_transformers.base.losses.gradcache import uses_gradient_cache
+
+        self.model, self.loss, self.features = model, loss, features
+        self.cached = uses_gradient_cache(loss)
+        # The object whose calculate_loss CachedLossMixin.forward_cached calls (stock Matryoshka decorates its base's).
+        self.stage_owner = getattr(loss, "loss", loss) if type(loss).__name__ == "MatryoshkaLoss" else loss
+        self.clock = _Clock(model.device)
+        self.last: dict[str, float] = {}
+
+    def _timed(self, fn: Callable, spans: list) -> Callable:
+        def wrapper(*args, **kwargs):
+            start = self.clock.mark()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans.append((start, self.clock.mark()))
+
+        return wrapper
+
+    def __call__(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        spans: list = []  # (start, end) marks of each call of the wrapped function
+        owner, attribute = (self.stage_owner, "calculate_loss") if self.cached else (self.model, "forward")
+        had_own = attribute in vars(owner)  # stock Matryoshka's decorator (and autocast) is an instance attribute
+        original = getattr(owner, attribute)
+        setattr(owner, attribute, self._timed(original, spans))
+        try:
+            marks = [self.clock.mark()]
+            out = self.loss(self.features, None)
+            total = sum(out.values()) if isinstance(out, dict) else out
+            marks.append(self.clock.mark())
+            total.backward()
+            marks.append(self.clock.mark())
+        finally:
+            if had_own:
+                setattr(owner, attribute, original)
+            else:
+                delattr(owner, attribute)
+        if self.clock.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        forward, backward = self.clock.seconds(marks[0], marks[1]), self.clock.seconds(marks[1], marks[2])
+        inner = [sum(self.clock.seconds(a, b)[i] for a, b in spans) for i in (0, 1)]
+        self.last = {}
+        for i, prefix in ((0, ""), (1, "cpu_")):
+            embed, loss = (forward[i] - inner[i], inner[i]) if self.cached else (inner[i], forward[i] - inner[i])
+            self.last.update({f"{prefix}step": forward[i] + backward[i], f"{prefix}embed": embed,
+                              f"{prefix}loss": loss, f"{prefix}backward": backward[i]})  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------- rounds
+
+
+def time_steps(steps: dict[str, Step], repeats: int, warmup: int = 1, log: bool = False) -> dict[str, list[dict[str, float]]]:
+    """Phase times of ``repeats`` rounds; each round (and each warm-up round) runs every contender once, in order."""
+    times: dict[str, list[dict[str, float]]] = {name: [] for name in steps}
+    for round_ in range(-warmup, repeats):
+        for name, step in steps.items():
+            step()
+            gc.collect()
+            if round_ >= 0:
+                times[name].append(step.last)
+            if log:
+                label = "warm-up" if round_ < 0 else f"round {round_ + 1}/{repeats}"
+                print(f"    {label} {name:>13}: {step.last['step']:8.2f} s", flush=True)
+    return times
+
+
+def timing_rows(batch: int, times: dict[str, list[dict[str, float]]]) -> list[tuple]:
+    """CSV rows: seconds_{median,min,max} (wall, the step), seconds_<phase>_{...}, the same with cpu_ (process CPU
+    time, all threads), and the per-round ratios of the step time to stock's (time_ratio_ / cpu_ratio_to_stock_)."""
+    rows = []
+    for name, runs in times.items():
+        for prefix in ("", "cpu_"):
+            for key in ("step", *PHASES):
+                values = [run[prefix + key] for run in runs]
+                metric = f"{prefix}seconds" if key == "step" else f"{prefix}seconds_{key}"
+                rows += [
+                    (name, batch, f"{metric}_median", statistics.median(values)),
+                    (name, batch, f"{metric}_min", min(values)),
+                    (name, batch, f"{metric}_max", max(values)),
+                ]
+            if BASELINE in times and len(times[BASELINE]) == len(runs):
+                ratios = [run[prefix + "step"] / base[prefix + "step"] for run, base in zip(runs, times[BASELINE])]
+                metric = "time_ratio_to_stock" if prefix == "" else "cpu_ratio_to_stock"
+                rows += [
+                    (name, batch, f"{metric}_median", statistics.median(ratios)),
+                    (name, batch, f"{metric}_min", min(ratios)),
+                    (name, batch, f"{metric}_max", max(ratios)),
+                ]
+        rows.append((name, batch, "repeats", len(runs)))
+    return rows
