@@ -5,10 +5,16 @@ the two embedding passes) and measures the exact peak of tensor bytes it allocat
 run, for each batch size. Also times the three B x M x D matmuls that any exact fwd+bwd needs
 (S = Q C^T, dQ = G C, dC = G^T Q) to report the fraction of this machine's matmul throughput reached.
 
-    python benchmarks/loss_stage.py                       # B in 1024 4096 16384, CSV + PNG in benchmarks/results/
-    python benchmarks/loss_stage.py --sizes 64 128 --out /tmp/smoke   # smoke run
-    python benchmarks/loss_stage.py --crossover           # dense vs chunked, to place DENSE_MAX_LOGITS
-    python benchmarks/loss_stage.py --threads 2 --name loss_stage_2threads   # another CSV + PNG beside it
+    python -m benchmarks.loss_stage                       # B in 1024 4096 16384, CSV + PNG in benchmarks/results/
+    python -m benchmarks.loss_stage --sizes 64 128 --out /tmp/smoke   # smoke run
+    python -m benchmarks.loss_stage --crossover           # dense vs chunked (auto never picks dense)
+    python -m benchmarks.loss_stage --threads 2 --name loss_stage_2threads   # another CSV + PNG beside it
+    python -m benchmarks.loss_stage --gist --sizes 1024 8192    # vs stock MatryoshkaLoss(CachedGISTEmbedLoss)
+
+With --gist both sides filter false negatives with a guide's embeddings (random, D like the model's): stock
+``MatryoshkaLoss(CachedGISTEmbedLoss(model, guide))``'s ``calculate_loss`` (temperature 0.01, margin 0, anchor and
+positive contrast) against ``matryoshka_infonce`` with ``guide_queries`` / ``guide_docs`` and GISTEmbed's
+directions; the CSV and PNG are loss_stage_gist.*.
 
 On a CUDA machine the Triton backend joins (timed with triton.testing.do_bench, memory with
 torch.cuda.max_memory_allocated).
@@ -49,26 +55,51 @@ def _stock_loss(dim: int, dims: list[int], mini_batch_size: int):
     return MatryoshkaLoss(model, base, dims).loss.calculate_loss
 
 
-def contenders(q, c, dims, mini_batch_size: int, device: str) -> dict:
-    """name -> zero-argument callable running the loss stage forward + backward once."""
-    stock_calculate = _stock_loss(q.shape[1], dims, mini_batch_size)
+GIST_TEMPERATURE = 0.01  # CachedGISTEmbedLoss's default
+GIST_DIRECTIONS = ("query_to_doc", "anchor_to_anchor", "positive_to_positive")
+
+
+def _stock_gist_loss(dim: int, dims: list[int], mini_batch_size: int):
+    """Stock MatryoshkaLoss(CachedGISTEmbedLoss(model, guide, mini_batch_size))'s decorated calculate_loss."""
+    from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
+
+    from st_cached_losses.testing import tiny_sentence_transformer
+
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    model, guide = (tiny_sentence_transformer(hidden_size=dim, num_layers=1, seed=seed) for seed in (0, 1))
+    base = CachedGISTEmbedLoss(model, guide, temperature=GIST_TEMPERATURE, mini_batch_size=mini_batch_size)
+    return MatryoshkaLoss(model, base, dims).loss.calculate_loss
+
+
+def contenders(q, c, dims, mini_batch_size: int, device: str, guide=None) -> dict:
+    """name -> zero-argument callable running the loss stage forward + backward once; ``guide``: a guide's
+    (query, doc) embeddings for the GISTEmbed contest."""
+    split = lambda x: x.split(mini_batch_size)  # noqa: E731
+    if guide is None:
+        stock_calculate = _stock_loss(q.shape[1], dims, mini_batch_size)
+        options, stock_args = {}, (None,)
+    else:
+        stock_calculate = _stock_gist_loss(q.shape[1], dims, mini_batch_size)
+        options = dict(scale=1 / GIST_TEMPERATURE, directions=GIST_DIRECTIONS, guide_queries=guide[0],
+                       guide_docs=guide[1], false_negative_margin=0.0)  # fmt: skip
+        stock_args = ([list(split(x)) for x in guide],)
 
     def stock():
-        reps = [[m.detach().requires_grad_() for m in x.split(mini_batch_size)] for x in (q, c)]
-        return stock_calculate(reps, None, with_backward=True)
+        reps = [[m.detach().requires_grad_() for m in split(x)] for x in (q, c)]
+        return stock_calculate(reps, *stock_args, with_backward=True)
 
     def ours(backend):
         def run():
             # One op call for all dims over the batch's embeddings (leaves sharing q's and c's storage).
             queries, docs = q.detach().requires_grad_(), c.detach().requires_grad_()
-            loss = matryoshka_infonce(queries, docs, dims=dims, backend=backend)
+            loss = matryoshka_infonce(queries, docs, dims=dims, backend=backend, **options)
             loss.backward()
             return loss
 
         return run
 
     runs = {"stock": stock, "chunked": ours("chunked")}
-    if device == "cuda":
+    if device == "cuda" and guide is None:
         runs["triton"] = ours("triton")
     return runs
 
@@ -104,7 +135,7 @@ def _time(fn, repeats: int, warmup: int, device: str) -> tuple[list[float], list
 
 def run(
     sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=3, stock_repeats=1, mini_batch_size=32, device="cpu",
-    stock_peak_max_batch=4096,
+    stock_peak_max_batch=4096, gist=False,
 ):
     """Rows of (contender, B, metric, value) for every size and contender.
 
@@ -115,10 +146,13 @@ def run(
     rows = []
     for batch in sizes:
         q, c = _embeddings(batch, dim, device)
+        guide = _embeddings(batch, dim, device, seed=1) if gist else None
         embedding_bytes = (q.numel() + c.numel()) * q.element_size()
         rows.append(("inputs", batch, "embedding_bytes", embedding_bytes))
         rows.append(("inputs", batch, "tile_budget_bytes", DEFAULT_TILE_BYTES))
-        for name, fn in contenders(q, c, dims, mini_batch_size, device).items():
+        if gist:
+            rows.append(("inputs", batch, "guide_embedding_bytes", embedding_bytes))
+        for name, fn in contenders(q, c, dims, mini_batch_size, device, guide).items():
             is_stock = name == "stock"
             seconds, cpu_seconds = _time(fn, stock_repeats if is_stock else repeats, 0 if is_stock else 1, device)
             stats = summarize(seconds)
@@ -190,6 +224,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", help="file stem of the CSV and PNG (default: loss_stage, loss_stage_gpu on CUDA)")
     parser.add_argument("--crossover", action="store_true", help="dense vs chunked instead of stock vs ours")
+    parser.add_argument("--gist", action="store_true", help="both filter false negatives with a guide: stock "
+                        "MatryoshkaLoss(CachedGISTEmbedLoss) vs matryoshka_infonce(guide_queries=..., guide_docs=...)")
     parser.add_argument(
         "--threads", type=int, default=None,
         help="torch threads (default: torch's). 1 keeps a loaded shared machine from penalising the many small "
@@ -204,8 +240,8 @@ def main(argv=None) -> None:
         rows = crossover(args.sizes, args.dim, dims)
         write_csv(rows, args.out / "crossover.csv")
         return
-    rows = run(args.sizes, args.dim, dims, args.repeats, args.stock_repeats, device=device)
-    name = args.name or ("loss_stage" if device == "cpu" else "loss_stage_gpu")
+    rows = run(args.sizes, args.dim, dims, args.repeats, args.stock_repeats, device=device, gist=args.gist)
+    name = args.name or ("loss_stage" if device == "cpu" else "loss_stage_gpu") + ("_gist" if args.gist else "")
     write_csv(rows, args.out / f"{name}.csv")
     records = read_csv(args.out / f"{name}.csv")
     plot(records, args.out / f"{name}.png", title="Loss stage (fwd + bwd)")

@@ -37,3 +37,12 @@ def test_python_m_benchmarks_regenerates_every_committed_result(monkeypatch):
     stems = ["loss_stage" if "--name" not in flags else flags[flags.index("--name") + 1]
              for name, flags in calls if name == "loss_stage"]
     assert sorted(stems) == sorted(p.stem for p in loss_stage.RESULTS.glob("loss_stage*.csv"))
+
+
+def test_loss_stage_gist_smoke(tmp_path):
+    loss_stage.main(["--gist", "--sizes", "32", "--dim", "48", "--dims", "48", "24", "--repeats", "1", "--out",
+                     str(tmp_path)])  # fmt: skip
+    records = loss_stage.read_csv(tmp_path / "loss_stage_gist.csv")
+    value = {(r["contender"], r["metric"]): r["value"] for r in records}
+    assert value[("stock", "peak_bytes")] > 0 and value[("chunked", "peak_bytes")] > 0
+    assert value[("inputs", "guide_embedding_bytes")] == value[("inputs", "embedding_bytes")]

@@ -31,8 +31,10 @@ class Guide:
     def build(cls, queries, docs, world_queries, spec: InfoNCESpec, guide: tuple[Tensor, Tensor] | None, dtype):
         """``guide``: (guide queries (B, Dg), guide docs (M, Dg)) of a guide model, or None for the model itself."""
         cosine = spec.cosine or spec.false_negatives.guided
+        gathered = world_queries is not queries
         q, c, w = (queries, docs, world_queries) if guide is None else (guide[0], guide[1], guide[0])
-        q, c, w = (_unit(x.detach().to(dtype), cosine) for x in (q, c, w))
+        q, c = (_unit(x.detach().to(dtype), cosine) for x in (q, c))
+        w = _unit(w.detach().to(dtype), cosine) if gathered and guide is None else q  # one copy when not gathered
         local = slice(spec.offset, spec.offset + spec.batch_size)
         operands = {"q": q, "d": c[local], "c": c, "p": c[: spec.world_batch_size], "w": w}
         positive = (operands["q"] * operands["d"]).sum(dim=1)
