@@ -19,7 +19,7 @@ import json
 import math
 import os
 import platform
-import resource
+import re
 import shutil
 import sys
 import tempfile
@@ -371,15 +371,61 @@ def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[
 # ------------------------------------------------------------------------------------------------ training
 
 
-def peak_memory_bytes(device: str) -> int:
-    """Peak memory in bytes: on CUDA, ``torch.cuda.max_memory_allocated`` (tensors, since the last reset);
-    elsewhere the peak resident set size of this process (``getrusage`` max RSS, whole process lifetime)."""
+@contextlib.contextmanager
+def measure_peak_memory(device: str):
+    """Measure the peak memory of the ``with`` block: yields a dict that gets ``bytes`` (int, or None where
+    nothing can be measured) and ``measure`` (what the number is) on exit.
+
+    - CUDA: ``torch.cuda.max_memory_allocated`` (tensor bytes), reset when the block starts.
+    - Linux CPU: the process's peak resident set size (VmHWM) during the block, reset when it starts
+      (``/proc/self/clear_refs``); it includes what was resident before, e.g. the model and the data.
+    - Elsewhere: the process's peak RSS since it started (``getrusage``; on Windows psutil's peak working
+      set), since these systems cannot reset it: it then includes loading and what ran before the block.
+    """
     import torch
 
+    result: dict[str, Any] = {}
     if device.startswith("cuda"):
-        return int(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats(device)
+        yield result
+        result.update(bytes=int(torch.cuda.max_memory_allocated(device)),
+                      measure="peak CUDA tensor memory during training (torch.cuda.max_memory_allocated)")
+    elif _reset_peak_rss():
+        yield result
+        result.update(bytes=_linux_peak_rss(), measure="peak RSS of the process during training (Linux VmHWM, "
+                      "reset when training started; includes the model and data already loaded)")
+    else:
+        yield result
+        result.update(bytes=_lifetime_peak_rss(), measure="peak RSS of the process from its start to the end of "
+                      "training (this system cannot reset it: includes loading and the evaluation before training)")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the process's RSS high-water mark (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return _linux_peak_rss() is not None
+    except OSError:
+        return False
+
+
+def _linux_peak_rss() -> int | None:
+    with open("/proc/self/status") as status:
+        match = re.search(r"^VmHWM:\s*(\d+) kB", status.read(), re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else None
+
+
+def _lifetime_peak_rss() -> int | None:
+    """Peak RSS of this process since it started, in bytes; None where neither getrusage nor psutil says."""
+    try:
+        import resource  # POSIX only
+    except ImportError:  # Windows: psutil's peak working set
+        import psutil
+
+        return getattr(psutil.Process().memory_info(), "peak_wset", None)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB elsewhere
 
 
 def _training_args(args: argparse.Namespace, output_dir: str):
@@ -443,12 +489,16 @@ def format_table(results: dict[str, Any]) -> str:
         cells = [f"{before[m]:.4f} -> {after[m]:.4f} ({after[m] - before[m]:+.4f})" for m in METRICS]
         lines.append(f"{dim:>5}  " + "  ".join(f"{c:>25}" for c in cells))
     lines.append(f"train: {results['train_seconds']:.1f} s, {results['config']['steps']} steps; "
-                 f"peak memory: {results['peak_memory_bytes'] / 2**20:.0f} MiB")
+                 f"{_mib(results['peak_memory_bytes'])} {results['peak_memory_measure']}")
     if "compare_stock" in results:
         stock = results["compare_stock"]
         lines.append(f"stock MatryoshkaLoss(CachedMNRL), same steps: {stock['train_seconds']:.1f} s "
                      f"(CachedMatryoshkaLoss is {stock['speedup']:.2f}x faster)")
     return "\n".join(lines)
+
+
+def _mib(size: int | None) -> str:
+    return "unmeasured" if size is None else f"{size / 2**20:.0f} MiB"
 
 
 def publish(staging: Path, target: Path) -> None:
@@ -506,9 +556,9 @@ def write_run(output_dir: Path, model, results: dict[str, Any]) -> None:
 def run_train(args: argparse.Namespace) -> int:
     """The ``train`` command: check the inputs, evaluate, train, evaluate, write the run; returns 0.
 
-    ``train_seconds`` is the time spent in ``trainer.train()`` alone; ``peak_memory_bytes`` is taken right
-    after training (see :func:`peak_memory_bytes`). With ``--compare-stock`` a copy of the initial model is
-    trained for the same steps (same seed, same batches) with the stock loss, after ours.
+    ``train_seconds`` is the time spent in ``trainer.train()`` alone; ``peak_memory_bytes`` is the peak memory of
+    training, as ``peak_memory_measure`` says (see :func:`measure_peak_memory`). With ``--compare-stock`` a copy
+    of the initial model is trained for the same steps (same seed, same batches) with the stock loss, after ours.
     """
     args.output_dir = args.output_dir.expanduser().absolute()
     model, dims, train, evaluate = prepare(args)
@@ -519,12 +569,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     print("evaluating before training", flush=True)
     before = evaluate(model)
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.reset_peak_memory_stats()
-    train_seconds, steps = train_once(model, make_loss(model, dims, args), train, args)
-    peak = peak_memory_bytes(device)
+    with measure_peak_memory(device) as peak:
+        train_seconds, steps = train_once(model, make_loss(model, dims, args), train, args)
     print("evaluating after training", flush=True)
     after = evaluate(model)
 
@@ -534,7 +580,7 @@ def run_train(args: argparse.Namespace) -> int:
                   eval_queries=evaluate.num_queries, eval_corpus=evaluate.num_corpus, device=device,
                   versions=_versions())
     results = {"config": config, "before": before, "after": after, "train_seconds": train_seconds,
-               "peak_memory_bytes": peak}
+               "peak_memory_bytes": peak["bytes"], "peak_memory_measure": peak["measure"]}
     if initial is not None:
         stock_seconds, _ = train_once(initial, make_loss(initial, dims, args, stock=True), train, args)
         results["compare_stock"] = {"train_seconds": stock_seconds, "speedup": stock_seconds / train_seconds}

@@ -60,7 +60,7 @@ def _stdlib_jsonl(path, rows: int, columns=("anchor", "positive", "negative")):
 
 def test_results_schema(run):
     out, results, _ = run
-    assert set(results) == {"config", "before", "after", "train_seconds", "peak_memory_bytes"}
+    assert set(results) == {"config", "before", "after", "train_seconds", "peak_memory_bytes", "peak_memory_measure"}
     for stage in ("before", "after"):
         assert list(results[stage]) == ["64", "32"]  # the model's dim halved down to 32
         for metrics in results[stage].values():
@@ -71,6 +71,7 @@ def test_results_schema(run):
     assert results["before"] != results["after"]
     assert 0 < results["train_seconds"] < 600
     assert 50 * 2**20 < results["peak_memory_bytes"] < 64 * 2**30  # peak RSS of this process, in bytes
+    assert "during training" in results["peak_memory_measure"]
     config = results["config"]
     assert config["dims"] == [64, 32] and config["batch_size"] == 16 and config["mini_batch_size"] == 8
     assert config["steps"] == 2 and config["train_pairs"] == 48 and config["eval_queries"] == 24
@@ -221,3 +222,34 @@ def test_python_dash_m_exit_code(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr == f"{ERROR_PREFIX}--model {str(missing)!r}: no such directory\n"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the RSS high-water mark is reset on Linux only")
+def test_peak_memory_is_measured_over_the_training_phase_alone():
+    """What ran before training (here 512 MiB, like an evaluation's encodings) does not count."""
+    before = b"x" * (512 * 2**20)  # resident: every page written
+    del before
+    lifetime = cli._lifetime_peak_rss()
+    with cli.measure_peak_memory("cpu") as peak:
+        during = b"y" * (64 * 2**20)
+    del during
+    assert "during training" in peak["measure"]
+    assert 64 * 2**20 < peak["bytes"] < lifetime - 256 * 2**20
+
+
+def test_cli_imports_and_measures_without_the_resource_module():
+    """Windows has no ``resource`` module: the CLI still imports, and the fallback (psutil's peak working set,
+    faked here) says what it measured."""
+    code = (
+        "import sys, types\n"
+        "sys.modules['resource'] = None\n"
+        "info = types.SimpleNamespace(peak_wset=123 * 2**20)\n"
+        "sys.modules['psutil'] = types.SimpleNamespace(Process=lambda: types.SimpleNamespace(memory_info=lambda: info))\n"
+        "from st_cached_losses import cli\n"
+        "cli._reset_peak_rss = lambda: False\n"  # as where the high-water mark cannot be reset
+        "with cli.measure_peak_memory('cpu') as peak: pass\n"
+        "print(peak['bytes'], peak['measure'])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{123 * 2**20} peak RSS of the process from its start to the end of training")
