@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_results_schema(run):
     assert config["dims"] == [64, 32] and config["batch_size"] == 16 and config["mini_batch_size"] == 8
     assert config["steps"] == 2 and config["train_pairs"] == 48 and config["eval_queries"] == 24
     assert config["eval_corpus"] == 24 and config["dataset"] == "stdlib" and config["seed"] == 3
-    assert sorted(p.name for p in out.iterdir()) == ["model", "results.json"]
+    assert sorted(p.name for p in out.iterdir()) == [cli.RUN_MARKER, "model", "results.json"]
     assert not list(out.parent.glob(".*"))  # no staging or backup directory left behind
 
 
@@ -146,6 +147,61 @@ def test_overwrite_replaces_a_previous_run(run, tiny_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the old run and the staging dir are gone
 
 
+def test_overwrite_replaces_only_what_a_run_writes(run, tiny_dir, tmp_path):
+    """A user's files beside a previous run (the trial lost src/main.py and notes.txt) survive --overwrite."""
+    previous, _, _ = run
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    (out / "src").mkdir()
+    (out / "src" / "main.py").write_text("print('mine')\n")
+    (out / "notes.txt").write_text("my notes\n")
+    old_weights = (out / "model" / "model.safetensors").read_bytes()
+    assert _train(tiny_dir, out, "--overwrite", "--max-steps", "1") == 0
+    assert (out / "src" / "main.py").read_text() == "print('mine')\n"
+    assert (out / "notes.txt").read_text() == "my notes\n"
+    assert json.loads((out / "results.json").read_text())["config"]["steps"] == 1
+    assert (out / "model" / "model.safetensors").read_bytes() != old_weights
+    assert sorted(p.name for p in out.iterdir()) == [cli.RUN_MARKER, "model", "notes.txt", "results.json", "src"]
+
+
+def test_an_empty_output_dir_is_used(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert _train(tiny_dir, out, "--max-steps", "1") == 0
+    assert sorted(p.name for p in out.iterdir()) == [cli.RUN_MARKER, "model", "results.json"]
+
+
+def test_publish_restores_the_previous_run_if_a_move_fails(tmp_path, monkeypatch):
+    target, staging = tmp_path / "out", tmp_path / "staging"
+    for directory, text in ((target, "old"), (staging, "new")):
+        (directory / "model").mkdir(parents=True)
+        for name in ("results.json", cli.RUN_MARKER, "model/weights"):
+            (directory / name).write_text(text)
+    (target / "notes.txt").write_text("mine")
+    replace = cli.os.replace
+
+    def failing_replace(source, destination):
+        if Path(source).name == cli.RUN_MARKER and Path(source).parent == staging:
+            raise OSError("disk full")
+        replace(source, destination)
+
+    monkeypatch.setattr(cli.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        cli.publish(staging, target)
+    assert {p.relative_to(target).as_posix(): p.read_text() for p in target.rglob("*") if p.is_file()} == {
+        "results.json": "old", cli.RUN_MARKER: "old", "model/weights": "old", "notes.txt": "mine"}
+
+
+def test_publish_never_replaces_outputs_it_did_not_write(tmp_path):
+    target, staging = tmp_path / "out", tmp_path / "staging"
+    target.mkdir()
+    (target / "results.json").write_text("someone else's")
+    staging.mkdir()
+    with pytest.raises(FileExistsError):
+        cli.publish(staging, target)
+    assert (target / "results.json").read_text() == "someone else's"
+
+
 def test_failure_while_writing_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
     def broken_publish(staging, target):
         raise OSError("disk full")
@@ -167,6 +223,7 @@ def _dataset_without_positive(tmp):
 def _previous_run(tmp):
     (tmp / "prev" / "model").mkdir(parents=True)
     (tmp / "prev" / "results.json").write_text("{}")
+    (tmp / "prev" / cli.RUN_MARKER).write_text("")
     return ["--output-dir", str(tmp / "prev")]
 
 
@@ -174,6 +231,15 @@ def _not_a_run(tmp):
     (tmp / "notes").mkdir()
     (tmp / "notes" / "keep.txt").write_text("mine")
     return ["--output-dir", str(tmp / "notes"), "--overwrite"]
+
+
+def _results_json_without_marker(tmp):
+    """The trial's case: a project directory that happens to hold a results.json."""
+    (tmp / "project" / "src").mkdir(parents=True)
+    (tmp / "project" / "src" / "main.py").write_text("print('mine')\n")
+    (tmp / "project" / "notes.txt").write_text("mine")
+    (tmp / "project" / "results.json").write_text("{}")
+    return ["--output-dir", str(tmp / "project"), "--overwrite"]
 
 
 BAD_INPUTS = {
@@ -187,6 +253,7 @@ BAD_INPUTS = {
                                       "--batch-size 4 is smaller than --mini-batch-size 8"),
     "previous run": (_previous_run, "holds a previous run; pass --overwrite to replace it"),
     "not a run, even with --overwrite": (_not_a_run, "holds no previous run"),
+    "results.json but not a run, even with --overwrite": (_results_json_without_marker, "holds no previous run"),
 }
 
 
