@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "
 # What a run writes into --output-dir, and all that --overwrite replaces. The marker, written by the run itself,
 # is how a directory is recognised as a previous run: anything else in the directory is never touched.
 RUN_MARKER = ".st-cached-losses-run"
+HELD_OUT_FRACTION = 0.2  # of a dataset that comes without a held-out split
+MIN_ROWS_TO_SPLIT = 2  # one training and one held-out pair
 RUN_OUTPUTS = ("model", "results.json", RUN_MARKER)
 
 # Defaults of `train`, chosen so that the default run (all-MiniLM-L6-v2 on the built-in data) finishes in
@@ -138,18 +141,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def quiet_progress():
-    """Hide the loading/saving progress bars of transformers and datasets (restored on exit), so that a
-    usage error is the only line on stderr; training keeps its own progress bar."""
+def quiet_loading():
+    """Hide the loading/saving progress bars and log lines of transformers and datasets (restored on exit), so
+    that a usage error is the only line on stderr; training keeps its own progress bar."""
     import datasets
+    import datasets.utils.logging as datasets_logging
     import transformers.utils.logging as transformers_logging
 
     datasets_on, transformers_on = datasets.is_progress_bar_enabled(), transformers_logging.is_progress_bar_enabled()
+    datasets_verbosity = datasets_logging.get_verbosity()
     datasets.disable_progress_bars()
     transformers_logging.disable_progress_bar()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)  # e.g. "Failed to load JSON from file ..."
     try:
         yield
     finally:
+        datasets_logging.set_verbosity(datasets_verbosity)
         if datasets_on:
             datasets.enable_progress_bars()
         if transformers_on:
@@ -210,8 +217,7 @@ def load_model(spec: str | None, max_seq_length: int):
     try:
         model = SentenceTransformer(str(local) if local.exists() else spec)
     except Exception as error:  # noqa: BLE001 - whatever the loader raises, the user gets one line
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"--model {spec!r} cannot be loaded: {reason}") from error
+        raise UsageError(f"--model {spec!r} cannot be loaded: {_first_line(error)}") from error
     if model.get_embedding_dimension() is None:
         raise UsageError(f"--model {spec!r} does not report its embedding dimension")
     model.max_seq_length = max_seq_length
@@ -254,8 +260,19 @@ def pair_columns(column_names: Sequence[str], where: str) -> list[str]:
     return ["anchor", "positive", *sorted(negatives, key=negative_rank)]
 
 
-def _read_dataset(spec: str, seed: int):
-    """(train, test) ``datasets.Dataset`` s for a dataset spec, before column selection."""
+def _first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none, e.g. StopIteration), followed
+    by that of its root cause in parentheses: "An error occurred while generating the dataset" says less."""
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    lines = [str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__ for e in (error, root)]
+    return lines[0] if root is error else f"{lines[0]} ({lines[1]})"
+
+
+def _read_dataset(spec: str):
+    """(train, held-out or None) ``datasets.Dataset`` s for a dataset spec, before column selection; None when
+    the source has no held-out split (a local file, or a Hub dataset with only a train split)."""
     import datasets
 
     if spec == "stdlib":
@@ -270,46 +287,108 @@ def _read_dataset(spec: str, seed: int):
             raise UsageError(f"--dataset {spec!r}: no such file")
         if suffix not in DATA_SUFFIXES:
             raise UsageError(f"--dataset {spec!r}: unsupported file type; use one of {', '.join(DATA_SUFFIXES)}")
+        if path.stat().st_size == 0:
+            raise UsageError(f"--dataset {spec!r} is an empty file")
         try:
-            data = datasets.load_dataset(DATA_SUFFIXES[suffix], data_files=str(path), split="train")
+            return datasets.load_dataset(DATA_SUFFIXES[suffix], data_files=str(path), split="train"), None
         except Exception as error:  # noqa: BLE001 - a malformed file: one line for the user
-            raise UsageError(f"--dataset {spec!r} cannot be read: {str(error).strip().splitlines()[0]}") from error
-        split = data.train_test_split(test_size=0.2, seed=seed)  # local files carry no held-out split
-        return split["train"], split["test"]
+            raise UsageError(f"--dataset {spec!r} cannot be read: {_first_line(error)}") from error
     name, _, subset = spec.partition(":")  # "owner/name:subset", e.g. sentence-transformers/all-nli:triplet
     try:
         splits = datasets.load_dataset(name, subset or None)
     except Exception as error:  # noqa: BLE001
-        raise UsageError(f"--dataset {spec!r} cannot be loaded: {str(error).strip().splitlines()[0]}") from error
-    held_out = next((name for name in ("test", "validation", "dev") if name in splits), None)
+        raise UsageError(f"--dataset {spec!r} cannot be loaded: {_first_line(error)}") from error
     if "train" not in splits:
         raise UsageError(f"--dataset {spec!r} has no 'train' split (splits: {list(splits)})")
-    if held_out is None:
-        split = splits["train"].train_test_split(test_size=0.2, seed=seed)
-        return split["train"], split["test"]
-    return splits["train"], splits[held_out]
+    held_out = next((name for name in ("test", "validation", "dev") if name in splits), None)
+    return splits["train"], None if held_out is None else splits[held_out]
+
+
+def _with_text(data, columns: list[str]):
+    """``data`` restricted to ``columns`` and to the rows whose every one of them is a non-empty string."""
+    return data.select_columns(columns).filter(lambda row: all(isinstance(row[c], str) and row[c] for c in columns))
+
+
+def split_held_out(data, spec: str, seed: int):
+    """Split a dataset without a held-out split: a seeded random :data:`HELD_OUT_FRACTION` of its rows.
+
+    Raises:
+        UsageError: fewer than :data:`MIN_ROWS_TO_SPLIT` rows (each split needs one).
+    """
+    if len(data) < MIN_ROWS_TO_SPLIT:
+        raise UsageError(f"--dataset {spec!r} has {len(data)} row(s) with text; splitting it into training and "
+                         f"held-out pairs needs at least {MIN_ROWS_TO_SPLIT}")
+    split = data.train_test_split(test_size=HELD_OUT_FRACTION, seed=seed)
+    return split["train"], split["test"]
 
 
 def load_pairs(spec: str, seed: int, max_train: int | None = None, max_eval: int | None = None):
     """Train and held-out ``datasets.Dataset`` s with only the columns [anchor, positive, negative*].
 
-    Rows with an empty or missing text are dropped; ``max_train`` / ``max_eval`` keep a seeded random subset.
+    Rows with an empty or missing text are dropped; a source without a held-out split is split
+    (:func:`split_held_out`); ``max_train`` / ``max_eval`` keep a seeded random subset.
 
     Raises:
-        UsageError: an unknown file or dataset, missing columns, or an empty split.
+        UsageError: an unknown, empty or unreadable file or dataset, missing columns, an empty split, or too few
+            rows to split.
     """
-    train, test = _read_dataset(spec, seed)
+    train, test = _read_dataset(spec)
     columns = pair_columns(train.column_names, spec)
-    pair_columns(test.column_names, spec)
+    train = _with_text(train, columns)
+    if test is None:
+        train, test = split_held_out(train, spec, seed)
+    else:
+        missing = [column for column in columns if column not in test.column_names]
+        if missing:
+            raise UsageError(f"--dataset {spec!r}: the held-out split lacks the training split's columns {missing}")
+        test = _with_text(test, columns)
     out = []
     for name, data, limit in (("train", train, max_train), ("held-out", test, max_eval)):
-        data = data.select_columns(columns).filter(lambda row: all(isinstance(row[c], str) and row[c] for c in columns))
         if limit is not None and limit < len(data):
             data = data.shuffle(seed=seed).select(range(limit))
         if len(data) == 0:
             raise UsageError(f"--dataset {spec!r}: the {name} split has no rows with text in {columns}")
         out.append(data)
     return out[0], out[1]
+
+
+def single_pair_batches(train, batch_size: int, seed: int) -> tuple[int, int]:
+    """(batches holding a single row, batches) in the first epoch of the run's no-duplicates batches of ``train``.
+
+    The sampler keeps rows that share a text out of one batch, so identical or overlapping pairs can leave a
+    row alone in its batch. Without repeated texts the batches are full but the last, which is cheap to tell;
+    otherwise the stock sampler itself is run once over the rows.
+    """
+    rows = list(zip(*(train[column] for column in train.column_names)))
+    rows_per_text = Counter(text for row in rows for text in set(row))
+    if max(rows_per_text.values(), default=0) <= 1:
+        full, last = divmod(len(rows), batch_size)
+        return int(last == 1), full + (last > 0)
+    import torch
+    from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
+
+    sampler = NoDuplicatesBatchSampler(train, batch_size, drop_last=False, generator=torch.Generator(), seed=seed)
+    sizes = [len(batch) for batch in sampler]
+    return sizes.count(1), len(sizes)
+
+
+def warn(message: str) -> None:
+    """A one-line warning on stderr: the run goes on."""
+    print(f"{PROG} train: warning: {message}", file=sys.stderr, flush=True)
+
+
+def warn_degenerate(train, evaluate, batch_size: int, seed: int) -> None:
+    """Warn when identical pairs leave a training batch with one pair (pairs only: its loss and gradient are
+    0, with no negative to rank) or the evaluation with one query (its metrics are one query's)."""
+    if train.column_names == ["anchor", "positive"]:
+        alone, batches = single_pair_batches(train, batch_size, seed)
+        if alone:
+            warn(f"{alone} of the {batches} training batches of an epoch hold a single pair (pairs sharing a text "
+                 "never share a batch): with no in-batch negative their loss and gradient are 0; remove repeated "
+                 "pairs or change --batch-size")
+    if evaluate.num_queries == 1:
+        warn(f"the held-out split's {evaluate.num_rows} pair(s) have a single distinct anchor: every metric is "
+             "that of one query")
 
 
 # -------------------------------------------------------------------------------------------- evaluation
@@ -369,7 +448,7 @@ def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[
         cache.clear()
         return results
 
-    evaluate.num_queries, evaluate.num_corpus = len(queries), len(corpus)
+    evaluate.num_queries, evaluate.num_corpus, evaluate.num_rows = len(queries), len(corpus), len(test)
     return evaluate
 
 
@@ -562,11 +641,13 @@ def prepare(args: argparse.Namespace):
     """
     check_output_dir(args.output_dir, args.overwrite)
     check_batch_sizes(args.batch_size, args.mini_batch_size)
-    with quiet_progress():
+    with quiet_loading():
         train, test = load_pairs(args.dataset, args.seed, args.max_train_samples, args.max_eval_samples)
         model = load_model(args.model, args.max_seq_length)
     dims = resolve_dims(args.dims, model.get_embedding_dimension())
-    return model, dims, train, build_evaluate(test, dims)
+    evaluate = build_evaluate(test, dims)
+    warn_degenerate(train, evaluate, args.batch_size, args.seed)
+    return model, dims, train, evaluate
 
 
 def write_run(output_dir: Path, model, results: dict[str, Any]) -> None:
@@ -576,7 +657,7 @@ def write_run(output_dir: Path, model, results: dict[str, Any]) -> None:
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
     try:
-        with quiet_progress():
+        with quiet_loading():
             model.save(str(staging / "model"))  # with its model card
         (staging / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         (staging / RUN_MARKER).write_text(f"Written by {PROG} train; --overwrite replaces {', '.join(RUN_OUTPUTS)} "

@@ -242,10 +242,24 @@ def _results_json_without_marker(tmp):
     return ["--output-dir", str(tmp / "project"), "--overwrite"]
 
 
+def _jsonl(tmp, name, lines):
+    path = tmp / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return ["--dataset", str(path)]
+
+
+ONE_PAIR = json.dumps({"anchor": "Return the square root of x.", "positive": "math.sqrt(x, /)"})
+
 BAD_INPUTS = {
     "unknown model": (_unknown_model, "no-such-model': no such directory"),
     "dataset columns": (_dataset_without_positive, "needs an 'anchor' and a 'positive' column"),
     "missing dataset file": (lambda tmp: ["--dataset", str(tmp / "none.jsonl")], "none.jsonl': no such file"),
+    "empty dataset file": (lambda tmp: _jsonl(tmp, "empty.jsonl", []), "empty.jsonl' is an empty file"),
+    "one-row dataset": (lambda tmp: _jsonl(tmp, "one.jsonl", [ONE_PAIR]),
+                        "has 1 row(s) with text; splitting it into training and held-out pairs needs at least 2"),
+    "no row with text": (lambda tmp: _jsonl(tmp, "blank.jsonl", ['{"anchor": "a", "positive": ""}'] * 3),
+                         "has 0 row(s) with text"),
+    "malformed dataset file": (lambda tmp: _jsonl(tmp, "bad.jsonl", ["not json"]), "JSON parse error"),
     "dims larger than model": (lambda tmp: ["--dims", "64", "128"], "--dims 128 is larger than the model's embedding "
                                "dimension 64"),
     "repeated dims": (lambda tmp: ["--dims", "32", "32"], "repeats a dim"),
@@ -320,3 +334,38 @@ def test_cli_imports_and_measures_without_the_resource_module():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"{123 * 2**20} peak RSS of the process from its start to the end of training")
+
+
+def test_malformed_dataset_is_one_line_in_a_fresh_process(tmp_path):
+    """In a fresh process, as a user runs it: datasets' own log line about the bad file is not printed too."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "st_cached_losses", "train", "--dataset", str(bad), "--output-dir", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"{ERROR_PREFIX}--dataset {str(bad)!r} cannot be read: ") and proc.stderr.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_identical_pairs_warn_of_single_pair_batches_and_a_single_query(tiny_dir, tmp_path, capsys):
+    """8 copies of one pair: the no-duplicates sampler puts each alone in a batch (loss and gradient 0) and the
+    held-out split has one distinct query. The run goes on, with a warning for each."""
+    data = _jsonl(tmp_path, "same.jsonl", [ONE_PAIR] * 8)
+    assert _train(tiny_dir, tmp_path / "out", *data, "--max-steps", "1") == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("st-cached-losses train: warning")]
+    assert len(warnings) == 2, warnings
+    assert "6 of the 6 training batches of an epoch hold a single pair" in warnings[0]
+    assert "held-out split's 2 pair(s) have a single distinct anchor" in warnings[1]
+
+
+def test_single_pair_batches():
+    from datasets import Dataset
+
+    distinct = Dataset.from_dict({"anchor": [f"a{i}" for i in range(17)], "positive": [f"p{i}" for i in range(17)]})
+    assert cli.single_pair_batches(distinct, 16, seed=0) == (1, 2)  # the last batch holds row 17 alone
+    assert cli.single_pair_batches(distinct, 17, seed=0) == (0, 1)
+    # every row shares its anchor with the others: one row per batch
+    shared = Dataset.from_dict({"anchor": ["a"] * 5, "positive": [f"p{i}" for i in range(5)]})
+    assert cli.single_pair_batches(shared, 4, seed=0) == (5, 5)
