@@ -30,8 +30,7 @@ from sentence_transformers.sparse_encoder.losses.cached_splade import _reconstru
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, dot_score, get_rank, get_world_size
 from torch import Tensor, nn
 
-from .ops import matryoshka_infonce
-from .ops.spec import BACKENDS
+from .ops import check_backend, matryoshka_infonce
 
 logger = logging.getLogger(__name__)
 
@@ -104,14 +103,16 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
                 to its own longest row. Columns with flattened (``cu_seq_lens``) or image inputs keep their
                 order. Changes which rows share a mini-batch, hence the dropout masks they draw.
             backend: loss-stage kernel for :func:`~st_cached_losses.matryoshka_infonce`: "auto", "triton",
-                "chunked" or "dense".
+                "chunked" or "dense"; checked against the model's device here
+                (:func:`st_cached_losses.ops.check_backend`).
             show_progress_bar: show a progress bar over the embedding mini-batches.
 
         Raises:
             TypeError: ``loss`` is not one of the supported losses.
             ValueError: a StaticEmbedding model; empty, non-positive, duplicate dims or dims larger than the
                 model's embedding dimension; weights of another length; an unsupported ``similarity_fct``,
-                ``backend``, ``mini_batch_size`` or ``mini_batch_num_tokens``. ``forward`` raises ValueError
+                ``mini_batch_size`` or ``mini_batch_num_tokens``; an unknown ``backend``, or one that cannot run
+                on the model's device ("triton" on CPU outside Triton's interpreter). ``forward`` raises ValueError
                 for fewer than two input columns or columns with different numbers of rows, and, with the base
                 loss's ``gather_across_devices=True``, for different numbers of rows on different processes.
 
@@ -170,8 +171,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0:
             raise ValueError(f"mini_batch_size must be a positive int, got {mini_batch_size!r}.")
         _validate_mini_batch_num_tokens(mini_batch_num_tokens)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+        check_backend(backend, model.device)  # e.g. "triton" for a model on CPU: now, not after the first batch
 
         self.model = model
         self.loss = loss

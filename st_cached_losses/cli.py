@@ -189,6 +189,19 @@ def check_batch_sizes(batch_size: int, mini_batch_size: int) -> None:
                          "lower --mini-batch-size or raise --batch-size")
 
 
+def check_backend(backend: str) -> None:
+    """Raises UsageError if ``backend`` cannot run on the device the model will be loaded on (e.g. "triton" on a
+    CPU); the rule is :func:`st_cached_losses.ops.check_backend`'s."""
+    from sentence_transformers.util import get_device_name  # SentenceTransformer's own default device
+
+    from .ops import check_backend as check_op_backend
+
+    try:
+        check_op_backend(backend, get_device_name())
+    except ValueError as error:
+        raise UsageError(f"--backend {backend}: {error}") from error
+
+
 def _looks_like_path(spec: str) -> bool:
     # Hub ids are "name" or "owner/name"; anything else (absolute, ./x, ~/x, a/b/c) can only be local.
     windows_path = os.sep != "/" and os.sep in spec
@@ -636,11 +649,12 @@ def prepare(args: argparse.Namespace):
     """Check every input before anything is written or trained: (model, dims, train, evaluate).
 
     Raises:
-        UsageError: see :func:`check_output_dir`, :func:`check_batch_sizes`, :func:`load_pairs`,
-            :func:`load_model` and :func:`resolve_dims`.
+        UsageError: see :func:`check_output_dir`, :func:`check_batch_sizes`, :func:`check_backend`,
+            :func:`load_pairs`, :func:`load_model` and :func:`resolve_dims`.
     """
     check_output_dir(args.output_dir, args.overwrite)
     check_batch_sizes(args.batch_size, args.mini_batch_size)
+    check_backend(args.backend)
     with quiet_loading():
         train, test = load_pairs(args.dataset, args.seed, args.max_train_samples, args.max_eval_samples)
         model = load_model(args.model, args.max_seq_length)

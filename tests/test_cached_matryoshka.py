@@ -401,6 +401,15 @@ def test_error_bad_options(tiny_model, kwargs, match):
         CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [48], **kwargs)
 
 
+def test_error_triton_backend_on_cpu_at_construction(tiny_model, monkeypatch):
+    """Outside Triton's interpreter the kernels cannot run on a CPU model: say so now, not after a batch is embedded."""
+    from st_cached_losses.ops import triton as kernels
+
+    monkeypatch.setattr(kernels, "_INTERPRETED", False)
+    with pytest.raises(ValueError, match=r"backend='triton' cannot run here: .*cpu.*Use backend='chunked' or 'auto'"):
+        CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [48], backend="triton")
+
+
 def test_error_fewer_than_two_columns(tiny_model):
     loss = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [48, 8])
     with pytest.raises(ValueError, match="at least 2 input columns"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -369,3 +370,29 @@ def test_single_pair_batches():
     # every row shares its anchor with the others: one row per batch
     shared = Dataset.from_dict({"anchor": ["a"] * 5, "positive": [f"p{i}" for i in range(5)]})
     assert cli.single_pair_batches(shared, 4, seed=0) == (5, 5)
+
+
+def test_triton_backend_on_cpu_is_refused_before_anything_runs(tiny_dir, tmp_path, capsys, monkeypatch):
+    from st_cached_losses.ops import triton as kernels
+
+    monkeypatch.setattr(kernels, "_INTERPRETED", False)  # the tests run Triton's CPU interpreter; a user does not
+    monkeypatch.setattr(cli, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
+    code = _train(tiny_dir, tmp_path / "out", "--backend", "triton")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"{ERROR_PREFIX}--backend triton: backend='triton' cannot run here: "), err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine --backend triton can run")
+def test_triton_backend_on_cpu_in_a_fresh_process(tmp_path):
+    """As a user runs it (no TRITON_INTERPRET): one line, exit code 2, not a traceback after the first evaluation."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "st_cached_losses", "train", "--backend", "triton", "--output-dir", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"{ERROR_PREFIX}--backend triton: backend='triton' cannot run here") and \
+        proc.stderr.count("\n") == 1, proc.stderr
+    assert list(tmp_path.iterdir()) == []
