@@ -107,6 +107,11 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --output-dir")
     p.add_argument("--backend", choices=("auto", "triton", "chunked", "dense"), default="auto",
                    help="loss-stage kernel of CachedMatryoshkaLoss (default: auto)")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="train in bf16 mixed precision (the trainer's "
+                           "bf16=True; CPU or GPU)")
+    precision.add_argument("--fp16", action="store_true", help="train in fp16 mixed precision with loss scaling "
+                           "(the trainer's fp16=True; needs a GPU)")
     p.add_argument("--compare-stock", action="store_true", help="also time the same steps with the stock "
                    "MatryoshkaLoss(CachedMultipleNegativesRankingLoss) and report the ratio")
     p.add_argument("--max-train-samples", type=_positive_int, default=None,
@@ -189,17 +194,25 @@ def check_batch_sizes(batch_size: int, mini_batch_size: int) -> None:
                          "lower --mini-batch-size or raise --batch-size")
 
 
-def check_backend(backend: str) -> None:
-    """Raises UsageError if ``backend`` cannot run on the device the model will be loaded on (e.g. "triton" on a
-    CPU); the rule is :func:`st_cached_losses.ops.check_backend`'s."""
-    from sentence_transformers.util import get_device_name  # SentenceTransformer's own default device
+def model_device() -> str:
+    """The device a model is loaded on: SentenceTransformer's default ("cuda:0", "mps", ..., or "cpu")."""
+    from sentence_transformers.util import get_device_name
 
+    return get_device_name()
+
+
+def check_device(backend: str, fp16: bool, device: str) -> None:
+    """Raises UsageError if ``backend`` cannot run on ``device`` (e.g. "triton" on a CPU; the rule is
+    :func:`st_cached_losses.ops.check_backend`'s), or for ``fp16`` on a CPU, where the trainer has no fp16."""
     from .ops import check_backend as check_op_backend
 
     try:
-        check_op_backend(backend, get_device_name())
+        check_op_backend(backend, device)
     except ValueError as error:
         raise UsageError(f"--backend {backend}: {error}") from error
+    if fp16 and device == "cpu":
+        raise UsageError("--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); "
+                         "use --bf16 on a CPU")
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -525,7 +538,7 @@ def _lifetime_peak_rss() -> int | None:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB elsewhere
 
 
-def _training_args(args: argparse.Namespace, output_dir: str):
+def _training_args(args: argparse.Namespace, output_dir: str, device: str):
     from sentence_transformers.base.sampler import BatchSamplers
     from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
 
@@ -535,6 +548,9 @@ def _training_args(args: argparse.Namespace, output_dir: str):
         max_steps=args.max_steps if args.max_steps is not None else -1,
         per_device_train_batch_size=args.batch_size,
         learning_rate=args.learning_rate,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        use_cpu=device == "cpu",  # the model's device; bf16 on a CPU needs it said
         warmup_steps=0,  # with a handful of steps, warm-up from lr 0 would waste one of them
         dataloader_pin_memory=False,
         seed=args.seed,
@@ -552,8 +568,8 @@ def train_once(model, loss, train, args: argparse.Namespace) -> tuple[float, int
     from sentence_transformers import SentenceTransformerTrainer
 
     with tempfile.TemporaryDirectory(prefix="st-cached-losses-trainer-") as scratch:
-        trainer = SentenceTransformerTrainer(model=model, args=_training_args(args, scratch), train_dataset=train,
-                                             loss=loss)
+        trainer = SentenceTransformerTrainer(model=model, args=_training_args(args, scratch, str(model.device)),
+                                             train_dataset=train, loss=loss)
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start
@@ -649,12 +665,12 @@ def prepare(args: argparse.Namespace):
     """Check every input before anything is written or trained: (model, dims, train, evaluate).
 
     Raises:
-        UsageError: see :func:`check_output_dir`, :func:`check_batch_sizes`, :func:`check_backend`,
+        UsageError: see :func:`check_output_dir`, :func:`check_batch_sizes`, :func:`check_device`,
             :func:`load_pairs`, :func:`load_model` and :func:`resolve_dims`.
     """
     check_output_dir(args.output_dir, args.overwrite)
     check_batch_sizes(args.batch_size, args.mini_batch_size)
-    check_backend(args.backend)
+    check_device(args.backend, args.fp16, model_device())
     with quiet_loading():
         train, test = load_pairs(args.dataset, args.seed, args.max_train_samples, args.max_eval_samples)
         model = load_model(args.model, args.max_seq_length)

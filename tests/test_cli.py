@@ -396,3 +396,35 @@ def test_triton_backend_on_cpu_in_a_fresh_process(tmp_path):
     assert proc.stderr.startswith(f"{ERROR_PREFIX}--backend triton: backend='triton' cannot run here") and \
         proc.stderr.count("\n") == 1, proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bf16_trains_on_cpu_and_is_recorded(tiny_dir, tmp_path, monkeypatch):
+    seen = []
+    training_args = cli._training_args
+    monkeypatch.setattr(cli, "_training_args", lambda *a: seen.append(training_args(*a)) or seen[-1])
+    assert _train(tiny_dir, tmp_path / "out", "--bf16", "--max-steps", "1") == 0
+    assert [(args.bf16, args.fp16) for args in seen] == [(True, False)]
+    config = json.loads((tmp_path / "out" / "results.json").read_text())["config"]
+    assert config["bf16"] is True and config["fp16"] is False
+
+
+def test_fp16_without_a_gpu_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "model_device", lambda: "cpu")
+    assert _train(tiny_dir, tmp_path / "out", "--fp16") == 2
+    err = capsys.readouterr().err
+    assert err == f"{ERROR_PREFIX}--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); " \
+                  "use --bf16 on a CPU\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fp16_maps_to_the_trainer_argument(tmp_path):
+    args = cli.build_parser().parse_args(["train", "--output-dir", "x", "--fp16"])
+    training_args = cli._training_args(args, str(tmp_path), "cuda:0")
+    assert (training_args.fp16, training_args.bf16) == (True, False)
+
+
+def test_bf16_and_fp16_are_mutually_exclusive(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["train", "--output-dir", "x", "--bf16", "--fp16"])
+    assert raised.value.code == 2
+    assert "argument --fp16: not allowed with argument --bf16" in capsys.readouterr().err
