@@ -21,6 +21,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -38,9 +39,12 @@ DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "
 # What a run writes into --output-dir, and all that --overwrite replaces. The marker, written by the run itself,
 # is how a directory is recognised as a previous run: anything else in the directory is never touched.
 RUN_MARKER = ".st-cached-losses-run"
+RUN_OUTPUTS = ("model", "results.json", RUN_MARKER)
 HELD_OUT_FRACTION = 0.2  # of a dataset that comes without a held-out split
 MIN_ROWS_TO_SPLIT = 2  # one training and one held-out pair
-RUN_OUTPUTS = ("model", "results.json", RUN_MARKER)
+# --compare-stock's runs; the first is the run whose model is saved. Alternated, so that neither loss always runs
+# on warm caches or later in a drift.
+COMPARE_ORDER = ("ours", "stock", "stock", "ours")
 
 # Defaults of `train`, chosen so that the default run (all-MiniLM-L6-v2 on the built-in data) finishes in
 # under 10 minutes on a 2-core CPU, evaluation included (see the README's table).
@@ -112,8 +116,9 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
                            "bf16=True; CPU or GPU)")
     precision.add_argument("--fp16", action="store_true", help="train in fp16 mixed precision with loss scaling "
                            "(the trainer's fp16=True; needs a GPU)")
-    p.add_argument("--compare-stock", action="store_true", help="also time the same steps with the stock "
-                   "MatryoshkaLoss(CachedMultipleNegativesRankingLoss) and report the ratio")
+    p.add_argument("--compare-stock", action="store_true", help="also train copies of the initial model for the "
+                   "same steps with the stock MatryoshkaLoss(CachedMultipleNegativesRankingLoss) and ours, alternating "
+                   "(ours, stock, stock, ours), and report each run's time and peak memory")
     p.add_argument("--max-train-samples", type=_positive_int, default=None,
                    help="use at most this many training pairs, a seeded random subset (default: all)")
     p.add_argument("--max-eval-samples", type=_positive_int, default=None,
@@ -484,7 +489,8 @@ def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[
 @contextlib.contextmanager
 def measure_peak_memory(device: str):
     """Measure the peak memory of the ``with`` block: yields a dict that gets ``bytes`` (int, or None where
-    nothing can be measured) and ``measure`` (what the number is) on exit.
+    nothing can be measured), ``measure`` (what the number is) and ``block_only`` (whether it excludes what ran
+    before the block) on exit.
 
     - CUDA: ``torch.cuda.max_memory_allocated`` (tensor bytes), reset when the block starts.
     - Linux CPU: the process's peak resident set size (VmHWM) during the block, reset when it starts
@@ -498,15 +504,15 @@ def measure_peak_memory(device: str):
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
         yield result
-        result.update(bytes=int(torch.cuda.max_memory_allocated(device)),
+        result.update(bytes=int(torch.cuda.max_memory_allocated(device)), block_only=True,
                       measure="peak CUDA tensor memory during training (torch.cuda.max_memory_allocated)")
     elif _reset_peak_rss():
         yield result
-        result.update(bytes=_linux_peak_rss(), measure="peak RSS of the process during training (Linux VmHWM, "
+        result.update(bytes=_linux_peak_rss(), block_only=True, measure="peak RSS of the process during training (Linux VmHWM, "
                       "reset when training started; includes the model and data already loaded)")
     else:
         yield result
-        result.update(bytes=_lifetime_peak_rss(), measure="peak RSS of the process from its start to the end of "
+        result.update(bytes=_lifetime_peak_rss(), block_only=False, measure="peak RSS of the process from its start to the end of "
                       "training (this system cannot reset it: includes loading and the evaluation before training)")
 
 
@@ -604,9 +610,14 @@ def format_table(results: dict[str, Any]) -> str:
     lines.append(f"train: {results['train_seconds']:.1f} s, {results['config']['steps']} steps; "
                  f"{_mib(results['peak_memory_bytes'])} {results['peak_memory_measure']}")
     if "compare_stock" in results:
-        stock = results["compare_stock"]
-        lines.append(f"stock MatryoshkaLoss(CachedMNRL), same steps: {stock['train_seconds']:.1f} s "
-                     f"(CachedMatryoshkaLoss is {stock['speedup']:.2f}x faster)")
+        comparison = results["compare_stock"]
+        lines.append(f"compared with stock MatryoshkaLoss(CachedMNRL) on the same steps, run in the order "
+                     f"{', '.join(comparison['order'])}:")
+        for name, label in (("ours", "CachedMatryoshkaLoss"), ("stock", "stock")):
+            runs = comparison[name]
+            lines.append(f"  {label}: " + ", ".join(f"{t:.1f} s" for t in runs["train_seconds"]) + "; peak "
+                         + ", ".join(_mib(b) for b in runs["peak_memory_bytes"]))
+        lines.append(f"  {comparison['summary']}")
     return "\n".join(lines)
 
 
@@ -697,12 +708,59 @@ def write_run(output_dir: Path, model, results: dict[str, Any]) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # gone already unless something failed
 
 
+def train_measured(model, loss, train, args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`train_once` under :func:`measure_peak_memory`: ``train_seconds``, ``steps``, ``peak_memory_bytes``,
+    ``peak_memory_measure`` and ``peak_memory_block_only``."""
+    with measure_peak_memory(str(model.device)) as peak:
+        seconds, steps = train_once(model, loss, train, args)
+    return {"train_seconds": seconds, "steps": steps, "peak_memory_bytes": peak["bytes"],
+            "peak_memory_measure": peak["measure"], "peak_memory_block_only": peak["block_only"]}
+
+
+def compare_speed(ours_seconds: float, stock_seconds: float) -> str:
+    """How ours compares in time, e.g. "3.00x faster than stock" or "1.25x slower than stock"."""
+    if ours_seconds < stock_seconds:
+        return f"{stock_seconds / ours_seconds:.2f}x faster than stock"
+    if ours_seconds > stock_seconds:
+        return f"{ours_seconds / stock_seconds:.2f}x slower than stock"
+    return "as fast as stock"
+
+
+def compare_stock(initial, dims: Sequence[int], train, args: argparse.Namespace, first: dict[str, Any]):
+    """Train fresh copies of ``initial`` for the same steps in the order :data:`COMPARE_ORDER` (``first`` is the
+    run already made with ours), so that warm-up and drift favour neither loss, and compare mean time and peak
+    memory. Memory is compared only where each run's peak excludes the runs before it (see
+    :func:`measure_peak_memory`)."""
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [first], "stock": []}
+    for name in COMPARE_ORDER[1:]:
+        print(f"--compare-stock: training with {'stock MatryoshkaLoss(CachedMNRL)' if name == 'stock' else 'ours'}",
+              flush=True)
+        model = copy.deepcopy(initial)
+        runs[name].append(train_measured(model, make_loss(model, dims, args, stock=name == "stock"), train, args))
+        del model
+    mean = {name: statistics.fmean(run["train_seconds"] for run in rs) for name, rs in runs.items()}
+    summary = f"CachedMatryoshkaLoss is {compare_speed(mean['ours'], mean['stock'])}"
+    memory_ratio = None
+    if all(run["peak_memory_block_only"] and run["peak_memory_bytes"] for rs in runs.values() for run in rs):
+        peaks = {name: statistics.fmean(run["peak_memory_bytes"] for run in rs) for name, rs in runs.items()}
+        memory_ratio = peaks["ours"] / peaks["stock"]
+        summary += f" with {memory_ratio:.2f}x its peak memory"
+    else:
+        summary += "; peak memory not compared (this system cannot measure each run's training alone)"
+    summary += f" (means of {COMPARE_ORDER.count('ours')} runs each)"
+    result = {name: {key: [run[key] for run in rs] for key in ("train_seconds", "peak_memory_bytes")}
+              for name, rs in runs.items()}
+    return {"order": list(COMPARE_ORDER), **result, "peak_memory_measure": first["peak_memory_measure"],
+            "time_ratio": mean["stock"] / mean["ours"], "memory_ratio": memory_ratio, "summary": summary}
+
+
 def run_train(args: argparse.Namespace) -> int:
     """The ``train`` command: check the inputs, evaluate, train, evaluate, write the run; returns 0.
 
     ``train_seconds`` is the time spent in ``trainer.train()`` alone; ``peak_memory_bytes`` is the peak memory of
-    training, as ``peak_memory_measure`` says (see :func:`measure_peak_memory`). With ``--compare-stock`` a copy
-    of the initial model is trained for the same steps (same seed, same batches) with the stock loss, after ours.
+    training, as ``peak_memory_measure`` says (see :func:`measure_peak_memory`). With ``--compare-stock``, copies
+    of the initial model are trained for the same steps (same seed, same batches) with the stock loss and ours
+    again, alternating (:func:`compare_stock`); ``compare_stock`` in results.json holds every run's time and peak.
     """
     args.output_dir = args.output_dir.expanduser().absolute()
     model, dims, train, evaluate = prepare(args)
@@ -713,21 +771,19 @@ def run_train(args: argparse.Namespace) -> int:
 
     print("evaluating before training", flush=True)
     before = evaluate(model)
-    with measure_peak_memory(device) as peak:
-        train_seconds, steps = train_once(model, make_loss(model, dims, args), train, args)
+    ours = train_measured(model, make_loss(model, dims, args), train, args)
     print("evaluating after training", flush=True)
     after = evaluate(model)
 
     config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()
               if key != "func"}
-    config.update(model=args.model or default_model_path(), dims=dims, steps=steps, train_pairs=len(train),
+    config.update(model=args.model or default_model_path(), dims=dims, steps=ours["steps"], train_pairs=len(train),
                   eval_queries=evaluate.num_queries, eval_corpus=evaluate.num_corpus, device=device,
                   versions=_versions())
-    results = {"config": config, "before": before, "after": after, "train_seconds": train_seconds,
-               "peak_memory_bytes": peak["bytes"], "peak_memory_measure": peak["measure"]}
+    results = {"config": config, "before": before, "after": after, "train_seconds": ours["train_seconds"],
+               "peak_memory_bytes": ours["peak_memory_bytes"], "peak_memory_measure": ours["peak_memory_measure"]}
     if initial is not None:
-        stock_seconds, _ = train_once(initial, make_loss(initial, dims, args, stock=True), train, args)
-        results["compare_stock"] = {"train_seconds": stock_seconds, "speedup": stock_seconds / train_seconds}
+        results["compare_stock"] = compare_stock(initial, dims, train, args, first=ours)
 
     write_run(args.output_dir, model, results)
     print(format_table(results))

@@ -133,9 +133,15 @@ def test_local_jsonl_with_negatives_and_compare_stock(tiny_dir, tmp_path):
     assert results["config"]["dataset"] == str(data) and results["config"]["train_pairs"] == 48
     # a local file is split 80/20 with the seed; negatives join the evaluation corpus
     assert results["config"]["eval_queries"] == 12 and results["config"]["eval_corpus"] > 12
-    stock = results["compare_stock"]
-    assert stock["train_seconds"] > 0
-    assert stock["speedup"] == pytest.approx(stock["train_seconds"] / results["train_seconds"])
+    comparison = results["compare_stock"]
+    assert comparison["order"] == ["ours", "stock", "stock", "ours"]
+    assert comparison["ours"]["train_seconds"][0] == results["train_seconds"]  # the saved model's run comes first
+    for name in ("ours", "stock"):
+        assert len(comparison[name]["train_seconds"]) == len(comparison[name]["peak_memory_bytes"]) == 2
+        assert all(seconds > 0 for seconds in comparison[name]["train_seconds"])
+        assert all(size > 50 * 2**20 for size in comparison[name]["peak_memory_bytes"])
+    mean = {name: sum(comparison[name]["train_seconds"]) / 2 for name in ("ours", "stock")}
+    assert comparison["time_ratio"] == pytest.approx(mean["stock"] / mean["ours"])
 
 
 def test_overwrite_replaces_a_previous_run(run, tiny_dir, tmp_path):
@@ -428,3 +434,61 @@ def test_bf16_and_fp16_are_mutually_exclusive(capsys):
         main(["train", "--output-dir", "x", "--bf16", "--fp16"])
     assert raised.value.code == 2
     assert "argument --fp16: not allowed with argument --bf16" in capsys.readouterr().err
+
+
+def _fake_training(monkeypatch, seconds: dict[str, float], peaks_mib: list[int], block_only: bool = True):
+    """train_once takes ``seconds[name]`` without training; measure_peak_memory reports ``peaks_mib`` in turn.
+    Returns the list of the losses trained, in order."""
+    from st_cached_losses import CachedMatryoshkaLoss
+
+    trained = []
+
+    def train_once(model, loss, train, args):
+        trained.append("ours" if isinstance(loss, CachedMatryoshkaLoss) else "stock")
+        return seconds[trained[-1]], 2
+
+    peaks = iter(peaks_mib)
+
+    @contextlib.contextmanager
+    def measure_peak_memory(device):
+        peak = {}
+        yield peak
+        peak.update(bytes=next(peaks) * 2**20, measure="peak RSS during training", block_only=block_only)
+
+    monkeypatch.setattr(cli, "train_once", train_once)
+    monkeypatch.setattr(cli, "measure_peak_memory", measure_peak_memory)
+    return trained
+
+
+@pytest.mark.parametrize("ours_seconds, stock_seconds, wording", [
+    (3.0, 2.0, "CachedMatryoshkaLoss is 1.50x slower than stock with 0.50x its peak memory (means of 2 runs each)"),
+    (1.0, 3.0, "CachedMatryoshkaLoss is 3.00x faster than stock with 0.50x its peak memory (means of 2 runs each)"),
+])
+def test_compare_stock_alternates_and_says_faster_or_slower(tiny_dir, tmp_path, monkeypatch, capsys, ours_seconds,
+                                                            stock_seconds, wording):
+    trained = _fake_training(monkeypatch, {"ours": ours_seconds, "stock": stock_seconds}, [100, 220, 180, 100])
+    assert _train(tiny_dir, tmp_path / "out", "--compare-stock") == 0
+    assert trained == ["ours", "stock", "stock", "ours"]
+    stdout = capsys.readouterr().out
+    assert wording in stdout
+    comparison = json.loads((tmp_path / "out" / "results.json").read_text())["compare_stock"]
+    assert comparison["stock"] == {"train_seconds": [stock_seconds] * 2, "peak_memory_bytes": [220 * 2**20, 180 * 2**20]}
+    assert comparison["ours"] == {"train_seconds": [ours_seconds] * 2, "peak_memory_bytes": [100 * 2**20] * 2}
+    assert comparison["time_ratio"] == stock_seconds / ours_seconds and comparison["memory_ratio"] == 0.5
+    assert wording in comparison["summary"]
+
+
+def test_compare_stock_without_a_per_run_memory_measure(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Where the peak RSS cannot be reset (macOS, Windows) each run's peak includes the runs before it: not compared."""
+    _fake_training(monkeypatch, {"ours": 1.0, "stock": 2.0}, [100, 200, 300, 400], block_only=False)
+    assert _train(tiny_dir, tmp_path / "out", "--compare-stock") == 0
+    comparison = json.loads((tmp_path / "out" / "results.json").read_text())["compare_stock"]
+    assert comparison["memory_ratio"] is None
+    assert comparison["summary"] == ("CachedMatryoshkaLoss is 2.00x faster than stock; peak memory not compared (this "
+                                     "system cannot measure each run's training alone) (means of 2 runs each)")
+
+
+def test_compare_speed_wording():
+    assert cli.compare_speed(2.0, 2.0) == "as fast as stock"
+    assert cli.compare_speed(2.0, 1.9) == "1.05x slower than stock"  # was "0.95x faster"
+    assert cli.compare_speed(1.9, 2.0) == "1.05x faster than stock"
