@@ -18,6 +18,7 @@ import torch
 from sentence_transformers.base.losses.gradcache import (
     CachedLossMixin,
     _get_batch_size,
+    _minibatch_ranges,
     _validate_mini_batch_num_tokens,
     has_static_embedding_input,
 )
@@ -100,8 +101,10 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
                 ``loss.mini_batch_num_tokens`` for a CachedMultipleNegativesRankingLoss, else None.
             sort_by_length: within each column, order rows by token count before cutting them into
                 mini-batches (and restore the original order before the loss), so each mini-batch pads only
-                to its own longest row. Columns with flattened (``cu_seq_lens``) or image inputs keep their
-                order. Changes which rows share a mini-batch, hence the dropout masks they draw.
+                to its own longest row (padding columns are trimmed at the end of right-padded mini-batches
+                and at the start of left-padded ones). Columns with flattened (``cu_seq_lens``) or image inputs
+                keep their order, as does a column that fits in one mini-batch. Changes which rows share a
+                mini-batch, hence the dropout masks they draw.
             backend: loss-stage kernel for :func:`~st_cached_losses.matryoshka_infonce`: "auto", "triton",
                 "chunked" or "dense"; checked against the model's device here
                 (:func:`st_cached_losses.ops.check_backend`).
@@ -198,7 +201,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         _check_columns(sentence_features)
         self._step_dims = self._sample_dims()
         if self.sort_by_length:
-            self._step_orders = [_length_order(feature) for feature in sentence_features]
+            self._step_orders = [self._step_order(feature) for feature in sentence_features]
             # With a fixed mini-batch size each mini-batch gathers its own rows (no copy of the whole batch's
             # features); a token budget cuts mini-batches from the lengths, so it needs the sorted copy.
             sort = _reorder if self.mini_batch_num_tokens is not None else _length_sorted
@@ -215,10 +218,19 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         return _reconstruct_loss_components(total, components)
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
-        """Stock ``embed_minibatch``; for a length-sorted column, rows ``order[begin:end]`` of it."""
+        """Stock ``embed_minibatch`` (which trims the padding columns at the end of a mini-batch), on rows
+        ``order[begin:end]`` of a length-sorted column, and without the padding columns at the start of a
+        left-padded mini-batch (:func:`_without_leading_padding`)."""
         if isinstance(sentence_feature, _LengthSorted):
             sentence_feature, begin, end = _reorder(sentence_feature, sentence_feature.order[begin:end]), 0, end - begin
+        sentence_feature, begin, end = _without_leading_padding(sentence_feature, begin, end)
         return super().embed_minibatch(sentence_feature, begin, end, with_grad, copy_random_state, random_state)
+
+    def _step_order(self, feature: dict[str, Any]) -> Tensor | None:
+        # When one mini-batch holds the whole column, sorting saves nothing and would only change the dropout draw.
+        if len(_minibatch_ranges(feature, self.mini_batch_size, self.mini_batch_num_tokens)) == 1:
+            return None
+        return _length_order(feature)
 
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
@@ -412,21 +424,56 @@ def _check_columns(sentence_features: list[dict[str, Any]]) -> None:
         )
 
 
-def _length_order(feature: dict[str, Any]) -> Tensor | None:
-    """Row order by descending token count (stable), or None to keep the original order: when it is already
-    sorted, or when the column cannot be permuted row by row safely (flattened or image inputs)."""
+def _rows_are_texts(feature: dict[str, Any]) -> bool:
+    """Whether every tensor of ``feature`` holds one row per text beside a 2-D attention mask, so rows can be
+    permuted and padding columns cut: not for flattened (``cu_seq_lens``) or image/video/audio inputs."""
     if any(part in key for key in feature for part in _UNSORTABLE_KEY_PARTS):
-        return None
+        return False
     mask = feature.get("attention_mask")
     if not isinstance(mask, Tensor) or mask.ndim != 2:
-        return None
+        return False
     rows = mask.shape[0]
-    if any(isinstance(value, Tensor) and (value.ndim == 0 or value.shape[0] != rows) for value in feature.values()):
+    return not any(
+        isinstance(value, Tensor) and (value.ndim == 0 or value.shape[0] != rows) for value in feature.values()
+    )
+
+
+def _length_order(feature: dict[str, Any]) -> Tensor | None:
+    """Row order by descending token count (stable), or None to keep the original order: when it is already
+    sorted, or when the column cannot be permuted row by row safely (see :func:`_rows_are_texts`)."""
+    if not _rows_are_texts(feature):
         return None
+    mask = feature["attention_mask"]
+    rows = mask.shape[0]
     order = torch.sort(mask.sum(dim=1), descending=True, stable=True).indices
     if bool((order == torch.arange(rows, device=order.device)).all()):
         return None
     return order
+
+
+def _without_leading_padding(feature: dict[str, Any], begin: int, end: int) -> tuple[dict[str, Any], int, int]:
+    """Rows ``begin:end`` of a left-padded column without the padding columns that all of them start with (as
+    ``(feature, 0, end - begin)``), else the arguments unchanged.
+
+    Decoder embedding models pad on the left (Qwen3-Embedding, e5-mistral), where stock trims nothing. Every
+    per-token tensor (``input_ids``, ``attention_mask``, ``token_type_ids``, ``position_ids``, ...) loses the same
+    columns. The embeddings stay the same for models whose positions are rotary (relative: Qwen, Mistral, Llama),
+    follow the attention mask (RoBERTa) or come in ``position_ids``; a model with absolute positions counted from
+    the first column (BERT, if given left padding) sees its tokens shifted by the trimmed columns.
+    """
+    if not _rows_are_texts(feature) or "query_expansion_positions" in feature:  # ColBERT scores masked positions
+        return feature, begin, end
+    mask = feature["attention_mask"]
+    active = mask[begin:end].bool().any(dim=0)
+    if bool(active[0]) or not bool(active.any()):
+        return feature, begin, end
+    first, width = int(active.nonzero()[0]), mask.shape[1]
+    trimmed = {
+        key: value[begin:end, first:] if value.ndim >= 2 and value.shape[1] == width else value[begin:end]
+        for key, value in feature.items()
+        if isinstance(value, Tensor)
+    }
+    return {**feature, **trimmed}, 0, end - begin
 
 
 class _LengthSorted(dict):

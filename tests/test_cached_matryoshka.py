@@ -19,7 +19,7 @@ from sentence_transformers.util import dot_score, euclidean_sim
 
 from st_cached_losses import CachedMatryoshkaLoss, cached_matryoshka
 from st_cached_losses.cached_matryoshka import _length_order
-from st_cached_losses.testing import tiny_sentence_transformer
+from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
 
 WORDS = (
     "the cat dog sat ran on a mat park city river blue green quick slow small large house tree book "
@@ -294,6 +294,60 @@ def test_sorting_by_length_copies_no_feature_tensor(tiny_model):
     for column, feature in zip(handed, features):
         assert column.order is not None  # these columns were sorted...
         assert all(column[key] is value for key, value in feature.items())  # ...in place
+
+
+@pytest.fixture(scope="module")
+def decoder_model():
+    """A tiny Qwen3 with last-token pooling whose tokenizer pads on the left, as decoder embedding models do."""
+    return tiny_decoder_sentence_transformer()
+
+
+def test_left_padded_mini_batches_drop_their_leading_padding(decoder_model):
+    """Sorting by length saves work for left-padded columns too: each mini-batch is only as wide as its own
+    longest row (stock trims padding columns at the end only, of which left padding has none)."""
+    features = _features(decoder_model, rows=16, negatives=0, seed=29)
+    assert bool((features[0]["attention_mask"][:, 0] == 0).any())  # left padding
+    loss = CachedMatryoshkaLoss(decoder_model, MultipleNegativesRankingLoss(decoder_model), DIMS, mini_batch_size=4)
+    shapes = _embedded_shapes(decoder_model, loss, features)
+    for column, feature in zip((shapes[:4], shapes[4:8]), features):
+        lengths = feature["attention_mask"].sum(dim=1).sort(descending=True).values
+        assert [width for _, width in column] == [int(lengths[i]) for i in range(0, 16, 4)]
+
+
+@pytest.mark.parametrize("config", [{}, CONFIGS["symmetric_per_direction"]], ids=["default", "symmetric"])
+@pytest.mark.parametrize("sort_by_length", [True, False], ids=["sorted", "unsorted"])
+def test_left_padded_decoder_matches_stock(decoder_model, config, sort_by_length):
+    """Trimming leading padding keeps the loss and every gradient of stock, which embeds the whole padded column:
+    the model's rotary positions are relative, so a shift of all of them changes nothing."""
+    features = _features(decoder_model, negatives=1, seed=43)
+    stock = MatryoshkaLoss(decoder_model, MultipleNegativesRankingLoss(decoder_model, **config), DIMS, WEIGHTS)
+    ours = CachedMatryoshkaLoss(
+        decoder_model, MultipleNegativesRankingLoss(decoder_model, **config), DIMS, WEIGHTS, mini_batch_size=3,
+        sort_by_length=sort_by_length,
+    )
+    stock_loss, stock_grads = _loss_and_grads(decoder_model, stock, features)
+    loss, grads = _loss_and_grads(decoder_model, ours, features)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    _assert_grads_close(grads, stock_grads)
+
+
+def test_one_mini_batch_per_column_is_not_sorted(dropout_model):
+    """When one mini-batch holds the whole column, sorting saves nothing: rows keep their order and draw the
+    dropout masks stock draws for them."""
+    features = _features(dropout_model, rows=13, negatives=1, seed=47)
+    assert _length_order(features[0]) is not None  # these columns are not in length order
+
+    def run(loss_fn):
+        torch.manual_seed(4321)
+        return _loss_and_grads(dropout_model, loss_fn, features)
+
+    stock = MatryoshkaLoss(dropout_model, CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=16), DIMS)
+    ours = CachedMatryoshkaLoss(dropout_model, CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=16), DIMS)
+    assert ours.sort_by_length
+    stock_loss, stock_grads = run(stock)
+    loss, grads = run(ours)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    _assert_grads_close(grads, stock_grads)
 
 
 def test_sorted_with_a_token_budget_matches_stock(tiny_model):
