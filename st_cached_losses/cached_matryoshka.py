@@ -27,7 +27,6 @@ from sentence_transformers.sentence_transformer.losses import (
     MultipleNegativesRankingLoss,
 )
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
-from sentence_transformers.sparse_encoder.losses.cached_splade import _reconstruct_loss_components
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, dot_score, get_rank, get_world_size
 from torch import Tensor, nn
 
@@ -83,7 +82,9 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         ``forward`` returns a dict ``{"loss_dim_<d>": weight_d * loss_d}`` (0-dim tensors, one per dim, in
         descending dim order; 0 for dims not sampled this step): ``SentenceTransformerTrainer`` logs each
         entry and back-propagates their sum, which is the loss. In your own loop, call
-        ``sum(loss(features, labels).values()).backward()``; only that sum carries the gradient.
+        ``sum(loss(features, labels).values()).backward()``. The entries carry the gradient only together: one
+        re-embedding pass serves the whole loss, so back-propagating a single entry, or a sum that weights the
+        entries differently, raises a RuntimeError (weight the dims with ``matryoshka_weights`` instead).
 
         Args:
             model: SentenceTransformer model (not one built on a StaticEmbedding, whose inputs cannot be
@@ -195,8 +196,8 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None
     ) -> dict[str, Tensor]:
         """Embed the columns [anchor, positive, negative_1, ...] (each a tokenized dict) and return the
-        weighted loss per Matryoshka dim as ``{"loss_dim_<d>": 0-dim tensor}``; their sum is the loss and the
-        only gradient-carrying quantity. ``labels`` are unused."""
+        weighted loss per Matryoshka dim as ``{"loss_dim_<d>": 0-dim tensor}``; their sum is the loss, and only
+        that sum can be back-propagated (see :class:`_PerDimLosses`). ``labels`` are unused."""
         sentence_features = list(sentence_features)
         _check_columns(sentence_features)
         self._step_dims = self._sample_dims()
@@ -211,11 +212,11 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         total = self.forward_cached(sentence_features, labels)
         per_dim = dict(zip(self._step_dims, self._step_per_dim))
         self._step_per_dim = None
-        components = {
-            f"loss_dim_{dim}": (weight * per_dim[dim]) if dim in per_dim else torch.zeros_like(total.detach())
+        values = [
+            (weight * per_dim[dim]).detach() if dim in per_dim else torch.zeros_like(total.detach())
             for dim, weight in zip(self.matryoshka_dims, self.matryoshka_weights)
-        }
-        return _reconstruct_loss_components(total, components)
+        ]
+        return dict(zip((f"loss_dim_{dim}" for dim in self.matryoshka_dims), _PerDimLosses.apply(total, *values)))
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
         """Stock ``embed_minibatch`` (which trims the padding columns at the end of a mini-batch), on rows
@@ -347,6 +348,33 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
     primaryClass={cs.LG}
 }
 """
+
+
+class _PerDimLosses(torch.autograd.Function):
+    """The per-dim losses as outputs of one autograd node that passes the gradient to the GradCache ``total``.
+
+    After gradient caching only ``total`` carries a gradient (its hook re-embeds every mini-batch once), so the
+    entries have no gradient of their own. Back-propagating their sum (``sum(out.values())``, the trainer's
+    ``torch.stack(...).sum()``, scaled or not) hands every entry the same gradient ``g``, which is ``total``'s
+    gradient. Anything else, such as ``out["loss_dim_768"].backward()`` alone, raises a RuntimeError instead of
+    silently back-propagating the whole loss.
+    """
+
+    @staticmethod
+    def forward(ctx, total: Tensor, *values: Tensor) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)  # entries left out of the backward get None
+        return tuple(value.clone() for value in values)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        if any(grad is None for grad in grads) or any(not torch.equal(grad, grads[0]) for grad in grads[1:]):
+            raise RuntimeError(
+                "CachedMatryoshkaLoss's per-dim losses carry the gradient only together: back-propagate their sum, "
+                "sum(out.values()).backward(), as SentenceTransformerTrainer does. One entry, or a sum weighting "
+                "the entries differently, has no gradient of its own (one re-embedding pass serves the whole loss); "
+                "weight the dims with matryoshka_weights instead."
+            )
+        return (grads[0], *(None for _ in grads))
 
 
 def _sorted_dims(

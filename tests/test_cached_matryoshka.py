@@ -120,8 +120,35 @@ def test_components_are_weighted_per_dim_losses(tiny_model):
         stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [dim], [weight])
         with torch.no_grad():
             assert float(out[f"loss_dim_{dim}"]) == pytest.approx(float(stock(features, None)), rel=1e-4)
-    # Only the sum carries the gradient (one re-embedding pass); the others are detached, for logging.
-    assert [value.requires_grad for value in out.values()] == [True, False, False]
+    assert all(value.requires_grad for value in out.values())
+
+
+@pytest.mark.parametrize("backpropagate", [
+    lambda out: out["loss_dim_48"].backward(),  # the largest dim's entry: used to back-propagate the whole sum
+    lambda out: out["loss_dim_8"].backward(),
+    lambda out: (out["loss_dim_48"] + out["loss_dim_32"]).backward(),
+    lambda out: (2 * out["loss_dim_48"] + out["loss_dim_32"] + out["loss_dim_8"]).backward(),
+], ids=["largest", "smallest", "two of three", "reweighted"])
+def test_an_entry_alone_cannot_be_backpropagated(tiny_model, backpropagate):
+    """One re-embedding pass serves the whole loss, so an entry has no gradient of its own: say so, rather than
+    silently back-propagating the sum (or raising 'does not require grad')."""
+    loss = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=4)
+    out = loss(_features(tiny_model, rows=6, negatives=0, seed=53), None)
+    with pytest.raises(RuntimeError, match=r"back-propagate their sum, sum\(out.values\(\)\).backward\(\)"):
+        backpropagate(out)
+    tiny_model.zero_grad(set_to_none=True)
+
+
+def test_the_sum_of_the_entries_backpropagates_the_loss(tiny_model):
+    """Python's sum over the dict (not only the trainer's torch.stack) gives stock's gradients."""
+    features = _features(tiny_model, rows=7, negatives=0, seed=59)
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
+    ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=3)
+    _, stock_grads = _loss_and_grads(tiny_model, stock, features)
+    sum(ours(features, None).values()).backward()
+    grads = {name: p.grad.clone() for name, p in tiny_model.named_parameters() if p.grad is not None}
+    tiny_model.zero_grad(set_to_none=True)
+    _assert_grads_close(grads, stock_grads)
 
 
 @pytest.fixture(scope="module")
