@@ -102,10 +102,11 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
                 ``loss.mini_batch_num_tokens`` for a CachedMultipleNegativesRankingLoss, else None.
             sort_by_length: within each column, order rows by token count before cutting them into
                 mini-batches (and restore the original order before the loss), so each mini-batch pads only
-                to its own longest row (padding columns are trimmed at the end of right-padded mini-batches
-                and at the start of left-padded ones). Columns with flattened (``cu_seq_lens``) or image inputs
-                keep their order, as does a column that fits in one mini-batch. Changes which rows share a
-                mini-batch, hence the dropout masks they draw.
+                to its own longest row: each mini-batch drops the padding columns all its rows share, at the
+                end (right padding, as stock does) and at the start (left padding, as decoder embedding models
+                use; exact for rotary or mask-derived positions, see :func:`_without_leading_padding`). Columns
+                with flattened (``cu_seq_lens``) or image inputs keep their order, as does a column that fits in
+                one mini-batch. Changes which rows share a mini-batch, hence the dropout masks they draw.
             backend: loss-stage kernel for :func:`~st_cached_losses.matryoshka_infonce`: "auto", "triton",
                 "chunked" or "dense"; checked against the model's device here
                 (:func:`st_cached_losses.ops.check_backend`).

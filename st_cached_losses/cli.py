@@ -515,12 +515,14 @@ def measure_peak_memory(device: str):
                       measure="peak CUDA tensor memory during training (torch.cuda.max_memory_allocated)")
     elif _reset_peak_rss():
         yield result
-        result.update(bytes=_linux_peak_rss(), block_only=True, measure="peak RSS of the process during training (Linux VmHWM, "
-                      "reset when training started; includes the model and data already loaded)")
+        result.update(bytes=_linux_peak_rss(), block_only=True,
+                      measure="peak RSS of the process during training (Linux VmHWM, reset when training started; "
+                      "includes the model and data already loaded)")
     else:
         yield result
-        result.update(bytes=_lifetime_peak_rss(), block_only=False, measure="peak RSS of the process from its start to the end of "
-                      "training (this system cannot reset it: includes loading and the evaluation before training)")
+        result.update(bytes=_lifetime_peak_rss(), block_only=False,
+                      measure="peak RSS of the process from its start to the end of training (this system cannot "
+                      "reset it: includes loading and the evaluation before training)")
 
 
 def _reset_peak_rss() -> bool:

@@ -368,8 +368,9 @@ def test_one_mini_batch_per_column_is_not_sorted(dropout_model):
         torch.manual_seed(4321)
         return _loss_and_grads(dropout_model, loss_fn, features)
 
-    stock = MatryoshkaLoss(dropout_model, CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=16), DIMS)
-    ours = CachedMatryoshkaLoss(dropout_model, CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=16), DIMS)
+    base = dict(model=dropout_model, mini_batch_size=16)  # one mini-batch holds each column's 13 rows
+    stock = MatryoshkaLoss(dropout_model, CachedMultipleNegativesRankingLoss(**base), DIMS)
+    ours = CachedMatryoshkaLoss(dropout_model, CachedMultipleNegativesRankingLoss(**base), DIMS)
     assert ours.sort_by_length
     stock_loss, stock_grads = run(stock)
     loss, grads = run(ours)

@@ -332,7 +332,8 @@ def test_cli_imports_and_measures_without_the_resource_module():
         "import sys, types\n"
         "sys.modules['resource'] = None\n"
         "info = types.SimpleNamespace(peak_wset=123 * 2**20)\n"
-        "sys.modules['psutil'] = types.SimpleNamespace(Process=lambda: types.SimpleNamespace(memory_info=lambda: info))\n"
+        "process = types.SimpleNamespace(memory_info=lambda: info)\n"
+        "sys.modules['psutil'] = types.SimpleNamespace(Process=lambda: process)\n"
         "from st_cached_losses import cli\n"
         "cli._reset_peak_rss = lambda: False\n"  # as where the high-water mark cannot be reset
         "with cli.measure_peak_memory('cpu') as peak: pass\n"
@@ -352,7 +353,8 @@ def test_malformed_dataset_is_one_line_in_a_fresh_process(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2
-    assert proc.stderr.startswith(f"{ERROR_PREFIX}--dataset {str(bad)!r} cannot be read: ") and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"{ERROR_PREFIX}--dataset {str(bad)!r} cannot be read: ")
+    assert proc.stderr.count("\n") == 1, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
 
 
@@ -361,7 +363,7 @@ def test_identical_pairs_warn_of_single_pair_batches_and_a_single_query(tiny_dir
     held-out split has one distinct query. The run goes on, with a warning for each."""
     data = _jsonl(tmp_path, "same.jsonl", [ONE_PAIR] * 8)
     assert _train(tiny_dir, tmp_path / "out", *data, "--max-steps", "1") == 0
-    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("st-cached-losses train: warning")]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"{cli.PROG} train: warning")]
     assert len(warnings) == 2, warnings
     assert "6 of the 6 training batches of an epoch hold a single pair" in warnings[0]
     assert "held-out split's 2 pair(s) have a single distinct anchor" in warnings[1]
@@ -472,7 +474,8 @@ def test_compare_stock_alternates_and_says_faster_or_slower(tiny_dir, tmp_path, 
     stdout = capsys.readouterr().out
     assert wording in stdout
     comparison = json.loads((tmp_path / "out" / "results.json").read_text())["compare_stock"]
-    assert comparison["stock"] == {"train_seconds": [stock_seconds] * 2, "peak_memory_bytes": [220 * 2**20, 180 * 2**20]}
+    assert comparison["stock"] == {"train_seconds": [stock_seconds] * 2,
+                                   "peak_memory_bytes": [220 * 2**20, 180 * 2**20]}
     assert comparison["ours"] == {"train_seconds": [ours_seconds] * 2, "peak_memory_bytes": [100 * 2**20] * 2}
     assert comparison["time_ratio"] == stock_seconds / ours_seconds and comparison["memory_ratio"] == 0.5
     assert wording in comparison["summary"]

@@ -17,7 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_cached_matryoshka.py", "tests/test_trainer.py", "tests/test_ops_stock.py",
-         "tests/test_cli.py::test_results_schema", "tests/test_cli.py::test_bf16_trains_on_cpu_and_is_recorded"]
+         "tests/test_cli.py::test_results_schema", "tests/test_cli.py::test_bf16_trains_on_cpu_and_is_recorded",
+         "tests/test_cli.py::test_single_pair_batches"]
 
 
 def oldest_claimed() -> str:
