@@ -18,6 +18,7 @@ import torch
 from sentence_transformers.base.losses.gradcache import (
     CachedLossMixin,
     _get_batch_size,
+    _minibatch_ranges,
     _validate_mini_batch_num_tokens,
     has_static_embedding_input,
 )
@@ -26,12 +27,10 @@ from sentence_transformers.sentence_transformer.losses import (
     MultipleNegativesRankingLoss,
 )
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
-from sentence_transformers.sparse_encoder.losses.cached_splade import _reconstruct_loss_components
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, dot_score, get_rank, get_world_size
 from torch import Tensor, nn
 
-from .ops import matryoshka_infonce
-from .ops.backend import BACKENDS
+from .ops import check_backend, matryoshka_infonce
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,9 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         ``forward`` returns a dict ``{"loss_dim_<d>": weight_d * loss_d}`` (0-dim tensors, one per dim, in
         descending dim order; 0 for dims not sampled this step): ``SentenceTransformerTrainer`` logs each
         entry and back-propagates their sum, which is the loss. In your own loop, call
-        ``sum(loss(features, labels).values()).backward()``; only that sum carries the gradient.
+        ``sum(loss(features, labels).values()).backward()``. The entries carry the gradient only together: one
+        re-embedding pass serves the whole loss, so back-propagating a single entry, or a sum that weights the
+        entries differently, raises a RuntimeError (weight the dims with ``matryoshka_weights`` instead).
 
         Args:
             model: SentenceTransformer model (not one built on a StaticEmbedding, whose inputs cannot be
@@ -101,17 +102,22 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
                 ``loss.mini_batch_num_tokens`` for a CachedMultipleNegativesRankingLoss, else None.
             sort_by_length: within each column, order rows by token count before cutting them into
                 mini-batches (and restore the original order before the loss), so each mini-batch pads only
-                to its own longest row. Columns with flattened (``cu_seq_lens``) or image inputs keep their
-                order. Changes which rows share a mini-batch, hence the dropout masks they draw.
+                to its own longest row: each mini-batch drops the padding columns all its rows share, at the
+                end (right padding, as stock does) and at the start (left padding, as decoder embedding models
+                use; exact for rotary or mask-derived positions, see :func:`_without_leading_padding`). Columns
+                with flattened (``cu_seq_lens``) or image inputs keep their order, as does a column that fits in
+                one mini-batch. Changes which rows share a mini-batch, hence the dropout masks they draw.
             backend: loss-stage kernel for :func:`~st_cached_losses.matryoshka_infonce`: "auto", "triton",
-                "chunked" or "dense".
+                "chunked" or "dense"; checked against the model's device here
+                (:func:`st_cached_losses.ops.check_backend`).
             show_progress_bar: show a progress bar over the embedding mini-batches.
 
         Raises:
             TypeError: ``loss`` is not one of the supported losses.
             ValueError: a StaticEmbedding model; empty, non-positive, duplicate dims or dims larger than the
                 model's embedding dimension; weights of another length; an unsupported ``similarity_fct``,
-                ``backend``, ``mini_batch_size`` or ``mini_batch_num_tokens``. ``forward`` raises ValueError
+                ``mini_batch_size`` or ``mini_batch_num_tokens``; an unknown ``backend``, or one that cannot run
+                on the model's device ("triton" on CPU outside Triton's interpreter). ``forward`` raises ValueError
                 for fewer than two input columns or columns with different numbers of rows, and, with the base
                 loss's ``gather_across_devices=True``, for different numbers of rows on different processes.
 
@@ -170,8 +176,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0:
             raise ValueError(f"mini_batch_size must be a positive int, got {mini_batch_size!r}.")
         _validate_mini_batch_num_tokens(mini_batch_num_tokens)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+        check_backend(backend, model.device)  # e.g. "triton" for a model on CPU: now, not after the first batch
 
         self.model = model
         self.loss = loss
@@ -192,13 +197,13 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None
     ) -> dict[str, Tensor]:
         """Embed the columns [anchor, positive, negative_1, ...] (each a tokenized dict) and return the
-        weighted loss per Matryoshka dim as ``{"loss_dim_<d>": 0-dim tensor}``; their sum is the loss and the
-        only gradient-carrying quantity. ``labels`` are unused."""
+        weighted loss per Matryoshka dim as ``{"loss_dim_<d>": 0-dim tensor}``; their sum is the loss, and only
+        that sum can be back-propagated (see :class:`_PerDimLosses`). ``labels`` are unused."""
         sentence_features = list(sentence_features)
         _check_columns(sentence_features)
         self._step_dims = self._sample_dims()
         if self.sort_by_length:
-            self._step_orders = [_length_order(feature) for feature in sentence_features]
+            self._step_orders = [self._step_order(feature) for feature in sentence_features]
             # With a fixed mini-batch size each mini-batch gathers its own rows (no copy of the whole batch's
             # features); a token budget cuts mini-batches from the lengths, so it needs the sorted copy.
             sort = _reorder if self.mini_batch_num_tokens is not None else _length_sorted
@@ -208,17 +213,26 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         total = self.forward_cached(sentence_features, labels)
         per_dim = dict(zip(self._step_dims, self._step_per_dim))
         self._step_per_dim = None
-        components = {
-            f"loss_dim_{dim}": (weight * per_dim[dim]) if dim in per_dim else torch.zeros_like(total.detach())
+        values = [
+            (weight * per_dim[dim]).detach() if dim in per_dim else torch.zeros_like(total.detach())
             for dim, weight in zip(self.matryoshka_dims, self.matryoshka_weights)
-        }
-        return _reconstruct_loss_components(total, components)
+        ]
+        return dict(zip((f"loss_dim_{dim}" for dim in self.matryoshka_dims), _PerDimLosses.apply(total, *values)))
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
-        """Stock ``embed_minibatch``; for a length-sorted column, rows ``order[begin:end]`` of it."""
+        """Stock ``embed_minibatch`` (which trims the padding columns at the end of a mini-batch), on rows
+        ``order[begin:end]`` of a length-sorted column, and without the padding columns at the start of a
+        left-padded mini-batch (:func:`_without_leading_padding`)."""
         if isinstance(sentence_feature, _LengthSorted):
             sentence_feature, begin, end = _reorder(sentence_feature, sentence_feature.order[begin:end]), 0, end - begin
+        sentence_feature, begin, end = _without_leading_padding(sentence_feature, begin, end)
         return super().embed_minibatch(sentence_feature, begin, end, with_grad, copy_random_state, random_state)
+
+    def _step_order(self, feature: dict[str, Any]) -> Tensor | None:
+        # When one mini-batch holds the whole column, sorting saves nothing and would only change the dropout draw.
+        if len(_minibatch_ranges(feature, self.mini_batch_size, self.mini_batch_num_tokens)) == 1:
+            return None
+        return _length_order(feature)
 
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
@@ -337,6 +351,33 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
 """
 
 
+class _PerDimLosses(torch.autograd.Function):
+    """The per-dim losses as outputs of one autograd node that passes the gradient to the GradCache ``total``.
+
+    After gradient caching only ``total`` carries a gradient (its hook re-embeds every mini-batch once), so the
+    entries have no gradient of their own. Back-propagating their sum (``sum(out.values())``, the trainer's
+    ``torch.stack(...).sum()``, scaled or not) hands every entry the same gradient ``g``, which is ``total``'s
+    gradient. Anything else, such as ``out["loss_dim_768"].backward()`` alone, raises a RuntimeError instead of
+    silently back-propagating the whole loss.
+    """
+
+    @staticmethod
+    def forward(ctx, total: Tensor, *values: Tensor) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)  # entries left out of the backward get None
+        return tuple(value.clone() for value in values)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        if any(grad is None for grad in grads) or any(not torch.equal(grad, grads[0]) for grad in grads[1:]):
+            raise RuntimeError(
+                "CachedMatryoshkaLoss's per-dim losses carry the gradient only together: back-propagate their sum, "
+                "sum(out.values()).backward(), as SentenceTransformerTrainer does. One entry, or a sum weighting "
+                "the entries differently, has no gradient of its own (one re-embedding pass serves the whole loss); "
+                "weight the dims with matryoshka_weights instead."
+            )
+        return (grads[0], *(None for _ in grads))
+
+
 def _sorted_dims(
     model: SentenceTransformer, dims: Sequence[int], weights: Sequence[float] | None
 ) -> tuple[tuple[int, ...], tuple[float, ...]]:
@@ -412,21 +453,56 @@ def _check_columns(sentence_features: list[dict[str, Any]]) -> None:
         )
 
 
-def _length_order(feature: dict[str, Any]) -> Tensor | None:
-    """Row order by descending token count (stable), or None to keep the original order: when it is already
-    sorted, or when the column cannot be permuted row by row safely (flattened or image inputs)."""
+def _rows_are_texts(feature: dict[str, Any]) -> bool:
+    """Whether every tensor of ``feature`` holds one row per text beside a 2-D attention mask, so rows can be
+    permuted and padding columns cut: not for flattened (``cu_seq_lens``) or image/video/audio inputs."""
     if any(part in key for key in feature for part in _UNSORTABLE_KEY_PARTS):
-        return None
+        return False
     mask = feature.get("attention_mask")
     if not isinstance(mask, Tensor) or mask.ndim != 2:
-        return None
+        return False
     rows = mask.shape[0]
-    if any(isinstance(value, Tensor) and (value.ndim == 0 or value.shape[0] != rows) for value in feature.values()):
+    return not any(
+        isinstance(value, Tensor) and (value.ndim == 0 or value.shape[0] != rows) for value in feature.values()
+    )
+
+
+def _length_order(feature: dict[str, Any]) -> Tensor | None:
+    """Row order by descending token count (stable), or None to keep the original order: when it is already
+    sorted, or when the column cannot be permuted row by row safely (see :func:`_rows_are_texts`)."""
+    if not _rows_are_texts(feature):
         return None
+    mask = feature["attention_mask"]
+    rows = mask.shape[0]
     order = torch.sort(mask.sum(dim=1), descending=True, stable=True).indices
     if bool((order == torch.arange(rows, device=order.device)).all()):
         return None
     return order
+
+
+def _without_leading_padding(feature: dict[str, Any], begin: int, end: int) -> tuple[dict[str, Any], int, int]:
+    """Rows ``begin:end`` of a left-padded column without the padding columns that all of them start with (as
+    ``(feature, 0, end - begin)``), else the arguments unchanged.
+
+    Decoder embedding models pad on the left (Qwen3-Embedding, e5-mistral), where stock trims nothing. Every
+    per-token tensor (``input_ids``, ``attention_mask``, ``token_type_ids``, ``position_ids``, ...) loses the same
+    columns. The embeddings stay the same for models whose positions are rotary (relative: Qwen, Mistral, Llama),
+    follow the attention mask (RoBERTa) or come in ``position_ids``; a model with absolute positions counted from
+    the first column (BERT, if given left padding) sees its tokens shifted by the trimmed columns.
+    """
+    if not _rows_are_texts(feature) or "query_expansion_positions" in feature:  # ColBERT scores masked positions
+        return feature, begin, end
+    mask = feature["attention_mask"]
+    active = mask[begin:end].bool().any(dim=0)
+    if bool(active[0]) or not bool(active.any()):
+        return feature, begin, end
+    first, width = int(active.nonzero()[0]), mask.shape[1]
+    trimmed = {
+        key: value[begin:end, first:] if value.ndim >= 2 and value.shape[1] == width else value[begin:end]
+        for key, value in feature.items()
+        if isinstance(value, Tensor)
+    }
+    return {**feature, **trimmed}, 0, end - begin
 
 
 class _LengthSorted(dict):

@@ -74,8 +74,8 @@ def _quiet_import(name: str) -> ModuleType | None:
         ):
             warnings.simplefilter("ignore")
             return importlib.import_module(name)
-    except BaseException:  # noqa: BLE001 - anything, even SystemExit, from a module we only want to read
-        return None
+    except (Exception, SystemExit):  # noqa: BLE001 - anything a module we only read raises, even SystemExit;
+        return None  # KeyboardInterrupt (Ctrl-C) is not caught
 
 
 def stdlib_modules() -> Iterator[ModuleType]:

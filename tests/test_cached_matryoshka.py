@@ -19,7 +19,7 @@ from sentence_transformers.util import dot_score, euclidean_sim
 
 from st_cached_losses import CachedMatryoshkaLoss, cached_matryoshka
 from st_cached_losses.cached_matryoshka import _length_order
-from st_cached_losses.testing import tiny_sentence_transformer
+from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
 
 WORDS = (
     "the cat dog sat ran on a mat park city river blue green quick slow small large house tree book "
@@ -120,8 +120,35 @@ def test_components_are_weighted_per_dim_losses(tiny_model):
         stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [dim], [weight])
         with torch.no_grad():
             assert float(out[f"loss_dim_{dim}"]) == pytest.approx(float(stock(features, None)), rel=1e-4)
-    # Only the sum carries the gradient (one re-embedding pass); the others are detached, for logging.
-    assert [value.requires_grad for value in out.values()] == [True, False, False]
+    assert all(value.requires_grad for value in out.values())
+
+
+@pytest.mark.parametrize("backpropagate", [
+    lambda out: out["loss_dim_48"].backward(),  # the largest dim's entry: used to back-propagate the whole sum
+    lambda out: out["loss_dim_8"].backward(),
+    lambda out: (out["loss_dim_48"] + out["loss_dim_32"]).backward(),
+    lambda out: (2 * out["loss_dim_48"] + out["loss_dim_32"] + out["loss_dim_8"]).backward(),
+], ids=["largest", "smallest", "two of three", "reweighted"])
+def test_an_entry_alone_cannot_be_backpropagated(tiny_model, backpropagate):
+    """One re-embedding pass serves the whole loss, so an entry has no gradient of its own: say so, rather than
+    silently back-propagating the sum (or raising 'does not require grad')."""
+    loss = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=4)
+    out = loss(_features(tiny_model, rows=6, negatives=0, seed=53), None)
+    with pytest.raises(RuntimeError, match=r"back-propagate their sum, sum\(out.values\(\)\).backward\(\)"):
+        backpropagate(out)
+    tiny_model.zero_grad(set_to_none=True)
+
+
+def test_the_sum_of_the_entries_backpropagates_the_loss(tiny_model):
+    """Python's sum over the dict (not only the trainer's torch.stack) gives stock's gradients."""
+    features = _features(tiny_model, rows=7, negatives=0, seed=59)
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
+    ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=3)
+    _, stock_grads = _loss_and_grads(tiny_model, stock, features)
+    sum(ours(features, None).values()).backward()
+    grads = {name: p.grad.clone() for name, p in tiny_model.named_parameters() if p.grad is not None}
+    tiny_model.zero_grad(set_to_none=True)
+    _assert_grads_close(grads, stock_grads)
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +323,61 @@ def test_sorting_by_length_copies_no_feature_tensor(tiny_model):
         assert all(column[key] is value for key, value in feature.items())  # ...in place
 
 
+@pytest.fixture(scope="module")
+def decoder_model():
+    """A tiny Qwen3 with last-token pooling whose tokenizer pads on the left, as decoder embedding models do."""
+    return tiny_decoder_sentence_transformer()
+
+
+def test_left_padded_mini_batches_drop_their_leading_padding(decoder_model):
+    """Sorting by length saves work for left-padded columns too: each mini-batch is only as wide as its own
+    longest row (stock trims padding columns at the end only, of which left padding has none)."""
+    features = _features(decoder_model, rows=16, negatives=0, seed=29)
+    assert bool((features[0]["attention_mask"][:, 0] == 0).any())  # left padding
+    loss = CachedMatryoshkaLoss(decoder_model, MultipleNegativesRankingLoss(decoder_model), DIMS, mini_batch_size=4)
+    shapes = _embedded_shapes(decoder_model, loss, features)
+    for column, feature in zip((shapes[:4], shapes[4:8]), features):
+        lengths = feature["attention_mask"].sum(dim=1).sort(descending=True).values
+        assert [width for _, width in column] == [int(lengths[i]) for i in range(0, 16, 4)]
+
+
+@pytest.mark.parametrize("config", [{}, CONFIGS["symmetric_per_direction"]], ids=["default", "symmetric"])
+@pytest.mark.parametrize("sort_by_length", [True, False], ids=["sorted", "unsorted"])
+def test_left_padded_decoder_matches_stock(decoder_model, config, sort_by_length):
+    """Trimming leading padding keeps the loss and every gradient of stock, which embeds the whole padded column:
+    the model's rotary positions are relative, so a shift of all of them changes nothing."""
+    features = _features(decoder_model, negatives=1, seed=43)
+    stock = MatryoshkaLoss(decoder_model, MultipleNegativesRankingLoss(decoder_model, **config), DIMS, WEIGHTS)
+    ours = CachedMatryoshkaLoss(
+        decoder_model, MultipleNegativesRankingLoss(decoder_model, **config), DIMS, WEIGHTS, mini_batch_size=3,
+        sort_by_length=sort_by_length,
+    )
+    stock_loss, stock_grads = _loss_and_grads(decoder_model, stock, features)
+    loss, grads = _loss_and_grads(decoder_model, ours, features)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    _assert_grads_close(grads, stock_grads)
+
+
+def test_one_mini_batch_per_column_is_not_sorted(dropout_model):
+    """When one mini-batch holds the whole column, sorting saves nothing: rows keep their order and draw the
+    dropout masks stock draws for them."""
+    features = _features(dropout_model, rows=13, negatives=1, seed=47)
+    assert _length_order(features[0]) is not None  # these columns are not in length order
+
+    def run(loss_fn):
+        torch.manual_seed(4321)
+        return _loss_and_grads(dropout_model, loss_fn, features)
+
+    base = dict(model=dropout_model, mini_batch_size=16)  # one mini-batch holds each column's 13 rows
+    stock = MatryoshkaLoss(dropout_model, CachedMultipleNegativesRankingLoss(**base), DIMS)
+    ours = CachedMatryoshkaLoss(dropout_model, CachedMultipleNegativesRankingLoss(**base), DIMS)
+    assert ours.sort_by_length
+    stock_loss, stock_grads = run(stock)
+    loss, grads = run(ours)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    _assert_grads_close(grads, stock_grads)
+
+
 def test_sorted_with_a_token_budget_matches_stock(tiny_model):
     features = _features(tiny_model, rows=13, negatives=1, seed=41)
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
@@ -399,6 +481,15 @@ def test_error_unsupported_similarity(tiny_model):
 def test_error_bad_options(tiny_model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [48], **kwargs)
+
+
+def test_error_triton_backend_on_cpu_at_construction(tiny_model, monkeypatch):
+    """Outside Triton's interpreter the kernels cannot run on a CPU model: say so now, not after a batch is embedded."""
+    from st_cached_losses.ops import triton as kernels
+
+    monkeypatch.setattr(kernels, "_INTERPRETED", False)
+    with pytest.raises(ValueError, match=r"backend='triton' cannot run here: .*cpu.*Use backend='chunked' or 'auto'"):
+        CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [48], backend="triton")
 
 
 def test_error_fewer_than_two_columns(tiny_model):

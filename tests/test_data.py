@@ -115,3 +115,21 @@ def test_split_by_top_level_module(pairs):
 def test_bad_test_fraction():
     with pytest.raises(ValueError, match="test_fraction"):
         load_stdlib_dataset(test_fraction=1.5)
+
+
+def test_ctrl_c_while_importing_a_module_is_not_swallowed(monkeypatch):
+    """A module that fails to import is skipped, one that exits too; Ctrl-C during the import stops the run."""
+    from st_cached_losses import data
+
+    def importing(exception):
+        def import_module(name):
+            raise exception
+
+        return import_module
+
+    for skipped in (ImportError("no _tkinter"), SystemExit(1), RuntimeError("side effect")):
+        monkeypatch.setattr(data.importlib, "import_module", importing(skipped))
+        assert data._quiet_import("somemodule") is None
+    monkeypatch.setattr(data.importlib, "import_module", importing(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        data._quiet_import("somemodule")
