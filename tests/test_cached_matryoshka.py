@@ -485,9 +485,9 @@ def test_error_bad_options(tiny_model, kwargs, match):
 
 def test_error_triton_backend_on_cpu_at_construction(tiny_model, monkeypatch):
     """Outside Triton's interpreter the kernels cannot run on a CPU model: say so now, not after a batch is embedded."""
-    from st_cached_losses.ops import triton as kernels
+    from st_cached_losses.ops import triton_kernels
 
-    monkeypatch.setattr(kernels, "_INTERPRETED", False)
+    monkeypatch.setattr(triton_kernels, "INTERPRETED", False)
     with pytest.raises(ValueError, match=r"backend='triton' cannot run here: .*cpu.*Use backend='chunked' or 'auto'"):
         CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [48], backend="triton")
 

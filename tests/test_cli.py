@@ -381,9 +381,9 @@ def test_single_pair_batches():
 
 
 def test_triton_backend_on_cpu_is_refused_before_anything_runs(tiny_dir, tmp_path, capsys, monkeypatch):
-    from st_cached_losses.ops import triton as kernels
+    from st_cached_losses.ops import triton_kernels
 
-    monkeypatch.setattr(kernels, "_INTERPRETED", False)  # the tests run Triton's CPU interpreter; a user does not
+    monkeypatch.setattr(triton_kernels, "INTERPRETED", False)  # the tests run Triton's CPU interpreter; a user does not
     monkeypatch.setattr(cli, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
     code = _train(tiny_dir, tmp_path / "out", "--backend", "triton")
     err = capsys.readouterr().err

@@ -143,7 +143,7 @@ BAD_INPUTS = {
     "dims_empty": (dict(dims=[]), ValueError, "dims must be a non-empty"),
     "dims_int": (dict(dims=8), ValueError, "dims must be a non-empty"),
     "dims_non_positive": (dict(dims=[8, 0]), ValueError, "positive ints"),
-    "dims_too_large": (dict(dims=[9, 4]), ValueError, "larger than the embedding dimension D=8"),
+    "dims_too_large": (dict(dims=[9, 4]), ValueError, "is larger than the embedding dimension 8: use dims <= 8"),
     "dims_duplicated": (dict(dims=[8, 4, 4]), ValueError, "duplicates"),
     "weights_length": (dict(weights=[1.0]), ValueError, "one weight per dim"),
     "weights_nan": (dict(weights=[1.0, float("nan")]), ValueError, "weights must be finite"),

@@ -183,7 +183,7 @@ class InfoNCESpec:
                 f"docs has {docs.shape[0]} rows, not a multiple of the {world_batch_size} query rows: lay docs out "
                 "as [positives | negatives_1 | ...], each column with one row per query."
             )
-        sorted_dims, sorted_weights, order = _check_dims(dims, weights, dim)
+        sorted_dims, sorted_weights, order = check_dims(dims, weights, dim)
         _check_choices(similarity, directions, partition_mode, hardness_mode)
         if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
             raise ValueError(f"scale must be a finite number > 0 (scale = 1 / temperature), got {scale!r}.")
@@ -272,25 +272,38 @@ def _check_tensors(queries: Tensor, docs: Tensor, world_queries: Tensor | None) 
             raise ValueError(f"{name} is on {tensor.device} but queries is on {queries.device}: move them together.")
 
 
-def _check_dims(
-    dims: Sequence[int], weights: Sequence[float] | None, dim: int
+def check_dims(
+    dims: Sequence[int], weights: Sequence[float] | None, dim: int, name: str = "dims", weights_name: str = "weights"
 ) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]:
-    if isinstance(dims, int) or not isinstance(dims, Sequence) or len(dims) == 0:
-        raise ValueError(f"dims must be a non-empty sequence of ints such as [{dim}, {dim // 2}], got {dims!r}.")
-    for d in dims:
-        if not isinstance(d, int) or isinstance(d, bool) or d <= 0:
-            raise ValueError(f"dims must hold positive ints, got {d!r} in {list(dims)}.")
-        if d > dim:
-            raise ValueError(f"dims holds {d}, larger than the embedding dimension D={dim}: drop it or use D.")
+    """Validate Matryoshka dims and their weights against the embedding dimension ``dim`` (the one rule the op,
+    the losses and the command line share; ``name`` and ``weights_name`` are the caller's argument names).
+
+    Returns:
+        (dims in descending order, their weights (default 1.0 each), ``order``: each sorted dim's index in ``dims``)
+
+    Raises:
+        ValueError: empty or not a sequence, a dim that is not a positive int or exceeds ``dim``, duplicates,
+            weights of another length or not finite.
+    """
+    if isinstance(dims, (int, str)) or not isinstance(dims, Sequence) or len(dims) == 0:
+        raise ValueError(f"{name} must be a non-empty list of ints such as [{dim}, {dim // 2}], got {dims!r}.")
+    bad = [d for d in dims if not isinstance(d, int) or isinstance(d, bool) or d <= 0]
+    if bad:
+        raise ValueError(f"{name} must hold positive ints, got {bad[0]!r} in {list(dims)}.")
+    too_large = [d for d in dims if d > dim]
+    if too_large:
+        verb = "is" if len(too_large) == 1 else "are"
+        raise ValueError(f"{name} {too_large} {verb} larger than the embedding dimension {dim}: use dims <= {dim}.")
     if len(set(dims)) != len(dims):
-        raise ValueError(f"dims holds duplicates: {list(dims)}; list each Matryoshka dim once.")
+        raise ValueError(f"{name} holds duplicates: {list(dims)}; list each Matryoshka dim once.")
     if weights is None:
         weights = [1.0] * len(dims)
-    if len(weights) != len(dims):
-        raise ValueError(f"weights has {len(weights)} entries but dims has {len(dims)}: give one weight per dim.")
+    if isinstance(weights, (int, float, str)) or len(weights) != len(dims):
+        count = "one number" if isinstance(weights, (int, float, str)) else f"{len(weights)} entries"
+        raise ValueError(f"{weights_name} has {count} but {name} has {len(dims)}: give one weight per dim.")
     for w in weights:
-        if not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ValueError(f"weights must be finite numbers, got {list(weights)}.")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ValueError(f"{weights_name} must be finite numbers, got {list(weights)}.")
     order = tuple(sorted(range(len(dims)), key=lambda i: -dims[i]))
     return tuple(dims[i] for i in order), tuple(float(weights[i]) for i in order), order
 
