@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from sentence_transformers.base.losses.gradcache import (
     CachedLossMixin,
-    _get_batch_size,
     _minibatch_ranges,
     _validate_mini_batch_num_tokens,
     has_static_embedding_input,
@@ -30,7 +29,19 @@ from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, dot_score, get_rank, get_world_size
 from torch import Tensor, nn
 
+from .loss_components import loss_components
+from .minibatches import (
+    LengthSorted,
+    check_columns,
+    length_order,
+    length_sorted,
+    reorder,
+    restore_order,
+    without_leading_padding,
+)
 from .ops import check_backend, matryoshka_infonce
+from .ops.spec import check_dims
+from .precision import encoder_autocast_dtypes, nonfinite_policy
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +51,6 @@ DEFAULT_MINI_BATCH_SIZE = 32
 # Stock MatryoshkaLoss re-normalises every truncated prefix (``shrink``), so on top of it both cos_sim
 # and dot_score score the prefixes by cosine similarity.
 _PREFIX_SIMILARITY = {cos_sim: "cosine", dot_score: "cosine"}
-
-# Feature keys whose rows are not one per text (flattened sequences, images, videos, audio): such a column
-# is embedded in its original order, since permuting its rows could pair them with the wrong inputs.
-_UNSORTABLE_KEY_PARTS = ("cu_seq_lens", "seq_idx", "pixel", "image", "video", "audio")
-
 
 class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
     def __init__(
@@ -192,47 +198,49 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         self._step_dims: tuple[int, ...] = ()
         self._step_orders: list[Tensor | None] = []
         self._step_per_dim: Tensor | None = None
+        self._encoder_dtypes: list[torch.dtype | None] = []  # autocast dtypes the encoder ran under, this step
 
     def forward(
         self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None
     ) -> dict[str, Tensor]:
         """Embed the columns [anchor, positive, negative_1, ...] (each a tokenized dict) and return the
         weighted loss per Matryoshka dim as ``{"loss_dim_<d>": 0-dim tensor}``; their sum is the loss, and only
-        that sum can be back-propagated (see :class:`_PerDimLosses`). ``labels`` are unused."""
+        that sum can be back-propagated (see :func:`loss_components.loss_components`). ``labels`` are unused."""
         sentence_features = list(sentence_features)
-        _check_columns(sentence_features)
+        check_columns(sentence_features)
         self._step_dims = self._sample_dims()
         if self.sort_by_length:
             self._step_orders = [self._step_order(feature) for feature in sentence_features]
             # With a fixed mini-batch size each mini-batch gathers its own rows (no copy of the whole batch's
             # features); a token budget cuts mini-batches from the lengths, so it needs the sorted copy.
-            sort = _reorder if self.mini_batch_num_tokens is not None else _length_sorted
+            sort = reorder if self.mini_batch_num_tokens is not None else length_sorted
             sentence_features = [sort(f, order) for f, order in zip(sentence_features, self._step_orders)]
         else:
             self._step_orders = [None] * len(sentence_features)
-        total = self.forward_cached(sentence_features, labels)
+        with encoder_autocast_dtypes(self.model) as self._encoder_dtypes:  # read in calculate_loss
+            total = self.forward_cached(sentence_features, labels)
         per_dim = dict(zip(self._step_dims, self._step_per_dim))
         self._step_per_dim = None
-        values = [
-            (weight * per_dim[dim]).detach() if dim in per_dim else torch.zeros_like(total.detach())
+        values = {
+            f"loss_dim_{dim}": (weight * per_dim[dim]).detach() if dim in per_dim else torch.zeros_like(total.detach())
             for dim, weight in zip(self.matryoshka_dims, self.matryoshka_weights)
-        ]
-        return dict(zip((f"loss_dim_{dim}" for dim in self.matryoshka_dims), _PerDimLosses.apply(total, *values)))
+        }
+        return loss_components(total, values)
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
         """Stock ``embed_minibatch`` (which trims the padding columns at the end of a mini-batch), on rows
         ``order[begin:end]`` of a length-sorted column, and without the padding columns at the start of a
-        left-padded mini-batch (:func:`_without_leading_padding`)."""
-        if isinstance(sentence_feature, _LengthSorted):
-            sentence_feature, begin, end = _reorder(sentence_feature, sentence_feature.order[begin:end]), 0, end - begin
-        sentence_feature, begin, end = _without_leading_padding(sentence_feature, begin, end)
+        left-padded mini-batch (:func:`minibatches.without_leading_padding`)."""
+        if isinstance(sentence_feature, LengthSorted):
+            sentence_feature, begin, end = reorder(sentence_feature, sentence_feature.order[begin:end]), 0, end - begin
+        sentence_feature, begin, end = without_leading_padding(sentence_feature, begin, end)
         return super().embed_minibatch(sentence_feature, begin, end, with_grad, copy_random_state, random_state)
 
     def _step_order(self, feature: dict[str, Any]) -> Tensor | None:
         # When one mini-batch holds the whole column, sorting saves nothing and would only change the dropout draw.
         if len(_minibatch_ranges(feature, self.mini_batch_size, self.mini_batch_num_tokens)) == 1:
             return None
-        return _length_order(feature)
+        return length_order(feature)
 
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
@@ -240,7 +248,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         """Step (2): the weighted Matryoshka InfoNCE loss of the whole batch from the per-mini-batch
         embeddings (each column's rows put back in their original order), in one call of the op.
         With ``with_backward`` it back-propagates to the embeddings and returns the detached loss."""
-        columns = [_restore_order(torch.cat(column), order) for column, order in zip(reps, self._step_orders)]
+        columns = [restore_order(torch.cat(column), order) for column, order in zip(reps, self._step_orders)]
         if not torch.is_grad_enabled():
             # Evaluation: without this the op would still compute gradients for the requires_grad leaves.
             columns = [column.detach() for column in columns]
@@ -269,6 +277,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             backend=self.backend,
             return_per_dim=True,
             world_queries=world_queries,
+            nonfinite=nonfinite_policy(self._encoder_dtypes),
         )
         self._step_per_dim = per_dim
         if with_backward:
@@ -351,65 +360,19 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
 """
 
 
-class _PerDimLosses(torch.autograd.Function):
-    """The per-dim losses as outputs of one autograd node that passes the gradient to the GradCache ``total``.
-
-    After gradient caching only ``total`` carries a gradient (its hook re-embeds every mini-batch once), so the
-    entries have no gradient of their own. Back-propagating their sum (``sum(out.values())``, the trainer's
-    ``torch.stack(...).sum()``, scaled or not) hands every entry the same gradient ``g``, which is ``total``'s
-    gradient. Anything else, such as ``out["loss_dim_768"].backward()`` alone, raises a RuntimeError instead of
-    silently back-propagating the whole loss.
-    """
-
-    @staticmethod
-    def forward(ctx, total: Tensor, *values: Tensor) -> tuple[Tensor, ...]:
-        ctx.set_materialize_grads(False)  # entries left out of the backward get None
-        return tuple(value.clone() for value in values)
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        if any(grad is None for grad in grads) or any(not torch.equal(grad, grads[0]) for grad in grads[1:]):
-            raise RuntimeError(
-                "CachedMatryoshkaLoss's per-dim losses carry the gradient only together: back-propagate their sum, "
-                "sum(out.values()).backward(), as SentenceTransformerTrainer does. One entry, or a sum weighting "
-                "the entries differently, has no gradient of its own (one re-embedding pass serves the whole loss); "
-                "weight the dims with matryoshka_weights instead."
-            )
-        return (grads[0], *(None for _ in grads))
-
-
 def _sorted_dims(
     model: SentenceTransformer, dims: Sequence[int], weights: Sequence[float] | None
 ) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """Validate the dims/weights as MatryoshkaLoss does and sort them by descending dim, as it does."""
-    if isinstance(dims, int) or not dims:
-        raise ValueError(f"matryoshka_dims must be a non-empty list of ints such as [768, 256], got {dims!r}.")
-    if any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims):
-        raise ValueError(f"matryoshka_dims must hold positive ints, got {list(dims)}.")
-    if len(set(dims)) != len(dims):
-        raise ValueError(f"matryoshka_dims holds duplicates: {list(dims)}; list each dim once.")
-    if weights is None:
-        weights = [1] * len(dims)
-    elif len(weights) != len(dims):
-        raise ValueError(
-            f"matryoshka_weights has {len(weights)} entries but matryoshka_dims has {len(dims)}: "
-            "give one weight per dim."
-        )
+    """The dims and weights sorted by descending dim, as MatryoshkaLoss does (``ops.spec.check_dims``'s rule),
+    warning as it does when the model's own dimension is not trained."""
     embedding_dim = model.get_embedding_dimension()
-    if embedding_dim is not None:
-        too_large = [d for d in dims if d > embedding_dim]
-        if too_large:
-            raise ValueError(
-                f"matryoshka_dims {too_large} exceed the model's embedding dimension of {embedding_dim}: "
-                f"use dims <= {embedding_dim}."
-            )
-        if embedding_dim not in dims:
-            logger.warning(
-                f"The model's embedding dimension {embedding_dim} is not in matryoshka_dims {list(dims)}, so the "
-                "full-size embedding is not trained. It is strongly recommended to include it."
-            )
-    pairs = sorted(zip(dims, weights), key=lambda pair: pair[0], reverse=True)
-    return tuple(d for d, _ in pairs), tuple(w for _, w in pairs)
+    dims, weights, _ = check_dims(dims, weights, embedding_dim, "matryoshka_dims", "matryoshka_weights")
+    if embedding_dim is not None and embedding_dim not in dims:
+        logger.warning(
+            f"The model's embedding dimension {embedding_dim} is not in matryoshka_dims {list(dims)}, so the "
+            "full-size embedding is not trained. It is strongly recommended to include it."
+        )
+    return dims, weights
 
 
 def _prefix_similarity(similarity_fct) -> str:
@@ -437,96 +400,3 @@ def _check_same_rows_on_every_rank(queries: Tensor) -> None:
             "rank: keep accelerate's even_batches=True (the default) with a fixed-size batch sampler, or set "
             "dataloader_drop_last=True, so that every process gets full batches."
         )
-
-
-def _check_columns(sentence_features: list[dict[str, Any]]) -> None:
-    if len(sentence_features) < 2:
-        raise ValueError(
-            f"CachedMatryoshkaLoss expects at least 2 input columns (anchor, positive[, negatives...]), got "
-            f"{len(sentence_features)}."
-        )
-    sizes = [_get_batch_size(feature) for feature in sentence_features]
-    if len(set(sizes)) != 1:
-        raise ValueError(
-            f"Every input column must have one row per anchor, got column sizes {sizes}: drop incomplete rows "
-            "from the dataset."
-        )
-
-
-def _rows_are_texts(feature: dict[str, Any]) -> bool:
-    """Whether every tensor of ``feature`` holds one row per text beside a 2-D attention mask, so rows can be
-    permuted and padding columns cut: not for flattened (``cu_seq_lens``) or image/video/audio inputs."""
-    if any(part in key for key in feature for part in _UNSORTABLE_KEY_PARTS):
-        return False
-    mask = feature.get("attention_mask")
-    if not isinstance(mask, Tensor) or mask.ndim != 2:
-        return False
-    rows = mask.shape[0]
-    return not any(
-        isinstance(value, Tensor) and (value.ndim == 0 or value.shape[0] != rows) for value in feature.values()
-    )
-
-
-def _length_order(feature: dict[str, Any]) -> Tensor | None:
-    """Row order by descending token count (stable), or None to keep the original order: when it is already
-    sorted, or when the column cannot be permuted row by row safely (see :func:`_rows_are_texts`)."""
-    if not _rows_are_texts(feature):
-        return None
-    mask = feature["attention_mask"]
-    rows = mask.shape[0]
-    order = torch.sort(mask.sum(dim=1), descending=True, stable=True).indices
-    if bool((order == torch.arange(rows, device=order.device)).all()):
-        return None
-    return order
-
-
-def _without_leading_padding(feature: dict[str, Any], begin: int, end: int) -> tuple[dict[str, Any], int, int]:
-    """Rows ``begin:end`` of a left-padded column without the padding columns that all of them start with (as
-    ``(feature, 0, end - begin)``), else the arguments unchanged.
-
-    Decoder embedding models pad on the left (Qwen3-Embedding, e5-mistral), where stock trims nothing. Every
-    per-token tensor (``input_ids``, ``attention_mask``, ``token_type_ids``, ``position_ids``, ...) loses the same
-    columns. The embeddings stay the same for models whose positions are rotary (relative: Qwen, Mistral, Llama),
-    follow the attention mask (RoBERTa) or come in ``position_ids``; a model with absolute positions counted from
-    the first column (BERT, if given left padding) sees its tokens shifted by the trimmed columns.
-    """
-    if not _rows_are_texts(feature) or "query_expansion_positions" in feature:  # ColBERT scores masked positions
-        return feature, begin, end
-    mask = feature["attention_mask"]
-    active = mask[begin:end].bool().any(dim=0)
-    if bool(active[0]) or not bool(active.any()):
-        return feature, begin, end
-    first, width = int(active.nonzero()[0]), mask.shape[1]
-    trimmed = {
-        key: value[begin:end, first:] if value.ndim >= 2 and value.shape[1] == width else value[begin:end]
-        for key, value in feature.items()
-        if isinstance(value, Tensor)
-    }
-    return {**feature, **trimmed}, 0, end - begin
-
-
-class _LengthSorted(dict):
-    """A column's features as given (no copy) and the row ``order`` in which ``embed_minibatch`` reads them."""
-
-    def __init__(self, feature: dict[str, Any], order: Tensor) -> None:
-        super().__init__(feature)
-        self.order = order
-
-
-def _length_sorted(feature: dict[str, Any], order: Tensor | None) -> dict[str, Any]:
-    return feature if order is None else _LengthSorted(feature, order)
-
-
-def _reorder(feature: dict[str, Any], order: Tensor | None) -> dict[str, Any]:
-    if order is None:
-        return feature
-    return {key: value[order] if isinstance(value, Tensor) else value for key, value in feature.items()}
-
-
-def _restore_order(embeddings: Tensor, order: Tensor | None) -> Tensor:
-    """Embeddings of rows ``feature[order]`` back in the original row order (differentiable gather)."""
-    if order is None:
-        return embeddings
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return embeddings[inverse.to(embeddings.device)]

@@ -18,7 +18,7 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.util import dot_score, euclidean_sim
 
 from st_cached_losses import CachedMatryoshkaLoss, cached_matryoshka
-from st_cached_losses.cached_matryoshka import _length_order
+from st_cached_losses.minibatches import length_order as _length_order
 from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
 
 WORDS = (
@@ -434,7 +434,7 @@ def test_error_unsupported_loss(tiny_model):
 
 
 def test_error_dims_larger_than_the_embedding(tiny_model):
-    with pytest.raises(ValueError, match=r"\[64\] exceed the model's embedding dimension of 48"):
+    with pytest.raises(ValueError, match=r"matryoshka_dims \[64\] is larger than the embedding dimension 48"):
         CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [64, 48, 8])
 
 

@@ -101,3 +101,49 @@ def test_trainer_bf16_step_matches_stock(tmp_path):
     ours, stock = _one_sgd_step(tmp_path, "ours"), _one_sgd_step(tmp_path, "stock")
     assert sum(bool(delta.abs().max() > 0) for delta in stock.values()) > len(stock) // 2
     _assert_close_within_bf16(ours, stock)
+
+
+def _diverged(model) -> None:
+    """Every embedding becomes NaN (a diverged run): the encoder's first LayerNorm weight is NaN."""
+    with torch.no_grad():
+        model[0].auto_model.embeddings.LayerNorm.weight.fill_(float("nan"))
+
+
+def _autocast_forward(model, dtype) -> None:
+    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=dtype)(model.forward))
+
+
+@pytest.mark.parametrize("loss_name", ["ours", "stock"])
+def test_fp16_mixed_precision_skips_a_diverged_step_like_stock(loss_name):
+    """Under fp16 autocast (the trainer's fp16=True) a NaN embedding gives a NaN loss and NaN gradients, so the
+    gradient scaler skips the step and lowers its scale: the same for ours as for stock."""
+    model = tiny_sentence_transformer(seed=4)
+    _autocast_forward(model, torch.float16)
+    _diverged(model)
+    base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=4)
+    loss_fn = CachedMatryoshkaLoss(model, base, DIMS) if loss_name == "ours" else MatryoshkaLoss(model, base, DIMS)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    out = loss_fn([model.preprocess(_texts(8, seed)) for seed in (5, 6)], None)
+    total = sum(out.values()) if isinstance(out, dict) else out
+    assert torch.isnan(total)
+    scaler.scale(total).backward()
+    assert any(p.grad is not None and not torch.isfinite(p.grad).all() for p in model.parameters())
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() < 2.0**16
+    assert all(torch.equal(p, before[name]) or torch.isnan(before[name]).all() for name, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_diverged_step_outside_fp16_is_a_clear_error(dtype):
+    """In fp32 and bf16 training a NaN embedding means the run diverged: stock would silently turn every weight
+    into NaN; ours stops with a ValueError that says so."""
+    model = tiny_sentence_transformer(seed=4)
+    if dtype is not None:
+        _autocast_forward(model, dtype)
+    _diverged(model)
+    loss = CachedMatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=4), DIMS)
+    with pytest.raises(ValueError, match="contains NaN or Inf: the run diverged"):
+        loss([model.preprocess(_texts(8, seed)) for seed in (5, 6)], None)

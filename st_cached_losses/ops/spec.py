@@ -273,10 +273,12 @@ def _check_tensors(queries: Tensor, docs: Tensor, world_queries: Tensor | None) 
 
 
 def check_dims(
-    dims: Sequence[int], weights: Sequence[float] | None, dim: int, name: str = "dims", weights_name: str = "weights"
+    dims: Sequence[int], weights: Sequence[float] | None, dim: int | None, name: str = "dims",
+    weights_name: str = "weights",
 ) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]:
-    """Validate Matryoshka dims and their weights against the embedding dimension ``dim`` (the one rule the op,
-    the losses and the command line share; ``name`` and ``weights_name`` are the caller's argument names).
+    """Validate Matryoshka dims and their weights against the embedding dimension ``dim`` (None: unknown, no
+    bound) — the one rule the op, the losses and the command line share; ``name`` and ``weights_name`` are the
+    caller's argument names.
 
     Returns:
         (dims in descending order, their weights (default 1.0 each), ``order``: each sorted dim's index in ``dims``)
@@ -286,11 +288,12 @@ def check_dims(
             weights of another length or not finite.
     """
     if isinstance(dims, (int, str)) or not isinstance(dims, Sequence) or len(dims) == 0:
-        raise ValueError(f"{name} must be a non-empty list of ints such as [{dim}, {dim // 2}], got {dims!r}.")
+        example = dim or 768
+        raise ValueError(f"{name} must be a non-empty list of ints such as [{example}, {example // 2}], got {dims!r}.")
     bad = [d for d in dims if not isinstance(d, int) or isinstance(d, bool) or d <= 0]
     if bad:
         raise ValueError(f"{name} must hold positive ints, got {bad[0]!r} in {list(dims)}.")
-    too_large = [d for d in dims if d > dim]
+    too_large = [d for d in dims if dim is not None and d > dim]
     if too_large:
         verb = "is" if len(too_large) == 1 else "are"
         raise ValueError(f"{name} {too_large} {verb} larger than the embedding dimension {dim}: use dims <= {dim}.")

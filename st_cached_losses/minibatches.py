@@ -1,0 +1,111 @@
+"""How a batch's columns are cut into mini-batches: one row per anchor in every column, rows in length order
+(so each mini-batch pads only to its own longest row), and mini-batches without the padding columns all their
+rows share (trailing padding is trimmed by sentence-transformers' own ``embed_minibatch``; leading padding, of
+left-padded decoder models, here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sentence_transformers.base.losses.gradcache import _get_batch_size
+from torch import Tensor
+
+# Feature keys whose rows are not one per text (flattened sequences, images, videos, audio): such a column
+# is embedded in its original order, since permuting its rows could pair them with the wrong inputs.
+_UNSORTABLE_KEY_PARTS = ("cu_seq_lens", "seq_idx", "pixel", "image", "video", "audio")
+
+
+def check_columns(sentence_features: list[dict[str, Any]]) -> None:
+    """Raises ValueError unless there are >= 2 columns (anchor, positive[, negatives...]) of equal row counts."""
+    if len(sentence_features) < 2:
+        raise ValueError(
+            f"CachedMatryoshkaLoss expects at least 2 input columns (anchor, positive[, negatives...]), got "
+            f"{len(sentence_features)}."
+        )
+    sizes = [_get_batch_size(feature) for feature in sentence_features]
+    if len(set(sizes)) != 1:
+        raise ValueError(
+            f"Every input column must have one row per anchor, got column sizes {sizes}: drop incomplete rows "
+            "from the dataset."
+        )
+
+
+def rows_are_texts(feature: dict[str, Any]) -> bool:
+    """Whether every tensor of ``feature`` holds one row per text beside a 2-D attention mask, so rows can be
+    permuted and padding columns cut: not for flattened (``cu_seq_lens``) or image/video/audio inputs."""
+    if any(part in key for key in feature for part in _UNSORTABLE_KEY_PARTS):
+        return False
+    mask = feature.get("attention_mask")
+    if not isinstance(mask, Tensor) or mask.ndim != 2:
+        return False
+    rows = mask.shape[0]
+    return not any(
+        isinstance(value, Tensor) and (value.ndim == 0 or value.shape[0] != rows) for value in feature.values()
+    )
+
+
+def length_order(feature: dict[str, Any]) -> Tensor | None:
+    """Row order by descending token count (stable), or None to keep the original order: when it is already
+    sorted, or when the column cannot be permuted row by row safely (see :func:`rows_are_texts`)."""
+    if not rows_are_texts(feature):
+        return None
+    mask = feature["attention_mask"]
+    rows = mask.shape[0]
+    order = torch.sort(mask.sum(dim=1), descending=True, stable=True).indices
+    if bool((order == torch.arange(rows, device=order.device)).all()):
+        return None
+    return order
+
+
+def without_leading_padding(feature: dict[str, Any], begin: int, end: int) -> tuple[dict[str, Any], int, int]:
+    """Rows ``begin:end`` of a left-padded column without the padding columns that all of them start with (as
+    ``(feature, 0, end - begin)``), else the arguments unchanged.
+
+    Decoder embedding models pad on the left (Qwen3-Embedding, e5-mistral), where stock trims nothing. Every
+    per-token tensor (``input_ids``, ``attention_mask``, ``token_type_ids``, ``position_ids``, ...) loses the same
+    columns. The embeddings stay the same for models whose positions are rotary (relative: Qwen, Mistral, Llama),
+    follow the attention mask (RoBERTa) or come in ``position_ids``; a model with absolute positions counted from
+    the first column (BERT, if given left padding) sees its tokens shifted by the trimmed columns.
+    """
+    if not rows_are_texts(feature) or "query_expansion_positions" in feature:  # ColBERT scores masked positions
+        return feature, begin, end
+    mask = feature["attention_mask"]
+    active = mask[begin:end].bool().any(dim=0)
+    if bool(active[0]) or not bool(active.any()):
+        return feature, begin, end
+    first, width = int(active.nonzero()[0]), mask.shape[1]
+    trimmed = {
+        key: value[begin:end, first:] if value.ndim >= 2 and value.shape[1] == width else value[begin:end]
+        for key, value in feature.items()
+        if isinstance(value, Tensor)
+    }
+    return {**feature, **trimmed}, 0, end - begin
+
+
+class LengthSorted(dict):
+    """A column's features as given (no copy) and the row ``order`` in which ``embed_minibatch`` reads them."""
+
+    def __init__(self, feature: dict[str, Any], order: Tensor) -> None:
+        super().__init__(feature)
+        self.order = order
+
+
+def length_sorted(feature: dict[str, Any], order: Tensor | None) -> dict[str, Any]:
+    return feature if order is None else LengthSorted(feature, order)
+
+
+def reorder(feature: dict[str, Any], order: Tensor | None) -> dict[str, Any]:
+    if order is None:
+        return feature
+    return {key: value[order] if isinstance(value, Tensor) else value for key, value in feature.items()}
+
+
+def restore_order(embeddings: Tensor, order: Tensor | None) -> Tensor:
+    """Embeddings of rows ``feature[order]`` back in the original row order (differentiable gather)."""
+    if order is None:
+        return embeddings
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return embeddings[inverse.to(embeddings.device)]
