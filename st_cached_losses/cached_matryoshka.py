@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
+from sentence_transformers.base.losses import gradcache
 from sentence_transformers.base.losses.gradcache import (
     CachedLossMixin,
     _minibatch_ranges,
@@ -51,6 +53,7 @@ DEFAULT_MINI_BATCH_SIZE = 32
 # Stock MatryoshkaLoss re-normalises every truncated prefix (``shrink``), so on top of it both cos_sim
 # and dot_score score the prefixes by cosine similarity.
 _PREFIX_SIMILARITY = {cos_sim: "cosine", dot_score: "cosine"}
+
 
 class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
     def __init__(
@@ -228,13 +231,26 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         return loss_components(total, values)
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
-        """Stock ``embed_minibatch`` (which trims the padding columns at the end of a mini-batch), on rows
-        ``order[begin:end]`` of a length-sorted column, and without the padding columns at the start of a
-        left-padded mini-batch (:func:`minibatches.without_leading_padding`)."""
+        """CachedLossMixin's contract, ``(embeddings, RandContext or None)`` of rows ``begin:end`` of a column, as
+        stock's ``embed_minibatch`` (RNG snapshot for the dropout replay, no graph without ``with_grad``) on
+        :meth:`minibatch_features` through :meth:`encode`."""
+        features = self.minibatch_features(sentence_feature, begin, end)
+        with nullcontext() if random_state is None else random_state, nullcontext() if with_grad else torch.no_grad():
+            random_state = gradcache.RandContext(*features.values()) if copy_random_state else None
+            return self.encode(features), random_state
+
+    def minibatch_features(self, sentence_feature: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
+        """Rows ``begin:end`` of a column (rows ``order[begin:end]`` of a length-sorted one) without the padding
+        columns they all share: at the end (stock's ``_create_minibatch``) and at the start of a left-padded
+        mini-batch (:func:`minibatches.without_leading_padding`)."""
         if isinstance(sentence_feature, LengthSorted):
             sentence_feature, begin, end = reorder(sentence_feature, sentence_feature.order[begin:end]), 0, end - begin
         sentence_feature, begin, end = without_leading_padding(sentence_feature, begin, end)
-        return super().embed_minibatch(sentence_feature, begin, end, with_grad, copy_random_state, random_state)
+        return gradcache._create_minibatch(sentence_feature, begin, end)
+
+    def encode(self, features: dict[str, Any]) -> Tensor:
+        """(rows, D) embeddings of one mini-batch: the model's sentence embedding."""
+        return self.model(features)["sentence_embedding"]
 
     def _step_order(self, feature: dict[str, Any]) -> Tensor | None:
         # When one mini-batch holds the whole column, sorting saves nothing and would only change the dropout draw.
