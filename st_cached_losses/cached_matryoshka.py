@@ -264,42 +264,52 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         """Step (2): the weighted Matryoshka InfoNCE loss of the whole batch from the per-mini-batch
         embeddings (each column's rows put back in their original order), in one call of the op.
         With ``with_backward`` it back-propagates to the embeddings and returns the detached loss."""
-        columns = [restore_order(torch.cat(column), order) for column, order in zip(reps, self._step_orders)]
-        if not torch.is_grad_enabled():
-            # Evaluation: without this the op would still compute gradients for the requires_grad leaves.
-            columns = [column.detach() for column in columns]
-        queries, docs = columns[0], columns[1:]
-        world_queries, offset = None, 0
-        if self.gather_across_devices:
-            # As stock calculate_loss: this rank's queries against the gathered queries and documents.
-            _check_same_rows_on_every_rank(queries)
-            gathered = all_gather_with_grad(queries)
-            docs = [all_gather_with_grad(doc) for doc in docs]
-            if gathered.shape[0] != queries.shape[0]:
-                world_queries, offset = gathered, get_rank() * queries.shape[0]
+        columns = self.columns(reps)
         weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in self._step_dims]
+        queries, docs, placement = self.gathered(columns[0], columns[1:])
         loss, per_dim = matryoshka_infonce(
-            queries,
-            torch.cat(docs),
-            dims=self._step_dims,
-            weights=weights,
-            scale=self.scale,
-            similarity=_prefix_similarity(self.similarity_fct),
-            offset=offset,
-            directions=self.directions,
-            partition_mode=self.partition_mode,
-            hardness_mode=self.hardness_mode,
-            hardness_strength=self.hardness_strength,
-            backend=self.backend,
-            return_per_dim=True,
-            world_queries=world_queries,
-            nonfinite=nonfinite_policy(self._encoder_dtypes),
+            queries, docs, dims=self._step_dims, weights=weights, return_per_dim=True, **placement, **self.op_options()
         )
         self._step_per_dim = per_dim
         if with_backward:
             loss.backward()
             loss = loss.detach()
         return loss
+
+    def columns(self, reps: list[list[Tensor]]) -> list[Tensor]:
+        """Each column's mini-batch embeddings as one (B, D) tensor, rows in the batch's own order."""
+        columns = [restore_order(torch.cat(column), order) for column, order in zip(reps, self._step_orders)]
+        if not torch.is_grad_enabled():
+            # Evaluation: without this the op would still compute gradients for the requires_grad leaves.
+            columns = [column.detach() for column in columns]
+        return columns
+
+    def gathered(self, queries: Tensor, docs: list[Tensor]) -> tuple[Tensor, Tensor, dict]:
+        """``(queries, docs, {"offset", "world_queries"})`` for the op: with the base loss's
+        ``gather_across_devices``, as stock's calculate_loss, this rank's queries against every rank's queries
+        and documents (gathered with gradients, which flow back to their owners)."""
+        if not self.gather_across_devices:
+            return queries, torch.cat(docs), {}
+        _check_same_rows_on_every_rank(queries)
+        world_queries = all_gather_with_grad(queries)
+        docs = torch.cat([all_gather_with_grad(doc) for doc in docs])
+        if world_queries.shape[0] == queries.shape[0]:
+            return queries, docs, {}
+        return queries, docs, {"offset": get_rank() * queries.shape[0], "world_queries": world_queries}
+
+    def op_options(self) -> dict[str, Any]:
+        """The op's keyword arguments from the base loss's hyperparameters (read at every step, as stock does),
+        the backend and this step's non-finite policy."""
+        return dict(
+            scale=self.scale,
+            similarity=_prefix_similarity(self.similarity_fct),
+            directions=self.directions,
+            partition_mode=self.partition_mode,
+            hardness_mode=self.hardness_mode,
+            hardness_strength=self.hardness_strength,
+            backend=self.backend,
+            nonfinite=nonfinite_policy(self._encoder_dtypes),
+        )
 
     def _sample_dims(self) -> tuple[int, ...]:
         # The same random.sample call as MatryoshkaLoss, so a seed picks the same dims as stock.
