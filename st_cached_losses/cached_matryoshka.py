@@ -23,13 +23,12 @@ from sentence_transformers.base.losses.gradcache import (
     _validate_mini_batch_num_tokens,
     has_static_embedding_input,
 )
-from sentence_transformers.sentence_transformer.losses import (
-    CachedMultipleNegativesRankingLoss,
-    MultipleNegativesRankingLoss,
-)
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
-from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, dot_score, get_rank, get_world_size
+from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank, get_world_size
 from torch import Tensor, nn
+
+from . import base_losses, citations
+from .base_losses import Guide, check_base_loss, is_gist, mini_batch_defaults
 
 from .loss_components import loss_components
 from .minibatches import (
@@ -42,24 +41,20 @@ from .minibatches import (
     without_leading_padding,
 )
 from .ops import check_backend, matryoshka_infonce
-from .ops.spec import check_dims
+from .ops.spec import check_dims, check_false_negative_rule
 from .precision import encoder_autocast_dtypes, nonfinite_policy
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_LOSSES = (MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss)
+SUPPORTED_LOSSES = base_losses.SUPPORTED_LOSSES
 DEFAULT_MINI_BATCH_SIZE = 32
-
-# Stock MatryoshkaLoss re-normalises every truncated prefix (``shrink``), so on top of it both cos_sim
-# and dot_score score the prefixes by cosine similarity.
-_PREFIX_SIMILARITY = {cos_sim: "cosine", dot_score: "cosine"}
 
 
 class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
     def __init__(
         self,
         model: SentenceTransformer,
-        loss: MultipleNegativesRankingLoss | CachedMultipleNegativesRankingLoss,
+        loss: nn.Module,
         matryoshka_dims: Sequence[int],
         matryoshka_weights: Sequence[float] | Sequence[int] | None = None,
         n_dims_per_step: int = -1,
@@ -68,6 +63,8 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         sort_by_length: bool = True,
         backend: str = "auto",
         show_progress_bar: bool = False,
+        false_negative_margin: float | None = None,
+        false_negative_strategy: str = "absolute",
     ) -> None:
         """
         A drop-in replacement for ``MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model), dims)``:
@@ -82,11 +79,16 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             (3) on backward, re-embed each mini-batch with gradients (same dropout masks) and back-propagate
                 the cached gradient, scaled by the incoming ``grad_output``.
 
-        The hyperparameters of the InfoNCE loss (``scale``, ``similarity_fct``, ``directions``,
-        ``partition_mode``, ``hardness_mode``, ``hardness_strength``, ``gather_across_devices``) are read
-        from ``loss`` whenever the loss is computed. As in ``MatryoshkaLoss``, each dim scores the
-        re-normalised prefixes of the embeddings, so ``similarity_fct`` may be ``cos_sim`` or ``dot_score``
-        (both give cosine similarity of the prefixes).
+        The hyperparameters of the InfoNCE loss are read from ``loss`` whenever the loss is computed (see
+        :mod:`st_cached_losses.base_losses`): ``scale``, ``similarity_fct``, ``directions``, ``partition_mode``,
+        ``hardness_mode``, ``hardness_strength``, ``gather_across_devices`` of a (Cached)MultipleNegativesRankingLoss;
+        the guide model, ``temperature``, ``margin_strategy``, ``margin``, ``contrast_anchors``,
+        ``contrast_positives``, ``gather_across_devices`` of a (Cached)GISTEmbedLoss, whose guide embeds every
+        mini-batch's texts in step (1) (no gradient, never stepped) and whose false-negative mask the op computes
+        tile by tile, once for all dims. Replacing ``MatryoshkaLoss(model, base, dims)`` by this loss changes
+        nothing but time and memory. As in ``MatryoshkaLoss``, each dim scores the re-normalised prefixes of the
+        embeddings, so ``similarity_fct`` may be ``cos_sim`` or ``dot_score`` (both give cosine similarity of
+        the prefixes).
 
         ``forward`` returns a dict ``{"loss_dim_<d>": weight_d * loss_d}`` (0-dim tensors, one per dim, in
         descending dim order; 0 for dims not sampled this step): ``SentenceTransformerTrainer`` logs each
@@ -98,17 +100,18 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         Args:
             model: SentenceTransformer model (not one built on a StaticEmbedding, whose inputs cannot be
                 split into mini-batches).
-            loss: a :class:`MultipleNegativesRankingLoss` or :class:`CachedMultipleNegativesRankingLoss`
-                that holds the InfoNCE hyperparameters (it is not called itself).
+            loss: a :class:`MultipleNegativesRankingLoss`, :class:`CachedMultipleNegativesRankingLoss`,
+                :class:`GISTEmbedLoss` or :class:`CachedGISTEmbedLoss` that holds the hyperparameters (it is not
+                called itself).
             matryoshka_dims: embedding dims to train, e.g. [768, 512, 256, 128, 64]; each in
                 [1, model embedding dim], no duplicates. Sorted in descending order, as in MatryoshkaLoss.
             matryoshka_weights: one weight per dim (default 1 each).
             n_dims_per_step: if > 0 and fewer than the number of dims, sample that many dims per step with
                 Python's ``random.sample``, exactly as MatryoshkaLoss does (so a seed picks the same dims).
             mini_batch_size: rows per embedding mini-batch (the memory knob). Default: ``loss.mini_batch_size``
-                for a CachedMultipleNegativesRankingLoss, else 32.
+                for a cached base loss, else 32.
             mini_batch_num_tokens: if set, pack mini-batches by non-padding token count instead. Default:
-                ``loss.mini_batch_num_tokens`` for a CachedMultipleNegativesRankingLoss, else None.
+                ``loss.mini_batch_num_tokens`` for a cached base loss, else None.
             sort_by_length: within each column, order rows by token count before cutting them into
                 mini-batches (and restore the original order before the loss), so each mini-batch pads only
                 to its own longest row: each mini-batch drops the padding columns all its rows share, at the
@@ -120,10 +123,17 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
                 "chunked" or "dense"; checked against the model's device here
                 (:func:`st_cached_losses.ops.check_backend`).
             show_progress_bar: show a progress bar over the embedding mini-batches.
+            false_negative_margin: with an MNRL base loss, filter false negatives with the model itself as the
+                guide (self-guided: Qwen3-Embedding's, pplx-embed's recipe): a row scores no in-batch candidate
+                whose full-dim similarity (detached) exceeds its positive's minus the margin (either sign:
+                Qwen3-Embedding's "above the positive + 0.1" is -0.1). None (default): off. The share of
+                candidates dropped is logged at INFO every training step and kept in ``masked_share``.
+            false_negative_strategy: "absolute" (``s - margin``) or "relative" (``s - |s| * margin``).
 
         Raises:
             TypeError: ``loss`` is not one of the supported losses.
-            ValueError: a StaticEmbedding model; empty, non-positive, duplicate dims or dims larger than the
+            ValueError: a non-finite ``false_negative_margin``, an unknown strategy, or a margin next to a
+                GISTEmbed base loss (which has its own); a StaticEmbedding model; empty, non-positive, duplicate dims or dims larger than the
                 model's embedding dimension; weights of another length; an unsupported ``similarity_fct``,
                 ``mini_batch_size`` or ``mini_batch_num_tokens``; an unknown ``backend``, or one that cannot run
                 on the model's device ("triton" on CPU outside Triton's interpreter). ``forward`` raises ValueError
@@ -134,6 +144,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             - Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup (GradCache):
               https://arxiv.org/abs/2101.06983
             - Matryoshka Representation Learning: https://arxiv.org/abs/2205.13147
+            - GISTEmbed (the false-negative filter): https://arxiv.org/abs/2402.16829
 
         Inputs:
             +-------------------------------------------------+--------+
@@ -165,27 +176,27 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
                 trainer.train()
         """
         super().__init__()
-        if not isinstance(loss, SUPPORTED_LOSSES):
-            supported = ", ".join(cls.__name__ for cls in SUPPORTED_LOSSES)
-            raise TypeError(
-                f"CachedMatryoshkaLoss supports loss={supported}, got {type(loss).__name__}: wrap other losses in "
-                "sentence_transformers' MatryoshkaLoss instead."
-            )
+        check_base_loss(loss, type(self).__name__)
         if has_static_embedding_input(model):
             raise ValueError(
                 "CachedMatryoshkaLoss is not compatible with a SentenceTransformer model based on a StaticEmbedding, "
                 "whose inputs cannot be split into mini-batches. Use MatryoshkaLoss(model, "
                 "MultipleNegativesRankingLoss(model), dims) instead."
             )
-        cached_base = isinstance(loss, CachedMultipleNegativesRankingLoss)
-        if mini_batch_size is None:
-            mini_batch_size = loss.mini_batch_size if cached_base else DEFAULT_MINI_BATCH_SIZE
-        if mini_batch_num_tokens is None and cached_base:
-            mini_batch_num_tokens = loss.mini_batch_num_tokens
+        default_size, default_tokens = mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE)
+        mini_batch_size = default_size if mini_batch_size is None else mini_batch_size
+        mini_batch_num_tokens = default_tokens if mini_batch_num_tokens is None else mini_batch_num_tokens
         if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0:
             raise ValueError(f"mini_batch_size must be a positive int, got {mini_batch_size!r}.")
         _validate_mini_batch_num_tokens(mini_batch_num_tokens)
         check_backend(backend, model.device)  # e.g. "triton" for a model on CPU: now, not after the first batch
+        if false_negative_margin is not None:
+            if is_gist(loss):
+                raise ValueError(
+                    f"{type(loss).__name__} filters false negatives with its guide and its own margin: set margin "
+                    "there, or use a MultipleNegativesRankingLoss base with false_negative_margin (self-guided)."
+                )
+            check_false_negative_rule(false_negative_margin, false_negative_strategy)
 
         self.model = model
         self.loss = loss
@@ -196,12 +207,16 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         self.sort_by_length = sort_by_length
         self.backend = backend
         self.show_progress_bar = show_progress_bar
-        _prefix_similarity(loss.similarity_fct)  # fail at construction, not at the first step
+        self.false_negative_margin = false_negative_margin
+        self.false_negative_strategy = false_negative_strategy
+        self.guide = Guide(loss) if is_gist(loss) else None
+        self.masked_share: float | None = None  # the false-negative filter's share of candidates dropped, last step
         # Set by forward for the calculate_loss call it makes (forward_cached calls it synchronously).
         self._step_dims: tuple[int, ...] = ()
         self._step_orders: list[Tensor | None] = []
         self._step_per_dim: Tensor | None = None
         self._encoder_dtypes: list[torch.dtype | None] = []  # autocast dtypes the encoder ran under, this step
+        self._step_guide: dict[int, list[Tensor]] = {}  # id(column) -> the guide's mini-batch embeddings
 
     def forward(
         self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None
@@ -220,6 +235,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             sentence_features = [sort(f, order) for f, order in zip(sentence_features, self._step_orders)]
         else:
             self._step_orders = [None] * len(sentence_features)
+        self._step_guide = {id(feature): [] for feature in sentence_features} if self.guide is not None else {}
         with encoder_autocast_dtypes(self.model) as self._encoder_dtypes:  # read in calculate_loss
             total = self.forward_cached(sentence_features, labels)
         per_dim = dict(zip(self._step_dims, self._step_per_dim))
@@ -235,6 +251,8 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         stock's ``embed_minibatch`` (RNG snapshot for the dropout replay, no graph without ``with_grad``) on
         :meth:`minibatch_features` through :meth:`encode`."""
         features = self.minibatch_features(sentence_feature, begin, end)
+        if not with_grad and id(sentence_feature) in self._step_guide:  # step (1): the guide embeds the same rows
+            self._step_guide[id(sentence_feature)].append(self.guide.embed(features, self.model.device))
         with nullcontext() if random_state is None else random_state, nullcontext() if with_grad else torch.no_grad():
             random_state = gradcache.RandContext(*features.values()) if copy_random_state else None
             return self.encode(features), random_state
@@ -267,14 +285,33 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         columns = self.columns(reps)
         weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in self._step_dims]
         queries, docs, placement = self.gathered(columns[0], columns[1:])
-        loss, per_dim = matryoshka_infonce(
-            queries, docs, dims=self._step_dims, weights=weights, return_per_dim=True, **placement, **self.op_options()
-        )
+        loss, per_dim, masked_share = matryoshka_infonce(
+            queries, docs, dims=self._step_dims, weights=weights, return_per_dim=True, return_masked_share=True,
+            **placement, **self.guide_embeddings(), **self.op_options(),
+        )  # fmt: skip
         self._step_per_dim = per_dim
+        self._note_masked_share(masked_share)
         if with_backward:
             loss.backward()
             loss = loss.detach()
         return loss
+
+    def guide_embeddings(self) -> dict[str, Tensor]:
+        """This step's guide embeddings for the op (a GISTEmbed base loss): ``guide_queries`` (this rank's) and
+        ``guide_docs`` (every rank's, gathered as the model's docs are), rows in the batch's order."""
+        if self.guide is None:
+            return {}
+        columns = [restore_order(torch.cat(self._step_guide[key]), order)
+                   for key, order in zip(self._step_guide, self._step_orders)]  # fmt: skip
+        docs = torch.cat([all_gather(doc) if self.gather_across_devices else doc for doc in columns[1:]])
+        return {"guide_queries": columns[0], "guide_docs": docs}
+
+    def _note_masked_share(self, masked_share: Tensor) -> None:
+        if self.guide is None and self.false_negative_margin is None:
+            return
+        self.masked_share = float(masked_share)
+        if torch.is_grad_enabled():  # training steps, not evaluation
+            logger.info("false-negative filter: %.2f%% of in-batch candidates dropped", 100 * self.masked_share)
 
     def columns(self, reps: list[list[Tensor]]) -> list[Tensor]:
         """Each column's mini-batch embeddings as one (B, D) tensor, rows in the batch's own order."""
@@ -298,18 +335,14 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         return queries, docs, {"offset": get_rank() * queries.shape[0], "world_queries": world_queries}
 
     def op_options(self) -> dict[str, Any]:
-        """The op's keyword arguments from the base loss's hyperparameters (read at every step, as stock does),
-        the backend and this step's non-finite policy."""
-        return dict(
-            scale=self.scale,
-            similarity=_prefix_similarity(self.similarity_fct),
-            directions=self.directions,
-            partition_mode=self.partition_mode,
-            hardness_mode=self.hardness_mode,
-            hardness_strength=self.hardness_strength,
-            backend=self.backend,
-            nonfinite=nonfinite_policy(self._encoder_dtypes),
-        )
+        """The op's keyword arguments: the base loss's hyperparameters (read at every step, as stock does; see
+        :mod:`base_losses`), the self-guided false-negative filter, the backend and this step's non-finite
+        policy."""
+        options = base_losses.op_options(self.loss)
+        if self.false_negative_margin is not None:
+            options.update(false_negative_margin=self.false_negative_margin,
+                           false_negative_strategy=self.false_negative_strategy)  # fmt: skip
+        return {**options, "backend": self.backend, "nonfinite": nonfinite_policy(self._encoder_dtypes)}
 
     def _sample_dims(self) -> tuple[int, ...]:
         # The same random.sample call as MatryoshkaLoss, so a seed picks the same dims as stock.
@@ -318,10 +351,14 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             dim_indices = sorted(random.sample(dim_indices, self.n_dims_per_step))
         return tuple(self.matryoshka_dims[i] for i in dim_indices)
 
-    # The InfoNCE hyperparameters live on the wrapped loss (read at every step, as stock does).
+    # The InfoNCE hyperparameters live on the base loss (read at every step, as stock does).
     @property
     def scale(self) -> float:
-        return self.loss.scale
+        return base_losses.op_options(self.loss)["scale"]
+
+    @property
+    def temperature(self) -> float:
+        return 1.0 / self.scale
 
     @property
     def similarity_fct(self):
@@ -329,27 +366,23 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
 
     @property
     def directions(self) -> tuple[str, ...]:
-        return tuple(self.loss.directions)
+        return tuple(base_losses.op_options(self.loss)["directions"])
 
     @property
     def partition_mode(self) -> str:
-        return self.loss.partition_mode
+        return base_losses.op_options(self.loss).get("partition_mode", "joint")
 
     @property
     def hardness_mode(self) -> str | None:
-        return self.loss.hardness_mode
+        return base_losses.op_options(self.loss).get("hardness_mode")
 
     @property
     def hardness_strength(self) -> float:
-        return self.loss.hardness_strength
+        return base_losses.op_options(self.loss).get("hardness_strength", 0.0)
 
     @property
     def gather_across_devices(self) -> bool:
         return self.loss.gather_across_devices
-
-    @property
-    def temperature(self) -> float:
-        return 1.0 / self.scale
 
     def get_config_dict(self) -> dict[str, Any]:
         # "loss" is the module itself: the model card renders it with its own config (scale, directions, ...).
@@ -362,28 +395,15 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "sort_by_length": self.sort_by_length,
             "backend": self.backend,
-        }
+            **({"false_negative_margin": self.false_negative_margin,
+                "false_negative_strategy": self.false_negative_strategy}
+               if self.false_negative_margin is not None else {}),
+        }  # fmt: skip
 
     @property
     def citation(self) -> str:
-        return """
-@misc{gao2021scaling,
-    title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
-    author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
-    year={2021},
-    eprint={2101.06983},
-    archivePrefix={arXiv},
-    primaryClass={cs.LG}
-}
-@misc{kusupati2024matryoshka,
-    title={Matryoshka Representation Learning},
-    author={Aditya Kusupati and Gantavya Bhatt and Aniket Rege and Matthew Wallingford and Aditya Sinha and Vivek Ramanujan and William Howard-Snyder and Kaifeng Chen and Sham Kakade and Prateek Jain and Ali Farhadi},
-    year={2024},
-    eprint={2205.13147},
-    archivePrefix={arXiv},
-    primaryClass={cs.LG}
-}
-"""
+        filtered = self.guide is not None or self.false_negative_margin is not None
+        return citations.GRADCACHE + citations.MATRYOSHKA + (citations.GISTEMBED if filtered else "")
 
 
 def _sorted_dims(
@@ -399,18 +419,6 @@ def _sorted_dims(
             "full-size embedding is not trained. It is strongly recommended to include it."
         )
     return dims, weights
-
-
-def _prefix_similarity(similarity_fct) -> str:
-    """The op's similarity for the base loss's similarity_fct, or a ValueError."""
-    similarity = _PREFIX_SIMILARITY.get(similarity_fct)
-    if similarity is None:
-        name = getattr(similarity_fct, "__name__", type(similarity_fct).__name__)
-        raise ValueError(
-            f"CachedMatryoshkaLoss supports similarity_fct=cos_sim or dot_score (sentence_transformers.util) on the "
-            f"base loss, got {name}. Both score the re-normalised Matryoshka prefixes by cosine similarity."
-        )
-    return similarity
 
 
 def _check_same_rows_on_every_rank(queries: Tensor) -> None:

@@ -138,6 +138,11 @@ def test_a_row_left_with_only_its_positive():
         loss, share = matryoshka_infonce(queries, docs, backend=backend, return_masked_share=True, **spec_options)
         assert float(loss) == pytest.approx(sum(want_rows) / 8, rel=1e-5)
         assert float(share) >= 7 / (8 * 7)
+        # Row 0 alone (as a gathered rank of one row): its softmax holds one candidate, so exactly 0 and 0.
+        q0, c = queries[:1].clone().requires_grad_(), docs.clone().requires_grad_()
+        row0 = matryoshka_infonce(q0, c, world_queries=queries, backend=backend, **spec_options)
+        row0.backward()
+        assert row0.item() == 0.0 and not q0.grad.any() and not c.grad.any()
 
 
 def test_a_duplicate_text_is_dropped():
@@ -149,10 +154,8 @@ def test_a_duplicate_text_is_dropped():
                              directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
                              hardness_strength=0.0, false_negative_margin=0.05)  # fmt: skip
     from st_cached_losses.ops.false_negatives import Guide
-    from st_cached_losses.ops.spec import DIRECTIONS
 
-    dropped = Guide.build(queries, docs, queries, spec, None, torch.float32).dropped(DIRECTIONS["query_to_doc"], spec,
-                                                                                       0, 8)  # fmt: skip
+    dropped = Guide.build(queries, docs, queries, spec, None, torch.float32).dropped(spec, 0, 8)["query_to_doc"]
     assert dropped[3, 5] and not dropped[5, 5] and not dropped[3, 3]
     filtered = matryoshka_infonce(queries, docs, dims=[16], false_negative_margin=0.05)
     unfiltered = matryoshka_infonce(queries, docs, dims=[16])

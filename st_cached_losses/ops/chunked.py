@@ -116,20 +116,27 @@ class _Sweep:
         spec = self.spec
         count = end - begin
         tiles = []
-        for index, direction in enumerate(self.directions):
+        masks = {} if self.filter is None else self.filter.dropped(spec, begin, end)
+        candidates = []  # per direction, (rows,): the candidates each row scores
+        for index, (name, direction) in enumerate(zip(spec.directions, self.directions)):
             rows, row_inv, row_key, row_slice = self._rows(direction, begin, end)
             cols = self.sources[direction.cols]
             buffers = self._workspace(index, count, cols.shape[0])
             _band_dots(rows, cols, spec.dims, buffers[1:])
-            dropped = None if self.filter is None else self.filter.dropped(direction, spec, begin, end)
+            dropped = masks.get(name)
+            scored = torch.full((count,), num_candidates(direction, spec, 1, cols.shape[0]), device=rows.device)
             if dropped is not None:
                 self.dropped += dropped.sum()
                 self.candidates += num_candidates(direction, spec, *dropped.shape)
+                scored -= dropped.sum(dim=1)
+            candidates.append(scored + direction.partner)
             tiles.append(_TileDirection(direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, dropped))
+        # A row whose softmax holds one candidate has loss and gradient exactly 0 (rounding would leave ~1e-7).
+        single = sum(candidates) == 1 if spec.partition_mode == "joint" else torch.stack(candidates).eq(1).all(0)
         for k in range(len(spec.dims)):
-            self._dim(k, tiles, begin, end)
+            self._dim(k, tiles, begin, end, single)
 
-    def _dim(self, k: int, tiles: list[_TileDirection], begin: int, end: int) -> None:
+    def _dim(self, k: int, tiles: list[_TileDirection], begin: int, end: int, single: Tensor) -> None:
         spec = self.spec
         for t in tiles:
             t.exponentiate(k, self.inv_norms[t.direction.cols][k])
@@ -137,14 +144,14 @@ class _Sweep:
         self.lse[k, :, begin:end] = lse
         log_norm = torch.logsumexp(lse, dim=0) if spec.partition_mode == "joint" else lse.mean(dim=0)
         positive = tiles[0].positive_logit
-        self.per_dim_sum[k] += (log_norm - positive).sum()
+        self.per_dim_sum[k] += (log_norm - positive).masked_fill(single, 0.0).sum()
         if not self.need_grad:
             return
         share = 1.0 if spec.partition_mode == "joint" else 1.0 / len(tiles)
         normaliser = log_norm if spec.partition_mode == "joint" else None
         for t in tiles:
             col_key = t.direction.cols
-            terms = t.backpropagate(k, self.inv_norms[col_key][k], normaliser, share)
+            terms = t.backpropagate(k, self.inv_norms[col_key][k], normaliser, share, ~single)
             if terms is not None:
                 row_terms, col_terms = terms
                 dim = spec.dims[k]
@@ -250,21 +257,24 @@ class _TileDirection:
             return own_dots * (self._logit_scale(k)[:, None] * col_inv[self.own_cols])
         return own_dots * self.spec.scale
 
-    def backpropagate(self, k: int, col_inv: Tensor, log_norm: Tensor | None, share: float) -> tuple[Tensor, Tensor] | None:
+    def backpropagate(
+        self, k: int, col_inv: Tensor, log_norm: Tensor | None, share: float, live: Tensor
+    ) -> tuple[Tensor, Tensor] | None:
         """Add A_k = d(w_k L_k) / d(raw prefix dot products) to the running sum in ``buffers[0]``.
 
         For cosine similarity also returns the row and column sums of A_k * dots, the scalars of the
         prefix normalisation's gradient term. The column factor of A_k (inverse column norms) is folded
-        into those sums and into the accumulation instead of costing a pass of its own.
+        into those sums and into the accumulation instead of costing a pass of its own. ``live``: (rows,) bool,
+        False for rows with one candidate, whose gradient is exactly 0.
         """
         spec, grad = self.spec, self._exp_buffer(k)
         weight = spec.weights[k] / spec.batch_size
         log_norm = self.lse if log_norm is None else log_norm
-        row_factor = weight * share * spec.scale * torch.exp(self.shift - log_norm)
+        row_factor = weight * share * spec.scale * torch.exp(self.shift - log_norm) * live
         row_scale = self.row_inv[k] if spec.cosine else 1.0
         grad.mul_((row_factor * row_scale)[:, None])  # = A_k / col_inv (cosine), A_k (dot)
         if self.direction.label:
-            grad[self.row_index, self.own_cols[:, 0]] -= weight * spec.scale * row_scale
+            grad[self.row_index, self.own_cols[:, 0]] -= weight * spec.scale * row_scale * live
         if not spec.cosine:
             if k > 0:
                 self.buffers[0].add_(grad)

@@ -16,16 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .spec import NORM_EPS, Direction, InfoNCESpec
+from .spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
 
 
 @dataclass
 class Guide:
     """The guide's embeddings per operand ("q", "d", "c", "p", "w": see ``spec.Direction``), unit rows for
-    cosine, and each row's threshold (B,)."""
+    cosine."""
 
     operands: dict[str, Tensor]
-    thresholds: Tensor
 
     @classmethod
     def build(cls, queries, docs, world_queries, spec: InfoNCESpec, guide: tuple[Tensor, Tensor] | None, dtype):
@@ -36,18 +35,30 @@ class Guide:
         q, c = (_unit(x.detach().to(dtype), cosine) for x in (q, c))
         w = _unit(w.detach().to(dtype), cosine) if gathered and guide is None else q  # one copy when not gathered
         local = slice(spec.offset, spec.offset + spec.batch_size)
-        operands = {"q": q, "d": c[local], "c": c, "p": c[: spec.world_batch_size], "w": w}
-        positive = (operands["q"] * operands["d"]).sum(dim=1)
-        return cls(operands, spec.false_negatives.thresholds(positive))
+        return cls({"q": q, "d": c[local], "c": c, "p": c[: spec.world_batch_size], "w": w})
 
-    def dropped(self, direction: Direction, spec: InfoNCESpec, begin: int, end: int) -> Tensor:
-        """(end - begin, columns) bool: the candidates rows [begin, end) of ``direction`` do not score."""
-        sims = self.operands[direction.rows][begin:end] @ self.operands[direction.cols].T
-        drop = sims > self.thresholds[begin:end, None]
-        kept = kept_columns(direction, spec, begin, end, drop.device)
-        if kept is not None:
-            drop.scatter_(1, kept, False)
-        return drop
+    def dropped(self, spec: InfoNCESpec, begin: int, end: int) -> dict[str, Tensor]:
+        """{direction: (end - begin, columns) bool}: the candidates rows [begin, end) do not score.
+
+        Each row's threshold comes from its positive's entry in the query_to_doc scores, computed by the same
+        matmul as every candidate's: a duplicate of the positive (the same embedding) then scores exactly the
+        positive's similarity, so with margin 0 it is kept, as in stock (whose ``>`` keeps ties).
+        """
+        rows = torch.arange(end - begin, device=self.operands["q"].device)
+        sims = {name: self._scores(DIRECTIONS[name], begin, end) for name in spec.directions}
+        positive = sims["query_to_doc"][rows, rows + begin + spec.offset]
+        thresholds = spec.false_negatives.thresholds(positive)[:, None]
+        masks = {}
+        for name, scores in sims.items():
+            drop = scores > thresholds
+            kept = kept_columns(DIRECTIONS[name], spec, begin, end, drop.device)
+            if kept is not None:
+                drop.scatter_(1, kept, False)
+            masks[name] = drop
+        return masks
+
+    def _scores(self, direction: Direction, begin: int, end: int) -> Tensor:
+        return self.operands[direction.rows][begin:end] @ self.operands[direction.cols].T
 
 
 def kept_columns(direction: Direction, spec: InfoNCESpec, begin: int, end: int, device=None) -> Tensor | None:

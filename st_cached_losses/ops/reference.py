@@ -47,8 +47,7 @@ def _false_negatives(q, c, wq, spec: InfoNCESpec, guide) -> tuple[dict[str, Tens
     """Each direction's (B, columns) mask of the candidates the false-negative filter drops, and their share."""
     if spec.false_negatives is None:
         return {}, None
-    filtered = Guide.build(q, c, wq, spec, guide, q.dtype)
-    dropped = {name: filtered.dropped(DIRECTIONS[name], spec, 0, spec.batch_size) for name in spec.directions}
+    dropped = Guide.build(q, c, wq, spec, guide, q.dtype).dropped(spec, 0, spec.batch_size)
     candidates = sum(num_candidates(DIRECTIONS[name], spec, *mask.shape) for name, mask in dropped.items())
     share = sum(int(m.sum()) for m in dropped.values()) / max(candidates, 1)
     return dropped, torch.tensor(share, dtype=torch.float32, device=q.device)

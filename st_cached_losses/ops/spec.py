@@ -222,13 +222,18 @@ def _false_negative_filter(margin, strategy, guide_queries, guide_docs, queries,
     if margin is None and not guided:
         return None
     margin = 0.0 if margin is None else margin
+    check_false_negative_rule(margin, strategy)
+    if guided:
+        _check_guide(guide_queries, guide_docs, queries, docs, world_queries, directions)
+    return FalseNegativeFilter(float(margin), strategy, guided)
+
+
+def check_false_negative_rule(margin: float, strategy: str) -> None:
+    """Raises ValueError unless ``margin`` is a finite number (either sign) and ``strategy`` a known one."""
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
         raise ValueError(f"false_negative_margin must be a finite number (either sign), got {margin!r}.")
     if strategy not in FALSE_NEGATIVE_STRATEGIES:
         raise ValueError(f"false_negative_strategy must be one of {FALSE_NEGATIVE_STRATEGIES}, got {strategy!r}.")
-    if guided:
-        _check_guide(guide_queries, guide_docs, queries, docs, world_queries, directions)
-    return FalseNegativeFilter(float(margin), strategy, guided)
 
 
 def _check_guide(guide_queries, guide_docs, queries, docs, world_queries, directions) -> None:

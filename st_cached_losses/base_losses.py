@@ -1,0 +1,113 @@
+"""The base losses the cached losses accept, and what each one's hyperparameters mean for the op.
+
+A base loss is not called: it holds the InfoNCE hyperparameters, read at every step as stock reads them.
+
+- ``MultipleNegativesRankingLoss`` / ``CachedMultipleNegativesRankingLoss``: scale, similarity_fct (cos_sim or
+  dot_score: on the re-normalised Matryoshka prefixes both are cosine, as under ``MatryoshkaLoss``),
+  directions, partition_mode, hardness_mode / hardness_strength, gather_across_devices.
+- ``GISTEmbedLoss`` / ``CachedGISTEmbedLoss`` (GISTEmbed, arXiv 2402.16829): the guide model, temperature
+  (scale = 1 / temperature), margin_strategy, margin, contrast_anchors, contrast_positives,
+  gather_across_devices; cosine similarity; one joint softmax.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sentence_transformers.sentence_transformer.losses import (
+    CachedGISTEmbedLoss,
+    CachedMultipleNegativesRankingLoss,
+    GISTEmbedLoss,
+    MultipleNegativesRankingLoss,
+)
+from sentence_transformers.util import batch_to_device, cos_sim, dot_score
+from torch import Tensor, nn
+
+MNRL_LOSSES = (MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss)
+GIST_LOSSES = (GISTEmbedLoss, CachedGISTEmbedLoss)
+SUPPORTED_LOSSES = MNRL_LOSSES + GIST_LOSSES
+CACHED_LOSSES = (CachedMultipleNegativesRankingLoss, CachedGISTEmbedLoss)  # they carry mini-batch settings
+
+# Stock MatryoshkaLoss re-normalises every truncated prefix (``shrink``), so on top of it both cos_sim
+# and dot_score score the prefixes by cosine similarity.
+_PREFIX_SIMILARITY = {cos_sim: "cosine", dot_score: "cosine"}
+
+
+def check_base_loss(loss: nn.Module, owner: str) -> None:
+    """Raises TypeError for a loss ``owner`` cannot take, ValueError for an unsupported similarity_fct."""
+    if not isinstance(loss, SUPPORTED_LOSSES):
+        supported = ", ".join(cls.__name__ for cls in SUPPORTED_LOSSES)
+        raise TypeError(
+            f"{owner} supports loss={supported}, got {type(loss).__name__}: wrap other losses in "
+            "sentence_transformers' MatryoshkaLoss instead."
+        )
+    if isinstance(loss, MNRL_LOSSES):
+        prefix_similarity(loss.similarity_fct, owner)
+
+
+def is_gist(loss: nn.Module) -> bool:
+    return isinstance(loss, GIST_LOSSES)
+
+
+def prefix_similarity(similarity_fct, owner: str = "CachedMatryoshkaLoss") -> str:
+    """The op's similarity for an MNRL base loss's similarity_fct, or a ValueError."""
+    similarity = _PREFIX_SIMILARITY.get(similarity_fct)
+    if similarity is None:
+        name = getattr(similarity_fct, "__name__", type(similarity_fct).__name__)
+        raise ValueError(
+            f"{owner} supports similarity_fct=cos_sim or dot_score (sentence_transformers.util) on the "
+            f"base loss, got {name}. Both score the re-normalised Matryoshka prefixes by cosine similarity."
+        )
+    return similarity
+
+
+def op_options(loss: nn.Module) -> dict[str, Any]:
+    """``matryoshka_infonce``'s keyword arguments from the base loss's hyperparameters."""
+    if is_gist(loss):
+        directions = ("query_to_doc",) + ("anchor_to_anchor",) * loss.contrast_anchors
+        return dict(
+            scale=1.0 / loss.temperature,
+            similarity="cosine",
+            directions=directions + ("positive_to_positive",) * loss.contrast_positives,
+            false_negative_margin=loss.margin,
+            false_negative_strategy=loss.margin_strategy,
+        )
+    return dict(
+        scale=loss.scale,
+        similarity=prefix_similarity(loss.similarity_fct),
+        directions=tuple(loss.directions),
+        partition_mode=loss.partition_mode,
+        hardness_mode=loss.hardness_mode,
+        hardness_strength=loss.hardness_strength,
+    )
+
+
+def mini_batch_defaults(loss: nn.Module, default_size: int) -> tuple[int, int | None]:
+    """(mini_batch_size, mini_batch_num_tokens) a cached base loss carries, else (``default_size``, None)."""
+    if isinstance(loss, CACHED_LOSSES):
+        return loss.mini_batch_size, loss.mini_batch_num_tokens
+    return default_size, None
+
+
+class Guide:
+    """A GISTEmbed base loss's guide model, embedding the texts of the model's mini-batches (no gradient, never
+    stepped): on the guide's own device, tokenised by its own tokenizer when the two differ (as stock does,
+    decoding the model's tokens), returned on the model's device."""
+
+    def __init__(self, loss: nn.Module) -> None:
+        self.model = loss.guide
+        self.retokenize = loss.must_retokenize
+        self.tokenizer = getattr(loss, "tokenizer", None)
+
+    @torch.no_grad()
+    def embed(self, features: dict[str, Any], device: torch.device) -> Tensor:
+        """(rows, guide D) embeddings of one mini-batch's texts (``features``: the model's tokenised inputs)."""
+        if self.retokenize:
+            input_ids = features["input_ids"]
+            if "cu_seq_lens_q" in features:  # flattened sequences: one row of all the tokens
+                flat, bounds = input_ids[0].tolist(), features["cu_seq_lens_q"].tolist()
+                input_ids = [flat[begin:end] for begin, end in zip(bounds[:-1], bounds[1:])]
+            features = self.model.preprocess(self.tokenizer.batch_decode(input_ids, skip_special_tokens=True))
+        features = batch_to_device(dict(features), self.model.device)  # a copy: modules write into their inputs
+        return self.model(features)["sentence_embedding"].to(device)
