@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from .data import load_pairs, looks_like_path, warn_degenerate
 from .evaluation import METRICS, build_evaluate
+from .ops.spec import check_dims
 from .run_dir import check_output_dir, write_run
 from .training import compare_stock, make_loss, train_measured
 from .usage import UsageError, first_line, quiet_loading
@@ -141,18 +142,18 @@ def resolve_dims(dims: Sequence[int] | None, model_dim: int) -> list[int]:
     """Matryoshka dims in descending order; default: ``model_dim`` halved while >= 32 (384 -> 384 192 96 48).
 
     Raises:
-        UsageError: a dim larger than ``model_dim``, or a repeated dim.
+        UsageError: dims that :func:`st_cached_losses.ops.spec.check_dims` refuses (larger than ``model_dim``,
+            repeated, not positive).
     """
     if dims is None:
         dims = [model_dim]
         while dims[-1] // 2 >= MIN_DEFAULT_DIM:
             dims.append(dims[-1] // 2)
         return dims
-    if max(dims) > model_dim:
-        raise UsageError(f"--dims {max(dims)} is larger than the model's embedding dimension {model_dim}")
-    if len(set(dims)) != len(dims):
-        raise UsageError(f"--dims {' '.join(map(str, dims))} repeats a dim")
-    return sorted(dims, reverse=True)
+    try:
+        return list(check_dims(list(dims), None, model_dim, name="--dims")[0])
+    except ValueError as error:
+        raise UsageError(str(error)) from error
 
 
 # ----------------------------------------------------------------------------------------------- loading

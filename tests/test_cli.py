@@ -270,9 +270,9 @@ BAD_INPUTS = {
     "no row with text": (lambda tmp: _jsonl(tmp, "blank.jsonl", ['{"anchor": "a", "positive": ""}'] * 3),
                          "has 0 row(s) with text"),
     "malformed dataset file": (lambda tmp: _jsonl(tmp, "bad.jsonl", ["not json"]), "JSON parse error"),
-    "dims larger than model": (lambda tmp: ["--dims", "64", "128"], "--dims 128 is larger than the model's embedding "
-                               "dimension 64"),
-    "repeated dims": (lambda tmp: ["--dims", "32", "32"], "repeats a dim"),
+    "dims larger than model": (lambda tmp: ["--dims", "64", "128"], "--dims [128] is larger than the embedding "
+                               "dimension 64: use dims <= 64."),
+    "repeated dims": (lambda tmp: ["--dims", "32", "32"], "--dims holds duplicates: [32, 32]"),
     "batch smaller than mini-batch": (lambda tmp: ["--batch-size", "4", "--mini-batch-size", "8"],
                                       "--batch-size 4 is smaller than --mini-batch-size 8"),
     "previous run": (_previous_run, "holds a previous run; pass --overwrite to replace it"),
