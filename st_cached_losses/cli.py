@@ -11,9 +11,11 @@ subparsers and sets ``func`` (``args -> exit code``). Bad input raises :class:`U
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from .main_job import (
     DEFAULT_BATCH_SIZE,
@@ -120,11 +122,30 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, or 2 for bad input). argparse errors exit with 2."""
     args = build_parser().parse_args(argv)
+    with _info_logs():
+        try:
+            return args.func(args)
+        except UsageError as error:
+            print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+            return EXIT_USAGE
+
+
+@contextlib.contextmanager
+def _info_logs() -> Iterator[None]:
+    """Show st_cached_losses' INFO logs on stderr while the command runs (e.g. which loss-stage backend and tile
+    the op chose). Set here, not at import, so that a library user's logging setup is theirs; undone on exit so
+    that calls of :func:`main` in one process (the tests) do not stack handlers."""
+    logger = logging.getLogger("st_cached_losses")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
     try:
-        return args.func(args)
-    except UsageError as error:
-        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 if __name__ == "__main__":

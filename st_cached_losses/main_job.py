@@ -8,7 +8,7 @@ before and after, and writes ``<output_dir>/model``, ``<output_dir>/results.json
     from st_cached_losses.main_job import TrainOptions, run
 
     results = run(TrainOptions(output_dir="runs/python", max_steps=2))   # the command's flags, same defaults
-    print(results["after"]["384"]["ndcg@10"])
+    print(results["after"]["384"]["ndcg@10"], results["loss_stage"])
 
 The steps, in order: :func:`prepare` (every check before anything is written or trained; bad input raises
 :class:`~st_cached_losses.usage.UsageError`, whose messages name the options by their flags), evaluate before,
@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from .data import load_pairs, looks_like_path, warn_degenerate
 from .evaluation import METRICS, build_evaluate
+from .ops import choices
 from .ops.spec import check_dims
 from .run_dir import check_output_dir, write_run
 from .training import compare_stock, make_loss, train_measured
@@ -232,7 +233,9 @@ def run(options: TrainOptions) -> dict[str, Any]:
     """The main job: check the inputs, evaluate, train, evaluate, write the run; returns what results.json holds.
 
     ``train_seconds`` is the time spent in ``trainer.train()`` alone; ``peak_memory_bytes`` is the peak memory of
-    training, as ``peak_memory_measure`` says (:func:`~st_cached_losses.profiling.measure_peak_memory`). With ``compare_stock``, copies of the initial model are trained for the same
+    training, as ``peak_memory_measure`` says (:func:`~st_cached_losses.profiling.measure_peak_memory`);
+    ``loss_stage`` lists the loss-stage backend choices made in this process (:func:`st_cached_losses.ops.choices`:
+    backend, device, reason, tile). With ``compare_stock``, copies of the initial model are trained for the same
     steps (same seed, same batches) with the stock loss and ours again, alternating
     (:func:`~st_cached_losses.training.compare_stock`); ``compare_stock`` holds every run's time and peak.
 
@@ -254,7 +257,7 @@ def run(options: TrainOptions) -> dict[str, Any]:
 
     results = {"config": _config(options, job, ours["steps"]), "before": before, "after": after,
                "train_seconds": ours["train_seconds"], "peak_memory_bytes": ours["peak_memory_bytes"],
-               "peak_memory_measure": ours["peak_memory_measure"]}
+               "peak_memory_measure": ours["peak_memory_measure"], "loss_stage": choices()}
     if initial is not None:
         results["compare_stock"] = compare_stock(initial, job.dims, job.train, options, first=ours)
 
@@ -286,7 +289,8 @@ def _versions() -> dict[str, str]:
 
 
 def format_table(results: dict[str, Any]) -> str:
-    """The before -> after table of every metric at every dim, plus time and memory, as plain text."""
+    """The before -> after table of every metric at every dim, plus time, memory and the loss stage, as plain
+    text."""
     names = ("NDCG@10", "MRR@10", "Recall@10")
     header = f"{'dim':>5}  " + "  ".join(f"{name + ' before -> after':>25}" for name in names)
     lines = [header]
@@ -296,6 +300,9 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(f"{dim:>5}  " + "  ".join(f"{c:>25}" for c in cells))
     lines.append(f"train: {results['train_seconds']:.1f} s, {results['config']['steps']} steps; "
                  f"{_mib(results['peak_memory_bytes'])} {results['peak_memory_measure']}")
+    if results["loss_stage"]:
+        lines.append("loss stage: " + "; ".join(f"{c['backend']} backend on {c['device']} ({c['reason']}), tile "
+                                                f"{c['tile']}" for c in results["loss_stage"]))
     if "compare_stock" in results:
         comparison = results["compare_stock"]
         lines.append(f"compared with stock MatryoshkaLoss(CachedMNRL) on the same steps, run in the order "

@@ -65,7 +65,8 @@ def _stdlib_jsonl(path, rows: int, columns=("anchor", "positive", "negative")):
 
 def test_results_schema(run):
     out, results, _ = run
-    assert set(results) == {"config", "before", "after", "train_seconds", "peak_memory_bytes", "peak_memory_measure"}
+    assert set(results) == {"config", "before", "after", "train_seconds", "peak_memory_bytes", "peak_memory_measure",
+                            "loss_stage"}
     for stage in ("before", "after"):
         assert list(results[stage]) == ["64", "32"]  # the model's dim halved down to 32
         for metrics in results[stage].values():
@@ -83,6 +84,33 @@ def test_results_schema(run):
     assert config["eval_corpus"] == 24 and config["dataset"] == "stdlib" and config["seed"] == 3
     assert sorted(p.name for p in out.iterdir()) == [run_dir.RUN_MARKER, "model", "results.json"]
     assert not list(out.parent.glob(".*"))  # no staging or backup directory left behind
+
+
+def test_results_record_the_loss_stage_backend(run):
+    """Issue 11: results.json says which loss-stage backend and tile the op used (ops.choices()), and so does the
+    table. On a CPU "auto" runs the chunked backend; its tile is the rows per tile."""
+    _, results, stdout = run
+    chunked = [choice for choice in results["loss_stage"] if choice["backend"] == "chunked"]
+    assert chunked and set(chunked[0]) == {"backend", "device", "reason", "tile"}
+    assert chunked[0]["device"] == "cpu" and chunked[0]["reason"].startswith("auto: ")
+    assert chunked[0]["tile"].endswith(" rows") and int(chunked[0]["tile"].split()[0]) > 0
+    summary = [line for line in stdout.splitlines() if line.startswith("loss stage: ")]
+    assert len(summary) == 1 and f"chunked backend on cpu ({chunked[0]['reason']}), tile {chunked[0]['tile']}" in \
+        summary[0]
+
+
+def test_the_cli_shows_the_backend_choice_at_info(tiny_dir, tmp_path):
+    """In a fresh process (the op logs each choice once per process): the choice is logged at INFO on stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "st_cached_losses", "train", "--model", str(tiny_dir), *SMALL, "--max-steps", "1",
+         "--output-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    logged = [line for line in proc.stderr.splitlines() if "matryoshka_infonce: chunked backend on cpu" in line]
+    assert len(logged) == 1 and "tile: " in logged[0], proc.stderr
+    choice = json.loads((tmp_path / "out" / "results.json").read_text())["loss_stage"]
+    assert [c["backend"] for c in choice] == ["chunked"]
 
 
 def test_saved_model_is_the_trained_one(run, tiny_dir):
