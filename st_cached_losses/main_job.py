@@ -50,7 +50,7 @@ MIN_DEFAULT_DIM = 32
 POSITIVE_INTS = ("batch_size", "mini_batch_size", "max_steps", "max_seq_length", "max_train_samples",
                  "max_eval_samples")
 POSITIVE_NUMBERS = ("epochs", "learning_rate")
-OPTIONAL = ("model", "dims", "max_steps", "max_train_samples", "max_eval_samples")  # None: the default
+OPTIONAL = ("max_steps", "max_train_samples", "max_eval_samples")  # None: no limit
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -234,10 +234,11 @@ def run(options: TrainOptions) -> dict[str, Any]:
 
     ``train_seconds`` is the time spent in ``trainer.train()`` alone; ``peak_memory_bytes`` is the peak memory of
     training, as ``peak_memory_measure`` says (:func:`~st_cached_losses.profiling.measure_peak_memory`);
-    ``loss_stage`` lists the loss-stage backend choices made in this process (:func:`st_cached_losses.ops.choices`:
-    backend, device, reason, tile). With ``compare_stock``, copies of the initial model are trained for the same
-    steps (same seed, same batches) with the stock loss and ours again, alternating
-    (:func:`~st_cached_losses.training.compare_stock`); ``compare_stock`` holds every run's time and peak.
+    ``loss_stage`` lists the loss-stage backend choices (backend, device, reason, tile) made in this process so far
+    (:func:`st_cached_losses.ops.choices`: in the command's own process, those of this run). With
+    ``compare_stock``, copies of the initial model are trained for the same steps (same seed, same batches) with the
+    stock loss and ours again, alternating (:func:`~st_cached_losses.training.compare_stock`); ``compare_stock``
+    holds every run's time and peak.
 
     Raises:
         UsageError: bad input (:func:`prepare`), before anything is written or trained.
