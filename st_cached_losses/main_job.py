@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 from .data import load_pairs, looks_like_path, warn_degenerate
 from .evaluation import METRICS, build_evaluate
-from .ops import choices
+from .ops import recorded_choices
 from .ops.spec import check_dims
 from .run_dir import check_output_dir, write_run
 from .training import compare_stock, make_loss, train_measured
@@ -234,8 +234,8 @@ def run(options: TrainOptions) -> dict[str, Any]:
 
     ``train_seconds`` is the time spent in ``trainer.train()`` alone; ``peak_memory_bytes`` is the peak memory of
     training, as ``peak_memory_measure`` says (:func:`~st_cached_losses.profiling.measure_peak_memory`);
-    ``loss_stage`` lists the loss-stage backend choices (backend, device, reason, tile) made in this process so far
-    (:func:`st_cached_losses.ops.choices`: in the command's own process, those of this run). With
+    ``loss_stage`` lists the loss-stage backend choices (backend, device, reason, tile) of the training run
+    (:func:`st_cached_losses.ops.recorded_choices`). With
     ``compare_stock``, copies of the initial model are trained for the same steps (same seed, same batches) with the
     stock loss and ours again, alternating (:func:`~st_cached_losses.training.compare_stock`); ``compare_stock``
     holds every run's time and peak.
@@ -252,13 +252,14 @@ def run(options: TrainOptions) -> dict[str, Any]:
 
     print("evaluating before training", flush=True)
     before = job.evaluate(model)
-    ours = train_measured(model, make_loss(model, job.dims, options), job.train, options)
+    with recorded_choices() as loss_stage:
+        ours = train_measured(model, make_loss(model, job.dims, options), job.train, options)
     print("evaluating after training", flush=True)
     after = job.evaluate(model)
 
     results = {"config": _config(options, job, ours["steps"]), "before": before, "after": after,
                "train_seconds": ours["train_seconds"], "peak_memory_bytes": ours["peak_memory_bytes"],
-               "peak_memory_measure": ours["peak_memory_measure"], "loss_stage": choices()}
+               "peak_memory_measure": ours["peak_memory_measure"], "loss_stage": loss_stage}
     if initial is not None:
         results["compare_stock"] = compare_stock(initial, job.dims, job.train, options, first=ours)
 

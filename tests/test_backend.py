@@ -238,3 +238,12 @@ def test_a_pair_that_doc_to_query_sees_twice_is_not_single_candidate():
     queries, docs = _pairs(batch=1, dim=16, seed=7)
     loss = matryoshka_infonce(queries, docs, dims=[16], directions=("query_to_doc", "doc_to_query"))
     assert loss.item() == pytest.approx(torch.log(torch.tensor(2.0)).item(), rel=1e-6)
+
+
+def test_recorded_choices_hold_the_choices_made_inside_the_block(fresh_choices):
+    queries, docs = _pairs()
+    matryoshka_infonce(queries, docs, dims=[8, 4])  # made, and logged, before the block
+    with backend.recorded_choices() as made:
+        matryoshka_infonce(queries, docs, dims=[8, 4])
+        matryoshka_infonce(queries, docs, dims=[8, 4], backend="dense")
+    assert [(c["backend"], c["tile"]) for c in made] == [("chunked", "6 rows"), ("dense", "dense")]

@@ -15,7 +15,16 @@ import torch
 from torch import Tensor
 
 from . import chunked, reference
-from .backend import BACKENDS, TritonUnavailableError, check_backend, choices, fall_back, note_choice, select_backend
+from .backend import (
+    BACKENDS,
+    TritonUnavailableError,
+    check_backend,
+    choices,
+    fall_back,
+    note_choice,
+    recorded_choices,
+    select_backend,
+)
 from .result import InfoNCEResult
 from .spec import InfoNCESpec
 
@@ -28,6 +37,7 @@ __all__ = [
     "check_backend",
     "choices",
     "matryoshka_infonce",
+    "recorded_choices",
     "run_backend",
     "select_backend",
 ]

@@ -7,8 +7,8 @@ One definition of each rule, imported by the op, the loss and the command line:
 - :func:`select_backend` — what ``"auto"`` resolves to: Triton only on a GPU whose compute capability is in
   :data:`VERIFIED_TRITON_CAPABILITIES` (the CUDA suite, ``python -m benchmarks.gpu``, passed there and its
   results are committed), else the chunked backend on the same device;
-- :func:`note_choice` / :func:`choices` — each choice is logged once at INFO and kept for reports
-  (``st-cached-losses train`` writes them to results.json).
+- :func:`note_choice` / :func:`choices` / :func:`recorded_choices` — each choice is logged once at INFO and kept
+  for reports (``st-cached-losses train`` writes those of its training run to results.json).
 
 When the auto path picked Triton and the kernels cannot compile or launch (:class:`TritonUnavailableError`),
 the op warns once and runs the chunked backend instead; an explicit ``backend="triton"`` raises.
@@ -16,9 +16,11 @@ the op warns once and runs the chunked backend instead; an explicit ``backend="t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -29,6 +31,7 @@ __all__ = [
     "check_backend",
     "choices",
     "note_choice",
+    "recorded_choices",
     "select_backend",
     "triton_unusable_reason",
 ]
@@ -135,20 +138,37 @@ def select_backend(device: torch.device, backend: str) -> tuple[str, str]:
 
 _CHOICES: dict[tuple, dict] = {}
 _FAILED: dict[str, str] = {}  # device -> why the Triton kernels failed there (auto stops trying them)
+_RECORDERS: list[dict[tuple, dict]] = []  # open ``recorded_choices`` blocks
 
 
 def note_choice(backend: str, device: torch.device, reason: str, tile: str) -> None:
     """Log a backend choice once at INFO (each distinct backend, device, reason and tile) and keep it."""
     key = (backend, str(device), reason, tile)
+    choice = {"backend": backend, "device": str(device), "reason": reason, "tile": tile}
+    for recorder in _RECORDERS:
+        recorder.setdefault(key, choice)
     if key in _CHOICES:
         return
-    _CHOICES[key] = {"backend": backend, "device": str(device), "reason": reason, "tile": tile}
+    _CHOICES[key] = choice
     logger.info("matryoshka_infonce: %s backend on %s (%s); tile: %s", backend, device, reason, tile)
 
 
 def choices() -> list[dict]:
     """The backend choices made in this process so far: dicts with backend, device, reason and tile."""
     return list(_CHOICES.values())
+
+
+@contextlib.contextmanager
+def recorded_choices() -> Iterator[list[dict]]:
+    """Yield a list that holds, after the block, the distinct backend choices made inside it (as ``choices``)."""
+    recorder: dict[tuple, dict] = {}
+    made: list[dict] = []
+    _RECORDERS.append(recorder)
+    try:
+        yield made
+    finally:
+        _RECORDERS.remove(recorder)
+        made.extend(recorder.values())
 
 
 def fall_back(device: torch.device, error: TritonUnavailableError) -> None:
