@@ -95,6 +95,11 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-stock", action="store_true", help="also train copies of the initial model for the "
                    "same steps with the stock MatryoshkaLoss(CachedMultipleNegativesRankingLoss) and ours, alternating "
                    "(ours, stock, stock, ours), and report each run's time and peak memory")
+    p.add_argument("--guide", default=None, help="a guide model (local directory or Hub id): GISTEmbed's "
+                   "false-negative filter, CachedGISTEmbedLoss inside CachedMatryoshkaLoss (default: none)")
+    p.add_argument("--false-negative-margin", type=float, default=None, metavar="M",
+                   help="with --guide, its margin (default 0); alone, the self-guided filter: drop in-batch candidates "
+                   "the model itself scores above the positive minus M (either sign; default: off)")
     p.add_argument("--max-train-samples", type=_positive_int, default=None,
                    help="use at most this many training pairs, a seeded random subset (default: all)")
     p.add_argument("--max-eval-samples", type=_positive_int, default=None,

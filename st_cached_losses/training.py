@@ -25,18 +25,27 @@ __all__ = ["COMPARE_ORDER", "compare_speed", "compare_stock", "make_loss", "trai
 COMPARE_ORDER = ("ours", "stock", "stock", "ours")
 
 
-def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = False):
-    """``CachedMatryoshkaLoss(model, CachedMNRL(model, mini_batch_size), dims)``, or the stock
-    ``MatryoshkaLoss`` around the same base loss when ``stock``."""
-    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss, MatryoshkaLoss
+def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = False, guide=None):
+    """``CachedMatryoshkaLoss`` around ``CachedMNRL(model, mini_batch_size)`` (with ``options.false_negative_margin``:
+    self-guided), or around ``CachedGISTEmbedLoss(model, guide, margin=...)`` with a ``guide``; or, when ``stock``,
+    stock ``MatryoshkaLoss`` around the same base loss."""
+    from sentence_transformers.sentence_transformer.losses import (
+        CachedGISTEmbedLoss,
+        CachedMultipleNegativesRankingLoss,
+        MatryoshkaLoss,
+    )
 
-    base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=options.mini_batch_size)
+    margin = options.false_negative_margin
+    if guide is not None:
+        base = CachedGISTEmbedLoss(model, guide, mini_batch_size=options.mini_batch_size, margin=margin or 0.0)
+    else:
+        base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=options.mini_batch_size)
     if stock:
         return MatryoshkaLoss(model, base, list(dims))
     from .cached_matryoshka import CachedMatryoshkaLoss
 
     return CachedMatryoshkaLoss(model, base, list(dims), mini_batch_size=options.mini_batch_size,
-                                backend=options.backend)
+                                backend=options.backend, false_negative_margin=None if guide is not None else margin)
 
 
 def _training_args(options: TrainOptions, output_dir: str, device: str):
@@ -95,16 +104,18 @@ def compare_speed(ours_seconds: float, stock_seconds: float) -> str:
     return "as fast as stock"
 
 
-def compare_stock(initial, dims: Sequence[int], train, options: TrainOptions, first: dict[str, Any]):
+def compare_stock(initial, dims: Sequence[int], train, options: TrainOptions, first: dict[str, Any], guide=None):
     """Train fresh copies of ``initial`` for the same steps in the order :data:`COMPARE_ORDER` (``first`` is the
     run already made with ours), so that warm-up and drift favour neither loss, and compare mean time and peak
     memory. Memory is compared only where each run's peak excludes the runs before it (``block_only``)."""
     runs: dict[str, list[dict[str, Any]]] = {"ours": [first], "stock": []}
     for name in COMPARE_ORDER[1:]:
-        print(f"--compare-stock: training with {'stock MatryoshkaLoss(CachedMNRL)' if name == 'stock' else 'ours'}",
+        base = "CachedGISTEmbedLoss" if guide is not None else "CachedMNRL"
+        print(f"--compare-stock: training with {f'stock MatryoshkaLoss({base})' if name == 'stock' else 'ours'}",
               flush=True)
         model = copy.deepcopy(initial)
-        runs[name].append(train_measured(model, make_loss(model, dims, options, stock=name == "stock"), train, options))
+        loss = make_loss(model, dims, options, stock=name == "stock", guide=guide)
+        runs[name].append(train_measured(model, loss, train, options))
         del model
     mean = {name: statistics.fmean(run["train_seconds"] for run in rs) for name, rs in runs.items()}
     summary = f"CachedMatryoshkaLoss is {compare_speed(mean['ours'], mean['stock'])}"

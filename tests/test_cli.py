@@ -567,3 +567,50 @@ def test_bad_options_from_python_raise_usage_error(options, message, tmp_path):
     with pytest.raises(cli.UsageError, match=re.escape(message)):
         main_job.TrainOptions(output_dir=tmp_path / "out", **options)
     assert list(tmp_path.iterdir()) == []
+
+
+def _record_losses(monkeypatch) -> list:
+    """Every loss the main job builds, in order (ours first)."""
+    from st_cached_losses import main_job, training
+
+    made, real = [], training.make_loss
+
+    def recording(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(training, "make_loss", recording)
+    monkeypatch.setattr(main_job, "make_loss", recording)
+    return made
+
+
+def test_guide_trains_gistembed_inside_the_loss(tiny_dir, tmp_path, monkeypatch):
+    """--guide: CachedMatryoshkaLoss around CachedGISTEmbedLoss(model, guide, margin) (the guide here: the same
+    tiny model), recorded in results.json; with --compare-stock, stock MatryoshkaLoss around the same base."""
+    made = _record_losses(monkeypatch)
+    assert _train(tiny_dir, tmp_path / "out", "--guide", str(tiny_dir), "--false-negative-margin", "0.05",
+                  "--compare-stock") == 0  # fmt: skip
+    config = json.loads((tmp_path / "out" / "results.json").read_text())["config"]
+    assert config["guide"] == str(tiny_dir) and config["false_negative_margin"] == 0.05
+    ours, stock = made[0], next(loss for loss in made if type(loss).__name__ == "MatryoshkaLoss")
+    for loss in (ours, stock):
+        assert type(loss.loss).__name__ == "CachedGISTEmbedLoss" and loss.loss.margin == 0.05
+    assert type(ours).__name__ == "CachedMatryoshkaLoss" and ours.false_negative_margin is None
+
+
+def test_false_negative_margin_alone_is_self_guided(tiny_dir, tmp_path, monkeypatch):
+    made = _record_losses(monkeypatch)
+    assert _train(tiny_dir, tmp_path / "out", "--false-negative-margin", "-0.1") == 0
+    (loss,) = made
+    assert loss.false_negative_margin == -0.1 and type(loss.loss).__name__ == "CachedMultipleNegativesRankingLoss"
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--false-negative-margin", "nan"], "--false-negative-margin: false_negative_margin must be a finite number"),
+    (["--false-negative-margin", "0.1", "--compare-stock"], "stock has no self-guided filter"),
+    (["--guide", "./no/such/guide"], "--guide './no/such/guide': no such directory"),
+])  # fmt: skip
+def test_bad_false_negative_options_are_one_line(tiny_dir, tmp_path, capsys, extra, message):
+    assert _train(tiny_dir, tmp_path / "out", *extra) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and not (tmp_path / "out").exists()
