@@ -21,6 +21,8 @@ STYLES = {
     "stock": ("tab:red", "s"),
     "stock_cmnrl": ("tab:orange", "^"),
     "mnrl": ("tab:gray", "x"),
+    "ours_gist": ("tab:olive", "<"),
+    "stock_gist": ("tab:pink", ">"),
     "chunked": ("tab:blue", "o"),
     "triton": ("tab:green", "P"),
     "dense": ("tab:brown", "*"),

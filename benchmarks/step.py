@@ -25,6 +25,11 @@ PHASES = ("embed", "loss", "backward")
 BASELINE = "stock"
 
 
+def baseline_of(contender: str) -> str:
+    """The stock loss a contender's ratios are taken to: "stock_gist" for the GISTEmbed contenders, else "stock"."""
+    return "stock_gist" if contender.endswith("_gist") else BASELINE
+
+
 class _Clock:
     """Time marks: (wall, CPU) seconds of this process; on CUDA the wall time comes from CUDA events, read
     once the step has synchronised."""
@@ -136,8 +141,9 @@ def timing_rows(batch: int, times: dict[str, list[dict[str, float]]]) -> list[tu
                     (name, batch, f"{metric}_min", min(values)),
                     (name, batch, f"{metric}_max", max(values)),
                 ]
-            if BASELINE in times and len(times[BASELINE]) == len(runs):
-                ratios = [run[prefix + "step"] / base[prefix + "step"] for run, base in zip(runs, times[BASELINE])]
+            baseline = times.get(baseline_of(name))
+            if baseline is not None and len(baseline) == len(runs):
+                ratios = [run[prefix + "step"] / base[prefix + "step"] for run, base in zip(runs, baseline)]
                 metric = "time_ratio_to_stock" if prefix == "" else "cpu_ratio_to_stock"
                 rows += [
                     (name, batch, f"{metric}_median", statistics.median(ratios)),

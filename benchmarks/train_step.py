@@ -14,6 +14,9 @@ dims [384, 256, 128, 64, 32]:
     mnrl            MatryoshkaLoss(model, MNRL(model), dims), not cached: the whole batch embedded with
                     gradients at once; skipped where its peak of tensor bytes, extrapolated from a smaller B by the
                     padded token count, exceeds --mnrl-max-bytes (6 GiB: the machine has 24 GiB, shared with other jobs)
+    ours_gist       CachedMatryoshkaLoss(model, CachedGISTEmbedLoss(model, guide, mini_batch_size=32), dims), the guide
+                    a frozen copy of the model (GISTEmbed's false-negative filter inside the op)
+    stock_gist      MatryoshkaLoss(model, CachedGISTEmbedLoss(model, guide, mini_batch_size=32), dims)
 
 Phases (embed / loss / backward, wall and CPU seconds): see ``benchmarks/step.py``.
 
@@ -60,7 +63,7 @@ from benchmarks.train_step_report import summary_table, write_outputs
 from st_cached_losses.processes import run_json_processes
 from st_cached_losses.profiling import peak_rss_bytes, peak_tensor_bytes, rss_bytes
 
-CONTENDERS = ("ours", "ours_unsorted", "stock", "stock_cmnrl", "mnrl")
+CONTENDERS = ("ours", "ours_unsorted", "stock", "stock_cmnrl", "mnrl", "ours_gist", "stock_gist")
 DEFAULT_SIZES = (128, 256, 1024, 4096)
 DEFAULT_DIMS = (384, 256, 128, 64, 32)
 # Non-cached MNRL holds every layer's activations for the whole batch: run it only where its peak of tensor
@@ -128,6 +131,7 @@ def autocast_model(model, dtype_name: str | None) -> None:
 
 def build_loss(name: str, model, dims: Sequence[int], mini_batch_size: int):
     from sentence_transformers.sentence_transformer.losses import (
+        CachedGISTEmbedLoss,
         CachedMultipleNegativesRankingLoss,
         MatryoshkaLoss,
         MultipleNegativesRankingLoss,
@@ -147,7 +151,24 @@ def build_loss(name: str, model, dims: Sequence[int], mini_batch_size: int):
         return cmnrl
     if name == "mnrl":
         return MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), dims)
+    if name in ("ours_gist", "stock_gist"):
+        gist = CachedGISTEmbedLoss(model, guide_for(model), mini_batch_size=mini_batch_size)
+        if name == "stock_gist":
+            return MatryoshkaLoss(model, gist, dims)
+        return CachedMatryoshkaLoss(model, gist, dims, mini_batch_size=mini_batch_size)
     raise ValueError(f"contender must be one of {CONTENDERS}, got {name!r}")
+
+
+_GUIDES: dict[int, object] = {}
+
+
+def guide_for(model):
+    """The GISTEmbed contenders' guide: a frozen copy of the model as it was loaded (eval mode), one per model."""
+    import copy
+
+    if id(model) not in _GUIDES:
+        _GUIDES[id(model)] = copy.deepcopy(model).eval().requires_grad_(False)
+    return _GUIDES[id(model)]
 
 
 def tokenize(model, pairs: Sequence[tuple[str, str]]) -> list[dict]:
@@ -252,7 +273,7 @@ def in_fresh_processes(jobs: list[tuple[str, bool]], batch: int, pairs_path: Pat
 # B=128 is where non-cached MNRL fits next to the other jobs on this machine.
 PLAN = {
     128: (("ours", "stock", "mnrl"), ("ours", "stock", "mnrl"), 3),
-    256: (CONTENDERS, ("ours", "stock", "stock_cmnrl", "mnrl"), 3),
+    256: (("ours", "ours_unsorted", "stock", "stock_cmnrl", "mnrl"), ("ours", "stock", "stock_cmnrl", "mnrl"), 3),
     1024: (("ours", "stock", "mnrl"), ("ours", "stock", "stock_cmnrl", "mnrl"), 2),
     4096: (("ours", "stock"), ("ours", "stock"), 1),
 }
@@ -260,7 +281,7 @@ PLAN = {
 
 def plan_for(batch: int, args) -> tuple[list[str], list[str], int]:
     """(timed contenders, memory contenders, rounds) at ``batch``; --contenders / --repeats override the plan."""
-    contenders, memory, repeats = PLAN.get(batch, (CONTENDERS, CONTENDERS, 3))
+    contenders, memory, repeats = PLAN.get(batch, (("ours", "stock"), ("ours", "stock"), 3))
     if args.contenders:
         contenders = memory = args.contenders
     if args.memory_only:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.report import STYLES, plot, read_csv, style, values, write_csv
-from benchmarks.step import BASELINE, PHASES
+from benchmarks.step import PHASES, baseline_of
 
 
 def summary_table(records: list[dict]) -> str:
-    """Markdown table per (B, contender): step time with spread, phases, ratios to stock, peaks."""
+    """Markdown table per (B, contender): step time with spread, phases, ratios to its stock loss (stock; stock_gist
+    for the GISTEmbed contenders), peaks."""
     value = values(records)
     lines = [
         "| B | contender | step s (min-max) | embed / loss / backward s | time / stock (min-max) | CPU time / stock | "
@@ -44,7 +45,7 @@ def summary_table(records: list[dict]) -> str:
                 *ratios,
             ]
             for metric in ("peak_bytes", "rss_peak_bytes"):
-                mine, base = get(metric), value.get((BASELINE, batch, metric))
+                mine, base = get(metric), value.get((baseline_of(name), batch, metric))
                 cells.append("" if mine is None else f"{mine / 2**20:.0f}")
                 cells.append("" if mine is None or not base else f"{mine / base:.2f}")
             lines.append("| " + " | ".join(cells) + " |")
@@ -65,10 +66,10 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
     # Bars in each contender's colour (as in every plot); the phases differ by hatch and shade.
     phase_looks = {"embed": ("", 1.0), "loss": ("xx", 0.75), "backward": ("//", 0.5)}
     for j, batch in enumerate(sizes):
-        stock = value.get((BASELINE, batch, "seconds_median"))
         present = [name for name in contenders if (name, batch, "seconds_median") in value]
         width = 0.8 / max(1, len(present))
         for i, name in enumerate(present):
+            stock = value.get((baseline_of(name), batch, "seconds_median"))
             x, bottom = j + (i - (len(present) - 1) / 2) * width, 0.0
             for phase in PHASES:
                 seconds = value.get((name, batch, f"seconds_{phase}_median"))
@@ -83,7 +84,7 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
     for phase, (hatch, alpha) in phase_looks.items():
         axes[0].bar(0, 0, 0, color="lightgray", alpha=alpha, hatch=hatch, edgecolor="black", label=phase)
     axes[0].set_xticks(range(len(sizes)), [f"B={b}" for b in sizes])
-    axes[0].set_ylabel("step time / stock step time")
+    axes[0].set_ylabel("step time / its stock loss's step time")
     axes[0].set_ylim(0, axes[0].get_ylim()[1] * 1.35)
     axes[0].legend(loc="upper right")
     axes[0].grid(True, axis="y", alpha=0.3)
