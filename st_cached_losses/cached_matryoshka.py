@@ -28,9 +28,10 @@ from sentence_transformers.sentence_transformer.losses import (
     MultipleNegativesRankingLoss,
 )
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
-from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, dot_score, get_rank, get_world_size
+from sentence_transformers.util import all_gather_with_grad, cos_sim, dot_score, get_rank
 from torch import Tensor, nn
 
+from .distributed import check_same_rows_on_every_rank
 from .loss_components import loss_components
 from .minibatches import (
     LengthSorted,
@@ -290,7 +291,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         and documents (gathered with gradients, which flow back to their owners)."""
         if not self.gather_across_devices:
             return queries, torch.cat(docs), {}
-        _check_same_rows_on_every_rank(queries)
+        check_same_rows_on_every_rank(queries)
         world_queries = all_gather_with_grad(queries)
         docs = torch.cat([all_gather_with_grad(doc) for doc in docs])
         if world_queries.shape[0] == queries.shape[0]:
@@ -412,17 +413,3 @@ def _prefix_similarity(similarity_fct) -> str:
         )
     return similarity
 
-
-def _check_same_rows_on_every_rank(queries: Tensor) -> None:
-    """With gather_across_devices, every rank must hold the same number of rows: the all-gather needs equal shapes
-    (else gloo aborts the process and NCCL may hang), and row i of rank r is row r * B + i of the world batch.
-    Costs one all-gather of one integer per step; all ranks see the same sizes, so all raise together."""
-    if get_world_size() == 1:
-        return
-    sizes = all_gather(torch.tensor([queries.shape[0]], device=queries.device)).tolist()
-    if len(set(sizes)) != 1:
-        raise ValueError(
-            f"gather_across_devices=True needs the same number of rows on every process, got {sizes} rows per "
-            "rank: keep accelerate's even_batches=True (the default) with a fixed-size batch sampler, or set "
-            "dataloader_drop_last=True, so that every process gets full batches."
-        )
