@@ -31,6 +31,7 @@ from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from sentence_transformers.util import all_gather_with_grad, cos_sim, dot_score, get_rank
 from torch import Tensor, nn
 
+from .dims import sorted_dims
 from .distributed import check_same_rows_on_every_rank
 from .loss_components import loss_components
 from .minibatches import (
@@ -43,7 +44,6 @@ from .minibatches import (
     without_leading_padding,
 )
 from .ops import check_backend, matryoshka_infonce
-from .ops.spec import check_dims
 from .precision import encoder_autocast_dtypes, nonfinite_policy
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
 
         self.model = model
         self.loss = loss
-        self.matryoshka_dims, self.matryoshka_weights = _sorted_dims(model, matryoshka_dims, matryoshka_weights)
+        self.matryoshka_dims, self.matryoshka_weights = sorted_dims(model, matryoshka_dims, matryoshka_weights)
         self.n_dims_per_step = n_dims_per_step
         self.mini_batch_size = mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
@@ -385,21 +385,6 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
     primaryClass={cs.LG}
 }
 """
-
-
-def _sorted_dims(
-    model: SentenceTransformer, dims: Sequence[int], weights: Sequence[float] | None
-) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """The dims and weights sorted by descending dim, as MatryoshkaLoss does (``ops.spec.check_dims``'s rule),
-    warning as it does when the model's own dimension is not trained."""
-    embedding_dim = model.get_embedding_dimension()
-    dims, weights, _ = check_dims(dims, weights, embedding_dim, "matryoshka_dims", "matryoshka_weights")
-    if embedding_dim is not None and embedding_dim not in dims:
-        logger.warning(
-            f"The model's embedding dimension {embedding_dim} is not in matryoshka_dims {list(dims)}, so the "
-            "full-size embedding is not trained. It is strongly recommended to include it."
-        )
-    return dims, weights
 
 
 def _prefix_similarity(similarity_fct) -> str:
