@@ -31,6 +31,8 @@ from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from sentence_transformers.util import all_gather_with_grad, cos_sim, dot_score, get_rank
 from torch import Tensor, nn
 
+from .activation_budget import AUTO, ActivationBudget, KeptGraph, StepPlan, check_activation_budget
+from .activation_budget import check_mini_batch_size
 from .dims import sorted_dims
 from .distributed import check_same_rows_on_every_rank
 from .loss_components import loss_components
@@ -64,11 +66,12 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         matryoshka_dims: Sequence[int],
         matryoshka_weights: Sequence[float] | Sequence[int] | None = None,
         n_dims_per_step: int = -1,
-        mini_batch_size: int | None = None,
+        mini_batch_size: int | str | None = None,
         mini_batch_num_tokens: int | None = None,
         sort_by_length: bool = True,
         backend: str = "auto",
         show_progress_bar: bool = False,
+        activation_budget: int | str | None = None,
     ) -> None:
         """
         A drop-in replacement for ``MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model), dims)``:
@@ -82,6 +85,8 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
                 which never holds the full score matrix), caching d loss / d embedding;
             (3) on backward, re-embed each mini-batch with gradients (same dropout masks) and back-propagate
                 the cached gradient, scaled by the incoming ``grad_output``.
+        With an ``activation_budget``, step (1) embeds the mini-batches that fit in it with gradients and keeps
+        their graphs, through which step (3) back-propagates without re-embedding them.
 
         The hyperparameters of the InfoNCE loss (``scale``, ``similarity_fct``, ``directions``,
         ``partition_mode``, ``hardness_mode``, ``hardness_strength``, ``gather_across_devices``) are read
@@ -107,7 +112,9 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             n_dims_per_step: if > 0 and fewer than the number of dims, sample that many dims per step with
                 Python's ``random.sample``, exactly as MatryoshkaLoss does (so a seed picks the same dims).
             mini_batch_size: rows per embedding mini-batch (the memory knob). Default: ``loss.mini_batch_size``
-                for a CachedMultipleNegativesRankingLoss, else 32.
+                for a CachedMultipleNegativesRankingLoss, else 32. "auto": the largest (rows, or the value of a set
+                ``mini_batch_num_tokens``) whose activations fit in ``activation_budget`` (or the "auto" memory),
+                measured at the first training step (one extra forward), then fixed; logged at INFO.
             mini_batch_num_tokens: if set, pack mini-batches by non-padding token count instead. Default:
                 ``loss.mini_batch_num_tokens`` for a CachedMultipleNegativesRankingLoss, else None.
             sort_by_length: within each column, order rows by token count before cutting them into
@@ -121,15 +128,21 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
                 "chunked" or "dense"; checked against the model's device here
                 (:func:`st_cached_losses.ops.check_backend`).
             show_progress_bar: show a progress bar over the embedding mini-batches.
+            activation_budget: bytes of autograd activations step (1) may keep (None, the default: none). What is
+                kept never exceeds it; re-embedding one mini-batch in step (3) comes on top. "auto": the memory
+                available on the model's device less a margin and steps (2) and (3)'s needs (INFO log). Evaluation
+                keeps nothing; under DDP a synchronising step re-embeds its last mini-batch. See
+                :mod:`st_cached_losses.activation_budget`; ``activation_report``: the last training step's.
 
         Raises:
             TypeError: ``loss`` is not one of the supported losses.
             ValueError: a StaticEmbedding model; empty, non-positive, duplicate dims or dims larger than the
                 model's embedding dimension; weights of another length; an unsupported ``similarity_fct``,
-                ``mini_batch_size`` or ``mini_batch_num_tokens``; an unknown ``backend``, or one that cannot run
-                on the model's device ("triton" on CPU outside Triton's interpreter). ``forward`` raises ValueError
-                for fewer than two input columns or columns with different numbers of rows, and, with the base
-                loss's ``gather_across_devices=True``, for different numbers of rows on different processes.
+                ``mini_batch_size``, ``mini_batch_num_tokens`` or ``activation_budget``; an unknown ``backend``, or
+                one that cannot run on the model's device ("triton" on CPU outside Triton's interpreter). ``forward``
+                raises ValueError for fewer than two input columns or columns with different numbers of rows, and,
+                with the base loss's ``gather_across_devices=True``, for different numbers of rows on different
+                processes.
 
         References:
             - Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup (GradCache):
@@ -183,8 +196,8 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             mini_batch_size = loss.mini_batch_size if cached_base else DEFAULT_MINI_BATCH_SIZE
         if mini_batch_num_tokens is None and cached_base:
             mini_batch_num_tokens = loss.mini_batch_num_tokens
-        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0:
-            raise ValueError(f"mini_batch_size must be a positive int, got {mini_batch_size!r}.")
+        mini_batch_size = check_mini_batch_size(mini_batch_size)
+        activation_budget = check_activation_budget(activation_budget)
         _validate_mini_batch_num_tokens(mini_batch_num_tokens)
         check_backend(backend, model.device)  # e.g. "triton" for a model on CPU: now, not after the first batch
 
@@ -192,11 +205,16 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         self.loss = loss
         self.matryoshka_dims, self.matryoshka_weights = sorted_dims(model, matryoshka_dims, matryoshka_weights)
         self.n_dims_per_step = n_dims_per_step
-        self.mini_batch_size = mini_batch_size
+        self.auto_mini_batch = mini_batch_size == AUTO  # chosen at the first training step; until then the default
+        self.mini_batch_size = DEFAULT_MINI_BATCH_SIZE if self.auto_mini_batch else mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
         self.sort_by_length = sort_by_length
         self.backend = backend
         self.show_progress_bar = show_progress_bar
+        self.activation_budget = activation_budget
+        budgeted = activation_budget is not None or self.auto_mini_batch
+        self._activations = ActivationBudget(activation_budget) if budgeted else None
+        self._step_plan: StepPlan | None = None  # this forward's kept mini-batches, read by embed_minibatch
         _prefix_similarity(loss.similarity_fct)  # fail at construction, not at the first step
         # Set by forward for the calculate_loss call it makes (forward_cached calls it synchronously).
         self._step_dims: tuple[int, ...] = ()
@@ -213,6 +231,9 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         sentence_features = list(sentence_features)
         check_columns(sentence_features)
         self._step_dims = self._sample_dims()
+        training = self._activations is not None and torch.is_grad_enabled()
+        if training and self.auto_mini_batch and not self._activations.chosen:
+            self._activations.choose_mini_batch(self, sentence_features)
         if self.sort_by_length:
             self._step_orders = [self._step_order(feature) for feature in sentence_features]
             # With a fixed mini-batch size each mini-batch gathers its own rows (no copy of the whole batch's
@@ -221,8 +242,12 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             sentence_features = [sort(f, order) for f, order in zip(sentence_features, self._step_orders)]
         else:
             self._step_orders = [None] * len(sentence_features)
-        with encoder_autocast_dtypes(self.model) as self._encoder_dtypes:  # read in calculate_loss
-            total = self.forward_cached(sentence_features, labels)
+        self._step_plan = self._activations.plan(self, sentence_features) if training else None
+        try:
+            with encoder_autocast_dtypes(self.model) as self._encoder_dtypes:  # read in calculate_loss
+                total = self.forward_cached(sentence_features, labels)
+        finally:
+            self._step_plan = None
         per_dim = dict(zip(self._step_dims, self._step_per_dim))
         self._step_per_dim = None
         values = {
@@ -234,11 +259,20 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
         """CachedLossMixin's contract, ``(embeddings, RandContext or None)`` of rows ``begin:end`` of a column, as
         stock's ``embed_minibatch`` (RNG snapshot for the dropout replay, no graph without ``with_grad``) on
-        :meth:`minibatch_features` through :meth:`encode`."""
+        :meth:`minibatch_features` through :meth:`encode`. A kept mini-batch (activation budget) is embedded with
+        gradients in step (1), a :class:`KeptGraph` standing in for its RNG state; step (3) returns its embeddings."""
+        if isinstance(random_state, KeptGraph):
+            embeddings, random_state = random_state.take()
+            if embeddings is not None:
+                return embeddings, None
         features = self.minibatch_features(sentence_feature, begin, end)
-        with nullcontext() if random_state is None else random_state, nullcontext() if with_grad else torch.no_grad():
+        plan = None if with_grad else self._step_plan
+        kept = None if plan is None else plan.keeping(sentence_feature, begin, self.model, features)
+        grad = nullcontext() if with_grad or kept is not None else torch.no_grad()
+        with nullcontext() if random_state is None else random_state, grad, kept or nullcontext():
             random_state = gradcache.RandContext(*features.values()) if copy_random_state else None
-            return self.encode(features), random_state
+            embeddings = self.encode(features)
+        return (embeddings, random_state) if kept is None else kept.result(embeddings, random_state)
 
     def minibatch_features(self, sentence_feature: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
         """Rows ``begin:end`` of a column (rows ``order[begin:end]`` of a length-sorted one) without the padding
@@ -359,11 +393,18 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             "matryoshka_dims": self.matryoshka_dims,
             "matryoshka_weights": self.matryoshka_weights,
             "n_dims_per_step": self.n_dims_per_step,
-            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_size": AUTO if self.auto_mini_batch else self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "sort_by_length": self.sort_by_length,
             "backend": self.backend,
+            "activation_budget": self.activation_budget,
+            **(self._activations.chosen if self._activations is not None else {}),
         }
+
+    @property
+    def activation_report(self) -> StepPlan | None:
+        """The last training step's kept mini-batches and their bytes (:class:`StepPlan`); None without a budget."""
+        return None if self._activations is None else self._activations.report
 
     @property
     def citation(self) -> str:
