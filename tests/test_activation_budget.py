@@ -163,6 +163,25 @@ def test_no_budget_is_todays_behaviour_exactly(tiny_model):
     assert ours.activation_report is None and ours._activations is None
 
 
+@pytest.mark.parametrize("budget", [ALL, SOME], ids=["keeps_all", "keeps_some"])
+def test_bf16_autocast_kept_graphs_match_stock(budget):
+    """The trainer's bf16=True (the model's forward under autocast): a kept graph is step (1)'s bf16 forward, whose
+    gradients stock gets by replaying it; within bf16 rounding."""
+    from tests.test_mixed_precision import _assert_close_within_bf16, _bf16_autocast_forward
+
+    model = tiny_sentence_transformer(seed=1)
+    _bf16_autocast_forward(model)
+    features = _features(model, rows=12, negatives=1, seed=43)
+    stock = MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=4), DIMS, WEIGHTS)
+    ours = _ours(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=4), _budget(model, features, budget),
+                 sort_by_length=False)  # fmt: skip
+    stock_loss, stock_grads = _loss_and_grads(model, stock, features)
+    loss, grads = _loss_and_grads(model, ours, features)
+    assert loss == pytest.approx(stock_loss, rel=2**-6)
+    _assert_close_within_bf16(grads, stock_grads)
+    assert len(ours.activation_report.kept) > 0
+
+
 # --------------------------------------------------------------------------------------------- the budget
 
 
