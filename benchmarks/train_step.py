@@ -9,6 +9,11 @@ dims [384, 256, 128, 64, 32]:
 
     ours            CachedMatryoshkaLoss(model, CachedMNRL(model, mini_batch_size=32), dims)
     ours_unsorted   the same with sort_by_length=False (stock's mini-batches: isolates the loss stage)
+    ours_kept       ours with activation_budget=--activation-budget (8 GiB, or "auto"): step (1) keeps the graphs of the
+                    mini-batches that fit, step (3) re-embeds only the rest. Per B it also reports what its timed step
+                    kept (the last round in one process; the memory process's step): ``kept_share`` (mini-batches kept
+                    / all), ``kept_token_share`` (their padded tokens / all: the share of step (3)'s re-embedding
+                    saved) and ``kept_bytes`` (what the kept graphs held)
     stock           MatryoshkaLoss(model, CachedMNRL(model, mini_batch_size=32), dims)   <- the ratios' baseline
     stock_cmnrl     CachedMNRL(model, mini_batch_size=32) alone (one dim: what the Matryoshka dims cost stock)
     mnrl            MatryoshkaLoss(model, MNRL(model), dims), not cached: the whole batch embedded with
@@ -41,6 +46,7 @@ threads wait on each other whenever one is descheduled: a MiniLM step took ~3x l
     python -m benchmarks.train_step                                  # B in 128 256 1024 4096 -> benchmarks/results/
     python -m benchmarks.train_step --sizes 16 32 --model tiny --dims 48 16 --repeats 1 --out /tmp/smoke
     python -m benchmarks.train_step --sizes 1024 --contenders ours --memory-only --merge   # re-measure one cell
+    python -m benchmarks.train_step --sizes 128 1024 --contenders ours ours_kept stock mnrl --activation-budget auto
     python -m benchmarks.train_step --device cuda --autocast bf16 --model PATH --mini-batch-size 256 --sizes 8192
 """
 
@@ -63,13 +69,14 @@ from benchmarks.train_step_report import summary_table, write_outputs
 from st_cached_losses.processes import run_json_processes
 from st_cached_losses.profiling import peak_rss_bytes, peak_tensor_bytes, rss_bytes
 
-CONTENDERS = ("ours", "ours_unsorted", "stock", "stock_cmnrl", "mnrl", "ours_gist", "stock_gist")
+CONTENDERS = ("ours", "ours_unsorted", "ours_kept", "stock", "stock_cmnrl", "mnrl", "ours_gist", "stock_gist")
 DEFAULT_SIZES = (128, 256, 1024, 4096)
 DEFAULT_DIMS = (384, 256, 128, 64, 32)
 # Non-cached MNRL holds every layer's activations for the whole batch: run it only where its peak of tensor
 # bytes, extrapolated from a smaller B by the padded token count, stays under this (the machine has 24 GiB,
 # shared with other jobs).
 DEFAULT_MNRL_MAX_BYTES = 6 * 2**30
+DEFAULT_ACTIVATION_BUDGET = 8 * 2**30  # ours_kept's budget (bytes) unless --activation-budget says otherwise
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -129,7 +136,8 @@ def autocast_model(model, dtype_name: str | None) -> None:
     model.forward = convert_outputs_to_fp32(torch.autocast(model.device.type, dtype=dtype)(model.forward))
 
 
-def build_loss(name: str, model, dims: Sequence[int], mini_batch_size: int):
+def build_loss(name: str, model, dims: Sequence[int], mini_batch_size: int,
+               activation_budget: int | str = DEFAULT_ACTIVATION_BUDGET):  # fmt: skip
     from sentence_transformers.sentence_transformer.losses import (
         CachedGISTEmbedLoss,
         CachedMultipleNegativesRankingLoss,
@@ -143,6 +151,9 @@ def build_loss(name: str, model, dims: Sequence[int], mini_batch_size: int):
     cmnrl = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch_size)
     if name == "ours":
         return CachedMatryoshkaLoss(model, cmnrl, dims, mini_batch_size=mini_batch_size)
+    if name == "ours_kept":
+        return CachedMatryoshkaLoss(model, cmnrl, dims, mini_batch_size=mini_batch_size,
+                                    activation_budget=activation_budget)  # fmt: skip
     if name == "ours_unsorted":
         return CachedMatryoshkaLoss(model, cmnrl, dims, mini_batch_size=mini_batch_size, sort_by_length=False)
     if name == "stock":
@@ -215,26 +226,41 @@ def input_rows(batch: int, batch_pairs, features: list[dict], args) -> list[tupl
     ]
 
 
-def time_in_process(model, pairs, features, batch: int, contenders: list[str], repeats: int, args) -> dict:
-    """Every contender's phase times over ``repeats`` rounds in this process, after the same small warm-up step."""
-    losses = {name: build_loss(name, model, args.dims, args.mini_batch_size) for name in contenders}
+def time_in_process(model, pairs, features, batch: int, contenders: list[str], repeats: int,
+                    args) -> tuple[dict, list]:  # fmt: skip
+    """Every contender's phase times over ``repeats`` rounds in this process, after the same small warm-up step, and
+    the kept-share rows of contenders with an activation budget (their last timed step)."""
+    losses = {name: build_loss(name, model, args.dims, args.mini_batch_size, args.activation_budget)
+              for name in contenders}  # fmt: skip
     warmup = tokenize(model, batch_of(pairs, min(batch, 2 * args.mini_batch_size)))
     for loss in losses.values():
         Step(model, loss, warmup)()
     times = time_steps({name: Step(model, loss, features) for name, loss in losses.items()}, repeats, warmup=0,
                        log=True)  # fmt: skip
+    kept = [(name, batch, key, value) for name, loss in losses.items() for key, value in kept_share(loss).items()]
     gc.collect()
-    return times
+    return times, kept
+
+
+def kept_share(loss) -> dict[str, float]:
+    """An activation budget's last step: ``kept_share`` (mini-batches kept / all), ``kept_token_share`` (their padded
+    tokens / all) and ``kept_bytes``; empty for a loss without one."""
+    report = getattr(loss, "activation_report", None)
+    if report is None:
+        return {}
+    return {"kept_share": report.kept_share, "kept_token_share": report.kept_token_share,
+            "kept_bytes": report.kept_bytes}  # fmt: skip
 
 
 def measure_one(contender: str, batch: int, pairs_path: Path, model_name: str, max_seq_length: int,
-                dims: Sequence[int], mini_batch_size: int, tensor_peak: bool = True) -> dict[str, float]:
+                dims: Sequence[int], mini_batch_size: int, tensor_peak: bool = True,
+                activation_budget: int | str = DEFAULT_ACTIVATION_BUDGET) -> dict[str, float]:
     """In this (fresh) process: RSS before and peak RSS over one step (and that step's times), then the exact
     tensor peak of a second step."""
     pairs = [tuple(pair) for pair in json.loads(Path(pairs_path).read_text())]
     model = build_model(model_name, max_seq_length)
     features = tokenize(model, batch_of(pairs, batch))
-    loss = build_loss(contender, model, dims, mini_batch_size)
+    loss = build_loss(contender, model, dims, mini_batch_size, activation_budget)
     # Warm-up on two mini-batches' worth of rows: one-time initialisation (lazy imports, thread pools, first-call
     # dispatch) stays out of the measured step, at a memory cost far below the step's.
     Step(model, loss, tokenize(model, batch_of(pairs, min(batch, 2 * mini_batch_size))))()
@@ -244,6 +270,7 @@ def measure_one(contender: str, batch: int, pairs_path: Path, model_name: str, m
     step()
     result["rss_peak_bytes"] = peak_rss_bytes()
     result.update({f"first_{key}": value for key, value in step.last.items()})
+    result.update(kept_share(loss))
     if tensor_peak:
         gc.collect()
         _, result["peak_bytes"] = peak_tensor_bytes(step, "cpu")
@@ -255,6 +282,7 @@ def _command(contender: str, batch: int, pairs_path: Path, args, tensor_peak: bo
         sys.executable, "-m", "benchmarks.train_step", "--one", contender, str(batch), "--pairs", str(pairs_path),
         "--model", args.model, "--max-seq-length", str(args.max_seq_length), "--mini-batch-size",
         str(args.mini_batch_size), "--threads", str(args.threads), "--dims", *map(str, args.dims),
+        "--activation-budget", str(args.activation_budget),
     ]
     return command + (["--no-tensor-peak"] if not tensor_peak or args.no_tensor_peak else [])
 
@@ -272,9 +300,9 @@ def in_fresh_processes(jobs: list[tuple[str, bool]], batch: int, pairs_path: Pat
 # rounds). On 2 cores a MiniLM step over B=4096 pairs takes many minutes, hence fewer contenders and rounds there.
 # B=128 is where non-cached MNRL fits next to the other jobs on this machine.
 PLAN = {
-    128: (("ours", "stock", "mnrl"), ("ours", "stock", "mnrl"), 3),
+    128: (("ours", "ours_kept", "stock", "mnrl"), ("ours", "ours_kept", "stock", "mnrl"), 3),
     256: (("ours", "ours_unsorted", "stock", "stock_cmnrl", "mnrl"), ("ours", "stock", "stock_cmnrl", "mnrl"), 3),
-    1024: (("ours", "stock", "mnrl"), ("ours", "stock", "stock_cmnrl", "mnrl"), 2),
+    1024: (("ours", "ours_kept", "stock", "mnrl"), ("ours", "ours_kept", "stock", "stock_cmnrl", "mnrl"), 2),
     4096: (("ours", "stock"), ("ours", "stock"), 1),
 }
 
@@ -327,17 +355,21 @@ def run(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], Non
                         times.pop(name, None)
                         continue
                     if measured:
-                        rows += [(name, batch, key, value) for key, value in result.items() if key.endswith("_bytes")]
+                        rows += [(name, batch, key, value) for key, value in result.items()
+                                 if key.endswith("_bytes") and not key.startswith("kept_")]  # fmt: skip
                         if name == "mnrl" and "peak_bytes" in result:
                             mnrl_bytes_per_token = result["peak_bytes"] / result["padded_tokens"]
                         print(f"B={batch:>5} {name:>13}: peak {result.get('peak_bytes', 0) / 2**20:9.1f} MiB tensors, "
                               f"{result['rss_peak_bytes'] / 2**20:9.1f} MiB RSS", flush=True)
                     if fresh and name in times:
+                        if round_ == 0:  # what ours_kept kept in the step timed here (in one process: its timing's)
+                            rows += [(name, batch, k, v) for k, v in result.items() if k.startswith("kept_")]
                         times[name].append(_first_step(result))
                         print(f"    fresh round {round_ + 1}/{repeats} {name:>13}: {result['first_step']:8.2f} s",
                               flush=True)
             if not fresh and contenders:
-                times = time_in_process(model, pairs, features, batch, contenders, repeats, args)
+                times, kept = time_in_process(model, pairs, features, batch, contenders, repeats, args)
+                rows += kept
             rows += timing_rows(batch, times) + [(name, batch, "timed_in_fresh_process", int(fresh)) for name in times]
             _print_medians(batch, times)
             if on_size is not None:
@@ -363,8 +395,10 @@ def run_in_process(args, pairs: list[tuple[str, str]], on_size: Callable[[list[t
         times = {}
         for name in contenders:  # one at a time: an out-of-memory error is its own
             try:
-                times.update(time_in_process(model, pairs, features, batch, [name], repeats, args))
-                loss = build_loss(name, model, args.dims, args.mini_batch_size)
+                name_times, kept = time_in_process(model, pairs, features, batch, [name], repeats, args)
+                times.update(name_times)
+                rows += kept
+                loss = build_loss(name, model, args.dims, args.mini_batch_size, args.activation_budget)
                 rows.append((name, batch, "peak_bytes", peak_tensor_bytes(Step(model, loss, features), args.device)[1]))
             except torch.OutOfMemoryError:
                 rows.append((name, batch, "out_of_memory", 1))
@@ -390,6 +424,15 @@ def _print_medians(batch: int, times: dict) -> None:
 # --------------------------------------------------------------------------------------------- command line
 
 
+def _budget(text: str) -> int | str:
+    """--activation-budget: "auto" or a positive number of bytes."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes or 'auto', got {text!r}")
+    return int(text)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))
@@ -405,6 +448,8 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every process")
     parser.add_argument("--jobs", type=int, default=2, help="fresh (memory) processes run at a time")
     parser.add_argument("--mnrl-max-bytes", type=float, default=DEFAULT_MNRL_MAX_BYTES)
+    parser.add_argument("--activation-budget", type=_budget, default=DEFAULT_ACTIVATION_BUDGET, metavar="BYTES",
+                        help="ours_kept's activation_budget: bytes, or 'auto' (default: 8 GiB)")
     parser.add_argument("--no-memory", action="store_true", help="timing only")
     parser.add_argument("--memory-only", action="store_true", help="the fresh-process memory measurements only")
     parser.add_argument("--merge", action="store_true",
@@ -437,7 +482,8 @@ def main(argv=None) -> list[dict] | None:
     if args.one:
         contender, batch = args.one[0], int(args.one[1])
         result = measure_one(contender, batch, args.pairs, args.model, args.max_seq_length, args.dims,
-                             args.mini_batch_size, tensor_peak=not args.no_tensor_peak)
+                             args.mini_batch_size, tensor_peak=not args.no_tensor_peak,
+                             activation_budget=args.activation_budget)
         print(json.dumps(result))
         return None
     if args.data:

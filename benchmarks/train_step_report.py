@@ -38,8 +38,9 @@ def summary_table(records: list[dict]) -> str:
                 ratio = get(f"{metric}_median")
                 ratios.append("" if ratio is None else
                               f"{ratio:.2f} ({get(f'{metric}_min'):.2f}-{get(f'{metric}_max'):.2f})")
+            kept = get("kept_share")  # ours_kept: the share of mini-batches its activation budget kept
             cells = [
-                str(batch), name,
+                str(batch), name if kept is None else f"{name} (kept {kept:.0%} of mini-batches)",
                 f"{get('seconds_median'):.1f} ({get('seconds_min'):.1f}-{get('seconds_max'):.1f})",
                 " / ".join(f"{get(f'seconds_{p}_median'):.1f}" for p in PHASES),
                 *ratios,

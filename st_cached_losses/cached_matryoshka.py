@@ -24,12 +24,15 @@ from sentence_transformers.base.losses.gradcache import (
     has_static_embedding_input,
 )
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
-from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank, get_world_size
+from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
 from torch import Tensor, nn
 
 from . import base_losses, citations
+from .activation_budget import AUTO, ActivationBudget, KeptGraph, StepPlan, check_activation_budget
+from .activation_budget import check_mini_batch_size
 from .base_losses import Guide, check_base_loss, is_gist, mini_batch_defaults
-
+from .dims import sorted_dims
+from .distributed import check_same_rows_on_every_rank
 from .loss_components import loss_components
 from .minibatches import (
     LengthSorted,
@@ -41,7 +44,7 @@ from .minibatches import (
     without_leading_padding,
 )
 from .ops import check_backend, matryoshka_infonce
-from .ops.spec import check_dims, check_false_negative_rule
+from .ops.spec import check_false_negative_rule
 from .precision import encoder_autocast_dtypes, nonfinite_policy
 
 logger = logging.getLogger(__name__)
@@ -58,13 +61,14 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         matryoshka_dims: Sequence[int],
         matryoshka_weights: Sequence[float] | Sequence[int] | None = None,
         n_dims_per_step: int = -1,
-        mini_batch_size: int | None = None,
+        mini_batch_size: int | str | None = None,
         mini_batch_num_tokens: int | None = None,
         sort_by_length: bool = True,
         backend: str = "auto",
         show_progress_bar: bool = False,
         false_negative_margin: float | None = None,
         false_negative_strategy: str = "absolute",
+        activation_budget: int | str | None = None,
     ) -> None:
         """
         A drop-in replacement for ``MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model), dims)``:
@@ -78,6 +82,8 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
                 which never holds the full score matrix), caching d loss / d embedding;
             (3) on backward, re-embed each mini-batch with gradients (same dropout masks) and back-propagate
                 the cached gradient, scaled by the incoming ``grad_output``.
+        With an ``activation_budget``, step (1) embeds the mini-batches that fit in it with gradients and keeps
+        their graphs, through which step (3) back-propagates without re-embedding them.
 
         The hyperparameters of the InfoNCE loss are read from ``loss`` whenever the loss is computed (see
         :mod:`st_cached_losses.base_losses`): ``scale``, ``similarity_fct``, ``directions``, ``partition_mode``,
@@ -109,7 +115,9 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             n_dims_per_step: if > 0 and fewer than the number of dims, sample that many dims per step with
                 Python's ``random.sample``, exactly as MatryoshkaLoss does (so a seed picks the same dims).
             mini_batch_size: rows per embedding mini-batch (the memory knob). Default: ``loss.mini_batch_size``
-                for a cached base loss, else 32.
+                for a cached base loss, else 32. "auto": the largest (rows, or the value of a set
+                ``mini_batch_num_tokens``) whose activations fit in ``activation_budget`` (or the "auto" memory),
+                measured at the first training step (one extra forward), then fixed; logged at INFO.
             mini_batch_num_tokens: if set, pack mini-batches by non-padding token count instead. Default:
                 ``loss.mini_batch_num_tokens`` for a cached base loss, else None.
             sort_by_length: within each column, order rows by token count before cutting them into
@@ -129,16 +137,22 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
                 Qwen3-Embedding's "above the positive + 0.1" is -0.1). None (default): off. The share of
                 candidates dropped is logged at INFO every training step and kept in ``masked_share``.
             false_negative_strategy: "absolute" (``s - margin``) or "relative" (``s - |s| * margin``).
+            activation_budget: bytes of autograd activations step (1) may keep (None, the default: none). What is
+                kept never exceeds it; re-embedding one mini-batch in step (3) comes on top. "auto": the memory
+                available on the model's device less a margin and steps (2) and (3)'s needs (INFO log). Evaluation
+                keeps nothing; under DDP a synchronising step re-embeds its last mini-batch. See
+                :mod:`st_cached_losses.activation_budget`; ``activation_report``: the last training step's.
 
         Raises:
             TypeError: ``loss`` is not one of the supported losses.
             ValueError: a non-finite ``false_negative_margin``, an unknown strategy, or a margin next to a
                 GISTEmbed base loss (which has its own); a StaticEmbedding model; empty, non-positive, duplicate dims or dims larger than the
                 model's embedding dimension; weights of another length; an unsupported ``similarity_fct``,
-                ``mini_batch_size`` or ``mini_batch_num_tokens``; an unknown ``backend``, or one that cannot run
-                on the model's device ("triton" on CPU outside Triton's interpreter). ``forward`` raises ValueError
-                for fewer than two input columns or columns with different numbers of rows, and, with the base
-                loss's ``gather_across_devices=True``, for different numbers of rows on different processes.
+                ``mini_batch_size``, ``mini_batch_num_tokens`` or ``activation_budget``; an unknown ``backend``, or
+                one that cannot run on the model's device ("triton" on CPU outside Triton's interpreter). ``forward``
+                raises ValueError for fewer than two input columns or columns with different numbers of rows, and,
+                with the base loss's ``gather_across_devices=True``, for different numbers of rows on different
+                processes.
 
         References:
             - Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup (GradCache):
@@ -184,10 +198,9 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
                 "MultipleNegativesRankingLoss(model), dims) instead."
             )
         default_size, default_tokens = mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE)
-        mini_batch_size = default_size if mini_batch_size is None else mini_batch_size
+        mini_batch_size = check_mini_batch_size(default_size if mini_batch_size is None else mini_batch_size)
         mini_batch_num_tokens = default_tokens if mini_batch_num_tokens is None else mini_batch_num_tokens
-        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0:
-            raise ValueError(f"mini_batch_size must be a positive int, got {mini_batch_size!r}.")
+        activation_budget = check_activation_budget(activation_budget)
         _validate_mini_batch_num_tokens(mini_batch_num_tokens)
         check_backend(backend, model.device)  # e.g. "triton" for a model on CPU: now, not after the first batch
         if false_negative_margin is not None:
@@ -200,9 +213,10 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
 
         self.model = model
         self.loss = loss
-        self.matryoshka_dims, self.matryoshka_weights = _sorted_dims(model, matryoshka_dims, matryoshka_weights)
+        self.matryoshka_dims, self.matryoshka_weights = sorted_dims(model, matryoshka_dims, matryoshka_weights)
         self.n_dims_per_step = n_dims_per_step
-        self.mini_batch_size = mini_batch_size
+        self.auto_mini_batch = mini_batch_size == AUTO  # chosen at the first training step; until then the default
+        self.mini_batch_size = DEFAULT_MINI_BATCH_SIZE if self.auto_mini_batch else mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
         self.sort_by_length = sort_by_length
         self.backend = backend
@@ -211,6 +225,10 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         self.false_negative_strategy = false_negative_strategy
         self.guide = Guide(loss) if is_gist(loss) else None
         self.masked_share: float | None = None  # the false-negative filter's share of candidates dropped, last step
+        self.activation_budget = activation_budget
+        budgeted = activation_budget is not None or self.auto_mini_batch
+        self._activations = ActivationBudget(activation_budget) if budgeted else None
+        self._step_plan: StepPlan | None = None  # this forward's kept mini-batches, read by embed_minibatch
         # Set by forward for the calculate_loss call it makes (forward_cached calls it synchronously).
         self._step_dims: tuple[int, ...] = ()
         self._step_orders: list[Tensor | None] = []
@@ -227,6 +245,9 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         sentence_features = list(sentence_features)
         check_columns(sentence_features)
         self._step_dims = self._sample_dims()
+        training = self._activations is not None and torch.is_grad_enabled()
+        if training and self.auto_mini_batch and not self._activations.chosen:
+            self._activations.choose_mini_batch(self, sentence_features)
         if self.sort_by_length:
             self._step_orders = [self._step_order(feature) for feature in sentence_features]
             # With a fixed mini-batch size each mini-batch gathers its own rows (no copy of the whole batch's
@@ -236,8 +257,12 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         else:
             self._step_orders = [None] * len(sentence_features)
         self._step_guide = {id(feature): [] for feature in sentence_features} if self.guide is not None else {}
-        with encoder_autocast_dtypes(self.model) as self._encoder_dtypes:  # read in calculate_loss
-            total = self.forward_cached(sentence_features, labels)
+        self._step_plan = self._activations.plan(self, sentence_features) if training else None
+        try:
+            with encoder_autocast_dtypes(self.model) as self._encoder_dtypes:  # read in calculate_loss
+                total = self.forward_cached(sentence_features, labels)
+        finally:
+            self._step_plan = None
         per_dim = dict(zip(self._step_dims, self._step_per_dim))
         self._step_per_dim = None
         values = {
@@ -249,13 +274,22 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
         """CachedLossMixin's contract, ``(embeddings, RandContext or None)`` of rows ``begin:end`` of a column, as
         stock's ``embed_minibatch`` (RNG snapshot for the dropout replay, no graph without ``with_grad``) on
-        :meth:`minibatch_features` through :meth:`encode`."""
+        :meth:`minibatch_features` through :meth:`encode`. A kept mini-batch (activation budget) is embedded with
+        gradients in step (1), a :class:`KeptGraph` standing in for its RNG state; step (3) returns its embeddings."""
+        if isinstance(random_state, KeptGraph):
+            embeddings, random_state = random_state.take()
+            if embeddings is not None:
+                return embeddings, None
         features = self.minibatch_features(sentence_feature, begin, end)
         if not with_grad and id(sentence_feature) in self._step_guide:  # step (1): the guide embeds the same rows
             self._step_guide[id(sentence_feature)].append(self.guide.embed(features, self.model.device))
-        with nullcontext() if random_state is None else random_state, nullcontext() if with_grad else torch.no_grad():
+        plan = None if with_grad else self._step_plan
+        kept = None if plan is None else plan.keeping(sentence_feature, begin, self.model, features)
+        grad = nullcontext() if with_grad or kept is not None else torch.no_grad()
+        with nullcontext() if random_state is None else random_state, grad, kept or nullcontext():
             random_state = gradcache.RandContext(*features.values()) if copy_random_state else None
-            return self.encode(features), random_state
+            embeddings = self.encode(features)
+        return (embeddings, random_state) if kept is None else kept.result(embeddings, random_state)
 
     def minibatch_features(self, sentence_feature: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
         """Rows ``begin:end`` of a column (rows ``order[begin:end]`` of a length-sorted one) without the padding
@@ -327,7 +361,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         and documents (gathered with gradients, which flow back to their owners)."""
         if not self.gather_across_devices:
             return queries, torch.cat(docs), {}
-        _check_same_rows_on_every_rank(queries)
+        check_same_rows_on_every_rank(queries)
         world_queries = all_gather_with_grad(queries)
         docs = torch.cat([all_gather_with_grad(doc) for doc in docs])
         if world_queries.shape[0] == queries.shape[0]:
@@ -391,14 +425,21 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
             "matryoshka_dims": self.matryoshka_dims,
             "matryoshka_weights": self.matryoshka_weights,
             "n_dims_per_step": self.n_dims_per_step,
-            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_size": AUTO if self.auto_mini_batch else self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "sort_by_length": self.sort_by_length,
             "backend": self.backend,
             **({"false_negative_margin": self.false_negative_margin,
                 "false_negative_strategy": self.false_negative_strategy}
                if self.false_negative_margin is not None else {}),
+            "activation_budget": self.activation_budget,
+            **(self._activations.chosen if self._activations is not None else {}),
         }  # fmt: skip
+
+    @property
+    def activation_report(self) -> StepPlan | None:
+        """The last training step's kept mini-batches and their bytes (:class:`StepPlan`); None without a budget."""
+        return None if self._activations is None else self._activations.report
 
     @property
     def citation(self) -> str:
@@ -406,31 +447,3 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         return citations.GRADCACHE + citations.MATRYOSHKA + (citations.GISTEMBED if filtered else "")
 
 
-def _sorted_dims(
-    model: SentenceTransformer, dims: Sequence[int], weights: Sequence[float] | None
-) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """The dims and weights sorted by descending dim, as MatryoshkaLoss does (``ops.spec.check_dims``'s rule),
-    warning as it does when the model's own dimension is not trained."""
-    embedding_dim = model.get_embedding_dimension()
-    dims, weights, _ = check_dims(dims, weights, embedding_dim, "matryoshka_dims", "matryoshka_weights")
-    if embedding_dim is not None and embedding_dim not in dims:
-        logger.warning(
-            f"The model's embedding dimension {embedding_dim} is not in matryoshka_dims {list(dims)}, so the "
-            "full-size embedding is not trained. It is strongly recommended to include it."
-        )
-    return dims, weights
-
-
-def _check_same_rows_on_every_rank(queries: Tensor) -> None:
-    """With gather_across_devices, every rank must hold the same number of rows: the all-gather needs equal shapes
-    (else gloo aborts the process and NCCL may hang), and row i of rank r is row r * B + i of the world batch.
-    Costs one all-gather of one integer per step; all ranks see the same sizes, so all raise together."""
-    if get_world_size() == 1:
-        return
-    sizes = all_gather(torch.tensor([queries.shape[0]], device=queries.device)).tolist()
-    if len(set(sizes)) != 1:
-        raise ValueError(
-            f"gather_across_devices=True needs the same number of rows on every process, got {sizes} rows per "
-            "rank: keep accelerate's even_batches=True (the default) with a fixed-size batch sampler, or set "
-            "dataloader_drop_last=True, so that every process gets full batches."
-        )

@@ -20,7 +20,7 @@ def test_train_step_smoke(tmp_path):
     out = tmp_path / "results"
     records = train_step.main([
         "--sizes", "8", "24", "--model", "tiny", "--dims", "48", "16", "--max-seq-length", "16",
-        "--mini-batch-size", "4", "--contenders", "ours", "stock", "mnrl", "--repeats", "2",
+        "--mini-batch-size", "4", "--contenders", "ours", "ours_kept", "stock", "mnrl", "--repeats", "2",
         "--memory-sizes", "8", "--data", str(pairs), "--out", str(out),
         # mnrl's peak at B=8 extrapolates to more than 1 byte at B=24: it is skipped there, and says so.
         "--mnrl-max-bytes", "1",
@@ -47,10 +47,16 @@ def test_train_step_smoke(tmp_path):
     assert ("mnrl", 24, "seconds_median") not in value and value[("mnrl", 24, "skipped_estimated_peak_bytes")] > 1
     assert value[("inputs", 24, "unique_pairs")] == 20  # 24 > 20 pairs: cycled
 
+    for batch in (8, 24):  # ours_kept's default 8 GiB budget keeps every mini-batch of these
+        assert value[("ours_kept", batch, "kept_share")] == value[("ours_kept", batch, "kept_token_share")] == 1.0
+        assert value[("ours_kept", batch, "kept_bytes")] > 0 and value[("ours_kept", batch, "repeats")] == 2
+    assert ("ours", 8, "kept_share") not in value
+
     for png in ("train_step.png", "train_step_phases.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = summary_table(records)
     assert "| 24 | mnrl | not run" in table and "| 8 | ours |" in table
+    assert "| 8 | ours_kept (kept 100% of mini-batches) |" in table
 
 
 def test_memory_only_merge_replaces_just_the_measured_rows(tmp_path):

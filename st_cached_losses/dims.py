@@ -1,0 +1,28 @@
+"""The Matryoshka dims a loss trains for a model: ``ops.spec.check_dims``'s rule against the model's embedding
+dimension, with MatryoshkaLoss's warning when that dimension itself is not trained."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from sentence_transformers.sentence_transformer.model import SentenceTransformer
+
+from .ops.spec import check_dims
+
+logger = logging.getLogger(__name__)
+
+
+def sorted_dims(
+    model: SentenceTransformer, dims: Sequence[int], weights: Sequence[float] | None
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The dims and weights sorted by descending dim, as MatryoshkaLoss does (``ops.spec.check_dims``'s rule),
+    warning as it does when the model's own dimension is not trained."""
+    embedding_dim = model.get_embedding_dimension()
+    dims, weights, _ = check_dims(dims, weights, embedding_dim, "matryoshka_dims", "matryoshka_weights")
+    if embedding_dim is not None and embedding_dim not in dims:
+        logger.warning(
+            f"The model's embedding dimension {embedding_dim} is not in matryoshka_dims {list(dims)}, so the "
+            "full-size embedding is not trained. It is strongly recommended to include it."
+        )
+    return dims, weights
