@@ -212,23 +212,24 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         sentence_features = list(sentence_features)
         check_columns(sentence_features)
         self._step_dims = self._sample_dims()
-        if self.sort_by_length:
-            self._step_orders = [self._step_order(feature) for feature in sentence_features]
-            # With a fixed mini-batch size each mini-batch gathers its own rows (no copy of the whole batch's
-            # features); a token budget cuts mini-batches from the lengths, so it needs the sorted copy.
-            sort = reorder if self.mini_batch_num_tokens is not None else length_sorted
-            sentence_features = [sort(f, order) for f, order in zip(sentence_features, self._step_orders)]
-        else:
-            self._step_orders = [None] * len(sentence_features)
-        with encoder_autocast_dtypes(self.model) as self._encoder_dtypes:  # read in calculate_loss
-            total = self.forward_cached(sentence_features, labels)
-        per_dim = dict(zip(self._step_dims, self._step_per_dim))
-        self._step_per_dim = None
+        total = self.forward_sorted(sentence_features, labels)
+        per_dim, self._step_per_dim = dict(zip(self._step_dims, self._step_per_dim)), None
         values = {
             f"loss_dim_{dim}": (weight * per_dim[dim]).detach() if dim in per_dim else torch.zeros_like(total.detach())
             for dim, weight in zip(self.matryoshka_dims, self.matryoshka_weights)
         }
         return loss_components(total, values)
+
+    def forward_sorted(self, sentence_features: list[dict[str, Any]], labels: Tensor | None) -> Tensor:
+        """GradCache's three steps (``forward_cached``) on the columns, each grouped by length if ``sort_by_length``
+        (:meth:`columns` restores the order for the loss); returns the loss, which carries the backward hook."""
+        orders = [self._step_order(f) if self.sort_by_length else None for f in sentence_features]
+        # With a fixed mini-batch size each mini-batch gathers its own rows (no copy of the whole batch's
+        # features); a token budget cuts mini-batches from the lengths, so it needs the sorted copy.
+        sort = reorder if self.mini_batch_num_tokens is not None else length_sorted
+        self._step_orders, sentence_features = orders, [sort(f, order) for f, order in zip(sentence_features, orders)]
+        with encoder_autocast_dtypes(self.model) as self._encoder_dtypes:  # read in calculate_loss
+            return self.forward_cached(sentence_features, labels)
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
         """CachedLossMixin's contract, ``(embeddings, RandContext or None)`` of rows ``begin:end`` of a column, as
