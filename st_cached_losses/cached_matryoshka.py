@@ -31,6 +31,7 @@ from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, dot_score, get_rank, get_world_size
 from torch import Tensor, nn
 
+from . import citations
 from .loss_components import loss_components
 from .minibatches import (
     LengthSorted,
@@ -367,24 +368,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
 
     @property
     def citation(self) -> str:
-        return """
-@misc{gao2021scaling,
-    title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
-    author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
-    year={2021},
-    eprint={2101.06983},
-    archivePrefix={arXiv},
-    primaryClass={cs.LG}
-}
-@misc{kusupati2024matryoshka,
-    title={Matryoshka Representation Learning},
-    author={Aditya Kusupati and Gantavya Bhatt and Aniket Rege and Matthew Wallingford and Aditya Sinha and Vivek Ramanujan and William Howard-Snyder and Kaifeng Chen and Sham Kakade and Prateek Jain and Ali Farhadi},
-    year={2024},
-    eprint={2205.13147},
-    archivePrefix={arXiv},
-    primaryClass={cs.LG}
-}
-"""
+        return "\n" + citations.GRADCACHE + citations.MATRYOSHKA
 
 
 def _sorted_dims(
