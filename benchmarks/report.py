@@ -21,6 +21,8 @@ STYLES = {
     "stock": ("tab:red", "s"),
     "stock_cmnrl": ("tab:orange", "^"),
     "mnrl": ("tab:gray", "x"),
+    "ours_2d": ("tab:olive", "p"),
+    "stock_2d": ("darkred", "X"),
     "chunked": ("tab:blue", "o"),
     "triton": ("tab:green", "P"),
     "dense": ("tab:brown", "*"),

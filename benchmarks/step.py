@@ -122,9 +122,10 @@ def time_steps(steps: dict[str, Step], repeats: int, warmup: int = 1, log: bool 
     return times
 
 
-def timing_rows(batch: int, times: dict[str, list[dict[str, float]]]) -> list[tuple]:
+def timing_rows(batch: int, times: dict[str, list[dict[str, float]]], baseline: str = BASELINE) -> list[tuple]:
     """CSV rows: seconds_{median,min,max} (wall, the step), seconds_<phase>_{...}, the same with cpu_ (process CPU
-    time, all threads), and the per-round ratios of the step time to stock's (time_ratio_ / cpu_ratio_to_stock_)."""
+    time, all threads), and the per-round ratios of the step time to the baseline's (time_ratio_ /
+    cpu_ratio_to_<baseline>_; stock's by default)."""
     rows = []
     for name, runs in times.items():
         for prefix in ("", "cpu_"):
@@ -136,9 +137,9 @@ def timing_rows(batch: int, times: dict[str, list[dict[str, float]]]) -> list[tu
                     (name, batch, f"{metric}_min", min(values)),
                     (name, batch, f"{metric}_max", max(values)),
                 ]
-            if BASELINE in times and len(times[BASELINE]) == len(runs):
-                ratios = [run[prefix + "step"] / base[prefix + "step"] for run, base in zip(runs, times[BASELINE])]
-                metric = "time_ratio_to_stock" if prefix == "" else "cpu_ratio_to_stock"
+            if baseline in times and len(times[baseline]) == len(runs):
+                ratios = [run[prefix + "step"] / base[prefix + "step"] for run, base in zip(runs, times[baseline])]
+                metric = f"{'time' if prefix == '' else 'cpu'}_ratio_to_{baseline}"
                 rows += [
                     (name, batch, f"{metric}_median", statistics.median(ratios)),
                     (name, batch, f"{metric}_min", min(ratios)),

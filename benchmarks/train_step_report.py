@@ -8,12 +8,13 @@ from benchmarks.report import STYLES, plot, read_csv, style, values, write_csv
 from benchmarks.step import BASELINE, PHASES
 
 
-def summary_table(records: list[dict]) -> str:
-    """Markdown table per (B, contender): step time with spread, phases, ratios to stock, peaks."""
+def summary_table(records: list[dict], baseline: str = BASELINE) -> str:
+    """Markdown table per (B, contender): step time with spread, phases, ratios to the baseline (stock's by
+    default), peaks."""
     value = values(records)
     lines = [
-        "| B | contender | step s (min-max) | embed / loss / backward s | time / stock (min-max) | CPU time / stock | "
-        "tensor peak MiB | / stock | peak RSS MiB | / stock |",
+        f"| B | contender | step s (min-max) | embed / loss / backward s | time / {baseline} (min-max) | "
+        f"CPU time / {baseline} | tensor peak MiB | / {baseline} | peak RSS MiB | / {baseline} |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     contenders = [c for c in STYLES if any(r["contender"] == c for r in records)]
@@ -33,7 +34,7 @@ def summary_table(records: list[dict]) -> str:
             if get("seconds_median") is None:
                 continue
             ratios = []
-            for metric in ("time_ratio_to_stock", "cpu_ratio_to_stock"):
+            for metric in (f"time_ratio_to_{baseline}", f"cpu_ratio_to_{baseline}"):
                 ratio = get(f"{metric}_median")
                 ratios.append("" if ratio is None else
                               f"{ratio:.2f} ({get(f'{metric}_min'):.2f}-{get(f'{metric}_max'):.2f})")
@@ -44,15 +45,17 @@ def summary_table(records: list[dict]) -> str:
                 *ratios,
             ]
             for metric in ("peak_bytes", "rss_peak_bytes"):
-                mine, base = get(metric), value.get((BASELINE, batch, metric))
+                mine, base = get(metric), value.get((baseline, batch, metric))
                 cells.append("" if mine is None else f"{mine / 2**20:.0f}")
                 cells.append("" if mine is None or not base else f"{mine / base:.2f}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot_phases(records: list[dict], path: Path, title: str = "Training step by phase, and peak memory") -> None:
-    """Left: median phase times per contender and B (stacked bars). Right: peak RSS vs B (log scale)."""
+def plot_phases(records: list[dict], path: Path, title: str = "Training step by phase, and peak memory",
+                baseline: str = BASELINE) -> None:  # fmt: skip
+    """Left: median phase times per contender and B (stacked bars, over the baseline's step time). Right: peak RSS
+    vs B (log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,7 +68,7 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
     # Bars in each contender's colour (as in every plot); the phases differ by hatch and shade.
     phase_looks = {"embed": ("", 1.0), "loss": ("xx", 0.75), "backward": ("//", 0.5)}
     for j, batch in enumerate(sizes):
-        stock = value.get((BASELINE, batch, "seconds_median"))
+        stock = value.get((baseline, batch, "seconds_median"))
         present = [name for name in contenders if (name, batch, "seconds_median") in value]
         width = 0.8 / max(1, len(present))
         for i, name in enumerate(present):
@@ -83,7 +86,7 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
     for phase, (hatch, alpha) in phase_looks.items():
         axes[0].bar(0, 0, 0, color="lightgray", alpha=alpha, hatch=hatch, edgecolor="black", label=phase)
     axes[0].set_xticks(range(len(sizes)), [f"B={b}" for b in sizes])
-    axes[0].set_ylabel("step time / stock step time")
+    axes[0].set_ylabel(f"step time / {baseline} step time")
     axes[0].set_ylim(0, axes[0].get_ylim()[1] * 1.35)
     axes[0].legend(loc="upper right")
     axes[0].grid(True, axis="y", alpha=0.3)
@@ -107,7 +110,8 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
 
 
 def write_outputs(rows: list[tuple], out: Path, name: str = "train_step", merge: bool = False,
-                  title: str = "Training step (forward + backward, MiniLM, dims 384..32, mini-batch 32)") -> list[dict]:
+                  title: str = "Training step (forward + backward, MiniLM, dims 384..32, mini-batch 32)",
+                  baseline: str = BASELINE) -> list[dict]:  # fmt: skip
     """CSV + PNGs of ``rows``; ``merge``: the CSV's other rows are kept, those measured again are replaced."""
     path = out / f"{name}.csv"
     if merge and path.exists():
@@ -117,5 +121,5 @@ def write_outputs(rows: list[tuple], out: Path, name: str = "train_step", merge:
     write_csv(rows, path)
     records = read_csv(path)
     plot(records, out / f"{name}.png", title=title)
-    plot_phases(records, out / f"{name}_phases.png")
+    plot_phases(records, out / f"{name}_phases.png", baseline=baseline)
     return records
