@@ -24,7 +24,7 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.util import dot_score
 
 from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss
-from st_cached_losses.cached_matryoshka_2d import truncate_layers
+from st_cached_losses.cached_matryoshka_2d import _PRIOR_LAYERS, truncate_layers
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.test_cached_matryoshka import _assert_grads_close, _features, _loss_and_grads
 
@@ -346,7 +346,7 @@ def test_truncate_layers_embeds_what_the_loss_trains_as_that_layer(model):
     layer; the model itself keeps its layers."""
     features = model.preprocess(["a quick test", "the cat sat on the mat", "rain"])
     ours = CachedMatryoshka2dLoss(model, MultipleNegativesRankingLoss(model), [48])
-    minibatch = ours.minibatch_features({**features, "st_cached_losses.prior_layers": (0, 1, 2)}, 0, 3)
+    minibatch = ours.minibatch_features({**features, _PRIOR_LAYERS: (0, 1, 2)}, 0, 3)
     with torch.no_grad():
         slots = ours.encode(minibatch).split(48, dim=1)  # final, then layers 0, 1, 2
         for layer, slot in zip((LAYERS, 0, 1, 2), slots):
