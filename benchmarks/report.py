@@ -23,6 +23,8 @@ STYLES = {
     "mnrl": ("tab:gray", "x"),
     "ours_gist": ("tab:olive", "<"),
     "stock_gist": ("tab:pink", ">"),
+    "ours_2d": ("goldenrod", "p"),
+    "stock_2d": ("darkred", "X"),
     "chunked": ("tab:blue", "o"),
     "triton": ("tab:green", "P"),
     "dense": ("tab:brown", "*"),

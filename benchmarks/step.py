@@ -25,9 +25,10 @@ PHASES = ("embed", "loss", "backward")
 BASELINE = "stock"
 
 
-def baseline_of(contender: str) -> str:
-    """The stock loss a contender's ratios are taken to: "stock_gist" for the GISTEmbed contenders, else "stock"."""
-    return "stock_gist" if contender.endswith("_gist") else BASELINE
+def baseline_of(contender: str, baseline: str = BASELINE) -> str:
+    """The contender whose step a contender's ratios are taken to: ``baseline``, except that with the default
+    ("stock") the GISTEmbed contenders go to their own stock loss, "stock_gist"."""
+    return "stock_gist" if baseline == BASELINE and contender.endswith("_gist") else baseline
 
 
 class _Clock:
@@ -127,9 +128,10 @@ def time_steps(steps: dict[str, Step], repeats: int, warmup: int = 1, log: bool 
     return times
 
 
-def timing_rows(batch: int, times: dict[str, list[dict[str, float]]]) -> list[tuple]:
+def timing_rows(batch: int, times: dict[str, list[dict[str, float]]], baseline: str = BASELINE) -> list[tuple]:
     """CSV rows: seconds_{median,min,max} (wall, the step), seconds_<phase>_{...}, the same with cpu_ (process CPU
-    time, all threads), and the per-round ratios of the step time to stock's (time_ratio_ / cpu_ratio_to_stock_)."""
+    time, all threads), and the per-round ratios of the step time to the baseline's (time_ratio_ /
+    cpu_ratio_to_<baseline>_; stock's by default, see :func:`baseline_of`)."""
     rows = []
     for name, runs in times.items():
         for prefix in ("", "cpu_"):
@@ -141,10 +143,10 @@ def timing_rows(batch: int, times: dict[str, list[dict[str, float]]]) -> list[tu
                     (name, batch, f"{metric}_min", min(values)),
                     (name, batch, f"{metric}_max", max(values)),
                 ]
-            baseline = times.get(baseline_of(name))
-            if baseline is not None and len(baseline) == len(runs):
-                ratios = [run[prefix + "step"] / base[prefix + "step"] for run, base in zip(runs, baseline)]
-                metric = "time_ratio_to_stock" if prefix == "" else "cpu_ratio_to_stock"
+            base_runs = times.get(baseline_of(name, baseline))
+            if base_runs is not None and len(base_runs) == len(runs):
+                ratios = [run[prefix + "step"] / base[prefix + "step"] for run, base in zip(runs, base_runs)]
+                metric = f"{'time' if prefix == '' else 'cpu'}_ratio_to_{baseline}"
                 rows += [
                     (name, batch, f"{metric}_median", statistics.median(ratios)),
                     (name, batch, f"{metric}_min", min(ratios)),

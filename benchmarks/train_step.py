@@ -22,6 +22,15 @@ dims [384, 256, 128, 64, 32]:
     ours_gist       CachedMatryoshkaLoss(model, CachedGISTEmbedLoss(model, guide, mini_batch_size=32), dims), the guide
                     a frozen copy of the model (GISTEmbed's false-negative filter inside the op)
     stock_gist      MatryoshkaLoss(model, CachedGISTEmbedLoss(model, guide, mini_batch_size=32), dims)
+  2D Matryoshka (every layer of the encoder x every dim; not in the default plan: name them with --contenders):
+    ours_2d         CachedMatryoshka2dLoss(model, CachedMNRL(model, mini_batch_size=32), dims, n_layers_per_step=-1,
+                    n_dims_per_step=-1): all layers and dims each step (the measure of issue 14: its peak memory and
+                    step time over ours', with --baseline ours)
+    stock_2d        Matryoshka2dLoss(model, MNRL(model), dims, n_layers_per_step=-1, n_dims_per_step=-1), not cached
+                    (stock refuses cached base losses here); skipped as mnrl is, from its own smaller-B peak
+
+    python -m benchmarks.train_step --sizes 128 1024 --dims 384 192 96 48 --contenders ours ours_2d stock_2d
+        --baseline ours --name train_step_2d       (one command: the ratios are to ours, in train_step_2d.csv)
 
 Phases (embed / loss / backward, wall and CPU seconds): see ``benchmarks/step.py``.
 
@@ -69,7 +78,11 @@ from benchmarks.train_step_report import summary_table, write_outputs
 from st_cached_losses.processes import run_json_processes
 from st_cached_losses.profiling import peak_rss_bytes, peak_tensor_bytes, rss_bytes
 
-CONTENDERS = ("ours", "ours_unsorted", "ours_kept", "stock", "stock_cmnrl", "mnrl", "ours_gist", "stock_gist")
+CONTENDERS = ("ours", "ours_unsorted", "ours_kept", "stock", "stock_cmnrl", "mnrl", "ours_gist", "stock_gist",
+              "ours_2d", "stock_2d")
+# Not cached: the whole batch's activations at once. Skipped at a B where their peak, extrapolated from a smaller B
+# by the padded token count, exceeds --mnrl-max-bytes.
+NOT_CACHED = ("mnrl", "stock_2d")
 DEFAULT_SIZES = (128, 256, 1024, 4096)
 DEFAULT_DIMS = (384, 256, 128, 64, 32)
 # Non-cached MNRL holds every layer's activations for the whole batch: run it only where its peak of tensor
@@ -141,11 +154,12 @@ def build_loss(name: str, model, dims: Sequence[int], mini_batch_size: int,
     from sentence_transformers.sentence_transformer.losses import (
         CachedGISTEmbedLoss,
         CachedMultipleNegativesRankingLoss,
+        Matryoshka2dLoss,
         MatryoshkaLoss,
         MultipleNegativesRankingLoss,
     )
 
-    from st_cached_losses import CachedMatryoshkaLoss
+    from st_cached_losses import CachedMatryoshka2dLoss, CachedMatryoshkaLoss
 
     dims = list(dims)
     cmnrl = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch_size)
@@ -167,6 +181,11 @@ def build_loss(name: str, model, dims: Sequence[int], mini_batch_size: int,
         if name == "stock_gist":
             return MatryoshkaLoss(model, gist, dims)
         return CachedMatryoshkaLoss(model, gist, dims, mini_batch_size=mini_batch_size)
+    every_layer_and_dim = dict(n_layers_per_step=-1, n_dims_per_step=-1)
+    if name == "ours_2d":
+        return CachedMatryoshka2dLoss(model, cmnrl, dims, mini_batch_size=mini_batch_size, **every_layer_and_dim)
+    if name == "stock_2d":
+        return Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), dims, **every_layer_and_dim)
     raise ValueError(f"contender must be one of {CONTENDERS}, got {name!r}")
 
 
@@ -327,7 +346,7 @@ def run(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], Non
     """Rows (contender, B, metric, value) for every size: memory in fresh processes (their first steps are
     timing round 1 at B >= --fresh-from), then the timed rounds."""
     rows: list[tuple] = []
-    mnrl_bytes_per_token: float | None = None
+    bytes_per_token: dict[str, float] = {}  # of each not-cached contender, at the last B it ran
     model = build_model(args.model, args.max_seq_length)
     with tempfile.TemporaryDirectory() as tmp:
         pairs_path = Path(tmp) / "pairs.json"
@@ -337,11 +356,12 @@ def run(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], Non
             batch_pairs = batch_of(pairs, batch)
             features = tokenize(model, batch_pairs)
             rows += input_rows(batch, batch_pairs, features, args)
-            estimate = None if mnrl_bytes_per_token is None else mnrl_bytes_per_token * padded_tokens(features)
-            if "mnrl" in contenders + memory and estimate is not None and estimate > args.mnrl_max_bytes:
-                contenders, memory = [c for c in contenders if c != "mnrl"], [c for c in memory if c != "mnrl"]
-                rows.append(("mnrl", batch, "skipped_estimated_peak_bytes", estimate))
-                print(f"B={batch:>5} mnrl skipped: estimated peak {estimate / 2**30:.1f} GiB", flush=True)
+            for name in NOT_CACHED:
+                estimate = bytes_per_token.get(name, 0.0) * padded_tokens(features)
+                if name in contenders + memory and estimate > args.mnrl_max_bytes:
+                    contenders, memory = [c for c in contenders if c != name], [c for c in memory if c != name]
+                    rows.append((name, batch, "skipped_estimated_peak_bytes", estimate))
+                    print(f"B={batch:>5} {name} skipped: estimated peak {estimate / 2**30:.1f} GiB", flush=True)
             fresh = batch >= args.fresh_from
             times: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
             for round_ in range(repeats if fresh else 1):
@@ -357,8 +377,8 @@ def run(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], Non
                     if measured:
                         rows += [(name, batch, key, value) for key, value in result.items()
                                  if key.endswith("_bytes") and not key.startswith("kept_")]  # fmt: skip
-                        if name == "mnrl" and "peak_bytes" in result:
-                            mnrl_bytes_per_token = result["peak_bytes"] / result["padded_tokens"]
+                        if name in NOT_CACHED and "peak_bytes" in result:
+                            bytes_per_token[name] = result["peak_bytes"] / result["padded_tokens"]
                         print(f"B={batch:>5} {name:>13}: peak {result.get('peak_bytes', 0) / 2**20:9.1f} MiB tensors, "
                               f"{result['rss_peak_bytes'] / 2**20:9.1f} MiB RSS", flush=True)
                     if fresh and name in times:
@@ -370,7 +390,8 @@ def run(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], Non
             if not fresh and contenders:
                 times, kept = time_in_process(model, pairs, features, batch, contenders, repeats, args)
                 rows += kept
-            rows += timing_rows(batch, times) + [(name, batch, "timed_in_fresh_process", int(fresh)) for name in times]
+            rows += timing_rows(batch, times, args.baseline)
+            rows += [(name, batch, "timed_in_fresh_process", int(fresh)) for name in times]
             _print_medians(batch, times)
             if on_size is not None:
                 on_size(rows)  # the sizes so far, written as they complete
@@ -407,7 +428,7 @@ def run_in_process(args, pairs: list[tuple[str, str]], on_size: Callable[[list[t
             gc.collect()
             if torch.device(args.device).type == "cuda":
                 torch.cuda.empty_cache()
-        rows += timing_rows(batch, times)
+        rows += timing_rows(batch, times, args.baseline)
         _print_medians(batch, times)
         if on_size is not None:
             on_size(rows)
@@ -447,9 +468,12 @@ def parse_args(argv=None):
                         help="at B >= this, time the first step of a fresh process per contender and round")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every process")
     parser.add_argument("--jobs", type=int, default=2, help="fresh (memory) processes run at a time")
-    parser.add_argument("--mnrl-max-bytes", type=float, default=DEFAULT_MNRL_MAX_BYTES)
+    parser.add_argument("--mnrl-max-bytes", type=float, default=DEFAULT_MNRL_MAX_BYTES,
+                        help=f"skip a not-cached contender {NOT_CACHED} where its estimated peak exceeds this")
     parser.add_argument("--activation-budget", type=_budget, default=DEFAULT_ACTIVATION_BUDGET, metavar="BYTES",
                         help="ours_kept's activation_budget: bytes, or 'auto' (default: 8 GiB)")
+    parser.add_argument("--baseline", default="stock", choices=CONTENDERS,
+                        help="the contender the time and memory ratios are taken to (default: stock)")
     parser.add_argument("--no-memory", action="store_true", help="timing only")
     parser.add_argument("--memory-only", action="store_true", help="the fresh-process memory measurements only")
     parser.add_argument("--merge", action="store_true",
@@ -493,9 +517,9 @@ def main(argv=None) -> list[dict] | None:
     runner = run_in_process if in_process else run
     title = (f"Training step (forward + backward, {Path(args.model).name}, dims {args.dims[0]}..{args.dims[-1]}, "
              f"mini-batch {args.mini_batch_size}, {args.device}{', ' + args.autocast if args.autocast else ''})")
-    rows = runner(args, pairs, on_size=lambda rows: write_outputs(rows, args.out, args.name, args.merge, title))
-    records = write_outputs(rows, args.out, args.name, args.merge, title)
-    print(summary_table(records))
+    write = lambda rows: write_outputs(rows, args.out, args.name, args.merge, title, args.baseline)  # noqa: E731
+    records = write(runner(args, pairs, on_size=write))
+    print(summary_table(records, args.baseline))
     return records
 
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.report import STYLES, plot, read_csv, style, values, write_csv
-from benchmarks.step import PHASES, baseline_of
+from benchmarks.step import BASELINE, PHASES, baseline_of
 
 
-def summary_table(records: list[dict]) -> str:
-    """Markdown table per (B, contender): step time with spread, phases, ratios to its stock loss (stock; stock_gist
-    for the GISTEmbed contenders), peaks."""
+def summary_table(records: list[dict], baseline: str = BASELINE) -> str:
+    """Markdown table per (B, contender): step time with spread, phases, ratios to the baseline (stock's by
+    default, stock_gist's for the GISTEmbed contenders: :func:`benchmarks.step.baseline_of`), peaks."""
     value = values(records)
     lines = [
-        "| B | contender | step s (min-max) | embed / loss / backward s | time / stock (min-max) | CPU time / stock | "
-        "tensor peak MiB | / stock | peak RSS MiB | / stock |",
+        f"| B | contender | step s (min-max) | embed / loss / backward s | time / {baseline} (min-max) | "
+        f"CPU time / {baseline} | tensor peak MiB | / {baseline} | peak RSS MiB | / {baseline} |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     contenders = [c for c in STYLES if any(r["contender"] == c for r in records)]
@@ -34,7 +34,7 @@ def summary_table(records: list[dict]) -> str:
             if get("seconds_median") is None:
                 continue
             ratios = []
-            for metric in ("time_ratio_to_stock", "cpu_ratio_to_stock"):
+            for metric in (f"time_ratio_to_{baseline}", f"cpu_ratio_to_{baseline}"):
                 ratio = get(f"{metric}_median")
                 ratios.append("" if ratio is None else
                               f"{ratio:.2f} ({get(f'{metric}_min'):.2f}-{get(f'{metric}_max'):.2f})")
@@ -46,15 +46,17 @@ def summary_table(records: list[dict]) -> str:
                 *ratios,
             ]
             for metric in ("peak_bytes", "rss_peak_bytes"):
-                mine, base = get(metric), value.get((baseline_of(name), batch, metric))
+                mine, base = get(metric), value.get((baseline_of(name, baseline), batch, metric))
                 cells.append("" if mine is None else f"{mine / 2**20:.0f}")
                 cells.append("" if mine is None or not base else f"{mine / base:.2f}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot_phases(records: list[dict], path: Path, title: str = "Training step by phase, and peak memory") -> None:
-    """Left: median phase times per contender and B (stacked bars). Right: peak RSS vs B (log scale)."""
+def plot_phases(records: list[dict], path: Path, title: str = "Training step by phase, and peak memory",
+                baseline: str = BASELINE) -> None:  # fmt: skip
+    """Left: median phase times per contender and B (stacked bars, over the baseline's step time). Right: peak RSS
+    vs B (log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,7 +72,7 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
         present = [name for name in contenders if (name, batch, "seconds_median") in value]
         width = 0.8 / max(1, len(present))
         for i, name in enumerate(present):
-            stock = value.get((baseline_of(name), batch, "seconds_median"))
+            stock = value.get((baseline_of(name, baseline), batch, "seconds_median"))
             x, bottom = j + (i - (len(present) - 1) / 2) * width, 0.0
             for phase in PHASES:
                 seconds = value.get((name, batch, f"seconds_{phase}_median"))
@@ -85,7 +87,8 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
     for phase, (hatch, alpha) in phase_looks.items():
         axes[0].bar(0, 0, 0, color="lightgray", alpha=alpha, hatch=hatch, edgecolor="black", label=phase)
     axes[0].set_xticks(range(len(sizes)), [f"B={b}" for b in sizes])
-    axes[0].set_ylabel("step time / its stock loss's step time")
+    gist = " (stock_gist's for the GISTEmbed contenders)" if baseline == BASELINE else ""
+    axes[0].set_ylabel(f"step time / {baseline}'s step time{gist}")
     axes[0].set_ylim(0, axes[0].get_ylim()[1] * 1.35)
     axes[0].legend(loc="upper right")
     axes[0].grid(True, axis="y", alpha=0.3)
@@ -109,7 +112,8 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
 
 
 def write_outputs(rows: list[tuple], out: Path, name: str = "train_step", merge: bool = False,
-                  title: str = "Training step (forward + backward, MiniLM, dims 384..32, mini-batch 32)") -> list[dict]:
+                  title: str = "Training step (forward + backward, MiniLM, dims 384..32, mini-batch 32)",
+                  baseline: str = BASELINE) -> list[dict]:  # fmt: skip
     """CSV + PNGs of ``rows``; ``merge``: the CSV's other rows are kept, those measured again are replaced."""
     path = out / f"{name}.csv"
     if merge and path.exists():
@@ -119,5 +123,5 @@ def write_outputs(rows: list[tuple], out: Path, name: str = "train_step", merge:
     write_csv(rows, path)
     records = read_csv(path)
     plot(records, out / f"{name}.png", title=title)
-    plot_phases(records, out / f"{name}_phases.png")
+    plot_phases(records, out / f"{name}_phases.png", baseline=baseline)
     return records

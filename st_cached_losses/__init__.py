@@ -6,7 +6,13 @@ __version__ = "0.1.0"
 
 from .ops import matryoshka_infonce
 
-__all__ = ["CachedMatryoshkaLoss", "__version__", "matryoshka_infonce"]
+__all__ = [
+    "CachedAdaptiveLayerLoss",
+    "CachedMatryoshka2dLoss",
+    "CachedMatryoshkaLoss",
+    "__version__",
+    "matryoshka_infonce",
+]
 
 
 def __getattr__(name):
@@ -15,4 +21,8 @@ def __getattr__(name):
         from .cached_matryoshka import CachedMatryoshkaLoss
 
         return CachedMatryoshkaLoss
+    if name in ("CachedMatryoshka2dLoss", "CachedAdaptiveLayerLoss"):
+        from . import cached_matryoshka_2d
+
+        return getattr(cached_matryoshka_2d, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -228,7 +228,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         self.activation_budget = activation_budget
         budgeted = activation_budget is not None or self.auto_mini_batch
         self._activations = ActivationBudget(activation_budget) if budgeted else None
-        self._step_plan: StepPlan | None = None  # this forward's kept mini-batches, read by embed_minibatch
+        self._step_kept: StepPlan | None = None  # this forward's kept mini-batches, read by embed_minibatch
         # Set by forward for the calculate_loss call it makes (forward_cached calls it synchronously).
         self._step_dims: tuple[int, ...] = ()
         self._step_orders: list[Tensor | None] = []
@@ -245,31 +245,33 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         sentence_features = list(sentence_features)
         check_columns(sentence_features)
         self._step_dims = self._sample_dims()
-        training = self._activations is not None and torch.is_grad_enabled()
-        if training and self.auto_mini_batch and not self._activations.chosen:
-            self._activations.choose_mini_batch(self, sentence_features)
-        if self.sort_by_length:
-            self._step_orders = [self._step_order(feature) for feature in sentence_features]
-            # With a fixed mini-batch size each mini-batch gathers its own rows (no copy of the whole batch's
-            # features); a token budget cuts mini-batches from the lengths, so it needs the sorted copy.
-            sort = reorder if self.mini_batch_num_tokens is not None else length_sorted
-            sentence_features = [sort(f, order) for f, order in zip(sentence_features, self._step_orders)]
-        else:
-            self._step_orders = [None] * len(sentence_features)
-        self._step_guide = {id(feature): [] for feature in sentence_features} if self.guide is not None else {}
-        self._step_plan = self._activations.plan(self, sentence_features) if training else None
-        try:
-            with encoder_autocast_dtypes(self.model) as self._encoder_dtypes:  # read in calculate_loss
-                total = self.forward_cached(sentence_features, labels)
-        finally:
-            self._step_plan = None
-        per_dim = dict(zip(self._step_dims, self._step_per_dim))
-        self._step_per_dim = None
+        total = self.forward_sorted(sentence_features, labels)
+        per_dim, self._step_per_dim = dict(zip(self._step_dims, self._step_per_dim)), None
         values = {
             f"loss_dim_{dim}": (weight * per_dim[dim]).detach() if dim in per_dim else torch.zeros_like(total.detach())
             for dim, weight in zip(self.matryoshka_dims, self.matryoshka_weights)
         }
         return loss_components(total, values)
+
+    def forward_sorted(self, sentence_features: list[dict[str, Any]], labels: Tensor | None) -> Tensor:
+        """GradCache's three steps (``forward_cached``) on the columns, each grouped by length if ``sort_by_length``
+        (:meth:`columns` restores the order for the loss); returns the loss, which carries the backward hook. With an
+        activation budget, a training step first plans which mini-batches keep their graphs."""
+        training = self._activations is not None and torch.is_grad_enabled()
+        if training and self.auto_mini_batch and not self._activations.chosen:
+            self._activations.choose_mini_batch(self, sentence_features)
+        orders = [self._step_order(f) if self.sort_by_length else None for f in sentence_features]
+        # With a fixed mini-batch size each mini-batch gathers its own rows (no copy of the whole batch's
+        # features); a token budget cuts mini-batches from the lengths, so it needs the sorted copy.
+        sort = reorder if self.mini_batch_num_tokens is not None else length_sorted
+        self._step_orders, sentence_features = orders, [sort(f, order) for f, order in zip(sentence_features, orders)]
+        self._step_guide = {id(feature): [] for feature in sentence_features} if self.guide is not None else {}
+        self._step_kept = self._activations.plan(self, sentence_features) if training else None
+        try:
+            with encoder_autocast_dtypes(self.model) as self._encoder_dtypes:  # read in calculate_loss
+                return self.forward_cached(sentence_features, labels)
+        finally:
+            self._step_kept = None
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
         """CachedLossMixin's contract, ``(embeddings, RandContext or None)`` of rows ``begin:end`` of a column, as
@@ -283,7 +285,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         features = self.minibatch_features(sentence_feature, begin, end)
         if not with_grad and id(sentence_feature) in self._step_guide:  # step (1): the guide embeds the same rows
             self._step_guide[id(sentence_feature)].append(self.guide.embed(features, self.model.device))
-        plan = None if with_grad else self._step_plan
+        plan = None if with_grad else self._step_kept
         kept = None if plan is None else plan.keeping(sentence_feature, begin, self.model, features)
         grad = nullcontext() if with_grad or kept is not None else torch.no_grad()
         with nullcontext() if random_state is None else random_state, grad, kept or nullcontext():

@@ -32,3 +32,14 @@ GISTEMBED = """
     primaryClass={cs.LG}
 }
 """
+
+MATRYOSHKA_2D = """
+@misc{li20242d,
+    title={2D Matryoshka Sentence Embeddings},
+    author={Xianming Li and Zongxi Li and Jing Li and Haoran Xie and Qing Li},
+    year={2024},
+    eprint={2402.14776},
+    archivePrefix={arXiv},
+    primaryClass={cs.CL}
+}
+"""

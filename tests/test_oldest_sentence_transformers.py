@@ -18,7 +18,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_cached_matryoshka.py", "tests/test_trainer.py", "tests/test_ops_stock.py",
          "tests/test_cli.py::test_results_schema", "tests/test_cli.py::test_bf16_trains_on_cpu_and_is_recorded",
-         "tests/test_cli.py::test_single_pair_batches"]
+         "tests/test_cli.py::test_single_pair_batches",
+         # 2D Matryoshka: stock's TransformerDecorator and layer weighting are imported, stock's sampling reproduced
+         "tests/test_cached_matryoshka_2d.py::test_all_layers_and_dims_match_stock",
+         "tests/test_cached_matryoshka_2d.py::test_sampling_picks_what_stock_picks_with_the_same_seed",
+         "tests/test_cached_matryoshka_2d.py::test_adaptive_layer_loss_matches_stock"]
 
 
 def oldest_claimed() -> str:

@@ -75,3 +75,27 @@ def test_memory_only_merge_replaces_just_the_measured_rows(tmp_path):
     assert after[("ours", 8, "peak_bytes")] > 0  # the edited (negative) cell was measured again
     unchanged = [key for key in before if key[0] == "stock" or "seconds" in key[2]]
     assert unchanged and all(after[key] == before[key] for key in unchanged)
+
+
+def test_2d_contenders_with_ours_as_the_baseline(tmp_path):
+    """ours_2d / stock_2d (every layer and dim) run, their ratios are taken to --baseline ours, and stock_2d, not
+    cached, is skipped where its peak extrapolated from a smaller B exceeds --mnrl-max-bytes."""
+    pairs = tmp_path / "pairs.json"
+    pairs.write_text(json.dumps(PAIRS))
+    records = train_step.main([
+        "--sizes", "8", "24", "--model", "tiny", "--dims", "48", "16", "--max-seq-length", "16", "--mini-batch-size",
+        "4", "--contenders", "ours", "ours_2d", "stock_2d", "--baseline", "ours", "--repeats", "1",
+        "--memory-sizes", "8", "--data", str(pairs), "--out", str(tmp_path / "results"), "--name", "train_step_2d",
+        "--mnrl-max-bytes", "1",
+    ])
+    value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
+    assert value[("ours", 8, "time_ratio_to_ours_median")] == 1.0
+    for name in ("ours_2d", "stock_2d"):
+        assert value[(name, 8, "time_ratio_to_ours_median")] > 0 and value[(name, 8, "peak_bytes")] > 0
+        assert (name, 8, "time_ratio_to_stock_median") not in value
+    assert value[("ours_2d", 24, "time_ratio_to_ours_median")] > 0 and ("ours_2d", 24, "peak_bytes") not in value
+    assert value[("stock_2d", 24, "skipped_estimated_peak_bytes")] > 1
+    assert ("stock_2d", 24, "seconds_median") not in value
+    table = summary_table(records, "ours")
+    assert "time / ours (min-max)" in table and "| 8 | ours_2d |" in table and "| 24 | stock_2d | not run" in table
+    assert (tmp_path / "results" / "train_step_2d_phases.png").read_bytes()[:4] == b"\x89PNG"

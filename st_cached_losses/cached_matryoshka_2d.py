@@ -1,0 +1,470 @@
+"""CachedMatryoshka2dLoss and CachedAdaptiveLayerLoss: GradCache for 2D Matryoshka (layers x dims).
+
+Stock ``Matryoshka2dLoss`` / ``AdaptiveLayerLoss`` train every layer of the encoder to embed well, but refuse cached
+base losses, so their batch is the one whose activations fit in memory. GradCache extends to several outputs per
+mini-batch: step (1) keeps each selected layer's pooled embedding side by side, (2) computes the loss of every
+layer (one :func:`~st_cached_losses.matryoshka_infonce` call per layer, for all its dims) and caches the gradient
+of all of them, (3) re-embeds each mini-batch once and back-propagates all layers in one backward.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+from numbers import Real
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from sentence_transformers.base.model import BaseModel
+from sentence_transformers.base.modules import Transformer
+from sentence_transformers.sentence_transformer.losses import (
+    AdaptiveLayerLoss,
+    CachedMultipleNegativesRankingLoss,
+    MultipleNegativesRankingLoss,
+)
+from sentence_transformers.sentence_transformer.losses.adaptive_layer import TransformerDecorator
+from sentence_transformers.sentence_transformer.model import SentenceTransformer
+from sentence_transformers.util import cos_sim, dot_score
+from torch import Tensor, nn
+
+from . import citations
+from .cached_matryoshka import CachedMatryoshkaLoss
+from .loss_components import loss_components
+from .minibatches import check_columns
+from .ops import matryoshka_infonce
+
+SUPPORTED_LOSSES = (MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss)
+LAYER_WEIGHTINGS = ("uniform", "log", "linear")
+# A column's key for the prior layers of its step, so that step (3), which runs in the backward pass (maybe after
+# another forward), re-embeds the layers of its own step. Taken off each mini-batch before the model sees it.
+_PRIOR_LAYERS = "st_cached_losses.prior_layers"
+# Without Matryoshka truncation (AdaptiveLayerLoss) the base loss's similarity_fct applies as is.
+_FULL_DIM_SIMILARITY = {cos_sim: "cosine", dot_score: "dot"}
+
+
+class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
+    # Stock AdaptiveLayerLoss's prior-layer weighting ("uniform", "log", "linear" or a callable), as is.
+    get_layer_weight = AdaptiveLayerLoss.get_layer_weight
+
+    def __init__(
+        self,
+        model: SentenceTransformer,
+        loss: MultipleNegativesRankingLoss | CachedMultipleNegativesRankingLoss,
+        matryoshka_dims: Sequence[int],
+        matryoshka_weights: Sequence[float] | Sequence[int] | None = None,
+        n_layers_per_step: int = 1,
+        n_dims_per_step: int = 1,
+        last_layer_weight: float = 1.0,
+        prior_layers_weight: float = 1.0,
+        kl_div_weight: float = 1.0,
+        kl_temperature: float = 0.3,
+        layer_weighting: Literal["uniform", "log", "linear"] | Callable[[int], float] = "uniform",
+        mini_batch_size: int | None = None,
+        mini_batch_num_tokens: int | None = None,
+        sort_by_length: bool = True,
+        backend: str = "auto",
+        show_progress_bar: bool = False,
+    ) -> None:
+        """
+        Stock ``Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), dims, ...)`` (2D Matryoshka: every
+        layer of the encoder and every Matryoshka dim embeds well) with GradCache, so that the batch size is not
+        bounded by memory. It gives the same loss value and parameter gradients as the stock loss (which refuses
+        cached base losses), with the memory of one mini-batch's activations:
+
+            (1) embed every mini-batch without gradients: one run of the transformer with hidden states, and the
+                model's other modules (pooling, Dense, Normalize, ...) applied to the final layer and to each
+                selected prior layer, as stock's ``TransformerDecorator`` does; the pooled embeddings of the
+                selected layers are kept side by side, (rows, S * D) for S selected layers, and nothing else;
+            (2) compute the loss for every selected layer (one :func:`~st_cached_losses.matryoshka_infonce` call
+                per layer, for all its dims) plus each prior layer's KL term, and cache d loss / d embedding;
+            (3) on backward, re-embed each mini-batch once, with gradients (same dropout masks), and
+                back-propagate the cached gradient of all its layers in one backward.
+
+        Layers are numbered as stock's hidden states: 0 is the embedding layer's output, ``l`` the output of the
+        first ``l`` transformer layers (what a model truncated to ``l`` layers embeds), and the final layer is the
+        model's number of layers L. Each step trains the final layer and, like stock, ``n_layers_per_step``
+        prior layers drawn from 0..L-1 (all with -1), each at ``n_dims_per_step`` dims of its own (all with -1).
+        The loss is, as in stock::
+
+            last_layer_weight * sum_d w_d InfoNCE_d(final layer)
+            + sum_l [prior_layers_weight * layer_weight(l) / n_l * sum_d w_d InfoNCE_d(layer l)
+                     + kl_div_weight * kl_temperature * KL(softmax(final / T) || softmax(layer l / T))]
+
+        where the KL term (temperature T = ``kl_temperature``) is stock's: the softmax over the embedding's D
+        features of each full-dim embedding (anchors, positives and negatives), the final layer's detached as
+        the teacher, ``batchmean`` over those rows. It holds a few (rows, D) tensors per layer during step (2),
+        never a rows x rows matrix.
+
+        Memory beyond one mini-batch's activations (which step (3) holds with the hidden states the graph keeps
+        anyway, plus each selected layer's pooling): the embeddings of the whole batch, S times those of
+        :class:`CachedMatryoshkaLoss`, their gradients, and one score tile of the op at a time.
+
+        ``forward`` returns ``{"loss_layer_<l>_dim_<d>": ..., "loss_layer_<l>_kl": ...}`` (0-dim tensors; each
+        entry weighted as in the sum above; layers from the final one down, dims in descending order; 0 for
+        what was not sampled this step; no ``kl`` entries with ``kl_temperature=0``): the trainer logs each and
+        back-propagates their sum, which is the loss. Only that sum carries the gradient, as in
+        :class:`CachedMatryoshkaLoss`.
+
+        Args:
+            model: SentenceTransformer whose first module is a ``Transformer`` (hidden states come from it).
+            loss: a :class:`MultipleNegativesRankingLoss` or :class:`CachedMultipleNegativesRankingLoss`
+                holding the InfoNCE hyperparameters (``scale``, ``similarity_fct`` cos_sim or dot_score,
+                ``directions``, ``partition_mode``, ``hardness_*``, ``gather_across_devices``); it is not
+                called itself.
+            matryoshka_dims: embedding dims to train, each in [1, model embedding dim], no duplicates.
+            matryoshka_weights: one weight per dim (default 1 each).
+            n_layers_per_step: prior layers per step, sampled with ``random.sample`` as stock does; -1 for all.
+            n_dims_per_step: dims per layer and step, sampled as stock's MatryoshkaLoss; -1 for all. The same
+                seed picks the same layers and dims as stock.
+            last_layer_weight: weight of the final layer's loss.
+            prior_layers_weight: weight of the prior layers' losses (averaged over the sampled layers).
+            kl_div_weight: weight of the KL term.
+            kl_temperature: temperature T of the KL term, >= 0; 0 turns it off.
+            layer_weighting: weight of prior layer ``l``: "uniform" (1), "log" (``1 / (1 + ln(1 + l))``),
+                "linear" (``1 / (1 + l)``) or a callable ``l -> float``, as stock's AdaptiveLayerLoss.
+            mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar: as in
+                :class:`CachedMatryoshkaLoss` (mini-batches of rows or tokens, the memory knob).
+
+        Raises:
+            TypeError: ``loss`` of another type, or an option of the wrong type.
+            ValueError: a model without a ``Transformer`` first module (e.g. a StaticEmbedding) or without
+                ``num_hidden_layers`` in its config, bad dims or weights, a negative or non-finite
+                ``kl_temperature``, ``n_*_per_step`` not -1 or positive, an unknown ``layer_weighting``; during
+                a step, a ``layer_weighting`` callable that returns no finite number, or a model that returns
+                another number of hidden states than its config says.
+
+        References:
+            - 2D Matryoshka Sentence Embeddings (2DMSE): https://arxiv.org/abs/2402.14776
+            - Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup (GradCache):
+              https://arxiv.org/abs/2101.06983
+            - Matryoshka Representation Learning: https://arxiv.org/abs/2205.13147
+
+        Inputs:
+            +-------------------------------------------------+--------+
+            | Texts                                           | Labels |
+            +=================================================+========+
+            | (anchor, positive) pairs                        | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative) triplets           | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative_1, ..., negative_n) | none   |
+            +-------------------------------------------------+--------+
+
+        Example:
+            ::
+
+                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, losses
+                from st_cached_losses import CachedMatryoshka2dLoss
+
+                model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
+                base = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
+                loss = CachedMatryoshka2dLoss(model, base, [384, 192, 96, 48], n_layers_per_step=-1)
+                trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
+                trainer.train()
+                # later: st_cached_losses.cached_matryoshka_2d.truncate_layers(model, 3) embeds with 3 layers
+        """
+        num_layers = _check_layer_options(
+            type(self).__name__, model, loss, n_layers_per_step, n_dims_per_step, kl_temperature, layer_weighting,
+            last_layer_weight=last_layer_weight, prior_layers_weight=prior_layers_weight, kl_div_weight=kl_div_weight,
+        )  # fmt: skip
+        super().__init__(
+            model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step, mini_batch_size, mini_batch_num_tokens,
+            sort_by_length, backend, show_progress_bar,
+        )  # fmt: skip
+        self.num_layers = num_layers  # transformer layers L: hidden states 0..L, the final layer is L
+        self.n_layers_per_step = n_layers_per_step
+        self.last_layer_weight = last_layer_weight
+        self.prior_layers_weight = prior_layers_weight
+        self.kl_div_weight = kl_div_weight
+        self.kl_temperature = kl_temperature
+        self.layer_weighting = layer_weighting
+        # Set by forward for the calculate_loss call it makes: ((layer, dims, weight), ...) with the final layer
+        # first, and the entries calculate_loss computed.
+        self._step_plan: tuple[tuple[int, tuple[int, ...], float], ...] = ()
+        self._step_values: dict[str, Tensor] = {}
+
+    def forward(
+        self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        """Embed the columns [anchor, positive, negative_1, ...] (each a tokenized dict) and return the weighted
+        losses ``{"loss_layer_<l>_dim_<d>": ..., "loss_layer_<l>_kl": ...}``; their sum is the loss, and only
+        that sum can be back-propagated. ``labels`` are unused."""
+        sentence_features = list(sentence_features)
+        check_columns(sentence_features)
+        self._step_plan = self._sample_plan()
+        prior = tuple(layer for layer, _, _ in self._step_plan[1:])
+        total = self.forward_sorted([{**feature, _PRIOR_LAYERS: prior} for feature in sentence_features], labels)
+        computed, self._step_values = self._step_values, {}
+        zero = torch.zeros_like(total.detach())
+        return loss_components(total, {name: computed.get(name, zero) for name in self.component_names()})
+
+    def component_names(self) -> list[str]:
+        """Names of the entries ``forward`` returns, in order: per layer (final first) its dims, then its KL."""
+        names = []
+        for layer in range(self.num_layers, -1, -1):
+            names += [f"loss_layer_{layer}_dim_{dim}" for dim in self.matryoshka_dims]
+            names += [f"loss_layer_{layer}_kl"] * (layer < self.num_layers and self.kl_temperature > 0)
+        return names
+
+    def _sample_plan(self) -> tuple[tuple[int, tuple[int, ...], float], ...]:
+        """This step's ((layer, dims, layer weight), ...), the final layer first, drawn with stock
+        Matryoshka2dLoss's ``random`` calls in its order: the final layer's dims, then the prior layers (unsorted,
+        as stock), then each prior layer's dims."""
+        plan = [(self.num_layers, self._sample_dims(), self.last_layer_weight)]
+        layers = range(self.num_layers)
+        if 0 < self.n_layers_per_step < len(layers):
+            layers = random.sample(layers, self.n_layers_per_step)
+        for layer in layers:
+            weight = self.get_layer_weight(layer)
+            if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight):
+                raise ValueError(f"layer_weighting({layer}) returned {weight!r}: it must return a finite number.")
+            plan.append((layer, self._sample_dims(), weight / len(layers) * self.prior_layers_weight))
+        return tuple(plan)
+
+    def minibatch_features(self, sentence_feature: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
+        """The parent's mini-batch, as a :class:`_MiniBatch` that carries the prior layers of the column's step."""
+        features = super().minibatch_features(sentence_feature, begin, end)
+        prior = features.pop(_PRIOR_LAYERS)
+        return _MiniBatch(features, prior)
+
+    def encode(self, features: dict[str, Any]) -> Tensor:
+        """(rows, S * D): the pooled embedding of the final layer, then of each prior layer of the step, side by
+        side. One run of the transformer with hidden states (stock's ``TransformerDecorator``); the model's other
+        modules run once per layer on that layer's hidden states."""
+        base = _base_model(self.model)
+        transformer = base[0]
+        own_forward = vars(transformer).get("forward")
+        decorator = TransformerDecorator(transformer, transformer.forward)
+        transformer.forward = decorator
+        try:
+            # A plain dict: wrappers such as accelerate's fp32 output conversion rebuild the dict by its type.
+            output = self.model(dict(features))  # through the DDP wrapper, if any: one forward per mini-batch
+            hidden = output.get("all_layer_embeddings") or ()
+            if len(hidden) != self.num_layers + 1:
+                raise ValueError(
+                    f"{type(self).__name__} expected the model's {self.num_layers} layers to return "
+                    f"{self.num_layers + 1} hidden states (the embedding layer's and each layer's), got {len(hidden)}: "
+                    "the model must support output_hidden_states."
+                )
+            embeddings = [output["sentence_embedding"]]
+            for layer in features.prior_layers:
+                decorator.set_layer_idx(layer)
+                embeddings.append(base(output)["sentence_embedding"])  # the cached hidden states: no transformer run
+        finally:
+            if own_forward is None:
+                del transformer.forward
+            else:
+                transformer.forward = own_forward
+        return torch.cat(embeddings, dim=1)
+
+    def calculate_loss(
+        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+    ) -> Tensor:
+        """Step (2): the 2D loss of the whole batch from the per-mini-batch (rows, S * D) embeddings: per
+        selected layer one call of the op for its dims, and for each prior layer stock's KL term. With
+        ``with_backward`` it back-propagates to the embeddings and returns the detached loss."""
+        columns = self.columns(reps)
+        width = columns[0].shape[1] // len(self._step_plan)
+        queries, docs, placement = self.gathered(columns[0], columns[1:])
+        options = self.op_options()
+        total, teacher, self._step_values = 0.0, None, {}
+        for slot, (layer, dims, layer_weight) in enumerate(self._step_plan):
+            part = slice(slot * width, (slot + 1) * width)
+            layer_placement = {key: value[:, part] if key == "world_queries" else value  # the rest: offset
+                               for key, value in placement.items()}  # fmt: skip
+            weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in dims]
+            loss, per_dim = matryoshka_infonce(
+                queries[:, part], docs[:, part], dims=dims, weights=weights, return_per_dim=True, **layer_placement,
+                **options,
+            )  # fmt: skip
+            total = total + layer_weight * loss
+            for dim, weight, value in zip(dims, weights, per_dim):
+                self._step_values[f"loss_layer_{layer}_dim_{dim}"] = layer_weight * weight * value
+            if slot and self.kl_temperature > 0:
+                teacher = self._kl_teacher(columns, width) if teacher is None else teacher
+                kl = self._kl(columns, part, teacher) * self.kl_temperature * self.kl_div_weight
+                total = total + kl
+                self._step_values[f"loss_layer_{layer}_kl"] = kl.detach()
+        if with_backward:
+            total.backward()
+            total = total.detach()
+        return total
+
+    def _kl_teacher(self, columns: list[Tensor], width: int) -> Tensor:
+        """Stock's teacher: the softmax of the final layer's embeddings of every column (anchors, positives,
+        negatives) over their D features at temperature T, detached; (rows, D)."""
+        final = torch.cat([column[:, :width] for column in columns])
+        return F.softmax(final / self.kl_temperature, dim=-1).detach()
+
+    def _kl(self, columns: list[Tensor], part: slice, teacher: Tensor) -> Tensor:
+        """Stock's KL divergence of one prior layer's softmax from the teacher, ``batchmean`` over the rows."""
+        student = torch.cat([column[:, part] for column in columns])
+        return F.kl_div(F.log_softmax(student / self.kl_temperature, dim=-1), teacher, reduction="batchmean")
+
+    def get_config_dict(self) -> dict[str, Any]:
+        # Stock AdaptiveLayerLoss's entries (its layer_weighting name included), then ours: "loss" is the module.
+        return {**AdaptiveLayerLoss.get_config_dict(self), **super().get_config_dict()}
+
+    @property
+    def citation(self) -> str:
+        return citations.MATRYOSHKA_2D + citations.GRADCACHE + citations.MATRYOSHKA
+
+
+class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
+    def __init__(
+        self,
+        model: SentenceTransformer,
+        loss: MultipleNegativesRankingLoss | CachedMultipleNegativesRankingLoss,
+        n_layers_per_step: int = 1,
+        last_layer_weight: float = 1.0,
+        prior_layers_weight: float = 1.0,
+        kl_div_weight: float = 1.0,
+        kl_temperature: float = 0.3,
+        layer_weighting: Literal["uniform", "log", "linear"] | Callable[[int], float] = "uniform",
+        mini_batch_size: int | None = None,
+        mini_batch_num_tokens: int | None = None,
+        sort_by_length: bool = True,
+        backend: str = "auto",
+        show_progress_bar: bool = False,
+    ) -> None:
+        """
+        Stock ``AdaptiveLayerLoss(model, MultipleNegativesRankingLoss(model), ...)`` with GradCache: every layer
+        of the encoder trained to embed well at the model's full embedding dim, with the same loss value and
+        parameter gradients as stock, in mini-batches. It is :class:`CachedMatryoshka2dLoss` with the one dim D
+        and the base loss's similarity as is (``dot_score`` scores raw dot products here; only Matryoshka
+        truncation re-normalises); the arguments, the forward's entries ``loss_layer_<l>_dim_<D>`` /
+        ``loss_layer_<l>_kl``, the memory and the raised errors are that loss's (the model must report its
+        embedding dimension).
+
+        References:
+            - 2D Matryoshka Sentence Embeddings (2DMSE): https://arxiv.org/abs/2402.14776
+            - GradCache: https://arxiv.org/abs/2101.06983
+        """
+        dim = model.get_embedding_dimension() if isinstance(model, SentenceTransformer) else None
+        if dim is None:
+            raise ValueError(f"{type(self).__name__} needs a model that reports its embedding dimension.")
+        super().__init__(
+            model, loss, [dim], None, n_layers_per_step, -1, last_layer_weight, prior_layers_weight, kl_div_weight,
+            kl_temperature, layer_weighting, mini_batch_size, mini_batch_num_tokens, sort_by_length, backend,
+            show_progress_bar,
+        )  # fmt: skip
+
+    def op_options(self) -> dict[str, Any]:
+        return {**super().op_options(), "similarity": _FULL_DIM_SIMILARITY[self.similarity_fct]}
+
+    def get_config_dict(self) -> dict[str, Any]:
+        config = super().get_config_dict()
+        for key in ("matryoshka_dims", "matryoshka_weights", "n_dims_per_step"):
+            config.pop(key)
+        return config
+
+    @property
+    def citation(self) -> str:
+        return citations.MATRYOSHKA_2D + citations.GRADCACHE
+
+
+class _MiniBatch(dict):
+    """One mini-batch's features and the prior layers (``prior_layers``) its step embeds from them; the model gets
+    a plain dict of the features."""
+
+    def __init__(self, features: dict[str, Any], prior_layers: tuple[int, ...]) -> None:
+        super().__init__(features)
+        self.prior_layers = prior_layers
+
+
+def truncate_layers(model: SentenceTransformer, num_layers: int) -> SentenceTransformer:
+    """A copy of ``model`` that runs only its first ``num_layers`` transformer layers (for evaluation, or to
+    deploy a 2D-Matryoshka-trained model with fewer layers); ``model`` is left as is.
+
+    The copy's embedding is the model's modules (pooling, ...) on hidden state ``num_layers``, which is what
+    :class:`CachedMatryoshka2dLoss` and stock ``Matryoshka2dLoss`` train as layer ``num_layers``, for encoders
+    whose hidden states are the layers' outputs (BERT, MiniLM, MPNet, ...). (A decoder with a final norm applies
+    it to the truncated stack's output, which the training's intermediate hidden states do not have.)
+
+    Args:
+        model: a SentenceTransformer whose first module is a ``Transformer``.
+        num_layers: layers to keep, 0 (the embedding layer's output) to the model's number of layers.
+
+    Raises:
+        ValueError: ``num_layers`` out of range, or a model whose layer stack is not one ``nn.ModuleList`` of
+            ``config.num_hidden_layers`` modules.
+    """
+    transformer = model[0] if isinstance(model, SentenceTransformer) and len(model) else None
+    total = _num_hidden_layers(transformer)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 0 <= num_layers <= total:
+        raise ValueError(f"num_layers must be an int in [0, {total}] (the model's layers), got {num_layers!r}.")
+    stacks = [name for name, module in transformer.auto_model.named_modules()
+              if isinstance(module, nn.ModuleList) and len(module) == total]  # fmt: skip
+    if len(stacks) != 1:
+        raise ValueError(
+            f"truncate_layers needs exactly one nn.ModuleList of the model's {total} layers, found {stacks or 'none'}."
+        )
+    truncated = copy.deepcopy(model)
+    auto_model = truncated[0].auto_model
+    parent_name, _, attribute = stacks[0].rpartition(".")
+    parent = auto_model.get_submodule(parent_name)
+    setattr(parent, attribute, nn.ModuleList(list(getattr(parent, attribute))[:num_layers]))
+    auto_model.config.num_hidden_layers = num_layers
+    return truncated
+
+
+def _base_model(model: nn.Module) -> BaseModel:
+    """The model inside DDP (``.module``) and torch.compile (``._orig_mod``) wrappers, as stock AdaptiveLayerLoss
+    unwraps it, to reach its first module."""
+    while not isinstance(model, BaseModel):
+        inner = getattr(model, "_orig_mod", None)
+        inner = getattr(model, "module", None) if inner is None else inner
+        if not isinstance(inner, nn.Module):
+            raise TypeError(f"Cannot unwrap {type(model).__name__} to a SentenceTransformer (DDP or torch.compile).")
+        model = inner
+    return model
+
+
+def _num_hidden_layers(transformer: Any) -> int:
+    """The number of layers of a ``Transformer`` module's model (``config.num_hidden_layers``), or a ValueError."""
+    if not isinstance(transformer, Transformer):
+        name = type(transformer).__name__
+        raise ValueError(
+            "Layer-wise losses take hidden states from the model's first module, which must be a "
+            f"sentence_transformers Transformer, got {name}. Use CachedMatryoshkaLoss for Matryoshka dims alone."
+        )
+    config = transformer.auto_model.config
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is None and hasattr(config, "get_text_config"):
+        layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"The model's config has no num_hidden_layers (got {layers!r}): cannot select its layers.")
+    return layers
+
+
+def _check_layer_options(
+    name: str, model, loss, n_layers_per_step, n_dims_per_step, kl_temperature, layer_weighting, **weights
+) -> int:
+    """The model's number of layers, after checking the layer options; TypeError / ValueError naming the fix."""
+    if not isinstance(loss, SUPPORTED_LOSSES):
+        supported = ", ".join(cls.__name__ for cls in SUPPORTED_LOSSES)
+        raise TypeError(
+            f"{name} supports loss={supported}, got {type(loss).__name__}: wrap other losses in sentence_transformers' "
+            "Matryoshka2dLoss / AdaptiveLayerLoss instead."
+        )
+    num_layers = _num_hidden_layers(model[0] if isinstance(model, SentenceTransformer) and len(model) else model)
+    for option, value in (("n_layers_per_step", n_layers_per_step), ("n_dims_per_step", n_dims_per_step)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{option} must be an int (-1 for all), got {value!r}.")
+        if value == 0 or value < -1:
+            raise ValueError(f"{option} must be -1 (all) or a positive number to sample per step, got {value}.")
+    for option, value in {**weights, "kl_temperature": kl_temperature}.items():
+        if isinstance(value, bool) or not isinstance(value, Real):
+            raise TypeError(f"{option} must be a number, got {value!r}.")
+        if not math.isfinite(value):
+            raise ValueError(f"{option} must be finite, got {value!r}.")
+    if kl_temperature < 0:
+        raise ValueError(f"kl_temperature must be >= 0 (0 turns the KL term off), got {kl_temperature}.")
+    if not callable(layer_weighting) and layer_weighting not in LAYER_WEIGHTINGS:
+        raise ValueError(
+            f"layer_weighting must be one of {LAYER_WEIGHTINGS} or a callable layer -> weight, got {layer_weighting!r}."
+        )
+    return num_layers
