@@ -411,6 +411,16 @@ def truncate_layers(model: SentenceTransformer, num_layers: int) -> SentenceTran
     return truncated
 
 
+def num_layers(model: SentenceTransformer) -> int:
+    """The number of transformer layers of ``model`` (its first module's ``config.num_hidden_layers``): the final
+    layer of :class:`CachedMatryoshka2dLoss`, the largest ``num_layers`` of :func:`truncate_layers`.
+
+    Raises:
+        ValueError: the first module is not a ``Transformer``, or its config does not say.
+    """
+    return _num_hidden_layers(model[0] if isinstance(model, SentenceTransformer) and len(model) else None)
+
+
 def _base_model(model: nn.Module) -> BaseModel:
     """The model inside DDP (``.module``) and torch.compile (``._orig_mod``) wrappers, as stock AdaptiveLayerLoss
     unwraps it, to reach its first module."""

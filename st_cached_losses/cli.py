@@ -44,6 +44,10 @@ def _positive_float(text: str) -> float:
     return _checked(float(text), integer=False)
 
 
+def _positive_int_or_auto(text: str) -> int | str:
+    return text if text == "auto" else _positive_int(text)
+
+
 def _checked(value, integer: bool):
     """``value`` if it passes the options' rule (:func:`~st_cached_losses.main_job.check_positive`), else an
     argparse error (usage line, exit code 2) with the rule's message."""
@@ -72,8 +76,14 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="Matryoshka dims (default: the model's dim, halved while >= 32, e.g. 384 192 96 48)")
     p.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
                    help=f"pairs per step, i.e. the in-batch negatives batch (default: {DEFAULT_BATCH_SIZE})")
-    p.add_argument("--mini-batch-size", type=_positive_int, default=DEFAULT_MINI_BATCH_SIZE,
-                   help=f"rows embedded at a time: the memory knob (default: {DEFAULT_MINI_BATCH_SIZE})")
+    p.add_argument("--mini-batch-size", type=_positive_int_or_auto, default=DEFAULT_MINI_BATCH_SIZE,
+                   help="rows embedded at a time: the memory knob, or 'auto': the largest whose activations fit "
+                   f"--activation-budget (or the free memory), measured at the first step (default: "
+                   f"{DEFAULT_MINI_BATCH_SIZE})")
+    p.add_argument("--activation-budget", type=_positive_int_or_auto, default=None, metavar="BYTES|auto",
+                   help="bytes of activations GradCache may keep from its first pass, so that those mini-batches "
+                   "are not embedded twice; 'auto': the free memory less a margin (default: none, every mini-batch "
+                   "is re-embedded)")
     p.add_argument("--epochs", type=_positive_float, default=DEFAULT_EPOCHS,
                    help=f"passes over the training pairs (default: {DEFAULT_EPOCHS:g})")
     p.add_argument("--max-steps", type=_positive_int, default=None,
@@ -100,6 +110,9 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--false-negative-margin", type=float, default=None, metavar="M",
                    help="with --guide, its margin (default 0); alone, the self-guided filter: drop in-batch candidates "
                    "the model itself scores above the positive minus M (either sign; default: off)")
+    p.add_argument("--layers", type=_positive_int, nargs="+", default=None, metavar="N",
+                   help="2D Matryoshka: train every layer and dim with CachedMatryoshka2dLoss, and also evaluate the "
+                   "model truncated to its first N layers (one table row per layers and dim; default: off)")
     p.add_argument("--max-train-samples", type=_positive_int, default=None,
                    help="use at most this many training pairs, a seeded random subset (default: all)")
     p.add_argument("--max-eval-samples", type=_positive_int, default=None,

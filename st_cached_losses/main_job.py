@@ -32,7 +32,7 @@ from .evaluation import METRICS, build_evaluate
 from .ops import recorded_choices
 from .ops.spec import check_dims, check_false_negative_rule
 from .run_dir import check_output_dir, write_run
-from .training import compare_stock, make_loss, train_measured
+from .training import activation_summary, compare_stock, format_activation, make_loss, train_measured
 from .usage import UsageError, first_line, quiet_loading
 
 __all__ = ["TrainOptions", "check_positive", "default_model_path", "prepare", "run"]
@@ -66,7 +66,7 @@ class TrainOptions:
     dataset: str = "stdlib"
     dims: Sequence[int] | None = None  # None: the model's dim halved while >= MIN_DEFAULT_DIM
     batch_size: int = DEFAULT_BATCH_SIZE
-    mini_batch_size: int = DEFAULT_MINI_BATCH_SIZE
+    mini_batch_size: int | str = DEFAULT_MINI_BATCH_SIZE  # or "auto": the largest that fits (activation_budget)
     epochs: float = DEFAULT_EPOCHS
     max_steps: int | None = None
     max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH
@@ -82,12 +82,14 @@ class TrainOptions:
     max_eval_samples: int | None = None
     guide: str | None = None  # a guide model (local directory or Hub id): GISTEmbed's false-negative filter
     false_negative_margin: float | None = None  # with a guide, its margin (default 0); alone, self-guided
+    activation_budget: int | str | None = None  # bytes of activations step (1) keeps, or "auto"; None: none
+    layers: Sequence[int] | None = None  # 2D Matryoshka: CachedMatryoshka2dLoss, and evaluate at these many layers
 
     def __post_init__(self):
         self.output_dir = Path(self.output_dir)
         for name in POSITIVE_INTS + POSITIVE_NUMBERS:
             value = getattr(self, name)
-            if value is None and name in OPTIONAL:
+            if (value is None and name in OPTIONAL) or (name == "mini_batch_size" and value == "auto"):
                 continue
             try:
                 check_positive(value, integer=name in POSITIVE_INTS)
@@ -103,6 +105,34 @@ class TrainOptions:
             if self.compare_stock and self.guide is None:
                 raise UsageError("--compare-stock compares the same loss, and stock has no self-guided filter: pass "
                                  "--guide too (stock's CachedGISTEmbedLoss), or drop --compare-stock")
+        from .activation_budget import check_activation_budget  # imports sentence-transformers: only here
+
+        try:
+            check_activation_budget(self.activation_budget)
+        except ValueError as error:
+            raise UsageError(f"--activation-budget: {error}") from error
+        if self.mini_batch_size == "auto" and self.compare_stock:
+            raise UsageError("--compare-stock needs a fixed --mini-batch-size (stock has no 'auto'): pass the size "
+                             "that --mini-batch-size auto chose (results.json's activation.chosen)")
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        """--layers: positive, and only with the options CachedMatryoshka2dLoss takes."""
+        if self.layers is None:
+            return
+        for value in self.layers:
+            try:
+                check_positive(value, integer=True)
+            except ValueError as error:
+                raise UsageError(f"--layers {error}") from error
+        others = {"--guide": self.guide is not None, "--false-negative-margin": self.false_negative_margin is not None,
+                  "--activation-budget": self.activation_budget is not None,
+                  "--mini-batch-size auto": self.mini_batch_size == "auto",
+                  "--compare-stock": self.compare_stock}  # fmt: skip
+        clash = [flag for flag, given in others.items() if given]
+        if clash:
+            raise UsageError(f"--layers (CachedMatryoshka2dLoss) does not take {', '.join(clash)}: drop "
+                             f"{'it' if len(clash) == 1 else 'them'} or --layers")
 
 
 def check_positive(value: Any, integer: bool = True) -> None:
@@ -147,6 +177,23 @@ def check_device(backend: str, fp16: bool, device: str) -> None:
     if fp16 and device == "cpu":
         raise UsageError("--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); "
                          "use --bf16 on a CPU")
+
+
+def check_layers(layers: Sequence[int] | None, model) -> None:
+    """Raises UsageError for a --layers count that is not below the model's number of layers (the full model is
+    evaluated anyway), or for a model whose layers cannot be selected."""
+    if layers is None:
+        return
+    from .cached_matryoshka_2d import num_layers
+
+    try:
+        total = num_layers(model)
+    except ValueError as error:
+        raise UsageError(f"--layers: {error}") from error
+    too_many = [n for n in layers if n >= total]
+    if too_many:
+        raise UsageError(f"--layers {' '.join(map(str, too_many))}: the model has {total} layers, and the full model "
+                         f"is evaluated anyway; pass counts from 1 to {total - 1}")
 
 
 def resolve_dims(dims: Sequence[int] | None, model_dim: int) -> list[int]:
@@ -220,12 +267,14 @@ def prepare(options: TrainOptions) -> Prepared:
     """Check every input before anything is written or trained, and load the data and the model.
 
     Raises:
-        UsageError: see :func:`~st_cached_losses.run_dir.check_output_dir`, :func:`check_batch_sizes`, :func:`check_device`,
+        UsageError: see :func:`~st_cached_losses.run_dir.check_output_dir`, :func:`check_batch_sizes`,
+            :func:`check_device`,
             :func:`default_model_path`, :func:`~st_cached_losses.data.load_pairs`, :func:`load_model` and
             :func:`resolve_dims`.
     """
     check_output_dir(options.output_dir, options.overwrite)
-    check_batch_sizes(options.batch_size, options.mini_batch_size)
+    if options.mini_batch_size != "auto":
+        check_batch_sizes(options.batch_size, options.mini_batch_size)
     check_device(options.backend, options.fp16, model_device())
     model_spec = options.model or default_model_path()
     with quiet_loading():
@@ -233,6 +282,7 @@ def prepare(options: TrainOptions) -> Prepared:
         model = load_model(model_spec, options.max_seq_length)
         guide = None if options.guide is None else load_model(options.guide, options.max_seq_length, "--guide")
     dims = resolve_dims(options.dims, model.get_embedding_dimension())
+    check_layers(options.layers, model)
     evaluate = build_evaluate(test, dims)
     warn_degenerate(train, test, options.batch_size, options.seed)
     return Prepared(model, model_spec, dims, train, evaluate, guide)
@@ -263,21 +313,39 @@ def run(options: TrainOptions) -> dict[str, Any]:
     initial = copy.deepcopy(model) if options.compare_stock else None
 
     print("evaluating before training", flush=True)
-    before = job.evaluate(model)
+    before, before_layers = job.evaluate(model), evaluate_truncated(job.evaluate, model, options.layers)
+    loss = make_loss(model, job.dims, options, guide=job.guide)
     with recorded_choices() as loss_stage:
-        ours = train_measured(model, make_loss(model, job.dims, options, guide=job.guide), job.train, options)
+        ours = train_measured(model, loss, job.train, options)
     print("evaluating after training", flush=True)
-    after = job.evaluate(model)
+    after, after_layers = job.evaluate(model), evaluate_truncated(job.evaluate, model, options.layers)
 
     results = {"config": _config(options, job, ours["steps"]), "before": before, "after": after,
                "train_seconds": ours["train_seconds"], "peak_memory_bytes": ours["peak_memory_bytes"],
                "peak_memory_measure": ours["peak_memory_measure"], "loss_stage": loss_stage}
+    if options.layers is not None:
+        results["layers"] = {n: {"before": before_layers[n], "after": after_layers[n]} for n in before_layers}
+    if options.activation_budget is not None or options.mini_batch_size == "auto":
+        results["activation"] = activation_summary(loss)
     if initial is not None:
         results["compare_stock"] = compare_stock(initial, job.dims, job.train, options, first=ours, guide=job.guide)
 
     write_run(options.output_dir, model, results)
     print(format_table(results))
     print(f"wrote {options.output_dir / 'model'} and {options.output_dir / 'results.json'}")
+    return results
+
+
+def evaluate_truncated(evaluate, model, layers: Sequence[int] | None) -> dict[str, dict[str, dict[str, float]]]:
+    """``{"<n>": evaluate(model truncated to its first n layers)}`` for each n of ``layers`` (--layers), else {}."""
+    if not layers:
+        return {}
+    from .cached_matryoshka_2d import truncate_layers
+
+    results = {}
+    for n in layers:
+        print(f"evaluating the model truncated to {n} layers", flush=True)
+        results[str(n)] = evaluate(truncate_layers(model, n))
     return results
 
 
@@ -306,17 +374,23 @@ def format_table(results: dict[str, Any]) -> str:
     """The before -> after table of every metric at every dim, plus time, memory and the loss stage, as plain
     text."""
     names = ("NDCG@10", "MRR@10", "Recall@10")
-    header = f"{'dim':>5}  " + "  ".join(f"{name + ' before -> after':>25}" for name in names)
-    lines = [header]
-    for dim, before in results["before"].items():
-        after = results["after"][dim]
-        cells = [f"{before[m]:.4f} -> {after[m]:.4f} ({after[m] - before[m]:+.4f})" for m in METRICS]
-        lines.append(f"{dim:>5}  " + "  ".join(f"{c:>25}" for c in cells))
+    layers = results.get("layers", {})
+    rows = [("all", results["before"], results["after"])]
+    rows += [(n, runs["before"], runs["after"]) for n, runs in layers.items()]
+    header = (f"{'layers':>6} " if layers else "") + f"{'dim':>5}  "
+    lines = [header + "  ".join(f"{name + ' before -> after':>25}" for name in names)]
+    for n, before_dims, after_dims in rows:
+        for dim, before in before_dims.items():
+            after = after_dims[dim]
+            cells = [f"{before[m]:.4f} -> {after[m]:.4f} ({after[m] - before[m]:+.4f})" for m in METRICS]
+            lines.append((f"{n:>6} " if layers else "") + f"{dim:>5}  " + "  ".join(f"{c:>25}" for c in cells))
     lines.append(f"train: {results['train_seconds']:.1f} s, {results['config']['steps']} steps; "
                  f"{_mib(results['peak_memory_bytes'])} {results['peak_memory_measure']}")
     if results["loss_stage"]:
         lines.append("loss stage: " + "; ".join(f"{c['backend']} backend on {c['device']} ({c['reason']}), tile "
                                                 f"{c['tile']}" for c in results["loss_stage"]))
+    if "activation" in results:
+        lines.append(format_activation(results["activation"]))
     if "compare_stock" in results:
         comparison = results["compare_stock"]
         lines.append(f"compared with stock MatryoshkaLoss(CachedMNRL) on the same steps, run in the order "

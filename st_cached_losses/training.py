@@ -18,7 +18,8 @@ from .profiling import measure_peak_memory
 if TYPE_CHECKING:
     from .main_job import TrainOptions
 
-__all__ = ["COMPARE_ORDER", "compare_speed", "compare_stock", "make_loss", "train_measured", "train_once"]
+__all__ = ["COMPARE_ORDER", "activation_summary", "compare_speed", "compare_stock", "format_activation", "make_loss",
+           "train_measured", "train_once"]
 
 # --compare-stock's runs; the first is the run whose model is saved. Alternated, so that neither loss always runs
 # on warm caches or later in a drift.
@@ -27,25 +28,65 @@ COMPARE_ORDER = ("ours", "stock", "stock", "ours")
 
 def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = False, guide=None):
     """``CachedMatryoshkaLoss`` around ``CachedMNRL(model, mini_batch_size)`` (with ``options.false_negative_margin``:
-    self-guided), or around ``CachedGISTEmbedLoss(model, guide, margin=...)`` with a ``guide``; or, when ``stock``,
-    stock ``MatryoshkaLoss`` around the same base loss."""
+    self-guided), or around ``CachedGISTEmbedLoss(model, guide, margin=...)`` with a ``guide``; with
+    ``options.layers``, ``CachedMatryoshka2dLoss`` around CachedMNRL, every layer and dim at every step; or, when
+    ``stock``, stock ``MatryoshkaLoss`` around the same base loss. ``options.mini_batch_size`` and
+    ``options.activation_budget`` go to ours ("auto" included); the base loss embeds with the default size then."""
     from sentence_transformers.sentence_transformer.losses import (
         CachedGISTEmbedLoss,
         CachedMultipleNegativesRankingLoss,
         MatryoshkaLoss,
     )
 
+    from .main_job import DEFAULT_MINI_BATCH_SIZE
+
+    size = options.mini_batch_size
+    base_size = DEFAULT_MINI_BATCH_SIZE if size == "auto" else size
     margin = options.false_negative_margin
     if guide is not None:
-        base = CachedGISTEmbedLoss(model, guide, mini_batch_size=options.mini_batch_size, margin=margin or 0.0)
+        base = CachedGISTEmbedLoss(model, guide, mini_batch_size=base_size, margin=margin or 0.0)
     else:
-        base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=options.mini_batch_size)
+        base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=base_size)
     if stock:
         return MatryoshkaLoss(model, base, list(dims))
+    if options.layers is not None:
+        from .cached_matryoshka_2d import CachedMatryoshka2dLoss
+
+        # GradCache makes the extra layers cheap (a pooling and a loss-stage call each, no transformer run), so
+        # every layer and dim is trained at every step rather than stock's one sampled layer and dim.
+        return CachedMatryoshka2dLoss(model, base, list(dims), n_layers_per_step=-1, n_dims_per_step=-1,
+                                      mini_batch_size=size, backend=options.backend)  # fmt: skip
     from .cached_matryoshka import CachedMatryoshkaLoss
 
-    return CachedMatryoshkaLoss(model, base, list(dims), mini_batch_size=options.mini_batch_size,
-                                backend=options.backend, false_negative_margin=None if guide is not None else margin)
+    return CachedMatryoshkaLoss(model, base, list(dims), mini_batch_size=size, backend=options.backend,
+                                false_negative_margin=None if guide is not None else margin,
+                                activation_budget=options.activation_budget)  # fmt: skip
+
+
+def activation_summary(loss) -> dict[str, Any]:
+    """results.json's ``activation`` for a loss with an activation budget or ``mini_batch_size="auto"``: the
+    settings, what "auto" chose (``chosen``: {"auto_mini_batch_size": rows} or by tokens), and the last training
+    step's kept mini-batches (``kept_share``: kept / all; ``kept_token_share``: their padded tokens / all;
+    ``kept_bytes``: the activations their graphs held, bytes)."""
+    config = loss.get_config_dict()
+    report = loss.activation_report
+    last = None if report is None else {"minibatches": len(report.minibatches), "kept": len(report.kept),
+                                        "kept_share": report.kept_share, "kept_token_share": report.kept_token_share,
+                                        "kept_bytes": report.kept_bytes}  # fmt: skip
+    return {"activation_budget": loss.activation_budget, "mini_batch_size": config["mini_batch_size"],
+            "chosen": {key: value for key, value in config.items() if key.startswith("auto_")}, "last_step": last}
+
+
+def format_activation(activation: dict[str, Any]) -> str:
+    """One line of the main job's table: what the activation budget kept, and the mini-batch size "auto" chose."""
+    parts = [f"activation budget {activation['activation_budget']}"]
+    parts += [f"{key.removeprefix('auto_').replace('_', ' ')} chosen: {value}"
+              for key, value in activation["chosen"].items()]  # fmt: skip
+    last = activation["last_step"]
+    if last is not None:
+        parts.append(f"last step kept {last['kept']} of {last['minibatches']} mini-batches "
+                     f"({last['kept_token_share']:.0%} of tokens, {last['kept_bytes'] / 2**20:.0f} MiB)")
+    return "; ".join(parts)
 
 
 def _training_args(options: TrainOptions, output_dir: str, device: str):

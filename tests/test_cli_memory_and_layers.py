@@ -1,0 +1,96 @@
+"""`st-cached-losses train` with --activation-budget, --mini-batch-size auto and --layers (2D Matryoshka), on the
+tiny 2-layer model and a small slice of the built-in data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sentence_transformers import SentenceTransformer
+
+from st_cached_losses import main_job
+from st_cached_losses.cached_matryoshka_2d import truncate_layers
+from st_cached_losses.data import load_pairs
+from st_cached_losses.evaluation import build_evaluate
+from st_cached_losses.usage import UsageError
+from tests.test_cli import SMALL, _record_losses, _train, tiny_dir  # noqa: F401 - tiny_dir is a fixture
+
+
+def _results(out) -> dict:
+    return json.loads((out / "results.json").read_text())
+
+
+def test_layers_trains_every_layer_and_evaluates_the_truncated_model(tiny_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+    made = _record_losses(monkeypatch)
+    assert _train(tiny_dir, tmp_path / "out", "--layers", "1") == 0
+    (loss,) = made
+    assert type(loss).__name__ == "CachedMatryoshka2dLoss"
+    assert loss.n_layers_per_step == -1 and loss.n_dims_per_step == -1 and loss.matryoshka_dims == (64, 32)
+    results = _results(tmp_path / "out")
+    # "before" is the untrained model cut to 1 layer, evaluated here independently of the main job
+    _, test = load_pairs("stdlib", 3, 48, 24)
+    model = SentenceTransformer(str(tiny_dir))
+    model.max_seq_length = main_job.DEFAULT_MAX_SEQ_LENGTH
+    want = build_evaluate(test, [64, 32])(truncate_layers(model, 1))
+    for dim, metrics in want.items():
+        assert results["layers"]["1"]["before"][dim] == pytest.approx(metrics)
+    assert results["layers"]["1"]["after"] != results["layers"]["1"]["before"]
+    assert results["after"] != results["before"] and results["config"]["layers"] == [1]
+    table = capsys.readouterr().out
+    for layers, dim in (("all", 64), ("all", 32), ("1", 64), ("1", 32)):
+        assert any(line.split()[:2] == [layers, str(dim)] for line in table.splitlines()), (layers, dim)
+
+
+def test_activation_budget_and_auto_mini_batch(tiny_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+    made = _record_losses(monkeypatch)
+    assert _train(tiny_dir, tmp_path / "out", "--activation-budget", "auto", "--mini-batch-size", "auto") == 0
+    (loss,) = made
+    assert loss.activation_budget == "auto" and loss.auto_mini_batch
+    activation = _results(tmp_path / "out")["activation"]
+    assert activation["activation_budget"] == "auto" and activation["mini_batch_size"] == "auto"
+    assert activation["chosen"]["auto_mini_batch_size"] == loss.mini_batch_size > 0
+    last = activation["last_step"]
+    assert 0 < last["kept"] <= last["minibatches"] and last["kept_bytes"] > 0
+    assert "mini batch size chosen" in capsys.readouterr().out
+
+
+def test_activation_budget_in_bytes_keeps_nothing_when_too_small(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
+    made = _record_losses(monkeypatch)
+    assert _train(tiny_dir, tmp_path / "out", "--activation-budget", "1") == 0
+    (loss,) = made
+    assert loss.activation_budget == 1 and loss.mini_batch_size == 8
+    last = _results(tmp_path / "out")["activation"]["last_step"]
+    assert last["kept"] == 0 and last["kept_bytes"] == 0
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--activation-budget", "0"], "argument --activation-budget: must be a positive integer, got 0"),
+    (["--activation-budget", "lots"], "argument --activation-budget: invalid"),
+    (["--mini-batch-size", "some"], "argument --mini-batch-size: invalid"),
+    (["--mini-batch-size", "auto", "--compare-stock"], "--compare-stock needs a fixed --mini-batch-size"),
+    (["--layers", "2"], "--layers 2: the model has 2 layers, and the full model is evaluated anyway; pass counts "
+                        "from 1 to 1"),
+    (["--layers", "0"], "argument --layers: must be a positive integer, got 0"),
+    (["--layers", "1", "--guide", "x", "--activation-budget", "auto"],
+     "--layers (CachedMatryoshka2dLoss) does not take --guide, --activation-budget: drop them or --layers"),
+])  # fmt: skip
+def test_bad_memory_and_layer_options_are_one_line_and_exit_2(tiny_dir, tmp_path, capsys, extra, message):  # noqa: F811
+    try:
+        code = _train(tiny_dir, tmp_path / "out", *extra)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and message in lines[-1], lines
+    assert len(lines) == 1 or message.startswith("argument")  # argparse prints its usage first
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"activation_budget": -1}, "--activation-budget: activation_budget must be None"),
+    ({"activation_budget": "half"}, "--activation-budget: activation_budget must be None"),
+    ({"mini_batch_size": "max"}, "--mini-batch-size must be a positive integer, got max"),
+    ({"layers": [0]}, "--layers must be a positive integer, got 0"),
+])
+def test_bad_memory_and_layer_options_from_python(options, message, tmp_path):
+    with pytest.raises(UsageError, match=message):
+        main_job.TrainOptions(output_dir=tmp_path / "out", **options)
