@@ -55,26 +55,28 @@ PROBE_ROWS = 8  # rows "auto" embeds with gradients to measure a row's activatio
 
 def check_activation_budget(value: Any) -> int | str | None:
     """``activation_budget`` as accepted: None, a positive int (bytes) or "auto"; else a ValueError naming the fix."""
-    if value is None or (isinstance(value, str) and value == AUTO):
+    if value is None:
         return value
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    raise ValueError(
-        f"activation_budget must be None (re-embed every mini-batch, GradCache's default), a positive int of bytes "
-        f"(e.g. 8 * 2**30 for 8 GiB) or 'auto' (the free memory, less a margin), got {value!r}."
-    )
+    return _positive_int_or_auto(
+        value, "activation_budget must be None (re-embed every mini-batch, GradCache's default), a positive int of "
+        "bytes (e.g. 8 * 2**30 for 8 GiB) or 'auto' (the free memory, less a margin)",
+    )  # fmt: skip
 
 
 def check_mini_batch_size(value: Any) -> int | str:
     """``mini_batch_size`` as accepted: a positive int (rows) or "auto"; else a ValueError naming the fix."""
+    return _positive_int_or_auto(
+        value, "mini_batch_size must be a positive int (rows per mini-batch) or 'auto' (the largest whose activations "
+        "fit the activation budget, measured at the first training step)",
+    )  # fmt: skip
+
+
+def _positive_int_or_auto(value: Any, rule: str) -> int | str:
     if isinstance(value, str) and value == AUTO:
         return value
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
         return int(value)
-    raise ValueError(
-        f"mini_batch_size must be a positive int (rows per mini-batch) or 'auto' (the largest whose activations fit "
-        f"the activation budget, measured at the first training step), got {value!r}."
-    )
+    raise ValueError(f"{rule}, got {value!r}.")
 
 
 # --------------------------------------------------------------------------------------------- choosing
