@@ -4,7 +4,9 @@ The three GradCache steps are sentence-transformers' own (``CachedLossMixin.forw
 ranges, ``RandContext`` dropout replay, the backward hook that re-embeds one mini-batch at a time). This
 module adds what the stock ``MatryoshkaLoss(CachedMultipleNegativesRankingLoss)`` lacks: step (2) is one
 call of :func:`st_cached_losses.matryoshka_infonce` for all Matryoshka dims (instead of one full loss per
-dim), and rows are grouped by length so that each mini-batch pads only to its own longest row.
+dim), rows are grouped by length so that each mini-batch pads only to its own longest row, and, with an
+activation budget (:mod:`st_cached_losses.activation_budget`), the mini-batches whose activations fit keep step
+(1)'s graph instead of being embedded again in step (3).
 """
 
 from __future__ import annotations
@@ -28,8 +30,14 @@ from sentence_transformers.util import all_gather, all_gather_with_grad, get_ran
 from torch import Tensor, nn
 
 from . import base_losses, citations
-from .activation_budget import AUTO, ActivationBudget, KeptGraph, StepPlan, check_activation_budget
-from .activation_budget import check_mini_batch_size
+from .activation_budget import (
+    AUTO,
+    ActivationBudget,
+    KeptGraph,
+    StepPlan,
+    check_activation_budget,
+    check_mini_batch_size,
+)
 from .base_losses import Guide, check_base_loss, check_self_guided_filter, is_gist, mini_batch_defaults
 from .dims import sorted_dims
 from .distributed import check_same_rows_on_every_rank
