@@ -6,10 +6,10 @@ back-propagate the gradient cached in (2). Within a budget of activation memory,
 through those (no second forward, no RNG replay) and re-embeds only the rest. The same measurements choose the
 mini-batch size from the memory given (``mini_batch_size="auto"``).
 
-- :class:`SavedTensorBytes` measures the bytes a forward's graph keeps (``torch.autograd.graph.saved_tensors_hooks``).
-- :class:`ActivationModel` predicts a mini-batch's bytes from its rows and padded width.
+- :mod:`st_cached_losses.activation_memory` measures the bytes a forward's graph keeps, predicts a mini-batch's from
+  its rows and padded width, and says how much memory there is.
 - :func:`choose_kept` picks the mini-batches to keep (a greedy knapsack, see there for why that order).
-- :func:`available_memory` and :meth:`ActivationBudget.auto_allowance`: the ``"auto"`` budget.
+- :meth:`ActivationBudget.auto_allowance`: the ``"auto"`` budget.
 - :class:`ActivationBudget` is what a loss holds across steps; :class:`StepPlan` one step's decisions and report;
   :class:`KeptGraph` one kept mini-batch, handed to sentence-transformers' ``CachedLossMixin`` in place of its RNG
   state, which the mixin passes back to ``embed_minibatch`` in step (3).
@@ -24,7 +24,6 @@ import weakref
 from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,9 +32,16 @@ from sentence_transformers.util import get_world_size
 from torch import Tensor, nn
 from torch.utils.checkpoint import get_device_states
 
+from .activation_memory import (
+    ActivationModel,
+    SavedTensorBytes,
+    alive_anyway,
+    available_memory,
+    gradient_bytes,
+    step2_bytes,
+)
 from .distributed import ddp_of, without_gradient_sync
 from .minibatches import LengthSorted, length_order
-from .ops.chunked import DEFAULT_TILE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -43,136 +49,34 @@ AUTO = "auto"
 # "auto" leaves this much of the memory untouched: max(1 GiB, 10% of the device's (or the machine's) total).
 SAFETY_MARGIN_MIN_BYTES = 2**30
 SAFETY_MARGIN_FRACTION = 0.10
-# Step (2) holds the embeddings, their gradient cache and the op's normalised copies and their gradients (4 fp32
-# copies of every column, of every rank's rows when gathered) plus one tile of scores.
-STEP2_EMBEDDING_COPIES = 4
 FALLBACK_EMBEDDING_DIM = 4096  # for a model that does not say its embedding dimension
 PROBE_ROWS = 8  # rows "auto" embeds with gradients to measure a row's activations (its longest rows)
 
 
 def check_activation_budget(value: Any) -> int | str | None:
     """``activation_budget`` as accepted: None, a positive int (bytes) or "auto"; else a ValueError naming the fix."""
-    if value is None or (isinstance(value, str) and value == AUTO):
+    if value is None:
         return value
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    raise ValueError(
-        f"activation_budget must be None (re-embed every mini-batch, GradCache's default), a positive int of bytes "
-        f"(e.g. 8 * 2**30 for 8 GiB) or 'auto' (the free memory, less a margin), got {value!r}."
-    )
+    return _positive_int_or_auto(
+        value, "activation_budget must be None (re-embed every mini-batch, GradCache's default), a positive int of "
+        "bytes (e.g. 8 * 2**30 for 8 GiB) or 'auto' (the free memory, less a margin)",
+    )  # fmt: skip
 
 
 def check_mini_batch_size(value: Any) -> int | str:
     """``mini_batch_size`` as accepted: a positive int (rows) or "auto"; else a ValueError naming the fix."""
+    return _positive_int_or_auto(
+        value, "mini_batch_size must be a positive int (rows per mini-batch) or 'auto' (the largest whose activations "
+        "fit the activation budget, measured at the first training step)",
+    )  # fmt: skip
+
+
+def _positive_int_or_auto(value: Any, rule: str) -> int | str:
     if isinstance(value, str) and value == AUTO:
         return value
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
         return int(value)
-    raise ValueError(
-        f"mini_batch_size must be a positive int (rows per mini-batch) or 'auto' (the largest whose activations fit "
-        f"the activation budget, measured at the first training step), got {value!r}."
-    )
-
-
-# --------------------------------------------------------------------------------------------- measuring
-
-
-class SavedTensorBytes:
-    """Bytes of the tensors autograd saves for backward inside the ``with`` block: the activation memory the block's
-    graph keeps alive until it is back-propagated. The pack hook of ``torch.autograd.graph.saved_tensors_hooks`` sees
-    every saved tensor (and hands it back unchanged); each storage counts once, at its full size, except storages of
-    ``exclude`` (parameters, buffers, inputs: alive anyway). ``nbytes`` (int, bytes) is the total so far.
-
-    These are the innermost saved-tensor hooks inside the block, so an outer pair sees none of its tensors.
-    """
-
-    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
-        self._excluded = {_storage_key(tensor) for tensor in exclude}
-        self._storages: dict[tuple, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self._storages.values())
-
-    def __enter__(self) -> SavedTensorBytes:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, tensor: Tensor) -> Tensor:
-        key = _storage_key(tensor)
-        if key is not None and key not in self._excluded:
-            self._storages[key] = tensor.untyped_storage().nbytes()
-        return tensor
-
-
-def _unpack(tensor: Tensor) -> Tensor:
-    return tensor
-
-
-def _storage_key(tensor: Tensor) -> tuple | None:
-    try:
-        return tensor.device, tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # no storage of its own (e.g. a sparse or nested tensor)
-        return None
-
-
-def alive_anyway(model: nn.Module, features: dict[str, Any]) -> list[Tensor]:
-    """The tensors whose storages a forward's graph does not add: the model's parameters and buffers, the inputs."""
-    inputs = [value for value in features.values() if isinstance(value, Tensor)]
-    return [*model.parameters(), *model.buffers(), *inputs]
-
-
-class ActivationModel:
-    """Predicts a mini-batch's saved-tensor bytes from its shape, rows x padded width.
-
-    A transformer saves per-token tensors (linear in the width) and, where attention materialises its probabilities
-    (eager or math attention, as on CPU), rows x heads x width^2 more, so bytes = rows x (a x width + b x width^2),
-    exactly linear in rows at a given width. The bytes per row of every width measured are remembered (the latest);
-    other widths come from a least-squares fit of a, b >= 0 to them, or, with one width measured, from its bytes per
-    token.
-    """
-
-    def __init__(self) -> None:
-        self.per_row: dict[int, float] = {}  # padded width -> bytes per row
-        self._fit: tuple[float, float] | None = None
-
-    @property
-    def ready(self) -> bool:
-        return bool(self.per_row)
-
-    def observe(self, rows: int, width: int, nbytes: int) -> None:
-        self.per_row[width] = nbytes / rows
-        self._fit = None
-
-    def predict(self, rows: int, width: int) -> float:
-        """Predicted bytes (float); needs one observation first."""
-        if width in self.per_row:
-            return rows * self.per_row[width]
-        if self._fit is None:
-            self._fit = _fit_per_row(self.per_row)
-        a, b = self._fit
-        return rows * (a * width + b * width * width)
-
-
-def _fit_per_row(per_row: dict[int, float]) -> tuple[float, float]:
-    """(a, b) >= 0 of bytes per row = a x width + b x width^2, least squares (the normal equations)."""
-    points = [(float(w), p) for w, p in per_row.items() if w > 0]
-    if not points:
-        return 0.0, 0.0
-    s11, s12, s22 = (sum(w**k for w, _ in points) for k in (2, 3, 4))
-    t1, t2 = sum(w * p for w, p in points), sum(w * w * p for w, p in points)
-    det = s11 * s22 - s12 * s12
-    if len(points) > 1 and det > 0:
-        a, b = (t1 * s22 - t2 * s12) / det, (s11 * t2 - s12 * t1) / det
-        if a >= 0 and b >= 0:
-            return a, b
-        if a < 0:
-            return 0.0, t2 / s22
-    return t1 / s11, 0.0
+    raise ValueError(f"{rule}, got {value!r}.")
 
 
 # --------------------------------------------------------------------------------------------- choosing
@@ -265,38 +169,6 @@ def _largest_left(largest_first: list[int], predicted: Sequence[float], kept: se
     return next((predicted[i] for i in largest_first if i not in kept), 0.0)
 
 
-# --------------------------------------------------------------------------------------------- memory
-
-
-def available_memory(device: torch.device) -> tuple[int, int, str]:
-    """``(bytes that can still be allocated, total bytes, where the numbers come from)`` on ``device``: on CUDA, the
-    free device memory (``torch.cuda.mem_get_info``) plus the caching allocator's free blocks; elsewhere the
-    machine's available RAM (psutil, else /proc/meminfo)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return free + cached, total, "torch.cuda.mem_get_info + the caching allocator's free blocks"
-    try:
-        import psutil
-    except ImportError:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        available, total = (int(fields[key].split()[0]) * 1024 for key in ("MemAvailable", "MemTotal"))  # kB
-        return available, total, "/proc/meminfo MemAvailable"
-    memory = psutil.virtual_memory()
-    return memory.available, memory.total, "psutil.virtual_memory().available"
-
-
-def step2_bytes(rows: int, columns: int, embedding_dim: int, world_size: int = 1) -> int:
-    """Estimated bytes of step (2): ``STEP2_EMBEDDING_COPIES`` fp32 copies of every column's (rows x world_size) x
-    embedding_dim embeddings and one tile of the chunked op (``ops.chunked.DEFAULT_TILE_BYTES``)."""
-    return STEP2_EMBEDDING_COPIES * 4 * rows * world_size * columns * embedding_dim + DEFAULT_TILE_BYTES
-
-
-def gradient_bytes(model: nn.Module) -> int:
-    """Bytes of the parameter gradients step (3) will allocate (trainable parameters whose ``.grad`` is None)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
-
-
 def _device(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
@@ -305,6 +177,7 @@ def _embedding_dim(model: nn.Module) -> int:
     model = getattr(getattr(model, "_orig_mod", model), "module", model)  # DDP wraps the SentenceTransformer
     get = getattr(model, "get_embedding_dimension", None)
     return (get() if get is not None else None) or FALLBACK_EMBEDDING_DIM
+
 
 
 # --------------------------------------------------------------------------------------------- one step

@@ -24,6 +24,8 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.util import batch_to_device, cos_sim, dot_score
 from torch import Tensor, nn
 
+from .ops.spec import check_false_negative_rule
+
 MNRL_LOSSES = (MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss)
 GIST_LOSSES = (GISTEmbedLoss, CachedGISTEmbedLoss)
 SUPPORTED_LOSSES = MNRL_LOSSES + GIST_LOSSES
@@ -111,3 +113,55 @@ class Guide:
             features = self.model.preprocess(self.tokenizer.batch_decode(input_ids, skip_special_tokens=True))
         features = batch_to_device(dict(features), self.model.device)  # a copy: modules write into their inputs
         return self.model(features)["sentence_embedding"].to(device)
+
+
+def check_self_guided_filter(loss: nn.Module, margin: float | None, strategy: str) -> None:
+    """Raises ValueError for a self-guided ``false_negative_margin`` next to a GISTEmbed base loss (which has its own
+    guide and margin), or for a margin / strategy the op refuses (:func:`ops.spec.check_false_negative_rule`)."""
+    if margin is None:
+        return
+    if is_gist(loss):
+        raise ValueError(
+            f"{type(loss).__name__} filters false negatives with its guide and its own margin: set margin "
+            "there, or use a MultipleNegativesRankingLoss base with false_negative_margin (self-guided)."
+        )
+    check_false_negative_rule(margin, strategy)
+
+
+class BaseLossHyperparameters:
+    """The InfoNCE hyperparameters of a cached loss's base loss ``self.loss``, as read-only properties (read at every
+    step, as stock does, so a change to the base loss applies at the next step)."""
+
+    loss: nn.Module
+
+    @property
+    def scale(self) -> float:
+        return op_options(self.loss)["scale"]
+
+    @property
+    def temperature(self) -> float:
+        return 1.0 / self.scale
+
+    @property
+    def similarity_fct(self):
+        return self.loss.similarity_fct
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        return tuple(op_options(self.loss)["directions"])
+
+    @property
+    def partition_mode(self) -> str:
+        return op_options(self.loss).get("partition_mode", "joint")
+
+    @property
+    def hardness_mode(self) -> str | None:
+        return op_options(self.loss).get("hardness_mode")
+
+    @property
+    def hardness_strength(self) -> float:
+        return op_options(self.loss).get("hardness_strength", 0.0)
+
+    @property
+    def gather_across_devices(self) -> bool:
+        return self.loss.gather_across_devices

@@ -4,7 +4,9 @@ The three GradCache steps are sentence-transformers' own (``CachedLossMixin.forw
 ranges, ``RandContext`` dropout replay, the backward hook that re-embeds one mini-batch at a time). This
 module adds what the stock ``MatryoshkaLoss(CachedMultipleNegativesRankingLoss)`` lacks: step (2) is one
 call of :func:`st_cached_losses.matryoshka_infonce` for all Matryoshka dims (instead of one full loss per
-dim), and rows are grouped by length so that each mini-batch pads only to its own longest row.
+dim), rows are grouped by length so that each mini-batch pads only to its own longest row, and, with an
+activation budget (:mod:`st_cached_losses.activation_budget`), the mini-batches whose activations fit keep step
+(1)'s graph instead of being embedded again in step (3).
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ from sentence_transformers.util import all_gather, all_gather_with_grad, get_ran
 from torch import Tensor, nn
 
 from . import base_losses, citations
-from .activation_budget import AUTO, ActivationBudget, KeptGraph, StepPlan, check_activation_budget
-from .activation_budget import check_mini_batch_size
-from .base_losses import Guide, check_base_loss, is_gist, mini_batch_defaults
+from .activation_budget import (
+    AUTO,
+    ActivationBudget,
+    KeptGraph,
+    StepPlan,
+    check_activation_budget,
+    check_mini_batch_size,
+)
+from .base_losses import Guide, check_base_loss, check_self_guided_filter, is_gist, mini_batch_defaults
 from .dims import sorted_dims
 from .distributed import check_same_rows_on_every_rank
 from .loss_components import loss_components
@@ -44,7 +52,6 @@ from .minibatches import (
     without_leading_padding,
 )
 from .ops import check_backend, matryoshka_infonce
-from .ops.spec import check_false_negative_rule
 from .precision import encoder_autocast_dtypes, nonfinite_policy
 
 logger = logging.getLogger(__name__)
@@ -53,7 +60,7 @@ SUPPORTED_LOSSES = base_losses.SUPPORTED_LOSSES
 DEFAULT_MINI_BATCH_SIZE = 32
 
 
-class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
+class CachedMatryoshkaLoss(CachedLossMixin, base_losses.BaseLossHyperparameters, nn.Module):
     def __init__(
         self,
         model: SentenceTransformer,
@@ -203,13 +210,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         activation_budget = check_activation_budget(activation_budget)
         _validate_mini_batch_num_tokens(mini_batch_num_tokens)
         check_backend(backend, model.device)  # e.g. "triton" for a model on CPU: now, not after the first batch
-        if false_negative_margin is not None:
-            if is_gist(loss):
-                raise ValueError(
-                    f"{type(loss).__name__} filters false negatives with its guide and its own margin: set margin "
-                    "there, or use a MultipleNegativesRankingLoss base with false_negative_margin (self-guided)."
-                )
-            check_false_negative_rule(false_negative_margin, false_negative_strategy)
+        check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
 
         self.model = model
         self.loss = loss
@@ -386,39 +387,6 @@ class CachedMatryoshkaLoss(CachedLossMixin, nn.Module):
         if 0 < self.n_dims_per_step < len(dim_indices):
             dim_indices = sorted(random.sample(dim_indices, self.n_dims_per_step))
         return tuple(self.matryoshka_dims[i] for i in dim_indices)
-
-    # The InfoNCE hyperparameters live on the base loss (read at every step, as stock does).
-    @property
-    def scale(self) -> float:
-        return base_losses.op_options(self.loss)["scale"]
-
-    @property
-    def temperature(self) -> float:
-        return 1.0 / self.scale
-
-    @property
-    def similarity_fct(self):
-        return self.loss.similarity_fct
-
-    @property
-    def directions(self) -> tuple[str, ...]:
-        return tuple(base_losses.op_options(self.loss)["directions"])
-
-    @property
-    def partition_mode(self) -> str:
-        return base_losses.op_options(self.loss).get("partition_mode", "joint")
-
-    @property
-    def hardness_mode(self) -> str | None:
-        return base_losses.op_options(self.loss).get("hardness_mode")
-
-    @property
-    def hardness_strength(self) -> float:
-        return base_losses.op_options(self.loss).get("hardness_strength", 0.0)
-
-    @property
-    def gather_across_devices(self) -> bool:
-        return self.loss.gather_across_devices
 
     def get_config_dict(self) -> dict[str, Any]:
         # "loss" is the module itself: the model card renders it with its own config (scale, directions, ...).

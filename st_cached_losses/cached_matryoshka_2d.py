@@ -9,7 +9,6 @@ of all of them, (3) re-embeds each mini-batch once and back-propagates all layer
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
@@ -18,8 +17,6 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from sentence_transformers.base.model import BaseModel
-from sentence_transformers.base.modules import Transformer
 from sentence_transformers.sentence_transformer.losses import (
     AdaptiveLayerLoss,
     CachedMultipleNegativesRankingLoss,
@@ -28,10 +25,11 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.sentence_transformer.losses.adaptive_layer import TransformerDecorator
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from sentence_transformers.util import cos_sim, dot_score
-from torch import Tensor, nn
+from torch import Tensor
 
 from . import citations
 from .cached_matryoshka import CachedMatryoshkaLoss
+from .layers import base_model, num_hidden_layers, truncate_layers  # noqa: F401 - truncate_layers: public here too
 from .loss_components import loss_components
 from .minibatches import check_columns
 from .ops import matryoshka_infonce
@@ -234,7 +232,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         """(rows, S * D): the pooled embedding of the final layer, then of each prior layer of the step, side by
         side. One run of the transformer with hidden states (stock's ``TransformerDecorator``); the model's other
         modules run once per layer on that layer's hidden states."""
-        base = _base_model(self.model)
+        base = base_model(self.model)
         transformer = base[0]
         own_forward = vars(transformer).get("forward")
         decorator = TransformerDecorator(transformer, transformer.forward)
@@ -375,81 +373,6 @@ class _MiniBatch(dict):
         self.prior_layers = prior_layers
 
 
-def truncate_layers(model: SentenceTransformer, num_layers: int) -> SentenceTransformer:
-    """A copy of ``model`` that runs only its first ``num_layers`` transformer layers (for evaluation, or to
-    deploy a 2D-Matryoshka-trained model with fewer layers); ``model`` is left as is.
-
-    The copy's embedding is the model's modules (pooling, ...) on hidden state ``num_layers``, which is what
-    :class:`CachedMatryoshka2dLoss` and stock ``Matryoshka2dLoss`` train as layer ``num_layers``, for encoders
-    whose hidden states are the layers' outputs (BERT, MiniLM, MPNet, ...). (A decoder with a final norm applies
-    it to the truncated stack's output, which the training's intermediate hidden states do not have.)
-
-    Args:
-        model: a SentenceTransformer whose first module is a ``Transformer``.
-        num_layers: layers to keep, 0 (the embedding layer's output) to the model's number of layers.
-
-    Raises:
-        ValueError: ``num_layers`` out of range, or a model whose layer stack is not one ``nn.ModuleList`` of
-            ``config.num_hidden_layers`` modules.
-    """
-    transformer = model[0] if isinstance(model, SentenceTransformer) and len(model) else None
-    total = _num_hidden_layers(transformer)
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 0 <= num_layers <= total:
-        raise ValueError(f"num_layers must be an int in [0, {total}] (the model's layers), got {num_layers!r}.")
-    stacks = [name for name, module in transformer.auto_model.named_modules()
-              if isinstance(module, nn.ModuleList) and len(module) == total]  # fmt: skip
-    if len(stacks) != 1:
-        raise ValueError(
-            f"truncate_layers needs exactly one nn.ModuleList of the model's {total} layers, found {stacks or 'none'}."
-        )
-    truncated = copy.deepcopy(model)
-    auto_model = truncated[0].auto_model
-    parent_name, _, attribute = stacks[0].rpartition(".")
-    parent = auto_model.get_submodule(parent_name)
-    setattr(parent, attribute, nn.ModuleList(list(getattr(parent, attribute))[:num_layers]))
-    auto_model.config.num_hidden_layers = num_layers
-    return truncated
-
-
-def num_layers(model: SentenceTransformer) -> int:
-    """The number of transformer layers of ``model`` (its first module's ``config.num_hidden_layers``): the final
-    layer of :class:`CachedMatryoshka2dLoss`, the largest ``num_layers`` of :func:`truncate_layers`.
-
-    Raises:
-        ValueError: the first module is not a ``Transformer``, or its config does not say.
-    """
-    return _num_hidden_layers(model[0] if isinstance(model, SentenceTransformer) and len(model) else None)
-
-
-def _base_model(model: nn.Module) -> BaseModel:
-    """The model inside DDP (``.module``) and torch.compile (``._orig_mod``) wrappers, as stock AdaptiveLayerLoss
-    unwraps it, to reach its first module."""
-    while not isinstance(model, BaseModel):
-        inner = getattr(model, "_orig_mod", None)
-        inner = getattr(model, "module", None) if inner is None else inner
-        if not isinstance(inner, nn.Module):
-            raise TypeError(f"Cannot unwrap {type(model).__name__} to a SentenceTransformer (DDP or torch.compile).")
-        model = inner
-    return model
-
-
-def _num_hidden_layers(transformer: Any) -> int:
-    """The number of layers of a ``Transformer`` module's model (``config.num_hidden_layers``), or a ValueError."""
-    if not isinstance(transformer, Transformer):
-        name = type(transformer).__name__
-        raise ValueError(
-            "Layer-wise losses take hidden states from the model's first module, which must be a "
-            f"sentence_transformers Transformer, got {name}. Use CachedMatryoshkaLoss for Matryoshka dims alone."
-        )
-    config = transformer.auto_model.config
-    layers = getattr(config, "num_hidden_layers", None)
-    if layers is None and hasattr(config, "get_text_config"):
-        layers = getattr(config.get_text_config(), "num_hidden_layers", None)
-    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-        raise ValueError(f"The model's config has no num_hidden_layers (got {layers!r}): cannot select its layers.")
-    return layers
-
-
 def _check_layer_options(
     name: str, model, loss, n_layers_per_step, n_dims_per_step, kl_temperature, layer_weighting, **weights
 ) -> int:
@@ -460,7 +383,7 @@ def _check_layer_options(
             f"{name} supports loss={supported}, got {type(loss).__name__}: wrap other losses in sentence_transformers' "
             "Matryoshka2dLoss / AdaptiveLayerLoss instead."
         )
-    num_layers = _num_hidden_layers(model[0] if isinstance(model, SentenceTransformer) and len(model) else model)
+    num_layers = num_hidden_layers(model[0] if isinstance(model, SentenceTransformer) and len(model) else model)
     for option, value in (("n_layers_per_step", n_layers_per_step), ("n_dims_per_step", n_dims_per_step)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{option} must be an int (-1 for all), got {value!r}.")

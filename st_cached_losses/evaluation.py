@@ -1,12 +1,13 @@
 """The main job's retrieval evaluation: NDCG@10, MRR@10 and Recall@10 on the held-out pairs at every Matryoshka
-dim, with one encoding of the queries and corpus shared by all dims."""
+dim, with one encoding of the queries and corpus shared by all dims; with --layers, of the model truncated to its
+first layers too."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["METRICS", "build_evaluate"]
+__all__ = ["METRICS", "build_evaluate", "evaluate_truncated"]
 
 METRICS = ("ndcg@10", "mrr@10", "recall@10")
 
@@ -37,6 +38,19 @@ def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[
 
     evaluate.num_queries, evaluate.num_corpus = len(queries), len(corpus)
     return evaluate
+
+
+def evaluate_truncated(evaluate, model, layers: Sequence[int] | None) -> dict[str, dict[str, dict[str, float]]]:
+    """``{"<n>": evaluate(model truncated to its first n layers)}`` for each n of ``layers`` (--layers), else {}."""
+    if not layers:
+        return {}
+    from .layers import truncate_layers
+
+    results = {}
+    for n in layers:
+        print(f"evaluating the model truncated to {n} layers", flush=True)
+        results[str(n)] = evaluate(truncate_layers(model, n))
+    return results
 
 
 def _retrieval_task(test) -> tuple[dict[str, str], dict[str, str], dict[str, set[str]]]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .data import load_pairs, looks_like_path, warn_degenerate
-from .evaluation import METRICS, build_evaluate
+from .evaluation import METRICS, build_evaluate, evaluate_truncated
 from .ops import recorded_choices
 from .ops.spec import check_dims, check_false_negative_rule
 from .run_dir import check_output_dir, write_run
@@ -184,7 +184,7 @@ def check_layers(layers: Sequence[int] | None, model) -> None:
     evaluated anyway), or for a model whose layers cannot be selected."""
     if layers is None:
         return
-    from .cached_matryoshka_2d import num_layers
+    from .layers import num_layers
 
     try:
         total = num_layers(model)
@@ -333,19 +333,6 @@ def run(options: TrainOptions) -> dict[str, Any]:
     write_run(options.output_dir, model, results)
     print(format_table(results))
     print(f"wrote {options.output_dir / 'model'} and {options.output_dir / 'results.json'}")
-    return results
-
-
-def evaluate_truncated(evaluate, model, layers: Sequence[int] | None) -> dict[str, dict[str, dict[str, float]]]:
-    """``{"<n>": evaluate(model truncated to its first n layers)}`` for each n of ``layers`` (--layers), else {}."""
-    if not layers:
-        return {}
-    from .cached_matryoshka_2d import truncate_layers
-
-    results = {}
-    for n in layers:
-        print(f"evaluating the model truncated to {n} layers", flush=True)
-        results[str(n)] = evaluate(truncate_layers(model, n))
     return results
 
 

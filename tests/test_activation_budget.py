@@ -584,3 +584,25 @@ def test_ddp_trainer_with_a_budget_ends_with_identical_weights(ddp_results, find
     assert 0 < rank0["kept"] == rank0["minibatches"] - 1  # all but the last, which synchronises
     for name, weight in rank0["weights"].items():
         torch.testing.assert_close(rank1["weights"][name], weight, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("budget", [ALL, SOME, NONE], ids=["keeps_all", "keeps_some", "keeps_none"])
+def test_gistembed_base_loss_with_a_budget_matches_stock(budget):
+    """CachedGISTEmbedLoss inside: the guide embeds every mini-batch's rows in step (1), kept or not, and the loss and
+    every parameter gradient are stock MatryoshkaLoss(CachedGISTEmbedLoss)'s; kept mini-batches are not run again."""
+    from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
+
+    model = tiny_sentence_transformer(dropout=0.0, seed=2)
+    guide = tiny_sentence_transformer(hidden_size=32, dropout=0.0, seed=3)
+    features = _features(model, rows=12, negatives=1, seed=7)
+    stock = MatryoshkaLoss(model, CachedGISTEmbedLoss(model, guide, mini_batch_size=4), DIMS, WEIGHTS)
+    ours = _ours(model, CachedGISTEmbedLoss(model, guide, mini_batch_size=4), _budget(model, features, budget))
+    stock_loss, stock_grads = _loss_and_grads(model, stock, features)
+    with _counting_forwards(model) as forwards:
+        loss, grads = _loss_and_grads(model, ours, features)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    _assert_grads_close(grads, stock_grads)
+    report = ours.activation_report
+    assert forwards[0] == 2 * len(report.minibatches) - len(report.kept)  # 3 columns x 3 mini-batches, once or twice
+    assert (len(report.kept) == len(report.minibatches)) if budget == ALL else (len(report.kept) < len(report.minibatches))
+    assert len(report.kept) > 0 or budget == NONE
