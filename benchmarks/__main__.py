@@ -1,6 +1,7 @@
 """Regenerate the benchmark results (CSV + PNG under benchmarks/results/).
 
-    python -m benchmarks                          # everything, default sizes: train_step, then loss_stage (1, 2 threads)
+    python -m benchmarks                          # everything committed: train_step (default, GISTEmbed, 2D), then
+                                                  # loss_stage (1 and 2 threads, GISTEmbed)
     python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
     python -m benchmarks loss_stage [FLAGS...]
 """
@@ -15,8 +16,14 @@ BENCHMARKS = {"train_step": train_step.main, "loss_stage": loss_stage.main}
 # What `python -m benchmarks` runs: the committed results, each under its own file name.
 EVERYTHING = (
     ("train_step", []),
+    ("train_step", ["--sizes", "512", "--contenders", "ours_gist", "stock_gist", "--repeats", "2",
+                    "--name", "train_step_gist"]),
+    ("train_step", ["--sizes", "128", "1024", "--dims", "384", "192", "96", "48", "--contenders", "ours", "ours_2d",
+                    "stock_2d", "--baseline", "ours", "--repeats", "1", "--name", "train_step_2d"]),
     ("loss_stage", ["--threads", "1"]),
     ("loss_stage", ["--threads", "2", "--name", "loss_stage_2threads"]),
+    ("loss_stage", ["--gist", "--sizes", "256", "512", "1024", "8192", "--stock-max-batch", "1024",
+                    "--name", "loss_stage_gist"]),
 )
 
 
