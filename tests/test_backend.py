@@ -15,7 +15,6 @@ from st_cached_losses.ops import TritonUnavailableError, backend, check_backend
 from st_cached_losses.ops import triton as triton_backend
 from st_cached_losses.ops import triton_kernels
 
-ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 
 def _pairs(batch=6, dim=8, seed=0, dtype=torch.float32, negatives=0):

@@ -20,12 +20,8 @@ from sentence_transformers.util import dot_score, euclidean_sim
 from st_cached_losses import CachedMatryoshkaLoss, cached_matryoshka
 from st_cached_losses.minibatches import length_order as _length_order
 from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
+from tests.helpers import ALL_DIRECTIONS, texts
 
-WORDS = (
-    "the cat dog sat ran on a mat park city river blue green quick slow small large house tree book "
-    "reads writes old new music plays loud soft morning evening rain sun cloud"
-).split()
-ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 CONFIGS = {
     "default": {},
     "symmetric_per_direction": dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"),
@@ -36,14 +32,8 @@ CONFIGS = {
 DIMS, WEIGHTS = [8, 48, 32], [2.0, 1.0, 0.5]  # unsorted on purpose: both losses sort them
 
 
-def _texts(rows, seed):
-    """Short sentences of 1 to 14 words (varied lengths, so padding and sorting matter)."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choices(WORDS, k=rng.randint(1, 14))) for _ in range(rows)]
-
-
 def _features(model, rows=13, negatives=1, seed=0):
-    return [model.preprocess(_texts(rows, seed + 100 * column)) for column in range(2 + negatives)]
+    return [model.preprocess(texts(rows, seed + 100 * column)) for column in range(2 + negatives)]
 
 
 def _loss_and_grads(model, loss_fn, features, grad_scale=1.0):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 import socket
 import time
 from datetime import timedelta
@@ -27,6 +26,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.helpers import texts
 
 WORLD_SIZE = 2
 ROWS = 8  # whole batch; ROWS // WORLD_SIZE per process
@@ -51,20 +52,10 @@ CASES = {  # name: (hard negatives per row, base loss config)
 MODES = ("ours", "ours_ddp_find_unused", "ours_ddp_static", "ours_ddp_token_budget", "stock")
 TOKEN_BUDGET = 24
 JOIN_TIMEOUT_S = 300  # failure guard only: the whole file takes well under this
-WORDS = (
-    "the cat dog sat ran on a mat park city river blue green quick slow small large house tree book "
-    "reads writes old new music plays loud soft morning evening rain sun cloud"
-).split()
-
-
-def _texts(rows, seed):
-    """Sentences of 1 to 12 words, so that rows pad and sort differently on each process."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choices(WORDS, k=rng.randint(1, 12))) for _ in range(rows)]
 
 
 def _columns(negatives, seed=11):
-    return [_texts(ROWS, seed + 100 * column) for column in range(2 + negatives)]
+    return [texts(ROWS, seed + 100 * column) for column in range(2 + negatives)]
 
 
 def _free_port():
@@ -299,7 +290,7 @@ def _train_two_steps(model, find_unused, output_dir):
     from st_cached_losses import CachedMatryoshkaLoss
 
     columns = ("anchor", "positive", "negative")
-    dataset = Dataset.from_dict({column: _texts(32, seed) for seed, column in enumerate(columns)})
+    dataset = Dataset.from_dict({column: texts(32, seed) for seed, column in enumerate(columns)})
     if not find_unused:
         model[0].model.pooler.requires_grad_(False)  # unused by mean pooling
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -4,8 +4,6 @@ same loss without GradCache, DDP over 2 gloo processes, and the bad inputs."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from sentence_transformers.sentence_transformer.losses import (
@@ -18,14 +16,9 @@ from sentence_transformers.sentence_transformer.losses import (
 
 from st_cached_losses import CachedMatryoshkaLoss, matryoshka_infonce
 from st_cached_losses.testing import tiny_sentence_transformer
+from tests.helpers import texts
 
 DIMS, WEIGHTS = [48, 24, 8], [1.0, 0.5, 2.0]
-WORDS = "red blue green cat dog bird runs sleeps eats fast slow big small house garden river sky".split()
-
-
-def _texts(rows: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choices(WORDS, k=rng.randint(1, 9))) for _ in range(rows)]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +30,7 @@ def models():
 
 
 def _features(model, negatives: int, rows: int = 11, seed: int = 0):
-    columns = [_texts(rows, seed + column) for column in range(2 + negatives)]
+    columns = [texts(rows, seed + column) for column in range(2 + negatives)]
     columns[1][3] = columns[1][7]  # a duplicate positive: a false negative of row 3 for the guide
     return [model.preprocess(texts) for texts in columns]
 
@@ -185,7 +178,7 @@ def _gist_worker(rank, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
         half = ROWS // WORLD_SIZE
-        columns = [_texts(ROWS, 30 + column) for column in range(3)]
+        columns = [texts(ROWS, 30 + column) for column in range(3)]
         features = [model.preprocess(texts[rank * half : (rank + 1) * half]) for texts in columns]
         results = {}
         for kind in ("ours", "stock"):

@@ -12,8 +12,8 @@ from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLos
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops import InfoNCESpec, run_backend
 from st_cached_losses.testing import tiny_sentence_transformer
+from tests.helpers import ALL_DIRECTIONS
 
-ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 PARTNER = {"query_to_doc", "doc_to_query"}  # column offset + i is the row's own pair: never filtered
 
 

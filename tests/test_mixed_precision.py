@@ -4,8 +4,6 @@ stock's within bf16 rounding."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from accelerate.utils import convert_outputs_to_fp32
@@ -15,15 +13,10 @@ from sentence_transformers.sentence_transformer.losses import CachedMultipleNega
 
 from st_cached_losses import CachedMatryoshkaLoss, matryoshka_infonce
 from st_cached_losses.testing import tiny_sentence_transformer
+from tests.helpers import texts
 
-WORDS = "red blue green cat dog bird runs sleeps eats fast slow big small house garden river sky".split()
 DIMS = [48, 24, 8]
 BF16_RTOL = 2**-6  # a few bf16 roundings (8-bit mantissa) through a 2-layer encoder
-
-
-def _texts(rows: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choices(WORDS, k=rng.randint(2, 10))) for _ in range(rows)]
 
 
 def _bf16_autocast_forward(model) -> None:
@@ -55,7 +48,7 @@ def test_bf16_autocast_matches_stock_and_keeps_the_loss_in_fp32(scope, backend):
     model = tiny_sentence_transformer(seed=1)
     if scope == "model":
         _bf16_autocast_forward(model)
-    features = [model.preprocess(_texts(12, seed)) for seed in (0, 1)]
+    features = [model.preprocess(texts(12, seed)) for seed in (0, 1)]
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)  # one mini-batch: the same embeddings
     ours = CachedMatryoshkaLoss(model, base, DIMS, sort_by_length=False, backend=backend)
     stock = MatryoshkaLoss(model, base, DIMS)
@@ -86,7 +79,7 @@ def _one_sgd_step(tmp_path, loss_name: str) -> dict[str, torch.Tensor]:
     loss = CachedMatryoshkaLoss(model, base, DIMS, sort_by_length=False) if loss_name == "ours" else MatryoshkaLoss(
         model, base, DIMS
     )
-    data = Dataset.from_dict({"anchor": _texts(16, 3), "positive": _texts(16, 4)})
+    data = Dataset.from_dict({"anchor": texts(16, 3), "positive": texts(16, 4)})
     args = SentenceTransformerTrainingArguments(
         output_dir=str(tmp_path / loss_name), max_steps=1, per_device_train_batch_size=16, learning_rate=1.0,
         optim="sgd", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0, bf16=True, use_cpu=True,
@@ -125,7 +118,7 @@ def test_fp16_mixed_precision_skips_a_diverged_step_like_stock(loss_name):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    out = loss_fn([model.preprocess(_texts(8, seed)) for seed in (5, 6)], None)
+    out = loss_fn([model.preprocess(texts(8, seed)) for seed in (5, 6)], None)
     total = sum(out.values()) if isinstance(out, dict) else out
     assert torch.isnan(total)
     scaler.scale(total).backward()
@@ -146,4 +139,4 @@ def test_a_diverged_step_outside_fp16_is_a_clear_error(dtype):
     _diverged(model)
     loss = CachedMatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=4), DIMS)
     with pytest.raises(ValueError, match="contains NaN or Inf: the run diverged"):
-        loss([model.preprocess(_texts(8, seed)) for seed in (5, 6)], None)
+        loss([model.preprocess(texts(8, seed)) for seed in (5, 6)], None)

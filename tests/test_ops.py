@@ -8,8 +8,8 @@ import torch
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops import InfoNCESpec, run_backend
 from st_cached_losses.ops.chunked import default_tile_rows as tile_rows
+from tests.helpers import ALL_DIRECTIONS
 
-ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 OPTIONS = {
     "default": {},
     "gte_joint": dict(directions=ALL_DIRECTIONS),

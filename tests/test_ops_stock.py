@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from st_cached_losses import matryoshka_infonce
+from tests.helpers import ALL_DIRECTIONS
 
 from .stock import stock_loss_and_grads
 
-ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 CONFIGS = {
     "default": {},
     "symmetric_per_direction": dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from datasets import Dataset
@@ -12,15 +10,13 @@ from sentence_transformers.sentence_transformer.losses import CachedMultipleNega
 
 from st_cached_losses import CachedMatryoshkaLoss
 from st_cached_losses.testing import tiny_sentence_transformer
+from tests.helpers import texts
 
-WORDS = "red blue green cat dog bird runs sleeps eats fast slow big small house garden river sky".split()
 
 
 def _dataset(rows=24, seed=0):
-    rng = random.Random(seed)
-    sentence = lambda: " ".join(rng.choices(WORDS, k=rng.randint(2, 10)))  # noqa: E731
     columns = ("anchor", "positive", "negative")
-    return Dataset.from_dict({column: [sentence() for _ in range(rows)] for column in columns})
+    return Dataset.from_dict({column: texts(rows, 10 * seed + i, 2, 10) for i, column in enumerate(columns)})
 
 
 def test_trainer_trains_logs_per_dim_losses_and_writes_the_model_card(tmp_path):

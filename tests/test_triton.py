@@ -26,6 +26,7 @@ from st_cached_losses import matryoshka_infonce  # noqa: E402
 from st_cached_losses.ops import InfoNCESpec, run_backend  # noqa: E402
 from st_cached_losses.ops import triton as triton_backend  # noqa: E402
 from st_cached_losses.ops import triton_kernels, triton_tiles, triton_tools  # noqa: E402
+from tests.helpers import ALL_DIRECTIONS
 
 if not triton_kernels.INTERPRETED:  # imported earlier in this process without the interpreter
     triton_kernels = importlib.reload(triton_kernels)
@@ -33,7 +34,6 @@ if not triton_kernels.INTERPRETED:  # imported earlier in this process without t
     triton_backend = importlib.reload(triton_backend)
     triton_tools = importlib.reload(triton_tools)
 
-ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 RTOL = 1e-4  # fp32
 
 
