@@ -28,13 +28,14 @@ from sentence_transformers.util import cos_sim, dot_score
 from torch import Tensor
 
 from . import citations
+from .base_losses import MNRL_LOSSES
 from .cached_matryoshka import CachedMatryoshkaLoss
 from .layers import base_model, num_hidden_layers, truncate_layers  # noqa: F401 - truncate_layers: public here too
 from .loss_components import loss_components
 from .minibatches import check_columns
 from .ops import matryoshka_infonce
 
-SUPPORTED_LOSSES = (MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss)
+SUPPORTED_LOSSES = MNRL_LOSSES  # (Cached)MultipleNegativesRankingLoss, as stock's layer-wise losses take
 LAYER_WEIGHTINGS = ("uniform", "log", "linear")
 # A column's key for the prior layers of its step, so that step (3), which runs in the backward pass (maybe after
 # another forward), re-embeds the layers of its own step. Taken off each mini-batch before the model sees it.
