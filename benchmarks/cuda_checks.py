@@ -194,7 +194,7 @@ def _tile(backend: str, tile) -> Iterator[int | None]:
     if tile is None:
         yield None
     elif backend == "triton":
-        from st_cached_losses.ops.triton import forced_tile_config
+        from st_cached_losses.ops.triton.host import forced_tile_config
 
         with forced_tile_config(tile):
             yield None

@@ -75,7 +75,7 @@ def _plan(args) -> dict:
 
 def correctness(plan: dict, quick: bool, dry_run: bool) -> list[dict]:
     """Rows of ``cuda_checks.run_case`` for both backends over every case, then every tile config."""
-    from st_cached_losses.ops import triton_tiles
+    from st_cached_losses.ops.triton import tiles as triton_tiles
 
     stand_in = "chunked" if dry_run else None
     rows, autotune = [], triton_tiles.AUTOTUNE
@@ -184,7 +184,7 @@ def _bench(fn, device: str) -> dict[str, float]:
         median, low, high = triton.testing.do_bench(fn, warmup=0, rep=max(200.0, 5 * estimate_ms),
                                                     quantiles=[0.5, 0.2, 0.8])  # fmt: skip
         return {"median": median / 1e3, "q20": low / 1e3, "q80": high / 1e3}
-    from st_cached_losses.profiling import time_call
+    from benchmarks.profiling import time_call
 
     seconds = time_call(fn, repeats=5, warmup=0)
     q20, _, _, q80 = statistics.quantiles(seconds, n=5)
@@ -200,7 +200,7 @@ def matmul_peak(device: str) -> float:
 
 def loss_stage(plan: dict, dry_run: bool) -> list[tuple]:
     """Rows (contender_dtype, B, metric, value): time, peak, TFLOP/s per contender, dtype and B."""
-    from st_cached_losses.profiling import peak_tensor_bytes
+    from benchmarks.profiling import peak_tensor_bytes
 
     device, dims = plan["device"], plan["loss_dims"]
     peak_flops = matmul_peak(device)
@@ -236,7 +236,7 @@ def loss_stage(plan: dict, dry_run: bool) -> list[tuple]:
 def largest_batch(plan: dict, dry_run: bool) -> list[tuple]:
     """B doubling from the largest loss-stage size (bf16, Triton) until out of memory or out of the time budget
     (a doubling takes ~4x as long); the largest B memory allows is extrapolated from the bytes per row."""
-    from st_cached_losses.profiling import peak_tensor_bytes
+    from benchmarks.profiling import peak_tensor_bytes
 
     device, budget, rows = plan["device"], plan["search_seconds"], []
     batch, seconds, spent, per_row = 2 * plan["loss_sizes"][-1], 0.0, 0.0, None

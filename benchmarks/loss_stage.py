@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.profiling import peak_tensor_bytes, summarize, time_call
 from benchmarks.report import RESULTS, plot, read_csv, write_csv
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops.chunked import DEFAULT_TILE_BYTES
-from st_cached_losses.profiling import peak_tensor_bytes, summarize, time_call
 
 
 def _embeddings(batch: int, dim: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """End-to-end training-step benchmark: CachedMatryoshkaLoss vs the stock sentence-transformers losses.
 
 One training step = forward + backward of the loss on one batch of B (anchor, positive) pairs from the built-in
-stdlib code-search data (``st_cached_losses.data``, both splits, shuffled; cycled when B exceeds its ~4000 pairs),
+stdlib code-search data (``st_cached_losses.cli.stdlib_data``, both splits, shuffled; cycled when B exceeds its ~4000 pairs),
 embedded by the packaged all-MiniLM-L6-v2 (max_seq_length 128, train mode, dropout on). The optimizer step is
 excluded; ``zero_grad(set_to_none=True)`` runs before each step outside the timed region (so every step allocates
 the parameter gradients, as in a trainer). Contenders, all with mini-batch 32 and, where they have dims,
@@ -45,7 +45,7 @@ its first full step after the same small warm-up step; round 1 is the memory pro
 Memory: a fresh process per (contender, B) (``python -m benchmarks.train_step --one CONTENDER B ...``) that
 loads the model and the batch, runs the small warm-up step, reads its resident set size (``rss_base_bytes``),
 runs one step and reads its peak RSS (``rss_peak_bytes``, VmHWM: the whole process, model and Python included), then
-runs a second step under ``st_cached_losses.profiling.peak_tensor_bytes`` (``peak_bytes``: the exact peak of
+runs a second step under ``benchmarks.profiling.peak_tensor_bytes`` (``peak_bytes``: the exact peak of
 tensor bytes allocated during the step above what was live at its start: activations, embeddings, loss stage,
 parameter gradients). Up to --jobs of these run at a time (memory does not depend on the machine's load).
 
@@ -72,11 +72,11 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from benchmarks.processes import run_json_processes
+from benchmarks.profiling import peak_rss_bytes, peak_tensor_bytes, rss_bytes
 from benchmarks.report import RESULTS
 from benchmarks.step import PHASES, Step, time_steps, timing_rows
 from benchmarks.train_step_report import summary_table, write_outputs
-from st_cached_losses.processes import run_json_processes
-from st_cached_losses.profiling import peak_rss_bytes, peak_tensor_bytes, rss_bytes
 
 CONTENDERS = ("ours", "ours_unsorted", "ours_kept", "stock", "stock_cmnrl", "mnrl", "ours_gist", "stock_gist",
               "ours_2d", "stock_2d")
@@ -98,7 +98,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def load_pairs(rows: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
     """(anchor, positive) pairs of the built-in data, both splits, shuffled with ``seed``; ``rows`` of them."""
-    from st_cached_losses.data import load_stdlib_dataset
+    from st_cached_losses.cli.stdlib_data import load_stdlib_dataset
 
     data = load_stdlib_dataset()
     pairs = [(row["anchor"], row["positive"]) for split in ("train", "test") for row in data[split]]

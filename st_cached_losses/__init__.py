@@ -1,4 +1,9 @@
-"""st_cached_losses: a GradCache Matryoshka InfoNCE loss for sentence-transformers."""
+"""st_cached_losses: a GradCache Matryoshka InfoNCE loss for sentence-transformers.
+
+Layout: ``losses/`` (the public losses), ``gradcache/`` (what they share: GradCache's steps (1) and (3), mini-batches,
+activation budget, distributed, precision), ``ops/`` (the loss stage, ``matryoshka_infonce``, and its backends),
+``cli/`` (the main job, ``st-cached-losses train``).
+"""
 
 from __future__ import annotations
 
@@ -12,17 +17,21 @@ __all__ = [
     "CachedMatryoshkaLoss",
     "__version__",
     "matryoshka_infonce",
+    "truncate_layers",
 ]
+
+# Imported lazily: the losses pull in sentence_transformers (seconds), the op does not.
+_LAZY = {
+    "CachedMatryoshkaLoss": "losses",
+    "CachedMatryoshka2dLoss": "losses",
+    "CachedAdaptiveLayerLoss": "losses",
+    "truncate_layers": "gradcache.layers",
+}
 
 
 def __getattr__(name):
-    # Imported lazily: the loss pulls in sentence_transformers (seconds), the op does not.
-    if name == "CachedMatryoshkaLoss":
-        from .cached_matryoshka import CachedMatryoshkaLoss
+    if name in _LAZY:
+        import importlib
 
-        return CachedMatryoshkaLoss
-    if name in ("CachedMatryoshka2dLoss", "CachedAdaptiveLayerLoss"):
-        from . import cached_matryoshka_2d
-
-        return getattr(cached_matryoshka_2d, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

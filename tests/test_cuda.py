@@ -19,7 +19,8 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from st_cached_losses.ops import triton_kernels, triton_tiles  # noqa: E402
+from st_cached_losses.ops.triton import kernels as triton_kernels  # noqa: E402
+from st_cached_losses.ops.triton import tiles as triton_tiles
 
 RUNS = [(case, precision) for case in cases() for precision in case.precisions]
 

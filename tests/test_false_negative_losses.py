@@ -136,7 +136,7 @@ def test_masked_share_is_logged_and_in_the_model_card(caplog):
 
     model = tiny_sentence_transformer(seed=2)
     loss = CachedMatryoshkaLoss(model, MultipleNegativesRankingLoss(model), DIMS, false_negative_margin=0.1)
-    with caplog.at_level(logging.INFO, logger="st_cached_losses.cached_matryoshka"):
+    with caplog.at_level(logging.INFO, logger="st_cached_losses.losses.cached_matryoshka"):
         _loss_and_grads(model, loss, _features(model, 0))
     assert any("of in-batch candidates dropped" in record.getMessage() for record in caplog.records)
     config = loss.get_config_dict()

@@ -238,7 +238,7 @@ def test_guided_matches_stock_matryoshka_cached_gist(gist_models, case, mini_bat
 
 def test_gist_directions_and_the_filter_run_on_chunked_not_triton():
     from st_cached_losses.ops import backend as backend_module
-    from st_cached_losses.ops import triton as triton_backend
+    from st_cached_losses.ops.triton import host as triton_backend
 
     queries, docs = _embeddings(6, 8)
     spec = InfoNCESpec.build(queries, docs, None, dims=[8], weights=None, scale=20.0, similarity="cosine", offset=0,

@@ -30,7 +30,7 @@ def test_dry_run_writes_every_result(dry_run):
 
 
 def test_dry_run_checks_every_case_backend_and_tile_config(dry_run):
-    from st_cached_losses.ops.triton import CANDIDATES
+    from st_cached_losses.ops.triton.host import CANDIDATES
 
     _, out = dry_run
     with (out / "correctness.csv").open() as handle:

@@ -123,12 +123,26 @@ def test_low_precision_inputs_against_fp32_truth(dtype):
         torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * float(want.abs().max()))
 
 
-def test_tile_rows_respects_byte_budget():
-    world_q, docs = _inputs(1000, 1000, 3000, 8)
-    spec = _spec(world_q, docs, world_q, [8, 4, 2], directions=ALL_DIRECTIONS)
-    rows = tile_rows(spec, tile_bytes=2**22)
-    columns = 3000 + 1000 + 1000 + 3000
-    assert rows * columns * 4 * (3 + 1) <= 2**22 < (rows + 1) * columns * 4 * (3 + 1)
+def test_the_default_tile_holds_its_temporaries_within_the_byte_budget():
+    """The rows a byte budget gives (every direction: four blocks of columns) keep the sweep's temporaries within it:
+    the exact peak of fwd + bwd is the gradients, O((B + M) K) scalars and at most the budget, with several tiles."""
+    from benchmarks.profiling import peak_tensor_bytes
+
+    world_q, docs = _inputs(256, 256, 768, 16)
+    spec = _spec(world_q, docs, world_q, [16, 8, 4], directions=ALL_DIRECTIONS)
+    budget = 2**20
+    rows = tile_rows(spec, tile_bytes=budget)
+    assert 1 < rows < 256 / 2, "the budget cuts the batch into several tiles"
+    _, peak = peak_tensor_bytes(
+        lambda: run_backend("chunked", world_q, docs, world_q, spec, need_grad=True, chunk_size=rows)
+    )
+    gradients = (256 + 768 + 256) * 16 * 4
+    assert peak <= 2 * gradients + budget
+    # Twice the rows break the budget: the measurement tells them apart.
+    _, twice = peak_tensor_bytes(
+        lambda: run_backend("chunked", world_q, docs, world_q, spec, need_grad=True, chunk_size=2 * rows)
+    )
+    assert twice > 2 * gradients + budget
 
 
 def _call(**overrides):
@@ -206,7 +220,7 @@ def test_more_than_2_pow_31_logits_matches_float64():
 
 def test_chunked_peak_memory_is_gradients_plus_one_tile():
     """Exact peak of tensor bytes allocated by fwd + bwd: at most 1.5x the embeddings plus one tile."""
-    from st_cached_losses.profiling import peak_tensor_bytes
+    from benchmarks.profiling import peak_tensor_bytes
 
     world_q, docs = _inputs(1024, 1024, 1024, 96)
     q, c = world_q.requires_grad_(), docs.requires_grad_()

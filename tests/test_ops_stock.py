@@ -10,6 +10,9 @@ from tests.helpers import ALL_DIRECTIONS
 
 from .stock import stock_loss_and_grads
 
+# Also run against the oldest supported sentence-transformers (.ci/run: python -m pytest -m oldest_st).
+pytestmark = pytest.mark.oldest_st
+
 CONFIGS = {
     "default": {},
     "symmetric_per_direction": dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"),

@@ -6,9 +6,9 @@ import csv
 import json
 
 from benchmarks import train_step
+from benchmarks.report import FIELDS
 from benchmarks.step import PHASES
 from benchmarks.train_step_report import summary_table
-from benchmarks.report import FIELDS
 
 PAIRS = [(f"return the {w} of the {v} list", f"mod.{w}_{v}(items, key=None)")
          for w in ("sum", "max", "min", "length") for v in ("first", "second", "third", "fourth", "last")]

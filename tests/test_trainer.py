@@ -12,6 +12,8 @@ from st_cached_losses import CachedMatryoshkaLoss
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.helpers import texts
 
+# Also run against the oldest supported sentence-transformers (.ci/run: python -m pytest -m oldest_st).
+pytestmark = pytest.mark.oldest_st
 
 
 def _dataset(rows=24, seed=0):

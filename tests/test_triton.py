@@ -22,11 +22,13 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from benchmarks import triton_tools  # noqa: E402
 from st_cached_losses import matryoshka_infonce  # noqa: E402
 from st_cached_losses.ops import InfoNCESpec, run_backend  # noqa: E402
-from st_cached_losses.ops import triton as triton_backend  # noqa: E402
-from st_cached_losses.ops import triton_kernels, triton_tiles, triton_tools  # noqa: E402
-from tests.helpers import ALL_DIRECTIONS
+from st_cached_losses.ops.triton import host as triton_backend  # noqa: E402
+from st_cached_losses.ops.triton import kernels as triton_kernels  # noqa: E402
+from st_cached_losses.ops.triton import tiles as triton_tiles  # noqa: E402
+from tests.helpers import ALL_DIRECTIONS  # noqa: E402
 
 if not triton_kernels.INTERPRETED:  # imported earlier in this process without the interpreter
     triton_kernels = importlib.reload(triton_kernels)
@@ -236,7 +238,7 @@ def test_kernels_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia")
     result = _run_python("""
         import torch
-        from st_cached_losses.ops import triton_tools
+        from benchmarks import triton_tools
         kernels = triton_tools.compile_kernels(dtype=torch.bfloat16, num_dims=3, arch=90)
         assert set(kernels) == {"_lse_kernel", "_row_grad_kernel", "_col_grad_kernel"}
         assert all(k.asm.get("cubin") for k in kernels.values())

@@ -1,36 +1,34 @@
-"""Matryoshka InfoNCE: in-batch cross-entropy over several Matryoshka dims in one sweep.
+"""The loss stage: ``matryoshka_infonce``, the in-batch InfoNCE loss of every Matryoshka dim in one sweep, and
+its backends. Never imports sentence_transformers.
 
-``matryoshka_infonce`` is the public entry point: one ``torch.autograd.Function`` whose forward asks a
-backend (dense reference, row-tiled PyTorch, or Triton) for the per-dim losses and, in the same sweep,
-the gradients of the weighted loss wrt. its inputs; backward only scales those by ``grad_output``.
-This module never imports sentence_transformers.
+- ``infonce.py``: the op and its ``torch.autograd.Function``;
+- ``spec.py``: the validated problem (dims, directions, hardness, false-negative rule); ``result.py``: what a
+  backend returns; ``errors.py``: the op's exception;
+- ``backend.py``: the one registry of backends, ``"auto"``, the Triton fallback and the log of choices;
+- ``reference.py`` (dense, the test oracle), ``chunked.py`` (row tiles, any device), ``triton/`` (GPU kernels);
+- ``false_negatives.py``: GISTEmbed's per-tile mask of dropped candidates.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Sequence
-
-import torch
-from torch import Tensor
-
-from . import chunked, reference
 from .backend import (
     BACKENDS,
-    TritonUnavailableError,
+    REGISTRY,
     check_backend,
     choices,
-    fall_back,
-    note_choice,
     recorded_choices,
+    run_backend,
     select_backend,
 )
+from .errors import TritonUnavailableError
+from .infonce import NONFINITE_POLICIES, matryoshka_infonce
 from .result import InfoNCEResult
 from .spec import InfoNCESpec
 
 __all__ = [
     "BACKENDS",
     "NONFINITE_POLICIES",
+    "REGISTRY",
     "InfoNCEResult",
     "InfoNCESpec",
     "TritonUnavailableError",
@@ -41,267 +39,3 @@ __all__ = [
     "run_backend",
     "select_backend",
 ]
-
-NONFINITE_POLICIES = ("auto", "raise", "propagate")
-
-
-def matryoshka_infonce(
-    queries: Tensor,
-    docs: Tensor,
-    *,
-    dims: Sequence[int],
-    weights: Sequence[float] | None = None,
-    scale: float = 20.0,
-    similarity: str = "cosine",
-    offset: int = 0,
-    directions: Sequence[str] = ("query_to_doc",),
-    partition_mode: str = "joint",
-    hardness_mode: str | None = None,
-    hardness_strength: float = 0.0,
-    backend: str = "auto",
-    chunk_size: int | None = None,
-    return_per_dim: bool = False,
-    world_queries: Tensor | None = None,
-    nonfinite: str = "auto",
-    false_negative_margin: float | None = None,
-    false_negative_strategy: str = "absolute",
-    guide_queries: Tensor | None = None,
-    guide_docs: Tensor | None = None,
-    return_masked_share: bool = False,
-) -> Tensor | tuple[Tensor, ...]:
-    """In-batch InfoNCE (multiple negatives ranking) loss, summed over Matryoshka dims with weights.
-
-    For each dim ``d`` the embeddings are truncated to their first ``d`` features (and, for cosine
-    similarity, re-normalised), then the loss is exactly sentence-transformers 6's
-    ``CachedMultipleNegativesRankingLoss.calculate_loss`` on them; the result is ``sum_k w_k L_k``.
-    The tiled backends never hold the B x M score matrix: at most one row tile of it, and the matmul
-    work of all dims is that of the largest dim (band-wise prefix dot products).
-
-    Args:
-        queries: (B, D) float tensor (fp32, bf16, fp16 or fp64), this rank's query (anchor) embeddings.
-        docs: (M, D) document embeddings laid out as ``[positives | negatives_1 | ... ]``, each block
-            with Bw rows; row ``i``'s positive is ``docs[offset + i]``. Same dtype and device as queries.
-        dims: Matryoshka dims, each in [1, D], no duplicates, in any order.
-        weights: one weight per dim (default 1 each).
-        scale: logit scale (= 1 / temperature), > 0.
-        similarity: "cosine" (each dim's prefix re-normalised) or "dot" (raw prefix dot product).
-        offset: index of this rank's first query in the gathered batch; needs ``world_queries``.
-        directions: any of "query_to_doc" (required), "query_to_query", "doc_to_query", "doc_to_doc",
-            as in sentence-transformers' MultipleNegativesRankingLoss, and GISTEmbed's blocks "anchor_to_anchor"
-            (this rank's queries against themselves, no self mask) and "positive_to_positive" (positives
-            against the positives), as in CachedGISTEmbedLoss's contrast_anchors / contrast_positives.
-        partition_mode: "joint" (one softmax over all directions) or "per_direction" (mean of their LSEs).
-        hardness_mode: None, "in_batch_negatives", "hard_negatives" or "all_negatives": adds
-            ``hardness_strength * stop_grad(similarity)`` to those negatives' logits.
-        hardness_strength: >= 0.
-        backend: "auto", "triton", "chunked" or "dense". "auto" runs the Triton kernels only on a GPU where
-            they have been verified (``ops.backend.VERIFIED_TRITON_CAPABILITIES``), else the chunked backend on
-            the same device, and falls back to chunked (warning once) if Triton cannot compile or launch; the
-            choice is logged once at INFO (``ops.choices()`` lists them).
-        chunk_size: rows per row tile of the tiled backends (chunked: as given, default from a 64 MiB byte
-            budget; Triton: rounded down to a power of two in [16, 256], default tuned).
-        return_per_dim: also return the (K,) unweighted loss per dim, in the order of ``dims`` (no grad).
-        world_queries: (Bw, D) all queries of the gathered batch when ``queries`` are rows
-            ``[offset, offset + B)`` of it (``gather_across_devices``); default ``queries``.
-        nonfinite: what NaN or Inf in the embeddings do. "raise": a ValueError (in fp32 or bf16 training a
-            non-finite embedding means the run diverged). "propagate": the loss and every gradient are NaN,
-            so that fp16 mixed precision's gradient scaler skips the step, as it does with stock losses.
-            "auto" (default): "propagate" under fp16 autocast or for fp16 inputs, else "raise".
-        false_negative_margin: turns GISTEmbed's false-negative filter on (any finite number; with a guide the
-            default is 0): row i scores no candidate but its partner whose guide similarity exceeds
-            ``s_i - margin`` (``s_i - |s_i| * margin`` with false_negative_strategy="relative"), s_i the guide
-            similarity of its positive pair. Without a guide the model is its own guide: its full-dim
-            similarity, detached (Qwen3-Embedding masks above s_i + 0.1: margin -0.1).
-        false_negative_strategy: "absolute" or "relative".
-        guide_queries, guide_docs: (B, Dg) and (M, Dg) embeddings of the same texts by a guide model, scored by
-            cosine similarity (CachedGISTEmbedLoss's guide); the filter never holds a B x M matrix of them.
-        return_masked_share: also return the share of candidates the filter dropped (0-dim, no grad).
-
-    The op computes in fp32 (fp64 for fp64 inputs) whatever autocast is active; gradients come back in the
-    inputs' dtype. A row whose only candidate is its positive (a batch of one pair) has loss and
-    gradient exactly 0.
-
-    Returns:
-        The scalar loss (fp32; fp64 for fp64 inputs); with ``return_per_dim`` and/or ``return_masked_share``
-        the tuple ``(loss, per_dim, masked_share)`` without the ones not asked for.
-
-    Raises:
-        ValueError / TypeError: for bad shapes, dtypes, devices, NaN/Inf inputs (see ``nonfinite``), empty
-            batches or options, naming the argument and the fix; ``backend="triton"`` where it cannot run.
-        NotImplementedError: backend="triton" with an option its kernels do not support.
-        TritonUnavailableError: backend="triton" and the kernels fail to compile or launch.
-
-    References:
-        - Matryoshka Representation Learning: https://arxiv.org/abs/2205.13147
-        - GISTEmbed (the false-negative filter): https://arxiv.org/abs/2402.16829
-        - Representation Learning with Contrastive Predictive Coding (InfoNCE): https://arxiv.org/abs/1807.03748
-        - FlashAttention-2 (online softmax tiling): https://arxiv.org/abs/2307.08691
-        - Breaking the Memory Barrier (Inf-CL): https://arxiv.org/abs/2410.17243
-
-    Example:
-        ::
-
-            q = torch.randn(4096, 384, requires_grad=True)
-            c = torch.randn(4096, 384, requires_grad=True)
-            loss = matryoshka_infonce(q, c, dims=[384, 256, 128, 64, 32])
-            loss.backward()
-    """
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
-    spec = InfoNCESpec.build(
-        queries,
-        docs,
-        world_queries,
-        dims=dims,
-        weights=weights,
-        scale=scale,
-        similarity=similarity,
-        offset=offset,
-        directions=directions,
-        partition_mode=partition_mode,
-        hardness_mode=hardness_mode,
-        hardness_strength=hardness_strength,
-        false_negative_margin=false_negative_margin,
-        false_negative_strategy=false_negative_strategy,
-        guide_queries=guide_queries,
-        guide_docs=guide_docs,
-    )
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"chunk_size must be a positive int or None (automatic), got {chunk_size!r}.")
-    name, reason = select_backend(queries.device, backend)
-    if name == "triton" and backend == "auto" and not _triton_module().supports(spec):
-        name, reason = "chunked", "auto: the Triton kernels do not support these options"
-    nonfinite_input = _first_nonfinite(queries=queries, docs=docs, world_queries=world_queries)
-    if nonfinite_input is not None:
-        if not _propagates_nonfinite(nonfinite, queries):
-            raise ValueError(
-                f"{nonfinite_input} contains NaN or Inf: the run diverged (lower the learning rate, or use bf16/fp32 "
-                "instead of fp16); under fp16 mixed precision pass nonfinite='propagate' so that the gradient "
-                "scaler skips the step."
-            )
-        name, reason = "nonfinite", f"NaN or Inf in {nonfinite_input}"
-    guide = None if guide_queries is None else (guide_queries, guide_docs)
-    with _autocast_off(queries.device):
-        loss, per_dim, masked_share = _MatryoshkaInfoNCE.apply(
-            queries, docs, world_queries, spec, name, reason, chunk_size, guide
-        )
-    extra = [per_dim] * return_per_dim + [masked_share] * return_masked_share
-    return (loss, *extra) if extra else loss
-
-
-def run_backend(
-    name: str, queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, chunk_size=None,
-    guide: tuple[Tensor, Tensor] | None = None,
-) -> InfoNCEResult:
-    """Call one backend's forward by name (the tests compare them on the same inputs); ``chunk_size`` as in
-    :func:`matryoshka_infonce`, ``guide`` the guide model's (queries, docs) embeddings."""
-    if name == "dense":
-        return reference.forward(queries, docs, world_queries, spec, need_grad, guide=guide)
-    if name == "chunked":
-        return chunked.forward(queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size, guide=guide)
-    if name == "triton":
-        return _triton_module().forward(queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size)
-    raise ValueError(f"Unknown backend {name!r}: choose from {BACKENDS[1:]}.")
-
-
-def _run(name, reason, queries, docs, world_queries, spec, need_grad, chunk_size, guide) -> InfoNCEResult:
-    """The chosen backend's result, falling back from Triton to chunked on the auto path; exact zeros
-    where every row's only candidate is its positive (the backends' rounding would leave ~1e-7 there,
-    which AdamW turns into weight updates)."""
-    if name == "nonfinite":
-        return _nan_result(queries, docs, world_queries, spec, need_grad)
-    try:
-        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide)
-    except TritonUnavailableError as error:
-        if reason == "requested":
-            raise
-        fall_back(queries.device, error)
-        name, reason = select_backend(queries.device, "auto")
-        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide)
-    note_choice(name, queries.device, reason, result.tile)
-    if spec.single_candidate:
-        result = result._replace(
-            per_dim=torch.zeros_like(result.per_dim),
-            grads=None if result.grads is None else tuple(None if g is None else torch.zeros_like(g) for g in result.grads),
-        )
-    return result
-
-
-class _MatryoshkaInfoNCE(torch.autograd.Function):
-    """Gradients are computed in the forward sweep (saving a recompute of every score tile) and kept
-    only when an input needs them; backward scales them by grad_output (accumulation, AMP scaler)."""
-
-    @staticmethod
-    def forward(ctx, queries, docs, world_queries, spec, name, reason, chunk_size, guide):
-        need_grad = any(ctx.needs_input_grad[:3])
-        world = queries if world_queries is None else world_queries
-        result = _run(name, reason, queries, docs, world, spec, need_grad, chunk_size, guide)
-        weights = torch.tensor(spec.weights, dtype=result.per_dim.dtype, device=result.per_dim.device)
-        loss = (weights * result.per_dim).sum()
-        per_dim = torch.empty_like(result.per_dim)
-        per_dim[list(spec.order)] = result.per_dim
-        masked_share = result.per_dim.new_zeros(()) if result.masked_share is None else result.masked_share
-        ctx.mark_non_differentiable(per_dim, masked_share)
-        if need_grad:
-            d_queries, d_docs, d_world = result.grads
-            if world_queries is None:
-                d_queries = d_queries if d_world is None else d_queries + d_world
-                d_world = None
-            elif d_world is None:
-                d_world = torch.zeros_like(world_queries)
-            # Held as plain attributes (not saved tensors) and handed over in backward, so autograd can
-            # adopt them as .grad without a copy: peak memory stays at one set of gradients.
-            ctx.grads = (d_queries, d_docs, d_world)
-        return loss, per_dim, masked_share
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_per_dim, _grad_masked_share):
-        grads, ctx.grads = getattr(ctx, "grads", None), None
-        if grads is None:
-            raise RuntimeError(
-                "matryoshka_infonce computes its gradients in the forward pass and hands them over once: "
-                "call the op again instead of backpropagating twice (retain_graph=True)."
-            )
-        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], *[None] * 5)
-
-
-def _triton_module():
-    from . import triton as triton_backend
-
-    return triton_backend
-
-
-def _first_nonfinite(**tensors: Tensor | None) -> str | None:
-    """The name of the first tensor holding NaN or Inf, or None."""
-    return next((name for name, t in tensors.items() if t is not None and not bool(torch.isfinite(t).all())), None)
-
-
-def _propagates_nonfinite(policy: str, queries: Tensor) -> bool:
-    if policy != "auto":
-        return policy == "propagate"
-    device = queries.device.type
-    fp16_autocast = (
-        torch.amp.is_autocast_available(device)
-        and torch.is_autocast_enabled(device)
-        and torch.get_autocast_dtype(device) == torch.float16
-    )
-    return fp16_autocast or queries.dtype == torch.float16
-
-
-def _autocast_off(device: torch.device):
-    """Autocast would run the score matmuls in bf16/fp16 (``mm`` and ``mv`` are on its lower-precision lists)."""
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def _nan_result(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool) -> InfoNCEResult:
-    """NaN losses and gradients: what stock losses give for a non-finite embedding, so a gradient scaler
-    (fp16 mixed precision) detects it and skips the step."""
-    dtype = torch.promote_types(queries.dtype, torch.float32)
-    per_dim = torch.full((len(spec.dims),), float("nan"), dtype=dtype, device=queries.device)
-    lse = torch.full((len(spec.dims), len(spec.directions), spec.batch_size), float("nan"), dtype=dtype,
-                     device=queries.device)  # fmt: skip
-    grads = tuple(torch.full_like(t, float("nan")) for t in (queries, docs, world_queries)) if need_grad else None
-    return InfoNCEResult(per_dim, lse, grads, tile="none")

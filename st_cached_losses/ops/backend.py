@@ -1,9 +1,11 @@
-"""Which loss-stage backend runs: the names, the usability checks, ``"auto"`` and its fallback.
+"""Which loss-stage backend runs: the one registry of backends, the usability checks, ``"auto"`` and its fallback.
 
 One definition of each rule, imported by the op, the loss and the command line:
 
+- :data:`REGISTRY` — every backend by name, with the module whose ``forward`` computes it (:func:`run_backend`);
+  a new backend is one entry here;
 - :func:`check_backend` — a known name that can run on the given device (raises ValueError before any work);
-- :func:`triton_unusable_reason` — why the Triton kernels cannot run on a device, or None;
+- :func:`triton_unusable_reason` — why the Triton kernels cannot run on a device, or None (``triton/probe.py``);
 - :func:`select_backend` — what ``"auto"`` resolves to: Triton only on a GPU whose compute capability is in
   :data:`VERIFIED_TRITON_CAPABILITIES` (the CUDA suite, ``python -m benchmarks.gpu``, passed there and its
   results are committed), else the chunked backend on the same device;
@@ -17,41 +19,71 @@ the op warns once and runs the chunked backend instead; an explicit ``backend="t
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import importlib
 import logging
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
+from .errors import TritonUnavailableError
+from .result import InfoNCEResult
+from .spec import InfoNCESpec
+from .triton.probe import unusable_reason as triton_unusable_reason
 
 __all__ = [
     "BACKENDS",
+    "REGISTRY",
     "VERIFIED_TRITON_CAPABILITIES",
     "TritonUnavailableError",
     "check_backend",
     "choices",
     "note_choice",
     "recorded_choices",
+    "run_backend",
     "select_backend",
     "triton_unusable_reason",
 ]
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "triton", "chunked", "dense")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One loss-stage backend: ``module`` (relative to ``st_cached_losses.ops``) defines ``forward(queries, docs,
+    world_queries, spec, need_grad, tile_rows=None, guide=None) -> InfoNCEResult``; imported at its first use, so
+    Triton is imported only where it runs."""
+
+    name: str
+    module: str
+    summary: str
+
+    def forward(self, queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool,
+                tile_rows: int | None = None, guide: tuple[Tensor, Tensor] | None = None) -> InfoNCEResult:  # fmt: skip
+        module = importlib.import_module(self.module, __package__)
+        return module.forward(queries, docs, world_queries, spec, need_grad, tile_rows=tile_rows, guide=guide)
+
+
+REGISTRY: dict[str, Backend] = {
+    backend.name: backend
+    for backend in (
+        Backend("triton", ".triton.host", "Triton kernels: a tiled online logsumexp (CUDA; CPU in the interpreter)"),
+        Backend("chunked", ".chunked", "row tiles against all columns in PyTorch (any device)"),
+        Backend("dense", ".reference", "the whole score matrix in PyTorch: the test oracle"),
+    )
+}
+BACKENDS = ("auto", *REGISTRY)
 
 # CUDA compute capabilities on which the Triton kernels passed the CUDA suite (tests/test_cuda.py via
 # ``python -m benchmarks.gpu``) with results committed under benchmarks/results/gpu/. "auto" picks Triton only
 # there. Empty: the kernels have only run in Triton's CPU interpreter so far.
 VERIFIED_TRITON_CAPABILITIES: frozenset[tuple[int, int]] = frozenset()
 
-# tl.dot on bf16 operands and TF32 need tensor cores of Ampere (sm_80) or newer.
-MIN_TRITON_CAPABILITY = (8, 0)
 
 
-class TritonUnavailableError(RuntimeError):
-    """The Triton kernels cannot compile or launch here (old GPU, a tile config out of resources, a Triton
-    version lacking a feature). ``backend="auto"`` falls back to the chunked backend on it."""
 
 
 def check_backend(backend: str, device: torch.device | str) -> None:
@@ -72,33 +104,21 @@ def check_backend(backend: str, device: torch.device | str) -> None:
             raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
 
 
-def triton_unusable_reason(device: torch.device) -> str | None:
-    """Why the Triton kernels cannot run on ``device``, or None when they can be tried.
 
-    CPU tensors run them only in Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported);
-    CUDA tensors need an NVIDIA GPU of compute capability 8.0 or newer.
+
+def run_backend(
+    name: str, queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool,
+    chunk_size: int | None = None, guide: tuple[Tensor, Tensor] | None = None,
+) -> InfoNCEResult:
+    """One backend's forward by name (no "auto", no fallback; the tests compare them on the same inputs):
+    ``chunk_size`` as in ``matryoshka_infonce``, ``guide`` the guide model's (queries, docs) embeddings.
+
+    Raises:
+        ValueError: an unknown name.
     """
-    if importlib.util.find_spec("triton") is None:
-        return "the triton package is not installed (it comes with the CUDA builds of torch)"
-    if device.type == "cuda" and torch.version.cuda is not None:
-        capability = torch.cuda.get_device_capability(device)
-        if capability < MIN_TRITON_CAPABILITY:
-            need = ".".join(map(str, MIN_TRITON_CAPABILITY))
-            return f"the kernels need compute capability >= {need} (Ampere or newer), got {capability[0]}.{capability[1]}"
-    elif device.type != "cpu":
-        return f"the kernels are written for NVIDIA GPUs, got {device}"
-    try:
-        from . import triton as _host, triton_kernels  # noqa: F401 - importing them is the check
-    except Exception as error:  # noqa: BLE001 - an old Triton may lack what the kernels import
-        return f"the Triton kernels cannot be imported ({type(error).__name__}: {error})"
-    if device.type == "cpu" and not triton_kernels.INTERPRETED:
-        return (
-            "the kernels need CUDA tensors, got cpu (or set TRITON_INTERPRET=1 before triton is imported to run "
-            "them in Triton's CPU interpreter)"
-        )
-    if device.type == "cuda" and triton_kernels.INTERPRETED:
-        return "Triton's CPU interpreter is on (TRITON_INTERPRET=1 at import), which cannot launch on a GPU"
-    return None
+    if name not in REGISTRY:
+        raise ValueError(f"Unknown backend {name!r}: choose from {tuple(REGISTRY)}.")
+    return REGISTRY[name].forward(queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size, guide=guide)
 
 
 def triton_verified(device: torch.device) -> bool:

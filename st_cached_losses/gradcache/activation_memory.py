@@ -1,7 +1,7 @@
 """Activation memory, measured and predicted: the bytes a forward's autograd graph keeps
 (:class:`SavedTensorBytes`), a mini-batch's bytes predicted from its shape (:class:`ActivationModel`), and the memory
 there is for them (:func:`available_memory`, less :func:`step2_bytes` and :func:`gradient_bytes`). The activation
-budget (:mod:`st_cached_losses.activation_budget`) decides with these numbers."""
+budget (:mod:`st_cached_losses.gradcache.activation_budget`) decides with these numbers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .ops.chunked import DEFAULT_TILE_BYTES
+from ..ops.chunked import DEFAULT_TILE_BYTES
 
 # Step (2) holds the embeddings, their gradient cache and the op's normalised copies and their gradients (4 fp32
 # copies of every column, of every rank's rows when gathered) plus one tile of scores.

@@ -24,7 +24,7 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.util import batch_to_device, cos_sim, dot_score
 from torch import Tensor, nn
 
-from .ops.spec import check_false_negative_rule
+from ..ops.spec import check_false_negative_rule
 
 MNRL_LOSSES = (MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss)
 GIST_LOSSES = (GISTEmbedLoss, CachedGISTEmbedLoss)

@@ -18,8 +18,8 @@ import torch
 import triton
 from torch import Tensor
 
-from .backend import TritonUnavailableError
-from .triton_kernels import INTERPRETED
+from ..errors import TritonUnavailableError
+from .kernels import INTERPRETED
 
 logger = logging.getLogger(__name__)
 

@@ -1,23 +1,17 @@
-"""The main job's training data: reading pairs (a local file, a Hub dataset or the built-in dataset), and the
-built-in dataset itself, code search over the installed Python standard library.
+"""The built-in dataset: code search over the installed Python standard library, no download.
 
-:func:`load_pairs` gives the train and held-out ``datasets.Dataset`` s with only the columns ``anchor``,
-``positive`` and ``negative*`` (:func:`pair_columns`); a source without a held-out split is split with the seed
-(:func:`split_held_out`). Bad data raises :class:`~st_cached_losses.usage.UsageError`; :func:`warn_degenerate`
-warns of data that trains or evaluates poorly.
-
-In the built-in dataset each pair is (anchor = the first paragraph of a public function's, class's or method's
-docstring, positive = its qualified name and signature), e.g.::
+Each pair is (anchor = the first paragraph of a public function's, class's or method's docstring, positive = its
+qualified name and signature), e.g.::
 
     anchor:   "Return True if x is a positive or negative infinity, and False otherwise."
     positive: "math.isinf(x, /)"
 
 The pairs are extracted at run time (well under a second, nothing is cached on disk) from the modules
-listed in ``sys.stdlib_module_names`` and their submodules, so no download is needed. The extraction is
-deterministic for a given Python installation: modules are visited in sorted order, only objects
-*defined* in a module are taken (re-exports are skipped), and installed third-party packages play no
-part. Train and test are split by top-level module (``email.*`` lands entirely on one side) with a
-stable hash of the module name, so the test split holds libraries the model never saw in training.
+listed in ``sys.stdlib_module_names`` and their submodules. The extraction is deterministic for a given Python
+installation: modules are visited in sorted order, only objects *defined* in a module are taken (re-exports are
+skipped), and installed third-party packages play no part. Train and test are split by top-level module
+(``email.*`` lands entirely on one side) with a stable hash of the module name, so the test split holds libraries
+the model never saw in training.
 """
 
 from __future__ import annotations
@@ -26,26 +20,17 @@ import contextlib
 import importlib
 import inspect
 import io
-import os
 import pkgutil
 import sys
 import warnings
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator
 from types import ModuleType
 
 import datasets
 
-from .usage import UsageError, first_line, warn
-
-__all__ = ["SKIPPED_MODULES", "deduplicate", "load_pairs", "load_stdlib_dataset", "looks_like_path", "pair_columns",
-           "single_pair_batches", "split_held_out", "split_of", "stdlib_modules", "stdlib_pairs", "warn_degenerate"]
-
-DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-HELD_OUT_FRACTION = 0.2  # of a dataset that comes without a held-out split
-MIN_ROWS_TO_SPLIT = 2  # one training and one held-out pair
+__all__ = ["SKIPPED_MODULES", "deduplicate", "load_stdlib_dataset", "split_of", "stdlib_modules", "stdlib_pairs"]
 
 # Top-level modules left out: importing them has side effects (opens a browser, prints, starts Tk or
 # writes grammar caches), they are shims that third-party packages replace (distutils), or they are
@@ -264,154 +249,3 @@ def load_stdlib_dataset(test_fraction: float = 0.2) -> datasets.DatasetDict:
     return datasets.DatasetDict(
         {split: datasets.Dataset.from_list(items, features=features) for split, items in rows.items()}
     )
-
-
-# ------------------------------------------------------------------------- reading pairs: the main job's --dataset
-
-
-def looks_like_path(spec: str) -> bool:
-    """Whether a --model or --dataset spec can only be local: Hub ids are "name" or "owner/name", so an absolute
-    path, ./x, ~/x or a/b/c is not one."""
-    windows_path = os.sep != "/" and os.sep in spec
-    return os.path.isabs(spec) or spec.startswith((".", "~")) or spec.count("/") > 1 or windows_path
-
-
-def pair_columns(column_names: Sequence[str], where: str) -> list[str]:
-    """The columns to train on: ``anchor``, ``positive``, then ``negative`` / ``negative_<n>`` in order.
-
-    Raises:
-        UsageError: ``anchor`` or ``positive`` is missing (``where`` names the dataset in the message).
-    """
-    if "anchor" not in column_names or "positive" not in column_names:
-        raise UsageError(f"--dataset {where!r} has columns {list(column_names)}; it needs an 'anchor' and a "
-                         "'positive' column (and optionally 'negative', 'negative_1', ...)")
-
-    def negative_rank(name: str) -> int:
-        suffix = name[len("negative"):].lstrip("_")
-        return int(suffix) if suffix.isdigit() else 0
-
-    negatives = [c for c in column_names if c == "negative" or c.startswith("negative_") and c[9:].isdigit()]
-    return ["anchor", "positive", *sorted(negatives, key=negative_rank)]
-
-
-def _read_dataset(spec: str):
-    """(train, held-out or None) ``datasets.Dataset`` s for a dataset spec, before column selection; None when
-    the source has no held-out split (a local file, or a Hub dataset with only a train split).
-
-    Raises:
-        UsageError: a missing, empty, unsupported or unreadable file; a Hub dataset that cannot be loaded or has
-            no train split.
-    """
-    if spec == "stdlib":
-        splits = load_stdlib_dataset()
-        return splits["train"], splits["test"]
-    suffix = Path(spec).suffix.lower()
-    if suffix in DATA_SUFFIXES or looks_like_path(spec):
-        return _read_file(spec, suffix), None
-    name, _, subset = spec.partition(":")  # "owner/name:subset", e.g. sentence-transformers/all-nli:triplet
-    try:
-        splits = datasets.load_dataset(name, subset or None)
-    except Exception as error:  # noqa: BLE001 - whatever the loader raises, the user gets one line
-        raise UsageError(f"--dataset {spec!r} cannot be loaded: {first_line(error)}") from error
-    if "train" not in splits:
-        raise UsageError(f"--dataset {spec!r} has no 'train' split (splits: {list(splits)})")
-    held_out = next((name for name in ("test", "validation", "dev") if name in splits), None)
-    return splits["train"], None if held_out is None else splits[held_out]
-
-
-def _read_file(spec: str, suffix: str):
-    """A local data file as one ``datasets.Dataset``; raises UsageError as :func:`_read_dataset` says."""
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise UsageError(f"--dataset {spec!r}: no such file")
-    if suffix not in DATA_SUFFIXES:
-        raise UsageError(f"--dataset {spec!r}: unsupported file type; use one of {', '.join(DATA_SUFFIXES)}")
-    if path.stat().st_size == 0:
-        raise UsageError(f"--dataset {spec!r} is an empty file")
-    try:
-        return datasets.load_dataset(DATA_SUFFIXES[suffix], data_files=str(path), split="train")
-    except Exception as error:  # noqa: BLE001 - a malformed file: one line for the user
-        raise UsageError(f"--dataset {spec!r} cannot be read: {first_line(error)}") from error
-
-
-def _with_text(data, columns: list[str]):
-    """``data`` restricted to ``columns`` and to the rows whose every one of them is a non-empty string."""
-    return data.select_columns(columns).filter(lambda row: all(isinstance(row[c], str) and row[c] for c in columns))
-
-
-def split_held_out(data, spec: str, seed: int):
-    """Split a dataset without a held-out split: a seeded random :data:`HELD_OUT_FRACTION` of its rows.
-
-    Raises:
-        UsageError: fewer than :data:`MIN_ROWS_TO_SPLIT` rows (each split needs one).
-    """
-    if len(data) < MIN_ROWS_TO_SPLIT:
-        raise UsageError(f"--dataset {spec!r} has {len(data)} row(s) with text; splitting it into training and "
-                         f"held-out pairs needs at least {MIN_ROWS_TO_SPLIT}")
-    split = data.train_test_split(test_size=HELD_OUT_FRACTION, seed=seed)
-    return split["train"], split["test"]
-
-
-def load_pairs(spec: str, seed: int, max_train: int | None = None, max_eval: int | None = None):
-    """Train and held-out ``datasets.Dataset`` s with only the columns [anchor, positive, negative*].
-
-    ``spec`` is "stdlib" (the built-in dataset), a local .jsonl/.json/.csv/.parquet file or a Hub dataset id
-    (ID or ID:SUBSET). Rows with an empty or missing text are dropped; a source without a held-out split is split
-    (:func:`split_held_out`); ``max_train`` / ``max_eval`` keep a seeded random subset.
-
-    Raises:
-        UsageError: an unknown, empty or unreadable file or dataset, missing columns, an empty split, or too few
-            rows to split.
-    """
-    train, test = _read_dataset(spec)
-    columns = pair_columns(train.column_names, spec)
-    train = _with_text(train, columns)
-    if test is None:
-        train, test = split_held_out(train, spec, seed)
-    else:
-        missing = [column for column in columns if column not in test.column_names]
-        if missing:
-            raise UsageError(f"--dataset {spec!r}: the held-out split lacks the training split's columns {missing}")
-        test = _with_text(test, columns)
-    out = []
-    for name, data, limit in (("train", train, max_train), ("held-out", test, max_eval)):
-        if limit is not None and limit < len(data):
-            data = data.shuffle(seed=seed).select(range(limit))
-        if len(data) == 0:
-            raise UsageError(f"--dataset {spec!r}: the {name} split has no rows with text in {columns}")
-        out.append(data)
-    return out[0], out[1]
-
-
-def single_pair_batches(train, batch_size: int, seed: int) -> tuple[int, int]:
-    """(batches holding a single row, batches) in the first epoch of the run's no-duplicates batches of ``train``.
-
-    The sampler keeps rows that share a text out of one batch, so identical or overlapping pairs can leave a
-    row alone in its batch. Without repeated texts the batches are full but the last, which is cheap to tell;
-    otherwise the stock sampler itself is run once over the rows.
-    """
-    rows = list(zip(*(train[column] for column in train.column_names)))
-    rows_per_text = Counter(text for row in rows for text in set(row))
-    if max(rows_per_text.values(), default=0) <= 1:
-        full, last = divmod(len(rows), batch_size)
-        return int(last == 1), full + (last > 0)
-    import torch
-    from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
-
-    sampler = NoDuplicatesBatchSampler(train, batch_size, drop_last=False, generator=torch.Generator(), seed=seed)
-    sizes = [len(batch) for batch in sampler]
-    return sizes.count(1), len(sizes)
-
-
-def warn_degenerate(train, test, batch_size: int, seed: int) -> None:
-    """Warn when identical pairs leave a training batch with one pair (pairs only: its loss and gradient are
-    0, with no negative to rank) or the held-out split with one distinct query (its metrics are one query's)."""
-    if train.column_names == ["anchor", "positive"]:
-        alone, batches = single_pair_batches(train, batch_size, seed)
-        if alone:
-            warn(f"{alone} of the {batches} training batches of an epoch hold a single pair (pairs sharing a text "
-                 "never share a batch): with no in-batch negative their loss and gradient are 0; remove repeated "
-                 "pairs or change --batch-size")
-    if len(set(test["anchor"])) == 1:
-        warn(f"the held-out split's {len(test)} pair(s) have a single distinct anchor: every metric is "
-             "that of one query")

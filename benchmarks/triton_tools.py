@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from .triton import _types
-from .triton_kernels import INTERPRETED, MASK_CODES, _col_grad_kernel, _lse_kernel, _row_grad_kernel
-from .triton_tiles import CANDIDATES, TileConfig, default_config
+from st_cached_losses.ops.triton.host import _types
+from st_cached_losses.ops.triton.kernels import INTERPRETED, MASK_CODES, _col_grad_kernel, _lse_kernel, _row_grad_kernel
+from st_cached_losses.ops.triton.tiles import CANDIDATES, TileConfig, default_config
 
 __all__ = ["H100_SXM", "benchmark", "compile_kernels", "cost_model"]
 
@@ -166,7 +166,7 @@ def benchmark(
     Raises:
         RuntimeError: without a CUDA device.
     """
-    from . import matryoshka_infonce
+    from st_cached_losses import matryoshka_infonce
 
     if not torch.cuda.is_available():
         raise RuntimeError("benchmark needs a CUDA device.")

@@ -1,6 +1,6 @@
 """The Triton backend's host side: tile configs and their tuner, operands, launches, and the finishing passes.
 
-``forward`` runs the kernels of ``triton_kernels.py`` (tiled forward with an online logsumexp, row- and
+``forward`` runs the kernels of ``kernels.py`` (tiled forward with an online logsumexp, row- and
 column-gradient kernels; FlashAttention-2, arXiv 2307.08691, and Inf-CL, arXiv 2410.17243): the LSE kernel
 once per direction, the directions' LSEs combined here ((K, ndir, B) numbers), then the two gradient kernels
 per direction. The cosine norms' and the positive pair's shares of the gradient are row-wise and applied
@@ -11,7 +11,7 @@ fp32 / bf16 / fp16 (fp32 accumulation and LSE) and fp64 inputs, any D and dims; 
 beyond ``MAX_DIMS`` dims or for other dtypes. Never materialises a B x M buffer. Launchable on CUDA
 tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
 imported). A compile or launch failure raises ``TritonUnavailableError`` (``backend="auto"`` falls back to
-the chunked backend on it). ``triton_tools`` holds the cost model and the ahead-of-time compilation check.
+the chunked backend on it). ``benchmarks/triton_tools.py`` holds the cost model and the ahead-of-time compilation check.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .backend import TritonUnavailableError, triton_unusable_reason
-from .result import InfoNCEResult
-from .spec import DIRECTIONS, GIST_DIRECTIONS, NORM_EPS, InfoNCESpec
-from .triton_kernels import (
+from ..errors import TritonUnavailableError
+from ..result import InfoNCEResult
+from ..spec import DIRECTIONS, GIST_DIRECTIONS, NORM_EPS, InfoNCESpec
+from .kernels import (
     HARD_OTHERS,
     HARD_OWN_HARD_NEGATIVES,
     INTERPRETED,
@@ -39,7 +39,8 @@ from .triton_kernels import (
     _lse_kernel,
     _row_grad_kernel,
 )
-from .triton_tiles import (
+from .probe import unusable_reason
+from .tiles import (
     CANDIDATES,
     TileConfig,
     describe_error,
@@ -126,7 +127,7 @@ def _check_inputs(queries: Tensor, spec: InfoNCESpec) -> None:
             f"backend='triton' supports {[str(d) for d in _DTYPES]} embeddings, got {queries.dtype}: cast them, or "
             "use backend='chunked'."
         )
-    reason = triton_unusable_reason(queries.device)
+    reason = unusable_reason(queries.device)
     if reason is not None:
         raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
 
@@ -286,7 +287,8 @@ def _finish_grads(ops: dict[str, _Operand], spec: InfoNCESpec, pos_sims: Tensor)
 
 
 def forward(
-    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, tile_rows=None
+    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, tile_rows=None,
+    guide: tuple[Tensor, Tensor] | None = None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``.
 
@@ -300,6 +302,7 @@ def forward(
         spec: the validated problem (``InfoNCESpec.build``).
         need_grad: also compute the gradients.
         tile_rows: rows per row tile, rounded down to a power of two in [16, 256]; default: tuned.
+        guide: unused (the registry's common signature): the kernels have no false-negative filter (``supports``).
 
     Returns:
         ``InfoNCEResult``: per_dim (K,) and lse (K, ndir, B) in fp32 (fp64 for fp64 inputs), grads in
@@ -307,7 +310,7 @@ def forward(
 
     Raises:
         NotImplementedError: more than ``MAX_DIMS`` dims, or a dtype other than fp32/bf16/fp16/fp64.
-        ValueError: tensors the kernels cannot run on (see ``backend.triton_unusable_reason``).
+        ValueError: tensors the kernels cannot run on (see ``probe.unusable_reason``).
         TritonUnavailableError: the kernels fail to compile or launch here (``backend="auto"`` falls back).
     """
     _check_inputs(queries, spec)

@@ -1,5 +1,5 @@
 """A SentenceTransformer's transformer layers: how many there are (:func:`num_layers`) and the model cut to its first
-``n`` (:func:`truncate_layers`), as the layer-wise losses (:mod:`st_cached_losses.cached_matryoshka_2d`) train them."""
+``n`` (:func:`truncate_layers`), as the layer-wise losses (:mod:`st_cached_losses.losses.cached_matryoshka_2d`) train them."""
 
 from __future__ import annotations
 

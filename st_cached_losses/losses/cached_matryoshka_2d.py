@@ -18,36 +18,29 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from sentence_transformers.sentence_transformer.losses import (
-    AdaptiveLayerLoss,
     CachedMultipleNegativesRankingLoss,
     MultipleNegativesRankingLoss,
 )
-from sentence_transformers.sentence_transformer.losses.adaptive_layer import TransformerDecorator
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
-from sentence_transformers.util import cos_sim, dot_score
 from torch import Tensor
 
+from ..gradcache import _st_compat
+from ..gradcache.layers import base_model, num_hidden_layers
+from ..gradcache.loss_components import loss_components
+from ..gradcache.minibatches import check_columns
+from ..ops import matryoshka_infonce
 from . import citations
 from .base_losses import MNRL_LOSSES
 from .cached_matryoshka import CachedMatryoshkaLoss
-from .layers import base_model, num_hidden_layers, truncate_layers  # noqa: F401 - truncate_layers: public here too
-from .loss_components import loss_components
-from .minibatches import check_columns
-from .ops import matryoshka_infonce
 
 SUPPORTED_LOSSES = MNRL_LOSSES  # (Cached)MultipleNegativesRankingLoss, as stock's layer-wise losses take
 LAYER_WEIGHTINGS = ("uniform", "log", "linear")
 # A column's key for the prior layers of its step, so that step (3), which runs in the backward pass (maybe after
 # another forward), re-embeds the layers of its own step. Taken off each mini-batch before the model sees it.
 _PRIOR_LAYERS = "st_cached_losses.prior_layers"
-# Without Matryoshka truncation (AdaptiveLayerLoss) the base loss's similarity_fct applies as is.
-_FULL_DIM_SIMILARITY = {cos_sim: "cosine", dot_score: "dot"}
 
 
 class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
-    # Stock AdaptiveLayerLoss's prior-layer weighting ("uniform", "log", "linear" or a callable), as is.
-    get_layer_weight = AdaptiveLayerLoss.get_layer_weight
-
     def __init__(
         self,
         model: SentenceTransformer,
@@ -163,7 +156,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                 loss = CachedMatryoshka2dLoss(model, base, [384, 192, 96, 48], n_layers_per_step=-1)
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
-                # later: st_cached_losses.cached_matryoshka_2d.truncate_layers(model, 3) embeds with 3 layers
+                # later: st_cached_losses.truncate_layers(model, 3) embeds with the first 3 layers
         """
         num_layers = _check_layer_options(
             type(self).__name__, model, loss, n_layers_per_step, n_dims_per_step, kl_temperature, layer_weighting,
@@ -217,7 +210,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         if 0 < self.n_layers_per_step < len(layers):
             layers = random.sample(layers, self.n_layers_per_step)
         for layer in layers:
-            weight = self.get_layer_weight(layer)
+            weight = _st_compat.layer_weight(self.layer_weighting, layer)  # stock AdaptiveLayerLoss's weighting
             if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight):
                 raise ValueError(f"layer_weighting({layer}) returned {weight!r}: it must return a finite number.")
             plan.append((layer, self._sample_dims(), weight / len(layers) * self.prior_layers_weight))
@@ -236,7 +229,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         base = base_model(self.model)
         transformer = base[0]
         own_forward = vars(transformer).get("forward")
-        decorator = TransformerDecorator(transformer, transformer.forward)
+        decorator = _st_compat.TransformerDecorator(transformer, transformer.forward)
         transformer.forward = decorator
         try:
             # A plain dict: wrappers such as accelerate's fp32 output conversion rebuild the dict by its type.
@@ -304,65 +297,17 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         return F.kl_div(F.log_softmax(student / self.kl_temperature, dim=-1), teacher, reduction="batchmean")
 
     def get_config_dict(self) -> dict[str, Any]:
-        # Stock AdaptiveLayerLoss's entries (its layer_weighting name included), then ours: "loss" is the module.
-        return {**AdaptiveLayerLoss.get_config_dict(self), **super().get_config_dict()}
+        # Stock AdaptiveLayerLoss's entries (a callable weighting by its name, as stock), then ours.
+        weighting = self.layer_weighting
+        weighting = weighting if isinstance(weighting, str) else getattr(weighting, "__name__", "custom")
+        layer_options = {"n_layers_per_step": self.n_layers_per_step, "last_layer_weight": self.last_layer_weight,
+                         "prior_layers_weight": self.prior_layers_weight, "kl_div_weight": self.kl_div_weight,
+                         "kl_temperature": self.kl_temperature, "layer_weighting": weighting}  # fmt: skip
+        return {**layer_options, **super().get_config_dict()}
 
     @property
     def citation(self) -> str:
         return citations.MATRYOSHKA_2D + citations.GRADCACHE + citations.MATRYOSHKA
-
-
-class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
-    def __init__(
-        self,
-        model: SentenceTransformer,
-        loss: MultipleNegativesRankingLoss | CachedMultipleNegativesRankingLoss,
-        n_layers_per_step: int = 1,
-        last_layer_weight: float = 1.0,
-        prior_layers_weight: float = 1.0,
-        kl_div_weight: float = 1.0,
-        kl_temperature: float = 0.3,
-        layer_weighting: Literal["uniform", "log", "linear"] | Callable[[int], float] = "uniform",
-        mini_batch_size: int | None = None,
-        mini_batch_num_tokens: int | None = None,
-        sort_by_length: bool = True,
-        backend: str = "auto",
-        show_progress_bar: bool = False,
-    ) -> None:
-        """
-        Stock ``AdaptiveLayerLoss(model, MultipleNegativesRankingLoss(model), ...)`` with GradCache: every layer
-        of the encoder trained to embed well at the model's full embedding dim, with the same loss value and
-        parameter gradients as stock, in mini-batches. It is :class:`CachedMatryoshka2dLoss` with the one dim D
-        and the base loss's similarity as is (``dot_score`` scores raw dot products here; only Matryoshka
-        truncation re-normalises); the arguments, the forward's entries ``loss_layer_<l>_dim_<D>`` /
-        ``loss_layer_<l>_kl``, the memory and the raised errors are that loss's (the model must report its
-        embedding dimension).
-
-        References:
-            - 2D Matryoshka Sentence Embeddings (2DMSE): https://arxiv.org/abs/2402.14776
-            - GradCache: https://arxiv.org/abs/2101.06983
-        """
-        dim = model.get_embedding_dimension() if isinstance(model, SentenceTransformer) else None
-        if dim is None:
-            raise ValueError(f"{type(self).__name__} needs a model that reports its embedding dimension.")
-        super().__init__(
-            model, loss, [dim], None, n_layers_per_step, -1, last_layer_weight, prior_layers_weight, kl_div_weight,
-            kl_temperature, layer_weighting, mini_batch_size, mini_batch_num_tokens, sort_by_length, backend,
-            show_progress_bar,
-        )  # fmt: skip
-
-    def op_options(self) -> dict[str, Any]:
-        return {**super().op_options(), "similarity": _FULL_DIM_SIMILARITY[self.similarity_fct]}
-
-    def get_config_dict(self) -> dict[str, Any]:
-        config = super().get_config_dict()
-        for key in ("matryoshka_dims", "matryoshka_weights", "n_dims_per_step"):
-            config.pop(key)
-        return config
-
-    @property
-    def citation(self) -> str:
-        return citations.MATRYOSHKA_2D + citations.GRADCACHE
 
 
 class _MiniBatch(dict):

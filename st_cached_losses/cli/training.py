@@ -1,7 +1,7 @@
 """The main job's training: the loss (ours, or stock for ``--compare-stock``), one ``SentenceTransformerTrainer`` run
 measured in time and peak memory, and ``--compare-stock``'s alternating runs.
 
-``options`` here is the main job's :class:`~st_cached_losses.main_job.TrainOptions` (any object with its fields).
+``options`` here is the main job's :class:`~st_cached_losses.cli.options.TrainOptions` (any object with its fields).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .profiling import measure_peak_memory
+from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
+from .memory import measure_peak_memory
 
 if TYPE_CHECKING:
-    from .main_job import TrainOptions
+    from .options import TrainOptions
 
 __all__ = ["COMPARE_ORDER", "activation_summary", "compare_speed", "compare_stock", "format_activation", "make_loss",
            "train_measured", "train_once"]
@@ -38,8 +39,6 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
         MatryoshkaLoss,
     )
 
-    from .main_job import DEFAULT_MINI_BATCH_SIZE
-
     size = options.mini_batch_size
     base_size = DEFAULT_MINI_BATCH_SIZE if size == "auto" else size
     margin = options.false_negative_margin
@@ -50,13 +49,13 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
     if stock:
         return MatryoshkaLoss(model, base, list(dims))
     if options.layers is not None:
-        from .cached_matryoshka_2d import CachedMatryoshka2dLoss
+        from ..losses.cached_matryoshka_2d import CachedMatryoshka2dLoss
 
         # GradCache makes the extra layers cheap (a pooling and a loss-stage call each, no transformer run), so
         # every layer and dim is trained at every step rather than stock's one sampled layer and dim.
         return CachedMatryoshka2dLoss(model, base, list(dims), n_layers_per_step=-1, n_dims_per_step=-1,
                                       mini_batch_size=size, backend=options.backend)  # fmt: skip
-    from .cached_matryoshka import CachedMatryoshkaLoss
+    from ..losses.cached_matryoshka import CachedMatryoshkaLoss
 
     return CachedMatryoshkaLoss(model, base, list(dims), mini_batch_size=size, backend=options.backend,
                                 false_negative_margin=None if guide is not None else margin,
@@ -128,7 +127,7 @@ def train_once(model, loss, train, options: TrainOptions) -> tuple[float, int]:
 
 
 def train_measured(model, loss, train, options: TrainOptions) -> dict[str, Any]:
-    """:func:`train_once` under :func:`~st_cached_losses.profiling.measure_peak_memory`: ``train_seconds``,
+    """:func:`train_once` under :func:`~st_cached_losses.cli.memory.measure_peak_memory`: ``train_seconds``,
     ``steps``, ``peak_memory_bytes``, ``peak_memory_measure`` and ``peak_memory_block_only``."""
     with measure_peak_memory(str(model.device)) as peak:
         seconds, steps = train_once(model, loss, train, options)

@@ -1,7 +1,7 @@
 """The ``st-cached-losses`` command line (also ``python -m st_cached_losses``): argparse and the exit-code contract.
 
-``st-cached-losses train`` parses its flags into :class:`~st_cached_losses.main_job.TrainOptions` and calls
-:func:`st_cached_losses.main_job.run`, the main job (callable from Python with the same behaviour).
+``st-cached-losses train`` parses its flags into :class:`~st_cached_losses.cli.options.TrainOptions` and calls
+:func:`st_cached_losses.cli.job.run`, the main job (callable from Python with the same behaviour).
 
 Subcommands are registered in :data:`SUBCOMMANDS`: each is a function that adds its parser to the
 subparsers and sets ``func`` (``args -> exit code``). Bad input raises :class:`UsageError`, which
@@ -17,7 +17,9 @@ import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
-from .main_job import (
+from ..ops import BACKENDS
+from .job import run
+from .options import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_EPOCHS,
     DEFAULT_LEARNING_RATE,
@@ -26,9 +28,7 @@ from .main_job import (
     DEFAULT_SEED,
     TrainOptions,
     check_positive,
-    run,
 )
-from .ops import BACKENDS
 from .usage import PROG, UsageError
 
 __all__ = ["EXIT_USAGE", "UsageError", "build_parser", "main"]
@@ -49,7 +49,7 @@ def _positive_int_or_auto(text: str) -> int | str:
 
 
 def _checked(value, integer: bool):
-    """``value`` if it passes the options' rule (:func:`~st_cached_losses.main_job.check_positive`), else an
+    """``value`` if it passes the options' rule (:func:`~st_cached_losses.cli.options.check_positive`), else an
     argparse error (usage line, exit code 2) with the rule's message."""
     try:
         check_positive(value, integer)
@@ -59,7 +59,7 @@ def _checked(value, integer: bool):
 
 
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``train`` and its options: one flag per field of :class:`~st_cached_losses.main_job.TrainOptions`."""
+    """Register ``train`` and its options: one flag per field of :class:`~st_cached_losses.cli.options.TrainOptions`."""
     p = subparsers.add_parser(
         "train",
         help="fine-tune a model with CachedMatryoshkaLoss and evaluate it before and after",

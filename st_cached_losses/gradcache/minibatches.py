@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from sentence_transformers.base.losses.gradcache import _get_batch_size
 from torch import Tensor
+
+from ._st_compat import get_batch_size
 
 # Feature keys whose rows are not one per text (flattened sequences, images, videos, audio): such a column
 # is embedded in its original order, since permuting its rows could pair them with the wrong inputs.
@@ -24,7 +25,7 @@ def check_columns(sentence_features: list[dict[str, Any]]) -> None:
             f"CachedMatryoshkaLoss expects at least 2 input columns (anchor, positive[, negatives...]), got "
             f"{len(sentence_features)}."
         )
-    sizes = [_get_batch_size(feature) for feature in sentence_features]
+    sizes = [get_batch_size(feature) for feature in sentence_features]
     if len(set(sizes)) != 1:
         raise ValueError(
             f"Every input column must have one row per anchor, got column sizes {sizes}: drop incomplete rows "

@@ -1,12 +1,10 @@
-"""CachedMatryoshkaLoss: GradCache + Matryoshka InfoNCE, built on sentence-transformers' CachedLossMixin.
+"""CachedMatryoshkaLoss: GradCache + Matryoshka InfoNCE, a drop-in for stock
+``MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model), dims)``.
 
-The three GradCache steps are sentence-transformers' own (``CachedLossMixin.forward_cached``: mini-batch
-ranges, ``RandContext`` dropout replay, the backward hook that re-embeds one mini-batch at a time). This
-module adds what the stock ``MatryoshkaLoss(CachedMultipleNegativesRankingLoss)`` lacks: step (2) is one
-call of :func:`st_cached_losses.matryoshka_infonce` for all Matryoshka dims (instead of one full loss per
-dim), rows are grouped by length so that each mini-batch pads only to its own longest row, and, with an
-activation budget (:mod:`st_cached_losses.activation_budget`), the mini-batches whose activations fit keep step
-(1)'s graph instead of being embedded again in step (3).
+Steps (1) and (3) (embedding the mini-batches, without and with gradients) are :mod:`st_cached_losses.gradcache`'s, on
+sentence-transformers' ``CachedLossMixin``. Step (2) is here, :meth:`CachedMatryoshkaLoss.calculate_loss`: one call of
+:func:`st_cached_losses.matryoshka_infonce` for all Matryoshka dims (instead of one full loss per dim), with the base
+loss's hyperparameters (:mod:`.base_losses`).
 """
 
 from __future__ import annotations
@@ -14,53 +12,31 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
-from sentence_transformers.base.losses import gradcache
-from sentence_transformers.base.losses.gradcache import (
-    CachedLossMixin,
-    _minibatch_ranges,
-    _validate_mini_batch_num_tokens,
-    has_static_embedding_input,
-)
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
-from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
 from torch import Tensor, nn
 
+from ..gradcache._st_compat import has_static_embedding_input, validate_mini_batch_num_tokens
+from ..gradcache.activation_budget import AUTO, check_activation_budget, check_mini_batch_size
+from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
+from ..gradcache.dims import sorted_dims
+from ..gradcache.kept_minibatches import StepPlan
+from ..gradcache.loss_components import loss_components
+from ..gradcache.minibatches import check_columns
+from ..gradcache.precision import nonfinite_policy
+from ..gradcache.steps import GradCacheSteps
+from ..ops import check_backend, matryoshka_infonce
 from . import base_losses, citations
-from .activation_budget import (
-    AUTO,
-    ActivationBudget,
-    KeptGraph,
-    StepPlan,
-    check_activation_budget,
-    check_mini_batch_size,
-)
 from .base_losses import Guide, check_base_loss, check_self_guided_filter, is_gist, mini_batch_defaults
-from .dims import sorted_dims
-from .distributed import check_same_rows_on_every_rank
-from .loss_components import loss_components
-from .minibatches import (
-    LengthSorted,
-    check_columns,
-    length_order,
-    length_sorted,
-    reorder,
-    restore_order,
-    without_leading_padding,
-)
-from .ops import check_backend, matryoshka_infonce
-from .precision import encoder_autocast_dtypes, nonfinite_policy
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_LOSSES = base_losses.SUPPORTED_LOSSES
-DEFAULT_MINI_BATCH_SIZE = 32
 
 
-class CachedMatryoshkaLoss(CachedLossMixin, base_losses.BaseLossHyperparameters, nn.Module):
+class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, nn.Module):
     def __init__(
         self,
         model: SentenceTransformer,
@@ -93,7 +69,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, base_losses.BaseLossHyperparameters,
         their graphs, through which step (3) back-propagates without re-embedding them.
 
         The hyperparameters of the InfoNCE loss are read from ``loss`` whenever the loss is computed (see
-        :mod:`st_cached_losses.base_losses`): ``scale``, ``similarity_fct``, ``directions``, ``partition_mode``,
+        :mod:`st_cached_losses.losses.base_losses`): ``scale``, ``similarity_fct``, ``directions``, ``partition_mode``,
         ``hardness_mode``, ``hardness_strength``, ``gather_across_devices`` of a (Cached)MultipleNegativesRankingLoss;
         the guide model, ``temperature``, ``margin_strategy``, ``margin``, ``contrast_anchors``,
         ``contrast_positives``, ``gather_across_devices`` of a (Cached)GISTEmbedLoss, whose guide embeds every
@@ -148,7 +124,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, base_losses.BaseLossHyperparameters,
                 kept never exceeds it; re-embedding one mini-batch in step (3) comes on top. "auto": the memory
                 available on the model's device less a margin and steps (2) and (3)'s needs (INFO log). Evaluation
                 keeps nothing; under DDP a synchronising step re-embeds its last mini-batch. See
-                :mod:`st_cached_losses.activation_budget`; ``activation_report``: the last training step's.
+                :mod:`st_cached_losses.gradcache.activation_budget`; ``activation_report``: the last training step's.
 
         Raises:
             TypeError: ``loss`` is not one of the supported losses.
@@ -208,7 +184,7 @@ class CachedMatryoshkaLoss(CachedLossMixin, base_losses.BaseLossHyperparameters,
         mini_batch_size = check_mini_batch_size(default_size if mini_batch_size is None else mini_batch_size)
         mini_batch_num_tokens = default_tokens if mini_batch_num_tokens is None else mini_batch_num_tokens
         activation_budget = check_activation_budget(activation_budget)
-        _validate_mini_batch_num_tokens(mini_batch_num_tokens)
+        validate_mini_batch_num_tokens(mini_batch_num_tokens)
         check_backend(backend, model.device)  # e.g. "triton" for a model on CPU: now, not after the first batch
         check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
 
@@ -227,15 +203,10 @@ class CachedMatryoshkaLoss(CachedLossMixin, base_losses.BaseLossHyperparameters,
         self.guide = Guide(loss) if is_gist(loss) else None
         self.masked_share: float | None = None  # the false-negative filter's share of candidates dropped, last step
         self.activation_budget = activation_budget
-        budgeted = activation_budget is not None or self.auto_mini_batch
-        self._activations = ActivationBudget(activation_budget) if budgeted else None
-        self._step_kept: StepPlan | None = None  # this forward's kept mini-batches, read by embed_minibatch
+        self.init_steps(activation_budget)
         # Set by forward for the calculate_loss call it makes (forward_cached calls it synchronously).
         self._step_dims: tuple[int, ...] = ()
-        self._step_orders: list[Tensor | None] = []
         self._step_per_dim: Tensor | None = None
-        self._encoder_dtypes: list[torch.dtype | None] = []  # autocast dtypes the encoder ran under, this step
-        self._step_guide: dict[int, list[Tensor]] = {}  # id(column) -> the guide's mini-batch embeddings
 
     def forward(
         self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None
@@ -253,65 +224,6 @@ class CachedMatryoshkaLoss(CachedLossMixin, base_losses.BaseLossHyperparameters,
             for dim, weight in zip(self.matryoshka_dims, self.matryoshka_weights)
         }
         return loss_components(total, values)
-
-    def forward_sorted(self, sentence_features: list[dict[str, Any]], labels: Tensor | None) -> Tensor:
-        """GradCache's three steps (``forward_cached``) on the columns, each grouped by length if ``sort_by_length``
-        (:meth:`columns` restores the order for the loss); returns the loss, which carries the backward hook. With an
-        activation budget, a training step first plans which mini-batches keep their graphs."""
-        training = self._activations is not None and torch.is_grad_enabled()
-        if training and self.auto_mini_batch and not self._activations.chosen:
-            self._activations.choose_mini_batch(self, sentence_features)
-        orders = [self._step_order(f) if self.sort_by_length else None for f in sentence_features]
-        # With a fixed mini-batch size each mini-batch gathers its own rows (no copy of the whole batch's
-        # features); a token budget cuts mini-batches from the lengths, so it needs the sorted copy.
-        sort = reorder if self.mini_batch_num_tokens is not None else length_sorted
-        self._step_orders, sentence_features = orders, [sort(f, order) for f, order in zip(sentence_features, orders)]
-        self._step_guide = {id(feature): [] for feature in sentence_features} if self.guide is not None else {}
-        self._step_kept = self._activations.plan(self, sentence_features) if training else None
-        try:
-            with encoder_autocast_dtypes(self.model) as self._encoder_dtypes:  # read in calculate_loss
-                return self.forward_cached(sentence_features, labels)
-        finally:
-            self._step_kept = None
-
-    def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
-        """CachedLossMixin's contract, ``(embeddings, RandContext or None)`` of rows ``begin:end`` of a column, as
-        stock's ``embed_minibatch`` (RNG snapshot for the dropout replay, no graph without ``with_grad``) on
-        :meth:`minibatch_features` through :meth:`encode`. A kept mini-batch (activation budget) is embedded with
-        gradients in step (1), a :class:`KeptGraph` standing in for its RNG state; step (3) returns its embeddings."""
-        if isinstance(random_state, KeptGraph):
-            embeddings, random_state = random_state.take()
-            if embeddings is not None:
-                return embeddings, None
-        features = self.minibatch_features(sentence_feature, begin, end)
-        if not with_grad and id(sentence_feature) in self._step_guide:  # step (1): the guide embeds the same rows
-            self._step_guide[id(sentence_feature)].append(self.guide.embed(features, self.model.device))
-        plan = None if with_grad else self._step_kept
-        kept = None if plan is None else plan.keeping(sentence_feature, begin, self.model, features)
-        grad = nullcontext() if with_grad or kept is not None else torch.no_grad()
-        with nullcontext() if random_state is None else random_state, grad, kept or nullcontext():
-            random_state = gradcache.RandContext(*features.values()) if copy_random_state else None
-            embeddings = self.encode(features)
-        return (embeddings, random_state) if kept is None else kept.result(embeddings, random_state)
-
-    def minibatch_features(self, sentence_feature: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
-        """Rows ``begin:end`` of a column (rows ``order[begin:end]`` of a length-sorted one) without the padding
-        columns they all share: at the end (stock's ``_create_minibatch``) and at the start of a left-padded
-        mini-batch (:func:`minibatches.without_leading_padding`)."""
-        if isinstance(sentence_feature, LengthSorted):
-            sentence_feature, begin, end = reorder(sentence_feature, sentence_feature.order[begin:end]), 0, end - begin
-        sentence_feature, begin, end = without_leading_padding(sentence_feature, begin, end)
-        return gradcache._create_minibatch(sentence_feature, begin, end)
-
-    def encode(self, features: dict[str, Any]) -> Tensor:
-        """(rows, D) embeddings of one mini-batch: the model's sentence embedding."""
-        return self.model(features)["sentence_embedding"]
-
-    def _step_order(self, feature: dict[str, Any]) -> Tensor | None:
-        # When one mini-batch holds the whole column, sorting saves nothing and would only change the dropout draw.
-        if len(_minibatch_ranges(feature, self.mini_batch_size, self.mini_batch_num_tokens)) == 1:
-            return None
-        return length_order(feature)
 
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
@@ -333,43 +245,12 @@ class CachedMatryoshkaLoss(CachedLossMixin, base_losses.BaseLossHyperparameters,
             loss = loss.detach()
         return loss
 
-    def guide_embeddings(self) -> dict[str, Tensor]:
-        """This step's guide embeddings for the op (a GISTEmbed base loss): ``guide_queries`` (this rank's) and
-        ``guide_docs`` (every rank's, gathered as the model's docs are), rows in the batch's order."""
-        if self.guide is None:
-            return {}
-        columns = [restore_order(torch.cat(self._step_guide[key]), order)
-                   for key, order in zip(self._step_guide, self._step_orders)]  # fmt: skip
-        docs = torch.cat([all_gather(doc) if self.gather_across_devices else doc for doc in columns[1:]])
-        return {"guide_queries": columns[0], "guide_docs": docs}
-
     def _note_masked_share(self, masked_share: Tensor) -> None:
         if self.guide is None and self.false_negative_margin is None:
             return
         self.masked_share = float(masked_share)
         if torch.is_grad_enabled():  # training steps, not evaluation
             logger.info("false-negative filter: %.2f%% of in-batch candidates dropped", 100 * self.masked_share)
-
-    def columns(self, reps: list[list[Tensor]]) -> list[Tensor]:
-        """Each column's mini-batch embeddings as one (B, D) tensor, rows in the batch's own order."""
-        columns = [restore_order(torch.cat(column), order) for column, order in zip(reps, self._step_orders)]
-        if not torch.is_grad_enabled():
-            # Evaluation: without this the op would still compute gradients for the requires_grad leaves.
-            columns = [column.detach() for column in columns]
-        return columns
-
-    def gathered(self, queries: Tensor, docs: list[Tensor]) -> tuple[Tensor, Tensor, dict]:
-        """``(queries, docs, {"offset", "world_queries"})`` for the op: with the base loss's
-        ``gather_across_devices``, as stock's calculate_loss, this rank's queries against every rank's queries
-        and documents (gathered with gradients, which flow back to their owners)."""
-        if not self.gather_across_devices:
-            return queries, torch.cat(docs), {}
-        check_same_rows_on_every_rank(queries)
-        world_queries = all_gather_with_grad(queries)
-        docs = torch.cat([all_gather_with_grad(doc) for doc in docs])
-        if world_queries.shape[0] == queries.shape[0]:
-            return queries, docs, {}
-        return queries, docs, {"offset": get_rank() * queries.shape[0], "world_queries": world_queries}
 
     def op_options(self) -> dict[str, Any]:
         """The op's keyword arguments: the base loss's hyperparameters (read at every step, as stock does; see

@@ -1,0 +1,210 @@
+"""The main job, ``st-cached-losses train``, callable from Python with the same behaviour as the command.
+
+:func:`run` fine-tunes a SentenceTransformer with :class:`~st_cached_losses.CachedMatryoshkaLoss` through
+``SentenceTransformerTrainer`` (no-duplicates batches, one in-batch-negatives batch of ``batch_size`` pairs
+embedded ``mini_batch_size`` rows at a time), evaluates retrieval on the held-out split at every Matryoshka dim
+before and after, and writes ``<output_dir>/model``, ``<output_dir>/results.json`` and the run marker::
+
+    from st_cached_losses.cli.job import TrainOptions, run
+
+    results = run(TrainOptions(output_dir="runs/python", max_steps=2))   # the command's flags, same defaults
+    print(results["after"]["384"]["ndcg@10"], results["loss_stage"])
+
+The steps, in order: :func:`prepare` (every check of :mod:`.options` before anything is written or trained; bad
+input raises :class:`~st_cached_losses.cli.usage.UsageError`, whose messages name the options by their flags),
+evaluate before, train (:mod:`.training`), evaluate after (:mod:`.evaluation`), write the run (:mod:`.run_dir`),
+print the table. The data is :mod:`.data`'s; the command line (:mod:`.command`) only parses argv into
+:class:`TrainOptions` and calls :func:`run`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import platform
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ..ops import recorded_choices
+from .data import load_pairs, looks_like_path, warn_degenerate
+from .evaluation import METRICS, build_evaluate, evaluate_truncated
+from .options import (
+    TrainOptions,
+    check_batch_sizes,
+    check_device,
+    check_layers,
+    default_model_path,
+    model_device,
+    resolve_dims,
+)
+from .run_dir import check_output_dir, write_run
+from .training import activation_summary, compare_stock, format_activation, make_loss, train_measured
+from .usage import UsageError, first_line, quiet_loading
+
+__all__ = ["Prepared", "TrainOptions", "load_model", "prepare", "run"]
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def load_model(spec: str, max_seq_length: int, flag: str = "--model"):
+    """A SentenceTransformer from a local directory or Hub id (``flag`` names the option in messages).
+
+    Raises:
+        UsageError: a local path that does not exist, or a model that cannot be loaded.
+    """
+    local = Path(spec).expanduser()
+    if not local.exists() and looks_like_path(spec):
+        raise UsageError(f"{flag} {spec!r}: no such directory")
+    from sentence_transformers import SentenceTransformer  # seconds: only once the cheap checks passed
+
+    try:
+        model = SentenceTransformer(str(local) if local.exists() else spec)
+    except Exception as error:  # noqa: BLE001 - whatever the loader raises, the user gets one line
+        raise UsageError(f"{flag} {spec!r} cannot be loaded: {first_line(error)}") from error
+    if model.get_embedding_dimension() is None:
+        raise UsageError(f"{flag} {spec!r} does not report its embedding dimension")
+    model.max_seq_length = max_seq_length
+    return model
+
+
+class Prepared(NamedTuple):
+    """What :func:`prepare` gives the run."""
+
+    model: Any
+    model_spec: str  # the --model given, or the packaged model's path
+    dims: list[int]
+    train: Any  # datasets.Dataset of [anchor, positive, negative*]
+    evaluate: Any  # build_evaluate's evaluate(model) over the held-out split
+    guide: Any = None  # the --guide model
+
+
+def prepare(options: TrainOptions) -> Prepared:
+    """Check every input before anything is written or trained, and load the data and the model.
+
+    Raises:
+        UsageError: see :func:`~st_cached_losses.cli.run_dir.check_output_dir`, :func:`check_batch_sizes`,
+            :func:`check_device`,
+            :func:`default_model_path`, :func:`~st_cached_losses.cli.data.load_pairs`, :func:`load_model` and
+            :func:`resolve_dims`.
+    """
+    check_output_dir(options.output_dir, options.overwrite)
+    if options.mini_batch_size != "auto":
+        check_batch_sizes(options.batch_size, options.mini_batch_size)
+    check_device(options.backend, options.fp16, model_device())
+    model_spec = options.model or default_model_path()
+    with quiet_loading():
+        train, test = load_pairs(options.dataset, options.seed, options.max_train_samples, options.max_eval_samples)
+        model = load_model(model_spec, options.max_seq_length)
+        guide = None if options.guide is None else load_model(options.guide, options.max_seq_length, "--guide")
+    dims = resolve_dims(options.dims, model.get_embedding_dimension())
+    check_layers(options.layers, model)
+    evaluate = build_evaluate(test, dims)
+    warn_degenerate(train, test, options.batch_size, options.seed)
+    return Prepared(model, model_spec, dims, train, evaluate, guide)
+
+
+# ----------------------------------------------------------------------------------------------- the run
+
+
+def run(options: TrainOptions) -> dict[str, Any]:
+    """The main job: check the inputs, evaluate, train, evaluate, write the run; returns what results.json holds.
+
+    ``train_seconds`` is the time spent in ``trainer.train()`` alone; ``peak_memory_bytes`` is the peak memory of
+    training, as ``peak_memory_measure`` says (:func:`~st_cached_losses.cli.memory.measure_peak_memory`);
+    ``loss_stage`` lists the loss-stage backend choices (backend, device, reason, tile) of the training run
+    (:func:`st_cached_losses.ops.recorded_choices`). With
+    ``compare_stock``, copies of the initial model are trained for the same steps (same seed, same batches) with the
+    stock loss and ours again, alternating (:func:`~st_cached_losses.cli.training.compare_stock`); ``compare_stock``
+    holds every run's time and peak.
+
+    Raises:
+        UsageError: bad input (:func:`prepare`), before anything is written or trained.
+    """
+    options = dataclasses.replace(options, output_dir=options.output_dir.expanduser().absolute())
+    job = prepare(options)
+    model, device = job.model, str(job.model.device)
+    print(f"{len(job.train)} training pairs, {job.evaluate.num_queries} held-out queries over "
+          f"{job.evaluate.num_corpus} documents; dims {job.dims}; device {device}", flush=True)
+    initial = copy.deepcopy(model) if options.compare_stock else None
+
+    print("evaluating before training", flush=True)
+    before, before_layers = job.evaluate(model), evaluate_truncated(job.evaluate, model, options.layers)
+    loss = make_loss(model, job.dims, options, guide=job.guide)
+    with recorded_choices() as loss_stage:
+        ours = train_measured(model, loss, job.train, options)
+    print("evaluating after training", flush=True)
+    after, after_layers = job.evaluate(model), evaluate_truncated(job.evaluate, model, options.layers)
+
+    results = {"config": _config(options, job, ours["steps"]), "before": before, "after": after,
+               "train_seconds": ours["train_seconds"], "peak_memory_bytes": ours["peak_memory_bytes"],
+               "peak_memory_measure": ours["peak_memory_measure"], "loss_stage": loss_stage}
+    if options.layers is not None:
+        results["layers"] = {n: {"before": before_layers[n], "after": after_layers[n]} for n in before_layers}
+    if options.activation_budget is not None or options.mini_batch_size == "auto":
+        results["activation"] = activation_summary(loss)
+    if initial is not None:
+        results["compare_stock"] = compare_stock(initial, job.dims, job.train, options, first=ours, guide=job.guide)
+
+    write_run(options.output_dir, model, results)
+    print(format_table(results))
+    print(f"wrote {options.output_dir / 'model'} and {options.output_dir / 'results.json'}")
+    return results
+
+
+def _config(options: TrainOptions, job: Prepared, steps: int) -> dict[str, Any]:
+    """results.json's ``config``: the options as given, then what they resolved to and the versions."""
+    config = {"command": "train", **{key: str(value) if isinstance(value, Path) else value
+                                     for key, value in dataclasses.asdict(options).items()}}
+    config.update(model=job.model_spec, dims=job.dims, steps=steps, train_pairs=len(job.train),
+                  eval_queries=job.evaluate.num_queries, eval_corpus=job.evaluate.num_corpus,
+                  device=str(job.model.device), versions=_versions())
+    return config
+
+
+def _versions() -> dict[str, str]:
+    import sentence_transformers
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "sentence_transformers": sentence_transformers.__version__, "st_cached_losses": __version__}
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The before -> after table of every metric at every dim, plus time, memory and the loss stage, as plain
+    text."""
+    names = ("NDCG@10", "MRR@10", "Recall@10")
+    layers = results.get("layers", {})
+    rows = [("all", results["before"], results["after"])]
+    rows += [(n, runs["before"], runs["after"]) for n, runs in layers.items()]
+    header = (f"{'layers':>6} " if layers else "") + f"{'dim':>5}  "
+    lines = [header + "  ".join(f"{name + ' before -> after':>25}" for name in names)]
+    for n, before_dims, after_dims in rows:
+        for dim, before in before_dims.items():
+            after = after_dims[dim]
+            cells = [f"{before[m]:.4f} -> {after[m]:.4f} ({after[m] - before[m]:+.4f})" for m in METRICS]
+            lines.append((f"{n:>6} " if layers else "") + f"{dim:>5}  " + "  ".join(f"{c:>25}" for c in cells))
+    lines.append(f"train: {results['train_seconds']:.1f} s, {results['config']['steps']} steps; "
+                 f"{_mib(results['peak_memory_bytes'])} {results['peak_memory_measure']}")
+    if results["loss_stage"]:
+        lines.append("loss stage: " + "; ".join(f"{c['backend']} backend on {c['device']} ({c['reason']}), tile "
+                                                f"{c['tile']}" for c in results["loss_stage"]))
+    if "activation" in results:
+        lines.append(format_activation(results["activation"]))
+    if "compare_stock" in results:
+        comparison = results["compare_stock"]
+        lines.append(f"compared with stock MatryoshkaLoss(CachedMNRL) on the same steps, run in the order "
+                     f"{', '.join(comparison['order'])}:")
+        for name, label in (("ours", "CachedMatryoshkaLoss"), ("stock", "stock")):
+            runs = comparison[name]
+            lines.append(f"  {label}: " + ", ".join(f"{t:.1f} s" for t in runs["train_seconds"]) + "; peak "
+                         + ", ".join(_mib(b) for b in runs["peak_memory_bytes"]))
+        lines.append(f"  {comparison['summary']}")
+    return "\n".join(lines)
+
+
+def _mib(size: int | None) -> str:
+    return "unmeasured" if size is None else f"{size / 2**20:.0f} MiB"

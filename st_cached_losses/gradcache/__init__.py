@@ -1,0 +1,16 @@
+"""GradCache (arXiv 2101.06983) as the losses share it, on sentence-transformers' ``CachedLossMixin``:
+
+- ``steps.py``: steps (1) and (3), embedding every mini-batch without then with gradients
+  (``GradCacheSteps.embed_minibatch``), and the columns step (2) gets;
+- ``minibatches.py``: rows in length order, each mini-batch without the padding all its rows share;
+- ``activation_budget.py`` / ``activation_memory.py``: which mini-batches keep step (1)'s graph (no second
+  forward), measured and predicted activation bytes, ``mini_batch_size="auto"``;
+- ``distributed.py``: equal rows per rank for ``gather_across_devices``, DDP's gradient sync;
+- ``precision.py``: the autocast the encoder ran under; ``dims.py``: the Matryoshka dims of a model;
+- ``layers.py``: a model's transformer layers (2D Matryoshka); ``loss_components.py``: the per-dim dict the
+  trainer logs; ``defaults.py``: defaults shared with the command line;
+- ``_st_compat.py``: the one door to sentence-transformers' internals.
+
+Step (2), the loss, is each loss's ``calculate_loss`` (:mod:`st_cached_losses.losses`) calling
+:func:`st_cached_losses.matryoshka_infonce` (:mod:`st_cached_losses.ops`).
+"""

@@ -1,0 +1,64 @@
+"""The one door to sentence-transformers' internals: every name this package borrows from a module of
+sentence-transformers that is not its documented API is imported here, once.
+
+A release that renames or removes one of them then fails here, at import, with the installed version and the
+supported range, instead of deep inside a training step. ``tests/test_st_compat.py`` checks that each name still
+behaves as the losses assume (not only that it exists).
+
+What each is for:
+
+- ``CachedLossMixin``: GradCache's three steps (``forward_cached``: mini-batch ranges, step (1), step (2) via the
+  loss's ``calculate_loss``, and the backward hook that runs step (3) through ``embed_minibatch``).
+- ``RandContext``: the RNG snapshot a mini-batch's step-(1) forward takes, replayed in step (3) (dropout).
+- ``minibatch_ranges`` / ``create_minibatch``: the ``(begin, end)`` rows of each mini-batch (by rows or by
+  non-padding tokens), and one mini-batch's features with their trailing padding columns trimmed.
+- ``validate_mini_batch_num_tokens``, ``get_batch_size``, ``has_static_embedding_input``: stock's rules for a token
+  budget, a column's row count, and a model whose inputs cannot be cut into mini-batches.
+- ``TransformerDecorator``: stock's ``AdaptiveLayerLoss`` hook that runs the transformer once with hidden states
+  and serves each layer's from the cache (the 2D losses).
+- :func:`layer_weight`: stock ``AdaptiveLayerLoss``'s prior-layer weighting ("uniform", "log", "linear", callable).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+from typing import Any
+
+import sentence_transformers
+
+OLDEST = "6.0.1"  # .ci/run tests against it too (the tests marked oldest_st)
+SUPPORTED = f">={OLDEST},<7"  # setup.cfg's install_requires says the same (tests/test_st_compat.py checks)
+
+
+def _borrow(module: str, name: str) -> Any:
+    """``module.name``, or an ImportError naming the installed sentence-transformers and the supported range."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ImportError(
+            f"st_cached_losses needs {module}.{name} from sentence-transformers {SUPPORTED}, but the installed "
+            f"sentence-transformers {sentence_transformers.__version__} lacks it ({error}): install a supported "
+            f"release, e.g. pip install 'sentence-transformers{SUPPORTED}'."
+        ) from error
+
+
+_GRADCACHE = "sentence_transformers.base.losses.gradcache"
+_ADAPTIVE_LAYER = "sentence_transformers.sentence_transformer.losses.adaptive_layer"
+
+CachedLossMixin = _borrow(_GRADCACHE, "CachedLossMixin")
+RandContext = _borrow(_GRADCACHE, "RandContext")
+minibatch_ranges = _borrow(_GRADCACHE, "_minibatch_ranges")
+create_minibatch = _borrow(_GRADCACHE, "_create_minibatch")
+validate_mini_batch_num_tokens = _borrow(_GRADCACHE, "_validate_mini_batch_num_tokens")
+get_batch_size = _borrow(_GRADCACHE, "_get_batch_size")
+has_static_embedding_input = _borrow(_GRADCACHE, "has_static_embedding_input")
+TransformerDecorator = _borrow(_ADAPTIVE_LAYER, "TransformerDecorator")
+_get_layer_weight = _borrow(_ADAPTIVE_LAYER, "AdaptiveLayerLoss").get_layer_weight
+
+
+def layer_weight(layer_weighting: Any, layer: int) -> Any:
+    """Stock ``AdaptiveLayerLoss.get_layer_weight`` for ``layer_weighting`` ("uniform": 1, "log":
+    1 / (1 + ln(1 + layer)), "linear": 1 / (1 + layer), or a callable's value) at hidden-state index ``layer``.
+    Called on a stand-in holding the one attribute the method reads, not on our loss (which is no AdaptiveLayerLoss)."""
+    return _get_layer_weight(SimpleNamespace(layer_weighting=layer_weighting), layer)

@@ -1,0 +1,204 @@
+"""GradCache's activation budget: pay the second forward only for the mini-batches whose activations do not fit.
+
+GradCache (arXiv 2101.06983) embeds every mini-batch twice: (1) without gradients, then (3) again with them, to
+back-propagate the gradient cached in (2). Within a budget of activation memory, step (1) embeds some mini-batches
+*with* gradients instead and keeps their autograd graphs; step (3) back-propagates the cached gradient straight
+through those (no second forward, no RNG replay) and re-embeds only the rest. The same measurements choose the
+mini-batch size from the memory given (``mini_batch_size="auto"``).
+
+- :mod:`.activation_memory` measures the bytes a forward's graph keeps, predicts a mini-batch's from its rows and
+  padded width, and says how much memory there is.
+- :mod:`.kept_minibatches` decides one step: which mini-batches to keep (a greedy knapsack), the step's plan and
+  report (``StepPlan``), and the kept graphs handed to sentence-transformers' ``CachedLossMixin`` in place of their
+  RNG states, which the mixin passes back to ``embed_minibatch`` in step (3).
+- Here: the settings' checks, :class:`ActivationBudget` (what a loss holds across steps), the ``"auto"`` budget
+  (:meth:`ActivationBudget.auto_allowance`) and the automatic mini-batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from sentence_transformers.util import get_world_size
+from torch import Tensor, nn
+from torch.utils.checkpoint import get_device_states
+
+from ._st_compat import get_batch_size, minibatch_ranges
+from .activation_memory import (
+    ActivationModel,
+    SavedTensorBytes,
+    alive_anyway,
+    available_memory,
+    gradient_bytes,
+    step2_bytes,
+)
+from .distributed import ddp_of, without_gradient_sync
+from .kept_minibatches import StepPlan, step_minibatches
+from .minibatches import LengthSorted, length_order
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+# "auto" leaves this much of the memory untouched: max(1 GiB, 10% of the device's (or the machine's) total).
+SAFETY_MARGIN_MIN_BYTES = 2**30
+SAFETY_MARGIN_FRACTION = 0.10
+FALLBACK_EMBEDDING_DIM = 4096  # for a model that does not say its embedding dimension
+PROBE_ROWS = 8  # rows "auto" embeds with gradients to measure a row's activations (its longest rows)
+
+
+def check_activation_budget(value: Any) -> int | str | None:
+    """``activation_budget`` as accepted: None, a positive int (bytes) or "auto"; else a ValueError naming the fix."""
+    if value is None:
+        return value
+    return _positive_int_or_auto(
+        value, "activation_budget must be None (re-embed every mini-batch, GradCache's default), a positive int of "
+        "bytes (e.g. 8 * 2**30 for 8 GiB) or 'auto' (the free memory, less a margin)",
+    )  # fmt: skip
+
+
+def check_mini_batch_size(value: Any) -> int | str:
+    """``mini_batch_size`` as accepted: a positive int (rows) or "auto"; else a ValueError naming the fix."""
+    return _positive_int_or_auto(
+        value, "mini_batch_size must be a positive int (rows per mini-batch) or 'auto' (the largest whose activations "
+        "fit the activation budget, measured at the first training step)",
+    )  # fmt: skip
+
+
+def _positive_int_or_auto(value: Any, rule: str) -> int | str:
+    if isinstance(value, str) and value == AUTO:
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    raise ValueError(f"{rule}, got {value!r}.")
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _embedding_dim(model: nn.Module) -> int:
+    model = getattr(getattr(model, "_orig_mod", model), "module", model)  # DDP wraps the SentenceTransformer
+    get = getattr(model, "get_embedding_dimension", None)
+    return (get() if get is not None else None) or FALLBACK_EMBEDDING_DIM
+
+
+
+# --------------------------------------------------------------------------------------------- across steps
+
+
+class ActivationBudget:
+    """What a loss with an activation budget keeps across steps: the setting (None: keep nothing, only the automatic
+    mini-batch size; an int of bytes; "auto"), the measured bytes per shape, the bytes held by kept graphs not yet
+    back-propagated (``held``), the last training step's :class:`StepPlan` (``report``) and the automatic mini-batch
+    size once chosen (``chosen``: {"auto_mini_batch_size" or "auto_mini_batch_num_tokens": value})."""
+
+    def __init__(self, setting: int | str | None) -> None:
+        self.setting = setting
+        self.activations = ActivationModel()
+        self.held = 0
+        self.report: StepPlan | None = None
+        self.chosen: dict[str, int] = {}
+        self._logged: set[str] = set()
+
+    def hold(self, nbytes: int) -> None:
+        self.held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+    def plan(self, loss: Any, features: Sequence[dict[str, Any]]) -> StepPlan | None:
+        """This training step's plan (None without a budget). ``loss`` is the CachedLossMixin (its ``model``,
+        mini-batch settings and ``gather_across_devices``); ``features`` the columns as ``forward_cached`` gets them.
+
+        Under DDP, sentence-transformers' backward hook synchronises gradients in the backward of the step's last
+        mini-batch, whose forward (run right before it) prepares the all-reduce; a kept graph's forward ran in step
+        (1) under ``no_sync``. So a step that synchronises always re-embeds its last mini-batch. Static-graph DDP
+        keeps nothing (its first iterations synchronise every re-embedded mini-batch's backward)."""
+        if self.setting is None:
+            return None
+        ddp = ddp_of(loss.model)
+        if ddp is not None and ddp.static_graph:
+            self._log_once("static", logging.WARNING, "activation_budget: static-graph DDP keeps no activations; "
+                           "every mini-batch is re-embedded (set ddp_static_graph=False to keep them).")  # fmt: skip
+            return None
+        ranges = [minibatch_ranges(f, loss.mini_batch_size, loss.mini_batch_num_tokens) for f in features]
+        minibatches = step_minibatches(features, ranges)
+        never = {len(minibatches) - 1} if ddp is not None and ddp.require_backward_grad_sync else set()
+        if self.setting == AUTO:
+            allowance = self.auto_allowance(loss, features)
+        else:
+            allowance = self.setting - self.held
+        self.report = StepPlan(self, features, minibatches, allowance, self.setting == AUTO, never)
+        return self.report
+
+    def auto_allowance(self, loss: Any, features: Sequence[dict[str, Any]]) -> int:
+        """The "auto" budget in bytes: the memory still available on the model's device
+        (:func:`available_memory`) less a safety margin (max(1 GiB, 10% of the total)), step (2)'s estimated bytes
+        (:func:`step2_bytes`) and the parameter gradients not yet allocated (:func:`gradient_bytes`); at least 0.
+        Step (3)'s largest re-embedded mini-batch is reserved from it by :func:`choose_kept`. Logged at INFO once."""
+        available, total, source = available_memory(_device(loss.model))
+        margin = max(SAFETY_MARGIN_MIN_BYTES, int(SAFETY_MARGIN_FRACTION * total))
+        world = get_world_size() if getattr(loss, "gather_across_devices", False) else 1
+        dim = _embedding_dim(loss.model)
+        step2 = step2_bytes(get_batch_size(features[0]), len(features), dim, world)
+        gradients = gradient_bytes(loss.model)
+        allowance = max(0, available - margin - step2 - gradients)
+        self._log_once(
+            "auto", logging.INFO,
+            f"activation_budget='auto': {available} bytes available ({source}) - {margin} safety margin (max(1 GiB, "
+            f"{SAFETY_MARGIN_FRACTION:.0%} of {total})) - {step2} for step (2) ({get_batch_size(features[0])} rows x "
+            f"{len(features)} columns x {world} ranks x {dim} dims) - {gradients} for parameter gradients = "
+            f"{allowance} bytes for the kept activations and step (3)'s largest re-embedded mini-batch.",
+        )  # fmt: skip
+        return allowance
+
+    def choose_mini_batch(self, loss: Any, features: Sequence[dict[str, Any]]) -> None:
+        """``mini_batch_size="auto"``: set ``loss.mini_batch_size`` (or ``loss.mini_batch_num_tokens``, when set) to
+        the largest mini-batch whose activations with gradients fit in the budget (the int, else
+        :meth:`auto_allowance`), from one forward with gradients of the batch's ``PROBE_ROWS`` longest rows
+        (measured by :class:`SavedTensorBytes`; the RNG restored, no DDP sync, the graph dropped). Once; INFO log."""
+        rows, width, tokens, nbytes = self._probe(loss, features)
+        self.activations.observe(rows, width, nbytes)
+        memory = self.setting if isinstance(self.setting, int) else self.auto_allowance(loss, features)
+        by_tokens = loss.mini_batch_num_tokens is not None
+        unit = "tokens" if by_tokens else "rows"
+        value = max(1, int(memory // (nbytes / (tokens if by_tokens else rows))))
+        if by_tokens:
+            loss.mini_batch_num_tokens = value
+        else:
+            loss.mini_batch_size = value
+        self.chosen = {f"auto_mini_batch_{'num_tokens' if by_tokens else 'size'}": value}
+        logger.info(
+            f"mini_batch_size='auto': {value} {unit} per mini-batch = {memory} bytes of budget / {nbytes} bytes "
+            f"measured for {rows} rows ({tokens} tokens) of width {width} (the batch's longest rows)."
+        )
+
+    def _probe(self, loss: Any, features: Sequence[dict[str, Any]]) -> tuple[int, int, int, int]:
+        """(rows, width, tokens, saved-tensor bytes) of one forward with gradients of the longest rows."""
+        column = max(features, key=_longest_row)
+        order = length_order(column)
+        column = column if order is None else LengthSorted(column, order)
+        rows = min(PROBE_ROWS, get_batch_size(column))
+        probe = loss.minibatch_features(column, 0, rows)
+        (minibatch,) = step_minibatches([column], [[(0, rows)]])
+        mask = probe.get("attention_mask")
+        tokens = int(mask.sum()) if isinstance(mask, Tensor) else minibatch.tokens
+        tensors = [value for value in probe.values() if isinstance(value, Tensor)]
+        measure = SavedTensorBytes(alive_anyway(loss.model, probe))
+        with torch.random.fork_rng(devices=get_device_states(*tensors)[0]), torch.enable_grad():
+            with without_gradient_sync(loss.model), measure:
+                loss.encode(probe)
+        return rows, minibatch.width, tokens, measure.nbytes
+
+    def _log_once(self, key: str, level: int, message: str) -> None:
+        logger.log(level if key not in self._logged else logging.DEBUG, message)
+        self._logged.add(key)
+
+
+def _longest_row(feature: dict[str, Any]) -> int:
+    mask = feature.get("attention_mask")
+    return int(mask.sum(dim=-1).max()) if isinstance(mask, Tensor) and mask.ndim == 2 and mask.numel() else 0

@@ -1,0 +1,19 @@
+"""The public losses, one per module, each a drop-in for a stock sentence-transformers combination:
+
+- ``cached_matryoshka.py``: ``CachedMatryoshkaLoss`` for ``MatryoshkaLoss(model, CachedMNRL / CachedGISTEmbedLoss)``;
+- ``cached_matryoshka_2d.py``: ``CachedMatryoshka2dLoss`` for ``Matryoshka2dLoss(model, MNRL)``;
+- ``cached_adaptive_layer.py``: ``CachedAdaptiveLayerLoss`` for ``AdaptiveLayerLoss(model, MNRL)``;
+- ``base_losses.py``: which base losses are accepted and what their hyperparameters mean for the op; the guide;
+- ``citations.py``: BibTeX for the model card.
+
+Each computes GradCache's step (2) (``calculate_loss``: :func:`st_cached_losses.matryoshka_infonce`); steps (1)
+and (3) are :mod:`st_cached_losses.gradcache`'s.
+"""
+
+from __future__ import annotations
+
+from .cached_adaptive_layer import CachedAdaptiveLayerLoss
+from .cached_matryoshka import CachedMatryoshkaLoss
+from .cached_matryoshka_2d import CachedMatryoshka2dLoss
+
+__all__ = ["CachedAdaptiveLayerLoss", "CachedMatryoshka2dLoss", "CachedMatryoshkaLoss"]

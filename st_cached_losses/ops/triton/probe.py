@@ -1,0 +1,44 @@
+"""Whether the Triton kernels can run on a device: the package, the GPU's compute capability, the interpreter.
+
+Imports nothing of Triton at module level, so the dispatcher (``ops/backend.py``) can ask on any machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+__all__ = ["MIN_CAPABILITY", "unusable_reason"]
+
+# tl.dot on bf16 operands and TF32 need tensor cores of Ampere (sm_80) or newer.
+MIN_CAPABILITY = (8, 0)
+
+
+def unusable_reason(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on ``device``, or None when they can be tried.
+
+    CPU tensors run them only in Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported);
+    CUDA tensors need an NVIDIA GPU of compute capability 8.0 or newer.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed (it comes with the CUDA builds of torch)"
+    if device.type == "cuda" and torch.version.cuda is not None:
+        capability = torch.cuda.get_device_capability(device)
+        if capability < MIN_CAPABILITY:
+            need = ".".join(map(str, MIN_CAPABILITY))
+            return f"the kernels need compute capability >= {need} (Ampere or newer), got {capability[0]}.{capability[1]}"
+    elif device.type != "cpu":
+        return f"the kernels are written for NVIDIA GPUs, got {device}"
+    try:
+        from . import kernels  # importing them is the check: an old Triton may lack what they use
+    except Exception as error:  # noqa: BLE001
+        return f"the Triton kernels cannot be imported ({type(error).__name__}: {error})"
+    if device.type == "cpu" and not kernels.INTERPRETED:
+        return (
+            "the kernels need CUDA tensors, got cpu (or set TRITON_INTERPRET=1 before triton is imported to run "
+            "them in Triton's CPU interpreter)"
+        )
+    if device.type == "cuda" and kernels.INTERPRETED:
+        return "Triton's CPU interpreter is on (TRITON_INTERPRET=1 at import), which cannot launch on a GPU"
+    return None
