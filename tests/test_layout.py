@@ -1,0 +1,106 @@
+"""The package's layering, read from its source (every import statement, module level or inside a function):
+no import circle; the library (losses, gradcache, ops) never imports the command line; ops never imports
+sentence-transformers; sentence-transformers' internals come through one module; no module over 400 lines."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "st_cached_losses"
+LIBRARY = ("st_cached_losses.losses", "st_cached_losses.gradcache", "st_cached_losses.ops")
+ST_COMPAT = "st_cached_losses.gradcache._st_compat"
+MAX_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute (``from . import x`` gives the package's ``x`` when it is a module)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _ancestor(package: str, name: str) -> bool:
+    return name.startswith(package + ".")
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+# Module -> the package modules it imports. A module's own ancestor packages are left out: importing any submodule
+# runs its parents' __init__ first, so that edge holds for every module and closes no circle of its own making.
+GRAPH = {name: {m for m in _imports(path) if m in MODULES and m != name and not _ancestor(m, name)}
+         for name, path in MODULES.items()}  # fmt: skip
+
+
+def _within(name: str, packages) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_the_import_graph_has_no_circle():
+    """Depth-first search over module-to-module imports (a package's ``__init__`` counts as a module)."""
+    state: dict[str, str] = {}
+    circles = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(GRAPH[name]):
+            if state.get(target) == "open":
+                circles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[name] = "done"
+
+    for name in GRAPH:
+        if name not in state:
+            visit(name, [name])
+    assert not circles, circles
+
+
+def test_the_library_never_imports_the_command_line():
+    offenders = {name: sorted(m for m in GRAPH[name] if _within(m, ["st_cached_losses.cli"]))
+                 for name in GRAPH if _within(name, LIBRARY)}  # fmt: skip
+    assert not {name: found for name, found in offenders.items() if found}
+
+
+def test_ops_never_imports_sentence_transformers():
+    offenders = [name for name, path in MODULES.items() if _within(name, ["st_cached_losses.ops"])
+                 and any(m.split(".")[0] == "sentence_transformers" for m in _imports(path))]  # fmt: skip
+    assert not offenders
+
+
+def test_sentence_transformers_internals_come_through_one_module():
+    """Private names (a leading underscore) and the internal modules the losses borrow from are imported in
+    ``gradcache/_st_compat.py`` alone."""
+    internal = re.compile(r"^sentence_transformers\.(base\.losses\.gradcache|sentence_transformer\.losses\.[a-z_]+)\b")
+    offenders = {}
+    for name, path in MODULES.items():
+        if name == ST_COMPAT:
+            continue
+        borrowed = [m for m in _imports(path) if m.startswith("sentence_transformers")
+                    and (internal.match(m) or any(part.startswith("_") for part in m.split(".")))]  # fmt: skip
+        if borrowed:
+            offenders[name] = borrowed
+    assert not offenders
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_over_400_lines(name):
+    assert len(MODULES[name].read_text().splitlines()) <= MAX_LINES
