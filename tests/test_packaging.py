@@ -57,7 +57,8 @@ def test_readme_main_job_installs_the_cli_extra():
 
 
 def test_readme_test_command_is_what_ci_runs():
-    """.ci/run runs the README's command in a fresh venv (its pip calls quiet)."""
+    """.ci/run runs the README's command in a fresh venv (its pip calls quiet), on the line after its marker."""
     command = _readme_command("Install and run the tests")
-    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1].replace("pip install -q ", "pip install ")
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    ci = lines[lines.index('# README, "Run the tests":') + 1].replace("pip install -q ", "pip install ")
     assert command.endswith(ci), (command, ci)
