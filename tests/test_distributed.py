@@ -268,7 +268,8 @@ def test_gathered_gradients_match_one_process_on_the_whole_batch(one_process_and
         # by one, and DDP all-reduces once, after the last one, not once per mini-batch.
         columns = 2 + CASES[case][0]
         if mode == "ours_ddp_token_budget":
-            assert result["forwards"][0] != result["forwards"][1], "pick TOKEN_BUDGET so that the ranks differ"
+            # The ranks' texts need different numbers of mini-batches; they agree on the larger count (padding).
+            assert result["forwards"][0] == result["forwards"][1]
         else:
             assert result["forwards"] == [2 * 2 * columns] * WORLD_SIZE  # 4 local rows: 2 mini-batches per column
         assert result["syncs"] == 1

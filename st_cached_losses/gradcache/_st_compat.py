@@ -7,8 +7,8 @@ behaves as the losses assume (not only that it exists).
 
 What each is for:
 
-- ``CachedLossMixin``: GradCache's three steps (``forward_cached``: mini-batch ranges, step (1), step (2) via the
-  loss's ``calculate_loss``, and the backward hook that runs step (3) through ``embed_minibatch``).
+- ``CachedLossMixin``: the GradCache loss contract (``embed_minibatch``, ``embed_minibatch_iter``,
+  ``calculate_loss``, ``uses_gradient_cache``); :mod:`.steps` runs the three steps itself.
 - ``RandContext``: the RNG snapshot a mini-batch's step-(1) forward takes, replayed in step (3) (dropout).
 - ``minibatch_ranges`` / ``create_minibatch``: the ``(begin, end)`` rows of each mini-batch (by rows or by
   non-padding tokens), and one mini-batch's features with their trailing padding columns trimmed.

@@ -27,7 +27,7 @@ from sentence_transformers.util import get_world_size
 from torch import Tensor, nn
 from torch.utils.checkpoint import get_device_states
 
-from ._st_compat import get_batch_size, minibatch_ranges
+from ._st_compat import get_batch_size
 from .activation_memory import (
     ActivationModel,
     SavedTensorBytes,
@@ -36,6 +36,7 @@ from .activation_memory import (
     gradient_bytes,
     step2_bytes,
 )
+from .agreement import agree_min
 from .distributed import ddp_of, without_gradient_sync
 from .kept_minibatches import StepPlan, step_minibatches
 from .minibatches import LengthSorted, length_order
@@ -110,9 +111,11 @@ class ActivationBudget:
     def release(self, nbytes: int) -> None:
         self.held -= nbytes
 
-    def plan(self, loss: Any, features: Sequence[dict[str, Any]]) -> StepPlan | None:
-        """This training step's plan (None without a budget). ``loss`` is the CachedLossMixin (its ``model``,
-        mini-batch settings and ``gather_across_devices``); ``features`` the columns as ``forward_cached`` gets them.
+    def plan(self, loss: Any, features: Sequence[dict[str, Any]], ranges: Sequence[Sequence[tuple[int, int]]]
+             ) -> StepPlan | None:  # fmt: skip
+        """This training step's plan (None without a budget). ``loss`` is the GradCache loss (its ``model``, mini-batch
+        settings and ``gather_across_devices``); ``features`` the columns as step (1) embeds them, ``ranges`` their
+        mini-batches.
 
         Under DDP, sentence-transformers' backward hook synchronises gradients in the backward of the step's last
         mini-batch, whose forward (run right before it) prepares the all-reduce; a kept graph's forward ran in step
@@ -125,7 +128,6 @@ class ActivationBudget:
             self._log_once("static", logging.WARNING, "activation_budget: static-graph DDP keeps no activations; "
                            "every mini-batch is re-embedded (set ddp_static_graph=False to keep them).")  # fmt: skip
             return None
-        ranges = [minibatch_ranges(f, loss.mini_batch_size, loss.mini_batch_num_tokens) for f in features]
         minibatches = step_minibatches(features, ranges)
         never = {len(minibatches) - 1} if ddp is not None and ddp.require_backward_grad_sync else set()
         if self.setting == AUTO:
@@ -156,17 +158,19 @@ class ActivationBudget:
         )  # fmt: skip
         return allowance
 
-    def choose_mini_batch(self, loss: Any, features: Sequence[dict[str, Any]]) -> None:
+    def choose_mini_batch(self, loss: Any, features: Sequence[dict[str, Any]], agree: bool = False) -> None:
         """``mini_batch_size="auto"``: set ``loss.mini_batch_size`` (or ``loss.mini_batch_num_tokens``, when set) to
         the largest mini-batch whose activations with gradients fit in the budget (the int, else
         :meth:`auto_allowance`), from one forward with gradients of the batch's ``PROBE_ROWS`` longest rows
-        (measured by :class:`SavedTensorBytes`; the RNG restored, no DDP sync, the graph dropped). Once; INFO log."""
+        (measured by :class:`SavedTensorBytes`; the RNG restored, no DDP sync, the graph dropped). Once; INFO log.
+        With ``agree`` (a parallel run) every rank takes the smallest any rank chose, so that every rank's fits."""
         rows, width, tokens, nbytes = self._probe(loss, features)
         self.activations.observe(rows, width, nbytes)
         memory = self.setting if isinstance(self.setting, int) else self.auto_allowance(loss, features)
         by_tokens = loss.mini_batch_num_tokens is not None
         unit = "tokens" if by_tokens else "rows"
         value = max(1, int(memory // (nbytes / (tokens if by_tokens else rows))))
+        value = agree_min(value) if agree else value
         if by_tokens:
             loss.mini_batch_num_tokens = value
         else:

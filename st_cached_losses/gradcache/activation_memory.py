@@ -26,7 +26,9 @@ class SavedTensorBytes:
     """Bytes of the tensors autograd saves for backward inside the ``with`` block: the activation memory the block's
     graph keeps alive until it is back-propagated. The pack hook of ``torch.autograd.graph.saved_tensors_hooks`` sees
     every saved tensor (and hands it back unchanged); each storage counts once, at its full size, except storages of
-    ``exclude`` (parameters, buffers, inputs: alive anyway). ``nbytes`` (int, bytes) is the total so far.
+    ``exclude`` (parameters, buffers, inputs: alive anyway) and parameters saved as such or as views (``weight.t()``):
+    a sharded model's unsharded parameters (FSDP2's all-gathered ones, ZeRO-3's) are parameter memory, gathered and
+    freed by the sharding, not activations. ``nbytes`` (int, bytes) is the total so far.
 
     These are the innermost saved-tensor hooks inside the block, so an outer pair sees none of its tensors.
     """
@@ -48,6 +50,8 @@ class SavedTensorBytes:
         self._hooks.__exit__(*exc)
 
     def _pack(self, tensor: Tensor) -> Tensor:
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+            return tensor
         key = _storage_key(tensor)
         if key is not None and key not in self._excluded:
             self._storages[key] = tensor.untyped_storage().nbytes()
@@ -148,5 +152,13 @@ def step2_bytes(rows: int, columns: int, embedding_dim: int, world_size: int = 1
 
 
 def gradient_bytes(model: nn.Module) -> int:
-    """Bytes of the parameter gradients step (3) will allocate (trainable parameters whose ``.grad`` is None)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+    """Bytes of the parameter gradients step (3) will allocate on this rank (trainable parameters whose ``.grad`` is
+    None), at their local shard's size under FSDP2 (DTensor) or ZeRO-3 (``ds_tensor``)."""
+    return sum(_local_numel(p) * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+
+
+def _local_numel(parameter: Tensor) -> int:
+    local = getattr(parameter, "ds_tensor", None)  # DeepSpeed ZeRO-3's partition
+    if local is None and hasattr(parameter, "to_local"):  # FSDP2's DTensor
+        local = parameter.to_local()
+    return (parameter if local is None else local).numel()

@@ -197,6 +197,13 @@ class StepPlan:
             self.budget.hold(nbytes)
         return keep
 
+    def unkeep(self, sentence_feature: dict, begin: int) -> None:
+        """A kept mini-batch that is re-embedded after all (another rank could not keep the one at its position):
+        out of ``kept`` and ``kept_bytes`` (its graph's bytes are released when its :class:`KeptGraph` is taken)."""
+        index = self._index[(id(sentence_feature), begin)]
+        self.kept.remove(index)
+        self.kept_bytes -= self.measured_bytes[index]
+
     def _choose(self) -> None:
         self.predicted_bytes = [self.budget.activations.predict(mb.rows, mb.width) for mb in self.minibatches]
         self._chosen, reserve = choose_kept(

@@ -25,6 +25,7 @@ from ..gradcache.dims import sorted_dims
 from ..gradcache.kept_minibatches import StepPlan
 from ..gradcache.loss_components import loss_components
 from ..gradcache.minibatches import check_columns
+from ..gradcache.parallel import check_fsdp_sync
 from ..gradcache.precision import nonfinite_policy
 from ..gradcache.steps import GradCacheSteps
 from ..ops import check_backend, matryoshka_infonce
@@ -52,6 +53,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         false_negative_margin: float | None = None,
         false_negative_strategy: str = "absolute",
         activation_budget: int | str | None = None,
+        fsdp_sync: str = "per_backward",
     ) -> None:
         """
         A drop-in replacement for ``MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model), dims)``:
@@ -125,17 +127,30 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
                 available on the model's device less a margin and steps (2) and (3)'s needs (INFO log). Evaluation
                 keeps nothing; under DDP a synchronising step re-embeds its last mini-batch. See
                 :mod:`st_cached_losses.gradcache.activation_budget`; ``activation_report``: the last training step's.
+            fsdp_sync: under FSDP2 (``fully_shard``; detected from the model, as DDP and DeepSpeed are), when the
+                gradients are reduce-scattered. With n mini-batches per step, F the FSDP units, P the parameters'
+                bytes and W ranks: "per_backward" (default, FSDP's own, memory first): after every backward of step
+                (3), and parameters resharded as FSDP is set to, so each unit is all-gathered in every forward (step
+                (1)'s n, step (3)'s re-embeddings) and again in every backward where it resharded after forward: up
+                to 3n all-gathers and n reduce-scatters per unit and step, holding P / W of parameters and gradients
+                plus one unit's unsharded parameters. "per_step": every unit all-gathered once and kept unsharded
+                through the step, gradients accumulated unsharded and reduce-scattered once, after the last backward:
+                1 all-gather and 1 reduce-scatter per unit and step, holding P of parameters and P of gradients
+                during the step. Either way the ranks agree on the step's mini-batches first (one small all-reduce
+                before step (1), one after it with an activation budget), so uneven token budgets, budgets or batch
+                sizes run the same collectives on every rank.
 
         Raises:
             TypeError: ``loss`` is not one of the supported losses.
             ValueError: a non-finite ``false_negative_margin``, an unknown strategy, or a margin next to a
-                GISTEmbed base loss (which has its own); a StaticEmbedding model; empty, non-positive, duplicate dims or dims larger than the
-                model's embedding dimension; weights of another length; an unsupported ``similarity_fct``,
-                ``mini_batch_size``, ``mini_batch_num_tokens`` or ``activation_budget``; an unknown ``backend``, or
-                one that cannot run on the model's device ("triton" on CPU outside Triton's interpreter). ``forward``
-                raises ValueError for fewer than two input columns or columns with different numbers of rows, and,
-                with the base loss's ``gather_across_devices=True``, for different numbers of rows on different
-                processes.
+                GISTEmbed base loss (which has its own); a StaticEmbedding model; empty, non-positive, duplicate dims
+                or dims larger than the model's embedding dimension; weights of another length; an unsupported
+                ``similarity_fct``, ``mini_batch_size``, ``mini_batch_num_tokens``, ``activation_budget`` or
+                ``fsdp_sync``; an unknown ``backend``, or one that cannot run on the model's device ("triton" on CPU
+                outside Triton's interpreter). ``forward`` raises ValueError for fewer than two input columns or
+                columns with different numbers of rows; with the base loss's ``gather_across_devices=True``, for
+                different numbers of rows on different processes; for FSDP1 (use FSDP2), DeepSpeed without ZeRO, and
+                ZeRO-2 with ``gradient_accumulation_steps`` > 1 (:mod:`st_cached_losses.gradcache.zero`).
 
         References:
             - Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup (GradCache):
@@ -203,7 +218,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         self.guide = Guide(loss) if is_gist(loss) else None
         self.masked_share: float | None = None  # the false-negative filter's share of candidates dropped, last step
         self.activation_budget = activation_budget
-        self.init_steps(activation_budget)
+        self.init_steps(activation_budget, check_fsdp_sync(fsdp_sync))
         # Set by forward for the calculate_loss call it makes (forward_cached calls it synchronously).
         self._step_dims: tuple[int, ...] = ()
         self._step_per_dim: Tensor | None = None

@@ -59,6 +59,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         sort_by_length: bool = True,
         backend: str = "auto",
         show_progress_bar: bool = False,
+        fsdp_sync: str = "per_backward",
     ) -> None:
         """
         Stock ``Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), dims, ...)`` (2D Matryoshka: every
@@ -117,8 +118,9 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             kl_temperature: temperature T of the KL term, >= 0; 0 turns it off.
             layer_weighting: weight of prior layer ``l``: "uniform" (1), "log" (``1 / (1 + ln(1 + l))``),
                 "linear" (``1 / (1 + l)``) or a callable ``l -> float``, as stock's AdaptiveLayerLoss.
-            mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar: as in
-                :class:`CachedMatryoshkaLoss` (mini-batches of rows or tokens, the memory knob).
+            mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar, fsdp_sync: as in
+                :class:`CachedMatryoshkaLoss` (mini-batches of rows or tokens, the memory knob; FSDP2's gradient
+                reduction).
 
         Raises:
             TypeError: ``loss`` of another type, or an option of the wrong type.
@@ -164,7 +166,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         )  # fmt: skip
         super().__init__(
             model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step, mini_batch_size, mini_batch_num_tokens,
-            sort_by_length, backend, show_progress_bar,
+            sort_by_length, backend, show_progress_bar, fsdp_sync=fsdp_sync,
         )  # fmt: skip
         self.num_layers = num_layers  # transformer layers L: hidden states 0..L, the final layer is L
         self.n_layers_per_step = n_layers_per_step

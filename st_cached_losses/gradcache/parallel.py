@@ -1,0 +1,210 @@
+"""How the model is parallelised, as GradCache's steps need to know it: DDP, FSDP2 (``fully_shard``), DeepSpeed ZeRO,
+or none. Detected from the loss's ``model`` at every step (``SentenceTransformerTrainer`` puts the wrapper there:
+sentence-transformers' ``override_model_in_loss``), so no argument is needed and a loss built before the wrapping
+keeps working.
+
+What each needs of the steps (:mod:`.steps`, :mod:`.backward`):
+
+- **every rank runs the same collectives in the same order** (:meth:`Parallelism.needs_agreement`): the number of
+  mini-batches per column and the kept mini-batches are agreed across ranks (:mod:`.agreement`). FSDP2 and ZeRO-3
+  all-gather parameters in every forward, so they need it in evaluation too; DDP and ZeRO-1/2 in training.
+- **gradient synchronisation in step (3)** (:meth:`Parallelism.step3`, :meth:`Parallelism.backward_sync`): DDP
+  synchronises once, in the backward of the step's last mini-batch (sentence-transformers' own replay context);
+  FSDP2 reduce-scatters after every backward by default (its own behaviour: memory first), or once per step with
+  ``fsdp_sync="per_step"``; DeepSpeed ZeRO-2/3 coalesce every backward of step (3) into one reduction
+  (:mod:`.zero`); ZeRO-1 reduces once at the end of ``engine.backward`` by itself.
+- **a step-(1) forward whose graph is kept** (:meth:`Parallelism.kept_forward`): under DDP inside ``no_sync``, since
+  its backward comes in step (3).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from . import zero
+
+__all__ = ["FSDP_SYNC_MODES", "Parallelism", "check_fsdp_sync"]
+
+FSDP_SYNC_MODES = ("per_backward", "per_step")
+
+
+def check_fsdp_sync(value: Any) -> str:
+    """``fsdp_sync`` as accepted, else a ValueError naming the choices."""
+    if value not in FSDP_SYNC_MODES:
+        raise ValueError(
+            f"fsdp_sync must be 'per_backward' (FSDP2's own: reduce-scatter after every backward, parameters resharded) "
+            f"or 'per_step' (one reduce-scatter per step, parameters gathered once), got {value!r}."
+        )
+    return value
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _unwrap_compile(model: nn.Module) -> nn.Module:
+    return getattr(model, "_orig_mod", model)
+
+
+class Parallelism:
+    """The parallelism of a loss's ``model`` for one step: ``kind`` is "single", "ddp", "fsdp2" or "deepspeed".
+
+    Raises (from :meth:`of`):
+        ValueError: FSDP1 (``FullyShardedDataParallel``), whose flat parameters GradCache's repeated backwards do not
+            fit: use FSDP2 (``fully_shard``; the trainer's ``fsdp_config={"fsdp_version": 2}``); DeepSpeed settings
+            that :func:`zero.check_engine` refuses.
+    """
+
+    def __init__(self, kind: str, wrapper: nn.Module | None, fsdp_modules: list[nn.Module], fsdp_sync: str) -> None:
+        self.kind = kind
+        self.wrapper = wrapper  # the DDP module, the DeepSpeed engine, or the outermost FSDP2 module
+        self.fsdp_modules = fsdp_modules  # every FSDPModule of the model (FSDP2)
+        self.fsdp_sync = fsdp_sync
+        self.world_size = _world_size()
+
+    @classmethod
+    def of(cls, model: nn.Module, fsdp_sync: str = "per_backward") -> Parallelism:
+        model = _unwrap_compile(model)
+        if isinstance(model, DistributedDataParallel):
+            return cls("ddp", model, [], fsdp_sync)
+        engine = zero.engine_of(model)
+        if engine is not None:
+            zero.check_engine(engine)
+            return cls("deepspeed", engine, [], fsdp_sync)
+        _refuse_fsdp1(model)
+        fsdp = _fsdp2_modules(model)
+        return cls("fsdp2", fsdp[0], fsdp, fsdp_sync) if fsdp else cls("single", None, [], fsdp_sync)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether every forward runs collectives (parameters all-gathered): FSDP2, DeepSpeed ZeRO-3."""
+        return self.kind == "fsdp2" or (self.kind == "deepspeed" and zero.stage(self.wrapper) == 3)
+
+    def needs_agreement(self, training: bool) -> bool:
+        """Whether the ranks must agree on the step's mini-batches (see the module docstring)."""
+        return self.world_size > 1 and (self.sharded or (training and self.kind != "single"))
+
+    def kept_forward(self) -> AbstractContextManager:
+        """Around a step-(1) forward whose graph is kept: DDP's ``no_sync`` (its backward comes in step (3), which
+        synchronises once, after the step's last re-embedded mini-batch)."""
+        return self.wrapper.no_sync() if self.kind == "ddp" else nullcontext()
+
+    def step_start(self) -> None:
+        """Before step (1) of a training step: FSDP2 ``per_step`` keeps the parameters gathered through the step."""
+        if self.kind == "fsdp2" and self.fsdp_sync == "per_step":
+            self._saved = _fsdp2_settings(self.fsdp_modules)
+            for module in self.fsdp_modules:
+                module.set_reshard_after_forward(False, recurse=False)
+                module.set_reshard_after_backward(False, recurse=False)
+
+    def step_end(self) -> None:
+        """After step (3) (or after an evaluation step): FSDP2 ``per_step`` restores the settings and reshards."""
+        saved = getattr(self, "_saved", None)
+        if saved is not None:
+            _restore_fsdp2_settings(self.fsdp_modules, saved)
+            for module in self.fsdp_modules:
+                module.reshard()
+            self._saved = None
+
+    @contextmanager
+    def step3(self):
+        """Around all of step (3)'s re-embeddings and backwards: DeepSpeed ZeRO-2/3 coalesce their gradient
+        reductions into one (:func:`zero.coalesced`)."""
+        with ExitStack() as stack:
+            if self.kind == "deepspeed":
+                stack.enter_context(zero.coalesced(self.wrapper))
+            try:
+                yield
+            finally:
+                self.step_end()
+
+    def backward_sync(self, last: bool) -> AbstractContextManager:
+        """Around one mini-batch's re-embedding (forward) and backward in step (3). DDP: synchronise in the last one
+        only (:func:`_ddp_sync`). FSDP2
+        ``per_step``: reduce-scatter in the last backward only (if the user's setting syncs at all)."""
+        if self.kind == "ddp":
+            return _ddp_sync(self.wrapper, last)
+        if self.kind == "fsdp2" and self.fsdp_sync == "per_step" and getattr(self, "_saved", None) is not None:
+            return _fsdp2_sync(self.fsdp_modules, self._saved, last)
+        return nullcontext()
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+
+
+@contextmanager
+def _ddp_sync(ddp: DistributedDataParallel, last: bool):
+    """One mini-batch of step (3) under DDP: ``no_sync`` but in the step's last, whose forward (inside this block)
+    prepares the one all-reduce of the step; outside the trainer's own ``no_sync`` (gradient accumulation) DDP's
+    ``require_backward_grad_sync`` keeps that one off too. Static-graph DDP builds its reducer in its first iteration
+    from synchronising backwards, so there every mini-batch synchronises (sentence-transformers 6.2's rule; DDP keeps
+    that state in a private attribute)."""
+    if ddp.static_graph and not getattr(ddp, "_static_graph_delay_allreduce_enqueued", True):
+        previous, ddp.require_backward_grad_sync = ddp.require_backward_grad_sync, True
+        try:
+            yield
+        finally:
+            ddp.require_backward_grad_sync = previous
+    elif last:
+        yield
+    else:
+        with ddp.no_sync():
+            yield
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2
+
+
+def _fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    """Every FSDP2 module in ``model`` (outermost first); empty without FSDP2."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not hasattr(fsdp, "FSDPModule"):
+        return []
+    return [module for module in model.modules() if isinstance(module, fsdp.FSDPModule)]
+
+
+def _refuse_fsdp1(model: nn.Module) -> None:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    flat = getattr(fsdp, "FullyShardedDataParallel", None) if fsdp is not None else None
+    if flat is not None and any(isinstance(module, flat) for module in model.modules()):
+        raise ValueError(
+            "FSDP1 (FullyShardedDataParallel) is not supported by the cached losses: use FSDP2 "
+            "(torch.distributed.fsdp.fully_shard; with SentenceTransformerTrainer, fsdp_config={'fsdp_version': 2})."
+        )
+
+
+# FSDP2 has setters for these but no getters: read them from its parameter groups (torch >= 2.6's layout).
+def _fsdp2_settings(modules: list[nn.Module]) -> list[tuple]:
+    """Per module: (whether its reshard-after-forward was automatic, per parameter group: (post-forward mesh,
+    reshard after backward, reduce gradients, all-reduce gradients))."""
+    saved = []
+    for module in modules:
+        state = module._get_fsdp_state()
+        groups = [(g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads)
+                  for g in state._fsdp_param_groups]  # fmt: skip
+        saved.append((state._auto_reshard_after_forward, groups))
+    return saved
+
+
+def _restore_fsdp2_settings(modules: list[nn.Module], saved: list[tuple]) -> None:
+    for module, (auto, groups) in zip(modules, saved):
+        state = module._get_fsdp_state()
+        state._auto_reshard_after_forward = auto
+        for group, values in zip(state._fsdp_param_groups, groups):
+            group.post_forward_mesh_info, group.reshard_after_backward, group.reduce_grads, group.all_reduce_grads = values
+
+
+@contextmanager
+def _fsdp2_sync(modules: list[nn.Module], saved: list[tuple], last: bool):
+    """Reduce gradients in this backward only if it is the step's last (and the user's setting reduces at all)."""
+    for module, (_, groups) in zip(modules, saved):
+        for group, (_, _, reduce_grads, all_reduce_grads) in zip(module._get_fsdp_state()._fsdp_param_groups, groups):
+            group.reduce_grads = reduce_grads and last
+            group.all_reduce_grads = all_reduce_grads and last
+    yield
