@@ -42,6 +42,9 @@ CASES = {
     "per_step_budget": ("bert", 1, {}, {"activation_budget": "per rank", "fsdp_sync": "per_step"}, {}),
     "decoder": ("decoder", 1, {}, {}, {}),
     "2d": ("bert", 1, {}, {"layers": True}, {}),
+    "lora": ("lora", 1, {}, {}, {}),
+    "bf16": ("bert", 1, {}, {}, {"mp_policy": "bf16"}),
+    "evaluation": ("bert", 0, {}, {"mini_batch_num_tokens": TOKEN_BUDGET}, {}),  # no gradients: the loss only
 }
 # Rank 0 keeps every mini-batch, rank 1 almost none: they agree on the mini-batches both kept.
 BUDGETS = (10**9, 20_000)
@@ -56,7 +59,15 @@ def _columns(negatives: int) -> list[list[str]]:
 def _model(kind: str):
     from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
 
-    return tiny_decoder_sentence_transformer() if kind == "decoder" else tiny_sentence_transformer()
+    if kind == "decoder":
+        return tiny_decoder_sentence_transformer()
+    model = tiny_sentence_transformer()
+    if kind == "lora":
+        from peft import LoraConfig
+
+        torch.manual_seed(1)
+        model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], init_lora_weights=False))
+    return model
 
 
 def _loss(model, negatives, config, options, rank=None):
@@ -74,14 +85,17 @@ def _loss(model, negatives, config, options, rank=None):
     return CachedMatryoshkaLoss(model, base, DIMS, **options)
 
 
-def _shard(model, shard_options, mp_policy=None):
-    from torch.distributed.fsdp import fully_shard
+def _shard(model, shard_options):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    extra = {} if mp_policy is None else {"mp_policy": mp_policy}
+    options = dict(shard_options)
+    if options.pop("mp_policy", None) == "bf16":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     backbone = model[0].auto_model
+    backbone = getattr(backbone, "base_model", backbone)  # under a LoRA adapter: the wrapped model
     for layer in backbone.layers if hasattr(backbone, "layers") else backbone.encoder.layer:
-        fully_shard(layer, **shard_options, **extra)
-    fully_shard(model, **shard_options, **extra)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     return model
 
 
@@ -115,15 +129,17 @@ def _worker(rank, port, out_dir):
     local = slice(rank * ROWS // WORLD_SIZE, (rank + 1) * ROWS // WORLD_SIZE)
     results = {}
     for case, (kind, negatives, config, options, shard_options) in CASES.items():
+        # The loss is built before the model is sharded, as a user's script may: it sees the model change in place.
+        loss_fn = _loss(models[case], negatives, config, options, rank)
         model = _shard(models[case], shard_options)
-        loss_fn = _loss(model, negatives, config, options, rank)
         features = [model.preprocess(column[local]) for column in _columns(negatives)]
         forwards = [0]
         hook = model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
-        with _Collectives() as collectives:
+        with _Collectives() as collectives, torch.set_grad_enabled(case != "evaluation"):
             out = loss_fn(features, None)
             total = torch.stack(list(out.values())).sum()
-            total.backward()
+            if case != "evaluation":
+                total.backward()
         hook.remove()
         loss = total.detach().clone()
         dist.all_reduce(loss)
@@ -164,19 +180,36 @@ def _reference(case):
     for rows in halves:
         options = {key: 10**9 if value == "per rank" else value for key, value in options.items()}
         features = [model.preprocess(column[rows]) for column in columns]
-        loss, grad = _loss_and_grads(model, _loss(model, negatives, config, options), features)
+        loss, grad = _loss_and_grads(model, _loss(model, negatives, config, options), features)  # the loss, too
         losses.append(float(loss))
         grads.append(grad)
     return sum(losses) / len(losses), {name: sum(g[name] for g in grads) / len(grads) for name in grads[0]}
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [case for case in CASES if case not in ("bf16", "evaluation")])
 def test_fsdp2_matches_one_process_on_the_whole_batch(spawned, case):
     loss, grads = _reference(case)
     for rank in range(WORLD_SIZE):
         result = spawned[rank][case]
         assert result["loss"] == pytest.approx(loss, rel=1e-4)
         _assert_grads_close(result["grads"], grads)
+
+
+def test_bf16_mixed_precision_is_fp32_within_bf16_rounding(spawned):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the forward and backward in bf16 (8 bits of
+    mantissa: ~0.4% per rounding), the same loss and gradients as one fp32 process within a few roundings."""
+    loss, grads = _reference("bf16")
+    for rank in range(WORLD_SIZE):
+        result = spawned[rank]["bf16"]
+        assert result["loss"] == pytest.approx(loss, rel=2e-2)
+        _assert_grads_close(result["grads"], grads, rtol=5e-2)
+
+
+def test_evaluation_with_uneven_token_budgets_finishes_with_the_whole_batch_loss(spawned):
+    """Without gradients FSDP2 still all-gathers in every forward: the ranks agree on their mini-batches here too."""
+    loss, _ = _reference("evaluation")
+    assert spawned[0]["evaluation"]["forwards"] == spawned[1]["evaluation"]["forwards"]
+    assert spawned[0]["evaluation"]["loss"] == pytest.approx(loss, rel=1e-4)
 
 
 @pytest.mark.parametrize("case", ["per_backward", "token_budget", "budget", "decoder"])

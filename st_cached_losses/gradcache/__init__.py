@@ -1,7 +1,10 @@
 """GradCache (arXiv 2101.06983) as the losses share it, on sentence-transformers' ``CachedLossMixin``:
 
-- ``steps.py``: steps (1) and (3), embedding every mini-batch without then with gradients
-  (``GradCacheSteps.embed_minibatch``), and the columns step (2) gets;
+- ``steps.py``: the three steps: step (1) embeds every mini-batch without gradients
+  (``GradCacheSteps.embed_minibatch``), step (2) is the loss's, ``backward.py`` is step (3) (re-embedding with
+  gradients in the loss's backward);
+- ``parallel.py``, ``agreement.py``, ``zero.py``: DDP, FSDP2 and DeepSpeed ZeRO: one plan for every rank, gradient
+  synchronisation in step (3), ZeRO-2/3's coalesced reduction;
 - ``minibatches.py``: rows in length order, each mini-batch without the padding all its rows share;
 - ``activation_budget.py`` / ``activation_memory.py``: which mini-batches keep step (1)'s graph (no second
   forward), measured and predicted activation bytes, ``mini_batch_size="auto"``;
