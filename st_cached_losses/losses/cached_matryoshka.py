@@ -210,7 +210,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         weighted loss per Matryoshka dim as ``{"loss_dim_<d>": 0-dim tensor}``; their sum is the loss, and only
         that sum can be back-propagated (see :func:`loss_components.loss_components`). ``labels`` are unused."""
         sentence_features = list(sentence_features)
-        check_columns(sentence_features)
+        check_columns(sentence_features, self.mini_batch_num_tokens)
         self._step_dims = self._sample_dims()
         total = self.forward_sorted(sentence_features, labels)
         per_dim, self._step_per_dim = dict(zip(self._step_dims, self._step_per_dim)), None

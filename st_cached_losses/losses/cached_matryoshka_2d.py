@@ -186,7 +186,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         losses ``{"loss_layer_<l>_dim_<d>": ..., "loss_layer_<l>_kl": ...}``; their sum is the loss, and only
         that sum can be back-propagated. ``labels`` are unused."""
         sentence_features = list(sentence_features)
-        check_columns(sentence_features)
+        check_columns(sentence_features, self.mini_batch_num_tokens)
         self._step_plan = self._sample_plan()
         prior = tuple(layer for layer, _, _ in self._step_plan[1:])
         total = self.forward_sorted([{**feature, _PRIOR_LAYERS: prior} for feature in sentence_features], labels)
