@@ -19,13 +19,15 @@ from sentence_transformers import SentenceTransformerTrainer, SentenceTransforme
 from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 from torch._dynamo.utils import counters
 
-from st_cached_losses import CachedMatryoshkaLoss
+from st_cached_losses import CachedMatryoshka2dLoss, CachedMatryoshkaLoss
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.helpers import texts
 
 STEPS, ROWS, MINI_BATCH = 10, 10, 3  # mini-batches of 3, 3, 3 and 1 rows
 DIMS = [32, 16, 8]
 MODES = ("trainer_torch_compile", "model_compile", "inner_transformer")
+# The 2D loss pools each prior layer's hidden states with the model's modules, outside the compiled call.
+CASES = [(mode, "matryoshka") for mode in MODES] + [("model_compile", "2d"), ("trainer_torch_compile", "2d")]
 
 
 @pytest.fixture
@@ -43,16 +45,23 @@ def _dataset() -> Dataset:
     return Dataset.from_dict({c: texts(ROWS * STEPS, 7 * i, 1, 12) for i, c in enumerate(columns)})
 
 
-def _train(tmp_path, mode: str | None) -> dict[str, torch.Tensor]:
+def _loss(model, name: str):
+    base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH)
+    if name == "2d":  # every layer and dim each step: no random draw to keep in step
+        return CachedMatryoshka2dLoss(model, base, DIMS, n_layers_per_step=-1, n_dims_per_step=-1)
+    return CachedMatryoshkaLoss(model, base, DIMS)
+
+
+def _train(tmp_path, mode: str | None, loss_name: str = "matryoshka") -> dict[str, torch.Tensor]:
     """The weights after STEPS trainer steps (AdamW); ``mode`` None: eager."""
     model = tiny_sentence_transformer(hidden_size=32, seed=5)
     if mode == "model_compile":
         model.compile(backend="eager")
     elif mode == "inner_transformer":
         model[0].model = torch.compile(model[0].model, backend="eager")
-    loss = CachedMatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH), DIMS)
+    loss = _loss(model, loss_name)
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / str(mode)), max_steps=STEPS, per_device_train_batch_size=ROWS, learning_rate=1e-3,
+        output_dir=str(tmp_path / f"{mode}_{loss_name}"), max_steps=STEPS, per_device_train_batch_size=ROWS, learning_rate=1e-3,
         warmup_steps=0, report_to="none", save_strategy="no", use_cpu=True, seed=0, dataloader_drop_last=True,
         **({"torch_compile": True, "torch_compile_backend": "eager"} if mode == "trainer_torch_compile" else {}),
     )  # fmt: skip
@@ -62,14 +71,22 @@ def _train(tmp_path, mode: str | None) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("eager"), None)
+    cache = {}
+
+    def weights(loss_name: str) -> dict[str, torch.Tensor]:
+        if loss_name not in cache:
+            cache[loss_name] = _train(tmp_path_factory.mktemp("eager"), None, loss_name)
+        return cache[loss_name]
+
+    return weights
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_compiled_model_trains_without_falling_back_and_equals_eager(tmp_path, eager, dynamo, mode):
-    compiled = _train(tmp_path, mode)
+@pytest.mark.parametrize("mode,loss_name", CASES, ids=[f"{mode}-{loss}" for mode, loss in CASES])
+def test_compiled_model_trains_without_falling_back_and_equals_eager(tmp_path, eager, dynamo, mode, loss_name):
+    expected = eager(loss_name)
+    compiled = _train(tmp_path, mode, loss_name)
 
     assert dynamo["stats"]["unique_graphs"] > 0  # the model did run compiled (and never hit the recompile limit)
-    assert compiled.keys() == eager.keys()
-    for name, weight in eager.items():
+    assert compiled.keys() == expected.keys()
+    for name, weight in expected.items():
         torch.testing.assert_close(compiled[name], weight, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -245,7 +245,8 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             embeddings = [output["sentence_embedding"]]
             for layer in features.prior_layers:
                 decorator.set_layer_idx(layer)
-                embeddings.append(base(output)["sentence_embedding"])  # the cached hidden states: no transformer run
+                # The cached hidden states: no transformer run. forward, not __call__: outside a model.compile()d call.
+                embeddings.append(base.forward(output)["sentence_embedding"])
         finally:
             if own_forward is None:
                 del transformer.forward
