@@ -1,18 +1,21 @@
 """Regenerate the benchmark results (CSV + PNG under benchmarks/results/).
 
     python -m benchmarks                          # everything committed: train_step (default, GISTEmbed, 2D), then
-                                                  # loss_stage (1 and 2 threads, GISTEmbed)
+                                                  # loss_stage (1 and 2 threads, GISTEmbed), compile_step, integrations
     python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
     python -m benchmarks loss_stage [FLAGS...]
+    python -m benchmarks compile_step [FLAGS...]  # torch.compile against eager (inductor: C++ compiles, minutes)
+    python -m benchmarks integrations             # LoRA, image-text, gradient checkpointing: errors against stock
 """
 
 from __future__ import annotations
 
 import sys
 
-from benchmarks import loss_stage, train_step
+from benchmarks import compile_step, integrations, loss_stage, train_step
 
-BENCHMARKS = {"train_step": train_step.main, "loss_stage": loss_stage.main}
+BENCHMARKS = {"train_step": train_step.main, "loss_stage": loss_stage.main, "compile_step": compile_step.main,
+              "integrations": integrations.main}
 # What `python -m benchmarks` runs: the committed results, each under its own file name.
 EVERYTHING = (
     ("train_step", []),
@@ -24,6 +27,8 @@ EVERYTHING = (
     ("loss_stage", ["--threads", "2", "--name", "loss_stage_2threads"]),
     ("loss_stage", ["--gist", "--sizes", "256", "512", "1024", "8192", "--stock-max-batch", "1024",
                     "--name", "loss_stage_gist"]),
+    ("compile_step", []),
+    ("integrations", []),
 )
 
 

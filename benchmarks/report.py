@@ -29,6 +29,9 @@ STYLES = {
     "triton": ("tab:green", "P"),
     "dense": ("tab:brown", "*"),
     "matmul": ("black", "."),
+    "eager": ("tab:gray", "s"),
+    "compiled": ("tab:blue", "o"),
+    "compiled_unmarked": ("tab:cyan", "v"),
 }
 
 

@@ -1,4 +1,5 @@
-"""Small models for tests, notebooks and smoke benchmarks: no network, built in a second."""
+"""Small models for tests, notebooks and smoke benchmarks: no network, built in a second: a tiny BERT, a tiny decoder
+(left padding, last-token pooling) and a tiny CLIP-style image-text model, with random images to feed it."""
 
 from __future__ import annotations
 
@@ -66,3 +67,46 @@ def tiny_decoder_sentence_transformer(
         transformer = Transformer(tmp, max_seq_length=max_seq_length)
     pooling = Pooling(hidden_size, pooling_mode="lasttoken")
     return SentenceTransformer(modules=[transformer, pooling], device="cpu")
+
+
+def tiny_clip_sentence_transformer(
+    hidden_size: int = 32, projection_dim: int = 24, num_layers: int = 2, image_size: int = 16, patch_size: int = 8,
+    dropout: float = 0.0, seed: int = 0, max_seq_length: int = 32,
+) -> SentenceTransformer:
+    """A randomly initialised CLIP (text and vision towers, each ``num_layers`` layers, projected to
+    ``projection_dim``) in one sentence-transformers ``Transformer`` module, as sentence-transformers loads CLIP-style
+    models: text rows embed through ``get_text_features``, images (``model.preprocess`` of PIL images) through
+    ``get_image_features``; embedding dim = ``projection_dim``. MiniLM's tokenizer (CLIP's text tower pools its first
+    [SEP]) and a CLIP image processor that resizes and crops to ``image_size`` pixels; ``dropout`` is attention
+    dropout, CLIP's only dropout."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    tower = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+                 num_attention_heads=4, attention_dropout=dropout)  # fmt: skip
+    text = dict(tower, vocab_size=tokenizer.vocab_size, max_position_embeddings=max_seq_length,
+                bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
+                pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    vision = dict(tower, image_size=image_size, patch_size=patch_size, num_channels=3)
+    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        CLIPModel(config).save_pretrained(tmp)
+        CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(tmp)
+        transformer = Transformer(tmp, max_seq_length=max_seq_length)
+    return SentenceTransformer(modules=[transformer], device="cpu")
+
+
+def random_images(count: int, seed: int, min_side: int = 12, max_side: int = 28) -> list:
+    """``count`` RGB PIL images of random pixels and random sides in [min_side, max_side] (seeded), for image
+    columns: the processor resizes and crops them to the model's size."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    sides = rng.integers(min_side, max_side + 1, size=(count, 2))
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sides]

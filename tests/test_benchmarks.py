@@ -46,3 +46,14 @@ def test_loss_stage_gist_smoke(tmp_path):
     value = {(r["contender"], r["metric"]): r["value"] for r in records}
     assert value[("stock", "peak_bytes")] > 0 and value[("chunked", "peak_bytes")] > 0
     assert value[("inputs", "guide_embedding_bytes")] == value[("inputs", "embedding_bytes")]
+
+
+def test_compile_step_smoke(tmp_path):
+    from benchmarks import compile_step
+
+    compile_step.main(["--model", "tiny", "--sizes", "9", "--mini-batch-size", "4", "--backend", "eager",
+                       "--contenders", "eager", "compiled", "--warmup", "2", "--repeats", "1", "--out", str(tmp_path)])
+    value = {(r["contender"], r["metric"]): r["value"] for r in compile_step.read_csv(tmp_path / "compile_step.csv")}
+    assert value[("compiled", "graphs")] > 0 and value[("compiled", "recompile_limit_hit")] == 0
+    assert value[("eager", "graphs")] == 0 and value[("compiled", "time_ratio_to_eager_median")] > 0
+    assert (tmp_path / "compile_step.png").stat().st_size > 0

@@ -371,7 +371,7 @@ def test_config_and_citation(model):
         model, base, [16, 48], [0.5, 1.0], n_layers_per_step=2, kl_temperature=0.2, layer_weighting="log"
     )
     config = loss.get_config_dict()
-    assert config["loss"] is base and config["mini_batch_size"] == 7
+    assert config["loss"] == "CachedMultipleNegativesRankingLoss" and config["mini_batch_size"] == 7
     assert config["matryoshka_dims"] == (48, 16) and config["matryoshka_weights"] == (1.0, 0.5)
     assert (config["n_layers_per_step"], config["n_dims_per_step"]) == (2, 1)
     assert (config["kl_temperature"], config["kl_div_weight"], config["layer_weighting"]) == (0.2, 1.0, "log")

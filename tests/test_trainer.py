@@ -51,7 +51,7 @@ def test_trainer_trains_logs_per_dim_losses_and_writes_the_model_card(tmp_path):
         assert sum(components) == pytest.approx(entry["loss"], abs=1e-3)  # logged rounded to 4 decimals
 
     card = (tmp_path / "checkpoint-3" / "README.md").read_text()
-    assert "CachedMatryoshkaLoss" in card
+    assert "* Loss: <code>st_cached_losses.CachedMatryoshkaLoss</code> with these parameters:" in card
     assert '"matryoshka_dims": [\n' in card and '"sort_by_length": true' in card
-    assert "CachedMultipleNegativesRankingLoss(scale=20.0" in card
+    assert '"loss": "CachedMultipleNegativesRankingLoss"' in card and '"scale": 20.0' in card
     assert "2101.06983" in card and "2205.13147" in card

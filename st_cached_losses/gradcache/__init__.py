@@ -7,8 +7,9 @@
   synchronisation in step (3), ZeRO-2/3's coalesced reduction;
 - ``minibatches.py``: rows in length order, each mini-batch without the padding all its rows share;
 - ``activation_budget.py`` / ``activation_memory.py``: which mini-batches keep step (1)'s graph (no second
-  forward), measured and predicted activation bytes, ``mini_batch_size="auto"``;
+  forward), measured and predicted activation bytes (per modality: text, images), ``mini_batch_size="auto"``;
 - ``distributed.py``: equal rows per rank for ``gather_across_devices``, DDP's gradient sync;
+- ``compiled.py``: mini-batches a ``torch.compile``'d model compiles few graphs for (contiguous, shapes dynamic);
 - ``precision.py``: the autocast the encoder ran under; ``dims.py``: the Matryoshka dims of a model;
 - ``layers.py``: a model's transformer layers (2D Matryoshka); ``loss_components.py``: the per-dim dict the
   trainer logs; ``defaults.py``: defaults shared with the command line;

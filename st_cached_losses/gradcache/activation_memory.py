@@ -5,6 +5,7 @@ budget (:mod:`st_cached_losses.gradcache.activation_budget`) decides with these 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.chunked import DEFAULT_TILE_BYTES
+from .minibatches import column_modality
 
 # Step (2) holds the embeddings, their gradient cache and the op's normalised copies and their gradients (4 fp32
 # copies of every column, of every rank's rows when gathered) plus one tile of scores.
@@ -76,35 +78,58 @@ def alive_anyway(model: nn.Module, features: dict[str, Any]) -> list[Tensor]:
 
 
 class ActivationModel:
-    """Predicts a mini-batch's saved-tensor bytes from its shape, rows x padded width.
+    """Predicts a mini-batch's saved-tensor bytes from its modality and shape: rows x padded width for text, rows x
+    pixels per row for images (and video, audio: :func:`row_size`), each modality fitted on its own measurements.
 
     A transformer saves per-token tensors (linear in the width) and, where attention materialises its probabilities
     (eager or math attention, as on CPU), rows x heads x width^2 more, so bytes = rows x (a x width + b x width^2),
-    exactly linear in rows at a given width. The bytes per row of every width measured are remembered (the latest);
-    other widths come from a least-squares fit of a, b >= 0 to them, or, with one width measured, from its bytes per
-    token.
+    exactly linear in rows at a given width. A vision transformer's tokens are its patches, pixels / patch area, so
+    the same form holds in pixels. The bytes per row of every width measured are remembered (the latest); other widths
+    come from a least-squares fit of a, b >= 0 to them, or, with one width measured, from its bytes per token. A
+    modality with no measurement yet has no prediction (:meth:`knows`).
     """
 
     def __init__(self) -> None:
-        self.per_row: dict[int, float] = {}  # padded width -> bytes per row
-        self._fit: tuple[float, float] | None = None
+        self.per_row: dict[str, dict[int, float]] = {}  # modality -> padded width (or pixels) -> bytes per row
+        self._fits: dict[str, tuple[float, float]] = {}
 
     @property
     def ready(self) -> bool:
         return bool(self.per_row)
 
-    def observe(self, rows: int, width: int, nbytes: int) -> None:
-        self.per_row[width] = nbytes / rows
-        self._fit = None
+    def knows(self, modality: str = "text") -> bool:
+        """Whether a mini-batch of ``modality`` has been measured."""
+        return modality in self.per_row
 
-    def predict(self, rows: int, width: int) -> float:
-        """Predicted bytes (float); needs one observation first."""
-        if width in self.per_row:
-            return rows * self.per_row[width]
-        if self._fit is None:
-            self._fit = _fit_per_row(self.per_row)
-        a, b = self._fit
+    def observe(self, rows: int, width: int, nbytes: int, modality: str = "text") -> None:
+        self.per_row.setdefault(modality, {})[width] = nbytes / rows
+        self._fits.pop(modality, None)
+
+    def predict(self, rows: int, width: int, modality: str = "text") -> float:
+        """Predicted bytes (float); needs one observation of ``modality`` first (else KeyError)."""
+        per_row = self.per_row[modality]
+        if width in per_row:
+            return rows * per_row[width]
+        if modality not in self._fits:
+            self._fits[modality] = _fit_per_row(per_row)
+        a, b = self._fits[modality]
         return rows * (a * width + b * width * width)
+
+
+def row_size(feature: dict[str, Any]) -> tuple[str, int | None]:
+    """``(modality, size per row)`` of a column, the shape :class:`ActivationModel` predicts from: the modality
+    (:func:`minibatches.column_modality`); the size is None where it is the padded width of a 2-D
+    attention mask (text, and models whose inputs hold their image tokens in the sequence) or unknown, else the
+    pixels of each row's image (``pixel_values`` (rows, channels, height, width); frames x pixels for video)."""
+    modality = column_modality(feature)
+    mask = feature.get("attention_mask")
+    if isinstance(mask, Tensor) and mask.ndim == 2:
+        return modality, None
+    for key in ("pixel_values", "pixel_values_videos"):
+        pixels = feature.get(key)
+        if isinstance(pixels, Tensor) and pixels.ndim >= 4:
+            return modality, math.prod(pixels.shape[-2:]) * math.prod(pixels.shape[1:-3])
+    return modality, None
 
 
 def _fit_per_row(per_row: dict[int, float]) -> tuple[float, float]:

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
-from .activation_memory import ActivationModel, SavedTensorBytes, alive_anyway
+from .activation_memory import ActivationModel, SavedTensorBytes, alive_anyway, row_size
 from .distributed import without_gradient_sync
 
 __all__ = ["Budget", "KeptForward", "KeptGraph", "MiniBatch", "StepPlan", "choose_kept", "step_minibatches"]
@@ -36,12 +36,14 @@ class Budget(Protocol):
 
 @dataclass(frozen=True)
 class MiniBatch:
-    """Rows ``begin:end`` of input column ``column`` (in the order it is embedded), ``width`` padded tokens wide."""
+    """Rows ``begin:end`` of input column ``column`` (in the order it is embedded), ``width`` padded tokens wide (an
+    image's pixels for an image column: :func:`activation_memory.row_size`), of ``modality``."""
 
     column: int
     begin: int
     end: int
     width: int
+    modality: str = "text"
 
     @property
     def rows(self) -> int:
@@ -57,7 +59,7 @@ def step_minibatches(
 ) -> list[MiniBatch]:
     """Every mini-batch of a step, in the order step (1) embeds them (column by column)."""
     return [
-        MiniBatch(column, begin, end, width)
+        MiniBatch(column, begin, end, width, row_size(feature)[0])
         for column, (feature, column_ranges) in enumerate(zip(features, ranges))
         for (begin, end), width in zip(column_ranges, _widths(feature, column_ranges))
     ]
@@ -75,6 +77,9 @@ def _widths(feature: dict[str, Any], ranges: Sequence[tuple[int, int]]) -> list[
         order = getattr(feature, "order", None)
         lengths = (lengths if order is None else lengths[order]).tolist()
         return [int(max(lengths[begin:end])) for begin, end in ranges]
+    pixels = row_size(feature)[1]
+    if pixels is not None:  # an image column
+        return [pixels] * len(ranges)
     input_ids = feature.get("input_ids")
     width = input_ids.shape[-1] if isinstance(input_ids, Tensor) and input_ids.ndim >= 2 else 1
     return [width] * len(ranges)
@@ -135,14 +140,16 @@ class StepPlan:
         limit_bytes: the allowance less the bytes reserved for step (3) ("auto" only).
         predicted_bytes: each mini-batch's predicted saved-tensor bytes (float), from the measurements before the
             step, or, when there were none (the first step), from its first mini-batch's, which is embedded with
-            gradients and measured before anything is predicted (``measured_first``: its index, else None).
+            gradients and measured before anything is predicted (``measured_first``: its index, else None). The
+            first mini-batch of a modality not measured yet (an image column's first step) is measured the same way
+            before its modality is predicted (0 until then, and not chosen).
         measured_bytes: {index: saved-tensor bytes} of the mini-batches embedded with gradients in step (1).
         kept_bytes: their sum over the kept ones.
         kept: indices of the kept mini-batches. A mini-batch is embedded with gradients when planned and its
             predicted bytes still fit beside those kept so far; it is kept when its measured bytes do (else its graph
             is dropped and step (3) re-embeds it). So the kept bytes never exceed ``limit_bytes``, and step (1)'s
             momentary activations exceed it by at most one mini-batch's prediction error (or, for ``measured_first``,
-            its bytes: one mini-batch with gradients, as step (3) holds anyway).
+            its bytes, and those of a modality's first: one mini-batch with gradients, as step (3) holds anyway).
     """
 
     def __init__(self, budget: Budget, features, minibatches, allowance, reserve_step3, never) -> None:
@@ -176,7 +183,7 @@ class StepPlan:
         index = self._index.get((id(sentence_feature), begin))
         if index is None:
             return None
-        if self._chosen is not None:
+        if self._chosen is not None and self.budget.activations.knows(self.minibatches[index].modality):
             fits = self.kept_bytes + self.predicted_bytes[index] <= self.limit_bytes
             if index not in self._chosen or not fits:
                 return None
@@ -185,10 +192,11 @@ class StepPlan:
     def settle(self, index: int, nbytes: int) -> bool:
         """Record a mini-batch's measured bytes; whether it is kept."""
         mb = self.minibatches[index]
-        self.budget.activations.observe(mb.rows, mb.width, nbytes)
+        new_modality = not self.budget.activations.knows(mb.modality)
+        self.budget.activations.observe(mb.rows, mb.width, nbytes, mb.modality)
         self.measured_bytes[index] = nbytes
-        if self._chosen is None:
-            self.measured_first = index
+        if self._chosen is None or new_modality:
+            self.measured_first = index if self._chosen is None else self.measured_first
             self._choose()
         keep = index in self._chosen and self.kept_bytes + nbytes <= self.limit_bytes
         if keep:
@@ -205,9 +213,13 @@ class StepPlan:
         self.kept_bytes -= self.measured_bytes[index]
 
     def _choose(self) -> None:
-        self.predicted_bytes = [self.budget.activations.predict(mb.rows, mb.width) for mb in self.minibatches]
+        # A modality not measured yet (predicted 0 here) is not chosen: its first mini-batch is measured (keeping).
+        known = [self.budget.activations.knows(mb.modality) for mb in self.minibatches]
+        self.predicted_bytes = [self.budget.activations.predict(mb.rows, mb.width, mb.modality) if k else 0.0
+                                for mb, k in zip(self.minibatches, known)]  # fmt: skip
+        never = self._never | {i for i, k in enumerate(known) if not k}
         self._chosen, reserve = choose_kept(
-            self.minibatches, self.predicted_bytes, self.allowance_bytes, self._reserve_step3, self._never
+            self.minibatches, self.predicted_bytes, self.allowance_bytes, self._reserve_step3, never
         )
         self.limit_bytes = int(self.allowance_bytes - reserve)
 

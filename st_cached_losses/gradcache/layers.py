@@ -60,16 +60,25 @@ def num_layers(model: SentenceTransformer) -> int:
     return num_hidden_layers(model[0] if isinstance(model, SentenceTransformer) and len(model) else None)
 
 
-def base_model(model: nn.Module) -> BaseModel:
-    """The model inside DDP (``.module``) and torch.compile (``._orig_mod``) wrappers, as stock AdaptiveLayerLoss
-    unwraps it, to reach its first module."""
-    while not isinstance(model, BaseModel):
-        inner = getattr(model, "_orig_mod", None)
-        inner = getattr(model, "module", None) if inner is None else inner
-        if not isinstance(inner, nn.Module):
-            raise TypeError(f"Cannot unwrap {type(model).__name__} to a SentenceTransformer (DDP or torch.compile).")
-        model = inner
-    return model
+def base_model(model: nn.Module, owner: str = "The loss") -> BaseModel:
+    """The model inside DDP (``.module``) and torch.compile (``._orig_mod``) wrappers, nested in any order, as stock
+    AdaptiveLayerLoss unwraps it, to reach its first module.
+
+    Raises:
+        TypeError: naming ``owner``, the wrapper given and where unwrapping stopped (as stock's error does).
+    """
+    inner = model
+    while not isinstance(inner, BaseModel):
+        unwrapped = getattr(inner, "_orig_mod", None)
+        unwrapped = getattr(inner, "module", None) if unwrapped is None else unwrapped
+        if not isinstance(unwrapped, nn.Module):
+            raise TypeError(
+                f"{owner} could not unwrap {type(model).__name__} to a SentenceTransformer (stopped at "
+                f"{type(inner).__name__}). Expected DistributedDataParallel, torch.compile's OptimizedModule, or a "
+                "SentenceTransformer."
+            )
+        inner = unwrapped
+    return inner
 
 
 def num_hidden_layers(transformer: Any) -> int:

@@ -18,8 +18,9 @@ from ._st_compat import get_batch_size
 _UNSORTABLE_KEY_PARTS = ("cu_seq_lens", "seq_idx", "pixel", "image", "video", "audio")
 
 
-def check_columns(sentence_features: list[dict[str, Any]]) -> None:
-    """Raises ValueError unless there are >= 2 columns (anchor, positive[, negatives...]) of equal row counts."""
+def check_columns(sentence_features: list[dict[str, Any]], mini_batch_num_tokens: int | None = None) -> None:
+    """Raises ValueError unless there are >= 2 columns (anchor, positive[, negatives...]) of equal row counts, and,
+    with ``mini_batch_num_tokens``, each has tokens to count (an attention mask or flattened sequences)."""
     if len(sentence_features) < 2:
         raise ValueError(
             f"CachedMatryoshkaLoss expects at least 2 input columns (anchor, positive[, negatives...]), got "
@@ -31,6 +32,29 @@ def check_columns(sentence_features: list[dict[str, Any]]) -> None:
             f"Every input column must have one row per anchor, got column sizes {sizes}: drop incomplete rows "
             "from the dataset."
         )
+    if mini_batch_num_tokens is None:
+        return
+    for index, feature in enumerate(sentence_features):
+        mask = feature.get("attention_mask")
+        if "cu_seq_lens_q" not in feature and not (isinstance(mask, Tensor) and mask.ndim == 2):
+            name = ("anchor", "positive")[index] if index < 2 else f"negative_{index - 1}"
+            raise ValueError(
+                f"mini_batch_num_tokens={mini_batch_num_tokens} packs mini-batches by their tokens, but input column "
+                f"{index} (the {name} column) holds {column_modality(feature)} inputs without tokens to count (no "
+                f"attention mask; keys {sorted(feature)}): use mini_batch_size (rows per mini-batch) instead, e.g. "
+                "mini_batch_num_tokens=None, mini_batch_size=32."
+            )
+
+
+def column_modality(feature: dict[str, Any]) -> str:
+    """A column's modality: the one sentence-transformers' ``preprocess`` recorded (``feature["modality"]``, a
+    multimodal tuple joined by "+"), else "image" for ``pixel_values`` and "text" otherwise."""
+    modality = feature.get("modality")
+    if isinstance(modality, (tuple, list)):
+        return "+".join(modality)
+    if isinstance(modality, str):
+        return modality
+    return "image" if "pixel_values" in feature else "text"
 
 
 def rows_are_texts(feature: dict[str, Any]) -> bool:

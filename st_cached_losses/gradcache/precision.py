@@ -2,7 +2,13 @@
 
 The trainer's ``fp16=True`` / ``bf16=True`` (accelerate) wrap the model's forward in autocast and return fp32
 embeddings, so neither the loss's own code nor the embeddings' dtype tell fp16 mixed precision apart. A forward
-pre-hook on the encoder's first module, installed only while a loss embeds, reads the autocast state there.
+pre-hook on the encoder's first module (inside the model's own forward, hence inside accelerate's autocast, below any
+DDP or ``torch.compile`` wrapper) reads the autocast state there, while a loss embeds.
+
+The hook is one module-level function excluded from ``torch.compile``'s tracing (``torch.compiler.disable``): a
+compiled model (``model.compile()``, the trainer's ``torch_compile=True``) calls it eagerly instead of tracing the
+list it appends to, whose length and identity change at every call and would recompile the model each time
+(dynamo's recompile limit, 8, then falls back to eager for good).
 """
 
 from __future__ import annotations
@@ -13,23 +19,42 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+_COLLECTORS: list[list[torch.dtype | None]] = []  # one per active encoder_autocast_dtypes block, innermost last
+
+
+@torch.compiler.disable
+def _record_autocast(module: nn.Module, args) -> None:
+    if not _COLLECTORS:
+        return
+    device = next((p.device.type for p in module.parameters()), "cpu")
+    enabled = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    _COLLECTORS[-1].append(torch.get_autocast_dtype(device) if enabled else None)
+
+
+def first_module(model: nn.Module) -> nn.Module:
+    """The first module the model runs (its input module, e.g. the ``Transformer``), below ``torch.compile``'s
+    ``_orig_mod`` and DDP's ``module`` wrappers, so that accelerate's autocast around the model's forward is active
+    when it runs; the model itself if it has no children."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        inner = getattr(model, "module", None) if inner is None else inner
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
+    return next(iter(model.children()), model)
+
 
 @contextlib.contextmanager
 def encoder_autocast_dtypes(model: nn.Module) -> Iterator[list[torch.dtype | None]]:
     """Yield a list that collects, for each forward of ``model`` inside the block, the autocast dtype its first
     module ran under (None without autocast). The hook is removed on exit."""
     seen: list[torch.dtype | None] = []
-    first = next(iter(model.children()), model)
-
-    def record(module: nn.Module, args) -> None:
-        device = next((p.device.type for p in module.parameters()), "cpu")
-        enabled = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-        seen.append(torch.get_autocast_dtype(device) if enabled else None)
-
-    handle = first.register_forward_pre_hook(record)
+    handle = first_module(model).register_forward_pre_hook(_record_autocast)
+    _COLLECTORS.append(seen)
     try:
         yield seen
     finally:
+        _COLLECTORS.pop()  # blocks nest, so this one is the innermost
         handle.remove()
 
 

@@ -35,6 +35,7 @@ from . import backward
 from ._st_compat import CachedLossMixin, RandContext, create_minibatch, minibatch_ranges
 from .activation_budget import ActivationBudget
 from .agreement import agree_counts, agree_kept
+from .compiled import compile_friendly
 from .distributed import check_same_rows_on_every_rank
 from .kept_minibatches import KeptGraph, StepPlan
 from .minibatches import LengthSorted, length_order, length_sorted, reorder, restore_order, without_leading_padding
@@ -187,11 +188,12 @@ class GradCacheSteps(CachedLossMixin):
     def minibatch_features(self, sentence_feature: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
         """Rows ``begin:end`` of a column (rows ``order[begin:end]`` of a length-sorted one) without the padding
         columns they all share: at the end (stock's ``_create_minibatch``) and at the start of a left-padded
-        mini-batch (:func:`minibatches.without_leading_padding`)."""
+        mini-batch (:func:`minibatches.without_leading_padding`); contiguous, its shapes marked dynamic for a
+        ``torch.compile``'d model (:func:`compiled.compile_friendly`)."""
         if isinstance(sentence_feature, LengthSorted):
             sentence_feature, begin, end = reorder(sentence_feature, sentence_feature.order[begin:end]), 0, end - begin
         sentence_feature, begin, end = without_leading_padding(sentence_feature, begin, end)
-        return create_minibatch(sentence_feature, begin, end)
+        return compile_friendly(create_minibatch(sentence_feature, begin, end))
 
     def encode(self, features: dict[str, Any]) -> Tensor:
         """(rows, D) embeddings of one mini-batch: the model's sentence embedding."""

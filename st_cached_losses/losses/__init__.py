@@ -4,6 +4,7 @@
 - ``cached_matryoshka_2d.py``: ``CachedMatryoshka2dLoss`` for ``Matryoshka2dLoss(model, MNRL)``;
 - ``cached_adaptive_layer.py``: ``CachedAdaptiveLayerLoss`` for ``AdaptiveLayerLoss(model, MNRL)``;
 - ``base_losses.py``: which base losses are accepted and what their hyperparameters mean for the op; the guide;
+- ``card.py``: what the model card shows (``get_config_dict()`` in JSON values, the public class path);
 - ``citations.py``: BibTeX for the model card.
 
 Each computes GradCache's step (2) (``calculate_loss``: :func:`st_cached_losses.matryoshka_infonce`); steps (1)

@@ -13,13 +13,14 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from sentence_transformers.util import cos_sim, dot_score
 
-from . import citations
+from . import card, citations
 from .cached_matryoshka_2d import CachedMatryoshka2dLoss
 
 # Without Matryoshka truncation the base loss's similarity_fct applies as is.
 _FULL_DIM_SIMILARITY = {cos_sim: "cosine", dot_score: "dot"}
 
 
+@card.public_class
 class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
     def __init__(
         self,

@@ -29,7 +29,7 @@ from ..gradcache.parallel import check_fsdp_sync
 from ..gradcache.precision import nonfinite_policy
 from ..gradcache.steps import GradCacheSteps
 from ..ops import check_backend, matryoshka_infonce
-from . import base_losses, citations
+from . import base_losses, card, citations
 from .base_losses import Guide, check_base_loss, check_self_guided_filter, is_gist, mini_batch_defaults
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED_LOSSES = base_losses.SUPPORTED_LOSSES
 
 
+@card.public_class
 class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, nn.Module):
     def __init__(
         self,
@@ -189,18 +190,12 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         """
         super().__init__()
         check_base_loss(loss, type(self).__name__)
-        if has_static_embedding_input(model):
-            raise ValueError(
-                "CachedMatryoshkaLoss is not compatible with a SentenceTransformer model based on a StaticEmbedding, "
-                "whose inputs cannot be split into mini-batches. Use MatryoshkaLoss(model, "
-                "MultipleNegativesRankingLoss(model), dims) instead."
-            )
         default_size, default_tokens = mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE)
         mini_batch_size = check_mini_batch_size(default_size if mini_batch_size is None else mini_batch_size)
         mini_batch_num_tokens = default_tokens if mini_batch_num_tokens is None else mini_batch_num_tokens
         activation_budget = check_activation_budget(activation_budget)
         validate_mini_batch_num_tokens(mini_batch_num_tokens)
-        check_backend(backend, model.device)  # e.g. "triton" for a model on CPU: now, not after the first batch
+        _check_model(model, backend)
         check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
 
         self.model = model
@@ -230,7 +225,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         weighted loss per Matryoshka dim as ``{"loss_dim_<d>": 0-dim tensor}``; their sum is the loss, and only
         that sum can be back-propagated (see :func:`loss_components.loss_components`). ``labels`` are unused."""
         sentence_features = list(sentence_features)
-        check_columns(sentence_features)
+        check_columns(sentence_features, self.mini_batch_num_tokens)
         self._step_dims = self._sample_dims()
         total = self.forward_sorted(sentence_features, labels)
         per_dim, self._step_per_dim = dict(zip(self._step_dims, self._step_per_dim)), None
@@ -285,12 +280,16 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         return tuple(self.matryoshka_dims[i] for i in dim_indices)
 
     def get_config_dict(self) -> dict[str, Any]:
-        # "loss" is the module itself: the model card renders it with its own config (scale, directions, ...).
+        """The loss's settings for the model card, JSON values: stock ``MatryoshkaLoss``'s keys and value types (the
+        base loss by class name, the dims and weights as given), the base loss's own settings as stock
+        ``Matryoshka2dLoss`` lists them (a GISTEmbed guide by name or path), then this loss's own (the mini-batch
+        settings in effect)."""
         return {
-            "loss": self.loss,
+            "loss": type(self.loss).__name__,
             "matryoshka_dims": self.matryoshka_dims,
             "matryoshka_weights": self.matryoshka_weights,
             "n_dims_per_step": self.n_dims_per_step,
+            **card.base_loss_settings(self.loss),
             "mini_batch_size": AUTO if self.auto_mini_batch else self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "sort_by_length": self.sort_by_length,
@@ -313,3 +312,19 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         return citations.GRADCACHE + citations.MATRYOSHKA + (citations.GISTEMBED if filtered else "")
 
 
+def _check_model(model: Any, backend: str) -> None:
+    """ValueError for a StaticEmbedding model, or a backend that cannot run on the model's device ("triton" on CPU:
+    now, not after the first batch). A stand-in that is no module list, or has no device, is not checked for what it
+    does not say (as stock MatryoshkaLoss skips its dims check for a model of unknown embedding dimension)."""
+    modules = getattr(model, "_orig_mod", model)
+    if isinstance(modules, nn.Sequential) and len(modules) and has_static_embedding_input(model):
+        raise ValueError(
+            "CachedMatryoshkaLoss is not compatible with a SentenceTransformer model based on a StaticEmbedding, whose "
+            "inputs cannot be split into mini-batches. Use MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), "
+            "dims) instead."
+        )
+    device = getattr(model, "device", None)
+    if device is not None:
+        check_backend(backend, device)
+    elif backend != "triton":  # the name alone; the first step runs "triton" where the embeddings are, or raises
+        check_backend(backend, "cpu")

@@ -29,7 +29,7 @@ from ..gradcache.layers import base_model, num_hidden_layers
 from ..gradcache.loss_components import loss_components
 from ..gradcache.minibatches import check_columns
 from ..ops import matryoshka_infonce
-from . import citations
+from . import card, citations
 from .base_losses import MNRL_LOSSES
 from .cached_matryoshka import CachedMatryoshkaLoss
 
@@ -40,6 +40,7 @@ LAYER_WEIGHTINGS = ("uniform", "log", "linear")
 _PRIOR_LAYERS = "st_cached_losses.prior_layers"
 
 
+@card.public_class
 class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
     def __init__(
         self,
@@ -187,7 +188,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         losses ``{"loss_layer_<l>_dim_<d>": ..., "loss_layer_<l>_kl": ...}``; their sum is the loss, and only
         that sum can be back-propagated. ``labels`` are unused."""
         sentence_features = list(sentence_features)
-        check_columns(sentence_features)
+        check_columns(sentence_features, self.mini_batch_num_tokens)
         self._step_plan = self._sample_plan()
         prior = tuple(layer for layer, _, _ in self._step_plan[1:])
         total = self.forward_sorted([{**feature, _PRIOR_LAYERS: prior} for feature in sentence_features], labels)
@@ -228,7 +229,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         """(rows, S * D): the pooled embedding of the final layer, then of each prior layer of the step, side by
         side. One run of the transformer with hidden states (stock's ``TransformerDecorator``); the model's other
         modules run once per layer on that layer's hidden states."""
-        base = base_model(self.model)
+        base = base_model(self.model, type(self).__name__)
         transformer = base[0]
         own_forward = vars(transformer).get("forward")
         decorator = _st_compat.TransformerDecorator(transformer, transformer.forward)
@@ -246,7 +247,8 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             embeddings = [output["sentence_embedding"]]
             for layer in features.prior_layers:
                 decorator.set_layer_idx(layer)
-                embeddings.append(base(output)["sentence_embedding"])  # the cached hidden states: no transformer run
+                # The cached hidden states: no transformer run. forward, not __call__: outside a model.compile()d call.
+                embeddings.append(base.forward(output)["sentence_embedding"])
         finally:
             if own_forward is None:
                 del transformer.forward
@@ -299,13 +301,15 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         return F.kl_div(F.log_softmax(student / self.kl_temperature, dim=-1), teacher, reduction="batchmean")
 
     def get_config_dict(self) -> dict[str, Any]:
-        # Stock AdaptiveLayerLoss's entries (a callable weighting by its name, as stock), then ours.
+        """Stock ``Matryoshka2dLoss``'s entries in its order and types (the base loss by class name, a callable
+        ``layer_weighting`` by its name), then the base loss's settings and ours (:class:`CachedMatryoshkaLoss`)."""
         weighting = self.layer_weighting
         weighting = weighting if isinstance(weighting, str) else getattr(weighting, "__name__", "custom")
+        config = super().get_config_dict()
         layer_options = {"n_layers_per_step": self.n_layers_per_step, "last_layer_weight": self.last_layer_weight,
                          "prior_layers_weight": self.prior_layers_weight, "kl_div_weight": self.kl_div_weight,
                          "kl_temperature": self.kl_temperature, "layer_weighting": weighting}  # fmt: skip
-        return {**layer_options, **super().get_config_dict()}
+        return {"loss": config.pop("loss"), **layer_options, **config}
 
     @property
     def citation(self) -> str:
