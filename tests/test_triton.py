@@ -234,14 +234,16 @@ def test_cpu_without_interpreter_raises_clear_error():
 
 def test_kernels_compile_for_hopper():
     """The interpreter runs programs the compiler rejects: compile all three kernels for sm_90 (no GPU
-    needed: Triton's LLVM and bundled ptxas), in a process without TRITON_INTERPRET."""
+    needed: Triton's LLVM and bundled ptxas), in a process without TRITON_INTERPRET, with and without the
+    duplicate mask."""
     pytest.importorskip("triton.backends.nvidia")
     result = _run_python("""
         import torch
         from benchmarks import triton_tools
-        kernels = triton_tools.compile_kernels(dtype=torch.bfloat16, num_dims=3, arch=90)
-        assert set(kernels) == {"_lse_kernel", "_row_grad_kernel", "_col_grad_kernel"}
-        assert all(k.asm.get("cubin") for k in kernels.values())
+        for duplicates in (False, True):
+            kernels = triton_tools.compile_kernels(dtype=torch.bfloat16, num_dims=3, arch=90, duplicates=duplicates)
+            assert set(kernels) == {"_lse_kernel", "_row_grad_kernel", "_col_grad_kernel"}
+            assert all(k.asm.get("cubin") for k in kernels.values())
         print("ok")
     """)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

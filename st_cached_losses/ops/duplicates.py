@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .false_negatives import kept_columns
+from .false_negatives import kept_columns, num_candidates
 from .spec import DIRECTIONS, InfoNCESpec
 
 __all__ = ["DuplicateMask", "check_ids"]
@@ -115,6 +115,27 @@ class DuplicateMask:
         """(B,) int64: how many candidates each row loses in direction ``name``."""
         rows = self._entries(name)[0]
         return torch.bincount(rows, minlength=self.spec.batch_size)
+
+    def share(self) -> Tensor:
+        """The share of candidates removed, over every row and direction (0-dim, fp32): candidates are a row's
+        columns less its partner and the columns its direction masks itself (``false_negatives.num_candidates``)."""
+        spec = self.spec
+        removed = sum(self._entries(name)[0].shape[0] for name in spec.directions)
+        candidates = sum(num_candidates(DIRECTIONS[name], spec, spec.batch_size, self.num_columns(name))
+                         for name in spec.directions)  # fmt: skip
+        return torch.tensor(removed / max(candidates, 1), dtype=torch.float32, device=self.codes["c"].device)
+
+    def live_rows(self) -> Tensor:
+        """(B,) bool: False for a row whose softmax holds nothing but its partner once the duplicates are removed
+        (every direction's, joint; each direction's, per_direction), whose loss and gradient are exactly 0."""
+        spec, scored = self.spec, []
+        for name in spec.directions:
+            direction = DIRECTIONS[name]
+            columns = num_candidates(direction, spec, 1, self.num_columns(name)) + direction.partner
+            scored.append(columns - self.removed_per_row(name))
+        if spec.partition_mode == "joint":
+            return sum(scored) != 1
+        return ~torch.stack(scored).eq(1).all(dim=0)
 
     def tile(self, name: str, begin: int, end: int) -> tuple[Tensor, Tensor]:
         """The removed (row - begin, column) pairs of rows [begin, end), for indexing a tile of scores."""
