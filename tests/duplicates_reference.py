@@ -53,12 +53,38 @@ def masks(anchor_ids, doc_ids, batch, offset, directions, duplicates=True):
     return out, removed, candidates
 
 
+def filtered(guide_queries, guide_docs, guide_world, offset, directions, margin):
+    """GISTEmbed's false-negative filter from its definition (absolute margin, cosine): {direction: (B, columns)
+    bool} of the candidates whose guide similarity to the row exceeds its positive pair's minus ``margin``, never
+    the partner column nor a column the direction masks itself."""
+    batch, world = guide_queries.shape[0], guide_world.shape[0]
+    unit = {key: F.normalize(x.detach(), dim=-1) for key, x in (("q", guide_queries), ("docs", guide_docs),
+                                                               ("world", guide_world))}  # fmt: skip
+    unit.update(d=unit["docs"][offset : offset + batch], local=unit["q"], positives=unit["docs"][:world])
+    positive = (unit["q"] * unit["d"]).sum(dim=1)
+    out = {}
+    for name in directions:
+        side, columns = BLOCKS[name]
+        drop = unit[side] @ unit[columns].T > (positive - margin)[:, None]
+        for i in range(batch):
+            for j in range(drop.shape[1]):
+                w = offset + i
+                structural = (name == "query_to_query" and j == w) or (name == "doc_to_doc" and j % world == w)
+                if structural or (name in ("query_to_doc", "doc_to_query") and j == w):
+                    drop[i, j] = False
+        out[name] = drop
+    return out
+
+
 def loss(queries, docs, world_queries, anchor_ids, doc_ids, dims, offset=0, directions=("query_to_doc",),
-         partition_mode="joint", scale=20.0, weights=None, mask_duplicates=True):  # fmt: skip
-    """sum_k w_k L_k with the duplicate mask (cosine similarity of each dim's re-normalised prefix)."""
+         partition_mode="joint", scale=20.0, weights=None, mask_duplicates=True, extra=None):  # fmt: skip
+    """sum_k w_k L_k with the duplicate mask (cosine similarity of each dim's re-normalised prefix); ``extra``:
+    more candidates to drop per direction ({direction: (B, columns) bool}, e.g. :func:`filtered`)."""
     batch, world = queries.shape[0], world_queries.shape[0]
     weights = weights or [1.0] * len(dims)
     dropped = masks(anchor_ids, doc_ids, batch, offset, directions, duplicates=mask_duplicates)[0]
+    for name, drop in (extra or {}).items():
+        dropped[name] = dropped[name] | drop
     local_docs = docs[offset : offset + batch]
     operands = {"q": queries, "d": local_docs, "docs": docs, "world": world_queries, "local": queries,
                 "positives": docs[:world]}  # fmt: skip
