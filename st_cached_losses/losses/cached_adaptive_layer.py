@@ -36,6 +36,7 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         sort_by_length: bool = True,
         backend: str = "auto",
         show_progress_bar: bool = False,
+        mask_duplicates: bool = False,
     ) -> None:
         """
         Stock ``AdaptiveLayerLoss(model, MultipleNegativesRankingLoss(model), ...)`` with GradCache: every layer
@@ -56,7 +57,7 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         super().__init__(
             model, loss, [dim], None, n_layers_per_step, -1, last_layer_weight, prior_layers_weight, kl_div_weight,
             kl_temperature, layer_weighting, mini_batch_size, mini_batch_num_tokens, sort_by_length, backend,
-            show_progress_bar,
+            show_progress_bar, mask_duplicates,
         )  # fmt: skip
 
     def op_options(self) -> dict[str, Any]:
