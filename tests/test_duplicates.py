@@ -65,7 +65,7 @@ def _op(queries, docs, world, anchor_ids, doc_ids, offset=0, ids=True, **options
         return_masked_share=True, **id_options, **options,
     )  # fmt: skip
     loss.backward()
-    return (loss, share, *(leaf.grad for leaf in leaves))
+    return (loss.detach(), share, *(leaf.grad for leaf in leaves))
 
 
 def _assert_close(actual, expected, what, rtol=1e-4):
@@ -82,6 +82,7 @@ def _want(queries, docs, world, anchor_ids, doc_ids, offset=0, **options):
     loss = reference.loss(leaves[0], leaves[1], world_leaf, anchor_ids, doc_ids, DIMS, offset=offset, weights=WEIGHTS,
                           extra=options.pop("extra", None), **options)  # fmt: skip
     loss.backward()
+    loss = loss.detach()
     _, removed, candidates = reference.masks(anchor_ids, doc_ids, queries.shape[0], offset,
                                              options.get("directions", ("query_to_doc",)))  # fmt: skip
     grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
