@@ -1,7 +1,7 @@
 """Regenerate the benchmark results (CSV + PNG under benchmarks/results/).
 
     python -m benchmarks                          # everything committed: train_step (default, GISTEmbed, 2D), then
-                                                  # loss_stage (1 and 2 threads, GISTEmbed)
+                                                  # loss_stage (1 and 2 threads, GISTEmbed, mask_duplicates)
     python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
     python -m benchmarks loss_stage [FLAGS...]
 """
@@ -24,6 +24,7 @@ EVERYTHING = (
     ("loss_stage", ["--threads", "2", "--name", "loss_stage_2threads"]),
     ("loss_stage", ["--gist", "--sizes", "256", "512", "1024", "8192", "--stock-max-batch", "1024",
                     "--name", "loss_stage_gist"]),
+    ("loss_stage", ["--mask-duplicates", "--sizes", "8192", "--threads", "1", "--name", "loss_stage_mask_duplicates"]),
 )
 
 
