@@ -87,7 +87,7 @@ class DuplicateMask:
     codes: dict[str, Tensor]
     forbidden: dict[str, Tensor]
     num_codes: int
-    _removed: dict[str, tuple[Tensor, Tensor, list[int]]] = field(default_factory=dict)
+    _removed: dict[str, tuple[Tensor, Tensor, list[int], Tensor]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, spec: InfoNCESpec, query_ids: Tensor, doc_ids: Tensor, world_query_ids: Tensor | None = None):
@@ -113,8 +113,7 @@ class DuplicateMask:
 
     def removed_per_row(self, name: str) -> Tensor:
         """(B,) int64: how many candidates each row loses in direction ``name``."""
-        rows = self._entries(name)[0]
-        return torch.bincount(rows, minlength=self.spec.batch_size)
+        return self._entries(name)[3]
 
     def share(self) -> Tensor:
         """The share of candidates removed, over every row and direction (0-dim, fp32): candidates are a row's
@@ -139,16 +138,17 @@ class DuplicateMask:
 
     def tile(self, name: str, begin: int, end: int) -> tuple[Tensor, Tensor]:
         """The removed (row - begin, column) pairs of rows [begin, end), for indexing a tile of scores."""
-        rows, cols, bounds = self._entries(name)
+        rows, cols, bounds, _ = self._entries(name)
         lo, hi = bounds[begin], bounds[end]
         return rows[lo:hi] - begin, cols[lo:hi]
 
-    def _entries(self, name: str) -> tuple[Tensor, Tensor, list[int]]:
+    def _entries(self, name: str) -> tuple[Tensor, Tensor, list[int], Tensor]:
+        """(rows, columns, where each row's entries begin (B + 1 ints), entries per row) of direction ``name``."""
         if name not in self._removed:
             self._removed[name] = self._expand(name)
         return self._removed[name]
 
-    def _expand(self, name: str) -> tuple[Tensor, Tensor, list[int]]:
+    def _expand(self, name: str) -> tuple[Tensor, Tensor, list[int], Tensor]:
         """Each row's forbidden codes expanded into the columns holding them, less the columns the row keeps."""
         direction, spec = DIRECTIONS[name], self.spec
         forbidden, col_codes = self.forbidden[direction.rows], self.codes[direction.cols]
@@ -166,8 +166,8 @@ class DuplicateMask:
         if kept is not None:
             keep = (cols[:, None] == kept[rows]).any(dim=1)
             rows, cols = rows[~keep], cols[~keep]
-        bounds = torch.searchsorted(rows, torch.arange(spec.batch_size + 1, device=device)).tolist()
-        return rows, cols, bounds
+        bounds = torch.searchsorted(rows, torch.arange(spec.batch_size + 1, device=device))
+        return rows, cols, bounds.tolist(), bounds.diff()
 
 
 def _forbidden(own: Tensor, target: Tensor, local: slice, num_codes: int) -> Tensor:
