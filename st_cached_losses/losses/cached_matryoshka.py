@@ -269,7 +269,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
             return
         self.masked_share = float(masked_share)
         if torch.is_grad_enabled():  # training steps, not evaluation
-            logger.info("%s: %.2f%% of in-batch candidates dropped", masks, 100 * self.masked_share)
+            logger.info("%s: %.3g%% of in-batch candidates dropped", masks, 100 * self.masked_share)
 
     def op_options(self) -> dict[str, Any]:
         """The op's keyword arguments: the base loss's hyperparameters (read at every step, as stock does; see
