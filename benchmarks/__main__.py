@@ -1,7 +1,8 @@
 """Regenerate the benchmark results (CSV + PNG under benchmarks/results/).
 
     python -m benchmarks                          # everything committed: train_step (default, GISTEmbed, 2D), then
-                                                  # loss_stage (1 and 2 threads, GISTEmbed), compile_step, integrations
+                                                  # loss_stage (1 and 2 threads, GISTEmbed, mask_duplicates),
+                                                  # compile_step, integrations
     python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
     python -m benchmarks loss_stage [FLAGS...]
     python -m benchmarks compile_step [FLAGS...]  # torch.compile against eager (inductor: C++ compiles, minutes)
@@ -29,6 +30,7 @@ EVERYTHING = (
                     "--name", "loss_stage_gist"]),
     ("compile_step", []),
     ("integrations", []),
+    ("loss_stage", ["--mask-duplicates", "--sizes", "8192", "--threads", "1", "--name", "loss_stage_mask_duplicates"]),
 )
 
 

@@ -11,11 +11,16 @@ run, for each batch size. Also times the three B x M x D matmuls that any exact 
     python -m benchmarks.loss_stage --threads 2 --name loss_stage_2threads   # another CSV + PNG beside it
     python -m benchmarks.loss_stage --gist --sizes 256 512 1024 8192 --stock-max-batch 1024
                                     # vs stock MatryoshkaLoss(CachedGISTEmbedLoss), stock not run at 8192
+    python -m benchmarks.loss_stage --mask-duplicates --sizes 8192   # ours with and without mask_duplicates
 
 With --gist both sides filter false negatives with a guide's embeddings (random, D like the model's): stock
 ``MatryoshkaLoss(CachedGISTEmbedLoss(model, guide))``'s ``calculate_loss`` (temperature 0.01, margin 0, anchor and
 positive contrast) against ``matryoshka_infonce`` with ``guide_queries`` / ``guide_docs`` and GISTEmbed's
 directions; the CSV and PNG are loss_stage_gist.*.
+
+With --mask-duplicates ours runs with and without ``mask_duplicates`` (``query_ids`` / ``doc_ids``: every 50th
+row repeats the previous row's query and the row after it the previous row's positive), the two timed
+alternately, round by round; the CSV and PNG are loss_stage_mask_duplicates.*.
 
 On a CUDA machine the Triton backend joins (timed with triton.testing.do_bench, memory with
 torch.cuda.max_memory_allocated).
@@ -103,6 +108,83 @@ def contenders(q, c, dims, mini_batch_size: int, device: str, guide=None) -> dic
     if device == "cuda" and guide is None:
         runs["triton"] = ours("triton")
     return runs
+
+
+def duplicate_ids(batch: int, device: str, every: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query_ids, doc_ids) int64 of a batch with duplicates: every ``every``-th row repeats the previous row's
+    query (two positives of one query) and the row after it the previous row's positive."""
+    anchors, positives = torch.arange(batch), torch.arange(batch, 2 * batch)
+    repeated = torch.arange(every, batch, every)
+    anchors[repeated] = anchors[repeated - 1]
+    repeated = repeated[repeated + 1 < batch] + 1
+    positives[repeated] = positives[repeated - 1]
+    return anchors.to(device), positives.to(device)
+
+
+def _ours(q, c, dims, backend: str, options: dict):
+    """Ours, forward + backward once over the batch's embeddings (leaves sharing q's and c's storage)."""
+
+    def run():
+        queries, docs = q.detach().requires_grad_(), c.detach().requires_grad_()
+        loss = matryoshka_infonce(queries, docs, dims=dims, backend=backend, **options)
+        loss.backward()
+        return loss
+
+    return run
+
+
+def mask_contest(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=5, device="cpu"):
+    """Rows of (contender, B, metric, value): ours with and without ``mask_duplicates``, timed alternately (one
+    untimed call each first), then each one's exact tensor peak and the share of candidates the mask removed."""
+    dims, rows = list(dims), []
+    for batch in sizes:
+        q, c = _embeddings(batch, dim, device)
+        query_ids, doc_ids = duplicate_ids(batch, device)
+        ids = dict(query_ids=query_ids, doc_ids=doc_ids)
+        rows.append(("inputs", batch, "embedding_bytes", (q.numel() + c.numel()) * q.element_size()))
+        rows.append(("inputs", batch, "id_bytes", (query_ids.numel() + doc_ids.numel()) * query_ids.element_size()))
+        runs = {}
+        for backend in ("chunked", "triton") if device == "cuda" else ("chunked",):
+            runs[backend] = _ours(q, c, dims, backend, {})
+            runs[f"{backend}_mask_duplicates"] = _ours(q, c, dims, backend, ids)
+        timings = {name: ([], []) for name in runs}
+        for fn in runs.values():
+            fn()
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                wall, cpu = _time(fn, 1, 0, device)
+                timings[name][0].extend(wall)
+                timings[name][1].extend(cpu)
+        for name, fn in runs.items():
+            stats, peak = summarize(timings[name][0]), peak_tensor_bytes(fn, device)[1]
+            rows += [(name, batch, f"seconds_{key}", value) for key, value in stats.items()]
+            rows.append((name, batch, "cpu_seconds_median", summarize(timings[name][1])["median"]))
+            rows += [(name, batch, "peak_bytes", peak), (name, batch, "load_average_1min", os.getloadavg()[0])]
+            print(f"B={batch:>6} {name:>24}: {stats['median']:8.3f} s wall (median of {repeats}), peak "
+                  f"{peak / 2**20:8.2f} MiB", flush=True)
+        share = matryoshka_infonce(q, c, dims=dims, return_masked_share=True, **ids)[1]
+        rows.append(("chunked_mask_duplicates", batch, "masked_share", float(share)))
+    return rows
+
+
+def mask_table(records: list[dict]) -> str:
+    """Markdown table: time and tensor peak with the mask against without, per backend and B."""
+    value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
+    lines = ["| B | backend | without s | with s | time ratio | CPU s ratio | without peak MiB | with peak MiB | "
+             "extra peak KiB | ids KiB | share removed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for batch in sorted({r["B"] for r in records}):
+        for backend in ("chunked", "triton"):
+            if (backend, batch, "seconds_median") not in value:
+                continue
+            masked = f"{backend}_mask_duplicates"
+            plain_s, mask_s = value[(backend, batch, "seconds_median")], value[(masked, batch, "seconds_median")]
+            cpu = value[(masked, batch, "cpu_seconds_median")] / value[(backend, batch, "cpu_seconds_median")]
+            plain_peak, mask_peak = value[(backend, batch, "peak_bytes")], value[(masked, batch, "peak_bytes")]
+            share = value.get(("chunked_mask_duplicates", batch, "masked_share"), float("nan"))
+            lines.append(f"| {batch} | {backend} | {plain_s:.3f} | {mask_s:.3f} | {mask_s / plain_s:.3f} | {cpu:.3f} | "
+                         f"{plain_peak / 2**20:.1f} | {mask_peak / 2**20:.1f} | {(mask_peak - plain_peak) / 2**10:.0f} | "
+                         f"{value[('inputs', batch, 'id_bytes')] / 2**10:.0f} | {share:.2e} |")
+    return "\n".join(lines)
 
 
 def matmul_floor(q: torch.Tensor, c: torch.Tensor) -> callable:
@@ -234,6 +316,8 @@ def main(argv=None) -> None:
     parser.add_argument("--crossover", action="store_true", help="dense vs chunked instead of stock vs ours")
     parser.add_argument("--gist", action="store_true", help="both filter false negatives with a guide: stock "
                         "MatryoshkaLoss(CachedGISTEmbedLoss) vs matryoshka_infonce(guide_queries=..., guide_docs=...)")
+    parser.add_argument("--mask-duplicates", action="store_true", help="ours with and without mask_duplicates "
+                        "(query_ids / doc_ids with a few duplicates), timed alternately; no stock")
     parser.add_argument(
         "--threads", type=int, default=None,
         help="torch threads (default: torch's). 1 keeps a loaded shared machine from penalising the many small "
@@ -247,6 +331,13 @@ def main(argv=None) -> None:
     if args.crossover:
         rows = crossover(args.sizes, args.dim, dims)
         write_csv(rows, args.out / "crossover.csv")
+        return
+    if args.mask_duplicates:
+        name = args.name or ("loss_stage" if device == "cpu" else "loss_stage_gpu") + "_mask_duplicates"
+        write_csv(mask_contest(args.sizes, args.dim, dims, max(args.repeats, 5), device), args.out / f"{name}.csv")
+        records = read_csv(args.out / f"{name}.csv")
+        plot(records, args.out / f"{name}.png", title="Loss stage (fwd + bwd) with and without mask_duplicates")
+        print(mask_table(records))
         return
     rows = run(args.sizes, args.dim, dims, args.repeats, args.stock_repeats, device=device, gist=args.gist,
                stock_max_batch=args.stock_max_batch)

@@ -26,6 +26,8 @@ STYLES = {
     "ours_2d": ("goldenrod", "p"),
     "stock_2d": ("darkred", "X"),
     "chunked": ("tab:blue", "o"),
+    "chunked_mask_duplicates": ("tab:purple", "D"),
+    "triton_mask_duplicates": ("darkgreen", "X"),
     "triton": ("tab:green", "P"),
     "dense": ("tab:brown", "*"),
     "matmul": ("black", "."),

@@ -24,12 +24,14 @@ def compile_kernels(
     cosine: bool = True,
     mask: int = MASK_CODES["own_docs"],
     hardness: int = 1,
+    duplicates: bool = True,
 ) -> dict:
     """Compile the three kernels for an NVIDIA GPU of compute capability ``arch`` (90: H100/H200)
     without a GPU, with Triton's LLVM and bundled ptxas.
 
     The interpreter runs programs the compiler rejects (and says nothing of registers), so CI calls
     this in a process without TRITON_INTERPRET. ``ptxas -v`` on ``kernel.asm["ptx"]`` reports spills.
+    ``duplicates``: with the duplicate mask (DUP, a partner direction), the kernels' widest variant.
 
     Returns:
         {kernel name: triton CompiledKernel} (``.asm`` holds "ttgir", "ptx", "cubin").
@@ -45,10 +47,10 @@ def compile_kernels(
     config = config or default_config(dtype)
     types = _types(dtype)
     emb, acc = _TRITON_DTYPES[dtype], _TRITON_DTYPES[types.acc]
-    pointers = {"X": emb, "Y": emb, "DIMS": "i64"}
+    pointers = {"X": emb, "Y": emb, "DIMS": "i64", "ROW_IDS": "i32", "COL_IDS": "i32"}
     pointers.update({name: acc for name in ("INVX", "INVY", "LSE", "DX", "DY", "RX", "RY", "NRM2", "W")})
     consts = dict(K=num_dims, KP=triton.next_power_of_2(num_dims), COSINE=cosine, MASK=mask, HARD=hardness,
-                  BM=config.block_rows, BN=config.block_cols, BD=config.block_d, **types.consts)  # fmt: skip
+                  DUP=duplicates, PARTNER=duplicates, BM=config.block_rows, BN=config.block_cols, BD=config.block_d, **types.consts)  # fmt: skip
     compiled = {}
     for kernel in (_lse_kernel, _row_grad_kernel, _col_grad_kernel):
         kernel_consts = {k: v for k, v in consts.items() if k in kernel.arg_names}

@@ -39,6 +39,18 @@ def test_python_m_benchmarks_regenerates_every_committed_result(monkeypatch):
     assert sorted(stems) == sorted(p.stem for p in loss_stage.RESULTS.glob("loss_stage*.csv"))
 
 
+def test_loss_stage_mask_duplicates_smoke(tmp_path):
+    loss_stage.main(["--mask-duplicates", "--sizes", "120", "--dim", "48", "--dims", "48", "24", "--repeats", "1",
+                     "--out", str(tmp_path)])  # fmt: skip
+    records = loss_stage.read_csv(tmp_path / "loss_stage_mask_duplicates.csv")
+    value = {(r["contender"], r["metric"]): r["value"] for r in records}
+    assert value[("chunked", "peak_bytes")] > 0 and value[("chunked_mask_duplicates", "peak_bytes")] > 0
+    assert 0 < value[("chunked_mask_duplicates", "masked_share")] < 0.01
+    query_ids, doc_ids = loss_stage.duplicate_ids(120, "cpu")
+    assert len(set(query_ids.tolist())) == 118 and len(set(doc_ids.tolist())) == 118
+    assert "| 120 | chunked |" in loss_stage.mask_table(records)
+
+
 def test_loss_stage_gist_smoke(tmp_path):
     loss_stage.main(["--gist", "--sizes", "32", "--dim", "48", "--dims", "48", "24", "--repeats", "1", "--out",
                      str(tmp_path)])  # fmt: skip

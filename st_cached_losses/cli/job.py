@@ -100,7 +100,7 @@ def prepare(options: TrainOptions) -> Prepared:
     dims = resolve_dims(options.dims, model.get_embedding_dimension())
     check_layers(options.layers, model)
     evaluate = build_evaluate(test, dims)
-    warn_degenerate(train, test, options.batch_size, options.seed)
+    warn_degenerate(train, test, options.batch_size, options.seed, options.sampler)
     return Prepared(model, model_spec, dims, train, evaluate, guide)
 
 

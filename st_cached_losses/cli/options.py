@@ -31,6 +31,8 @@ POSITIVE_INTS = ("batch_size", "mini_batch_size", "max_steps", "max_seq_length",
                  "max_eval_samples")
 POSITIVE_NUMBERS = ("epochs", "learning_rate")
 OPTIONAL = ("max_steps", "max_train_samples", "max_eval_samples")  # None: no limit
+# sentence-transformers' BatchSamplers the main job offers: rows sharing a text never in one batch, or plain batches.
+BATCH_SAMPLERS = ("no_duplicates", "batch_sampler")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -64,6 +66,8 @@ class TrainOptions:
     false_negative_margin: float | None = None  # with a guide, its margin (default 0); alone, self-guided
     activation_budget: int | str | None = None  # bytes of activations step (1) keeps, or "auto"; None: none
     layers: Sequence[int] | None = None  # 2D Matryoshka: CachedMatryoshka2dLoss, and evaluate at these many layers
+    mask_duplicates: bool = False  # exact duplicates leave the softmax (inside the loss) instead of the batch
+    batch_sampler: str | None = None  # one of BATCH_SAMPLERS; None: no_duplicates, or batch_sampler with the mask
 
     def __post_init__(self):
         self.output_dir = Path(self.output_dir)
@@ -95,6 +99,23 @@ class TrainOptions:
             raise UsageError("--compare-stock needs a fixed --mini-batch-size (stock has no 'auto'): pass the size "
                              "that --mini-batch-size auto chose (results.json's activation.chosen)")
         self._check_layers()
+        self._check_duplicates()
+
+    @property
+    def sampler(self) -> str:
+        """The batch sampler the run uses (``--batch-sampler``, or the default for ``--mask-duplicates``)."""
+        return self.batch_sampler or ("batch_sampler" if self.mask_duplicates else "no_duplicates")
+
+    def _check_duplicates(self) -> None:
+        """--mask-duplicates and --batch-sampler: known names, and no combination where the mask does nothing."""
+        if self.batch_sampler not in (None, *BATCH_SAMPLERS):
+            raise UsageError(f"--batch-sampler must be one of {', '.join(BATCH_SAMPLERS)}, got {self.batch_sampler!r}")
+        if self.mask_duplicates and self.batch_sampler == "no_duplicates":
+            raise UsageError("--mask-duplicates removes duplicates inside the loss, and --batch-sampler no_duplicates "
+                             "keeps them out of the batches, leaving the mask nothing to do: drop one of them")
+        if self.mask_duplicates and self.compare_stock:
+            raise UsageError("--compare-stock compares the same loss, and stock has no duplicate mask: drop "
+                             "--mask-duplicates or --compare-stock")
 
     def _check_layers(self) -> None:
         """--layers: positive, and only with the options CachedMatryoshka2dLoss takes."""

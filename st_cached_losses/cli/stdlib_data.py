@@ -6,6 +6,11 @@ qualified name and signature), e.g.::
     anchor:   "Return True if x is a positive or negative infinity, and False otherwise."
     positive: "math.isinf(x, /)"
 
+``--dataset stdlib-dups`` keeps what ``stdlib`` drops as ambiguous: a docstring shared by several objects (aliases
+such as ``os.path.getsize``'s, "Close the file." on many classes) gives one query several positives, and a repeated
+signature one positive several queries; only exact repeats of a pair are dropped. Its batches hold real duplicates
+for ``--mask-duplicates`` (a query's other positives are false negatives of each other).
+
 The pairs are extracted at run time (well under a second, nothing is cached on disk) from the modules
 listed in ``sys.stdlib_module_names`` and their submodules. The extraction is deterministic for a given Python
 installation: modules are visited in sorted order, only objects *defined* in a module are taken (re-exports are
@@ -30,7 +35,8 @@ from types import ModuleType
 
 import datasets
 
-__all__ = ["SKIPPED_MODULES", "deduplicate", "load_stdlib_dataset", "split_of", "stdlib_modules", "stdlib_pairs"]
+__all__ = ["SKIPPED_MODULES", "deduplicate", "distinct_pairs", "load_stdlib_dataset", "split_of", "stdlib_modules",
+           "stdlib_pairs"]
 
 # Top-level modules left out: importing them has side effects (opens a browser, prints, starts Tk or
 # writes grammar caches), they are shims that third-party packages replace (distutils), or they are
@@ -192,17 +198,29 @@ def _module_pairs(module: ModuleType) -> Iterator[dict[str, str]]:
                         yield pair
 
 
-def stdlib_pairs() -> list[dict[str, str]]:
+def stdlib_pairs(keep_duplicates: bool = False) -> list[dict[str, str]]:
     """All (anchor, positive, module) pairs of the installed standard library, de-duplicated.
+
+    Args:
+        keep_duplicates: keep the pairs that share an anchor or a positive (:func:`distinct_pairs`) instead of
+            dropping them (:func:`deduplicate`).
 
     Returns:
         A list of dicts with keys ``anchor`` (docstring paragraph), ``positive`` (``qualname(signature)``)
         and ``module`` (dotted module name), in module order. A docstring paragraph shared by several
-        objects ("Close the file.") is ambiguous as a query, so every pair that has it is dropped.
+        objects ("Close the file.") is ambiguous as a query, so every pair that has it is dropped, unless
+        ``keep_duplicates``.
     """
     with warnings.catch_warnings():  # reading deprecated attributes (typing.re) warns
         warnings.simplefilter("ignore")
-        return deduplicate([pair for module in stdlib_modules() for pair in _module_pairs(module)])
+        pairs = [pair for module in stdlib_modules() for pair in _module_pairs(module)]
+    return distinct_pairs(pairs) if keep_duplicates else deduplicate(pairs)
+
+
+def distinct_pairs(pairs: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Drop exact repeats of an (anchor, positive) pair (keeping the first); the order is kept."""
+    seen: set[tuple[str, str]] = set()
+    return [pair for pair in pairs if (key := (pair["anchor"], pair["positive"])) not in seen and not seen.add(key)]
 
 
 def deduplicate(pairs: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -227,11 +245,12 @@ def split_of(module: str, test_fraction: float = 0.2) -> str:
     return "test" if zlib.crc32(top.encode()) % 1000 < test_fraction * 1000 else "train"
 
 
-def load_stdlib_dataset(test_fraction: float = 0.2) -> datasets.DatasetDict:
+def load_stdlib_dataset(test_fraction: float = 0.2, keep_duplicates: bool = False) -> datasets.DatasetDict:
     """The built-in code-search dataset as ``{"train": Dataset, "test": Dataset}``.
 
     Args:
         test_fraction: the share of top-level modules (not of pairs) that go to the test split, in [0, 1].
+        keep_duplicates: the ``stdlib-dups`` variant (see :func:`stdlib_pairs`).
 
     Returns:
         A ``datasets.DatasetDict`` whose splits have the string columns ``anchor``, ``positive`` and
@@ -243,7 +262,7 @@ def load_stdlib_dataset(test_fraction: float = 0.2) -> datasets.DatasetDict:
     if not 0.0 <= test_fraction <= 1.0:
         raise ValueError(f"test_fraction must be in [0, 1], got {test_fraction}")
     rows: dict[str, list[dict[str, str]]] = {"train": [], "test": []}
-    for pair in stdlib_pairs():
+    for pair in stdlib_pairs(keep_duplicates):
         rows[split_of(pair["module"], test_fraction)].append(pair)
     features = datasets.Features({key: datasets.Value("string") for key in ("anchor", "positive", "module")})
     return datasets.DatasetDict(

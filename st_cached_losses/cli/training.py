@@ -31,8 +31,9 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
     """``CachedMatryoshkaLoss`` around ``CachedMNRL(model, mini_batch_size)`` (with ``options.false_negative_margin``:
     self-guided), or around ``CachedGISTEmbedLoss(model, guide, margin=...)`` with a ``guide``; with
     ``options.layers``, ``CachedMatryoshka2dLoss`` around CachedMNRL, every layer and dim at every step; or, when
-    ``stock``, stock ``MatryoshkaLoss`` around the same base loss. ``options.mini_batch_size`` and
-    ``options.activation_budget`` go to ours ("auto" included); the base loss embeds with the default size then."""
+    ``stock``, stock ``MatryoshkaLoss`` around the same base loss. ``options.mini_batch_size``,
+    ``options.activation_budget`` and ``options.mask_duplicates`` go to ours ("auto" included); the base loss embeds
+    with the default size then."""
     from sentence_transformers.sentence_transformer.losses import (
         CachedGISTEmbedLoss,
         CachedMultipleNegativesRankingLoss,
@@ -54,12 +55,14 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
         # GradCache makes the extra layers cheap (a pooling and a loss-stage call each, no transformer run), so
         # every layer and dim is trained at every step rather than stock's one sampled layer and dim.
         return CachedMatryoshka2dLoss(model, base, list(dims), n_layers_per_step=-1, n_dims_per_step=-1,
-                                      mini_batch_size=size, backend=options.backend)  # fmt: skip
+                                      mini_batch_size=size, backend=options.backend,
+                                      mask_duplicates=options.mask_duplicates)  # fmt: skip
     from ..losses.cached_matryoshka import CachedMatryoshkaLoss
 
     return CachedMatryoshkaLoss(model, base, list(dims), mini_batch_size=size, backend=options.backend,
                                 false_negative_margin=None if guide is not None else margin,
-                                activation_budget=options.activation_budget)  # fmt: skip
+                                activation_budget=options.activation_budget,
+                                mask_duplicates=options.mask_duplicates)  # fmt: skip
 
 
 def activation_summary(loss) -> dict[str, Any]:
@@ -104,7 +107,8 @@ def _training_args(options: TrainOptions, output_dir: str, device: str):
         warmup_steps=0,  # with a handful of steps, warm-up from lr 0 would waste one of them
         dataloader_pin_memory=False,
         seed=options.seed,
-        batch_sampler=BatchSamplers.NO_DUPLICATES,  # a duplicate text in a batch would be a false negative
+        # A duplicate text in a batch would be a false negative, unless --mask-duplicates removes it in the loss.
+        batch_sampler=BatchSamplers(options.sampler),
         save_strategy="no",
         eval_strategy="no",
         logging_steps=1,

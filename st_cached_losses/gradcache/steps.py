@@ -37,6 +37,7 @@ from .activation_budget import ActivationBudget
 from .agreement import agree_counts, agree_kept
 from .compiled import compile_friendly
 from .distributed import check_same_rows_on_every_rank
+from .duplicates import text_ids
 from .kept_minibatches import KeptGraph, StepPlan
 from .minibatches import LengthSorted, length_order, length_sorted, reorder, restore_order, without_leading_padding
 from .parallel import Parallelism
@@ -70,10 +71,10 @@ class GradCacheSteps(CachedLossMixin):
     """The three steps of GradCache for a loss that implements step (2), ``calculate_loss``.
 
     The loss (an ``nn.Module``) sets ``model``, ``mini_batch_size``, ``mini_batch_num_tokens``, ``sort_by_length``,
-    ``show_progress_bar``, ``auto_mini_batch``, ``guide`` (a ``base_losses.Guide`` or None) and has a
-    ``gather_across_devices`` attribute, calls :meth:`init_steps` in its ``__init__`` and :meth:`forward_sorted`
-    from its ``forward``; its ``calculate_loss`` reads :meth:`columns`, :meth:`gathered` and
-    :meth:`guide_embeddings`.
+    ``show_progress_bar``, ``auto_mini_batch``, ``guide`` (a ``base_losses.Guide`` or None), ``mask_duplicates`` and
+    has a ``gather_across_devices`` attribute, calls :meth:`init_steps` in its ``__init__`` and, from its
+    ``forward``, :meth:`note_text_ids` and :meth:`forward_sorted`; its ``calculate_loss`` reads :meth:`columns`,
+    :meth:`gathered`, :meth:`guide_embeddings` and :meth:`duplicate_ids`.
     """
 
     def init_steps(self, activation_budget: int | str | None, fsdp_sync: str = "per_backward") -> None:
@@ -235,6 +236,24 @@ class GradCacheSteps(CachedLossMixin):
                    for key, order in zip(self._step_guide, self._step_orders)]  # fmt: skip
         docs = torch.cat([all_gather(doc) if self.gather_across_devices else doc for doc in columns[1:]])
         return {"guide_queries": columns[0], "guide_docs": docs}
+
+    def note_text_ids(self, sentence_features: list[dict[str, Any]]) -> None:
+        """With ``mask_duplicates``: each column's text ids (:func:`.duplicates.text_ids`, a hash of each row's
+        unpadded token ids) for this step, taken from the columns as given, before length sorting and
+        mini-batches, so they follow the rows' order that :meth:`columns` restores."""
+        self._step_text_ids = [text_ids(feature) for feature in sentence_features] if self.mask_duplicates else None
+
+    def duplicate_ids(self, placement: dict[str, Any]) -> dict[str, Tensor]:
+        """This step's text ids for the op's duplicate mask (``query_ids``, ``doc_ids`` and, where :meth:`gathered`
+        placed this rank's rows in a gathered batch, ``world_query_ids``), gathered as the embeddings are (no
+        gradient); {} without ``mask_duplicates``."""
+        if not self.mask_duplicates:
+            return {}
+        queries, *docs = self._step_text_ids
+        if "world_queries" not in placement:  # not gathered, or a world of one process
+            return {"query_ids": queries, "doc_ids": torch.cat(docs)}
+        return {"query_ids": queries, "doc_ids": torch.cat([all_gather(doc) for doc in docs]),
+                "world_query_ids": all_gather(queries)}  # fmt: skip
 
 
 def _check_every_column_used(cache: list[list[Tensor | None]], owner: str) -> None:

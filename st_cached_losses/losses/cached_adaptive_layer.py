@@ -38,6 +38,7 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         backend: str = "auto",
         show_progress_bar: bool = False,
         fsdp_sync: str = "per_backward",
+        mask_duplicates: bool = False,
     ) -> None:
         """
         Stock ``AdaptiveLayerLoss(model, MultipleNegativesRankingLoss(model), ...)`` with GradCache: every layer
@@ -58,7 +59,7 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         super().__init__(
             model, loss, [dim], None, n_layers_per_step, -1, last_layer_weight, prior_layers_weight, kl_div_weight,
             kl_temperature, layer_weighting, mini_batch_size, mini_batch_num_tokens, sort_by_length, backend,
-            show_progress_bar, fsdp_sync,
+            show_progress_bar, fsdp_sync, mask_duplicates,
         )  # fmt: skip
 
     def op_options(self) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         false_negative_strategy: str = "absolute",
         activation_budget: int | str | None = None,
         fsdp_sync: str = "per_backward",
+        mask_duplicates: bool = False,
     ) -> None:
         """
         A drop-in replacement for ``MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model), dims)``:
@@ -140,9 +141,20 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
                 during the step. Either way the ranks agree on the step's mini-batches first (one small all-reduce
                 before step (1), one after it with an activation budget), so uneven token budgets, budgets or batch
                 sizes run the same collectives on every rank.
+            mask_duplicates: exact duplicates are not negatives: a row does not score an in-batch candidate that is
+                the same text (identical token ids) as its positive (another row's positive, a hard negative), as
+                itself, or as another positive of the same query (rows with an identical anchor), in every
+                direction (the mirrored rule for doc_to_query / doc_to_doc rows); its own positive always stays.
+                Texts are told apart by a hash of each row's token ids, taken before embedding (with dropout a
+                duplicate's similarity is not exactly the positive's), and with ``gather_across_devices`` gathered
+                with the embeddings, so duplicates on other processes are removed too. Combines with the
+                false-negative filter (GISTEmbed base loss, ``false_negative_margin``). Replaces the NO_DUPLICATES
+                batch sampler. The share of candidates removed is logged at INFO every training step and kept in
+                ``masked_share``. Default False: stock's behaviour.
 
         Raises:
             TypeError: ``loss`` is not one of the supported losses.
+            TypeError: ``mask_duplicates`` that is not a bool.
             ValueError: a non-finite ``false_negative_margin``, an unknown strategy, or a margin next to a
                 GISTEmbed base loss (which has its own); a StaticEmbedding model; empty, non-positive, duplicate dims
                 or dims larger than the model's embedding dimension; weights of another length; an unsupported
@@ -197,6 +209,8 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         validate_mini_batch_num_tokens(mini_batch_num_tokens)
         _check_model(model, backend)
         check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
+        if not isinstance(mask_duplicates, bool):
+            raise TypeError(f"mask_duplicates must be True or False, got {mask_duplicates!r}.")
 
         self.model = model
         self.loss = loss
@@ -211,7 +225,9 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         self.false_negative_margin = false_negative_margin
         self.false_negative_strategy = false_negative_strategy
         self.guide = Guide(loss) if is_gist(loss) else None
-        self.masked_share: float | None = None  # the false-negative filter's share of candidates dropped, last step
+        self.masked_share: float | None = None  # share of candidates the filter and the duplicate mask dropped, last step
+        self.mask_duplicates = mask_duplicates
+        self._step_text_ids: list[Tensor] | None = None  # this step's text ids per column (note_text_ids)
         self.activation_budget = activation_budget
         self.init_steps(activation_budget, check_fsdp_sync(fsdp_sync))
         # Set by forward for the calculate_loss call it makes (forward_cached calls it synchronously).
@@ -227,6 +243,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         sentence_features = list(sentence_features)
         check_columns(sentence_features, self.mini_batch_num_tokens)
         self._step_dims = self._sample_dims()
+        self.note_text_ids(sentence_features)
         total = self.forward_sorted(sentence_features, labels)
         per_dim, self._step_per_dim = dict(zip(self._step_dims, self._step_per_dim)), None
         values = {
@@ -246,7 +263,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         queries, docs, placement = self.gathered(columns[0], columns[1:])
         loss, per_dim, masked_share = matryoshka_infonce(
             queries, docs, dims=self._step_dims, weights=weights, return_per_dim=True, return_masked_share=True,
-            **placement, **self.guide_embeddings(), **self.op_options(),
+            **placement, **self.guide_embeddings(), **self.duplicate_ids(placement), **self.op_options(),
         )  # fmt: skip
         self._step_per_dim = per_dim
         self._note_masked_share(masked_share)
@@ -256,11 +273,13 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         return loss
 
     def _note_masked_share(self, masked_share: Tensor) -> None:
-        if self.guide is None and self.false_negative_margin is None:
+        filtered = self.guide is not None or self.false_negative_margin is not None
+        masks = " and ".join(["false-negative filter"] * filtered + ["duplicate mask"] * self.mask_duplicates)
+        if not masks:
             return
         self.masked_share = float(masked_share)
         if torch.is_grad_enabled():  # training steps, not evaluation
-            logger.info("false-negative filter: %.2f%% of in-batch candidates dropped", 100 * self.masked_share)
+            logger.info("%s: %.3g%% of in-batch candidates dropped", masks, 100 * self.masked_share)
 
     def op_options(self) -> dict[str, Any]:
         """The op's keyword arguments: the base loss's hyperparameters (read at every step, as stock does; see
@@ -298,6 +317,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
                 "false_negative_strategy": self.false_negative_strategy}
                if self.false_negative_margin is not None else {}),
             "activation_budget": self.activation_budget,
+            **({"mask_duplicates": True} if self.mask_duplicates else {}),
             **(self._activations.chosen if self._activations is not None else {}),
         }  # fmt: skip
 

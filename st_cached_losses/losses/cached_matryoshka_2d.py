@@ -61,6 +61,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         backend: str = "auto",
         show_progress_bar: bool = False,
         fsdp_sync: str = "per_backward",
+        mask_duplicates: bool = False,
     ) -> None:
         """
         Stock ``Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), dims, ...)`` (2D Matryoshka: every
@@ -119,9 +120,10 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             kl_temperature: temperature T of the KL term, >= 0; 0 turns it off.
             layer_weighting: weight of prior layer ``l``: "uniform" (1), "log" (``1 / (1 + ln(1 + l))``),
                 "linear" (``1 / (1 + l)``) or a callable ``l -> float``, as stock's AdaptiveLayerLoss.
-            mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar, fsdp_sync: as in
-                :class:`CachedMatryoshkaLoss` (mini-batches of rows or tokens, the memory knob; FSDP2's gradient
-                reduction).
+            mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar, fsdp_sync,
+                mask_duplicates: as in :class:`CachedMatryoshkaLoss` (mini-batches of rows or tokens, the memory knob;
+                FSDP2's gradient reduction; exact duplicates removed from every layer's softmax, the share logged as
+                there).
 
         Raises:
             TypeError: ``loss`` of another type, or an option of the wrong type.
@@ -167,7 +169,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         )  # fmt: skip
         super().__init__(
             model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step, mini_batch_size, mini_batch_num_tokens,
-            sort_by_length, backend, show_progress_bar, fsdp_sync=fsdp_sync,
+            sort_by_length, backend, show_progress_bar, fsdp_sync=fsdp_sync, mask_duplicates=mask_duplicates,
         )  # fmt: skip
         self.num_layers = num_layers  # transformer layers L: hidden states 0..L, the final layer is L
         self.n_layers_per_step = n_layers_per_step
@@ -191,6 +193,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         check_columns(sentence_features, self.mini_batch_num_tokens)
         self._step_plan = self._sample_plan()
         prior = tuple(layer for layer, _, _ in self._step_plan[1:])
+        self.note_text_ids(sentence_features)
         total = self.forward_sorted([{**feature, _PRIOR_LAYERS: prior} for feature in sentence_features], labels)
         computed, self._step_values = self._step_values, {}
         zero = torch.zeros_like(total.detach())
@@ -265,17 +268,19 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         columns = self.columns(reps)
         width = columns[0].shape[1] // len(self._step_plan)
         queries, docs, placement = self.gathered(columns[0], columns[1:])
-        options = self.op_options()
+        options = {**self.op_options(), **self.duplicate_ids(placement)}  # the same text ids for every layer
         total, teacher, self._step_values = 0.0, None, {}
         for slot, (layer, dims, layer_weight) in enumerate(self._step_plan):
             part = slice(slot * width, (slot + 1) * width)
             layer_placement = {key: value[:, part] if key == "world_queries" else value  # the rest: offset
                                for key, value in placement.items()}  # fmt: skip
             weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in dims]
-            loss, per_dim = matryoshka_infonce(
+            loss, per_dim, *masked_share = matryoshka_infonce(
                 queries[:, part], docs[:, part], dims=dims, weights=weights, return_per_dim=True, **layer_placement,
-                **options,
+                return_masked_share=self.mask_duplicates and not slot, **options,
             )  # fmt: skip
+            if masked_share:  # the final layer's; the mask is the same in every layer
+                self._note_masked_share(masked_share[0])
             total = total + layer_weight * loss
             for dim, weight, value in zip(dims, weights, per_dim):
                 self._step_values[f"loss_layer_{layer}_dim_{dim}"] = layer_weight * weight * value

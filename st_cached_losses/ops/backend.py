@@ -54,17 +54,19 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Backend:
     """One loss-stage backend: ``module`` (relative to ``st_cached_losses.ops``) defines ``forward(queries, docs,
-    world_queries, spec, need_grad, tile_rows=None, guide=None) -> InfoNCEResult``; imported at its first use, so
-    Triton is imported only where it runs."""
+    world_queries, spec, need_grad, tile_rows=None, guide=None, duplicates=None) -> InfoNCEResult``; imported at
+    its first use, so Triton is imported only where it runs."""
 
     name: str
     module: str
     summary: str
 
     def forward(self, queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool,
-                tile_rows: int | None = None, guide: tuple[Tensor, Tensor] | None = None) -> InfoNCEResult:  # fmt: skip
+                tile_rows: int | None = None, guide: tuple[Tensor, Tensor] | None = None,
+                duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None) -> InfoNCEResult:  # fmt: skip
         module = importlib.import_module(self.module, __package__)
-        return module.forward(queries, docs, world_queries, spec, need_grad, tile_rows=tile_rows, guide=guide)
+        return module.forward(queries, docs, world_queries, spec, need_grad, tile_rows=tile_rows, guide=guide,
+                              duplicates=duplicates)  # fmt: skip
 
 
 REGISTRY: dict[str, Backend] = {
@@ -109,16 +111,21 @@ def check_backend(backend: str, device: torch.device | str) -> None:
 def run_backend(
     name: str, queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool,
     chunk_size: int | None = None, guide: tuple[Tensor, Tensor] | None = None,
+    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
 ) -> InfoNCEResult:
     """One backend's forward by name (no "auto", no fallback; the tests compare them on the same inputs):
-    ``chunk_size`` as in ``matryoshka_infonce``, ``guide`` the guide model's (queries, docs) embeddings.
+    ``chunk_size`` as in ``matryoshka_infonce``, ``guide`` the guide model's (queries, docs) embeddings,
+    ``duplicates`` the text ids ``(query_ids, doc_ids, world_query_ids or None)`` of ``spec.mask_duplicates``.
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name; ids without ``spec.mask_duplicates`` or the reverse.
     """
     if name not in REGISTRY:
         raise ValueError(f"Unknown backend {name!r}: choose from {tuple(REGISTRY)}.")
-    return REGISTRY[name].forward(queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size, guide=guide)
+    if spec.mask_duplicates != (duplicates is not None):
+        raise ValueError("pass duplicates=(query_ids, doc_ids, world_query_ids) exactly when spec.mask_duplicates.")
+    return REGISTRY[name].forward(queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size, guide=guide,
+                                  duplicates=duplicates)  # fmt: skip
 
 
 def triton_verified(device: torch.device) -> bool:

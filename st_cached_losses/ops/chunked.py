@@ -24,6 +24,7 @@ import math
 import torch
 from torch import Tensor
 
+from .duplicates import DuplicateMask
 from .false_negatives import Guide, num_candidates
 from .result import InfoNCEResult
 from .spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
@@ -50,7 +51,7 @@ def default_tile_rows(spec: InfoNCESpec, tile_bytes: int = DEFAULT_TILE_BYTES) -
 
 def forward(
     queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, tile_rows: int | None = None,
-    guide: tuple[Tensor, Tensor] | None = None,
+    guide: tuple[Tensor, Tensor] | None = None, duplicates=None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) gradients, one sweep over row tiles.
 
@@ -58,9 +59,10 @@ def forward(
     upcasting bf16/fp16 once); gradients come back in the inputs' dtype. Memory beyond the inputs:
     their gradients, O((B + M) * K) scalars and one tile of ``chunk x columns x (K + 1)`` scores.
     ``guide``: a guide model's (queries, docs) embeddings for ``spec.false_negatives`` (whose mask each tile
-    computes once, for all dims).
+    computes once, for all dims); ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) of
+    ``spec.mask_duplicates``, whose removed candidates are listed sparsely and set to -inf in each tile.
     """
-    sweep = _Sweep(queries, docs, world_queries, spec, need_grad, guide)
+    sweep = _Sweep(queries, docs, world_queries, spec, need_grad, guide, duplicates)
     rows = tile_rows or default_tile_rows(spec)
     for begin in range(0, spec.batch_size, rows):
         sweep.tile(begin, min(begin + rows, spec.batch_size))
@@ -70,7 +72,7 @@ def forward(
 class _Sweep:
     """State of one forward sweep: inputs, prefix norms, workspaces and gradient accumulators."""
 
-    def __init__(self, queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, guide=None):
+    def __init__(self, queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, guide=None, duplicates=None):
         dtype = torch.promote_types(queries.dtype, torch.float32)
         device, positives = queries.device, slice(0, spec.world_batch_size)
         self.spec, self.need_grad, self.input_dtype = spec, need_grad, queries.dtype
@@ -85,6 +87,7 @@ class _Sweep:
         self.workspaces: dict[int, list[Tensor]] = {}  # direction index -> K + 1 tile buffers
         self.filter = None if spec.false_negatives is None else Guide.build(queries, docs, world_queries, spec, guide,
                                                                             dtype)  # fmt: skip
+        self.duplicates = None if duplicates is None else DuplicateMask.build(spec, *duplicates)
         self.dropped, self.candidates = torch.zeros((), device=device), 0
         if need_grad:
             uses_world = any(d.cols == "w" for d in self.directions)
@@ -123,14 +126,20 @@ class _Sweep:
             cols = self.sources[direction.cols]
             buffers = self._workspace(index, count, cols.shape[0])
             _band_dots(rows, cols, spec.dims, buffers[1:])
-            dropped = masks.get(name)
+            dropped, removed = masks.get(name), None
+            if self.duplicates is not None:
+                removed = self.duplicates.tile(name, begin, end)
+                if dropped is not None:  # with the filter: one boolean tile of both
+                    dropped[removed], removed = True, None
             scored = torch.full((count,), num_candidates(direction, spec, 1, cols.shape[0]), device=rows.device)
-            if dropped is not None:
-                self.dropped += dropped.sum()
-                self.candidates += num_candidates(direction, spec, *dropped.shape)
-                scored -= dropped.sum(dim=1)
+            if dropped is not None or removed is not None:
+                lost = dropped.sum(dim=1) if dropped is not None else self.duplicates.removed_per_row(name)[begin:end]
+                self.dropped += lost.sum()
+                self.candidates += num_candidates(direction, spec, count, cols.shape[0])
+                scored -= lost
             candidates.append(scored + direction.partner)
-            tiles.append(_TileDirection(direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, dropped))
+            tiles.append(_TileDirection(direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec,
+                                        dropped, removed))  # fmt: skip
         # A row whose softmax holds one candidate has loss and gradient exactly 0 (rounding would leave ~1e-7).
         single = sum(candidates) == 1 if spec.partition_mode == "joint" else torch.stack(candidates).eq(1).all(0)
         for k in range(len(spec.dims)):
@@ -178,7 +187,8 @@ class _Sweep:
                 self.grads["c"].to(dtype),
                 None if world is None else world.to(dtype),
             )
-        share = None if self.filter is None else self.dropped.to(torch.float32) / max(self.candidates, 1)
+        masked = self.filter is not None or self.duplicates is not None
+        share = self.dropped.to(torch.float32) / max(self.candidates, 1) if masked else None
         return InfoNCEResult(per_dim, self.lse, grads, masked_share=share)
 
 
@@ -190,9 +200,11 @@ class _TileDirection:
     and to dim k-1's dot buffer afterwards, which is free by then.
     """
 
-    def __init__(self, direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec: InfoNCESpec, dropped):
+    def __init__(self, direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec: InfoNCESpec, dropped,
+                 removed=None):  # fmt: skip
         self.direction, self.rows, self.row_inv, self.row_key, self.row_slice = direction, rows, row_inv, row_key, row_slice
-        self.cols, self.buffers, self.spec, self.dropped = cols, buffers, spec, dropped
+        # dropped: (rows, cols) bool tile of the filter (and duplicates); removed: (rows, cols) index pairs of duplicates
+        self.cols, self.buffers, self.spec, self.dropped, self.removed = cols, buffers, spec, dropped, removed
         count = rows.shape[0]
         self.row_index = torch.arange(count, device=rows.device)
         own = self.row_index + (begin if direction.cols == "q" else spec.offset + begin)  # "q": local columns
@@ -240,6 +252,8 @@ class _TileDirection:
             out.scatter_(1, masked, -math.inf)
         if self.dropped is not None:
             out.masked_fill_(self.dropped, -math.inf)
+        if self.removed is not None:
+            out.index_put_(self.removed, out.new_tensor(-math.inf))
         if self.direction.label:
             self.positive_logit = own_logits[:, 0]
         if not unshifted:

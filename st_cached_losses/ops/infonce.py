@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .backend import TritonUnavailableError, fall_back, note_choice, run_backend, select_backend
+from .duplicates import check_ids
 from .result import InfoNCEResult
 from .spec import InfoNCESpec
 
@@ -46,6 +47,9 @@ def matryoshka_infonce(
     guide_queries: Tensor | None = None,
     guide_docs: Tensor | None = None,
     return_masked_share: bool = False,
+    query_ids: Tensor | None = None,
+    doc_ids: Tensor | None = None,
+    world_query_ids: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """In-batch InfoNCE (multiple negatives ranking) loss, summed over Matryoshka dims with weights.
 
@@ -93,11 +97,27 @@ def matryoshka_infonce(
         false_negative_strategy: "absolute" or "relative".
         guide_queries, guide_docs: (B, Dg) and (M, Dg) embeddings of the same texts by a guide model, scored by
             cosine similarity (CachedGISTEmbedLoss's guide); the filter never holds a B x M matrix of them.
-        return_masked_share: also return the share of candidates the filter dropped (0-dim, no grad).
+        return_masked_share: also return the share of candidates the false-negative filter and the duplicate
+            mask removed, together (0-dim, no grad; 0 with neither): removed / candidates, where a row's candidates
+            are its columns in every direction less its partner and the columns the direction masks itself.
+        query_ids, doc_ids, world_query_ids: turn the duplicate mask on (exact duplicates are not negatives). Each
+            is a 1-D ``torch.int64`` tensor of text ids on the queries' device, one per embedding row, equal ids
+            meaning the same text (the losses hash each row's token ids): ``query_ids`` (B,) of ``queries``;
+            ``doc_ids`` (M,) of ``docs``, in their layout ``[positives | negatives_1 | ...]`` (each block Bw ids,
+            the world's when gathered); ``world_query_ids`` (Bw,) of ``world_queries``, exactly when those are
+            passed (``query_ids`` must be its rows ``[offset, offset + B)``). In each direction a row has an own
+            text and a target text: rows over queries (query_to_doc, query_to_query, anchor_to_anchor) own a_i and
+            target their positive p_i; rows over positives (doc_to_query, doc_to_doc, positive_to_positive) own p_i
+            and target their query a_i. Row i does not score a candidate whose text is (1) its target text, (2)
+            its own text, or (3) the target text of any row k of the world batch with the same own text (another
+            positive of the same query), except its partner column (its positive in query_to_doc, its query in
+            doc_to_query), which is never removed. The mask is built per tile from the ids (no B x M matrix), is
+            the same for every Matryoshka dim, and combines with the false-negative filter (a candidate either
+            removes is removed). See ``ops/duplicates.py``.
 
     The op computes in fp32 (fp64 for fp64 inputs) whatever autocast is active; gradients come back in the
-    inputs' dtype. A row whose only candidate is its positive (a batch of one pair) has loss and
-    gradient exactly 0.
+    inputs' dtype. A row whose only candidate is its positive (a batch of one pair, or a row whose other
+    candidates the filter or the duplicate mask removed) has loss and gradient exactly 0.
 
     Returns:
         The scalar loss (fp32; fp64 for fp64 inputs); with ``return_per_dim`` and/or ``return_masked_share``
@@ -105,7 +125,8 @@ def matryoshka_infonce(
 
     Raises:
         ValueError / TypeError: for bad shapes, dtypes, devices, NaN/Inf inputs (see ``nonfinite``), empty
-            batches or options, naming the argument and the fix; ``backend="triton"`` where it cannot run.
+            batches, ids (see ``query_ids``) or options, naming the argument and the fix; ``backend="triton"``
+            where it cannot run.
         NotImplementedError: backend="triton" with an option its kernels do not support.
         TritonUnavailableError: backend="triton" and the kernels fail to compile or launch.
 
@@ -143,6 +164,7 @@ def matryoshka_infonce(
         false_negative_strategy=false_negative_strategy,
         guide_queries=guide_queries,
         guide_docs=guide_docs,
+        mask_duplicates=check_ids(queries, docs, world_queries, offset, query_ids, doc_ids, world_query_ids),
     )
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None (automatic), got {chunk_size!r}.")
@@ -159,28 +181,29 @@ def matryoshka_infonce(
             )
         name, reason = "nonfinite", f"NaN or Inf in {nonfinite_input}"
     guide = None if guide_queries is None else (guide_queries, guide_docs)
+    duplicates = (query_ids, doc_ids, world_query_ids) if spec.mask_duplicates else None
     with _autocast_off(queries.device):
         loss, per_dim, masked_share = _MatryoshkaInfoNCE.apply(
-            queries, docs, world_queries, spec, name, reason, chunk_size, guide
+            queries, docs, world_queries, spec, name, reason, chunk_size, guide, duplicates
         )
     extra = [per_dim] * return_per_dim + [masked_share] * return_masked_share
     return (loss, *extra) if extra else loss
 
 
-def _run(name, reason, queries, docs, world_queries, spec, need_grad, chunk_size, guide) -> InfoNCEResult:
+def _run(name, reason, queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates) -> InfoNCEResult:
     """The chosen backend's result, falling back from Triton to chunked on the auto path; exact zeros
     where every row's only candidate is its positive (the backends' rounding would leave ~1e-7 there,
     which AdamW turns into weight updates)."""
     if name == "nonfinite":
         return _nan_result(queries, docs, world_queries, spec, need_grad)
     try:
-        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide)
+        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates)
     except TritonUnavailableError as error:
         if reason == "requested":
             raise
         fall_back(queries.device, error)
         name, reason = select_backend(queries.device, "auto")
-        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide)
+        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates)
     note_choice(name, queries.device, reason, result.tile)
     if spec.single_candidate:
         result = result._replace(
@@ -195,10 +218,10 @@ class _MatryoshkaInfoNCE(torch.autograd.Function):
     only when an input needs them; backward scales them by grad_output (accumulation, AMP scaler)."""
 
     @staticmethod
-    def forward(ctx, queries, docs, world_queries, spec, name, reason, chunk_size, guide):
+    def forward(ctx, queries, docs, world_queries, spec, name, reason, chunk_size, guide, duplicates):
         need_grad = any(ctx.needs_input_grad[:3])
         world = queries if world_queries is None else world_queries
-        result = _run(name, reason, queries, docs, world, spec, need_grad, chunk_size, guide)
+        result = _run(name, reason, queries, docs, world, spec, need_grad, chunk_size, guide, duplicates)
         weights = torch.tensor(spec.weights, dtype=result.per_dim.dtype, device=result.per_dim.device)
         loss = (weights * result.per_dim).sum()
         per_dim = torch.empty_like(result.per_dim)
@@ -226,7 +249,7 @@ class _MatryoshkaInfoNCE(torch.autograd.Function):
                 "matryoshka_infonce computes its gradients in the forward pass and hands them over once: "
                 "call the op again instead of backpropagating twice (retain_graph=True)."
             )
-        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], *[None] * 5)
+        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], *[None] * 6)
 
 
 def _triton_host():

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .duplicates import DuplicateMask
 from .false_negatives import Guide, num_candidates
 from .result import InfoNCEResult
 from .spec import DIRECTIONS, NORM_EPS, InfoNCESpec
@@ -18,18 +19,19 @@ from .spec import DIRECTIONS, NORM_EPS, InfoNCESpec
 
 def forward(
     queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, tile_rows=None,
-    guide: tuple[Tensor, Tensor] | None = None, compute_dtype=None,
+    guide: tuple[Tensor, Tensor] | None = None, compute_dtype=None, duplicates=None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``.
 
     Computes in ``compute_dtype``, by default fp32 (fp64 for fp64 inputs); gradients come back in the inputs'
     dtype. ``compute_dtype=queries.dtype`` is plain PyTorch in the inputs' precision, the yardstick of the
     GPU checks (``benchmarks/cuda_checks.py``). ``guide``: a guide model's (queries, docs) embeddings for
-    ``spec.false_negatives``. ``tile_rows`` is unused (the registry's common signature: no tiles here).
+    ``spec.false_negatives``; ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) for
+    ``spec.mask_duplicates``. ``tile_rows`` is unused (the registry's common signature: no tiles here).
     """
     compute_dtype = compute_dtype or torch.promote_types(queries.dtype, torch.float32)
     leaves = [t.detach().to(compute_dtype).requires_grad_(need_grad) for t in (queries, docs, world_queries)]
-    dropped, masked_share = _false_negatives(*leaves, spec, guide)
+    dropped, masked_share = _false_negatives(*leaves, spec, guide, duplicates)
     with torch.enable_grad() if need_grad else torch.no_grad():
         losses, lses = zip(*(_one_dim(*leaves, spec, dim, dropped) for dim in spec.dims))
         per_dim = torch.stack(losses)
@@ -43,11 +45,20 @@ def forward(
     return InfoNCEResult(per_dim.detach(), torch.stack(lses).detach(), grads, tile="dense", masked_share=masked_share)
 
 
-def _false_negatives(q, c, wq, spec: InfoNCESpec, guide) -> tuple[dict[str, Tensor], Tensor | None]:
-    """Each direction's (B, columns) mask of the candidates the false-negative filter drops, and their share."""
-    if spec.false_negatives is None:
+def _false_negatives(q, c, wq, spec: InfoNCESpec, guide, duplicates) -> tuple[dict[str, Tensor], Tensor | None]:
+    """Each direction's (B, columns) mask of the candidates the false-negative filter and the duplicate mask drop,
+    and their share."""
+    if spec.false_negatives is None and not spec.mask_duplicates:
         return {}, None
-    dropped = Guide.build(q, c, wq, spec, guide, q.dtype).dropped(spec, 0, spec.batch_size)
+    dropped = {}
+    if spec.false_negatives is not None:
+        dropped = Guide.build(q, c, wq, spec, guide, q.dtype).dropped(spec, 0, spec.batch_size)
+    if spec.mask_duplicates:
+        duplicate = DuplicateMask.build(spec, *duplicates)
+        for name in spec.directions:
+            columns = duplicate.num_columns(name)
+            drop = dropped.setdefault(name, torch.zeros(spec.batch_size, columns, dtype=torch.bool, device=q.device))
+            drop[duplicate.removed(name)] = True
     candidates = sum(num_candidates(DIRECTIONS[name], spec, *mask.shape) for name, mask in dropped.items())
     share = sum(int(m.sum()) for m in dropped.values()) / max(candidates, 1)
     return dropped, torch.tensor(share, dtype=torch.float32, device=q.device)

@@ -116,6 +116,7 @@ class InfoNCESpec:
     hardness_mode: str | None
     hardness_strength: float
     false_negatives: FalseNegativeFilter | None = None
+    mask_duplicates: bool = False  # exact duplicates leave the softmax (``duplicates.py``; the ids go to the backend)
 
     @property
     def num_docs(self) -> int:
@@ -164,6 +165,7 @@ class InfoNCESpec:
         false_negative_strategy: str = "absolute",
         guide_queries: Tensor | None = None,
         guide_docs: Tensor | None = None,
+        mask_duplicates: bool = False,
     ) -> InfoNCESpec:
         _check_tensors(queries, docs, world_queries)
         batch_size, dim = queries.shape
@@ -210,6 +212,7 @@ class InfoNCESpec:
             hardness_mode=hardness_mode,
             hardness_strength=float(hardness_strength),
             false_negatives=false_negatives,
+            mask_duplicates=bool(mask_duplicates),
         )
 
 

@@ -6,7 +6,8 @@ once per direction, the directions' LSEs combined here ((K, ndir, B) numbers), t
 per direction. The cosine norms' and the positive pair's shares of the gradient are row-wise and applied
 here, band by band.
 
-Supports every direction, partition mode, hardness mode, offset and similarity of ``InfoNCESpec``,
+Supports every direction, partition mode, hardness mode, offset and similarity of ``InfoNCESpec`` and the
+duplicate mask (each row's forbidden text codes compared with the column codes inside the tile),
 fp32 / bf16 / fp16 (fp32 accumulation and LSE) and fp64 inputs, any D and dims; NotImplementedError
 beyond ``MAX_DIMS`` dims or for other dtypes. Never materialises a B x M buffer. Launchable on CUDA
 tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
@@ -25,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..duplicates import DuplicateMask
 from ..errors import TritonUnavailableError
 from ..result import InfoNCEResult
 from ..spec import DIRECTIONS, GIST_DIRECTIONS, NORM_EPS, InfoNCESpec
@@ -68,7 +70,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def supports(spec: InfoNCESpec) -> bool:
     """Whether the kernels handle ``spec``: sentence-transformers' four directions, every partition mode,
-    hardness mode, offset and similarity, at most ``MAX_DIMS`` Matryoshka dims (fp32/bf16/fp16/fp64 inputs);
+    hardness mode, offset and similarity, the duplicate mask, at most ``MAX_DIMS`` Matryoshka dims
+    (fp32/bf16/fp16/fp64 inputs);
     not the false-negative filter nor GISTEmbed's directions (``backend="auto"`` runs chunked for those)."""
     return unsupported(spec) is None
 
@@ -162,12 +165,26 @@ def _operands(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, 
 
 
 def _direction_consts(spec: InfoNCESpec, direction: str) -> dict:
-    """The kernels' constexprs for one direction: ``MASK_CODES`` of its mask, the hardness as bit flags."""
+    """The kernels' constexprs for one direction: ``MASK_CODES`` of its mask, the hardness as bit flags, the
+    duplicate mask (DUP) and whether column offset + i is the row's partner, which it never removes (PARTNER)."""
     mask, penalised = DIRECTIONS[direction].mask, spec.penalised
     hardness = 0
     if DIRECTIONS[direction].label and penalised is not None:
         hardness = HARD_OTHERS * penalised.others + HARD_OWN_HARD_NEGATIVES * penalised.own_hard_negatives
-    return dict(K=len(spec.dims), COSINE=spec.cosine, MASK=MASK_CODES[mask], HARD=hardness)
+    partner = spec.mask_duplicates and DIRECTIONS[direction].partner
+    return dict(K=len(spec.dims), COSINE=spec.cosine, MASK=MASK_CODES[mask], HARD=hardness, DUP=spec.mask_duplicates,
+                PARTNER=partner)  # fmt: skip
+
+
+def _ids(duplicates: DuplicateMask | None, direction: str, device) -> tuple[Tensor, Tensor, int]:
+    """The kernels' (ROW_IDS (rows, L) int32, COL_IDS (cols,) int32, L) of one direction; placeholders without the
+    duplicate mask (the kernels never read them then)."""
+    if duplicates is None:
+        placeholder = torch.zeros(1, dtype=torch.int32, device=device)
+        return placeholder, placeholder, 1
+    forbidden = duplicates.forbidden[DIRECTIONS[direction].rows].to(torch.int32).contiguous()
+    codes = duplicates.codes[DIRECTIONS[direction].cols].to(torch.int32).contiguous()
+    return forbidden, codes, forbidden.shape[1]
 
 
 def _scalars(spec: InfoNCESpec) -> tuple:
@@ -181,7 +198,7 @@ def _tune_key(kind: str, x: _Operand, y: _Operand, consts: dict, dtype) -> tuple
     return (kind, *_round_key(x.x.shape[0], y.x.shape[0]), d, dtype, tuple(sorted(consts.items())), x.x.device)
 
 
-def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direction, types, tile_rows) -> dict:
+def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direction, types, tile_rows, ids) -> dict:
     """lse (K, B) view: per-row LSE of one direction, all dims. Returns {"lse": the tile config used}."""
     consts = {**_direction_consts(spec, direction), **types.consts}
     consts.pop("GD"), consts.pop("PREC_GRAD")
@@ -192,7 +209,7 @@ def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direc
         (out,) = outputs
         _lse_kernel[(triton.cdiv(n_rows, cfg.block_rows),)](
             x.x, x.x.stride(0), x.inv, n_rows, y.x, y.x.stride(0), y.inv, n_cols, dims, out, out.stride(0),
-            *_scalars(spec), **consts, BM=cfg.block_rows, BN=cfg.block_cols, BD=cfg.block_d,
+            *_scalars(spec), *ids, **consts, BM=cfg.block_rows, BN=cfg.block_cols, BD=cfg.block_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
@@ -202,13 +219,13 @@ def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direc
     return {"lse": config}
 
 
-def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction, types, tile_rows) -> dict:
+def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction, types, tile_rows, ids) -> dict:
     """x.grad/x.r += row side and y.grad/y.r += column side of one direction's softmax gradient.
     Returns {"rows": config, "cols": config}, the tile configs used."""
     consts = {**_direction_consts(spec, direction), **types.consts}
     n_rows, n_cols = x.x.shape[0], y.x.shape[0]
     placeholder = x.inv  # RX/RY are only touched for cosine similarity
-    scalars = _scalars(spec)
+    scalars = (*_scalars(spec), *ids)
 
     def launch_rows(cfg: TileConfig, outputs):
         dx, rx = outputs
@@ -253,7 +270,7 @@ def _positive_similarities(ops: dict[str, _Operand], spec: InfoNCESpec, acc) -> 
     return dots
 
 
-def _finish_grads(ops: dict[str, _Operand], spec: InfoNCESpec, pos_sims: Tensor) -> None:
+def _finish_grads(ops: dict[str, _Operand], spec: InfoNCESpec, pos_sims: Tensor, live: Tensor | None) -> None:
     """In place: each ``grad`` becomes the gradient of sum_k w_k L_k wrt its rows.
 
     The kernels left sum_k (w_k P_k a_k b_k) @ y band by band, and r_k = sum_j w_k P_k sim_k. Here, per
@@ -262,16 +279,21 @@ def _finish_grads(ops: dict[str, _Operand], spec: InfoNCESpec, pos_sims: Tensor)
         passes no gradient to a norm below it);
       - the positive logit, -w_k sim_k(q_i, c_{offset+i}): -w_k a_k b_k times the partner row, and
         +w_k a_k^2 sim_k times the row itself (cosine).
-    Band-wise in-place updates: no temporaries of the embeddings' size.
+    Band-wise in-place updates: no temporaries of the embeddings' size. ``live``: (B,) bool, False for rows whose
+    softmax holds their positive alone (no share at all: their gradient is exactly 0), or None (every row).
     """
     weights = torch.tensor(spec.weights, dtype=pos_sims.dtype, device=pos_sims.device)
     q, d = ops["q"], ops["d"]
+    if live is not None:
+        pos_sims = pos_sims * live
     if spec.cosine:
         q.r -= (weights[:, None] * pos_sims).T
         d.r -= (weights[:, None] * pos_sims).T  # a view into the docs' r
         partner = (weights[:, None] * q.inv.T * d.inv.T).cumsum(0).T  # (B, K): sum_{k <= m} w_k a_k b_k
     else:
         partner = weights.cumsum(0).expand(spec.batch_size, -1)
+    if live is not None:
+        partner = partner * live[:, None]
     for k, lo, hi in _bands(spec):
         q.grad[:, lo:hi].addcmul_(partner[:, k : k + 1], d.x[:, lo:hi], value=-1.0)
         d.grad[:, lo:hi].addcmul_(partner[:, k : k + 1], q.x[:, lo:hi], value=-1.0)
@@ -288,7 +310,7 @@ def _finish_grads(ops: dict[str, _Operand], spec: InfoNCESpec, pos_sims: Tensor)
 
 def forward(
     queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, tile_rows=None,
-    guide: tuple[Tensor, Tensor] | None = None,
+    guide: tuple[Tensor, Tensor] | None = None, duplicates=None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``.
 
@@ -303,6 +325,7 @@ def forward(
         need_grad: also compute the gradients.
         tile_rows: rows per row tile, rounded down to a power of two in [16, 256]; default: tuned.
         guide: unused (the registry's common signature): the kernels have no false-negative filter (``supports``).
+        duplicates: the text ids (query_ids, doc_ids, world_query_ids or None) of ``spec.mask_duplicates``.
 
     Returns:
         ``InfoNCEResult``: per_dim (K,) and lse (K, ndir, B) in fp32 (fp64 for fp64 inputs), grads in
@@ -315,28 +338,34 @@ def forward(
     """
     _check_inputs(queries, spec)
     try:
-        return _forward(queries, docs, world_queries, spec, need_grad, tile_rows)
+        return _forward(queries, docs, world_queries, spec, need_grad, tile_rows, duplicates)
     except Exception as error:  # noqa: BLE001 - filtered just below
         if not is_launch_error(error):
             raise
         raise TritonUnavailableError(describe_error(error)) from error
 
 
-def _forward(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, tile_rows) -> InfoNCEResult:
+def _forward(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, tile_rows, duplicates) -> InfoNCEResult:
     types = _types(queries.dtype)
     device, num_dirs = queries.device, len(spec.directions)
     ops = _operands(queries, docs, world_queries, spec, need_grad, types.acc)
     dims = torch.tensor([*spec.dims, 0], dtype=torch.int64, device=device)
+    mask = None if duplicates is None else DuplicateMask.build(spec, *duplicates)
+    ids = {direction: _ids(mask, direction, device) for direction in spec.directions}
     lse = torch.empty(len(spec.dims), num_dirs, spec.batch_size, dtype=types.acc, device=device)
     for index, direction in enumerate(spec.directions):
         rows, cols = DIRECTIONS[direction].rows, DIRECTIONS[direction].cols
-        used = _launch_lse(ops[rows], ops[cols], dims, lse[:, index], spec, direction, types, tile_rows)
+        used = _launch_lse(ops[rows], ops[cols], dims, lse[:, index], spec, direction, types, tile_rows, ids[direction])
 
     pos_sims = _positive_similarities(ops, spec, types.acc)
     log_z = torch.logsumexp(lse, dim=1) if spec.partition_mode == "joint" else lse.mean(dim=1)
-    per_dim = (log_z - spec.scale * pos_sims).mean(dim=1)
+    # Rows left with their positive alone: loss and gradient exactly 0 (rounding would leave ~1e-7).
+    live = None if mask is None else mask.live_rows()
+    per_row = log_z - spec.scale * pos_sims
+    per_dim = (per_row if live is None else torch.where(live, per_row, 0.0)).mean(dim=1)
+    share = None if mask is None else mask.share()
     if not need_grad:
-        return InfoNCEResult(per_dim, lse, None, tile=_tiles(used))
+        return InfoNCEResult(per_dim, lse, None, tile=_tiles(used), masked_share=share)
 
     weights = torch.tensor(spec.weights, dtype=types.acc, device=device)
     for index, direction in enumerate(spec.directions):
@@ -344,13 +373,15 @@ def _forward(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, t
         # (the mean over directions weighs each softmax by 1 / ndir).
         nrm = log_z if spec.partition_mode == "joint" else lse[:, index] + math.log(num_dirs)
         rows, cols = DIRECTIONS[direction].rows, DIRECTIONS[direction].cols
-        nrm2 = (nrm * LOG2E).contiguous()
-        used.update(_launch_grads(ops[rows], ops[cols], dims, weights, nrm2, spec, direction, types, tile_rows))
+        nrm2 = nrm * LOG2E if live is None else torch.where(live, nrm * LOG2E, math.inf)  # +inf: a gradient of 0
+        used.update(_launch_grads(ops[rows], ops[cols], dims, weights, nrm2.contiguous(), spec, direction, types,
+                                  tile_rows, ids[direction]))  # fmt: skip
 
-    _finish_grads(ops, spec, pos_sims)
+    _finish_grads(ops, spec, pos_sims, live)
     dtype = queries.dtype
     d_world = ops["w"].grad.to(dtype) if "w" in ops else torch.zeros_like(world_queries)
-    return InfoNCEResult(per_dim, lse, (ops["q"].grad.to(dtype), ops["c"].grad.to(dtype), d_world), tile=_tiles(used))
+    grads = (ops["q"].grad.to(dtype), ops["c"].grad.to(dtype), d_world)
+    return InfoNCEResult(per_dim, lse, grads, tile=_tiles(used), masked_share=share)
 
 
 def _tiles(used: dict[str, TileConfig]) -> str:

@@ -89,14 +89,33 @@ def _dot_tile(
 
 
 @triton.jit
-def _logits2(sim, rows_w, cols, col_ok, bw, scale2, strength2, MASK: tl.constexpr, HARD: tl.constexpr):
+def _duplicates(t, rows, row_ok, rows_w, cols, col_ok, ROW_IDS, COL_IDS, n_forbid, PARTNER: tl.constexpr):
+    """-inf where a column holds a text its row must not score (``ops/duplicates.py``): ROW_IDS (rows, n_forbid)
+    int32 codes of each row's forbidden texts, COL_IDS (cols,) int32 code of each column's text; the row's
+    partner column offset + i (PARTNER: query_to_doc, doc_to_query) is never removed."""
+    col_code = tl.load(COL_IDS + cols, mask=col_ok, other=-1)
+    for slot in range(n_forbid):
+        code = tl.load(ROW_IDS + rows * n_forbid + slot, mask=row_ok, other=-2)
+        hit = col_code[None, :] == code[:, None]
+        if PARTNER:
+            hit = hit & (cols[None, :] != rows_w[:, None])
+        t = tl.where(hit, float("-inf"), t)
+    return t
+
+
+@triton.jit
+def _logits2(
+    sim, rows, row_ok, offset, cols, col_ok, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid,
+    MASK: tl.constexpr, HARD: tl.constexpr, DUP: tl.constexpr, PARTNER: tl.constexpr,
+):  # fmt: skip
     """Logits in log2 units (scale folded with log2(e) for exp2); masked or out-of-range columns: -inf.
 
     ``rows_w`` are world row indices (offset + i): row i's own docs are the columns j with j % Bw == rows_w.
     Out-of-range rows are left finite: their results are never stored (and the column kernel gives
     them a normaliser of +inf). Masks are applied with ``where`` on the fly, not kept as (BM, BN)
-    boolean tiles, which cost as many registers as fp32 tiles.
+    boolean tiles, which cost as many registers as fp32 tiles. DUP: the duplicate mask (:func:`_duplicates`).
     """
+    rows_w = rows + offset
     t = sim * scale2 + tl.where(col_ok, 0.0, float("-inf"))[None, :]
     if HARD != 0:
         # Hardness (a stop-gradient penalty): only the softmax weights see it, not the sim's gradient.
@@ -113,6 +132,8 @@ def _logits2(sim, rows_w, cols, col_ok, bw, scale2, strength2, MASK: tl.constexp
         t = tl.where(cols[None, :] != rows_w[:, None], t, float("-inf"))
     if MASK == 2:  # doc_to_doc: the doc itself and its hard negatives
         t = tl.where((cols % bw)[None, :] != rows_w[:, None], t, float("-inf"))
+    if DUP:
+        t = _duplicates(t, rows, row_ok, rows_w, cols, col_ok, ROW_IDS, COL_IDS, n_forbid, PARTNER)
     return t
 
 
@@ -128,9 +149,10 @@ def _online_lse(run_max, run_sum, t):
 @triton.jit
 def _lse_kernel(
     X, stride_x, INVX, n_rows, Y, stride_y, INVY, n_cols, DIMS, LSE, stride_lse, offset, bw, scale2, strength2,
+    ROW_IDS, COL_IDS, n_forbid,
     K: tl.constexpr, KP: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr,
-    ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    DUP: tl.constexpr, PARTNER: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Forward: LSE[k, i] = logsumexp_j logit_k[i, j] for one row tile, all K dims, one direction.
 
@@ -159,7 +181,8 @@ def _lse_kernel(
             dot = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, lo, hi, dot, BM, BN, BD, PREC, UPCAST)
             a = _inv_norm(INVX, rows, row_ok, k, K, COSINE, ACC)
             b = _inv_norm(INVY, cols, col_ok, k, K, COSINE, ACC)
-            t = _logits2(dot * a[:, None] * b[None, :], rows + offset, cols, col_ok, bw, scale2, strength2, MASK, HARD)
+            t = _logits2(dot * a[:, None] * b[None, :], rows, row_ok, offset, cols, col_ok, bw, scale2, strength2,
+                         ROW_IDS, COL_IDS, n_forbid, MASK, HARD, DUP, PARTNER)  # fmt: skip
             this_dim = dim_index == k
             m, s = _online_lse(
                 tl.max(tl.where(this_dim, run_max, float("-inf")), 1), tl.sum(tl.where(this_dim, run_sum, 0.0), 1), t
@@ -172,10 +195,14 @@ def _lse_kernel(
 
 
 @triton.jit
-def _softmax_grad_tile(sim, nrm2, weight, rows, cols, col_ok, offset, bw, scale2, strength2, MASK, HARD):
+def _softmax_grad_tile(
+    sim, nrm2, weight, rows, row_ok, cols, col_ok, offset, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid,
+    MASK, HARD, DUP, PARTNER,
+):  # fmt: skip
     """w_k * exp(logit_k - normaliser): d(weighted loss) / d(sim_k), up to the factor scale / B and
     without the positive's one-hot (both applied on the host). Rows out of range have normaliser +inf: 0."""
-    t = _logits2(sim, rows + offset, cols, col_ok, bw, scale2, strength2, MASK, HARD)
+    t = _logits2(sim, rows, row_ok, offset, cols, col_ok, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid, MASK,
+                 HARD, DUP, PARTNER)  # fmt: skip
     return weight * tl.exp2(t - nrm2[:, None])
 
 
@@ -215,10 +242,11 @@ def _band_step(
 @triton.jit
 def _grad_dim(
     X, stride_x, INVX, row0, n_rows, rows, row_ok, Y, stride_y, INVY, col0, n_cols, cols, col_ok,
-    DZ, stride_dz, RZ, DIMS, W, NRM2, offset, bw, scale2, strength2, dot, h, k,
-    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, ACC: tl.constexpr,
-    GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, COL_SIDE: tl.constexpr,
-    RECOMPUTE: tl.constexpr, PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
+    DZ, stride_dz, RZ, DIMS, W, NRM2, offset, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid, dot, h, k,
+    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, DUP: tl.constexpr,
+    PARTNER: tl.constexpr, ACC: tl.constexpr, GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    COL_SIDE: tl.constexpr, RECOMPUTE: tl.constexpr, PREC: tl.constexpr, PREC_GRAD: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Dim k of one tile, given its prefix dot product: adds its gradient tile to h (the sum over dims
     0..k), band k's gradient product to DZ and (cosine) sum w_k P sim_k to RZ. Returns (h, band k's
@@ -228,7 +256,8 @@ def _grad_dim(
     sim = dot * a[:, None] * b[None, :]
     # Rows out of range get normaliser +inf, so a gradient of 0.
     nrm2 = tl.load(NRM2 + tl.cast(k, tl.int64) * n_rows + rows, mask=row_ok, other=float("inf"))
-    g = _softmax_grad_tile(sim, nrm2, tl.load(W + k), rows, cols, col_ok, offset, bw, scale2, strength2, MASK, HARD)
+    g = _softmax_grad_tile(sim, nrm2, tl.load(W + k), rows, row_ok, cols, col_ok, offset, bw, scale2, strength2,
+                           ROW_IDS, COL_IDS, n_forbid, MASK, HARD, DUP, PARTNER)  # fmt: skip
     if COSINE:
         # This program owns these RZ rows: a plain read-add-write, once per tile and dim.
         if COL_SIDE:
@@ -250,10 +279,10 @@ def _grad_dim(
 @triton.jit
 def _grad_tile(
     X, stride_x, INVX, row0, n_rows, rows, row_ok, Y, stride_y, INVY, col0, n_cols, cols, col_ok,
-    DZ, stride_dz, RZ, DIMS, W, NRM2, offset, bw, scale2, strength2,
-    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, ACC: tl.constexpr,
-    GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, COL_SIDE: tl.constexpr,
-    PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
+    DZ, stride_dz, RZ, DIMS, W, NRM2, offset, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid,
+    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, DUP: tl.constexpr,
+    PARTNER: tl.constexpr, ACC: tl.constexpr, GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    COL_SIDE: tl.constexpr, PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """One (row tile, column tile) of the backward pass: recompute the scores, add one side's gradient
     product into DZ band by band, and (cosine) that side's sums w_k sum P sim_k into RZ (N, K).
@@ -277,25 +306,27 @@ def _grad_tile(
             X=X, stride_x=stride_x, INVX=INVX, row0=row0, n_rows=n_rows, rows=rows, row_ok=row_ok, Y=Y,
             stride_y=stride_y, INVY=INVY, col0=col0, n_cols=n_cols, cols=cols, col_ok=col_ok, DZ=DZ,
             stride_dz=stride_dz, RZ=RZ, DIMS=DIMS, W=W, NRM2=NRM2, offset=offset, bw=bw, scale2=scale2,
-            strength2=strength2, dot=dot, h=h, k=k, K=K, COSINE=COSINE, MASK=MASK, HARD=HARD, ACC=ACC, GD=GD, BM=BM,
-            BN=BN, BD=BD, COL_SIDE=COL_SIDE, RECOMPUTE=True, PREC=PREC, PREC_GRAD=PREC_GRAD, UPCAST=UPCAST,
+            strength2=strength2, ROW_IDS=ROW_IDS, COL_IDS=COL_IDS, n_forbid=n_forbid, dot=dot, h=h, k=k, K=K,
+            COSINE=COSINE, MASK=MASK, HARD=HARD, DUP=DUP, PARTNER=PARTNER, ACC=ACC, GD=GD, BM=BM, BN=BN, BD=BD,
+            COL_SIDE=COL_SIDE, RECOMPUTE=True, PREC=PREC, PREC_GRAD=PREC_GRAD, UPCAST=UPCAST,
         )  # fmt: skip
         dot = dot - band
     _grad_dim(
         X=X, stride_x=stride_x, INVX=INVX, row0=row0, n_rows=n_rows, rows=rows, row_ok=row_ok, Y=Y, stride_y=stride_y,
         INVY=INVY, col0=col0, n_cols=n_cols, cols=cols, col_ok=col_ok, DZ=DZ, stride_dz=stride_dz, RZ=RZ, DIMS=DIMS,
-        W=W, NRM2=NRM2, offset=offset, bw=bw, scale2=scale2, strength2=strength2, dot=exact, h=h, k=K - 1, K=K,
-        COSINE=COSINE, MASK=MASK, HARD=HARD, ACC=ACC, GD=GD, BM=BM, BN=BN, BD=BD, COL_SIDE=COL_SIDE, RECOMPUTE=False,
-        PREC=PREC, PREC_GRAD=PREC_GRAD, UPCAST=UPCAST,
+        W=W, NRM2=NRM2, offset=offset, bw=bw, scale2=scale2, strength2=strength2, ROW_IDS=ROW_IDS, COL_IDS=COL_IDS,
+        n_forbid=n_forbid, dot=exact, h=h, k=K - 1, K=K, COSINE=COSINE, MASK=MASK, HARD=HARD, DUP=DUP, PARTNER=PARTNER,
+        ACC=ACC, GD=GD, BM=BM, BN=BN, BD=BD, COL_SIDE=COL_SIDE, RECOMPUTE=False, PREC=PREC, PREC_GRAD=PREC_GRAD,
+        UPCAST=UPCAST,
     )  # fmt: skip
 
 
 @triton.jit
 def _row_grad_kernel(
     X, stride_x, INVX, DX, stride_dx, RX, n_rows, Y, stride_y, INVY, n_cols, DIMS, W, NRM2,
-    offset, bw, scale2, strength2,
-    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, ACC: tl.constexpr,
-    GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    offset, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid,
+    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, DUP: tl.constexpr,
+    PARTNER: tl.constexpr, ACC: tl.constexpr, GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Backward, row side: DX[rows] += sum_j dsim[i, j] * dsim/dx_i for one row tile, sweeping the
@@ -312,17 +343,18 @@ def _row_grad_kernel(
             X=X, stride_x=stride_x, INVX=INVX, row0=row0, n_rows=n_rows, rows=rows, row_ok=row_ok, Y=Y,
             stride_y=stride_y, INVY=INVY, col0=col0, n_cols=n_cols, cols=cols, col_ok=cols < n_cols, DZ=DX,
             stride_dz=stride_dx, RZ=RX, DIMS=DIMS, W=W, NRM2=NRM2, offset=offset, bw=bw, scale2=scale2,
-            strength2=strength2, K=K, COSINE=COSINE, MASK=MASK, HARD=HARD, ACC=ACC, GD=GD, BM=BM, BN=BN, BD=BD,
-            COL_SIDE=False, PREC=PREC, PREC_GRAD=PREC_GRAD, UPCAST=UPCAST,
+            strength2=strength2, ROW_IDS=ROW_IDS, COL_IDS=COL_IDS, n_forbid=n_forbid, K=K, COSINE=COSINE, MASK=MASK,
+            HARD=HARD, DUP=DUP, PARTNER=PARTNER, ACC=ACC, GD=GD, BM=BM, BN=BN, BD=BD, COL_SIDE=False, PREC=PREC,
+            PREC_GRAD=PREC_GRAD, UPCAST=UPCAST,
         )  # fmt: skip
 
 
 @triton.jit
 def _col_grad_kernel(
     X, stride_x, INVX, n_rows, Y, stride_y, INVY, DY, stride_dy, RY, n_cols, DIMS, W, NRM2,
-    offset, bw, scale2, strength2,
-    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, ACC: tl.constexpr,
-    GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    offset, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid,
+    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, DUP: tl.constexpr,
+    PARTNER: tl.constexpr, ACC: tl.constexpr, GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Backward, column side: DY[cols] += sum_i dsim[i, j] * dsim/dy_j for one column tile, sweeping
@@ -338,8 +370,9 @@ def _col_grad_kernel(
             X=X, stride_x=stride_x, INVX=INVX, row0=row0, n_rows=n_rows, rows=rows, row_ok=rows < n_rows, Y=Y,
             stride_y=stride_y, INVY=INVY, col0=col0, n_cols=n_cols, cols=cols, col_ok=col_ok, DZ=DY,
             stride_dz=stride_dy, RZ=RY, DIMS=DIMS, W=W, NRM2=NRM2, offset=offset, bw=bw, scale2=scale2,
-            strength2=strength2, K=K, COSINE=COSINE, MASK=MASK, HARD=HARD, ACC=ACC, GD=GD, BM=BM, BN=BN, BD=BD,
-            COL_SIDE=True, PREC=PREC, PREC_GRAD=PREC_GRAD, UPCAST=UPCAST,
+            strength2=strength2, ROW_IDS=ROW_IDS, COL_IDS=COL_IDS, n_forbid=n_forbid, K=K, COSINE=COSINE, MASK=MASK,
+            HARD=HARD, DUP=DUP, PARTNER=PARTNER, ACC=ACC, GD=GD, BM=BM, BN=BN, BD=BD, COL_SIDE=True, PREC=PREC,
+            PREC_GRAD=PREC_GRAD, UPCAST=UPCAST,
         )  # fmt: skip
 
 
