@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO under GradCache: step (3) runs one backward per mini-batch inside the backward of the loss, which
-ZeRO-2 and ZeRO-3 would each reduce (ZeRO-2 then fails with "Gradient computed twice for this partition", ZeRO-3 with
-an AssertionError in its bucketing: sentence-transformers' issues #3173, #3531).
+ZeRO-2 and ZeRO-3 would each reduce (ZeRO-2 then fails with "Gradient computed twice for this partition", ZeRO-3 at
+times with an AssertionError in its bucketing: sentence-transformers' issues #3173, #3531).
 
 :func:`coalesced` wraps step (3) in ``engine.coalesce_grad_reduction()`` (DeepSpeed >= 0.19), which accumulates every
 backward's gradients locally and reduces them once when the block ends. The block ends inside the loss's own backward
