@@ -261,3 +261,11 @@ def test_per_step_reduce_scatters_once_per_unit_and_step(spawned):
         # per_backward: one reduce-scatter per unit and backward (2 columns x 2 mini-batches of 4 rows).
         assert every["collectives"]["reduce_scatter"] == every["units"] * 2 * 2
         assert every["collectives"]["all_gather"] > once["collectives"]["all_gather"]
+
+
+def test_fsdp_sync_is_checked_up_front_and_on_the_card():
+    model = _model("bert")
+    with pytest.raises(ValueError, match="fsdp_sync must be"):
+        _loss(model, 0, {}, {"fsdp_sync": "per_epoch"})
+    assert _loss(model, 0, {}, {"fsdp_sync": "per_step"}).get_config_dict()["fsdp_sync"] == "per_step"
+    assert "fsdp_sync" not in _loss(model, 0, {}, {}).get_config_dict()

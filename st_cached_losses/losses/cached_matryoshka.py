@@ -317,6 +317,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
                 "false_negative_strategy": self.false_negative_strategy}
                if self.false_negative_margin is not None else {}),
             "activation_budget": self.activation_budget,
+            **({"fsdp_sync": self.fsdp_sync} if self.fsdp_sync != "per_backward" else {}),
             **({"mask_duplicates": True} if self.mask_duplicates else {}),
             **(self._activations.chosen if self._activations is not None else {}),
         }  # fmt: skip
