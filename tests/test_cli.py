@@ -464,8 +464,7 @@ def test_fp16_without_a_gpu_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, m
 
 
 def test_fp16_maps_to_the_trainer_argument(tmp_path):
-    args = command.build_parser().parse_args(["train", "--output-dir", "x", "--fp16"])
-    training_args = training._training_args(args, str(tmp_path), "cuda:0")
+    training_args = training._training_args(TrainOptions(output_dir="x", fp16=True), str(tmp_path), "cuda:0")
     assert (training_args.fp16, training_args.bf16) == (True, False)
 
 
