@@ -1,5 +1,5 @@
-"""What the loss needs to know about the process group: equal row counts for gather_across_devices, and the DDP
-wrapper (if any) whose gradient synchronisation a kept graph must not trigger."""
+"""What the loss needs to know about the process group: equal row counts for gather_across_devices, the DDP
+wrapper (if any) whose gradient synchronisation a kept graph must not trigger, and the model inside the wrappers."""
 
 from __future__ import annotations
 
@@ -31,6 +31,17 @@ def ddp_of(model: nn.Module) -> DistributedDataParallel | None:
     ``model``; a ``torch.compile``'d one is looked through, as sentence-transformers' backward hook does), else None."""
     model = getattr(model, "_orig_mod", model)
     return model if isinstance(model, DistributedDataParallel) else None
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DDP-style (``.module``) and torch.compile (``._orig_mod``) wrappers, nested in any order; the
+    model itself when it is no such wrapper."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        inner = getattr(model, "module", None) if inner is None else inner
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
 
 
 def without_gradient_sync(model: nn.Module) -> AbstractContextManager:

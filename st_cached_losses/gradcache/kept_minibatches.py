@@ -195,8 +195,9 @@ class StepPlan:
         new_modality = not self.budget.activations.knows(mb.modality)
         self.budget.activations.observe(mb.rows, mb.width, nbytes, mb.modality)
         self.measured_bytes[index] = nbytes
+        if self._chosen is None:
+            self.measured_first = index
         if self._chosen is None or new_modality:
-            self.measured_first = index if self._chosen is None else self.measured_first
             self._choose()
         keep = index in self._chosen and self.kept_bytes + nbytes <= self.limit_bytes
         if keep:

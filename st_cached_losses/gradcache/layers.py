@@ -11,6 +11,8 @@ from sentence_transformers.base.modules import Transformer
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from torch import nn
 
+from .distributed import unwrapped
+
 __all__ = ["base_model", "num_hidden_layers", "num_layers", "truncate_layers"]
 
 
@@ -67,17 +69,13 @@ def base_model(model: nn.Module, owner: str = "The loss") -> BaseModel:
     Raises:
         TypeError: naming ``owner``, the wrapper given and where unwrapping stopped (as stock's error does).
     """
-    inner = model
-    while not isinstance(inner, BaseModel):
-        unwrapped = getattr(inner, "_orig_mod", None)
-        unwrapped = getattr(inner, "module", None) if unwrapped is None else unwrapped
-        if not isinstance(unwrapped, nn.Module):
-            raise TypeError(
-                f"{owner} could not unwrap {type(model).__name__} to a SentenceTransformer (stopped at "
-                f"{type(inner).__name__}). Expected DistributedDataParallel, torch.compile's OptimizedModule, or a "
-                "SentenceTransformer."
-            )
-        inner = unwrapped
+    inner = unwrapped(model)
+    if not isinstance(inner, BaseModel):
+        raise TypeError(
+            f"{owner} could not unwrap {type(model).__name__} to a SentenceTransformer (stopped at "
+            f"{type(inner).__name__}). Expected DistributedDataParallel, torch.compile's OptimizedModule, or a "
+            "SentenceTransformer."
+        )
     return inner
 
 

@@ -23,11 +23,12 @@ import sys
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
-import torch.distributed as dist
+from sentence_transformers.util import get_world_size
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import zero
+from .distributed import ddp_of
 
 __all__ = ["FSDP_SYNC_MODES", "Parallelism", "check_fsdp_sync"]
 
@@ -44,14 +45,6 @@ def check_fsdp_sync(value: Any) -> str:
     return value
 
 
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _unwrap_compile(model: nn.Module) -> nn.Module:
-    return getattr(model, "_orig_mod", model)
-
-
 class Parallelism:
     """The parallelism of a loss's ``model`` for one step: ``kind`` is "single", "ddp", "fsdp2" or "deepspeed".
 
@@ -66,13 +59,14 @@ class Parallelism:
         self.wrapper = wrapper  # the DDP module, the DeepSpeed engine, or the outermost FSDP2 module
         self.fsdp_modules = fsdp_modules  # every FSDPModule of the model (FSDP2)
         self.fsdp_sync = fsdp_sync
-        self.world_size = _world_size()
+        self.world_size = get_world_size()
 
     @classmethod
     def of(cls, model: nn.Module, fsdp_sync: str = "per_backward") -> Parallelism:
-        model = _unwrap_compile(model)
-        if isinstance(model, DistributedDataParallel):
-            return cls("ddp", model, [], fsdp_sync)
+        ddp = ddp_of(model)
+        if ddp is not None:
+            return cls("ddp", ddp, [], fsdp_sync)
+        model = getattr(model, "_orig_mod", model)  # a compiled model: its FSDP2 modules or DeepSpeed engine inside
         engine = zero.engine_of(model)
         if engine is not None:
             zero.check_engine(engine)

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .distributed import unwrapped
+
 _COLLECTORS: list[list[torch.dtype | None]] = []  # one per active encoder_autocast_dtypes block, innermost last
 
 
@@ -35,12 +37,7 @@ def first_module(model: nn.Module) -> nn.Module:
     """The first module the model runs (its input module, e.g. the ``Transformer``), below ``torch.compile``'s
     ``_orig_mod`` and DDP's ``module`` wrappers, so that accelerate's autocast around the model's forward is active
     when it runs; the model itself if it has no children."""
-    while True:
-        inner = getattr(model, "_orig_mod", None)
-        inner = getattr(model, "module", None) if inner is None else inner
-        if not isinstance(inner, nn.Module):
-            break
-        model = inner
+    model = unwrapped(model)
     return next(iter(model.children()), model)
 
 

@@ -49,7 +49,7 @@ __all__ = ["GradCacheSteps", "Step"]
 @dataclass
 class Step:
     """One forward's plan: per column the mini-batch ranges of this rank's rows and the number of mini-batches every
-    rank embeds (``counts``: the ranges, then one-row pads); the model's parallelism and whether ranks agree."""
+    rank embeds (``counts``: the ranges, then one-row pads); the model's parallelism."""
 
     ranges: list[list[tuple[int, int]]]
     counts: list[int]
@@ -114,15 +114,15 @@ class GradCacheSteps(CachedLossMixin):
             parallel.step_start()
         try:
             with encoder_autocast_dtypes(self.model) as self._encoder_dtypes:  # read in calculate_loss
-                return self._three_steps(sentence_features, labels, step, agree)
+                return self._three_steps(sentence_features, labels, step, training, agree)
         except BaseException:
             parallel.step_end()
             raise
         finally:
             self._step_kept = None
 
-    def _three_steps(self, features: list[dict[str, Any]], labels: Tensor | None, step: Step, agree: bool) -> Tensor:
-        training = torch.is_grad_enabled()
+    def _three_steps(self, features: list[dict[str, Any]], labels: Tensor | None, step: Step, training: bool,
+                     agree: bool) -> Tensor:  # fmt: skip
         reps, states = self._step1(features, step, training)
         if not training:
             return self.calculate_loss(reps, labels)
