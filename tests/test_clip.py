@@ -16,7 +16,7 @@ from st_cached_losses import CachedMatryoshkaLoss
 from st_cached_losses.gradcache.activation_memory import ActivationModel
 from st_cached_losses.testing import random_images, tiny_clip_sentence_transformer
 from tests.helpers import texts
-from tests.test_activation_budget import SOME, _budget, _saved_bytes
+from tests.test_activation_budget import SOME, _assert_matches_stock, _budget, _saved_bytes
 from tests.test_cached_matryoshka import _assert_grads_close, _loss_and_grads
 
 ROWS, MINI_BATCH = 7, 3  # mini-batches of 3, 3 and 1 rows
@@ -57,14 +57,7 @@ def test_matches_stock(clip, case):
     stock = MatryoshkaLoss(clip, CachedMultipleNegativesRankingLoss(clip, mini_batch_size=MINI_BATCH, **options), DIMS)
     ours = CachedMatryoshkaLoss(clip, CachedMultipleNegativesRankingLoss(clip, mini_batch_size=MINI_BATCH, **options),
                                 DIMS, activation_budget=budget)  # fmt: skip
-    for _ in range(2 if budget else 1):  # with a budget: the first step measures, the second predicts
-        stock_loss, stock_grads = _loss_and_grads(clip, stock, features)
-        loss, grads = _loss_and_grads(clip, ours, features)
-        assert loss == pytest.approx(stock_loss, rel=1e-4)
-        _assert_grads_close(grads, stock_grads)
-    if budget:
-        report = ours.activation_report
-        assert 0 < len(report.kept) < len(report.minibatches) and report.kept_bytes <= budget
+    _assert_matches_stock(clip, stock, ours, features, budget)
 
 
 def test_a_budget_over_image_and_text_columns_predicts_each_from_its_own_shape(clip):

@@ -16,8 +16,8 @@ from sentence_transformers.sentence_transformer.losses import CachedMultipleNega
 from st_cached_losses import CachedMatryoshkaLoss
 from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
 from tests.helpers import texts
-from tests.test_activation_budget import SOME, _budget
-from tests.test_cached_matryoshka import _assert_grads_close, _features, _loss_and_grads
+from tests.test_activation_budget import SOME, _assert_matches_stock, _budget
+from tests.test_cached_matryoshka import _assert_grads_close, _features
 
 DIMS, WEIGHTS = [48, 24, 8], [1.0, 0.5, 0.25]
 MINI_BATCH = 3
@@ -73,17 +73,8 @@ def test_lora_matches_stock(name, case):
     stock = MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH), DIMS,
                                 WEIGHTS, sort_by_length=sort_by_length, activation_budget=budget)  # fmt: skip
-    for step in range(2 if budget else 1):  # with a budget: the first step measures, the second predicts
-        torch.manual_seed(step)  # the same dropout draws for both
-        stock_loss, stock_grads = _loss_and_grads(model, stock, features)
-        torch.manual_seed(step)
-        loss, grads = _loss_and_grads(model, ours, features)
+    for grads in _assert_matches_stock(model, stock, ours, features, budget):
         assert grads.keys() == trainable
-        assert loss == pytest.approx(stock_loss, rel=1e-4)
-        _assert_grads_close(grads, stock_grads)
-    if budget:
-        report = ours.activation_report
-        assert 0 < len(report.kept) < len(report.minibatches) and report.kept_bytes <= budget
 
 
 def _one_sgd_step(tmp_path, name: str, loss_name: str) -> dict[str, torch.Tensor]:
