@@ -38,7 +38,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.report import RESULTS, plot, read_csv, write_csv
+from benchmarks.report import RESULTS, plot, read_csv, values, write_csv
 
 CONTENDERS = ("eager", "compiled", "compiled_unmarked")
 
@@ -147,14 +147,14 @@ def run_size(batch: int, args, pairs, contender_names) -> list[tuple]:
         after = counters["stats"]["unique_graphs"]
     finally:
         logging.getLogger("torch._dynamo").removeHandler(hits)
-    for name, values in times.items():
-        rows += [(name, batch, "seconds_median", statistics.median(values)), (name, batch, "seconds_min", min(values)),
-                 (name, batch, "seconds_max", max(values)), (name, batch, "repeats", len(values)),
+    for name, seconds in times.items():
+        rows += [(name, batch, "seconds_median", statistics.median(seconds)), (name, batch, "seconds_min", min(seconds)),
+                 (name, batch, "seconds_max", max(seconds)), (name, batch, "repeats", len(seconds)),
                  (name, batch, "graphs_after", after if name != "eager" else 0)]  # fmt: skip
         if name != "eager":
             rows += [(name, batch, "loss_rel_diff_to_eager", diffs[name][0]),
                      (name, batch, "grad_rel_diff_to_eager", diffs[name][1])]  # fmt: skip
-            ratios = [value / eager for value, eager in zip(values, times["eager"])]
+            ratios = [value / eager for value, eager in zip(seconds, times["eager"])]
             rows += [(name, batch, f"time_ratio_to_eager_{key}", fn(ratios))
                      for key, fn in (("median", statistics.median), ("min", min), ("max", max))]  # fmt: skip
     return rows
@@ -162,7 +162,7 @@ def run_size(batch: int, args, pairs, contender_names) -> list[tuple]:
 
 def summary(records: list[dict]) -> str:
     """A markdown table: per B and contender, the median step time, its ratio to eager, warm-up and graphs."""
-    value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
+    value = values(records)
     lines = ["| B | contender | step (s, median) | / eager (median, min-max) | warm-up (s) | graphs | limit hit | "
              "gradients vs eager |", "|---|---|---|---|---|---|---|---|"]
     for batch in sorted({r["B"] for r in records}):

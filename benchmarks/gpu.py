@@ -334,7 +334,7 @@ def summary(env: dict, checks: list[dict], stage: list[dict], steps: list[dict] 
 
 def targets(stage: list[dict], steps: list[dict]) -> list[str]:
     """The issue's targets (one H100, bf16, B = 65536, D = 768, 5 dims): met, missed or not measured."""
-    value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in stage + steps}
+    value = report.values(stage + steps)
     batch = 65536
     ours, stock = value.get(("triton_bf16", batch, "seconds_median")), value.get(("stock_bf16", batch, "seconds_median"))
     extra = value.get(("triton_bf16", batch, "peak_bytes"))
@@ -366,7 +366,7 @@ def targets(stage: list[dict], steps: list[dict]) -> list[str]:
 
 
 def _loss_stage_table(records: list[dict]) -> list[str]:
-    value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
+    value = report.values(records)
     peak = value.get(("device", 0, "matmul_flops_per_second"), math.nan)
     lines = [f"**Loss stage** (fwd + bwd; torch.mm reference {peak / 1e12:.0f} TFLOP/s)", "",
              "| dtype | B | contender | ms median (q20-q80) | MiB above inputs | TFLOP/s | of torch.mm | vs stock |",

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.profiling import peak_tensor_bytes, summarize, time_call
-from benchmarks.report import RESULTS, plot, read_csv, write_csv
+from benchmarks.report import RESULTS, plot, read_csv, values, write_csv
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops.chunked import DEFAULT_TILE_BYTES
 
@@ -169,7 +169,7 @@ def mask_contest(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=5, device
 
 def mask_table(records: list[dict]) -> str:
     """Markdown table: time and tensor peak with the mask against without, per backend and B."""
-    value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
+    value = values(records)
     lines = ["| B | backend | without s | with s | time ratio | CPU s ratio | without peak MiB | with peak MiB | "
              "extra peak KiB | ids KiB | share removed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch in sorted({r["B"] for r in records}):
@@ -281,7 +281,7 @@ def crossover(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=15):
 
 def summary_table(records: list[dict]) -> str:
     """Markdown table: wall and CPU time per contender, ratios to stock, peaks, matmul fraction."""
-    value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
+    value = values(records)
     lines = [
         "| B | stock s | chunked s | speed-up (wall) | speed-up (CPU s) | stock peak MiB | chunked peak MiB "
         "| (chunked peak − tile budget) / embeddings | matmul share |",
