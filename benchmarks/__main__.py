@@ -1,13 +1,13 @@
 """Regenerate the benchmark results (CSV + PNG under benchmarks/results/).
 
-    python -m benchmarks                          # everything committed: train_step (default, GISTEmbed, 2D), then
-                                                  # loss_stage (1 and 2 threads, GISTEmbed, mask_duplicates),
-                                                  # compile_step, integrations, scale_out
-    python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
-    python -m benchmarks loss_stage [FLAGS...]
-    python -m benchmarks compile_step [FLAGS...]  # torch.compile against eager (inductor: C++ compiles, minutes)
-    python -m benchmarks integrations             # LoRA, image-text, gradient checkpointing: errors against stock
-    python -m benchmarks scale_out [FLAGS...]     # DDP, FSDP2, DeepSpeed ZeRO on 2 gloo processes
+python -m benchmarks                          # everything committed: train_step (default, GISTEmbed, 2D), then
+                                              # loss_stage (1 and 2 threads, GISTEmbed, mask_duplicates),
+                                              # compile_step, integrations, scale_out
+python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
+python -m benchmarks loss_stage [FLAGS...]
+python -m benchmarks compile_step [FLAGS...]  # torch.compile against eager (inductor: C++ compiles, minutes)
+python -m benchmarks integrations             # LoRA, image-text, gradient checkpointing: errors against stock
+python -m benchmarks scale_out [FLAGS...]     # DDP, FSDP2, DeepSpeed ZeRO on 2 gloo processes
 """
 
 from __future__ import annotations
@@ -16,19 +16,49 @@ import sys
 
 from benchmarks import compile_step, integrations, loss_stage, scale_out, train_step
 
-BENCHMARKS = {"train_step": train_step.main, "loss_stage": loss_stage.main, "compile_step": compile_step.main,
-              "integrations": integrations.main, "scale_out": scale_out.main}
+BENCHMARKS = {
+    "train_step": train_step.main,
+    "loss_stage": loss_stage.main,
+    "compile_step": compile_step.main,
+    "integrations": integrations.main,
+    "scale_out": scale_out.main,
+}
 # What `python -m benchmarks` runs: the committed results, each under its own file name.
 EVERYTHING = (
     ("train_step", []),
-    ("train_step", ["--sizes", "512", "--contenders", "ours_gist", "stock_gist", "--repeats", "2",
-                    "--name", "train_step_gist"]),
-    ("train_step", ["--sizes", "128", "1024", "--dims", "384", "192", "96", "48", "--contenders", "ours", "ours_2d",
-                    "stock_2d", "--baseline", "ours", "--repeats", "1", "--name", "train_step_2d"]),
+    (
+        "train_step",
+        ["--sizes", "512", "--contenders", "ours_gist", "stock_gist", "--repeats", "2", "--name", "train_step_gist"],
+    ),
+    (
+        "train_step",
+        [
+            "--sizes",
+            "128",
+            "1024",
+            "--dims",
+            "384",
+            "192",
+            "96",
+            "48",
+            "--contenders",
+            "ours",
+            "ours_2d",
+            "stock_2d",
+            "--baseline",
+            "ours",
+            "--repeats",
+            "1",
+            "--name",
+            "train_step_2d",
+        ],
+    ),
     ("loss_stage", ["--threads", "1"]),
     ("loss_stage", ["--threads", "2", "--name", "loss_stage_2threads"]),
-    ("loss_stage", ["--gist", "--sizes", "256", "512", "1024", "8192", "--stock-max-batch", "1024",
-                    "--name", "loss_stage_gist"]),
+    (
+        "loss_stage",
+        ["--gist", "--sizes", "256", "512", "1024", "8192", "--stock-max-batch", "1024", "--name", "loss_stage_gist"],
+    ),
     ("compile_step", []),
     ("integrations", []),
     ("loss_stage", ["--mask-duplicates", "--sizes", "8192", "--threads", "1", "--name", "loss_stage_mask_duplicates"]),

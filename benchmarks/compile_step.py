@@ -27,7 +27,8 @@ weights and batch; over every parameter, max |difference| / max |eager's gradien
 2-core machine; see ``benchmarks.train_step``).
 
     flock /tmp/st_timing.lock python -m benchmarks.compile_step                  # -> benchmarks/results/compile_step.*
-    python -m benchmarks.compile_step --model tiny --sizes 13 --mini-batch-size 4 --backend eager --repeats 1 --out /tmp/x
+    python -m benchmarks.compile_step --model tiny --sizes 13 --mini-batch-size 4 --backend eager \
+        --repeats 1 --out /tmp/x
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def differences(ours: tuple, eager: tuple) -> tuple[float, float]:
     over every parameter max |grad - eager's| / max |eager's| (at least 1e-3 of the largest), as the tests measure."""
     (loss, grads), (eager_loss, eager_grads) = ours, eager
     largest = max(float(g.abs().max()) for g in eager_grads.values())
-    grad = max(float((grads[n] - g).abs().max()) / max(float(g.abs().max()), 1e-3 * largest)
-               for n, g in eager_grads.items())  # fmt: skip
+    grad = max(
+        float((grads[n] - g).abs().max()) / max(float(g.abs().max()), 1e-3 * largest) for n, g in eager_grads.items()
+    )
     return abs(loss - eager_loss) / abs(eager_loss), grad
 
 
@@ -112,7 +114,7 @@ def run_size(batch: int, args, pairs, contender_names) -> list[tuple]:
     for module in base_model.modules():  # no dropout: compiled code draws other masks than eager
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    batches = [tokenize(base_model, pairs[i * batch:(i + 1) * batch]) for i in range(args.batches)]
+    batches = [tokenize(base_model, pairs[i * batch : (i + 1) * batch]) for i in range(args.batches)]
     dims = args.dims or [base_model.get_embedding_dimension() // 2**k for k in range(4)]
     contenders = []
     for name in contender_names:
@@ -130,10 +132,16 @@ def run_size(batch: int, args, pairs, contender_names) -> list[tuple]:
             for i in range(args.warmup):
                 contender.step(batches[i % len(batches)])
             seconds, graphs = time.perf_counter() - start, counters["stats"]["unique_graphs"]
-            rows += [(contender.name, batch, "warmup_seconds", seconds), (contender.name, batch, "graphs", graphs),
-                     (contender.name, batch, "recompile_limit_hit", int(hits.count > 0))]  # fmt: skip
-            print(f"B={batch} {contender.name}: warm-up {seconds:.1f} s, {graphs} graphs, recompile limit hit: "
-                  f"{hits.count > 0}", flush=True)
+            rows += [
+                (contender.name, batch, "warmup_seconds", seconds),
+                (contender.name, batch, "graphs", graphs),
+                (contender.name, batch, "recompile_limit_hit", int(hits.count > 0)),
+            ]
+            print(
+                f"B={batch} {contender.name}: warm-up {seconds:.1f} s, {graphs} graphs, recompile limit hit: "
+                f"{hits.count > 0}",
+                flush=True,
+            )
         counters.clear()
         times = {c.name: [] for c in contenders}
         diffs = {c.name: (0.0, 0.0) for c in contenders}
@@ -148,33 +156,48 @@ def run_size(batch: int, args, pairs, contender_names) -> list[tuple]:
     finally:
         logging.getLogger("torch._dynamo").removeHandler(hits)
     for name, seconds in times.items():
-        rows += [(name, batch, "seconds_median", statistics.median(seconds)), (name, batch, "seconds_min", min(seconds)),
-                 (name, batch, "seconds_max", max(seconds)), (name, batch, "repeats", len(seconds)),
-                 (name, batch, "graphs_after", after if name != "eager" else 0)]  # fmt: skip
+        rows += [
+            (name, batch, "seconds_median", statistics.median(seconds)),
+            (name, batch, "seconds_min", min(seconds)),
+            (name, batch, "seconds_max", max(seconds)),
+            (name, batch, "repeats", len(seconds)),
+            (name, batch, "graphs_after", after if name != "eager" else 0),
+        ]
         if name != "eager":
-            rows += [(name, batch, "loss_rel_diff_to_eager", diffs[name][0]),
-                     (name, batch, "grad_rel_diff_to_eager", diffs[name][1])]  # fmt: skip
+            rows += [
+                (name, batch, "loss_rel_diff_to_eager", diffs[name][0]),
+                (name, batch, "grad_rel_diff_to_eager", diffs[name][1]),
+            ]
             ratios = [value / eager for value, eager in zip(seconds, times["eager"])]
-            rows += [(name, batch, f"time_ratio_to_eager_{key}", fn(ratios))
-                     for key, fn in (("median", statistics.median), ("min", min), ("max", max))]  # fmt: skip
+            rows += [
+                (name, batch, f"time_ratio_to_eager_{key}", fn(ratios))
+                for key, fn in (("median", statistics.median), ("min", min), ("max", max))
+            ]
     return rows
 
 
 def summary(records: list[dict]) -> str:
     """A markdown table: per B and contender, the median step time, its ratio to eager, warm-up and graphs."""
     value = values(records)
-    lines = ["| B | contender | step (s, median) | / eager (median, min-max) | warm-up (s) | graphs | limit hit | "
-             "gradients vs eager |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| B | contender | step (s, median) | / eager (median, min-max) | warm-up (s) | graphs | limit hit | "
+            "gradients vs eager |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for batch in sorted({r["B"] for r in records}):
         for name in CONTENDERS:
             if (name, batch, "seconds_median") not in value:
                 continue
             ratio = [value.get((name, batch, f"time_ratio_to_eager_{k}")) for k in ("median", "min", "max")]
             ratio = "1" if name == "eager" else f"{ratio[0]:.2f} ({ratio[1]:.2f}-{ratio[2]:.2f})"
-            lines.append(f"| {batch} | {name} | {value[(name, batch, 'seconds_median')]:.3f} | {ratio} | "
-                         f"{value[(name, batch, 'warmup_seconds')]:.1f} | "
-                         f"{value[(name, batch, 'graphs')]:.0f} | {value[(name, batch, 'recompile_limit_hit')]:.0f} | "
-                         f"{value.get((name, batch, 'grad_rel_diff_to_eager'), 0.0):.1e} |")
+            lines.append(
+                f"| {batch} | {name} | {value[(name, batch, 'seconds_median')]:.3f} | {ratio} | "
+                f"{value[(name, batch, 'warmup_seconds')]:.1f} | "
+                f"{value[(name, batch, 'graphs')]:.0f} | {value[(name, batch, 'recompile_limit_hit')]:.0f} | "
+                f"{value.get((name, batch, 'grad_rel_diff_to_eager'), 0.0):.1e} |"
+            )
     return "\n".join(lines)
 
 
@@ -242,9 +265,13 @@ def main(argv=None) -> list[dict]:
 
 def draw(records: list[dict], path: Path, args) -> None:
     """The step time (median) and the warm-up time (compiles included) against B, a line per contender."""
-    plot(records, path, title=f"{args.model}, mini-batch {args.mini_batch_size}, torch.compile backend {args.backend}, "
-         f"{args.threads} CPU thread(s)",
-         panels=(("seconds_median", "step seconds (median)", 1), ("warmup_seconds", "warm-up seconds", 1)))  # fmt: skip
+    plot(
+        records,
+        path,
+        title=f"{args.model}, mini-batch {args.mini_batch_size}, torch.compile backend {args.backend}, "
+        f"{args.threads} CPU thread(s)",
+        panels=(("seconds_median", "step seconds (median)", 1), ("warmup_seconds", "warm-up seconds", 1)),
+    )
 
 
 if __name__ == "__main__":

@@ -81,8 +81,16 @@ class Case:
         return world[self.offset : self.offset + self.batch], docs, world
 
     def spec(self, queries, docs, world) -> InfoNCESpec:
-        options = {"weights": None, "scale": 20.0, "similarity": "cosine", "directions": ("query_to_doc",),
-                   "partition_mode": "joint", "hardness_mode": None, "hardness_strength": 0.0, **self.options}  # fmt: skip
+        options = {
+            "weights": None,
+            "scale": 20.0,
+            "similarity": "cosine",
+            "directions": ("query_to_doc",),
+            "partition_mode": "joint",
+            "hardness_mode": None,
+            "hardness_strength": 0.0,
+            **self.options,
+        }
         gathered = world if self.world_batch != self.batch else None
         return InfoNCESpec.build(queries, docs, gathered, dims=self.dims, offset=self.offset, **options)
 
@@ -99,30 +107,73 @@ def cases(size: str = "full") -> list[Case]:
     return [
         # Multiples of no tile, offset != 0 in a gathered batch: B = 1000 rows of a 3001-row world, M = 3001.
         Case("ragged_gathered", n(1000, 40), dim, dims, world=n(3001, 121), offset=n(1001, 41)),
-        Case("all_directions_joint_in_batch_hardness", n(1000, 40), dim, dims[::2], columns=2,
-             options=dict(directions=ALL_DIRECTIONS, hardness_mode="in_batch_negatives", **hard)),
-        Case("per_direction_hard_negatives_hardness", n(1000, 40), dim, dims[:3], columns=3,
-             options=dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction",
-                          hardness_mode="hard_negatives", hardness_strength=3.0)),
-        Case("all_directions_all_negatives_hardness_gathered", n(500, 20), dim, dims[1:4], columns=2,
-             world=n(1501, 61), offset=n(999, 40),
-             options=dict(directions=ALL_DIRECTIONS, hardness_mode="all_negatives", hardness_strength=2.0)),
-        Case("dot_all_directions", n(1000, 40), dim, dims, columns=2,
-             options=dict(similarity="dot", directions=ALL_DIRECTIONS)),
+        Case(
+            "all_directions_joint_in_batch_hardness",
+            n(1000, 40),
+            dim,
+            dims[::2],
+            columns=2,
+            options=dict(directions=ALL_DIRECTIONS, hardness_mode="in_batch_negatives", **hard),
+        ),
+        Case(
+            "per_direction_hard_negatives_hardness",
+            n(1000, 40),
+            dim,
+            dims[:3],
+            columns=3,
+            options=dict(
+                directions=("query_to_doc", "doc_to_query"),
+                partition_mode="per_direction",
+                hardness_mode="hard_negatives",
+                hardness_strength=3.0,
+            ),
+        ),
+        Case(
+            "all_directions_all_negatives_hardness_gathered",
+            n(500, 20),
+            dim,
+            dims[1:4],
+            columns=2,
+            world=n(1501, 61),
+            offset=n(999, 40),
+            options=dict(directions=ALL_DIRECTIONS, hardness_mode="all_negatives", hardness_strength=2.0),
+        ),
+        Case(
+            "dot_all_directions",
+            n(1000, 40),
+            dim,
+            dims,
+            columns=2,
+            options=dict(similarity="dot", directions=ALL_DIRECTIONS),
+        ),
         Case("scale_100", n(1000, 40), dim, dims, options=dict(scale=100.0)),
         Case("one_dim", n(1000, 40), n(768, 32), (n(768, 32),)),
         # M x D > 2^31 elements: int64 row offsets in the kernels; 8 queries against 2.4M docs (hard negatives).
-        Case("int64_offsets", 8, n(1024, 16), (n(1024, 16), n(64, 4)), columns=n(300_001, 5),
-             options=dict(hardness_mode="hard_negatives", **hard), precisions=("bf16",), truth_backend="chunked"),
-    ]  # fmt: skip
+        Case(
+            "int64_offsets",
+            8,
+            n(1024, 16),
+            (n(1024, 16), n(64, 4)),
+            columns=n(300_001, 5),
+            options=dict(hardness_mode="hard_negatives", **hard),
+            precisions=("bf16",),
+            truth_backend="chunked",
+        ),
+    ]
 
 
 def tile_case(size: str = "full") -> Case:
     """The case every tile config the tuner may pick runs on (``forced_tile_config``)."""
     tiny = size == "tiny"
-    return Case("tile_configs", 40 if tiny else 777, 24 if tiny else 300, (24, 16, 5) if tiny else (300, 100, 37),
-                columns=2, options=dict(directions=ALL_DIRECTIONS, hardness_mode="all_negatives",
-                                        hardness_strength=1.0), precisions=("fp32", "bf16"))  # fmt: skip
+    return Case(
+        "tile_configs",
+        40 if tiny else 777,
+        24 if tiny else 300,
+        (24, 16, 5) if tiny else (300, 100, 37),
+        columns=2,
+        options=dict(directions=ALL_DIRECTIONS, hardness_mode="all_negatives", hardness_strength=1.0),
+        precisions=("fp32", "bf16"),
+    )
 
 
 @contextlib.contextmanager
@@ -182,9 +233,18 @@ def run_case(case: Case, backend: str, precision: str, device, stand_in: str | N
         tolerance = TOLERANCES[precision][kind]
         error, torch_error = _relative_error(got[quantity], want), _relative_error(plain[quantity], want)
         allowed = torch_error if math.isfinite(torch_error) else 0.0
-        rows.append({"case": case.name if tile is None else f"{case.name} {tile.label}", "backend": backend, "precision": precision, "quantity": quantity,
-                     "error": error, "torch_error": torch_error, "tolerance": tolerance,
-                     "passed": error <= allowed + tolerance})  # fmt: skip
+        rows.append(
+            {
+                "case": case.name if tile is None else f"{case.name} {tile.label}",
+                "backend": backend,
+                "precision": precision,
+                "quantity": quantity,
+                "error": error,
+                "torch_error": torch_error,
+                "tolerance": tolerance,
+                "passed": error <= allowed + tolerance,
+            }
+        )
     return rows
 
 

@@ -58,15 +58,44 @@ TARGET_TRAIN_SPEEDUP_B8192 = 2.0
 def _plan(args) -> dict:
     """Sizes per step: full, --quick, or --dry-run (tiny, CPU)."""
     if args.dry_run:
-        return dict(device="cpu", size="tiny", precisions=("fp32", "bf16"), loss_sizes=(64, 128), loss_dim=32,
-                    loss_dims=(32, 16, 8), stock_max=128, search_seconds=2.0, train_sizes=(16, 32), train_dims=(48, 16),
-                    model="tiny", mini_batch=8, repeats=1)  # fmt: skip
-    plan = dict(device="cuda", size="full", precisions=tuple(cuda_checks.PRECISIONS), loss_sizes=(4096, 16384, 65536),
-                loss_dim=DIM, loss_dims=DIMS, stock_max=65536, search_seconds=150.0, train_sizes=(1024, 8192, 65536),
-                train_dims=TRAIN_DIMS, model=args.model, mini_batch=256, repeats=2)  # fmt: skip
+        return dict(
+            device="cpu",
+            size="tiny",
+            precisions=("fp32", "bf16"),
+            loss_sizes=(64, 128),
+            loss_dim=32,
+            loss_dims=(32, 16, 8),
+            stock_max=128,
+            search_seconds=2.0,
+            train_sizes=(16, 32),
+            train_dims=(48, 16),
+            model="tiny",
+            mini_batch=8,
+            repeats=1,
+        )
+    plan = dict(
+        device="cuda",
+        size="full",
+        precisions=tuple(cuda_checks.PRECISIONS),
+        loss_sizes=(4096, 16384, 65536),
+        loss_dim=DIM,
+        loss_dims=DIMS,
+        stock_max=65536,
+        search_seconds=150.0,
+        train_sizes=(1024, 8192, 65536),
+        train_dims=TRAIN_DIMS,
+        model=args.model,
+        mini_batch=256,
+        repeats=2,
+    )
     if args.quick:
-        plan.update(precisions=("fp32", "bf16"), loss_sizes=(4096, 16384), search_seconds=20.0,
-                    train_sizes=(1024, 8192), repeats=1)  # fmt: skip
+        plan.update(
+            precisions=("fp32", "bf16"),
+            loss_sizes=(4096, 16384),
+            search_seconds=20.0,
+            train_sizes=(1024, 8192),
+            repeats=1,
+        )
     return plan
 
 
@@ -100,15 +129,28 @@ def _checked(case, backend, precision, device, stand_in, tile=None) -> list[dict
     start = time.perf_counter()
     try:
         rows = cuda_checks.run_case(case, backend, precision, device, stand_in, tile)
-    except Exception as error:  # noqa: BLE001 - a failing case is a result; the run goes on
+    except Exception as error:
         label = case.name if tile is None else f"{case.name} {tile.label}"
         print(f"  {label:<52} {backend:>8} {precision}: raised {type(error).__name__}: {error}", flush=True)
-        return [{"case": label, "backend": backend, "precision": precision, "quantity": "raised", "error": math.inf,
-                 "torch_error": math.nan, "tolerance": 0.0, "passed": False}]  # fmt: skip
+        return [
+            {
+                "case": label,
+                "backend": backend,
+                "precision": precision,
+                "quantity": "raised",
+                "error": math.inf,
+                "torch_error": math.nan,
+                "tolerance": 0.0,
+                "passed": False,
+            }
+        ]
     worst = max(rows, key=lambda r: r["error"] - r["torch_error"])
     verdict = "ok" if all(r["passed"] for r in rows) else "FAILED " + "; ".join(cuda_checks.failures(rows))
-    print(f"  {rows[0]['case']:<52} {backend:>8} {precision}: worst {worst['quantity']} {worst['error']:.1e} "
-          f"(torch {worst['torch_error']:.1e}) {verdict} [{time.perf_counter() - start:.1f} s]", flush=True)
+    print(
+        f"  {rows[0]['case']:<52} {backend:>8} {precision}: worst {worst['quantity']} {worst['error']:.1e} "
+        f"(torch {worst['torch_error']:.1e}) {verdict} [{time.perf_counter() - start:.1f} s]",
+        flush=True,
+    )
     return rows
 
 
@@ -125,14 +167,24 @@ def write_correctness(rows: list[dict], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 5))
     for backend in ("triton", "chunked"):
-        points = [(r["torch_error"], r["error"]) for r in rows
-                  if r["backend"] == backend and math.isfinite(r["error"]) and r["torch_error"] > 0]  # fmt: skip
+        points = [
+            (r["torch_error"], r["error"])
+            for r in rows
+            if r["backend"] == backend and math.isfinite(r["error"]) and r["torch_error"] > 0
+        ]
         if points:
             ax.scatter(*zip(*points), s=12, alpha=0.6, label=backend, **report.style(backend))
     limits = [1e-9, 1.0]
     ax.plot(limits, limits, color="gray", lw=1, label="error = PyTorch's")
-    ax.set(xscale="log", yscale="log", xlim=limits, ylim=limits, xlabel="plain PyTorch's relative error",
-           ylabel="backend's relative error", title="Correctness vs float64 (every case, precision, output)")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlim=limits,
+        ylim=limits,
+        xlabel="plain PyTorch's relative error",
+        ylabel="backend's relative error",
+        title="Correctness vs float64 (every case, precision, output)",
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -181,8 +233,9 @@ def _bench(fn, device: str) -> dict[str, float]:
         fn()
         torch.cuda.synchronize()
         estimate_ms = (time.perf_counter() - start) * 1e3
-        median, low, high = triton.testing.do_bench(fn, warmup=0, rep=max(200.0, 5 * estimate_ms),
-                                                    quantiles=[0.5, 0.2, 0.8])  # fmt: skip
+        median, low, high = triton.testing.do_bench(
+            fn, warmup=0, rep=max(200.0, 5 * estimate_ms), quantiles=[0.5, 0.2, 0.8]
+        )
         return {"median": median / 1e3, "q20": low / 1e3, "q80": high / 1e3}
     from benchmarks.profiling import time_call
 
@@ -225,9 +278,12 @@ def loss_stage(plan: dict, dry_run: bool) -> list[tuple]:
                     continue
                 rows += [(label, batch, f"seconds_{k}", v) for k, v in stats.items()]
                 rows += [(label, batch, "peak_bytes", peak), (label, batch, "tflops", flops / stats["median"] / 1e12)]
-                print(f"  {label:>14} B={batch:>7}: {stats['median'] * 1e3:9.2f} ms ({stats['q20'] * 1e3:.2f}-"
-                      f"{stats['q80'] * 1e3:.2f}), {peak / 2**20:9.1f} MiB above the inputs, "
-                      f"{flops / stats['median'] / 1e12:7.1f} TFLOP/s", flush=True)
+                print(
+                    f"  {label:>14} B={batch:>7}: {stats['median'] * 1e3:9.2f} ms ({stats['q20'] * 1e3:.2f}-"
+                    f"{stats['q80'] * 1e3:.2f}), {peak / 2**20:9.1f} MiB above the inputs, "
+                    f"{flops / stats['median'] / 1e12:7.1f} TFLOP/s",
+                    flush=True,
+                )
             del q, c
     rows += largest_batch(plan, dry_run)
     return rows
@@ -254,7 +310,10 @@ def largest_batch(plan: dict, dry_run: bool) -> list[tuple]:
         spent += seconds
         total = peak + (q.numel() + c.numel()) * q.element_size()
         per_row = total / batch
-        rows += [("largest_triton_bf16", batch, "seconds", seconds), ("largest_triton_bf16", batch, "total_bytes", total)]
+        rows += [
+            ("largest_triton_bf16", batch, "seconds", seconds),
+            ("largest_triton_bf16", batch, "total_bytes", total),
+        ]
         print(f"  largest B: B={batch} ran in {seconds:.1f} s, {total / 2**30:.2f} GiB in all", flush=True)
         del q, c
         batch *= 2
@@ -269,11 +328,17 @@ def write_loss_stage(rows: list[tuple], out: Path) -> list[dict]:
     report.write_csv(rows, out / "loss_stage.csv")
     records = report.read_csv(out / "loss_stage.csv")
     for dtype_name in LOSS_STAGE_DTYPES:
-        subset = [{**r, "contender": r["contender"].removesuffix(f"_{dtype_name}")} for r in records
-                  if r["contender"].endswith(f"_{dtype_name}")]  # fmt: skip
-        report.plot(subset, out / f"loss_stage_{dtype_name}.png", f"Loss stage on the GPU, {dtype_name} "
-                    f"(D = {DIM}, dims {DIMS[0]}..{DIMS[-1]})",
-                    panels=(("seconds_median", "fwd + bwd seconds", 1), ("peak_bytes", "MiB above the inputs", 2**20)))  # fmt: skip
+        subset = [
+            {**r, "contender": r["contender"].removesuffix(f"_{dtype_name}")}
+            for r in records
+            if r["contender"].endswith(f"_{dtype_name}")
+        ]
+        report.plot(
+            subset,
+            out / f"loss_stage_{dtype_name}.png",
+            f"Loss stage on the GPU, {dtype_name} (D = {DIM}, dims {DIMS[0]}..{DIMS[-1]})",
+            panels=(("seconds_median", "fwd + bwd seconds", 1), ("peak_bytes", "MiB above the inputs", 2**20)),
+        )
     return records
 
 
@@ -283,10 +348,30 @@ def write_loss_stage(rows: list[tuple], out: Path) -> list[dict]:
 def train_step(plan: dict, out: Path, dry_run: bool) -> list[dict]:
     from benchmarks import train_step as bench
 
-    argv = ["--device", plan["device"], "--autocast", "bf16", "--model", plan["model"], "--sizes",
-            *map(str, plan["train_sizes"]), "--dims", *map(str, plan["train_dims"]), "--mini-batch-size",
-            str(plan["mini_batch"]), "--contenders", "ours", "stock", "stock_cmnrl", "--repeats", str(plan["repeats"]),
-            "--out", str(out), "--name", "train_step"]  # fmt: skip
+    argv = [
+        "--device",
+        plan["device"],
+        "--autocast",
+        "bf16",
+        "--model",
+        plan["model"],
+        "--sizes",
+        *map(str, plan["train_sizes"]),
+        "--dims",
+        *map(str, plan["train_dims"]),
+        "--mini-batch-size",
+        str(plan["mini_batch"]),
+        "--contenders",
+        "ours",
+        "stock",
+        "stock_cmnrl",
+        "--repeats",
+        str(plan["repeats"]),
+        "--out",
+        str(out),
+        "--name",
+        "train_step",
+    ]
     return bench.main(argv + (["--in-process"] if dry_run else []))
 
 
@@ -297,8 +382,12 @@ def environment() -> dict[str, str]:
     import sentence_transformers
     import transformers
 
-    info = {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "sentence-transformers": sentence_transformers.__version__}  # fmt: skip
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "sentence-transformers": sentence_transformers.__version__,
+    }
     try:
         import triton
 
@@ -307,8 +396,12 @@ def environment() -> dict[str, str]:
         info["triton"] = "not installed"
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
-        info.update(device=torch.cuda.get_device_name(), capability=f"{major}.{minor}", cuda=str(torch.version.cuda),
-                    memory=f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")  # fmt: skip
+        info.update(
+            device=torch.cuda.get_device_name(),
+            capability=f"{major}.{minor}",
+            cuda=str(torch.version.cuda),
+            memory=f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB",
+        )
     else:
         info["device"] = f"CPU ({platform.machine()}, {torch.get_num_threads()} threads): dry run"
     return info
@@ -320,10 +413,13 @@ def summary(env: dict, checks: list[dict], stage: list[dict], steps: list[dict] 
         failed = cuda_checks.failures([r for r in checks if r["quantity"] != "raised"])
         raised = [f"{r['case']} {r['backend']} {r['precision']}: raised" for r in checks if r["quantity"] == "raised"]
         runs = len({(r["case"], r["backend"], r["precision"]) for r in checks})
-        lines += [f"**Correctness**: {runs} runs, {len(checks)} outputs checked, "
-                  f"{len(failed) + len(raised)} failed.", *[f"- {line}" for line in raised + failed], ""]  # fmt: skip
+        lines += [
+            f"**Correctness**: {runs} runs, {len(checks)} outputs checked, {len(failed) + len(raised)} failed.",
+            *[f"- {line}" for line in raised + failed],
+            "",
+        ]
     if stage:
-        lines += _loss_stage_table(stage) + [""]
+        lines += [*_loss_stage_table(stage), ""]
     if steps:
         from benchmarks.train_step import summary_table
 
@@ -336,41 +432,71 @@ def targets(stage: list[dict], steps: list[dict]) -> list[str]:
     """The issue's targets (one H100, bf16, B = 65536, D = 768, 5 dims): met, missed or not measured."""
     value = report.values(stage + steps)
     batch = 65536
-    ours, stock = value.get(("triton_bf16", batch, "seconds_median")), value.get(("stock_bf16", batch, "seconds_median"))
+    ours, stock = (
+        value.get(("triton_bf16", batch, "seconds_median")),
+        value.get(("stock_bf16", batch, "seconds_median")),
+    )
     extra = value.get(("triton_bf16", batch, "peak_bytes"))
     allowed = 64 * 2**20 + 32 * batch * DIM
-    largest_run = max((r["B"] for r in stage if r["contender"] == "largest_triton_bf16" and r["metric"] == "seconds"),
-                      default=None)  # fmt: skip
+    largest_run = max(
+        (r["B"] for r in stage if r["contender"] == "largest_triton_bf16" and r["metric"] == "seconds"), default=None
+    )
     extrapolated = value.get(("largest_triton_bf16", 0, "extrapolated_max_batch"))
     train = [value.get((name, 8192, "seconds_median")) for name in ("ours", "stock")]
 
     def verdict(measured, met: bool, text: str) -> str:
         return f"- {'not measured' if measured is None else 'met' if met else 'MISSED'}: {text}"
 
-    return ["**Targets** (B = 65536, bf16, D = 768, 5 dims)", "",
-            verdict(ours, ours is not None and ours <= TARGET_SECONDS_B65536,
-                    f"Triton fwd + bwd <= {TARGET_SECONDS_B65536 * 1e3:.0f} ms (stretch 50 ms)"
-                    + (f": {ours * 1e3:.1f} ms" if ours else "")),
-            verdict(stock and ours, bool(stock and ours) and stock / ours >= TARGET_SPEEDUP_OVER_STOCK,
-                    f">= {TARGET_SPEEDUP_OVER_STOCK:.0f}x stock's loss stage" + (f": {stock / ours:.1f}x" if stock and ours else "")),
-            verdict(extra, extra is not None and extra <= allowed,
-                    f"memory above the inputs <= 64 MiB + 32 B x B x D = {allowed / 2**20:.0f} MiB"
-                    + (f": {extra / 2**20:.0f} MiB" if extra is not None else "")),
-            verdict(largest_run, (largest_run or 0) >= TARGET_LARGEST_B or (extrapolated or 0) >= TARGET_LARGEST_B,
-                    f"largest loss-stage B on the GPU >= {TARGET_LARGEST_B:,}"
-                    + (f": ran {largest_run:,}, memory allows ~{extrapolated:,.0f} (extrapolated)" if largest_run and extrapolated else "")),
-            verdict(train[0] and train[1], bool(train[0] and train[1]) and train[1] / train[0] >= TARGET_TRAIN_SPEEDUP_B8192,
-                    f"training step >= {TARGET_TRAIN_SPEEDUP_B8192:.0f}x faster than stock at B = 8192"
-                    + (f": {train[1] / train[0]:.2f}x" if train[0] and train[1] else "")),
-            ""]  # fmt: skip
+    return [
+        "**Targets** (B = 65536, bf16, D = 768, 5 dims)",
+        "",
+        verdict(
+            ours,
+            ours is not None and ours <= TARGET_SECONDS_B65536,
+            f"Triton fwd + bwd <= {TARGET_SECONDS_B65536 * 1e3:.0f} ms (stretch 50 ms)"
+            + (f": {ours * 1e3:.1f} ms" if ours else ""),
+        ),
+        verdict(
+            stock and ours,
+            bool(stock and ours) and stock / ours >= TARGET_SPEEDUP_OVER_STOCK,
+            f">= {TARGET_SPEEDUP_OVER_STOCK:.0f}x stock's loss stage"
+            + (f": {stock / ours:.1f}x" if stock and ours else ""),
+        ),
+        verdict(
+            extra,
+            extra is not None and extra <= allowed,
+            f"memory above the inputs <= 64 MiB + 32 B x B x D = {allowed / 2**20:.0f} MiB"
+            + (f": {extra / 2**20:.0f} MiB" if extra is not None else ""),
+        ),
+        verdict(
+            largest_run,
+            (largest_run or 0) >= TARGET_LARGEST_B or (extrapolated or 0) >= TARGET_LARGEST_B,
+            f"largest loss-stage B on the GPU >= {TARGET_LARGEST_B:,}"
+            + (
+                f": ran {largest_run:,}, memory allows ~{extrapolated:,.0f} (extrapolated)"
+                if largest_run and extrapolated
+                else ""
+            ),
+        ),
+        verdict(
+            train[0] and train[1],
+            bool(train[0] and train[1]) and train[1] / train[0] >= TARGET_TRAIN_SPEEDUP_B8192,
+            f"training step >= {TARGET_TRAIN_SPEEDUP_B8192:.0f}x faster than stock at B = 8192"
+            + (f": {train[1] / train[0]:.2f}x" if train[0] and train[1] else ""),
+        ),
+        "",
+    ]
 
 
 def _loss_stage_table(records: list[dict]) -> list[str]:
     value = report.values(records)
     peak = value.get(("device", 0, "matmul_flops_per_second"), math.nan)
-    lines = [f"**Loss stage** (fwd + bwd; torch.mm reference {peak / 1e12:.0f} TFLOP/s)", "",
-             "| dtype | B | contender | ms median (q20-q80) | MiB above inputs | TFLOP/s | of torch.mm | vs stock |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"**Loss stage** (fwd + bwd; torch.mm reference {peak / 1e12:.0f} TFLOP/s)",
+        "",
+        "| dtype | B | contender | ms median (q20-q80) | MiB above inputs | TFLOP/s | of torch.mm | vs stock |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for dtype_name in LOSS_STAGE_DTYPES:
         for batch in sorted({r["B"] for r in records if r["contender"].endswith(dtype_name) and r["B"]}):
             stock = value.get((f"stock_{dtype_name}", batch, "seconds_median"))
@@ -383,18 +509,21 @@ def _loss_stage_table(records: list[dict]) -> list[str]:
                     continue
                 tflops = value[(key, batch, "tflops")]
                 ratio = f"{stock / median:.1f}x" if stock else ""
+                low, high = value[(key, batch, "seconds_q20")], value[(key, batch, "seconds_q80")]
                 lines.append(
-                    f"| {dtype_name} | {batch} | {name} | {median * 1e3:.2f} ({value[(key, batch, 'seconds_q20')] * 1e3:.2f}-"
-                    f"{value[(key, batch, 'seconds_q80')] * 1e3:.2f}) | {value[(key, batch, 'peak_bytes')] / 2**20:.1f} | "
+                    f"| {dtype_name} | {batch} | {name} | {median * 1e3:.2f} ({low * 1e3:.2f}-{high * 1e3:.2f}) | "
+                    f"{value[(key, batch, 'peak_bytes')] / 2**20:.1f} | "
                     f"{tflops:.1f} | {tflops * 1e12 / peak:.0%} | {ratio} |"
                 )
     largest = [r for r in records if r["contender"] == "largest_triton_bf16"]
     ran = [r["B"] for r in largest if r["metric"] == "seconds"]
     extrapolated = next((r["value"] for r in largest if r["metric"] == "extrapolated_max_batch"), None)
     if ran:
-        lines += ["", f"Largest loss-stage B run (Triton, bf16): {max(ran)}"
-                  + (f"; memory allows about {extrapolated:,.0f} (extrapolated from bytes per row)" if extrapolated
-                     else "")]  # fmt: skip
+        lines += [
+            "",
+            f"Largest loss-stage B run (Triton, bf16): {max(ran)}"
+            + (f"; memory allows about {extrapolated:,.0f} (extrapolated from bytes per row)" if extrapolated else ""),
+        ]
     return lines
 
 
@@ -403,13 +532,25 @@ def _loss_stage_table(records: list[dict]) -> list[str]:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="minilm", help="'minilm' (the packaged all-MiniLM-L6-v2) or a local model "
-                        "directory, e.g. an offline copy (default: minilm)")
+    parser.add_argument(
+        "--model",
+        default="minilm",
+        help="'minilm' (the packaged all-MiniLM-L6-v2) or a local model "
+        "directory, e.g. an offline copy (default: minilm)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer cases and sizes: about 2 minutes on one H100")
-    parser.add_argument("--dry-run", action="store_true", help="every step at tiny sizes on the CPU, the chunked "
-                        "backend standing in for Triton (checks this code without a GPU)")
-    parser.add_argument("--steps", nargs="+", choices=("correctness", "loss_stage", "train_step"),
-                        default=["correctness", "loss_stage", "train_step"])
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="every step at tiny sizes on the CPU, the chunked "
+        "backend standing in for Triton (checks this code without a GPU)",
+    )
+    parser.add_argument(
+        "--steps",
+        nargs="+",
+        choices=("correctness", "loss_stage", "train_step"),
+        default=["correctness", "loss_stage", "train_step"],
+    )
     parser.add_argument("--out", type=Path, help=f"results folder (default: {RESULTS}; a temporary one for --dry-run)")
     return parser.parse_args(argv)
 

@@ -24,7 +24,28 @@ ROWS, MINI_BATCH, HALF = 10, 3, "half"  # HALF: half the saved bytes of the whol
 def _texts(rows: int, seed: int, max_words: int = 12) -> list[str]:
     import random
 
-    words = "the cat dog sat ran on a mat park city river blue green quick slow small large house tree book".split()
+    words = [
+        "the",
+        "cat",
+        "dog",
+        "sat",
+        "ran",
+        "on",
+        "a",
+        "mat",
+        "park",
+        "city",
+        "river",
+        "blue",
+        "green",
+        "quick",
+        "slow",
+        "small",
+        "large",
+        "house",
+        "tree",
+        "book",
+    ]
     rng = random.Random(seed)
     return [" ".join(rng.choices(words, k=rng.randint(1, max_words))) for _ in range(rows)]
 
@@ -71,14 +92,18 @@ def cases() -> dict:
                     rows[begin] = " ".join(["house"] * 12)
                 out.append(rows)
             return out
+
         return columns
 
     def clip_columns(modalities):
-        return lambda: [random_images(ROWS, 10 * c) if m == "image" else _texts(ROWS, 10 * c)
-                        for c, m in enumerate(modalities)]  # fmt: skip
+        return lambda: [
+            random_images(ROWS, 10 * c) if m == "image" else _texts(ROWS, 10 * c) for c, m in enumerate(modalities)
+        ]
 
-    bert, decoder = (tiny_sentence_transformer, ["query", "value"]), (tiny_decoder_sentence_transformer,
-                                                                      ["q_proj", "v_proj"])  # fmt: skip
+    bert, decoder = (
+        (tiny_sentence_transformer, ["query", "value"]),
+        (tiny_decoder_sentence_transformer, ["q_proj", "v_proj"]),
+    )
     text_dims, clip_dims = [48, 24, 8], [24, 12, 6]
     both = dict(directions=("query_to_doc", "doc_to_query"))
     return {
@@ -88,19 +113,42 @@ def cases() -> dict:
         "lora_decoder": (lambda: _lora(*decoder, 0.0), text_columns(3), {}, None, True, text_dims),
         "lora_decoder_budget": (lambda: _lora(*decoder, 0.0), text_columns(3), {}, HALF, True, text_dims),
         "lora_decoder_dropout": (lambda: _lora(*decoder, 0.1), full_width(3), {}, HALF, False, text_dims),
-        "clip_image_to_text": (tiny_clip_sentence_transformer, clip_columns(("image", "text")), {}, None, True,
-                               clip_dims),
-        "clip_text_to_image_budget": (tiny_clip_sentence_transformer, clip_columns(("text", "image")), {}, HALF, True,
-                                      clip_dims),
+        "clip_image_to_text": (
+            tiny_clip_sentence_transformer,
+            clip_columns(("image", "text")),
+            {},
+            None,
+            True,
+            clip_dims,
+        ),
+        "clip_text_to_image_budget": (
+            tiny_clip_sentence_transformer,
+            clip_columns(("text", "image")),
+            {},
+            HALF,
+            True,
+            clip_dims,
+        ),
         "clip_mixed_negatives_both_directions_budget": (
-            tiny_clip_sentence_transformer, clip_columns(("text", "image", "image", "text")), both, HALF, True,
-            clip_dims),
+            tiny_clip_sentence_transformer,
+            clip_columns(("text", "image", "image", "text")),
+            both,
+            HALF,
+            True,
+            clip_dims,
+        ),
         "checkpointing_reentrant": (lambda: _checkpointed(True), text_columns(3), {}, None, False, text_dims),
         "checkpointing_reentrant_budget": (lambda: _checkpointed(True), text_columns(3), {}, HALF, False, text_dims),
         "checkpointing_non_reentrant": (lambda: _checkpointed(False), text_columns(3), {}, None, False, text_dims),
-        "checkpointing_non_reentrant_budget": (lambda: _checkpointed(False), text_columns(3), {}, HALF, False,
-                                               text_dims),
-    }  # fmt: skip
+        "checkpointing_non_reentrant_budget": (
+            lambda: _checkpointed(False),
+            text_columns(3),
+            {},
+            HALF,
+            False,
+            text_dims,
+        ),
+    }
 
 
 def _loss_and_grads(model, loss_fn, features, seed: int):
@@ -140,9 +188,16 @@ def measure(name: str, case) -> list[tuple]:
     model.train()
     features = [model.preprocess(column) for column in columns()]
     budget = _half_budget(model, features) if budget == HALF else budget
-    stock = MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH, **options), dims)
-    ours = CachedMatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH, **options),
-                                dims, sort_by_length=sort_by_length, activation_budget=budget)  # fmt: skip
+    stock = MatryoshkaLoss(
+        model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH, **options), dims
+    )
+    ours = CachedMatryoshkaLoss(
+        model,
+        CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH, **options),
+        dims,
+        sort_by_length=sort_by_length,
+        activation_budget=budget,
+    )
     loss_error = grad_error = 0.0
     for step in range(2):
         stock_loss, stock_grads = _loss_and_grads(model, stock, features, step)
@@ -171,8 +226,13 @@ def plot_errors(records: list[dict], path: Path) -> None:
     value = {(r["contender"], r["metric"]): r["value"] for r in records}
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(names) + 1.5))
     for offset, metric, color in ((-0.2, "loss_rel_error", "tab:blue"), (0.2, "grad_rel_error", "tab:orange")):
-        ax.barh([i + offset for i in range(len(names))], [max(value[(n, metric)], 1e-9) for n in names], height=0.4,
-                color=color, label=metric)  # fmt: skip
+        ax.barh(
+            [i + offset for i in range(len(names))],
+            [max(value[(n, metric)], 1e-9) for n in names],
+            height=0.4,
+            color=color,
+            label=metric,
+        )
     ax.axvline(1e-4, color="black", linestyle="--", label="the tests' rtol")
     ax.set_xscale("log")
     ax.set_yticks(range(len(names)), names, fontsize=8)

@@ -86,8 +86,13 @@ def contenders(q, c, dims, mini_batch_size: int, device: str, guide=None) -> dic
         options, stock_args = {}, (None,)
     else:
         stock_calculate = _stock_gist_loss(q.shape[1], dims, mini_batch_size)
-        options = dict(scale=1 / GIST_TEMPERATURE, directions=GIST_DIRECTIONS, guide_queries=guide[0],
-                       guide_docs=guide[1], false_negative_margin=0.0)  # fmt: skip
+        options = dict(
+            scale=1 / GIST_TEMPERATURE,
+            directions=GIST_DIRECTIONS,
+            guide_queries=guide[0],
+            guide_docs=guide[1],
+            false_negative_margin=0.0,
+        )
         stock_args = ([list(split(x)) for x in guide],)
 
     def stock():
@@ -160,8 +165,11 @@ def mask_contest(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=5, device
             rows += [(name, batch, f"seconds_{key}", value) for key, value in stats.items()]
             rows.append((name, batch, "cpu_seconds_median", summarize(timings[name][1])["median"]))
             rows += [(name, batch, "peak_bytes", peak), (name, batch, "load_average_1min", os.getloadavg()[0])]
-            print(f"B={batch:>6} {name:>24}: {stats['median']:8.3f} s wall (median of {repeats}), peak "
-                  f"{peak / 2**20:8.2f} MiB", flush=True)
+            print(
+                f"B={batch:>6} {name:>24}: {stats['median']:8.3f} s wall (median of {repeats}), peak "
+                f"{peak / 2**20:8.2f} MiB",
+                flush=True,
+            )
         share = matryoshka_infonce(q, c, dims=dims, return_masked_share=True, **ids)[1]
         rows.append(("chunked_mask_duplicates", batch, "masked_share", float(share)))
     return rows
@@ -170,8 +178,13 @@ def mask_contest(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=5, device
 def mask_table(records: list[dict]) -> str:
     """Markdown table: time and tensor peak with the mask against without, per backend and B."""
     value = values(records)
-    lines = ["| B | backend | without s | with s | time ratio | CPU s ratio | without peak MiB | with peak MiB | "
-             "extra peak KiB | ids KiB | share removed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| B | backend | without s | with s | time ratio | CPU s ratio | without peak MiB | with peak MiB | "
+            "extra peak KiB | ids KiB | share removed |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for batch in sorted({r["B"] for r in records}):
         for backend in ("chunked", "triton"):
             if (backend, batch, "seconds_median") not in value:
@@ -181,9 +194,11 @@ def mask_table(records: list[dict]) -> str:
             cpu = value[(masked, batch, "cpu_seconds_median")] / value[(backend, batch, "cpu_seconds_median")]
             plain_peak, mask_peak = value[(backend, batch, "peak_bytes")], value[(masked, batch, "peak_bytes")]
             share = value.get(("chunked_mask_duplicates", batch, "masked_share"), float("nan"))
-            lines.append(f"| {batch} | {backend} | {plain_s:.3f} | {mask_s:.3f} | {mask_s / plain_s:.3f} | {cpu:.3f} | "
-                         f"{plain_peak / 2**20:.1f} | {mask_peak / 2**20:.1f} | {(mask_peak - plain_peak) / 2**10:.0f} | "
-                         f"{value[('inputs', batch, 'id_bytes')] / 2**10:.0f} | {share:.2e} |")
+            lines.append(
+                f"| {batch} | {backend} | {plain_s:.3f} | {mask_s:.3f} | {mask_s / plain_s:.3f} | {cpu:.3f} | "
+                f"{plain_peak / 2**20:.1f} | {mask_peak / 2**20:.1f} | {(mask_peak - plain_peak) / 2**10:.0f} | "
+                f"{value[('inputs', batch, 'id_bytes')] / 2**10:.0f} | {share:.2e} |"
+            )
     return "\n".join(lines)
 
 
@@ -217,8 +232,16 @@ def _time(fn, repeats: int, warmup: int, device: str) -> tuple[list[float], list
 
 
 def run(
-    sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=3, stock_repeats=1, mini_batch_size=32, device="cpu",
-    stock_peak_max_batch=4096, gist=False, stock_max_batch=None,
+    sizes,
+    dim=384,
+    dims=(384, 256, 128, 64, 32),
+    repeats=3,
+    stock_repeats=1,
+    mini_batch_size=32,
+    device="cpu",
+    stock_peak_max_batch=4096,
+    gist=False,
+    stock_max_batch=None,
 ):
     """Rows of (contender, B, metric, value) for every size and contender.
 
@@ -269,7 +292,8 @@ def crossover(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=15):
     for batch in sizes:
         q, c = _embeddings(batch, dim, "cpu")
         for backend in ("dense", "chunked"):
-            def fn(backend=backend):
+
+            def fn(backend=backend, q=q, c=c):
                 qq, cc = q.clone().requires_grad_(), c.clone().requires_grad_()
                 matryoshka_infonce(qq, cc, dims=list(dims), backend=backend).backward()
 
@@ -283,20 +307,27 @@ def summary_table(records: list[dict]) -> str:
     """Markdown table: wall and CPU time per contender, ratios to stock, peaks, matmul fraction."""
     value = values(records)
     lines = [
-        "| B | stock s | chunked s | speed-up (wall) | speed-up (CPU s) | stock peak MiB | chunked peak MiB "
-        "| (chunked peak − tile budget) / embeddings | matmul share |",
+        (
+            "| B | stock s | chunked s | speed-up (wall) | speed-up (CPU s) | stock peak MiB | chunked peak MiB "
+            "| (chunked peak − tile budget) / embeddings | matmul share |"
+        ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     nan = float("nan")
     for batch in sorted({r["B"] for r in records}):
         stock, ours = value.get(("stock", batch, "seconds_median"), nan), value[("chunked", batch, "seconds_median")]
-        cpu_ratio = value.get(("stock", batch, "cpu_seconds_median"), nan) / value[("chunked", batch, "cpu_seconds_median")]
-        stock_peak, ours_peak = value.get(("stock", batch, "peak_bytes"), float("nan")), value[("chunked", batch, "peak_bytes")]
+        cpu_ratio = (
+            value.get(("stock", batch, "cpu_seconds_median"), nan) / value[("chunked", batch, "cpu_seconds_median")]
+        )
+        stock_peak, ours_peak = (
+            value.get(("stock", batch, "peak_bytes"), float("nan")),
+            value[("chunked", batch, "peak_bytes")],
+        )
         embeddings, floor = value[("inputs", batch, "embedding_bytes")], value[("matmul", batch, "seconds_median")]
         beyond_tile = max(0.0, ours_peak - value[("inputs", batch, "tile_budget_bytes")]) / embeddings
         lines.append(
-            f"| {batch} | {stock:.2f} | {ours:.3f} | {stock / ours:.1f}x | {cpu_ratio:.1f}x | {stock_peak / 2**20:.1f} | "
-            f"{ours_peak / 2**20:.1f} | {beyond_tile:.2f}x | {floor / ours:.0%} |"
+            f"| {batch} | {stock:.2f} | {ours:.3f} | {stock / ours:.1f}x | {cpu_ratio:.1f}x | "
+            f"{stock_peak / 2**20:.1f} | {ours_peak / 2**20:.1f} | {beyond_tile:.2f}x | {floor / ours:.0%} |"
         )
     return "\n".join(lines)
 
@@ -308,18 +339,32 @@ def main(argv=None) -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=[384, 256, 128, 64, 32])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stock-repeats", type=int, default=1)
-    parser.add_argument("--stock-max-batch", type=int, default=None,
-                        help="run stock only at B up to this (stock's CachedGISTEmbedLoss materialises B x B x D "
-                        "cosine similarities: about 2.5 h per call at B=8192 on a 2-core CPU); default: every B")
+    parser.add_argument(
+        "--stock-max-batch",
+        type=int,
+        default=None,
+        help="run stock only at B up to this (stock's CachedGISTEmbedLoss materialises B x B x D "
+        "cosine similarities: about 2.5 h per call at B=8192 on a 2-core CPU); default: every B",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", help="file stem of the CSV and PNG (default: loss_stage, loss_stage_gpu on CUDA)")
     parser.add_argument("--crossover", action="store_true", help="dense vs chunked instead of stock vs ours")
-    parser.add_argument("--gist", action="store_true", help="both filter false negatives with a guide: stock "
-                        "MatryoshkaLoss(CachedGISTEmbedLoss) vs matryoshka_infonce(guide_queries=..., guide_docs=...)")
-    parser.add_argument("--mask-duplicates", action="store_true", help="ours with and without mask_duplicates "
-                        "(query_ids / doc_ids with a few duplicates), timed alternately; no stock")
     parser.add_argument(
-        "--threads", type=int, default=None,
+        "--gist",
+        action="store_true",
+        help="both filter false negatives with a guide: stock "
+        "MatryoshkaLoss(CachedGISTEmbedLoss) vs matryoshka_infonce(guide_queries=..., guide_docs=...)",
+    )
+    parser.add_argument(
+        "--mask-duplicates",
+        action="store_true",
+        help="ours with and without mask_duplicates "
+        "(query_ids / doc_ids with a few duplicates), timed alternately; no stock",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
         help="torch threads (default: torch's). 1 keeps a loaded shared machine from penalising the many small "
         "parallel ops of stock with OpenMP synchronisation waits; CPU seconds then measure the work itself.",
     )
@@ -339,8 +384,16 @@ def main(argv=None) -> None:
         plot(records, args.out / f"{name}.png", title="Loss stage (fwd + bwd) with and without mask_duplicates")
         print(mask_table(records))
         return
-    rows = run(args.sizes, args.dim, dims, args.repeats, args.stock_repeats, device=device, gist=args.gist,
-               stock_max_batch=args.stock_max_batch)
+    rows = run(
+        args.sizes,
+        args.dim,
+        dims,
+        args.repeats,
+        args.stock_repeats,
+        device=device,
+        gist=args.gist,
+        stock_max_batch=args.stock_max_batch,
+    )
     name = args.name or ("loss_stage" if device == "cpu" else "loss_stage_gpu") + ("_gist" if args.gist else "")
     write_csv(rows, args.out / f"{name}.csv")
     records = read_csv(args.out / f"{name}.csv")

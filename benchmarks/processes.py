@@ -34,8 +34,9 @@ def run_json_processes(commands: Sequence[Sequence[str]], jobs: int = 1, cwd: st
     while pending or running:
         while pending and len(running) < max(1, jobs):
             index, command = pending.pop(0)
-            running[index] = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                              cwd=cwd, env=env)  # fmt: skip
+            running[index] = subprocess.Popen(
+                list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env
+            )
         done = next((i for i, process in running.items() if process.poll() is not None), None)
         if done is None:
             time.sleep(POLL_SECONDS)
@@ -43,8 +44,11 @@ def run_json_processes(commands: Sequence[Sequence[str]], jobs: int = 1, cwd: st
         process = running.pop(done)
         stdout, stderr = process.communicate()
         if process.returncode != 0:
-            print(f"{' '.join(commands[done])} failed ({process.returncode}):\n{stderr[-2000:]}", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"{' '.join(commands[done])} failed ({process.returncode}):\n{stderr[-2000:]}",
+                file=sys.stderr,
+                flush=True,
+            )
             results[done] = {"exit_code": process.returncode}
         else:
             results[done] = json.loads(stdout.strip().splitlines()[-1])

@@ -59,7 +59,9 @@ def _cpu_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
     return result, peak
 
 
-def time_call(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, device: str | torch.device = "cpu") -> list[float]:
+def time_call(
+    fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, device: str | torch.device = "cpu"
+) -> list[float]:
     """Wall-clock seconds of ``repeats`` calls of ``fn()`` after ``warmup`` untimed ones (CUDA synchronised)."""
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)

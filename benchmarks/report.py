@@ -52,8 +52,10 @@ def context() -> tuple[str, str, str]:
     machine = f"{platform.machine()} {torch.get_num_threads()} threads"
     if torch.cuda.is_available():
         machine += f" {torch.cuda.get_device_name()}"
-    versions = (f"st_cached_losses {__version__}; torch {torch.__version__}; "
-                f"sentence-transformers {sentence_transformers.__version__}")  # fmt: skip
+    versions = (
+        f"st_cached_losses {__version__}; torch {torch.__version__}; "
+        f"sentence-transformers {sentence_transformers.__version__}"
+    )
     return machine, versions, datetime.date.today().isoformat()
 
 
@@ -77,8 +79,12 @@ def values(records: list[dict]) -> dict[tuple[str, int, str], float]:
     return {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
 
 
-def plot(records: list[dict], path: Path, title: str = "", panels=(("seconds_median", "seconds", 1),
-                                                              ("peak_bytes", "peak MiB", 2**20))) -> None:  # fmt: skip
+def plot(
+    records: list[dict],
+    path: Path,
+    title: str = "",
+    panels=(("seconds_median", "seconds", 1), ("peak_bytes", "peak MiB", 2**20)),
+) -> None:
     """One panel per (metric, axis label, divisor): value vs B, log scales, a line per contender."""
     import matplotlib
 
@@ -88,8 +94,9 @@ def plot(records: list[dict], path: Path, title: str = "", panels=(("seconds_med
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (metric, label, divisor) in zip(axes[0], panels):
         for name in sorted({r["contender"] for r in records if r["metric"] == metric}):
-            points = sorted((r["B"], r["value"] / divisor) for r in records
-                            if r["contender"] == name and r["metric"] == metric)  # fmt: skip
+            points = sorted(
+                (r["B"], r["value"] / divisor) for r in records if r["contender"] == name and r["metric"] == metric
+            )
             ax.plot(*zip(*points), label=name, **style(name))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -51,9 +51,18 @@ TIMEOUT = timedelta(minutes=10)
 
 def _env(rank: int, port: int) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-                      TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD_SIZE),
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
 
 
 def _model(kind: str):
@@ -92,9 +101,13 @@ def _wrap(strategy: str, model, lr: float):
         zero = {"stage": stage, "reduce_bucket_size": 10**7, "allgather_bucket_size": 10**7}
         if stage == 3:
             zero.update(stage3_prefetch_bucket_size=10**7, stage3_param_persistence_threshold=0)
-        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-                  "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True}},
-                  "zero_optimization": zero}  # fmt: skip
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True}},
+            "zero_optimization": zero,
+        }
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
         def step(loss):
@@ -129,7 +142,9 @@ def _loss(strategy: str, model, args):
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=args.mini_batch_size, gather_across_devices=True)
     if strategy.startswith("stock"):
         return MatryoshkaLoss(model, base, dims)
-    return CachedMatryoshkaLoss(model, base, dims, fsdp_sync="per_step" if strategy == "fsdp2_per_step" else "per_backward")
+    return CachedMatryoshkaLoss(
+        model, base, dims, fsdp_sync="per_step" if strategy == "fsdp2_per_step" else "per_backward"
+    )
 
 
 def _worker(rank: int, port: int, strategy: str, args, out: str) -> None:
@@ -157,7 +172,7 @@ def _worker(rank: int, port: int, strategy: str, args, out: str) -> None:
         try:
             train_step(batches[0])
             result["error"] = ""
-        except Exception as error:  # noqa: BLE001 - the failure is the result
+        except Exception as error:
             result["error"] = _describe(error)
         Path(out, f"{strategy}_rank{rank}.json").write_text(json.dumps(result))
         return  # no barrier: the process group may be broken
@@ -234,14 +249,15 @@ def _free_port() -> int:
 
 def run(strategy: str, args, out: Path) -> list[dict]:
     """Both ranks' results for one strategy (a fresh pair of processes)."""
-    context = mp.start_processes(_worker, args=(_free_port(), strategy, args, str(out)), nprocs=WORLD_SIZE,
-                                 join=False, start_method="spawn")  # fmt: skip
+    context = mp.start_processes(
+        _worker, args=(_free_port(), strategy, args, str(out)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + (min(args.timeout, 300) if strategy.startswith("stock") else args.timeout)
     try:
         while not context.join(timeout=5):
             if time.monotonic() > deadline:
                 break
-    except Exception as error:  # noqa: BLE001 - a crashed rank (stock's collective mismatch, say) is a result
+    except Exception as error:
         print(f"{strategy}: {type(error).__name__}", file=sys.stderr)
     finally:
         for process in context.processes:
@@ -273,13 +289,22 @@ def plot(records: list[tuple], path: Path) -> None:
 
     value = {(c, m): v for c, _, m, v in records}
     names = [s for s in STRATEGIES if (s, "seconds_median_rank0") in value]
-    panels = (("seconds_median", "step seconds", 1), ("peak_bytes", "peak tensor MiB per rank", 2**20),
-              ("collectives", "collectives per step", 1))  # fmt: skip
+    panels = (
+        ("seconds_median", "step seconds", 1),
+        ("peak_bytes", "peak tensor MiB per rank", 2**20),
+        ("collectives", "collectives per step", 1),
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
     for ax, (metric, label, divisor) in zip(axes, panels):
         if metric == "collectives":
-            heights = [sum(v for (c, m), v in value.items() if c == name and m.startswith("collectives_")
-                           and m.endswith("_rank0")) for name in names]  # fmt: skip
+            heights = [
+                sum(
+                    v
+                    for (c, m), v in value.items()
+                    if c == name and m.startswith("collectives_") and m.endswith("_rank0")
+                )
+                for name in names
+            ]
         else:
             heights = [value[(name, f"{metric}_rank0")] / divisor for name in names]
         ax.bar(names, heights, color="tab:blue")

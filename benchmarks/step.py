@@ -106,14 +106,22 @@ class Step:
         self.last = {}
         for i, prefix in ((0, ""), (1, "cpu_")):
             embed, loss = (forward[i] - inner[i], inner[i]) if self.cached else (inner[i], forward[i] - inner[i])
-            self.last.update({f"{prefix}step": forward[i] + backward[i], f"{prefix}embed": embed,
-                              f"{prefix}loss": loss, f"{prefix}backward": backward[i]})  # fmt: skip
+            self.last.update(
+                {
+                    f"{prefix}step": forward[i] + backward[i],
+                    f"{prefix}embed": embed,
+                    f"{prefix}loss": loss,
+                    f"{prefix}backward": backward[i],
+                }
+            )
 
 
 # --------------------------------------------------------------------------------------------- rounds
 
 
-def time_steps(steps: dict[str, Step], repeats: int, warmup: int = 1, log: bool = False) -> dict[str, list[dict[str, float]]]:
+def time_steps(
+    steps: dict[str, Step], repeats: int, warmup: int = 1, log: bool = False
+) -> dict[str, list[dict[str, float]]]:
     """Phase times of ``repeats`` rounds; each round (and each warm-up round) runs every contender once, in order."""
     times: dict[str, list[dict[str, float]]] = {name: [] for name in steps}
     for round_ in range(-warmup, repeats):

@@ -1,8 +1,8 @@
 """End-to-end training-step benchmark: CachedMatryoshkaLoss vs the stock sentence-transformers losses.
 
 One training step = forward + backward of the loss on one batch of B (anchor, positive) pairs from the built-in
-stdlib code-search data (``st_cached_losses.cli.stdlib_data``, both splits, shuffled; cycled when B exceeds its ~4000 pairs),
-embedded by the packaged all-MiniLM-L6-v2 (max_seq_length 128, train mode, dropout on). The optimizer step is
+stdlib code-search data (``st_cached_losses.cli.stdlib_data``, both splits, shuffled; cycled when B exceeds its ~4000
+pairs), embedded by the packaged all-MiniLM-L6-v2 (max_seq_length 128, train mode, dropout on). The optimizer step is
 excluded; ``zero_grad(set_to_none=True)`` runs before each step outside the timed region (so every step allocates
 the parameter gradients, as in a trainer). Contenders, all with mini-batch 32 and, where they have dims,
 dims [384, 256, 128, 64, 32]:
@@ -59,7 +59,6 @@ threads wait on each other whenever one is descheduled: a MiniLM step took ~3x l
     python -m benchmarks.train_step --device cuda --autocast bf16 --model PATH --mini-batch-size 256 --sizes 8192
 """
 
-
 from __future__ import annotations
 
 import argparse
@@ -78,8 +77,18 @@ from benchmarks.report import RESULTS
 from benchmarks.step import PHASES, Step, time_steps, timing_rows
 from benchmarks.train_step_report import summary_table, write_outputs
 
-CONTENDERS = ("ours", "ours_unsorted", "ours_kept", "stock", "stock_cmnrl", "mnrl", "ours_gist", "stock_gist",
-              "ours_2d", "stock_2d")
+CONTENDERS = (
+    "ours",
+    "ours_unsorted",
+    "ours_kept",
+    "stock",
+    "stock_cmnrl",
+    "mnrl",
+    "ours_gist",
+    "stock_gist",
+    "ours_2d",
+    "stock_2d",
+)
 # Not cached: the whole batch's activations at once. Skipped at a B where their peak, extrapolated from a smaller B
 # by the padded token count, exceeds --mnrl-max-bytes.
 NOT_CACHED = ("mnrl", "stock_2d")
@@ -149,8 +158,13 @@ def autocast_model(model, dtype_name: str | None) -> None:
     model.forward = convert_outputs_to_fp32(torch.autocast(model.device.type, dtype=dtype)(model.forward))
 
 
-def build_loss(name: str, model, dims: Sequence[int], mini_batch_size: int,
-               activation_budget: int | str = DEFAULT_ACTIVATION_BUDGET):  # fmt: skip
+def build_loss(
+    name: str,
+    model,
+    dims: Sequence[int],
+    mini_batch_size: int,
+    activation_budget: int | str = DEFAULT_ACTIVATION_BUDGET,
+):
     from sentence_transformers.sentence_transformer.losses import (
         CachedGISTEmbedLoss,
         CachedMultipleNegativesRankingLoss,
@@ -166,8 +180,9 @@ def build_loss(name: str, model, dims: Sequence[int], mini_batch_size: int,
     if name == "ours":
         return CachedMatryoshkaLoss(model, cmnrl, dims, mini_batch_size=mini_batch_size)
     if name == "ours_kept":
-        return CachedMatryoshkaLoss(model, cmnrl, dims, mini_batch_size=mini_batch_size,
-                                    activation_budget=activation_budget)  # fmt: skip
+        return CachedMatryoshkaLoss(
+            model, cmnrl, dims, mini_batch_size=mini_batch_size, activation_budget=activation_budget
+        )
     if name == "ours_unsorted":
         return CachedMatryoshkaLoss(model, cmnrl, dims, mini_batch_size=mini_batch_size, sort_by_length=False)
     if name == "stock":
@@ -245,17 +260,18 @@ def input_rows(batch: int, batch_pairs, features: list[dict], args) -> list[tupl
     ]
 
 
-def time_in_process(model, pairs, features, batch: int, contenders: list[str], repeats: int,
-                    args) -> tuple[dict, list]:  # fmt: skip
+def time_in_process(model, pairs, features, batch: int, contenders: list[str], repeats: int, args) -> tuple[dict, list]:
     """Every contender's phase times over ``repeats`` rounds in this process, after the same small warm-up step, and
     the kept-share rows of contenders with an activation budget (their last timed step)."""
-    losses = {name: build_loss(name, model, args.dims, args.mini_batch_size, args.activation_budget)
-              for name in contenders}  # fmt: skip
+    losses = {
+        name: build_loss(name, model, args.dims, args.mini_batch_size, args.activation_budget) for name in contenders
+    }
     warmup = tokenize(model, batch_of(pairs, min(batch, 2 * args.mini_batch_size)))
     for loss in losses.values():
         Step(model, loss, warmup)()
-    times = time_steps({name: Step(model, loss, features) for name, loss in losses.items()}, repeats, warmup=0,
-                       log=True)  # fmt: skip
+    times = time_steps(
+        {name: Step(model, loss, features) for name, loss in losses.items()}, repeats, warmup=0, log=True
+    )
     kept = [(name, batch, key, value) for name, loss in losses.items() for key, value in kept_share(loss).items()]
     gc.collect()
     return times, kept
@@ -267,13 +283,24 @@ def kept_share(loss) -> dict[str, float]:
     report = getattr(loss, "activation_report", None)
     if report is None:
         return {}
-    return {"kept_share": report.kept_share, "kept_token_share": report.kept_token_share,
-            "kept_bytes": report.kept_bytes}  # fmt: skip
+    return {
+        "kept_share": report.kept_share,
+        "kept_token_share": report.kept_token_share,
+        "kept_bytes": report.kept_bytes,
+    }
 
 
-def measure_one(contender: str, batch: int, pairs_path: Path, model_name: str, max_seq_length: int,
-                dims: Sequence[int], mini_batch_size: int, tensor_peak: bool = True,
-                activation_budget: int | str = DEFAULT_ACTIVATION_BUDGET) -> dict[str, float]:
+def measure_one(
+    contender: str,
+    batch: int,
+    pairs_path: Path,
+    model_name: str,
+    max_seq_length: int,
+    dims: Sequence[int],
+    mini_batch_size: int,
+    tensor_peak: bool = True,
+    activation_budget: int | str = DEFAULT_ACTIVATION_BUDGET,
+) -> dict[str, float]:
     """In this (fresh) process: RSS before and peak RSS over one step (and that step's times), then the exact
     tensor peak of a second step."""
     pairs = [tuple(pair) for pair in json.loads(Path(pairs_path).read_text())]
@@ -298,10 +325,26 @@ def measure_one(contender: str, batch: int, pairs_path: Path, model_name: str, m
 
 def _command(contender: str, batch: int, pairs_path: Path, args, tensor_peak: bool) -> list[str]:
     command = [
-        sys.executable, "-m", "benchmarks.train_step", "--one", contender, str(batch), "--pairs", str(pairs_path),
-        "--model", args.model, "--max-seq-length", str(args.max_seq_length), "--mini-batch-size",
-        str(args.mini_batch_size), "--threads", str(args.threads), "--dims", *map(str, args.dims),
-        "--activation-budget", str(args.activation_budget),
+        sys.executable,
+        "-m",
+        "benchmarks.train_step",
+        "--one",
+        contender,
+        str(batch),
+        "--pairs",
+        str(pairs_path),
+        "--model",
+        args.model,
+        "--max-seq-length",
+        str(args.max_seq_length),
+        "--mini-batch-size",
+        str(args.mini_batch_size),
+        "--threads",
+        str(args.threads),
+        "--dims",
+        *map(str, args.dims),
+        "--activation-budget",
+        str(args.activation_budget),
     ]
     return command + (["--no-tensor-peak"] if not tensor_peak or args.no_tensor_peak else [])
 
@@ -339,7 +382,7 @@ def plan_for(batch: int, args) -> tuple[list[str], list[str], int]:
 
 
 def _first_step(result: dict) -> dict[str, float]:
-    return {key[len("first_"):]: value for key, value in result.items() if key.startswith("first_")}
+    return {key[len("first_") :]: value for key, value in result.items() if key.startswith("first_")}
 
 
 def run(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], None] | None = None) -> list[tuple]:
@@ -375,18 +418,26 @@ def run(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], Non
                         times.pop(name, None)
                         continue
                     if measured:
-                        rows += [(name, batch, key, value) for key, value in result.items()
-                                 if key.endswith("_bytes") and not key.startswith("kept_")]  # fmt: skip
+                        rows += [
+                            (name, batch, key, value)
+                            for key, value in result.items()
+                            if key.endswith("_bytes") and not key.startswith("kept_")
+                        ]
                         if name in NOT_CACHED and "peak_bytes" in result:
                             bytes_per_token[name] = result["peak_bytes"] / result["padded_tokens"]
-                        print(f"B={batch:>5} {name:>13}: peak {result.get('peak_bytes', 0) / 2**20:9.1f} MiB tensors, "
-                              f"{result['rss_peak_bytes'] / 2**20:9.1f} MiB RSS", flush=True)
+                        print(
+                            f"B={batch:>5} {name:>13}: peak {result.get('peak_bytes', 0) / 2**20:9.1f} MiB tensors, "
+                            f"{result['rss_peak_bytes'] / 2**20:9.1f} MiB RSS",
+                            flush=True,
+                        )
                     if fresh and name in times:
                         if round_ == 0:  # what ours_kept kept in the step timed here (in one process: its timing's)
                             rows += [(name, batch, k, v) for k, v in result.items() if k.startswith("kept_")]
                         times[name].append(_first_step(result))
-                        print(f"    fresh round {round_ + 1}/{repeats} {name:>13}: {result['first_step']:8.2f} s",
-                              flush=True)
+                        print(
+                            f"    fresh round {round_ + 1}/{repeats} {name:>13}: {result['first_step']:8.2f} s",
+                            flush=True,
+                        )
             if not fresh and contenders:
                 times, kept = time_in_process(model, pairs, features, batch, contenders, repeats, args)
                 rows += kept
@@ -398,7 +449,9 @@ def run(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], Non
     return rows
 
 
-def run_in_process(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], None] | None = None) -> list[tuple]:
+def run_in_process(
+    args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], None] | None = None
+) -> list[tuple]:
     """Rows for every size with every contender in this process: the GPU path (``--device cuda``), where
     ``torch.cuda.max_memory_allocated`` measures each step's tensor peak without a fresh process. Per B and
     contender: a warm-up step, ``repeats`` timed steps (CUDA events per phase), then one step for the tensor
@@ -438,8 +491,11 @@ def run_in_process(args, pairs: list[tuple[str, str]], on_size: Callable[[list[t
 def _print_medians(batch: int, times: dict) -> None:
     for name, runs in times.items():
         median = {key: statistics.median(run[key] for run in runs) for key in ("step", *PHASES)}
-        print(f"B={batch:>6} {name:>13}: step {median['step']:8.3f} s = embed {median['embed']:7.3f} + "
-              f"loss {median['loss']:7.3f} + backward {median['backward']:7.3f}", flush=True)
+        print(
+            f"B={batch:>6} {name:>13}: step {median['step']:8.3f} s = embed {median['embed']:7.3f} + "
+            f"loss {median['loss']:7.3f} + backward {median['backward']:7.3f}",
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------------------------- command line
@@ -464,31 +520,62 @@ def parse_args(argv=None):
     parser.add_argument("--mini-batch-size", type=int, default=32)
     parser.add_argument("--rows", type=int, default=None, help="use only this many pairs of the data (cycled)")
     parser.add_argument("--repeats", type=int, help="timed rounds at every B (default: PLAN per B)")
-    parser.add_argument("--fresh-from", type=int, default=4096,
-                        help="at B >= this, time the first step of a fresh process per contender and round")
+    parser.add_argument(
+        "--fresh-from",
+        type=int,
+        default=4096,
+        help="at B >= this, time the first step of a fresh process per contender and round",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every process")
     parser.add_argument("--jobs", type=int, default=2, help="fresh (memory) processes run at a time")
-    parser.add_argument("--mnrl-max-bytes", type=float, default=DEFAULT_MNRL_MAX_BYTES,
-                        help=f"skip a not-cached contender {NOT_CACHED} where its estimated peak exceeds this")
-    parser.add_argument("--activation-budget", type=_budget, default=DEFAULT_ACTIVATION_BUDGET, metavar="BYTES",
-                        help="ours_kept's activation_budget: bytes, or 'auto' (default: 8 GiB)")
-    parser.add_argument("--baseline", default="stock", choices=CONTENDERS,
-                        help="the contender the time and memory ratios are taken to (default: stock)")
+    parser.add_argument(
+        "--mnrl-max-bytes",
+        type=float,
+        default=DEFAULT_MNRL_MAX_BYTES,
+        help=f"skip a not-cached contender {NOT_CACHED} where its estimated peak exceeds this",
+    )
+    parser.add_argument(
+        "--activation-budget",
+        type=_budget,
+        default=DEFAULT_ACTIVATION_BUDGET,
+        metavar="BYTES",
+        help="ours_kept's activation_budget: bytes, or 'auto' (default: 8 GiB)",
+    )
+    parser.add_argument(
+        "--baseline",
+        default="stock",
+        choices=CONTENDERS,
+        help="the contender the time and memory ratios are taken to (default: stock)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="timing only")
     parser.add_argument("--memory-only", action="store_true", help="the fresh-process memory measurements only")
-    parser.add_argument("--merge", action="store_true",
-                        help="replace the rows this run measures in the existing CSV and keep the others")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace the rows this run measures in the existing CSV and keep the others",
+    )
     parser.add_argument("--memory-sizes", type=int, nargs="+", help="measure memory only at these B (default: all)")
-    parser.add_argument("--data", type=Path, help="a JSON list of [anchor, positive] pairs instead of the built-in data")
+    parser.add_argument(
+        "--data", type=Path, help="a JSON list of [anchor, positive] pairs instead of the built-in data"
+    )
     parser.add_argument("--no-tensor-peak", action="store_true", help="peak RSS only (no profiler run)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="train_step", help="file stem of the CSV and PNGs")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]; cuda runs every contender in one process "
-                        "(CUDA events per phase, max_memory_allocated)")
-    parser.add_argument("--autocast", choices=("bf16", "fp16"), help="the model's forward under autocast, as the "
-                        "trainer's --bf16/--fp16 (default: fp32)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="the GPU path on any device: all contenders in this process, no RSS measurements")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda[:N]; cuda runs every contender in one process (CUDA events per phase, max_memory_allocated)",
+    )
+    parser.add_argument(
+        "--autocast",
+        choices=("bf16", "fp16"),
+        help="the model's forward under autocast, as the trainer's --bf16/--fp16 (default: fp32)",
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="the GPU path on any device: all contenders in this process, no RSS measurements",
+    )
     parser.add_argument("--one", nargs=2, metavar=("CONTENDER", "B"), help=argparse.SUPPRESS)
     parser.add_argument("--pairs", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -505,9 +592,17 @@ def main(argv=None) -> list[dict] | None:
         torch.set_num_threads(args.threads)
     if args.one:
         contender, batch = args.one[0], int(args.one[1])
-        result = measure_one(contender, batch, args.pairs, args.model, args.max_seq_length, args.dims,
-                             args.mini_batch_size, tensor_peak=not args.no_tensor_peak,
-                             activation_budget=args.activation_budget)
+        result = measure_one(
+            contender,
+            batch,
+            args.pairs,
+            args.model,
+            args.max_seq_length,
+            args.dims,
+            args.mini_batch_size,
+            tensor_peak=not args.no_tensor_peak,
+            activation_budget=args.activation_budget,
+        )
         print(json.dumps(result))
         return None
     if args.data:
@@ -515,8 +610,10 @@ def main(argv=None) -> list[dict] | None:
     else:
         pairs = load_pairs(args.rows)
     runner = run_in_process if in_process else run
-    title = (f"Training step (forward + backward, {Path(args.model).name}, dims {args.dims[0]}..{args.dims[-1]}, "
-             f"mini-batch {args.mini_batch_size}, {args.device}{', ' + args.autocast if args.autocast else ''})")
+    title = (
+        f"Training step (forward + backward, {Path(args.model).name}, dims {args.dims[0]}..{args.dims[-1]}, "
+        f"mini-batch {args.mini_batch_size}, {args.device}{', ' + args.autocast if args.autocast else ''})"
+    )
     write = lambda rows: write_outputs(rows, args.out, args.name, args.merge, title, args.baseline)  # noqa: E731
     records = write(runner(args, pairs, on_size=write))
     print(summary_table(records, args.baseline))

@@ -13,17 +13,21 @@ def summary_table(records: list[dict], baseline: str = BASELINE) -> str:
     default, stock_gist's for the GISTEmbed contenders: :func:`benchmarks.step.baseline_of`), peaks."""
     value = values(records)
     lines = [
-        f"| B | contender | step s (min-max) | embed / loss / backward s | time / {baseline} (min-max) | "
-        f"CPU time / {baseline} | tensor peak MiB | / {baseline} | peak RSS MiB | / {baseline} |",
+        (
+            f"| B | contender | step s (min-max) | embed / loss / backward s | time / {baseline} (min-max) | "
+            f"CPU time / {baseline} | tensor peak MiB | / {baseline} | peak RSS MiB | / {baseline} |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     contenders = [c for c in STYLES if any(r["contender"] == c for r in records)]
     for batch in sorted({r["B"] for r in records}):
         for name in contenders:
-            get = lambda metric, n=name: value.get((n, batch, metric))  # noqa: E731
+            get = lambda metric, n=name, b=batch: value.get((n, b, metric))  # noqa: E731
             if get("skipped_estimated_peak_bytes") is not None:
-                lines.append(f"| {batch} | {name} | not run: estimated peak "
-                             f"{get('skipped_estimated_peak_bytes') / 2**30:.0f} GiB | | | | | | | |")
+                lines.append(
+                    f"| {batch} | {name} | not run: estimated peak "
+                    f"{get('skipped_estimated_peak_bytes') / 2**30:.0f} GiB | | | | | | | |"
+                )
                 continue
             if get("failed_exit_code") is not None:
                 lines.append(f"| {batch} | {name} | failed: exit code {get('failed_exit_code'):.0f} | | | | | | | |")
@@ -36,11 +40,13 @@ def summary_table(records: list[dict], baseline: str = BASELINE) -> str:
             ratios = []
             for metric in (f"time_ratio_to_{baseline}", f"cpu_ratio_to_{baseline}"):
                 ratio = get(f"{metric}_median")
-                ratios.append("" if ratio is None else
-                              f"{ratio:.2f} ({get(f'{metric}_min'):.2f}-{get(f'{metric}_max'):.2f})")
+                ratios.append(
+                    "" if ratio is None else f"{ratio:.2f} ({get(f'{metric}_min'):.2f}-{get(f'{metric}_max'):.2f})"
+                )
             kept = get("kept_share")  # ours_kept: the share of mini-batches its activation budget kept
             cells = [
-                str(batch), name if kept is None else f"{name} (kept {kept:.0%} of mini-batches)",
+                str(batch),
+                name if kept is None else f"{name} (kept {kept:.0%} of mini-batches)",
                 f"{get('seconds_median'):.1f} ({get('seconds_min'):.1f}-{get('seconds_max'):.1f})",
                 " / ".join(f"{get(f'seconds_{p}_median'):.1f}" for p in PHASES),
                 *ratios,
@@ -53,8 +59,9 @@ def summary_table(records: list[dict], baseline: str = BASELINE) -> str:
     return "\n".join(lines)
 
 
-def plot_phases(records: list[dict], path: Path, title: str = "Training step by phase, and peak memory",
-                baseline: str = BASELINE) -> None:  # fmt: skip
+def plot_phases(
+    records: list[dict], path: Path, title: str = "Training step by phase, and peak memory", baseline: str = BASELINE
+) -> None:
     """Left: median phase times per contender and B (stacked bars, over the baseline's step time). Right: peak RSS
     vs B (log scale)."""
     import matplotlib
@@ -79,8 +86,17 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
                 if seconds is None or not stock:
                     continue
                 hatch, alpha = phase_looks[phase]
-                axes[0].bar(x, seconds / stock, width, bottom=bottom, color=style(name)["color"], alpha=alpha,
-                            hatch=hatch, edgecolor="black", linewidth=0.5)  # fmt: skip
+                axes[0].bar(
+                    x,
+                    seconds / stock,
+                    width,
+                    bottom=bottom,
+                    color=style(name)["color"],
+                    alpha=alpha,
+                    hatch=hatch,
+                    edgecolor="black",
+                    linewidth=0.5,
+                )
                 bottom += seconds / stock
             if bottom:
                 axes[0].text(x, bottom, name, rotation=90, ha="center", va="bottom", fontsize=7)
@@ -101,8 +117,9 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
     axes[1].set_xscale("log", base=2)
     axes[1].set_yscale("log")
     axes[1].set_xlabel("batch size B")
-    axes[1].set_ylabel("peak RSS MiB (fresh process, one step)" if memory == "rss_peak_bytes"
-                       else "tensor peak MiB (one step)")
+    axes[1].set_ylabel(
+        "peak RSS MiB (fresh process, one step)" if memory == "rss_peak_bytes" else "tensor peak MiB (one step)"
+    )
     axes[1].grid(True, which="both", alpha=0.3)
     axes[1].legend()
     fig.suptitle(title)
@@ -111,9 +128,14 @@ def plot_phases(records: list[dict], path: Path, title: str = "Training step by 
     plt.close(fig)
 
 
-def write_outputs(rows: list[tuple], out: Path, name: str = "train_step", merge: bool = False,
-                  title: str = "Training step (forward + backward, MiniLM, dims 384..32, mini-batch 32)",
-                  baseline: str = BASELINE) -> list[dict]:  # fmt: skip
+def write_outputs(
+    rows: list[tuple],
+    out: Path,
+    name: str = "train_step",
+    merge: bool = False,
+    title: str = "Training step (forward + backward, MiniLM, dims 384..32, mini-batch 32)",
+    baseline: str = BASELINE,
+) -> list[dict]:
     """CSV + PNGs of ``rows``; ``merge``: the CSV's other rows are kept, those measured again are replaced."""
     path = out / f"{name}.csv"
     if merge and path.exists():

@@ -48,9 +48,20 @@ def compile_kernels(
     types = _types(dtype)
     emb, acc = _TRITON_DTYPES[dtype], _TRITON_DTYPES[types.acc]
     pointers = {"X": emb, "Y": emb, "DIMS": "i64", "ROW_IDS": "i32", "COL_IDS": "i32"}
-    pointers.update({name: acc for name in ("INVX", "INVY", "LSE", "DX", "DY", "RX", "RY", "NRM2", "W")})
-    consts = dict(K=num_dims, KP=triton.next_power_of_2(num_dims), COSINE=cosine, MASK=mask, HARD=hardness,
-                  DUP=duplicates, PARTNER=duplicates, BM=config.block_rows, BN=config.block_cols, BD=config.block_d, **types.consts)  # fmt: skip
+    pointers.update(dict.fromkeys(("INVX", "INVY", "LSE", "DX", "DY", "RX", "RY", "NRM2", "W"), acc))
+    consts = dict(
+        K=num_dims,
+        KP=triton.next_power_of_2(num_dims),
+        COSINE=cosine,
+        MASK=mask,
+        HARD=hardness,
+        DUP=duplicates,
+        PARTNER=duplicates,
+        BM=config.block_rows,
+        BN=config.block_cols,
+        BD=config.block_d,
+        **types.consts,
+    )
     compiled = {}
     for kernel in (_lse_kernel, _row_grad_kernel, _col_grad_kernel):
         kernel_consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
@@ -139,8 +150,15 @@ def cost_model(
         "hbm": hbm / device["hbm_bytes"],
     }
     bound = max(seconds, key=seconds.get)
-    return {"matmul_flops": flops, "exp2": exp2, "l2_bytes": l2, "hbm_bytes": hbm, "seconds": seconds,
-            "bound": bound, "seconds_bound": seconds[bound]}  # fmt: skip
+    return {
+        "matmul_flops": flops,
+        "exp2": exp2,
+        "l2_bytes": l2,
+        "hbm_bytes": hbm,
+        "seconds": seconds,
+        "bound": bound,
+        "seconds_bound": seconds[bound],
+    }
 
 
 def benchmark(
@@ -179,7 +197,7 @@ def benchmark(
     rows = []
     for backend in backends:
 
-        def step():
+        def step(backend=backend):
             q, c = queries.detach().requires_grad_(), docs.detach().requires_grad_()
             loss = matryoshka_infonce(q, c, dims=list(dims), directions=directions, backend=backend)
             loss.backward()
@@ -198,11 +216,21 @@ def benchmark(
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         seconds = sorted(times)[len(times) // 2]
-        rows.append({
-            "backend": backend, "batch_size": batch_size, "num_docs": docs.shape[0], "dim": dim, "dims": list(dims),
-            "dtype": str(dtype).removeprefix("torch."), "seconds": seconds,
-            "peak_bytes": torch.cuda.max_memory_allocated() - base, "loss": float(loss),
-            "tflops": model["matmul_flops"] / seconds / 1e12, "seconds_bound": model["seconds_bound"],
-            "bound": model["bound"], "fraction_of_bound": model["seconds_bound"] / seconds,
-        })  # fmt: skip
+        rows.append(
+            {
+                "backend": backend,
+                "batch_size": batch_size,
+                "num_docs": docs.shape[0],
+                "dim": dim,
+                "dims": list(dims),
+                "dtype": str(dtype).removeprefix("torch."),
+                "seconds": seconds,
+                "peak_bytes": torch.cuda.max_memory_allocated() - base,
+                "loss": float(loss),
+                "tflops": model["matmul_flops"] / seconds / 1e12,
+                "seconds_bound": model["seconds_bound"],
+                "bound": model["bound"],
+                "fraction_of_bound": model["seconds_bound"] / seconds,
+            }
+        )
     return rows

@@ -70,8 +70,14 @@ def tiny_decoder_sentence_transformer(
 
 
 def tiny_clip_sentence_transformer(
-    hidden_size: int = 32, projection_dim: int = 24, num_layers: int = 2, image_size: int = 16, patch_size: int = 8,
-    dropout: float = 0.0, seed: int = 0, max_seq_length: int = 32,
+    hidden_size: int = 32,
+    projection_dim: int = 24,
+    num_layers: int = 2,
+    image_size: int = 16,
+    patch_size: int = 8,
+    dropout: float = 0.0,
+    seed: int = 0,
+    max_seq_length: int = 32,
 ) -> SentenceTransformer:
     """A randomly initialised CLIP (text and vision towers, each ``num_layers`` layers, projected to
     ``projection_dim``) in one sentence-transformers ``Transformer`` module, as sentence-transformers loads CLIP-style
@@ -84,11 +90,21 @@ def tiny_clip_sentence_transformer(
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-    tower = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                 num_attention_heads=4, attention_dropout=dropout)  # fmt: skip
-    text = dict(tower, vocab_size=tokenizer.vocab_size, max_position_embeddings=max_seq_length,
-                bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
-                pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    tower = dict(
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        attention_dropout=dropout,
+    )
+    text = dict(
+        tower,
+        vocab_size=tokenizer.vocab_size,
+        max_position_embeddings=max_seq_length,
+        bos_token_id=tokenizer.cls_token_id,
+        eos_token_id=tokenizer.sep_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     vision = dict(tower, image_size=image_size, patch_size=patch_size, num_channels=3)
     config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)
     image_processor = CLIPImageProcessorPil(

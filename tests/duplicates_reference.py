@@ -31,8 +31,12 @@ def masks(anchor_ids, doc_ids, batch, offset, directions, duplicates=True):
     less its partner and the columns its direction masks itself."""
     world = len(anchor_ids)
     positive_ids = doc_ids[:world]
-    texts = {"docs": doc_ids, "world": anchor_ids, "local": anchor_ids[offset : offset + batch],
-             "positives": positive_ids}  # fmt: skip
+    texts = {
+        "docs": doc_ids,
+        "world": anchor_ids,
+        "local": anchor_ids[offset : offset + batch],
+        "positives": positive_ids,
+    }
     out, removed, candidates = {}, 0, 0
     for name in directions:
         side, columns = BLOCKS[name]
@@ -58,8 +62,10 @@ def filtered(guide_queries, guide_docs, guide_world, offset, directions, margin)
     bool} of the candidates whose guide similarity to the row exceeds its positive pair's minus ``margin``, never
     the partner column nor a column the direction masks itself."""
     batch, world = guide_queries.shape[0], guide_world.shape[0]
-    unit = {key: F.normalize(x.detach(), dim=-1) for key, x in (("q", guide_queries), ("docs", guide_docs),
-                                                               ("world", guide_world))}  # fmt: skip
+    unit = {
+        key: F.normalize(x.detach(), dim=-1)
+        for key, x in (("q", guide_queries), ("docs", guide_docs), ("world", guide_world))
+    }
     unit.update(d=unit["docs"][offset : offset + batch], local=unit["q"], positives=unit["docs"][:world])
     positive = (unit["q"] * unit["d"]).sum(dim=1)
     out = {}
@@ -76,8 +82,21 @@ def filtered(guide_queries, guide_docs, guide_world, offset, directions, margin)
     return out
 
 
-def loss(queries, docs, world_queries, anchor_ids, doc_ids, dims, offset=0, directions=("query_to_doc",),
-         partition_mode="joint", scale=20.0, weights=None, mask_duplicates=True, extra=None):  # fmt: skip
+def loss(
+    queries,
+    docs,
+    world_queries,
+    anchor_ids,
+    doc_ids,
+    dims,
+    offset=0,
+    directions=("query_to_doc",),
+    partition_mode="joint",
+    scale=20.0,
+    weights=None,
+    mask_duplicates=True,
+    extra=None,
+):
     """sum_k w_k L_k with the duplicate mask (cosine similarity of each dim's re-normalised prefix); ``extra``:
     more candidates to drop per direction ({direction: (B, columns) bool}, e.g. :func:`filtered`)."""
     batch, world = queries.shape[0], world_queries.shape[0]
@@ -86,12 +105,19 @@ def loss(queries, docs, world_queries, anchor_ids, doc_ids, dims, offset=0, dire
     for name, drop in (extra or {}).items():
         dropped[name] = dropped[name] | drop
     local_docs = docs[offset : offset + batch]
-    operands = {"q": queries, "d": local_docs, "docs": docs, "world": world_queries, "local": queries,
-                "positives": docs[:world]}  # fmt: skip
+    operands = {
+        "q": queries,
+        "d": local_docs,
+        "docs": docs,
+        "world": world_queries,
+        "local": queries,
+        "positives": docs[:world],
+    }
     rows = torch.arange(batch)
     total = 0.0
     for dim, weight in zip(dims, weights):
-        def unit(x):
+
+        def unit(x, dim=dim):
             return F.normalize(x[:, :dim], dim=-1)
 
         blocks = []

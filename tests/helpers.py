@@ -6,10 +6,41 @@ from __future__ import annotations
 import random
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
-WORDS = (
-    "the cat dog sat ran on a mat park city river blue green quick slow small large house tree book "
-    "reads writes old new music plays loud soft morning evening rain sun cloud"
-).split()
+WORDS = [
+    "the",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "a",
+    "mat",
+    "park",
+    "city",
+    "river",
+    "blue",
+    "green",
+    "quick",
+    "slow",
+    "small",
+    "large",
+    "house",
+    "tree",
+    "book",
+    "reads",
+    "writes",
+    "old",
+    "new",
+    "music",
+    "plays",
+    "loud",
+    "soft",
+    "morning",
+    "evening",
+    "rain",
+    "sun",
+    "cloud",
+]
 
 
 def texts(rows: int, seed: int, min_words: int = 1, max_words: int = 14) -> list[str]:

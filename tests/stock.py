@@ -29,8 +29,9 @@ def _as_rank(world_leaves, offset, cosine):
         world = F.normalize(world, dim=-1) if cosine else world
         return torch.cat([world[:offset], local, world[offset + local.shape[0] :]])
 
-    with mock.patch.object(cmnrl_module, "all_gather_with_grad", gather), mock.patch.object(
-        cmnrl_module, "get_rank", lambda: 1
+    with (
+        mock.patch.object(cmnrl_module, "all_gather_with_grad", gather),
+        mock.patch.object(cmnrl_module, "get_rank", return_value=1),
     ):
         yield
 

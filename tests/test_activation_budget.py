@@ -111,8 +111,13 @@ def test_matches_stock_and_embeds_each_mini_batch_once_plus_the_re_embedded(tiny
     negatives, options, config = CASES[case]
     features = _features(tiny_model, rows=13, negatives=negatives, seed=3)
     budget = _budget(tiny_model, features, budget)
-    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model, **config), DIMS, WEIGHTS,
-                           n_dims_per_step=options.get("n_dims_per_step", -1))  # fmt: skip
+    stock = MatryoshkaLoss(
+        tiny_model,
+        MultipleNegativesRankingLoss(tiny_model, **config),
+        DIMS,
+        WEIGHTS,
+        n_dims_per_step=options.get("n_dims_per_step", -1),
+    )
     plain = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model, **config), None, **options)
     ours = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model, **config), budget, **options)
     with _counting_forwards(tiny_model) as count:
@@ -155,10 +160,15 @@ def test_dropout_kept_mini_batches_keep_the_masks_stock_replays(dropout_model, b
         torch.manual_seed(1234)
         return _loss_and_grads(dropout_model, loss_fn, features)
 
-    stock = MatryoshkaLoss(dropout_model, CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=3), DIMS,
-                           WEIGHTS)  # fmt: skip
-    ours = _ours(dropout_model, CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=3), budget,
-                 sort_by_length=False)  # fmt: skip
+    stock = MatryoshkaLoss(
+        dropout_model, CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=3), DIMS, WEIGHTS
+    )
+    ours = _ours(
+        dropout_model,
+        CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=3),
+        budget,
+        sort_by_length=False,
+    )
     stock_loss, stock_grads = run(stock)
     for _ in range(2):
         loss, grads = run(ours)
@@ -174,9 +184,10 @@ def test_no_budget_is_todays_behaviour_exactly(tiny_model):
     ours = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model), None, mini_batch_size=3)
     results = []
     for loss_fn in (today, ours):
-        with _counting_forwards(tiny_model) as count, mock.patch.object(
-            gradcache_steps, "RandContext", wraps=gradcache_steps.RandContext
-        ) as rand_context:
+        with (
+            _counting_forwards(tiny_model) as count,
+            mock.patch.object(gradcache_steps, "RandContext", wraps=gradcache_steps.RandContext) as rand_context,
+        ):
             loss, grads = _loss_and_grads(tiny_model, loss_fn, features)
         results.append((loss, grads, count[0], rand_context.call_count))
     (loss, grads, forwards, snapshots), (our_loss, our_grads, our_forwards, our_snapshots) = results
@@ -195,8 +206,12 @@ def test_bf16_autocast_kept_graphs_match_stock(budget):
     _bf16_autocast_forward(model)
     features = _features(model, rows=12, negatives=1, seed=43)
     stock = MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=4), DIMS, WEIGHTS)
-    ours = _ours(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=4), _budget(model, features, budget),
-                 sort_by_length=False)  # fmt: skip
+    ours = _ours(
+        model,
+        CachedMultipleNegativesRankingLoss(model, mini_batch_size=4),
+        _budget(model, features, budget),
+        sort_by_length=False,
+    )
     stock_loss, stock_grads = _loss_and_grads(model, stock, features)
     loss, grads = _loss_and_grads(model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=2**-6)
@@ -247,7 +262,9 @@ def test_second_forward_before_backward_counts_the_first_ones_kept_bytes(tiny_mo
 
     def both(loss_fn):
         def run(_features, _labels):
-            total = (lambda out: torch.stack(list(out.values())).sum() if isinstance(out, dict) else out)
+            def total(out):
+                return torch.stack(list(out.values())).sum() if isinstance(out, dict) else out
+
             a = total(loss_fn(first, None))
             reports.append(getattr(loss_fn, "activation_report", None))
             return a + 3.0 * total(loss_fn(second, None))
@@ -301,10 +318,17 @@ def test_trainer_gradient_accumulation_with_a_budget(tmp_path, dropout_model):
         base = CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=2)
         loss = _ours(dropout_model, base, _budget(dropout_model, sample, budget), sort_by_length=False)
         args = SentenceTransformerTrainingArguments(
-            output_dir=str(tmp_path / str(budget)), max_steps=2, per_device_train_batch_size=4,
-            gradient_accumulation_steps=2, learning_rate=1e-3, report_to="none", use_cpu=True, seed=0,
-            save_strategy="no", disable_tqdm=True,
-        )  # fmt: skip
+            output_dir=str(tmp_path / str(budget)),
+            max_steps=2,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            learning_rate=1e-3,
+            report_to="none",
+            use_cpu=True,
+            seed=0,
+            save_strategy="no",
+            disable_tqdm=True,
+        )
         SentenceTransformerTrainer(model=dropout_model, args=args, train_dataset=_dataset(rows=16), loss=loss).train()
         weights.append({name: p.detach().clone() for name, p in dropout_model.named_parameters()})
         reports.append(loss.activation_report)
@@ -313,7 +337,9 @@ def test_trainer_gradient_accumulation_with_a_budget(tmp_path, dropout_model):
     changed = sum(not torch.equal(weights[0][name], state[name]) for name in weights[0])
     assert changed > len(weights[0]) // 2
     for name, weight in weights[0].items():
-        torch.testing.assert_close(weights[1][name], weight, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            weights[1][name], weight, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 # --------------------------------------------------------------------------------------------- choices
@@ -363,8 +389,11 @@ def test_auto_budget_from_the_available_memory(tiny_model, monkeypatch, caplog):
     _loss_and_grads(tiny_model, ours, features)
     report = ours.activation_report
     assert 0 < len(report.kept) < len(report.minibatches)
-    assert report.kept_bytes + max(report.predicted_bytes[i] for i in range(len(report.minibatches))
-                                   if i not in report.kept) <= report.allowance_bytes  # fmt: skip
+    assert (
+        report.kept_bytes
+        + max(report.predicted_bytes[i] for i in range(len(report.minibatches)) if i not in report.kept)
+        <= report.allowance_bytes
+    )
     available["bytes"] = margin  # nothing left: nothing kept
     _loss_and_grads(tiny_model, ours, features)
     assert ours.activation_report.allowance_bytes == 0 and ours.activation_report.kept == []
@@ -394,8 +423,13 @@ def test_auto_mini_batch_size_is_the_largest_that_fits(dropout_model, caplog):
     features = _features(dropout_model, rows=13, negatives=1, seed=31)
     per_row, _ = _longest_rows_bytes_per_row(dropout_model, features)
     budget = int(5.5 * per_row)
-    ours = _ours(dropout_model, CachedMultipleNegativesRankingLoss(dropout_model), budget, mini_batch_size="auto",
-                 sort_by_length=False)  # fmt: skip
+    ours = _ours(
+        dropout_model,
+        CachedMultipleNegativesRankingLoss(dropout_model),
+        budget,
+        mini_batch_size="auto",
+        sort_by_length=False,
+    )
     assert ours.get_config_dict()["mini_batch_size"] == "auto" and ours.mini_batch_size == 32  # until trained
     with torch.no_grad():
         ours(features, None)  # evaluation chooses nothing
@@ -405,9 +439,10 @@ def test_auto_mini_batch_size_is_the_largest_that_fits(dropout_model, caplog):
         torch.manual_seed(4321)
         return _loss_and_grads(dropout_model, loss_fn, features)
 
-    with caplog.at_level(logging.INFO, logger="st_cached_losses.gradcache.activation_budget"), _counting_forwards(
-        dropout_model
-    ) as count:
+    with (
+        caplog.at_level(logging.INFO, logger="st_cached_losses.gradcache.activation_budget"),
+        _counting_forwards(dropout_model) as count,
+    ):
         loss, grads = run(ours)
     assert ours.mini_batch_size == 5 and ours.get_config_dict()["auto_mini_batch_size"] == 5
     logged = [r.getMessage() for r in caplog.records if "mini_batch_size='auto'" in r.getMessage()]
@@ -415,8 +450,9 @@ def test_auto_mini_batch_size_is_the_largest_that_fits(dropout_model, caplog):
     kept = len(ours.activation_report.kept)
     assert count[0] == 1 + 3 * 3 + (3 * 3 - kept)  # the probe, 3 columns x 3 mini-batches, the re-embedded
     # The probe restored the RNG: the same masks as stock with 5-row mini-batches at the same seed.
-    stock = MatryoshkaLoss(dropout_model, CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=5), DIMS,
-                           WEIGHTS)  # fmt: skip
+    stock = MatryoshkaLoss(
+        dropout_model, CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=5), DIMS, WEIGHTS
+    )
     stock_loss, stock_grads = run(stock)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
     _assert_grads_close(grads, stock_grads)
@@ -428,8 +464,9 @@ def test_auto_mini_batch_num_tokens(tiny_model):
     features = _features(tiny_model, rows=13, negatives=1, seed=37)
     per_row, tokens = _longest_rows_bytes_per_row(tiny_model, features)
     budget = int(per_row * activation_budget.PROBE_ROWS / tokens * 40.5)  # 40.5 tokens' worth
-    ours = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model), budget, mini_batch_size="auto",
-                 mini_batch_num_tokens=1)  # fmt: skip
+    ours = _ours(
+        tiny_model, MultipleNegativesRankingLoss(tiny_model), budget, mini_batch_size="auto", mini_batch_num_tokens=1
+    )
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
     loss, grads = _loss_and_grads(tiny_model, ours, features)
     assert ours.mini_batch_num_tokens == 40 and ours.get_config_dict()["auto_mini_batch_num_tokens"] == 40
@@ -523,9 +560,14 @@ def _ddp_worker(rank, port, state_path, out_dir):
         grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
         loss = torch.tensor(losses)
         dist.all_reduce(loss)
-        results[mode] = {"loss": (loss / WORLD_SIZE).tolist(), "grads": grads, "syncs": counter["syncs"],
-                         "forwards": forwards, "kept": kept,
-                         "held": getattr(loss_fn._activations, "held", 0)}  # fmt: skip
+        results[mode] = {
+            "loss": (loss / WORLD_SIZE).tolist(),
+            "grads": grads,
+            "syncs": counter["syncs"],
+            "forwards": forwards,
+            "kept": kept,
+            "held": getattr(loss_fn._activations, "held", 0),
+        }
         model.zero_grad(set_to_none=True)
         loss_fn = ddp = None
         gc.collect()
@@ -549,10 +591,18 @@ def _ddp_train_two_steps(model, find_unused, output_dir):
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     loss = _ddp_loss(model, ALL)
     args = SentenceTransformerTrainingArguments(
-        output_dir=output_dir, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, report_to="none",
-        use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=find_unused, save_strategy="no",
-        disable_tqdm=True, seed=0,
-    )  # fmt: skip
+        output_dir=output_dir,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to="none",
+        use_cpu=True,
+        ddp_backend="gloo",
+        ddp_find_unused_parameters=find_unused,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     SentenceTransformerTrainer(model=model, args=args, train_dataset=_dataset(rows=32), loss=loss).train()
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     changed = sum(not torch.equal(weights[name], initial[name]) for name in weights)
@@ -604,7 +654,9 @@ def test_ddp_trainer_with_a_budget_ends_with_identical_weights(ddp_results, find
     assert rank0["changed"] > len(rank0["weights"]) // 2
     assert 0 < rank0["kept"] == rank0["minibatches"] - 1  # all but the last, which synchronises
     for name, weight in rank0["weights"].items():
-        torch.testing.assert_close(rank1["weights"][name], weight, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            rank1["weights"][name], weight, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("budget", [ALL, SOME, NONE], ids=["keeps_all", "keeps_some", "keeps_none"])
@@ -625,5 +677,7 @@ def test_gistembed_base_loss_with_a_budget_matches_stock(budget):
     _assert_grads_close(grads, stock_grads)
     report = ours.activation_report
     assert forwards[0] == 2 * len(report.minibatches) - len(report.kept)  # 3 columns x 3 mini-batches, once or twice
-    assert (len(report.kept) == len(report.minibatches)) if budget == ALL else (len(report.kept) < len(report.minibatches))
+    assert (
+        (len(report.kept) == len(report.minibatches)) if budget == ALL else (len(report.kept) < len(report.minibatches))
+    )
     assert len(report.kept) > 0 or budget == NONE

@@ -67,7 +67,7 @@ def test_triton_refuses_gpus_older_than_ampere(monkeypatch, capability):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     reason = backend.triton_unusable_reason(torch.device("cuda", 0))
     assert "compute capability >= 8.0" in reason and f"{capability[0]}.{capability[1]}" in reason
-    with pytest.raises(ValueError, match="backend='triton' cannot run here: .*compute capability"):
+    with pytest.raises(ValueError, match=r"backend='triton' cannot run here: .*compute capability"):
         check_backend("triton", "cuda:0")
 
 

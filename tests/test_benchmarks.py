@@ -6,7 +6,9 @@ from benchmarks import loss_stage
 
 
 def test_loss_stage_smoke(tmp_path):
-    loss_stage.main(["--sizes", "32", "64", "--dim", "48", "--dims", "48", "24", "--repeats", "1", "--out", str(tmp_path)])
+    loss_stage.main(
+        ["--sizes", "32", "64", "--dim", "48", "--dims", "48", "24", "--repeats", "1", "--out", str(tmp_path)]
+    )
     records = loss_stage.read_csv(tmp_path / "loss_stage.csv")
     contenders = {r["contender"] for r in records}
     assert {"stock", "chunked", "matmul", "inputs"} <= contenders
@@ -29,19 +31,39 @@ def test_python_m_benchmarks_regenerates_every_committed_result(monkeypatch):
     from benchmarks import __main__ as everything
 
     calls = []
-    monkeypatch.setattr(everything, "BENCHMARKS", {name: (lambda flags, n=name: calls.append((n, flags)))
-                                                   for name in everything.BENCHMARKS})
+    monkeypatch.setattr(
+        everything,
+        "BENCHMARKS",
+        {name: (lambda flags, n=name: calls.append((n, flags))) for name in everything.BENCHMARKS},
+    )
     everything.main([])
     assert calls == [(name, list(flags)) for name, flags in everything.EVERYTHING]
     # Each committed CSV has exactly one producer among those runs (1 and 2 threads write different files).
-    stems = ["loss_stage" if "--name" not in flags else flags[flags.index("--name") + 1]
-             for name, flags in calls if name == "loss_stage"]
+    stems = [
+        "loss_stage" if "--name" not in flags else flags[flags.index("--name") + 1]
+        for name, flags in calls
+        if name == "loss_stage"
+    ]
     assert sorted(stems) == sorted(p.stem for p in loss_stage.RESULTS.glob("loss_stage*.csv"))
 
 
 def test_loss_stage_mask_duplicates_smoke(tmp_path):
-    loss_stage.main(["--mask-duplicates", "--sizes", "120", "--dim", "48", "--dims", "48", "24", "--repeats", "1",
-                     "--out", str(tmp_path)])  # fmt: skip
+    loss_stage.main(
+        [
+            "--mask-duplicates",
+            "--sizes",
+            "120",
+            "--dim",
+            "48",
+            "--dims",
+            "48",
+            "24",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     records = loss_stage.read_csv(tmp_path / "loss_stage_mask_duplicates.csv")
     value = {(r["contender"], r["metric"]): r["value"] for r in records}
     assert value[("chunked", "peak_bytes")] > 0 and value[("chunked_mask_duplicates", "peak_bytes")] > 0
@@ -52,8 +74,9 @@ def test_loss_stage_mask_duplicates_smoke(tmp_path):
 
 
 def test_loss_stage_gist_smoke(tmp_path):
-    loss_stage.main(["--gist", "--sizes", "32", "--dim", "48", "--dims", "48", "24", "--repeats", "1", "--out",
-                     str(tmp_path)])  # fmt: skip
+    loss_stage.main(
+        ["--gist", "--sizes", "32", "--dim", "48", "--dims", "48", "24", "--repeats", "1", "--out", str(tmp_path)]
+    )
     records = loss_stage.read_csv(tmp_path / "loss_stage_gist.csv")
     value = {(r["contender"], r["metric"]): r["value"] for r in records}
     assert value[("stock", "peak_bytes")] > 0 and value[("chunked", "peak_bytes")] > 0
@@ -63,8 +86,27 @@ def test_loss_stage_gist_smoke(tmp_path):
 def test_compile_step_smoke(tmp_path):
     from benchmarks import compile_step
 
-    compile_step.main(["--model", "tiny", "--sizes", "9", "--mini-batch-size", "4", "--backend", "eager",
-                       "--contenders", "eager", "compiled", "--warmup", "2", "--repeats", "1", "--out", str(tmp_path)])
+    compile_step.main(
+        [
+            "--model",
+            "tiny",
+            "--sizes",
+            "9",
+            "--mini-batch-size",
+            "4",
+            "--backend",
+            "eager",
+            "--contenders",
+            "eager",
+            "compiled",
+            "--warmup",
+            "2",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     value = {(r["contender"], r["metric"]): r["value"] for r in compile_step.read_csv(tmp_path / "compile_step.csv")}
     assert value[("compiled", "graphs")] > 0 and value[("compiled", "recompile_limit_hit")] == 0
     assert value[("eager", "graphs")] == 0 and value[("compiled", "time_ratio_to_eager_median")] > 0

@@ -57,7 +57,9 @@ def _assert_grads_close(actual, expected, rtol=1e-4):
     for name, grad in expected.items():
         # A parameter whose true gradient is ~0 (e.g. attention key biases) is compared at 1e-3 of the largest.
         scale = max(float(grad.abs().max()), 1e-3 * largest)
-        torch.testing.assert_close(actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -117,12 +119,16 @@ def test_components_are_weighted_per_dim_losses(tiny_model):
     assert all(value.requires_grad for value in out.values())
 
 
-@pytest.mark.parametrize("backpropagate", [
-    lambda out: out["loss_dim_48"].backward(),  # the largest dim's entry: used to back-propagate the whole sum
-    lambda out: out["loss_dim_8"].backward(),
-    lambda out: (out["loss_dim_48"] + out["loss_dim_32"]).backward(),
-    lambda out: (2 * out["loss_dim_48"] + out["loss_dim_32"] + out["loss_dim_8"]).backward(),
-], ids=["largest", "smallest", "two of three", "reweighted"])
+@pytest.mark.parametrize(
+    "backpropagate",
+    [
+        lambda out: out["loss_dim_48"].backward(),  # the largest dim's entry: used to back-propagate the whole sum
+        lambda out: out["loss_dim_8"].backward(),
+        lambda out: (out["loss_dim_48"] + out["loss_dim_32"]).backward(),
+        lambda out: (2 * out["loss_dim_48"] + out["loss_dim_32"] + out["loss_dim_8"]).backward(),
+    ],
+    ids=["largest", "smallest", "two of three", "reweighted"],
+)
 def test_an_entry_alone_cannot_be_backpropagated(tiny_model, backpropagate):
     """One re-embedding pass serves the whole loss, so an entry has no gradient of its own: say so, rather than
     silently back-propagating the sum (or raising 'does not require grad')."""
@@ -239,7 +245,10 @@ def test_two_forwards_before_one_backward_keep_their_caches(tiny_model):
     def both(loss_fn):
         def run(_features, _labels):
             a, b = loss_fn(first, None), loss_fn(second, None)
-            total = (lambda out: torch.stack(list(out.values())).sum() if isinstance(out, dict) else out)
+
+            def total(out):
+                return torch.stack(list(out.values())).sum() if isinstance(out, dict) else out
+
             return total(a) + 3.0 * total(b)
 
         return run
@@ -343,7 +352,11 @@ def test_left_padded_decoder_matches_stock(decoder_model, config, sort_by_length
     features = _features(decoder_model, negatives=1, seed=43)
     stock = MatryoshkaLoss(decoder_model, MultipleNegativesRankingLoss(decoder_model, **config), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(
-        decoder_model, MultipleNegativesRankingLoss(decoder_model, **config), DIMS, WEIGHTS, mini_batch_size=3,
+        decoder_model,
+        MultipleNegativesRankingLoss(decoder_model, **config),
+        DIMS,
+        WEIGHTS,
+        mini_batch_size=3,
         sort_by_length=sort_by_length,
     )
     stock_loss, stock_grads = _loss_and_grads(decoder_model, stock, features)
@@ -460,7 +473,7 @@ def test_error_static_embedding_model():
 
 
 def test_error_unsupported_similarity(tiny_model):
-    with pytest.raises(ValueError, match="cos_sim or dot_score.*euclidean_sim"):
+    with pytest.raises(ValueError, match=r"cos_sim or dot_score.*euclidean_sim"):
         CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model, similarity_fct=euclidean_sim), [48])
 
 

@@ -125,9 +125,11 @@ def _stock_selection(stock, features, seed):
         return set_dim(self, dim)
 
     random.seed(seed)
-    with mock.patch.object(adaptive_layer.TransformerDecorator, "set_layer_idx", on_layer), mock.patch.object(
-        matryoshka.ForwardDecorator, "set_dim", on_dim
-    ), torch.no_grad():
+    with (
+        mock.patch.object(adaptive_layer.TransformerDecorator, "set_layer_idx", on_layer),
+        mock.patch.object(matryoshka.ForwardDecorator, "set_dim", on_dim),
+        torch.no_grad(),
+    ):
         stock(features, None)
     return sorted(picked), random.random()
 
@@ -145,8 +147,11 @@ def test_sampling_picks_what_stock_picks_with_the_same_seed(model, seed, n_layer
     with torch.no_grad():
         out = ours(features, None)
     assert random.random() == next_draw  # the same random calls, no more
-    sampled = sorted((int(name.split("_")[2]), int(name.split("_")[4])) for name, value in out.items()
-                     if "_dim_" in name and float(value) != 0.0)  # fmt: skip
+    sampled = sorted(
+        (int(name.split("_")[2]), int(name.split("_")[4]))
+        for name, value in out.items()
+        if "_dim_" in name and float(value) != 0.0
+    )
     assert sampled == expected and len(expected) == (1 + n_layers) * n_dims
     kl_layers = {int(name.split("_")[2]) for name, value in out.items() if name.endswith("_kl") and float(value) != 0}
     assert kl_layers == {layer for layer, _ in expected} - {LAYERS}
@@ -180,9 +185,12 @@ def test_components_are_stock_losses_of_each_truncated_model(model):
         assert float(sum(out.values())) == pytest.approx(float(stock_with(features, None)), rel=1e-4)
     assert list(out) == [
         *(f"loss_layer_3_dim_{dim}" for dim in (48, 16, 8)),
-        *(name for layer in (2, 1, 0) for name in [*(f"loss_layer_{layer}_dim_{d}" for d in (48, 16, 8)),
-                                                    f"loss_layer_{layer}_kl"]),
-    ]  # fmt: skip
+        *(
+            name
+            for layer in (2, 1, 0)
+            for name in [*(f"loss_layer_{layer}_dim_{d}" for d in (48, 16, 8)), f"loss_layer_{layer}_kl"]
+        ),
+    ]
     assert sum(float(value) for name, value in out.items() if name.endswith("_kl")) == pytest.approx(kl_term, rel=1e-3)
     assert kl_term > 1e-2
     for layer in range(LAYERS + 1):
@@ -228,7 +236,10 @@ def test_each_mini_batch_runs_the_transformer_once_per_pass_for_all_layers(model
         assert sorted({shape[1] for shape in widths}) == [3 * 48]  # final + 2 prior layers
         assert sorted(shape[0] for shape in widths) == [2] * 3 + [4] * 6
         counter["runs"] = 0
-        with torch.no_grad(), mock.patch.object(gradcache_steps, "RandContext", wraps=gradcache_steps.RandContext) as rand_context:
+        with (
+            torch.no_grad(),
+            mock.patch.object(gradcache_steps, "RandContext", wraps=gradcache_steps.RandContext) as rand_context,
+        ):
             ours(features, None)
         assert counter["runs"] == 3 * 3 and rand_context.call_count == 0
     finally:
@@ -256,7 +267,9 @@ def test_two_forwards_before_one_backward_keep_their_own_layers(model):
 
     def both(loss_fn):
         def run(_features, _labels):
-            total = (lambda out: torch.stack(list(out.values())).sum() if isinstance(out, dict) else out)
+            def total(out):
+                return torch.stack(list(out.values())).sum() if isinstance(out, dict) else out
+
             return total(loss_fn(first, None)) + 3.0 * total(loss_fn(second, None))
 
         return run
@@ -398,9 +411,17 @@ def test_trainer_logs_every_layer_and_dim_and_writes_the_model_card(tmp_path):
     loss = CachedMatryoshka2dLoss(model, base, [48, 8], n_layers_per_step=-1, n_dims_per_step=-1)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, learning_rate=1e-3, logging_steps=1,
-        save_strategy="steps", save_steps=2, report_to="none", use_cpu=True, seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+    )
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=_dataset(), loss=loss)
     trainer.train()
 
@@ -420,7 +441,7 @@ def test_trainer_logs_every_layer_and_dim_and_writes_the_model_card(tmp_path):
 def test_error_unsupported_loss(model):
     with pytest.raises(TypeError, match="loss=MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss, got"):
         CachedMatryoshka2dLoss(model, CoSENTLoss(model), [48])
-    with pytest.raises(TypeError, match="CachedAdaptiveLayerLoss supports loss=.*AdaptiveLayerLoss instead"):
+    with pytest.raises(TypeError, match=r"CachedAdaptiveLayerLoss supports loss=.*AdaptiveLayerLoss instead"):
         CachedAdaptiveLayerLoss(model, CoSENTLoss(model))
 
 
@@ -463,7 +484,7 @@ def test_error_bad_options(model, kwargs, error, match):
 
 
 def test_error_layer_weighting_that_returns_no_number_is_raised_before_embedding(model):
-    ours = CachedMatryoshka2dLoss(model, MultipleNegativesRankingLoss(model), [48], layer_weighting=lambda l: None)
+    ours = CachedMatryoshka2dLoss(model, MultipleNegativesRankingLoss(model), [48], layer_weighting=lambda layer: None)
     counter, handle = _count_transformer_runs(model)
     try:
         with pytest.raises(ValueError, match=r"layer_weighting\(\d\) returned None: it must return a finite number"):
@@ -477,7 +498,7 @@ def test_error_model_that_returns_no_hidden_states(model):
     ours = CachedMatryoshka2dLoss(model, MultipleNegativesRankingLoss(model), [48])
     ours.num_layers = LAYERS + 1  # as if the config said 4 layers
     ours.n_layers_per_step = -1
-    with pytest.raises(ValueError, match="expected the model's 4 layers to return 5 hidden states .* got 4"):
+    with pytest.raises(ValueError, match=r"expected the model's 4 layers to return 5 hidden states .* got 4"):
         ours(_features(model, rows=4, negatives=0), None)
 
 

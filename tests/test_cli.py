@@ -26,8 +26,22 @@ from st_cached_losses.cli.stdlib_data import load_stdlib_dataset
 from st_cached_losses.testing import tiny_sentence_transformer
 
 # 48 training pairs in batches of 16 (3 steps an epoch, 2 taken), 24 held-out queries: seconds on a CPU.
-SMALL = ["--max-train-samples", "48", "--max-eval-samples", "24", "--batch-size", "16", "--mini-batch-size", "8",
-         "--max-steps", "2", "--learning-rate", "1e-3", "--seed", "3"]
+SMALL = [
+    "--max-train-samples",
+    "48",
+    "--max-eval-samples",
+    "24",
+    "--batch-size",
+    "16",
+    "--mini-batch-size",
+    "8",
+    "--max-steps",
+    "2",
+    "--learning-rate",
+    "1e-3",
+    "--seed",
+    "3",
+]
 ERROR_PREFIX = "st-cached-losses train: error: "
 
 
@@ -59,8 +73,12 @@ def _stdlib_jsonl(path, rows: int, columns=("anchor", "positive", "negative")):
     train = load_stdlib_dataset()["train"]
     with open(path, "w") as f:
         for i in range(rows):
-            row = {"anchor": train[i]["anchor"], "positive": train[i]["positive"],
-                   "negative": train[i + 1]["positive"], "module": train[i]["module"]}
+            row = {
+                "anchor": train[i]["anchor"],
+                "positive": train[i]["positive"],
+                "negative": train[i + 1]["positive"],
+                "module": train[i]["module"],
+            }
             f.write(json.dumps({c: row[c] for c in columns}) + "\n")
     return path
 
@@ -68,8 +86,15 @@ def _stdlib_jsonl(path, rows: int, columns=("anchor", "positive", "negative")):
 @pytest.mark.oldest_st
 def test_results_schema(run):
     out, results, _ = run
-    assert set(results) == {"config", "before", "after", "train_seconds", "peak_memory_bytes", "peak_memory_measure",
-                            "loss_stage"}
+    assert set(results) == {
+        "config",
+        "before",
+        "after",
+        "train_seconds",
+        "peak_memory_bytes",
+        "peak_memory_measure",
+        "loss_stage",
+    }
     for stage in ("before", "after"):
         assert list(results[stage]) == ["64", "32"]  # the model's dim halved down to 32
         for metrics in results[stage].values():
@@ -94,12 +119,20 @@ def test_results_record_the_loss_stage_backend(run):
     earlier tests made other choices in this process), and so does the table. On a CPU "auto" runs the chunked
     backend; a batch of 16 pairs fits in one tile of 16 rows."""
     _, results, stdout = run
-    assert results["loss_stage"] == [{"backend": "chunked", "device": "cpu", "reason": "auto: the Triton kernels run "
-                                      "on CUDA GPUs only, not cpu", "tile": "16 rows"}]  # fmt: skip
+    assert results["loss_stage"] == [
+        {
+            "backend": "chunked",
+            "device": "cpu",
+            "reason": "auto: the Triton kernels run on CUDA GPUs only, not cpu",
+            "tile": "16 rows",
+        }
+    ]
     summary = [line for line in stdout.splitlines() if line.startswith("loss stage: ")]
     assert len(summary) == 1
     (choice,) = results["loss_stage"]
-    assert f"{choice['backend']} backend on {choice['device']} ({choice['reason']}), tile {choice['tile']}" in summary[0]
+    assert (
+        f"{choice['backend']} backend on {choice['device']} ({choice['reason']}), tile {choice['tile']}" in summary[0]
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the model, and the loss stage, run on the GPU")
@@ -107,9 +140,22 @@ def test_the_cli_shows_the_backend_choice_at_info(tiny_dir, tmp_path):
     """In a fresh process (the op logs each choice once per process): the choice is logged at INFO on stderr and
     is the only one in results.json."""
     proc = subprocess.run(
-        [sys.executable, "-m", "st_cached_losses", "train", "--model", str(tiny_dir), *SMALL, "--max-steps", "1",
-         "--output-dir", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "st_cached_losses",
+            "train",
+            "--model",
+            str(tiny_dir),
+            *SMALL,
+            "--max-steps",
+            "1",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     logged = [line for line in proc.stderr.splitlines() if "matryoshka_infonce: chunked backend on cpu" in line]
@@ -232,7 +278,11 @@ def test_publish_restores_the_previous_run_if_a_move_fails(tmp_path, monkeypatch
     with pytest.raises(OSError, match="disk full"):
         run_dir.publish(staging, target)
     assert {p.relative_to(target).as_posix(): p.read_text() for p in target.rglob("*") if p.is_file()} == {
-        "results.json": "old", run_dir.RUN_MARKER: "old", "model/weights": "old", "notes.txt": "mine"}
+        "results.json": "old",
+        run_dir.RUN_MARKER: "old",
+        "model/weights": "old",
+        "notes.txt": "mine",
+    }
 
 
 def test_publish_never_replaces_outputs_it_did_not_write(tmp_path):
@@ -298,16 +348,24 @@ BAD_INPUTS = {
     "dataset columns": (_dataset_without_positive, "needs an 'anchor' and a 'positive' column"),
     "missing dataset file": (lambda tmp: ["--dataset", str(tmp / "none.jsonl")], "none.jsonl': no such file"),
     "empty dataset file": (lambda tmp: _jsonl(tmp, "empty.jsonl", []), "empty.jsonl' is an empty file"),
-    "one-row dataset": (lambda tmp: _jsonl(tmp, "one.jsonl", [ONE_PAIR]),
-                        "has 1 row(s) with text; splitting it into training and held-out pairs needs at least 2"),
-    "no row with text": (lambda tmp: _jsonl(tmp, "blank.jsonl", ['{"anchor": "a", "positive": ""}'] * 3),
-                         "has 0 row(s) with text"),
+    "one-row dataset": (
+        lambda tmp: _jsonl(tmp, "one.jsonl", [ONE_PAIR]),
+        "has 1 row(s) with text; splitting it into training and held-out pairs needs at least 2",
+    ),
+    "no row with text": (
+        lambda tmp: _jsonl(tmp, "blank.jsonl", ['{"anchor": "a", "positive": ""}'] * 3),
+        "has 0 row(s) with text",
+    ),
     "malformed dataset file": (lambda tmp: _jsonl(tmp, "bad.jsonl", ["not json"]), "JSON parse error"),
-    "dims larger than model": (lambda tmp: ["--dims", "64", "128"], "--dims [128] is larger than the embedding "
-                               "dimension 64: use dims <= 64."),
+    "dims larger than model": (
+        lambda tmp: ["--dims", "64", "128"],
+        "--dims [128] is larger than the embedding dimension 64: use dims <= 64.",
+    ),
     "repeated dims": (lambda tmp: ["--dims", "32", "32"], "--dims holds duplicates: [32, 32]"),
-    "batch smaller than mini-batch": (lambda tmp: ["--batch-size", "4", "--mini-batch-size", "8"],
-                                      "--batch-size 4 is smaller than --mini-batch-size 8"),
+    "batch smaller than mini-batch": (
+        lambda tmp: ["--batch-size", "4", "--mini-batch-size", "8"],
+        "--batch-size 4 is smaller than --mini-batch-size 8",
+    ),
     "previous run": (_previous_run, "holds a previous run; pass --overwrite to replace it"),
     "not a run, even with --overwrite": (_not_a_run, "holds no previous run"),
     "results.json but not a run, even with --overwrite": (_results_json_without_marker, "holds no previous run"),
@@ -339,9 +397,19 @@ def test_python_dash_m_exit_code(tmp_path):
     """The module entry point: a missing model fails before anything is loaded, one line, exit code 2."""
     missing = tmp_path / "missing"
     proc = subprocess.run(
-        [sys.executable, "-m", "st_cached_losses", "train", "--model", str(missing),
-         "--output-dir", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "st_cached_losses",
+            "train",
+            "--model",
+            str(missing),
+            "--output-dir",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr == f"{ERROR_PREFIX}--model {str(missing)!r}: no such directory\n"
@@ -386,7 +454,9 @@ def test_malformed_dataset_is_one_line_in_a_fresh_process(tmp_path):
     bad.write_text("not json\n")
     proc = subprocess.run(
         [sys.executable, "-m", "st_cached_losses", "train", "--dataset", str(bad), "--output-dir", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"{ERROR_PREFIX}--dataset {str(bad)!r} cannot be read: ")
@@ -399,7 +469,9 @@ def test_identical_pairs_warn_of_single_pair_batches_and_a_single_query(tiny_dir
     held-out split has one distinct query. The run goes on, with a warning for each."""
     data = _jsonl(tmp_path, "same.jsonl", [ONE_PAIR] * 8)
     assert _train(tiny_dir, tmp_path / "out", *data, "--max-steps", "1") == 0
-    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"{command.PROG} train: warning")]
+    warnings = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith(f"{command.PROG} train: warning")
+    ]
     assert len(warnings) == 2, warnings
     assert "6 of the 6 training batches of an epoch hold a single pair" in warnings[0]
     assert "held-out split's 2 pair(s) have a single distinct anchor" in warnings[1]
@@ -435,11 +507,16 @@ def test_triton_backend_on_cpu_in_a_fresh_process(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-m", "st_cached_losses", "train", "--backend", "triton", "--output-dir", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=300, env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert proc.returncode == 2
-    assert proc.stderr.startswith(f"{ERROR_PREFIX}--backend triton: backend='triton' cannot run here") and \
-        proc.stderr.count("\n") == 1, proc.stderr
+    assert (
+        proc.stderr.startswith(f"{ERROR_PREFIX}--backend triton: backend='triton' cannot run here")
+        and proc.stderr.count("\n") == 1
+    ), proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -458,8 +535,10 @@ def test_fp16_without_a_gpu_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, m
     monkeypatch.setattr(job, "model_device", lambda: "cpu")
     assert _train(tiny_dir, tmp_path / "out", "--fp16") == 2
     err = capsys.readouterr().err
-    assert err == f"{ERROR_PREFIX}--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); " \
-                  "use --bf16 on a CPU\n"
+    assert (
+        err == f"{ERROR_PREFIX}--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); "
+        "use --bf16 on a CPU\n"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -499,20 +578,26 @@ def _fake_training(monkeypatch, seconds: dict[str, float], peaks_mib: list[int],
     return trained
 
 
-@pytest.mark.parametrize("ours_seconds, stock_seconds, wording", [
-    (3.0, 2.0, "CachedMatryoshkaLoss is 1.50x slower than stock with 0.50x its peak memory (means of 2 runs each)"),
-    (1.0, 3.0, "CachedMatryoshkaLoss is 3.00x faster than stock with 0.50x its peak memory (means of 2 runs each)"),
-])
-def test_compare_stock_alternates_and_says_faster_or_slower(tiny_dir, tmp_path, monkeypatch, capsys, ours_seconds,
-                                                            stock_seconds, wording):
+@pytest.mark.parametrize(
+    "ours_seconds, stock_seconds, wording",
+    [
+        (3.0, 2.0, "CachedMatryoshkaLoss is 1.50x slower than stock with 0.50x its peak memory (means of 2 runs each)"),
+        (1.0, 3.0, "CachedMatryoshkaLoss is 3.00x faster than stock with 0.50x its peak memory (means of 2 runs each)"),
+    ],
+)
+def test_compare_stock_alternates_and_says_faster_or_slower(
+    tiny_dir, tmp_path, monkeypatch, capsys, ours_seconds, stock_seconds, wording
+):
     trained = _fake_training(monkeypatch, {"ours": ours_seconds, "stock": stock_seconds}, [100, 220, 180, 100])
     assert _train(tiny_dir, tmp_path / "out", "--compare-stock") == 0
     assert trained == ["ours", "stock", "stock", "ours"]
     stdout = capsys.readouterr().out
     assert wording in stdout
     comparison = json.loads((tmp_path / "out" / "results.json").read_text())["compare_stock"]
-    assert comparison["stock"] == {"train_seconds": [stock_seconds] * 2,
-                                   "peak_memory_bytes": [220 * 2**20, 180 * 2**20]}
+    assert comparison["stock"] == {
+        "train_seconds": [stock_seconds] * 2,
+        "peak_memory_bytes": [220 * 2**20, 180 * 2**20],
+    }
     assert comparison["ours"] == {"train_seconds": [ours_seconds] * 2, "peak_memory_bytes": [100 * 2**20] * 2}
     assert comparison["time_ratio"] == stock_seconds / ours_seconds and comparison["memory_ratio"] == 0.5
     assert wording in comparison["summary"]
@@ -524,8 +609,10 @@ def test_compare_stock_without_a_per_run_memory_measure(tiny_dir, tmp_path, monk
     assert _train(tiny_dir, tmp_path / "out", "--compare-stock") == 0
     comparison = json.loads((tmp_path / "out" / "results.json").read_text())["compare_stock"]
     assert comparison["memory_ratio"] is None
-    assert comparison["summary"] == ("CachedMatryoshkaLoss is 2.00x faster than stock; peak memory not compared (this "
-                                     "system cannot measure each run's training alone) (means of 2 runs each)")
+    assert comparison["summary"] == (
+        "CachedMatryoshkaLoss is 2.00x faster than stock; peak memory not compared (this "
+        "system cannot measure each run's training alone) (means of 2 runs each)"
+    )
 
 
 def test_compare_speed_wording():
@@ -547,8 +634,16 @@ def test_default_model_without_the_cli_extra_is_one_line_and_exit_2(tmp_path, ca
 
 def test_the_main_job_from_python_is_the_command(tiny_dir, tmp_path):
     """job.run(TrainOptions(...)) is what the command runs: it returns what results.json holds."""
-    options = TrainOptions(model=str(tiny_dir), max_train_samples=48, max_eval_samples=24, batch_size=16,
-                                    mini_batch_size=8, max_steps=1, seed=3, output_dir=tmp_path / "out")
+    options = TrainOptions(
+        model=str(tiny_dir),
+        max_train_samples=48,
+        max_eval_samples=24,
+        batch_size=16,
+        mini_batch_size=8,
+        max_steps=1,
+        seed=3,
+        output_dir=tmp_path / "out",
+    )
     results = job.run(options)
     assert results == json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["config"]["steps"] == 1 and results["config"]["output_dir"] == str(tmp_path / "out")
@@ -561,12 +656,15 @@ def test_the_command_line_defaults_are_the_options_defaults():
             assert getattr(args, field.name) == field.default, field.name
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"batch_size": 0}, "--batch-size must be a positive integer, got 0"),
-    ({"epochs": -1.0}, "--epochs must be a positive number, got -1"),
-    ({"max_steps": 2.5}, "--max-steps must be a positive integer, got 2.5"),
-    ({"bf16": True, "fp16": True}, "--bf16 and --fp16 exclude each other"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"batch_size": 0}, "--batch-size must be a positive integer, got 0"),
+        ({"epochs": -1.0}, "--epochs must be a positive number, got -1"),
+        ({"max_steps": 2.5}, "--max-steps must be a positive integer, got 2.5"),
+        ({"bf16": True, "fp16": True}, "--bf16 and --fp16 exclude each other"),
+    ],
+)
 def test_bad_options_from_python_raise_usage_error(options, message, tmp_path):
     with pytest.raises(command.UsageError, match=re.escape(message)):
         TrainOptions(output_dir=tmp_path / "out", **options)
@@ -591,8 +689,12 @@ def test_guide_trains_gistembed_inside_the_loss(tiny_dir, tmp_path, monkeypatch)
     """--guide: CachedMatryoshkaLoss around CachedGISTEmbedLoss(model, guide, margin) (the guide here: the same
     tiny model), recorded in results.json; with --compare-stock, stock MatryoshkaLoss around the same base."""
     made = _record_losses(monkeypatch)
-    assert _train(tiny_dir, tmp_path / "out", "--guide", str(tiny_dir), "--false-negative-margin", "0.05",
-                  "--compare-stock") == 0  # fmt: skip
+    assert (
+        _train(
+            tiny_dir, tmp_path / "out", "--guide", str(tiny_dir), "--false-negative-margin", "0.05", "--compare-stock"
+        )
+        == 0
+    )
     config = json.loads((tmp_path / "out" / "results.json").read_text())["config"]
     assert config["guide"] == str(tiny_dir) and config["false_negative_margin"] == 0.05
     ours, stock = made[0], next(loss for loss in made if type(loss).__name__ == "MatryoshkaLoss")
@@ -608,11 +710,14 @@ def test_false_negative_margin_alone_is_self_guided(tiny_dir, tmp_path, monkeypa
     assert loss.false_negative_margin == -0.1 and type(loss.loss).__name__ == "CachedMultipleNegativesRankingLoss"
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--false-negative-margin", "nan"], "--false-negative-margin: false_negative_margin must be a finite number"),
-    (["--false-negative-margin", "0.1", "--compare-stock"], "stock has no self-guided filter"),
-    (["--guide", "./no/such/guide"], "--guide './no/such/guide': no such directory"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--false-negative-margin", "nan"], "--false-negative-margin: false_negative_margin must be a finite number"),
+        (["--false-negative-margin", "0.1", "--compare-stock"], "stock has no self-guided filter"),
+        (["--guide", "./no/such/guide"], "--guide './no/such/guide': no such directory"),
+    ],
+)
 def test_bad_false_negative_options_are_one_line(tiny_dir, tmp_path, capsys, extra, message):
     assert _train(tiny_dir, tmp_path / "out", *extra) == 2
     err = capsys.readouterr().err

@@ -32,8 +32,9 @@ def _samplers(monkeypatch) -> list[str]:
 def _pairs_sharing_queries(path, rows: int = 48):
     """JSON lines where every query has two positives (rows 2k and 2k + 1)."""
     anchors, positives = texts(rows // 2, 1, min_words=4), texts(rows, 2, min_words=4)
-    path.write_text("".join(json.dumps({"anchor": anchors[i // 2], "positive": positives[i]}) + "\n"
-                            for i in range(rows)))  # fmt: skip
+    path.write_text(
+        "".join(json.dumps({"anchor": anchors[i // 2], "positive": positives[i]}) + "\n" for i in range(rows))
+    )
     return path
 
 
@@ -70,10 +71,13 @@ def test_stdlib_dups_keeps_shared_docstrings():
     assert distinct_pairs(rows) == rows[:2]
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--mask-duplicates", "--batch-sampler", "no_duplicates"], "leaving the mask nothing to do"),
-    (["--mask-duplicates", "--compare-stock"], "stock has no duplicate mask"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--mask-duplicates", "--batch-sampler", "no_duplicates"], "leaving the mask nothing to do"),
+        (["--mask-duplicates", "--compare-stock"], "stock has no duplicate mask"),
+    ],
+)
 def test_bad_combinations_are_one_line(tiny_dir, tmp_path, capsys, extra, message):  # noqa: F811
     assert _train(tiny_dir, tmp_path / "out", *extra) == 2
     err = capsys.readouterr().err

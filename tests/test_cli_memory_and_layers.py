@@ -63,17 +63,24 @@ def test_activation_budget_in_bytes_keeps_nothing_when_too_small(tiny_dir, tmp_p
     assert last["kept"] == 0 and last["kept_bytes"] == 0
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--activation-budget", "0"], "argument --activation-budget: must be a positive integer, got 0"),
-    (["--activation-budget", "lots"], "argument --activation-budget: invalid"),
-    (["--mini-batch-size", "some"], "argument --mini-batch-size: invalid"),
-    (["--mini-batch-size", "auto", "--compare-stock"], "--compare-stock needs a fixed --mini-batch-size"),
-    (["--layers", "2"], "--layers 2: the model has 2 layers, and the full model is evaluated anyway; pass counts "
-                        "from 1 to 1"),
-    (["--layers", "0"], "argument --layers: must be a positive integer, got 0"),
-    (["--layers", "1", "--guide", "x", "--activation-budget", "auto"],
-     "--layers (CachedMatryoshka2dLoss) does not take --guide, --activation-budget: drop them or --layers"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--activation-budget", "0"], "argument --activation-budget: must be a positive integer, got 0"),
+        (["--activation-budget", "lots"], "argument --activation-budget: invalid"),
+        (["--mini-batch-size", "some"], "argument --mini-batch-size: invalid"),
+        (["--mini-batch-size", "auto", "--compare-stock"], "--compare-stock needs a fixed --mini-batch-size"),
+        (
+            ["--layers", "2"],
+            "--layers 2: the model has 2 layers, and the full model is evaluated anyway; pass counts from 1 to 1",
+        ),
+        (["--layers", "0"], "argument --layers: must be a positive integer, got 0"),
+        (
+            ["--layers", "1", "--guide", "x", "--activation-budget", "auto"],
+            "--layers (CachedMatryoshka2dLoss) does not take --guide, --activation-budget: drop them or --layers",
+        ),
+    ],
+)
 def test_bad_memory_and_layer_options_are_one_line_and_exit_2(tiny_dir, tmp_path, capsys, extra, message):  # noqa: F811
     try:
         code = _train(tiny_dir, tmp_path / "out", *extra)
@@ -85,12 +92,15 @@ def test_bad_memory_and_layer_options_are_one_line_and_exit_2(tiny_dir, tmp_path
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"activation_budget": -1}, "--activation-budget: activation_budget must be None"),
-    ({"activation_budget": "half"}, "--activation-budget: activation_budget must be None"),
-    ({"mini_batch_size": "max"}, "--mini-batch-size must be a positive integer, got max"),
-    ({"layers": [0]}, "--layers must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"activation_budget": -1}, "--activation-budget: activation_budget must be None"),
+        ({"activation_budget": "half"}, "--activation-budget: activation_budget must be None"),
+        ({"mini_batch_size": "max"}, "--mini-batch-size must be a positive integer, got max"),
+        ({"layers": [0]}, "--layers must be a positive integer, got 0"),
+    ],
+)
 def test_bad_memory_and_layer_options_from_python(options, message, tmp_path):
     with pytest.raises(UsageError, match=message):
         TrainOptions(output_dir=tmp_path / "out", **options)

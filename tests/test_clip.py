@@ -26,13 +26,20 @@ CASES = {  # name: (the columns' modalities, base loss options, activation budge
     "text_to_image_keeps_some": (("text", "image"), {}, SOME),
     "image_to_text_hard_negative_images": (("image", "text", "image"), {}, None),
     "text_to_image_mixed_negatives_both_directions_keeps_some": (
-        ("text", "image", "image", "text"), dict(directions=("query_to_doc", "doc_to_query")), SOME,
+        ("text", "image", "image", "text"),
+        dict(directions=("query_to_doc", "doc_to_query")),
+        SOME,
     ),
     "image_to_text_all_directions_hardness": (
-        ("image", "text", "text"), dict(directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
-                                        hardness_mode="all_negatives", hardness_strength=3.0), None,
+        ("image", "text", "text"),
+        dict(
+            directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
+            hardness_mode="all_negatives",
+            hardness_strength=3.0,
+        ),
+        None,
     ),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +48,10 @@ def clip():
 
 
 def _inputs(modalities, rows=ROWS, seed=0) -> list[list]:
-    return [random_images(rows, seed + 10 * i) if m == "image" else texts(rows, seed + 10 * i, 1, 10)
-            for i, m in enumerate(modalities)]  # fmt: skip
+    return [
+        random_images(rows, seed + 10 * i) if m == "image" else texts(rows, seed + 10 * i, 1, 10)
+        for i, m in enumerate(modalities)
+    ]
 
 
 def _features(model, modalities, rows=ROWS, seed=0):
@@ -55,8 +64,12 @@ def test_matches_stock(clip, case):
     features = _features(clip, modalities)
     budget = _budget(clip, features, budget)
     stock = MatryoshkaLoss(clip, CachedMultipleNegativesRankingLoss(clip, mini_batch_size=MINI_BATCH, **options), DIMS)
-    ours = CachedMatryoshkaLoss(clip, CachedMultipleNegativesRankingLoss(clip, mini_batch_size=MINI_BATCH, **options),
-                                DIMS, activation_budget=budget)  # fmt: skip
+    ours = CachedMatryoshkaLoss(
+        clip,
+        CachedMultipleNegativesRankingLoss(clip, mini_batch_size=MINI_BATCH, **options),
+        DIMS,
+        activation_budget=budget,
+    )
     _assert_matches_stock(clip, stock, ours, features, budget)
 
 
@@ -66,8 +79,13 @@ def test_a_budget_over_image_and_text_columns_predicts_each_from_its_own_shape(c
     image size, bytes linear in rows), and the kept bytes stay within the budget."""
     features = _features(clip, ("image", "text", "text", "image"), rows=10, seed=5)
     budget = _budget(clip, features, SOME)
-    ours = CachedMatryoshkaLoss(clip, CachedMultipleNegativesRankingLoss(clip, mini_batch_size=MINI_BATCH), DIMS,
-                                activation_budget=budget, sort_by_length=False)  # fmt: skip
+    ours = CachedMatryoshkaLoss(
+        clip,
+        CachedMultipleNegativesRankingLoss(clip, mini_batch_size=MINI_BATCH),
+        DIMS,
+        activation_budget=budget,
+        sort_by_length=False,
+    )
     for _ in range(2):
         _loss_and_grads(clip, ours, features)
         report = ours.activation_report
@@ -95,8 +113,11 @@ def test_activation_model_keeps_each_modality_apart():
 def test_mini_batch_num_tokens_refuses_an_image_column_naming_it(clip):
     features = _features(clip, ("text", "image"))
     ours = CachedMatryoshkaLoss(clip, CachedMultipleNegativesRankingLoss(clip), DIMS, mini_batch_num_tokens=64)
-    with pytest.raises(ValueError, match=r"input column 1 \(the positive column\) holds image inputs .*use "
-                                         r"mini_batch_size"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"input column 1 \(the positive column\) holds image inputs .*use "
+        r"mini_batch_size",
+    ):
         ours(features, None)
 
 
@@ -104,18 +125,30 @@ def _one_sgd_step(tmp_path, name: str) -> dict[str, torch.Tensor]:
     """The weight change of one trainer step with SGD at lr 1 (minus the gradient) on image anchors, text positives
     and image hard negatives, a column of PIL images as datasets stores them."""
     model = tiny_clip_sentence_transformer(seed=4)
-    base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH, directions=("query_to_doc",
-                                                                                            "doc_to_query"))  # fmt: skip
-    loss = CachedMatryoshkaLoss(model, base, DIMS, activation_budget=10**12) if name == "ours" else MatryoshkaLoss(
-        model, base, DIMS
+    base = CachedMultipleNegativesRankingLoss(
+        model, mini_batch_size=MINI_BATCH, directions=("query_to_doc", "doc_to_query")
+    )
+    loss = (
+        CachedMatryoshkaLoss(model, base, DIMS, activation_budget=10**12)
+        if name == "ours"
+        else MatryoshkaLoss(model, base, DIMS)
     )
     anchor, positive, negative = _inputs(("image", "text", "image"), rows=8, seed=9)
     data = Dataset.from_dict({"anchor": anchor, "positive": positive, "negative": negative})
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / name), max_steps=1, per_device_train_batch_size=8, learning_rate=1.0, optim="sgd",
-        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0, use_cpu=True, report_to="none",
-        save_strategy="no", seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path / name),
+        max_steps=1,
+        per_device_train_batch_size=8,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss).train()
     return {n: p.detach() - before[n] for n, p in model.named_parameters()}

@@ -61,10 +61,18 @@ def _train(tmp_path, mode: str | None, loss_name: str = "matryoshka") -> dict[st
         model[0].model = torch.compile(model[0].model, backend="eager")
     loss = _loss(model, loss_name)
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / f"{mode}_{loss_name}"), max_steps=STEPS, per_device_train_batch_size=ROWS, learning_rate=1e-3,
-        warmup_steps=0, report_to="none", save_strategy="no", use_cpu=True, seed=0, dataloader_drop_last=True,
+        output_dir=str(tmp_path / f"{mode}_{loss_name}"),
+        max_steps=STEPS,
+        per_device_train_batch_size=ROWS,
+        learning_rate=1e-3,
+        warmup_steps=0,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        dataloader_drop_last=True,
         **({"torch_compile": True, "torch_compile_backend": "eager"} if mode == "trainer_torch_compile" else {}),
-    )  # fmt: skip
+    )
     SentenceTransformerTrainer(model=model, args=args, train_dataset=_dataset(), loss=loss).train()
     return {name.replace("._orig_mod", ""): p.detach().clone() for name, p in model.named_parameters()}
 
@@ -89,4 +97,6 @@ def test_compiled_model_trains_without_falling_back_and_equals_eager(tmp_path, e
     assert dynamo["stats"]["unique_graphs"] > 0  # the model did run compiled (and never hit the recompile limit)
     assert compiled.keys() == expected.keys()
     for name, weight in expected.items():
-        torch.testing.assert_close(compiled[name], weight, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            compiled[name], weight, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )

@@ -42,7 +42,9 @@ def _pairs(tiny_model, guide):
     m = tiny_model
     return {
         "matryoshka_cmnrl": (
-            CachedMatryoshkaLoss(m, CachedMultipleNegativesRankingLoss(m, scale=30.0, mini_batch_size=7), DIMS, WEIGHTS),
+            CachedMatryoshkaLoss(
+                m, CachedMultipleNegativesRankingLoss(m, scale=30.0, mini_batch_size=7), DIMS, WEIGHTS
+            ),
             MatryoshkaLoss(m, CachedMultipleNegativesRankingLoss(m, scale=30.0, mini_batch_size=7), DIMS, WEIGHTS),
         ),
         "matryoshka_default_weights": (
@@ -169,9 +171,10 @@ def _layer_loss_and_features(model):
 
 
 @pytest.mark.parametrize(
-    "wrap", [_FakeDDP, _FakeCompile, lambda m: _FakeCompile(_FakeDDP(m)), lambda m: _FakeDDP(_FakeCompile(m))],
+    "wrap",
+    [_FakeDDP, _FakeCompile, lambda m: _FakeCompile(_FakeDDP(m)), lambda m: _FakeDDP(_FakeCompile(m))],
     ids=["ddp", "torch_compile", "compile_of_ddp", "ddp_of_compile"],
-)  # fmt: skip
+)
 def test_layer_losses_unwrap_nested_wrappers(tiny_model, wrap):
     loss, features = _layer_loss_and_features(tiny_model)
     with torch.no_grad():
@@ -182,10 +185,13 @@ def test_layer_losses_unwrap_nested_wrappers(tiny_model, wrap):
 
 
 @pytest.mark.parametrize(
-    "model,match", [(nn.Linear(2, 2), r"could not unwrap Linear"),
-                    (_FakeDDP(nn.Linear(2, 2)), r"CachedAdaptiveLayerLoss could not unwrap _FakeDDP .*stopped at Linear")],
+    "model,match",
+    [
+        (nn.Linear(2, 2), r"could not unwrap Linear"),
+        (_FakeDDP(nn.Linear(2, 2)), r"CachedAdaptiveLayerLoss could not unwrap _FakeDDP .*stopped at Linear"),
+    ],
     ids=["unrecognised", "nested"],
-)  # fmt: skip
+)
 def test_unwrap_error_names_the_wrapper_and_where_it_stopped(tiny_model, model, match):
     loss, features = _layer_loss_and_features(tiny_model)
     loss.model = model

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from st_cached_losses.ops.triton import kernels as triton_kernels  # noqa: E402
-from st_cached_losses.ops.triton import tiles as triton_tiles
+from st_cached_losses.ops.triton import tiles as triton_tiles  # noqa: E402
 
 RUNS = [(case, precision) for case in cases() for precision in case.precisions]
 

@@ -53,10 +53,13 @@ def _loss(model, layers: bool, gather: bool):
 
 def _config(stage: int, accumulation: int) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": ROWS // WORLD_SIZE, "gradient_accumulation_steps": accumulation,
+        "train_micro_batch_size_per_gpu": ROWS // WORLD_SIZE,
+        "gradient_accumulation_steps": accumulation,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": stage}, "steps_per_print": 10**6, "wall_clock_breakdown": False,
-    }  # fmt: skip
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**6,
+        "wall_clock_breakdown": False,
+    }
 
 
 def _engine_worker(rank, port, out_dir):
@@ -71,8 +74,9 @@ def _engine_worker(rank, port, out_dir):
     results = {}
     for case, (stage, accumulation, layers) in CASES.items():
         model = models[case]
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=_config(stage, accumulation))  # fmt: skip
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=_config(stage, accumulation)
+        )
         loss_fn = _loss(model, layers, gather=True)
         loss_fn.model = engine  # as SentenceTransformerTrainer.override_model_in_loss does
         losses = []
@@ -83,8 +87,11 @@ def _engine_worker(rank, port, out_dir):
             losses.append(float(total))
             if micro_step < accumulation - 1:
                 engine.step()  # not an accumulation boundary: no update
-        grads = {name: safe_get_full_grad(p).clone() for name, p in model.named_parameters()
-                 if safe_get_full_grad(p) is not None}  # fmt: skip
+        grads = {
+            name: safe_get_full_grad(p).clone()
+            for name, p in model.named_parameters()
+            if safe_get_full_grad(p) is not None
+        }
         loss = torch.tensor(losses)
         torch.distributed.all_reduce(loss)
         results[case] = {"losses": (loss / WORLD_SIZE).tolist(), "grads": grads}
@@ -162,17 +169,32 @@ def _trainer_worker(rank, port, out_dir, stage):
     # process group created first for DeepSpeed, and the trainer told to use it, runs the real thing.
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend="gloo", timeout=timedelta(seconds=60))
-    config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 0.0,
-              "gradient_accumulation_steps": "auto", "steps_per_print": 10**6}  # fmt: skip
+    config = {
+        "zero_optimization": {"stage": stage},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": "auto",
+        "steps_per_print": 10**6,
+    }
     columns = ("anchor", "positive", "negative")
     dataset = Dataset.from_dict({column: texts(16, 41 + seed) for seed, column in enumerate(columns)})
     # Plain SGD at a constant rate, unclipped: the weights after two steps are the initial ones less two gradients.
     args = SentenceTransformerTrainingArguments(
-        output_dir=os.path.join(out_dir, f"run{rank}"), max_steps=2, per_device_train_batch_size=4,
-        learning_rate=LEARNING_RATE, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, report_to="none",
-        save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, deepspeed=config,
+        output_dir=os.path.join(out_dir, f"run{rank}"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=LEARNING_RATE,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        deepspeed=config,
         accelerator_config={"use_configured_state": True},
-    )  # fmt: skip
+    )
     loss = _loss(model, False, gather=True)
     seen = []  # per step: the engine type and this rank's batch, column by column
 
@@ -183,8 +205,10 @@ def _trainer_worker(rank, port, out_dir, stage):
     loss.register_forward_pre_hook(record)
     SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss).train()
     weights = {name: safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}
-    torch.save({"weights": weights, "seen": seen, "world": torch.distributed.get_world_size()},
-               os.path.join(out_dir, f"trainer_rank{rank}.pt"))  # fmt: skip
+    torch.save(
+        {"weights": weights, "seen": seen, "world": torch.distributed.get_world_size()},
+        os.path.join(out_dir, f"trainer_rank{rank}.pt"),
+    )
     torch.distributed.barrier()
 
 

@@ -170,7 +170,7 @@ def _gradient_cases(rank, model):
                     state["syncs"] += bucket.is_last()  # one per gradient synchronisation
                     return allreduce_hook(None, bucket)
 
-                def count_forward(module, args):
+                def count_forward(module, args, counter=counter):
                     counter["forwards"] += 1
 
                 forward_hook = model.register_forward_pre_hook(count_forward)
@@ -240,7 +240,9 @@ def _assert_grads_close(actual, expected, rtol=1e-4):
     for name, grad in expected.items():
         # A parameter whose true gradient is ~0 (e.g. attention key biases) is compared at 1e-3 of the largest.
         scale = max(float(grad.abs().max()), 1e-3 * largest)
-        torch.testing.assert_close(actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -333,4 +335,6 @@ def test_trainer_ddp_ranks_end_with_identical_weights(spawned, find_unused):
     assert rank0["changed"] > len(rank0["weights"]) // 2
     assert rank0["weights"].keys() == rank1["weights"].keys()
     for name, weight in rank0["weights"].items():
-        torch.testing.assert_close(rank1["weights"][name], weight, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            rank1["weights"][name], weight, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}"
+        )

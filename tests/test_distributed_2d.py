@@ -52,8 +52,9 @@ def _make_loss(model, mode):
     gather = dist.is_initialized()
     options = SAMPLED if mode.endswith("sampled") else OPTIONS
     if mode.startswith("stock"):
-        return Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model, gather_across_devices=gather), DIMS, WEIGHTS,
-                                **options)  # fmt: skip
+        return Matryoshka2dLoss(
+            model, MultipleNegativesRankingLoss(model, gather_across_devices=gather), DIMS, WEIGHTS, **options
+        )
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH_SIZE, gather_across_devices=gather)
     return CachedMatryoshka2dLoss(model, base, DIMS, WEIGHTS, **options)
 
@@ -84,7 +85,9 @@ def _case(rank, model, case):
         loss_fn, counter = _make_loss(model, mode), {"syncs": 0, "runs": 0}
         # Transformer runs: the embedding layer's calls (the HF model's forward is called without its hooks).
         embeddings = model[0].auto_model.embeddings
-        hook = embeddings.register_forward_pre_hook(lambda *_: counter.update(runs=counter["runs"] + 1))
+        hook = embeddings.register_forward_pre_hook(
+            lambda *_, counter=counter: counter.update(runs=counter["runs"] + 1)
+        )
         random.seed(SEED)
         if mode.startswith("ours_ddp"):
             find_unused = mode == "ours_ddp_find_unused"

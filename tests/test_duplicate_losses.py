@@ -78,7 +78,9 @@ def _assert_grads_close(actual, expected, rtol=1e-4):
     largest = max(float(g.abs().max()) for g in expected.values())
     for name, grad in expected.items():
         scale = max(float(grad.abs().max()), 1e-3 * largest)
-        torch.testing.assert_close(actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +119,19 @@ def test_combines_with_a_gist_guide_and_the_self_guided_filter(model):
     gist_directions = ("query_to_doc", "anchor_to_anchor", "positive_to_positive")
     gist_extra = reference.filtered(guided[0], torch.cat(guided[1:]), guided[0], 0, gist_directions, 0.0)
     runs = {  # name: (base loss, our options, reference directions, the filter's drops)
-        "gist": (CachedGISTEmbedLoss(model, guide, temperature=0.05, mini_batch_size=4), {}, gist_directions,
-                 gist_extra),
-        "self_guided": (MultipleNegativesRankingLoss(model, directions=ALL_DIRECTIONS),
-                        dict(false_negative_margin=-0.02), ALL_DIRECTIONS,
-                        lambda q, c: reference.filtered(q, c, q, 0, ALL_DIRECTIONS, -0.02)),
-    }  # fmt: skip
+        "gist": (
+            CachedGISTEmbedLoss(model, guide, temperature=0.05, mini_batch_size=4),
+            {},
+            gist_directions,
+            gist_extra,
+        ),
+        "self_guided": (
+            MultipleNegativesRankingLoss(model, directions=ALL_DIRECTIONS),
+            dict(false_negative_margin=-0.02),
+            ALL_DIRECTIONS,
+            lambda q, c: reference.filtered(q, c, q, 0, ALL_DIRECTIONS, -0.02),
+        ),
+    }
     for name, (base, options, directions, extra) in runs.items():
         ours = CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=4, mask_duplicates=True, **options)
         loss, grads = _loss_and_grads(model, ours, columns)
@@ -140,8 +149,9 @@ def test_without_duplicates_equals_stock(model):
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, directions=ALL_DIRECTIONS)
     masked = CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=4, mask_duplicates=True)
     loss, grads = _loss_and_grads(model, masked, columns)
-    plain_loss, plain_grads = _loss_and_grads(model, CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=4),
-                                              columns)  # fmt: skip
+    plain_loss, plain_grads = _loss_and_grads(
+        model, CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=4), columns
+    )
     assert loss == plain_loss and masked.masked_share == 0.0
     assert all(torch.equal(grads[name], plain_grads[name]) for name in plain_grads)
     stock_loss, stock_grads = _loss_and_grads(model, MatryoshkaLoss(model, base, DIMS, WEIGHTS), columns)
@@ -156,7 +166,10 @@ def test_share_is_logged_and_in_the_config(model, caplog):
     logged = [record.getMessage() for record in caplog.records if "duplicate mask" in record.getMessage()]
     assert logged and "of in-batch candidates dropped" in logged[0] and loss.masked_share > 0
     assert loss.get_config_dict()["mask_duplicates"] is True
-    assert "mask_duplicates" not in CachedMatryoshkaLoss(model, MultipleNegativesRankingLoss(model), DIMS).get_config_dict()
+    assert (
+        "mask_duplicates"
+        not in CachedMatryoshkaLoss(model, MultipleNegativesRankingLoss(model), DIMS).get_config_dict()
+    )
     with pytest.raises(TypeError, match="mask_duplicates must be True or False"):
         CachedMatryoshkaLoss(model, MultipleNegativesRankingLoss(model), DIMS, mask_duplicates="yes")
 
@@ -166,15 +179,26 @@ def test_2d_losses(model):
     with the default weights the mask changes the loss; CachedAdaptiveLayerLoss takes it too."""
     columns = _columns(1)
     base = MultipleNegativesRankingLoss(model)
-    final_only = CachedMatryoshka2dLoss(model, base, DIMS, WEIGHTS, n_layers_per_step=-1, n_dims_per_step=-1,
-                                        prior_layers_weight=0.0, kl_div_weight=0.0, mini_batch_size=4,
-                                        mask_duplicates=True)  # fmt: skip
+    final_only = CachedMatryoshka2dLoss(
+        model,
+        base,
+        DIMS,
+        WEIGHTS,
+        n_layers_per_step=-1,
+        n_dims_per_step=-1,
+        prior_layers_weight=0.0,
+        kl_div_weight=0.0,
+        mini_batch_size=4,
+        mask_duplicates=True,
+    )
     loss, grads = _loss_and_grads(model, final_only, columns)
     want, want_grads = _reference_loss_and_grads(model, columns)
     assert loss == pytest.approx(want, rel=1e-4)
     _assert_grads_close(grads, want_grads)
-    for cls, options in ((CachedMatryoshka2dLoss, dict(matryoshka_dims=DIMS, n_layers_per_step=-1)),
-                         (CachedAdaptiveLayerLoss, dict(n_layers_per_step=-1))):  # fmt: skip
+    for cls, options in (
+        (CachedMatryoshka2dLoss, dict(matryoshka_dims=DIMS, n_layers_per_step=-1)),
+        (CachedAdaptiveLayerLoss, dict(n_layers_per_step=-1)),
+    ):
         masked = cls(model, base, mini_batch_size=4, mask_duplicates=True, **options)
         plain = cls(model, base, mini_batch_size=4, **options)
         assert abs(_loss_and_grads(model, masked, columns)[0] - _loss_and_grads(model, plain, columns)[0]) > 1e-3
@@ -195,8 +219,10 @@ def test_text_ids_follow_the_tokens_not_the_padding():
     assert left[1] == text_ids(decoder.preprocess([short]))[0]
     features = model.preprocess([long_, short])  # the same rows flattened (sequence packing)
     lengths = features["attention_mask"].sum(dim=1)
-    flat = {"input_ids": features["input_ids"][features["attention_mask"].bool()][None, :],
-            "cu_seq_lens_q": torch.tensor([0, int(lengths[0]), int(lengths.sum())])}  # fmt: skip
+    flat = {
+        "input_ids": features["input_ids"][features["attention_mask"].bool()][None, :],
+        "cu_seq_lens_q": torch.tensor([0, int(lengths[0]), int(lengths.sum())]),
+    }
     assert torch.equal(text_ids(flat), text_ids(features))
     with pytest.raises(ValueError, match="no input_ids"):
         text_ids({"pixel_values": torch.zeros(2, 3)})
@@ -212,8 +238,11 @@ def test_text_ids_are_the_same_in_every_process():
     outputs = set()
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        outputs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                   timeout=240, check=True).stdout)  # fmt: skip
+        outputs.add(
+            subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240, check=True
+            ).stdout
+        )
     assert len(outputs) == 1
 
 
@@ -240,8 +269,9 @@ def _worker(rank, port, out_dir):
         local = [column[rank * 4 : (rank + 1) * 4] for column in _distributed_columns()]
         results = {}
         for directions in (("query_to_doc",), ALL_DIRECTIONS):
-            base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=3, gather_across_devices=True,
-                                                      directions=directions)  # fmt: skip
+            base = CachedMultipleNegativesRankingLoss(
+                model, mini_batch_size=3, gather_across_devices=True, directions=directions
+            )
             loss_fn = CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=3, mask_duplicates=True)
             loss, grads = _loss_and_grads(model, loss_fn, local)
             for grad in grads.values():

@@ -17,17 +17,24 @@ DIMS, WEIGHTS = [24, 16, 4], [1.0, 0.5, 2.0]
 # Text ids by world row: anchors, positives, then each hard-negative column. Rows 0 and 3 share a query (two
 # positives of one query), rows 2 and 5 share a positive, row 2's hard negative is its own positive, row 4's is row
 # 0's positive, row 7's is a query text (its own), and row 6's positive is the text of query 1.
-MIXED = dict(anchors=[100, 101, 102, 100, 104, 105, 106, 107], positives=[200, 201, 202, 203, 204, 202, 101, 207],
-             negatives=[[300, 301, 202, 303, 200, 305, 306, 107]])  # fmt: skip
+MIXED = dict(
+    anchors=[100, 101, 102, 100, 104, 105, 106, 107],
+    positives=[200, 201, 202, 203, 204, 202, 101, 207],
+    negatives=[[300, 301, 202, 303, 200, 305, 306, 107]],
+)
 IDS = {
     "repeated_anchors": dict(anchors=[1, 2, 1, 3, 1, 4], positives=[10, 11, 12, 13, 14, 15]),
     "repeated_positives": dict(anchors=[1, 2, 3, 4, 5, 6], positives=[10, 11, 10, 13, 11, 15]),
-    "hard_negative_is_own_positive": dict(anchors=[1, 2, 3, 4, 5, 6], positives=[10, 11, 12, 13, 14, 15],
-                                          negatives=[[20, 11, 22, 23, 24, 25]]),
-    "hard_negative_is_another_positive": dict(anchors=[1, 2, 3, 4, 5, 6], positives=[10, 11, 12, 13, 14, 15],
-                                              negatives=[[20, 21, 10, 23, 15, 25], [30, 31, 32, 12, 34, 35]]),
+    "hard_negative_is_own_positive": dict(
+        anchors=[1, 2, 3, 4, 5, 6], positives=[10, 11, 12, 13, 14, 15], negatives=[[20, 11, 22, 23, 24, 25]]
+    ),
+    "hard_negative_is_another_positive": dict(
+        anchors=[1, 2, 3, 4, 5, 6],
+        positives=[10, 11, 12, 13, 14, 15],
+        negatives=[[20, 21, 10, 23, 15, 25], [30, 31, 32, 12, 34, 35]],
+    ),
     "mixed": MIXED,
-}  # fmt: skip
+}
 OPTIONS = {
     "query_to_doc": dict(),
     "all_directions": dict(directions=ALL_DIRECTIONS),
@@ -61,9 +68,16 @@ def _op(queries, docs, world, anchor_ids, doc_ids, offset=0, ids=True, **options
         id_options = dict(query_ids=world_ids[offset : offset + batch], doc_ids=torch.tensor(doc_ids))
         id_options.update(world_query_ids=world_ids if gathered else None)
     loss, share = matryoshka_infonce(
-        leaves[0], leaves[1], dims=DIMS, weights=WEIGHTS, offset=offset, world_queries=leaves[2] if gathered else None,
-        return_masked_share=True, **id_options, **options,
-    )  # fmt: skip
+        leaves[0],
+        leaves[1],
+        dims=DIMS,
+        weights=WEIGHTS,
+        offset=offset,
+        world_queries=leaves[2] if gathered else None,
+        return_masked_share=True,
+        **id_options,
+        **options,
+    )
     loss.backward()
     return (loss.detach(), share, *(leaf.grad for leaf in leaves))
 
@@ -79,18 +93,30 @@ def _want(queries, docs, world, anchor_ids, doc_ids, offset=0, **options):
     gathered = world is not None
     leaves = [t.clone().requires_grad_() for t in (queries, docs, world if gathered else queries)]
     world_leaf = leaves[2] if gathered else leaves[0]
-    loss = reference.loss(leaves[0], leaves[1], world_leaf, anchor_ids, doc_ids, DIMS, offset=offset, weights=WEIGHTS,
-                          extra=options.pop("extra", None), **options)  # fmt: skip
+    loss = reference.loss(
+        leaves[0],
+        leaves[1],
+        world_leaf,
+        anchor_ids,
+        doc_ids,
+        DIMS,
+        offset=offset,
+        weights=WEIGHTS,
+        extra=options.pop("extra", None),
+        **options,
+    )
     loss.backward()
     loss = loss.detach()
-    _, removed, candidates = reference.masks(anchor_ids, doc_ids, queries.shape[0], offset,
-                                             options.get("directions", ("query_to_doc",)))  # fmt: skip
+    _, removed, candidates = reference.masks(
+        anchor_ids, doc_ids, queries.shape[0], offset, options.get("directions", ("query_to_doc",))
+    )
     grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
     return (loss, *grads[:2], grads[2] if gathered else None, removed, candidates)
 
 
-@pytest.mark.parametrize("backend,chunk_size", [("dense", None), ("chunked", 4), ("chunked", 1)],
-                         ids=["dense", "chunked_4", "chunked_1"])  # fmt: skip
+@pytest.mark.parametrize(
+    "backend,chunk_size", [("dense", None), ("chunked", 4), ("chunked", 1)], ids=["dense", "chunked_4", "chunked_1"]
+)
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 @pytest.mark.parametrize("ids", IDS.values(), ids=IDS.keys())
 def test_matches_the_rule(ids, options, backend, chunk_size):
@@ -112,12 +138,18 @@ def test_gathered_rows_match_the_rule(backend, chunk_size):
     """This rank holds world rows [3, 7) of 8; duplicates of its rows' texts among the other ranks' rows count."""
     world, docs, anchor_ids, doc_ids = _problem(**MIXED, seed=1)
     queries, options = world[3:7], dict(offset=3, directions=ALL_DIRECTIONS)
-    want_loss, want_dq, want_dc, want_dw, removed, candidates = _want(queries, docs, world, anchor_ids, doc_ids,
-                                                                      **options)  # fmt: skip
-    loss, share, dq, dc, dw = _op(queries, docs, world, anchor_ids, doc_ids, backend=backend, chunk_size=chunk_size,
-                                  **options)  # fmt: skip
-    for name, a, b in (("loss", loss, want_loss), ("d queries", dq, want_dq), ("d docs", dc, want_dc),
-                       ("d world", dw, want_dw)):  # fmt: skip
+    want_loss, want_dq, want_dc, want_dw, removed, candidates = _want(
+        queries, docs, world, anchor_ids, doc_ids, **options
+    )
+    loss, share, dq, dc, dw = _op(
+        queries, docs, world, anchor_ids, doc_ids, backend=backend, chunk_size=chunk_size, **options
+    )
+    for name, a, b in (
+        ("loss", loss, want_loss),
+        ("d queries", dq, want_dq),
+        ("d docs", dc, want_dc),
+        ("d world", dw, want_dw),
+    ):
         _assert_close(a, b, name)
     assert float(share) == pytest.approx(removed / candidates) and removed > 0
 
@@ -148,8 +180,7 @@ def test_a_row_left_with_its_positive_alone_has_exactly_zero_loss_and_gradient(b
 @pytest.mark.parametrize("backend", ["dense", "chunked"])
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 def test_without_duplicates_nothing_changes(options, backend):
-    queries, docs, anchor_ids, doc_ids = _problem(anchors=range(6), positives=range(10, 16),
-                                                  negatives=[range(20, 26)])  # fmt: skip
+    queries, docs, anchor_ids, doc_ids = _problem(anchors=range(6), positives=range(10, 16), negatives=[range(20, 26)])
     masked = _op(queries, docs, None, anchor_ids, doc_ids, backend=backend, chunk_size=4, **options)
     plain = _op(queries, docs, None, anchor_ids, doc_ids, ids=False, backend=backend, chunk_size=4, **options)
     assert float(masked[1]) == 0.0
@@ -173,8 +204,18 @@ def test_combines_with_the_false_negative_filter(guided, backend):
         guide_q, guide_c = queries, docs
     extra = reference.filtered(guide_q, guide_c, guide_q, 0, directions, margin)
     want = _want(queries, docs, None, anchor_ids, doc_ids, directions=directions, extra=extra)
-    got = _op(queries, docs, None, anchor_ids, doc_ids, backend=backend, chunk_size=3, directions=directions,
-              false_negative_margin=margin, **guide)  # fmt: skip
+    got = _op(
+        queries,
+        docs,
+        None,
+        anchor_ids,
+        doc_ids,
+        backend=backend,
+        chunk_size=3,
+        directions=directions,
+        false_negative_margin=margin,
+        **guide,
+    )
     for name, a, b in (("loss", got[0], want[0]), ("d queries", got[2], want[1]), ("d docs", got[3], want[2])):
         _assert_close(a, b, name)
     duplicates, _, candidates = reference.masks(anchor_ids, doc_ids, 8, 0, directions)
@@ -193,9 +234,12 @@ BAD = {
     "length": (dict(query_ids=torch.arange(5), doc_ids=torch.arange(6)), ValueError, "query_ids has 5 ids"),
     "doc_length": (dict(query_ids=torch.arange(6), doc_ids=torch.arange(12)), ValueError, "doc_ids has 12 ids"),
     "device": (dict(query_ids=torch.arange(6, device="meta"), doc_ids=torch.arange(6)), ValueError, "move the ids"),
-    "world_ids_without_world": (dict(query_ids=torch.arange(6), doc_ids=torch.arange(6),
-                                     world_query_ids=torch.arange(6)), ValueError, "go with world_queries"),
-}  # fmt: skip
+    "world_ids_without_world": (
+        dict(query_ids=torch.arange(6), doc_ids=torch.arange(6), world_query_ids=torch.arange(6)),
+        ValueError,
+        "go with world_queries",
+    ),
+}
 
 
 @pytest.mark.parametrize("options,error,message", BAD.values(), ids=BAD.keys())

@@ -50,7 +50,9 @@ def _assert_grads_close(actual, expected, rtol=1e-4):
     largest = max(float(g.abs().max()) for g in expected.values())
     for name, grad in expected.items():
         scale = max(float(grad.abs().max()), 1e-3 * largest)
-        torch.testing.assert_close(actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 GIST = {
@@ -68,10 +70,16 @@ def test_matches_stock_matryoshka_cached_gist(models, case, sort_by_length):
     model, guide = models
     case = dict(case)
     features = _features(model, case.pop("negatives", 0))
-    stock = MatryoshkaLoss(model, CachedGISTEmbedLoss(model, guide, temperature=0.05, mini_batch_size=4, **case),
-                           DIMS, WEIGHTS)  # fmt: skip
-    ours = CachedMatryoshkaLoss(model, CachedGISTEmbedLoss(model, guide, temperature=0.05, mini_batch_size=4, **case),
-                                DIMS, WEIGHTS, sort_by_length=sort_by_length)  # fmt: skip
+    stock = MatryoshkaLoss(
+        model, CachedGISTEmbedLoss(model, guide, temperature=0.05, mini_batch_size=4, **case), DIMS, WEIGHTS
+    )
+    ours = CachedMatryoshkaLoss(
+        model,
+        CachedGISTEmbedLoss(model, guide, temperature=0.05, mini_batch_size=4, **case),
+        DIMS,
+        WEIGHTS,
+        sort_by_length=sort_by_length,
+    )
     stock_loss, stock_grads = _loss_and_grads(model, stock, features)
     loss, grads = _loss_and_grads(model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
@@ -115,14 +123,22 @@ def test_self_guided_matches_the_loss_without_gradient_caching(strategy, margin)
     model = tiny_sentence_transformer(seed=2)
     features = _features(model, 1)
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=4)
-    ours = CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, false_negative_margin=margin,
-                                false_negative_strategy=strategy)  # fmt: skip
+    ours = CachedMatryoshkaLoss(
+        model, base, DIMS, WEIGHTS, false_negative_margin=margin, false_negative_strategy=strategy
+    )
     loss, grads = _loss_and_grads(model, ours, features)
 
     model.zero_grad(set_to_none=True)
     embeddings = [model(dict(f))["sentence_embedding"] for f in features]
-    want = matryoshka_infonce(embeddings[0], torch.cat(embeddings[1:]), dims=DIMS, weights=WEIGHTS, backend="dense",
-                              false_negative_margin=margin, false_negative_strategy=strategy)  # fmt: skip
+    want = matryoshka_infonce(
+        embeddings[0],
+        torch.cat(embeddings[1:]),
+        dims=DIMS,
+        weights=WEIGHTS,
+        backend="dense",
+        false_negative_margin=margin,
+        false_negative_strategy=strategy,
+    )
     want.backward()
     want_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     assert loss == pytest.approx(float(want), rel=1e-5)
@@ -183,8 +199,10 @@ def _gist_worker(rank, port, out_dir):
         results = {}
         for kind in ("ours", "stock"):
             base = CachedGISTEmbedLoss(model, guide, mini_batch_size=3, margin=0.05, gather_across_devices=True)
-            loss_fn = CachedMatryoshkaLoss(model, base, DIMS, mini_batch_size=3) if kind == "ours" else MatryoshkaLoss(
-                model, base, DIMS
+            loss_fn = (
+                CachedMatryoshkaLoss(model, base, DIMS, mini_batch_size=3)
+                if kind == "ours"
+                else MatryoshkaLoss(model, base, DIMS)
             )
             loss, grads = _loss_and_grads(model, loss_fn, features)
             for grad in grads.values():

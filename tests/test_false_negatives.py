@@ -23,8 +23,9 @@ def _embeddings(batch, dim, columns=1, world=None, seed=0, related=0.5):
     g = torch.Generator().manual_seed(seed)
     world = world or batch
     queries = torch.randn(world, dim, generator=g, dtype=torch.float64)
-    queries[1::4] = queries[::4][: queries[1::4].shape[0]] + 0.3 * torch.randn(queries[1::4].shape, generator=g,
-                                                                                 dtype=torch.float64)  # fmt: skip
+    queries[1::4] = queries[::4][: queries[1::4].shape[0]] + 0.3 * torch.randn(
+        queries[1::4].shape, generator=g, dtype=torch.float64
+    )
     docs = torch.randn(world * columns, dim, generator=g, dtype=torch.float64)
     docs[:world] = related * queries + docs[:world]
     return queries.float(), docs.float()
@@ -38,8 +39,12 @@ def independent_reference(q, c, w, dims, scale, directions, partition_mode, offs
     rows = torch.arange(batch)
     own = rows + offset
     local_docs = c[own]
-    operands = {"query_to_doc": (q, c), "query_to_query": (q, w), "doc_to_query": (local_docs, w),
-                "doc_to_doc": (local_docs, c)}  # fmt: skip
+    operands = {
+        "query_to_doc": (q, c),
+        "query_to_query": (q, w),
+        "doc_to_query": (local_docs, w),
+        "doc_to_doc": (local_docs, c),
+    }
 
     def similarity(a, b, d):
         a, b = a[:, :d], b[:, :d]
@@ -69,8 +74,9 @@ def independent_reference(q, c, w, dims, scale, directions, partition_mode, offs
         masks[name] = structural | drop
     total = 0.0
     for d in dims:
-        blocks = {name: (scale * similarity(*operands[name], d)).masked_fill(masks[name], -torch.inf)
-                  for name in directions}  # fmt: skip
+        blocks = {
+            name: (scale * similarity(*operands[name], d)).masked_fill(masks[name], -torch.inf) for name in directions
+        }
         positive_logit = blocks["query_to_doc"][rows, own]
         if partition_mode == "joint":
             log_z = torch.logsumexp(torch.cat(list(blocks.values()), dim=1), dim=1)
@@ -94,25 +100,52 @@ SELF_GUIDED = {
 @pytest.mark.parametrize("backend", ["chunked", "dense"])
 @pytest.mark.parametrize("case", SELF_GUIDED.values(), ids=SELF_GUIDED.keys())
 def test_self_guided_matches_the_definition(case, backend):
-    case = {"strategy": "absolute", "directions": ("query_to_doc",), "partition_mode": "joint", "columns": 1,
-            "world": None, "offset": 0, "cosine": True, "scale": 20.0, **case}  # fmt: skip
+    case = {
+        "strategy": "absolute",
+        "directions": ("query_to_doc",),
+        "partition_mode": "joint",
+        "columns": 1,
+        "world": None,
+        "offset": 0,
+        "cosine": True,
+        "scale": 20.0,
+        **case,
+    }
     batch, dims = 13, [24, 16, 4]
     world_q, docs = _embeddings(batch, 24, case["columns"], case["world"], seed=1)
     queries = world_q[case["offset"] : case["offset"] + batch]
     gathered = case["world"] is not None
     leaves = [t.clone().requires_grad_() for t in (queries, docs, world_q)]
-    want, dropped = independent_reference(*leaves, dims, case["scale"], case["directions"], case["partition_mode"],
-                                          case["offset"], case["cosine"], case["margin"], case["strategy"])  # fmt: skip
+    want, dropped = independent_reference(
+        *leaves,
+        dims,
+        case["scale"],
+        case["directions"],
+        case["partition_mode"],
+        case["offset"],
+        case["cosine"],
+        case["margin"],
+        case["strategy"],
+    )
     want.backward()
     assert dropped > 0, "the case must drop something"
 
     q, c, w = (t.clone().requires_grad_() for t in (queries, docs, world_q))
     loss = matryoshka_infonce(
-        q, c, dims=dims, scale=case["scale"], similarity="cosine" if case["cosine"] else "dot", offset=case["offset"],
-        directions=case["directions"], partition_mode=case["partition_mode"], backend=backend, chunk_size=5,
-        world_queries=w if gathered else None, false_negative_margin=case["margin"],
+        q,
+        c,
+        dims=dims,
+        scale=case["scale"],
+        similarity="cosine" if case["cosine"] else "dot",
+        offset=case["offset"],
+        directions=case["directions"],
+        partition_mode=case["partition_mode"],
+        backend=backend,
+        chunk_size=5,
+        world_queries=w if gathered else None,
+        false_negative_margin=case["margin"],
         false_negative_strategy=case["strategy"],
-    )  # fmt: skip
+    )
     loss.backward()
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
     grads = (q.grad, c.grad, w.grad) if gathered else (q.grad, c.grad)
@@ -130,8 +163,9 @@ def test_a_row_left_with_only_its_positive():
     spec_options = dict(dims=[16, 8], false_negative_margin=0.0)
     want_rows = []
     for row in range(8):  # the definition, one row at a time (each as a gathered rank of one row)
-        value, _ = independent_reference(queries[row : row + 1], docs, queries, [16, 8], 20.0, ("query_to_doc",),
-                                          "joint", row, True, 0.0, "absolute")  # fmt: skip
+        value, _ = independent_reference(
+            queries[row : row + 1], docs, queries, [16, 8], 20.0, ("query_to_doc",), "joint", row, True, 0.0, "absolute"
+        )
         want_rows.append(float(value))
     assert want_rows[0] == 0.0 and all(v > 0 for v in want_rows[1:])
     for backend in ("chunked", "dense"):
@@ -150,9 +184,21 @@ def test_a_duplicate_text_is_dropped():
     for row 5, whose positive it is, it is kept)."""
     queries, docs = _embeddings(8, 16, seed=3)
     docs[5] = docs[3]
-    spec = InfoNCESpec.build(queries, docs, None, dims=[16], weights=None, scale=20.0, similarity="cosine", offset=0,
-                             directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
-                             hardness_strength=0.0, false_negative_margin=0.05)  # fmt: skip
+    spec = InfoNCESpec.build(
+        queries,
+        docs,
+        None,
+        dims=[16],
+        weights=None,
+        scale=20.0,
+        similarity="cosine",
+        offset=0,
+        directions=("query_to_doc",),
+        partition_mode="joint",
+        hardness_mode=None,
+        hardness_strength=0.0,
+        false_negative_margin=0.05,
+    )
     from st_cached_losses.ops.false_negatives import Guide
 
     dropped = Guide.build(queries, docs, queries, spec, None, torch.float32).dropped(spec, 0, 8)["query_to_doc"]
@@ -165,21 +211,34 @@ def test_a_duplicate_text_is_dropped():
 def test_chunked_matches_dense_on_ragged_tiles():
     world_q, docs = _embeddings(37, 40, columns=3, world=45, seed=4)
     queries = world_q[5:42]
-    options = dict(dims=[40, 24, 8], directions=ALL_DIRECTIONS, offset=5, world_queries=world_q, scale=30.0,
-                   hardness_mode="all_negatives", hardness_strength=3.0, false_negative_margin=0.1,
-                   false_negative_strategy="relative", return_per_dim=True, return_masked_share=True)  # fmt: skip
+    options = dict(
+        dims=[40, 24, 8],
+        directions=ALL_DIRECTIONS,
+        offset=5,
+        world_queries=world_q,
+        scale=30.0,
+        hardness_mode="all_negatives",
+        hardness_strength=3.0,
+        false_negative_margin=0.1,
+        false_negative_strategy="relative",
+        return_per_dim=True,
+        return_masked_share=True,
+    )
     results = {}
     for backend, chunk in (("dense", None), ("chunked", 7), ("chunked", 1)):
         leaves = [t.clone().requires_grad_() for t in (queries, docs, world_q)]
-        loss, per_dim, share = matryoshka_infonce(leaves[0], leaves[1], backend=backend, chunk_size=chunk,
-                                                  **{**options, "world_queries": leaves[2]})  # fmt: skip
+        loss, per_dim, share = matryoshka_infonce(
+            leaves[0], leaves[1], backend=backend, chunk_size=chunk, **{**options, "world_queries": leaves[2]}
+        )
         loss.backward()
         results[(backend, chunk)] = (loss, per_dim, share, *(leaf.grad for leaf in leaves))
     want = results[("dense", None)]
     assert 0 < float(want[2]) < 1
     for key in (("chunked", 7), ("chunked", 1)):
         for got, expected in zip(results[key], want):
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * max(1.0, float(expected.detach().abs().max())))
+            torch.testing.assert_close(
+                got, expected, rtol=1e-5, atol=1e-5 * max(1.0, float(expected.detach().abs().max()))
+            )
 
 
 # ------------------------------------------------------------------------------------------ guided: GISTEmbed
@@ -202,8 +261,14 @@ def gist_models():
 @pytest.mark.parametrize("case", GIST.values(), ids=GIST.keys())
 def test_guided_matches_stock_matryoshka_cached_gist(gist_models, case, mini_batch_size):
     model, guide = gist_models
-    case = {"negatives": 0, "margin_strategy": "absolute", "margin": 0.0, "contrast_anchors": True,
-            "contrast_positives": True, **case}  # fmt: skip
+    case = {
+        "negatives": 0,
+        "margin_strategy": "absolute",
+        "margin": 0.0,
+        "contrast_anchors": True,
+        "contrast_positives": True,
+        **case,
+    }
     batch, dims, weights, temperature = 11, [48, 24, 8], [1.0, 0.5, 2.0], 0.05
     g = torch.Generator().manual_seed(5)
     columns = 2 + case["negatives"]
@@ -213,22 +278,40 @@ def test_guided_matches_stock_matryoshka_cached_gist(gist_models, case, mini_bat
     guided[1] = guided[0] + 0.5 * guided[1]
     guided[2:] = [guided[0] + 0.2 * x for x in guided[2:]]  # guide-close negatives: dropped
 
-    stock = CachedGISTEmbedLoss(model, guide, temperature=temperature, mini_batch_size=mini_batch_size,
-                                margin_strategy=case["margin_strategy"], margin=case["margin"],
-                                contrast_anchors=case["contrast_anchors"], contrast_positives=case["contrast_positives"])  # fmt: skip
+    stock = CachedGISTEmbedLoss(
+        model,
+        guide,
+        temperature=temperature,
+        mini_batch_size=mini_batch_size,
+        margin_strategy=case["margin_strategy"],
+        margin=case["margin"],
+        contrast_anchors=case["contrast_anchors"],
+        contrast_positives=case["contrast_positives"],
+    )
     leaves = [x.clone().requires_grad_() for x in reps]
     want = MatryoshkaLoss(model, stock, dims, weights).loss.calculate_loss(
         [[x] for x in leaves], [[x] for x in guided], with_backward=True
     )
 
-    directions = ("query_to_doc",) + ("anchor_to_anchor",) * case["contrast_anchors"] + (
-        "positive_to_positive",) * case["contrast_positives"]  # fmt: skip
+    directions = (
+        ("query_to_doc",)
+        + ("anchor_to_anchor",) * case["contrast_anchors"]
+        + ("positive_to_positive",) * case["contrast_positives"]
+    )
     q, c = reps[0].clone().requires_grad_(), torch.cat(reps[1:]).clone().requires_grad_()
     loss, share = matryoshka_infonce(
-        q, c, dims=dims, weights=weights, scale=1 / temperature, directions=directions, guide_queries=guided[0],
-        guide_docs=torch.cat(guided[1:]), false_negative_margin=case["margin"],
-        false_negative_strategy=case["margin_strategy"], return_masked_share=True,
-    )  # fmt: skip
+        q,
+        c,
+        dims=dims,
+        weights=weights,
+        scale=1 / temperature,
+        directions=directions,
+        guide_queries=guided[0],
+        guide_docs=torch.cat(guided[1:]),
+        false_negative_margin=case["margin"],
+        false_negative_strategy=case["margin_strategy"],
+        return_masked_share=True,
+    )
     loss.backward()
     assert float(share) > 0
     torch.testing.assert_close(loss, want.detach(), rtol=1e-4, atol=0)
@@ -241,9 +324,21 @@ def test_gist_directions_and_the_filter_run_on_chunked_not_triton():
     from st_cached_losses.ops.triton import host as triton_backend
 
     queries, docs = _embeddings(6, 8)
-    spec = InfoNCESpec.build(queries, docs, None, dims=[8], weights=None, scale=20.0, similarity="cosine", offset=0,
-                             directions=("query_to_doc", "anchor_to_anchor"), partition_mode="joint",
-                             hardness_mode=None, hardness_strength=0.0, false_negative_margin=0.1)  # fmt: skip
+    spec = InfoNCESpec.build(
+        queries,
+        docs,
+        None,
+        dims=[8],
+        weights=None,
+        scale=20.0,
+        similarity="cosine",
+        offset=0,
+        directions=("query_to_doc", "anchor_to_anchor"),
+        partition_mode="joint",
+        hardness_mode=None,
+        hardness_strength=0.0,
+        false_negative_margin=0.1,
+    )
     assert not triton_backend.supports(spec)
     with pytest.raises(NotImplementedError, match="no false-negative filter"):
         run_backend("triton", queries, docs, queries, spec, need_grad=False)
@@ -260,12 +355,18 @@ BAD = {
     "one_guide_tensor": (dict(guide_queries=torch.randn(6, 4)), ValueError, "pass both guide_queries and guide_docs"),
     "guide_rows": (dict(guide_queries=torch.randn(5, 4), guide_docs=torch.randn(6, 4)), ValueError, "has 5 rows"),
     "guide_widths": (dict(guide_queries=torch.randn(6, 4), guide_docs=torch.randn(6, 3)), ValueError, "D=4"),
-    "guide_device": (dict(guide_queries=torch.randn(6, 4, device="meta"), guide_docs=torch.randn(6, 4, device="meta")),
-                     ValueError, "move the guide"),
+    "guide_device": (
+        dict(guide_queries=torch.randn(6, 4, device="meta"), guide_docs=torch.randn(6, 4, device="meta")),
+        ValueError,
+        "move the guide",
+    ),
     "guide_not_tensor": (dict(guide_queries=[[0.0] * 4] * 6, guide_docs=torch.randn(6, 4)), TypeError, "2-D"),
-    "gist_per_direction": (dict(directions=("query_to_doc", "anchor_to_anchor"), partition_mode="per_direction"),
-                           ValueError, "use partition_mode='joint'"),
-}  # fmt: skip
+    "gist_per_direction": (
+        dict(directions=("query_to_doc", "anchor_to_anchor"), partition_mode="per_direction"),
+        ValueError,
+        "use partition_mode='joint'",
+    ),
+}
 
 
 @pytest.mark.parametrize("options,error,message", BAD.values(), ids=BAD.keys())

@@ -27,8 +27,11 @@ ROWS = 8  # the whole batch; 4 rows per process
 MINI_BATCH_SIZE = 3
 DIMS = [48, 32, 8]
 TOKEN_BUDGET = 24
-ALL_DIRECTIONS = dict(directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
-                      hardness_mode="all_negatives", hardness_strength=5.0)  # fmt: skip
+ALL_DIRECTIONS = dict(
+    directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
+    hardness_mode="all_negatives",
+    hardness_strength=5.0,
+)
 # name: (model, hard negatives, base loss config, loss options, fully_shard options)
 CASES = {
     "per_backward": ("bert", 0, {}, {}, {}),
@@ -128,13 +131,15 @@ def _worker(rank, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=30))
     local = slice(rank * ROWS // WORLD_SIZE, (rank + 1) * ROWS // WORLD_SIZE)
     results = {}
-    for case, (kind, negatives, config, options, shard_options) in CASES.items():
+    for case, (_kind, negatives, config, options, shard_options) in CASES.items():
         # The loss is built before the model is sharded, as a user's script may: it sees the model change in place.
         loss_fn = _loss(models[case], negatives, config, options, rank)
         model = _shard(models[case], shard_options)
         features = [model.preprocess(column[local]) for column in _columns(negatives)]
         forwards = [0]
-        hook = model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+        hook = model.register_forward_pre_hook(
+            lambda module, args, forwards=forwards: forwards.__setitem__(0, forwards[0] + 1)
+        )
         with _Collectives() as collectives, torch.set_grad_enabled(case != "evaluation"):
             out = loss_fn(features, None)
             total = torch.stack(list(out.values())).sum()
@@ -146,12 +151,15 @@ def _worker(rank, port, out_dir):
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.grad is not None}
         report = getattr(loss_fn, "activation_report", None)
         results[case] = {
-            "loss": float(loss) / WORLD_SIZE, "grads": grads, "forwards": forwards[0],
-            "collectives": collectives.counts, "units": sum(1 for _ in _fsdp_units(model)),
+            "loss": float(loss) / WORLD_SIZE,
+            "grads": grads,
+            "forwards": forwards[0],
+            "collectives": collectives.counts,
+            "units": sum(1 for _ in _fsdp_units(model)),
             "kept": None if report is None else sorted(report.kept),
             "kept_bytes": None if report is None else report.kept_bytes,
             "minibatches": None if report is None else len(report.minibatches),
-        }  # fmt: skip
+        }
     torch.save(results, os.path.join(out_dir, f"fsdp_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -226,8 +234,12 @@ def test_token_budgets_that_cut_the_ranks_differently_still_finish(spawned):
     for rows in (slice(0, 4), slice(4, 8)):
         model = _model(kind)
         forwards = [0]
-        model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
-        _loss_and_grads(model, _loss(model, negatives, config, options), [model.preprocess(c[rows]) for c in _columns(0)])
+        model.register_forward_pre_hook(
+            lambda module, args, forwards=forwards: forwards.__setitem__(0, forwards[0] + 1)
+        )
+        _loss_and_grads(
+            model, _loss(model, negatives, config, options), [model.preprocess(c[rows]) for c in _columns(0)]
+        )
         alone.append(forwards[0])
     assert alone[0] != alone[1], "the ranks' own data must need different numbers of mini-batches"
     assert spawned[0]["token_budget"]["forwards"] == spawned[1]["token_budget"]["forwards"] >= max(alone)

@@ -37,8 +37,14 @@ def test_gradient_checkpointing_matches_stock(use_reentrant, budget):
     features = _features(model, rows=10, negatives=1, seed=4)
     budget = _budget(model, features, budget)
     stock = MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH), DIMS, WEIGHTS)
-    ours = CachedMatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH), DIMS,
-                                WEIGHTS, sort_by_length=False, activation_budget=budget)  # fmt: skip
+    ours = CachedMatryoshkaLoss(
+        model,
+        CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH),
+        DIMS,
+        WEIGHTS,
+        sort_by_length=False,
+        activation_budget=budget,
+    )
     _assert_matches_stock(model, stock, ours, features, budget)
 
 
@@ -46,14 +52,27 @@ def _one_sgd_step(tmp_path, loss_name: str) -> dict[str, torch.Tensor]:
     """The weight change of one trainer step (gradient_checkpointing=True) with SGD at lr 1 (minus the gradient)."""
     model = tiny_sentence_transformer(dropout=0.1, seed=7)
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH)
-    loss = (CachedMatryoshkaLoss(model, base, DIMS, sort_by_length=False, activation_budget=10**12)
-            if loss_name == "ours" else MatryoshkaLoss(model, base, DIMS))  # fmt: skip
+    loss = (
+        CachedMatryoshkaLoss(model, base, DIMS, sort_by_length=False, activation_budget=10**12)
+        if loss_name == "ours"
+        else MatryoshkaLoss(model, base, DIMS)
+    )
     data = Dataset.from_dict({"anchor": texts(8, 5), "positive": texts(8, 6), "negative": texts(8, 7)})
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / loss_name), max_steps=1, per_device_train_batch_size=8, learning_rate=1.0,
-        optim="sgd", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0, use_cpu=True, report_to="none",
-        save_strategy="no", seed=0, gradient_checkpointing=True,
-    )  # fmt: skip
+        output_dir=str(tmp_path / loss_name),
+        max_steps=1,
+        per_device_train_batch_size=8,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        gradient_checkpointing=True,
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss).train()
     assert model[0].auto_model.is_gradient_checkpointing

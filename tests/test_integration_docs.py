@@ -31,8 +31,12 @@ def snippets() -> dict[str, str]:
 
 
 def test_every_integration_has_a_snippet():
-    assert set(snippets()) == {"LoRA adapters", "Image-text models (CLIP-style)", "Gradient checkpointing",
-                               "torch.compile"}  # fmt: skip
+    assert set(snippets()) == {
+        "LoRA adapters",
+        "Image-text models (CLIP-style)",
+        "Gradient checkpointing",
+        "torch.compile",
+    }
 
 
 @pytest.mark.parametrize("heading", ["LoRA adapters", "Image-text models (CLIP-style)", "Gradient checkpointing"])

@@ -46,8 +46,10 @@ def _ancestor(package: str, name: str) -> bool:
 MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 # Module -> the package modules it imports. A module's own ancestor packages are left out: importing any submodule
 # runs its parents' __init__ first, so that edge holds for every module and closes no circle of its own making.
-GRAPH = {name: {m for m in _imports(path) if m in MODULES and m != name and not _ancestor(m, name)}
-         for name, path in MODULES.items()}  # fmt: skip
+GRAPH = {
+    name: {m for m in _imports(path) if m in MODULES and m != name and not _ancestor(m, name)}
+    for name, path in MODULES.items()
+}
 
 
 def _within(name: str, packages) -> bool:
@@ -63,9 +65,9 @@ def test_the_import_graph_has_no_circle():
         state[name] = "open"
         for target in sorted(GRAPH[name]):
             if state.get(target) == "open":
-                circles.append(path[path.index(target):] + [target])
+                circles.append([*path[path.index(target) :], target])
             elif target not in state:
-                visit(target, path + [target])
+                visit(target, [*path, target])
         state[name] = "done"
 
     for name in GRAPH:
@@ -75,14 +77,21 @@ def test_the_import_graph_has_no_circle():
 
 
 def test_the_library_never_imports_the_command_line():
-    offenders = {name: sorted(m for m in GRAPH[name] if _within(m, ["st_cached_losses.cli"]))
-                 for name in GRAPH if _within(name, LIBRARY)}  # fmt: skip
+    offenders = {
+        name: sorted(m for m in GRAPH[name] if _within(m, ["st_cached_losses.cli"]))
+        for name in GRAPH
+        if _within(name, LIBRARY)
+    }
     assert not {name: found for name, found in offenders.items() if found}
 
 
 def test_ops_never_imports_sentence_transformers():
-    offenders = [name for name, path in MODULES.items() if _within(name, ["st_cached_losses.ops"])
-                 and any(m.split(".")[0] == "sentence_transformers" for m in _imports(path))]  # fmt: skip
+    offenders = [
+        name
+        for name, path in MODULES.items()
+        if _within(name, ["st_cached_losses.ops"])
+        and any(m.split(".")[0] == "sentence_transformers" for m in _imports(path))
+    ]
     assert not offenders
 
 
@@ -94,8 +103,12 @@ def test_sentence_transformers_internals_come_through_one_module():
     for name, path in MODULES.items():
         if name == ST_COMPAT:
             continue
-        borrowed = [m for m in _imports(path) if m.startswith("sentence_transformers")
-                    and (internal.match(m) or any(part.startswith("_") for part in m.split(".")))]  # fmt: skip
+        borrowed = [
+            m
+            for m in _imports(path)
+            if m.startswith("sentence_transformers")
+            and (internal.match(m) or any(part.startswith("_") for part in m.split(".")))
+        ]
         if borrowed:
             offenders[name] = borrowed
     assert not offenders

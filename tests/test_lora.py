@@ -71,8 +71,14 @@ def test_lora_matches_stock(name, case):
     features = _full_width_features(model) if lora_dropout else _features(model, rows=10, negatives=1, seed=2)
     budget = _budget(model, features, budget)
     stock = MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH), DIMS, WEIGHTS)
-    ours = CachedMatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH), DIMS,
-                                WEIGHTS, sort_by_length=sort_by_length, activation_budget=budget)  # fmt: skip
+    ours = CachedMatryoshkaLoss(
+        model,
+        CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH),
+        DIMS,
+        WEIGHTS,
+        sort_by_length=sort_by_length,
+        activation_budget=budget,
+    )
     for grads in _assert_matches_stock(model, stock, ours, features, budget):
         assert grads.keys() == trainable
 
@@ -81,14 +87,26 @@ def _one_sgd_step(tmp_path, name: str, loss_name: str) -> dict[str, torch.Tensor
     """The adapter's weight change in one trainer step with SGD at lr 1 (minus the gradient)."""
     model = lora_model(name, seed=6)
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH)
-    loss = (CachedMatryoshkaLoss(model, base, DIMS, activation_budget=10**12) if loss_name == "ours"
-            else MatryoshkaLoss(model, base, DIMS))  # fmt: skip
+    loss = (
+        CachedMatryoshkaLoss(model, base, DIMS, activation_budget=10**12)
+        if loss_name == "ours"
+        else MatryoshkaLoss(model, base, DIMS)
+    )
     data = Dataset.from_dict({"anchor": texts(8, 3), "positive": texts(8, 4)})
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / loss_name), max_steps=1, per_device_train_batch_size=8, learning_rate=1.0,
-        optim="sgd", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0, use_cpu=True, report_to="none",
-        save_strategy="no", seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path / loss_name),
+        max_steps=1,
+        per_device_train_batch_size=8,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss).train()
     return {n: p.detach() - before[n] for n, p in model.named_parameters() if n in before}

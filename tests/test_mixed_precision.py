@@ -39,9 +39,10 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "scope,backend", [("model", "auto"), ("whole_loss", "chunked"), ("whole_loss", "dense")],
+    "scope,backend",
+    [("model", "auto"), ("whole_loss", "chunked"), ("whole_loss", "dense")],
     ids=["trainer_style", "user_autocast_chunked", "user_autocast_dense"],
-)  # fmt: skip
+)
 def test_bf16_autocast_matches_stock_and_keeps_the_loss_in_fp32(scope, backend):
     """scope "model": the model's forward under autocast, as accelerate runs the trainer's bf16=True; "whole_loss":
     a user's ``with torch.autocast(...)`` around the loss call, so the loss stage itself runs under it."""
@@ -76,15 +77,27 @@ def _one_sgd_step(tmp_path, loss_name: str) -> dict[str, torch.Tensor]:
     """Parameter change of one trainer step with bf16=True and SGD at lr 1 (= minus the gradient)."""
     model = tiny_sentence_transformer(seed=2)
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=4)
-    loss = CachedMatryoshkaLoss(model, base, DIMS, sort_by_length=False) if loss_name == "ours" else MatryoshkaLoss(
-        model, base, DIMS
+    loss = (
+        CachedMatryoshkaLoss(model, base, DIMS, sort_by_length=False)
+        if loss_name == "ours"
+        else MatryoshkaLoss(model, base, DIMS)
     )
     data = Dataset.from_dict({"anchor": texts(16, 3), "positive": texts(16, 4)})
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / loss_name), max_steps=1, per_device_train_batch_size=16, learning_rate=1.0,
-        optim="sgd", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0, bf16=True, use_cpu=True,
-        report_to="none", save_strategy="no", seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path / loss_name),
+        max_steps=1,
+        per_device_train_batch_size=16,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=0,
+        bf16=True,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+    )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss).train()
     return {name: p.detach() - before[name] for name, p in model.named_parameters()}

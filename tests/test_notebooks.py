@@ -25,8 +25,9 @@ def smoke_env(monkeypatch, tmp_path):
 @pytest.mark.parametrize("name", ["quickstart", "benchmarks"])
 def test_notebook_executes(name, smoke_env, tmp_path):
     notebook = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
-    NotebookClient(notebook, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    ).execute()
     errors = [o for cell in notebook.cells for o in cell.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     if name == "benchmarks":

@@ -20,10 +20,12 @@ OPTIONS = {
         directions=ALL_DIRECTIONS, hardness_mode="all_negatives", hardness_strength=2.0
     ),
     "dot": dict(similarity="dot", scale=1.0),
-    "dot_gte_hardness": dict(similarity="dot", scale=2.0, directions=ALL_DIRECTIONS, hardness_mode="all_negatives",
-                             hardness_strength=1.0),
-    "largest_unshifted_scale_gte": dict(scale=30.0, directions=ALL_DIRECTIONS, hardness_mode="all_negatives",
-                                        hardness_strength=10.0),  # logit bound 40: exp without a shift
+    "dot_gte_hardness": dict(
+        similarity="dot", scale=2.0, directions=ALL_DIRECTIONS, hardness_mode="all_negatives", hardness_strength=1.0
+    ),
+    "largest_unshifted_scale_gte": dict(
+        scale=30.0, directions=ALL_DIRECTIONS, hardness_mode="all_negatives", hardness_strength=10.0
+    ),  # logit bound 40: exp without a shift
     "large_scale_row_max_shift": dict(scale=60.0),
 }
 
@@ -37,14 +39,25 @@ def _inputs(batch, world, num_docs, dim, seed=0, dtype=torch.float32, spread=1.0
 
 def _spec(queries, docs, world_q, dims, weights=None, offset=0, similarity="cosine", scale=20.0, **options):
     return InfoNCESpec.build(
-        queries, docs, world_q, dims=dims, weights=weights, scale=scale, similarity=similarity, offset=offset,
-        directions=options.pop("directions", ("query_to_doc",)), partition_mode=options.pop("partition_mode", "joint"),
-        hardness_mode=options.pop("hardness_mode", None), hardness_strength=options.pop("hardness_strength", 0.0),
+        queries,
+        docs,
+        world_q,
+        dims=dims,
+        weights=weights,
+        scale=scale,
+        similarity=similarity,
+        offset=offset,
+        directions=options.pop("directions", ("query_to_doc",)),
+        partition_mode=options.pop("partition_mode", "joint"),
+        hardness_mode=options.pop("hardness_mode", None),
+        hardness_strength=options.pop("hardness_strength", 0.0),
     )
 
 
 def _compare(batch, world, num_docs, dim, dims, offset, chunk_size, options, weights=None, rtol=1e-5, seed=0):
-    world_q, docs = _inputs(batch, world, num_docs, dim, seed=seed, spread=0.3 if options.get("similarity") == "dot" else 1.0)
+    world_q, docs = _inputs(
+        batch, world, num_docs, dim, seed=seed, spread=0.3 if options.get("similarity") == "dot" else 1.0
+    )
     queries = world_q[offset : offset + batch]
     spec = _spec(queries, docs, world_q, dims, weights, offset, **dict(options))
     truth = run_backend("dense", queries, docs, world_q, spec, need_grad=True)
@@ -59,16 +72,28 @@ def _compare(batch, world, num_docs, dim, dims, offset, chunk_size, options, wei
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 def test_chunked_matches_reference_ragged(options):
     """Ragged shapes: B=255 local rows at offset 100 of a 507-row world, M=507, D=123, 64-row tiles."""
-    _compare(batch=255, world=507, num_docs=507, dim=123, dims=[123, 100, 48, 7], offset=100, chunk_size=64,
-             options=options, weights=[1.0, 0.3, 2.0, 0.5])
+    _compare(
+        batch=255,
+        world=507,
+        num_docs=507,
+        dim=123,
+        dims=[123, 100, 48, 7],
+        offset=100,
+        chunk_size=64,
+        options=options,
+        weights=[1.0, 0.3, 2.0, 0.5],
+    )
 
 
-@pytest.mark.parametrize("options", [OPTIONS["default"], OPTIONS["gte_joint"], OPTIONS["all_negatives_hardness_all_directions"]])
+@pytest.mark.parametrize(
+    "options", [OPTIONS["default"], OPTIONS["gte_joint"], OPTIONS["all_negatives_hardness_all_directions"]]
+)
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, None])
 def test_chunked_hard_negatives_chunk_sizes(options, chunk_size):
     """Two hard-negative columns; tiles of 1 row, not dividing B, larger than B, and from the byte budget."""
-    _compare(batch=37, world=37, num_docs=3 * 37, dim=48, dims=[48, 32, 16], offset=0, chunk_size=chunk_size,
-             options=options)
+    _compare(
+        batch=37, world=37, num_docs=3 * 37, dim=48, dims=[48, 32, 16], offset=0, chunk_size=chunk_size, options=options
+    )
 
 
 def test_single_pair_and_single_dim():
@@ -81,8 +106,9 @@ def test_public_op_backends_agree_and_per_dim_order():
     for backend in ("dense", "chunked"):
         q = world_q.clone().requires_grad_()
         c = docs.clone().requires_grad_()
-        loss, per_dim = matryoshka_infonce(q, c, dims=[8, 32, 16], weights=[0.5, 1.0, 2.0], backend=backend,
-                                           return_per_dim=True, chunk_size=9)
+        loss, per_dim = matryoshka_infonce(
+            q, c, dims=[8, 32, 16], weights=[0.5, 1.0, 2.0], backend=backend, return_per_dim=True, chunk_size=9
+        )
         (3.0 * loss).backward()  # grad_output scaling must reach the gradients
         results[backend] = (loss.detach(), per_dim, q.grad, c.grad)
     for got, want in zip(results["chunked"], results["dense"]):
@@ -175,8 +201,11 @@ BAD_INPUTS = {
     "direction_missing_q2d": (dict(directions=("doc_to_query",)), ValueError, "must include 'query_to_doc'"),
     "directions_string": (dict(directions="query_to_doc"), ValueError, "non-empty tuple"),
     "partition_unknown": (dict(partition_mode="both"), ValueError, "partition_mode must be one of"),
-    "per_direction_q2q": (dict(partition_mode="per_direction", directions=("query_to_doc", "query_to_query")),
-                          ValueError, "use partition_mode='joint'"),
+    "per_direction_q2q": (
+        dict(partition_mode="per_direction", directions=("query_to_doc", "query_to_query")),
+        ValueError,
+        "use partition_mode='joint'",
+    ),
     "hardness_mode": (dict(hardness_mode="hardest"), ValueError, "hardness_mode must be one of"),
     "hardness_strength": (dict(hardness_mode="hard_negatives", hardness_strength=-1.0), ValueError, ">= 0"),
     "scale": (dict(scale=0.0), ValueError, "scale must be a finite number > 0"),

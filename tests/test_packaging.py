@@ -47,7 +47,7 @@ def test_the_library_works_without_the_cli_extra_or_triton():
 def _readme_command(heading: str) -> str:
     """The command of the README's code block right after the line starting with ``heading``."""
     readme = (ROOT / "README.md").read_text()
-    after = readme[readme.index(heading):]
+    after = readme[readme.index(heading) :]
     return re.search(r"```bash\n(.*?)\n```", after, re.DOTALL).group(1).strip()
 
 

@@ -10,8 +10,25 @@ from benchmarks.report import read_csv
 
 
 def test_scale_out_smoke(tmp_path):
-    scale_out.main(["--model", "tiny", "--batch", "8", "--mini-batch-size", "3", "--steps", "1", "--strategies",
-                    "fsdp2_per_step", "stock_zero3", "--out", str(tmp_path), "--timeout", "600"])  # fmt: skip
+    scale_out.main(
+        [
+            "--model",
+            "tiny",
+            "--batch",
+            "8",
+            "--mini-batch-size",
+            "3",
+            "--steps",
+            "1",
+            "--strategies",
+            "fsdp2_per_step",
+            "stock_zero3",
+            "--out",
+            str(tmp_path),
+            "--timeout",
+            "600",
+        ]
+    )
     value = {(r["contender"], r["metric"]): r["value"] for r in read_csv(tmp_path / "scale_out.csv")}
     for rank in range(scale_out.WORLD_SIZE):
         assert value[("fsdp2_per_step", f"seconds_median_rank{rank}")] > 0

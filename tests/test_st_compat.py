@@ -32,8 +32,11 @@ def _column(lengths: list[int], width: int | None = None) -> dict[str, torch.Ten
 def test_setup_cfg_requires_the_supported_range():
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
-    requirement = next(line.strip() for line in config["options"]["install_requires"].splitlines()
-                       if line.strip().startswith("sentence-transformers"))  # fmt: skip
+    requirement = next(
+        line.strip()
+        for line in config["options"]["install_requires"].splitlines()
+        if line.strip().startswith("sentence-transformers")
+    )
     assert re.sub(r"^sentence-transformers(\[\w+\])?", "", requirement) == _st_compat.SUPPORTED
 
 
@@ -42,8 +45,11 @@ def test_a_missing_name_fails_at_import_with_the_version_and_the_range(monkeypat
 
     monkeypatch.delattr(gradcache, "_minibatch_ranges")
     try:
-        with pytest.raises(ImportError, match=r"_minibatch_ranges from sentence-transformers >=6\.0\.1,<7, but the "
-                           r"installed sentence-transformers \S+ lacks it"):  # fmt: skip
+        with pytest.raises(
+            ImportError,
+            match=r"_minibatch_ranges from sentence-transformers >=6\.0\.1,<7, but the "
+            r"installed sentence-transformers \S+ lacks it",
+        ):
             importlib.reload(_st_compat)
     finally:
         monkeypatch.undo()
@@ -165,8 +171,14 @@ def test_transformer_decorator_runs_once_with_hidden_states_and_serves_each_laye
         assert decorator(output)["token_embeddings"] is layers[1]
 
 
-@pytest.mark.parametrize("weighting, layer, expected", [
-    ("uniform", 3, 1.0), ("log", 3, 1 / (1 + math.log(4))), ("linear", 3, 1 / 4), (lambda layer: 2.0 * layer, 3, 6.0),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "weighting, layer, expected",
+    [
+        ("uniform", 3, 1.0),
+        ("log", 3, 1 / (1 + math.log(4))),
+        ("linear", 3, 1 / 4),
+        (lambda layer: 2.0 * layer, 3, 6.0),
+    ],
+)
 def test_layer_weight_is_stocks_weighting(weighting, layer, expected):
     assert _st_compat.layer_weight(weighting, layer) == pytest.approx(expected)

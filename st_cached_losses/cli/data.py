@@ -18,8 +18,7 @@ import datasets
 from .stdlib_data import load_stdlib_dataset
 from .usage import UsageError, first_line, warn
 
-__all__ = ["load_pairs", "looks_like_path", "pair_columns", "single_pair_batches", "split_held_out",
-           "warn_degenerate"]
+__all__ = ["load_pairs", "looks_like_path", "pair_columns", "single_pair_batches", "split_held_out", "warn_degenerate"]
 
 STDLIB_DATASETS = ("stdlib", "stdlib-dups")  # the built-in data; -dups keeps shared docstrings (stdlib_data.py)
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -41,14 +40,16 @@ def pair_columns(column_names: Sequence[str], where: str) -> list[str]:
         UsageError: ``anchor`` or ``positive`` is missing (``where`` names the dataset in the message).
     """
     if "anchor" not in column_names or "positive" not in column_names:
-        raise UsageError(f"--dataset {where!r} has columns {list(column_names)}; it needs an 'anchor' and a "
-                         "'positive' column (and optionally 'negative', 'negative_1', ...)")
+        raise UsageError(
+            f"--dataset {where!r} has columns {list(column_names)}; it needs an 'anchor' and a "
+            "'positive' column (and optionally 'negative', 'negative_1', ...)"
+        )
 
     def negative_rank(name: str) -> int:
-        suffix = name[len("negative"):].lstrip("_")
+        suffix = name[len("negative") :].lstrip("_")
         return int(suffix) if suffix.isdigit() else 0
 
-    negatives = [c for c in column_names if c == "negative" or c.startswith("negative_") and c[9:].isdigit()]
+    negatives = [c for c in column_names if c == "negative" or (c.startswith("negative_") and c[9:].isdigit())]
     return ["anchor", "positive", *sorted(negatives, key=negative_rank)]
 
 
@@ -69,7 +70,7 @@ def _read_dataset(spec: str):
     name, _, subset = spec.partition(":")  # "owner/name:subset", e.g. sentence-transformers/all-nli:triplet
     try:
         splits = datasets.load_dataset(name, subset or None)
-    except Exception as error:  # noqa: BLE001 - whatever the loader raises, the user gets one line
+    except Exception as error:
         raise UsageError(f"--dataset {spec!r} cannot be loaded: {first_line(error)}") from error
     if "train" not in splits:
         raise UsageError(f"--dataset {spec!r} has no 'train' split (splits: {list(splits)})")
@@ -88,7 +89,7 @@ def _read_file(spec: str, suffix: str):
         raise UsageError(f"--dataset {spec!r} is an empty file")
     try:
         return datasets.load_dataset(DATA_SUFFIXES[suffix], data_files=str(path), split="train")
-    except Exception as error:  # noqa: BLE001 - a malformed file: one line for the user
+    except Exception as error:
         raise UsageError(f"--dataset {spec!r} cannot be read: {first_line(error)}") from error
 
 
@@ -104,8 +105,10 @@ def split_held_out(data, spec: str, seed: int):
         UsageError: fewer than :data:`MIN_ROWS_TO_SPLIT` rows (each split needs one).
     """
     if len(data) < MIN_ROWS_TO_SPLIT:
-        raise UsageError(f"--dataset {spec!r} has {len(data)} row(s) with text; splitting it into training and "
-                         f"held-out pairs needs at least {MIN_ROWS_TO_SPLIT}")
+        raise UsageError(
+            f"--dataset {spec!r} has {len(data)} row(s) with text; splitting it into training and "
+            f"held-out pairs needs at least {MIN_ROWS_TO_SPLIT}"
+        )
     split = data.train_test_split(test_size=HELD_OUT_FRACTION, seed=seed)
     return split["train"], split["test"]
 
@@ -113,9 +116,10 @@ def split_held_out(data, spec: str, seed: int):
 def load_pairs(spec: str, seed: int, max_train: int | None = None, max_eval: int | None = None):
     """Train and held-out ``datasets.Dataset`` s with only the columns [anchor, positive, negative*].
 
-    ``spec`` is "stdlib" (the built-in dataset; "stdlib-dups" with its duplicate docstrings), a local .jsonl/.json/.csv/.parquet file or a Hub dataset id
-    (ID or ID:SUBSET). Rows with an empty or missing text are dropped; a source without a held-out split is split
-    (:func:`split_held_out`); ``max_train`` / ``max_eval`` keep a seeded random subset.
+    ``spec`` is "stdlib" (the built-in dataset; "stdlib-dups" with its duplicate docstrings), a local
+    .jsonl/.json/.csv/.parquet file or a Hub dataset id (ID or ID:SUBSET). Rows with an empty or missing text are
+    dropped; a source without a held-out split is split (:func:`split_held_out`); ``max_train`` / ``max_eval`` keep a
+    seeded random subset.
 
     Raises:
         UsageError: an unknown, empty or unreadable file or dataset, missing columns, an empty split, or too few
@@ -168,9 +172,12 @@ def warn_degenerate(train, test, batch_size: int, seed: int, sampler: str = "no_
     if train.column_names == ["anchor", "positive"] and sampler == "no_duplicates":
         alone, batches = single_pair_batches(train, batch_size, seed)
         if alone:
-            warn(f"{alone} of the {batches} training batches of an epoch hold a single pair (pairs sharing a text "
-                 "never share a batch): with no in-batch negative their loss and gradient are 0; remove repeated "
-                 "pairs or change --batch-size")
+            warn(
+                f"{alone} of the {batches} training batches of an epoch hold a single pair (pairs sharing a text "
+                "never share a batch): with no in-batch negative their loss and gradient are 0; remove repeated "
+                "pairs or change --batch-size"
+            )
     if len(set(test["anchor"])) == 1:
-        warn(f"the held-out split's {len(test)} pair(s) have a single distinct anchor: every metric is "
-             "that of one query")
+        warn(
+            f"the held-out split's {len(test)} pair(s) have a single distinct anchor: every metric is that of one query"
+        )

@@ -86,7 +86,17 @@ def _shared_encoding_evaluator(queries, corpus, relevant, dim: int, cache: dict[
             return cache[key][..., : self.truncate_dim]
 
     return SharedEncodingEvaluator(
-        queries, corpus, relevant, mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[10], precision_recall_at_k=[10],
-        map_at_k=[10], batch_size=64, name=f"dim_{dim}", write_csv=False, truncate_dim=dim,
+        queries,
+        corpus,
+        relevant,
+        mrr_at_k=[10],
+        ndcg_at_k=[10],
+        accuracy_at_k=[10],
+        precision_recall_at_k=[10],
+        map_at_k=[10],
+        batch_size=64,
+        name=f"dim_{dim}",
+        write_csv=False,
+        truncate_dim=dim,
         show_progress_bar=True,  # only the first dim encodes (the rest reuse it): two bars per call
     )

@@ -60,7 +60,7 @@ def load_model(spec: str, max_seq_length: int, flag: str = "--model"):
 
     try:
         model = SentenceTransformer(str(local) if local.exists() else spec)
-    except Exception as error:  # noqa: BLE001 - whatever the loader raises, the user gets one line
+    except Exception as error:
         raise UsageError(f"{flag} {spec!r} cannot be loaded: {first_line(error)}") from error
     if model.get_embedding_dimension() is None:
         raise UsageError(f"{flag} {spec!r} does not report its embedding dimension")
@@ -124,8 +124,11 @@ def run(options: TrainOptions) -> dict[str, Any]:
     options = dataclasses.replace(options, output_dir=options.output_dir.expanduser().absolute())
     job = prepare(options)
     model, device = job.model, str(job.model.device)
-    print(f"{len(job.train)} training pairs, {job.evaluate.num_queries} held-out queries over "
-          f"{job.evaluate.num_corpus} documents; dims {job.dims}; device {device}", flush=True)
+    print(
+        f"{len(job.train)} training pairs, {job.evaluate.num_queries} held-out queries over "
+        f"{job.evaluate.num_corpus} documents; dims {job.dims}; device {device}",
+        flush=True,
+    )
     initial = copy.deepcopy(model) if options.compare_stock else None
 
     print("evaluating before training", flush=True)
@@ -136,9 +139,15 @@ def run(options: TrainOptions) -> dict[str, Any]:
     print("evaluating after training", flush=True)
     after, after_layers = job.evaluate(model), evaluate_truncated(job.evaluate, model, options.layers)
 
-    results = {"config": _config(options, job, ours["steps"]), "before": before, "after": after,
-               "train_seconds": ours["train_seconds"], "peak_memory_bytes": ours["peak_memory_bytes"],
-               "peak_memory_measure": ours["peak_memory_measure"], "loss_stage": loss_stage}
+    results = {
+        "config": _config(options, job, ours["steps"]),
+        "before": before,
+        "after": after,
+        "train_seconds": ours["train_seconds"],
+        "peak_memory_bytes": ours["peak_memory_bytes"],
+        "peak_memory_measure": ours["peak_memory_measure"],
+        "loss_stage": loss_stage,
+    }
     if options.layers is not None:
         results["layers"] = {n: {"before": before_layers[n], "after": after_layers[n]} for n in before_layers}
     if options.activation_budget is not None or options.mini_batch_size == "auto":
@@ -154,11 +163,20 @@ def run(options: TrainOptions) -> dict[str, Any]:
 
 def _config(options: TrainOptions, job: Prepared, steps: int) -> dict[str, Any]:
     """results.json's ``config``: the options as given, then what they resolved to and the versions."""
-    config = {"command": "train", **{key: str(value) if isinstance(value, Path) else value
-                                     for key, value in dataclasses.asdict(options).items()}}
-    config.update(model=job.model_spec, dims=job.dims, steps=steps, train_pairs=len(job.train),
-                  eval_queries=job.evaluate.num_queries, eval_corpus=job.evaluate.num_corpus,
-                  device=str(job.model.device), versions=_versions())
+    config = {
+        "command": "train",
+        **{key: str(value) if isinstance(value, Path) else value for key, value in dataclasses.asdict(options).items()},
+    }
+    config.update(
+        model=job.model_spec,
+        dims=job.dims,
+        steps=steps,
+        train_pairs=len(job.train),
+        eval_queries=job.evaluate.num_queries,
+        eval_corpus=job.evaluate.num_corpus,
+        device=str(job.model.device),
+        versions=_versions(),
+    )
     return config
 
 
@@ -169,8 +187,13 @@ def _versions() -> dict[str, str]:
 
     from .. import __version__
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "sentence_transformers": sentence_transformers.__version__, "st_cached_losses": __version__}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "sentence_transformers": sentence_transformers.__version__,
+        "st_cached_losses": __version__,
+    }
 
 
 def format_table(results: dict[str, Any]) -> str:
@@ -187,21 +210,34 @@ def format_table(results: dict[str, Any]) -> str:
             after = after_dims[dim]
             cells = [f"{before[m]:.4f} -> {after[m]:.4f} ({after[m] - before[m]:+.4f})" for m in METRICS]
             lines.append((f"{n:>6} " if layers else "") + f"{dim:>5}  " + "  ".join(f"{c:>25}" for c in cells))
-    lines.append(f"train: {results['train_seconds']:.1f} s, {results['config']['steps']} steps; "
-                 f"{_mib(results['peak_memory_bytes'])} {results['peak_memory_measure']}")
+    lines.append(
+        f"train: {results['train_seconds']:.1f} s, {results['config']['steps']} steps; "
+        f"{_mib(results['peak_memory_bytes'])} {results['peak_memory_measure']}"
+    )
     if results["loss_stage"]:
-        lines.append("loss stage: " + "; ".join(f"{c['backend']} backend on {c['device']} ({c['reason']}), tile "
-                                                f"{c['tile']}" for c in results["loss_stage"]))
+        lines.append(
+            "loss stage: "
+            + "; ".join(
+                f"{c['backend']} backend on {c['device']} ({c['reason']}), tile {c['tile']}"
+                for c in results["loss_stage"]
+            )
+        )
     if "activation" in results:
         lines.append(format_activation(results["activation"]))
     if "compare_stock" in results:
         comparison = results["compare_stock"]
-        lines.append(f"compared with stock MatryoshkaLoss(CachedMNRL) on the same steps, run in the order "
-                     f"{', '.join(comparison['order'])}:")
+        lines.append(
+            f"compared with stock MatryoshkaLoss(CachedMNRL) on the same steps, run in the order "
+            f"{', '.join(comparison['order'])}:"
+        )
         for name, label in (("ours", "CachedMatryoshkaLoss"), ("stock", "stock")):
             runs = comparison[name]
-            lines.append(f"  {label}: " + ", ".join(f"{t:.1f} s" for t in runs["train_seconds"]) + "; peak "
-                         + ", ".join(_mib(b) for b in runs["peak_memory_bytes"]))
+            lines.append(
+                f"  {label}: "
+                + ", ".join(f"{t:.1f} s" for t in runs["train_seconds"])
+                + "; peak "
+                + ", ".join(_mib(b) for b in runs["peak_memory_bytes"])
+            )
         lines.append(f"  {comparison['summary']}")
     return "\n".join(lines)
 

@@ -76,15 +76,24 @@ def measure_peak_memory(device: str) -> Iterator[dict[str, Any]]:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
         yield result
-        result.update(bytes=int(torch.cuda.max_memory_allocated(device)), block_only=True,
-                      measure="peak CUDA tensor memory during training (torch.cuda.max_memory_allocated)")
+        result.update(
+            bytes=int(torch.cuda.max_memory_allocated(device)),
+            block_only=True,
+            measure="peak CUDA tensor memory during training (torch.cuda.max_memory_allocated)",
+        )
     elif _reset_peak_rss():
         yield result
-        result.update(bytes=peak_rss_bytes(), block_only=True,
-                      measure="peak RSS of the process during training (Linux VmHWM, reset when training started; "
-                      "includes the model and data already loaded)")
+        result.update(
+            bytes=peak_rss_bytes(),
+            block_only=True,
+            measure="peak RSS of the process during training (Linux VmHWM, reset when training started; "
+            "includes the model and data already loaded)",
+        )
     else:
         yield result
-        result.update(bytes=_lifetime_peak_rss(), block_only=False,
-                      measure="peak RSS of the process from its start to the end of training (this system cannot "
-                      "reset it: includes loading and the evaluation before training)")
+        result.update(
+            bytes=_lifetime_peak_rss(),
+            block_only=False,
+            measure="peak RSS of the process from its start to the end of training (this system cannot "
+            "reset it: includes loading and the evaluation before training)",
+        )

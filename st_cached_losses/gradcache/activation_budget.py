@@ -56,17 +56,19 @@ def check_activation_budget(value: Any) -> int | str | None:
     if value is None:
         return value
     return _positive_int_or_auto(
-        value, "activation_budget must be None (re-embed every mini-batch, GradCache's default), a positive int of "
+        value,
+        "activation_budget must be None (re-embed every mini-batch, GradCache's default), a positive int of "
         "bytes (e.g. 8 * 2**30 for 8 GiB) or 'auto' (the free memory, less a margin)",
-    )  # fmt: skip
+    )
 
 
 def check_mini_batch_size(value: Any) -> int | str:
     """``mini_batch_size`` as accepted: a positive int (rows) or "auto"; else a ValueError naming the fix."""
     return _positive_int_or_auto(
-        value, "mini_batch_size must be a positive int (rows per mini-batch) or 'auto' (the largest whose activations "
+        value,
+        "mini_batch_size must be a positive int (rows per mini-batch) or 'auto' (the largest whose activations "
         "fit the activation budget, measured at the first training step)",
-    )  # fmt: skip
+    )
 
 
 def _positive_int_or_auto(value: Any, rule: str) -> int | str:
@@ -85,7 +87,6 @@ def _embedding_dim(model: nn.Module) -> int:
     model = getattr(getattr(model, "_orig_mod", model), "module", model)  # DDP wraps the SentenceTransformer
     get = getattr(model, "get_embedding_dimension", None)
     return (get() if get is not None else None) or FALLBACK_EMBEDDING_DIM
-
 
 
 # --------------------------------------------------------------------------------------------- across steps
@@ -111,8 +112,9 @@ class ActivationBudget:
     def release(self, nbytes: int) -> None:
         self.held -= nbytes
 
-    def plan(self, loss: Any, features: Sequence[dict[str, Any]], ranges: Sequence[Sequence[tuple[int, int]]]
-             ) -> StepPlan | None:  # fmt: skip
+    def plan(
+        self, loss: Any, features: Sequence[dict[str, Any]], ranges: Sequence[Sequence[tuple[int, int]]]
+    ) -> StepPlan | None:
         """This training step's plan (None without a budget). ``loss`` is the GradCache loss (its ``model``, mini-batch
         settings and ``gather_across_devices``); ``features`` the columns as step (1) embeds them, ``ranges`` their
         mini-batches.
@@ -125,15 +127,16 @@ class ActivationBudget:
             return None
         ddp = ddp_of(loss.model)
         if ddp is not None and ddp.static_graph:
-            self._log_once("static", logging.WARNING, "activation_budget: static-graph DDP keeps no activations; "
-                           "every mini-batch is re-embedded (set ddp_static_graph=False to keep them).")  # fmt: skip
+            self._log_once(
+                "static",
+                logging.WARNING,
+                "activation_budget: static-graph DDP keeps no activations; "
+                "every mini-batch is re-embedded (set ddp_static_graph=False to keep them).",
+            )
             return None
         minibatches = step_minibatches(features, ranges)
         never = {len(minibatches) - 1} if ddp is not None and ddp.require_backward_grad_sync else set()
-        if self.setting == AUTO:
-            allowance = self.auto_allowance(loss, features)
-        else:
-            allowance = self.setting - self.held
+        allowance = self.auto_allowance(loss, features) if self.setting == AUTO else self.setting - self.held
         self.report = StepPlan(self, features, minibatches, allowance, self.setting == AUTO, never)
         return self.report
 
@@ -150,12 +153,13 @@ class ActivationBudget:
         gradients = gradient_bytes(loss.model)
         allowance = max(0, available - margin - step2 - gradients)
         self._log_once(
-            "auto", logging.INFO,
+            "auto",
+            logging.INFO,
             f"activation_budget='auto': {available} bytes available ({source}) - {margin} safety margin (max(1 GiB, "
             f"{SAFETY_MARGIN_FRACTION:.0%} of {total})) - {step2} for step (2) ({get_batch_size(features[0])} rows x "
             f"{len(features)} columns x {world} ranks x {dim} dims) - {gradients} for parameter gradients = "
             f"{allowance} bytes for the kept activations and step (3)'s largest re-embedded mini-batch.",
-        )  # fmt: skip
+        )
         return allowance
 
     def choose_mini_batch(self, loss: Any, features: Sequence[dict[str, Any]], agree: bool = False) -> None:
@@ -193,9 +197,9 @@ class ActivationBudget:
         tokens = int(mask.sum()) if isinstance(mask, Tensor) else minibatch.tokens
         tensors = [value for value in probe.values() if isinstance(value, Tensor)]
         measure = SavedTensorBytes(alive_anyway(loss.model, probe))
-        with torch.random.fork_rng(devices=get_device_states(*tensors)[0]), torch.enable_grad():
-            with without_gradient_sync(loss.model), measure:
-                loss.encode(probe)
+        rng = torch.random.fork_rng(devices=get_device_states(*tensors)[0])
+        with rng, torch.enable_grad(), without_gradient_sync(loss.model), measure:
+            loss.encode(probe)
         return rows, minibatch.width, tokens, measure.nbytes
 
     def _log_once(self, key: str, level: int, message: str) -> None:

@@ -19,8 +19,15 @@ from torch import Tensor
 __all__ = ["step3"]
 
 
-def step3(grad_output: Tensor, *, loss: Any, features: list[dict], cache: list[list[Tensor]], states: list[list[Any]],
-          step: Any) -> None:  # fmt: skip
+def step3(
+    grad_output: Tensor,
+    *,
+    loss: Any,
+    features: list[dict],
+    cache: list[list[Tensor]],
+    states: list[list[Any]],
+    step: Any,
+) -> None:
     """The backward hook of a GradCache loss (``loss``: its :class:`.steps.GradCacheSteps`): step (3) for one
     forward's ``features`` (as embedded), ``cache`` (per column, the gradient of each real mini-batch), ``states``
     (per column, what step (1) left for each mini-batch: a RandContext, a KeptGraph, or None) and ``step`` (the plan:
@@ -44,8 +51,15 @@ def step3(grad_output: Tensor, *, loss: Any, features: list[dict], cache: list[l
 
 def _reembed(loss: Any, features: list[dict], states: list[list[Any]], step: Any, column: int, index: int) -> Tensor:
     begin, end = step.rows(column, index)
-    embeddings, _ = loss.embed_minibatch(features[column], begin, end, with_grad=True, copy_random_state=False,
-                                         random_state=states[column][index], pad=step.is_pad(column, index))  # fmt: skip
+    embeddings, _ = loss.embed_minibatch(
+        features[column],
+        begin,
+        end,
+        with_grad=True,
+        copy_random_state=False,
+        random_state=states[column][index],
+        pad=step.is_pad(column, index),
+    )
     return embeddings
 
 

@@ -14,6 +14,7 @@ probability below n^2 / 2^65 (1e-9 for n = 200 000), and a collision only remove
 from __future__ import annotations
 
 import hashlib
+import itertools
 from typing import Any
 
 import numpy as np
@@ -34,12 +35,14 @@ def text_ids(features: dict[str, Any]) -> Tensor:
     """
     input_ids = features.get("input_ids")
     if not isinstance(input_ids, Tensor):
-        raise ValueError(f"mask_duplicates identifies texts by their token ids, but a column has no input_ids (its "
-                         f"features: {sorted(features)}): use mask_duplicates=False for such inputs.")  # fmt: skip
+        raise ValueError(
+            f"mask_duplicates identifies texts by their token ids, but a column has no input_ids (its "
+            f"features: {sorted(features)}): use mask_duplicates=False for such inputs."
+        )
     tokens = input_ids.detach().to("cpu", torch.int64).numpy().astype("<i8", copy=False)
     if "cu_seq_lens_q" in features:  # flattened sequences: one row of all the tokens
         bounds = features["cu_seq_lens_q"].tolist()
-        rows = [tokens[0, begin:end] for begin, end in zip(bounds[:-1], bounds[1:])]
+        rows = [tokens[0, begin:end] for begin, end in itertools.pairwise(bounds)]
     elif features.get("attention_mask") is not None:
         kept = features["attention_mask"].detach().cpu().numpy().astype(bool)
         rows = [row[keep] for row, keep in zip(tokens, kept)]

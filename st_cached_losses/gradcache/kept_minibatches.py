@@ -216,8 +216,10 @@ class StepPlan:
     def _choose(self) -> None:
         # A modality not measured yet (predicted 0 here) is not chosen: its first mini-batch is measured (keeping).
         known = [self.budget.activations.knows(mb.modality) for mb in self.minibatches]
-        self.predicted_bytes = [self.budget.activations.predict(mb.rows, mb.width, mb.modality) if k else 0.0
-                                for mb, k in zip(self.minibatches, known)]  # fmt: skip
+        self.predicted_bytes = [
+            self.budget.activations.predict(mb.rows, mb.width, mb.modality) if k else 0.0
+            for mb, k in zip(self.minibatches, known)
+        ]
         never = self._never | {i for i, k in enumerate(known) if not k}
         self._chosen, reserve = choose_kept(
             self.minibatches, self.predicted_bytes, self.allowance_bytes, self._reserve_step3, never

@@ -1,5 +1,6 @@
 """A SentenceTransformer's transformer layers: how many there are (:func:`num_layers`) and the model cut to its first
-``n`` (:func:`truncate_layers`), as the layer-wise losses (:mod:`st_cached_losses.losses.cached_matryoshka_2d`) train them."""
+``n`` (:func:`truncate_layers`), as the layer-wise losses (:mod:`st_cached_losses.losses.cached_matryoshka_2d`) train
+them."""
 
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ def truncate_layers(model: SentenceTransformer, num_layers: int) -> SentenceTran
     total = num_hidden_layers(transformer)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 0 <= num_layers <= total:
         raise ValueError(f"num_layers must be an int in [0, {total}] (the model's layers), got {num_layers!r}.")
-    stacks = [name for name, module in transformer.auto_model.named_modules()
-              if isinstance(module, nn.ModuleList) and len(module) == total]  # fmt: skip
+    stacks = [
+        name
+        for name, module in transformer.auto_model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) == total
+    ]
     if len(stacks) != 1:
         raise ValueError(
             f"truncate_layers needs exactly one nn.ModuleList of the model's {total} layers, found {stacks or 'none'}."

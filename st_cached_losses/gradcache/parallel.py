@@ -39,8 +39,8 @@ def check_fsdp_sync(value: Any) -> str:
     """``fsdp_sync`` as accepted, else a ValueError naming the choices."""
     if value not in FSDP_SYNC_MODES:
         raise ValueError(
-            f"fsdp_sync must be 'per_backward' (FSDP2's own: reduce-scatter after every backward, parameters resharded) "
-            f"or 'per_step' (one reduce-scatter per step, parameters gathered once), got {value!r}."
+            "fsdp_sync must be 'per_backward' (FSDP2's own: reduce-scatter after every backward, parameters "
+            f"resharded) or 'per_step' (one reduce-scatter per step, parameters gathered once), got {value!r}."
         )
     return value
 
@@ -180,8 +180,10 @@ def _fsdp2_settings(modules: list[nn.Module]) -> list[tuple]:
     saved = []
     for module in modules:
         state = module._get_fsdp_state()
-        groups = [(g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads)
-                  for g in state._fsdp_param_groups]  # fmt: skip
+        groups = [
+            (g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads)
+            for g in state._fsdp_param_groups
+        ]
         saved.append((state._auto_reshard_after_forward, groups))
     return saved
 
@@ -191,7 +193,9 @@ def _restore_fsdp2_settings(modules: list[nn.Module], saved: list[tuple]) -> Non
         state = module._get_fsdp_state()
         state._auto_reshard_after_forward = auto
         for group, values in zip(state._fsdp_param_groups, groups):
-            group.post_forward_mesh_info, group.reshard_after_backward, group.reduce_grads, group.all_reduce_grads = values
+            group.post_forward_mesh_info, group.reshard_after_backward, group.reduce_grads, group.all_reduce_grads = (
+                values
+            )
 
 
 @contextmanager

@@ -121,8 +121,9 @@ class GradCacheSteps(CachedLossMixin):
         finally:
             self._step_kept = None
 
-    def _three_steps(self, features: list[dict[str, Any]], labels: Tensor | None, step: Step, training: bool,
-                     agree: bool) -> Tensor:  # fmt: skip
+    def _three_steps(
+        self, features: list[dict[str, Any]], labels: Tensor | None, step: Step, training: bool, agree: bool
+    ) -> Tensor:
         reps, states = self._step1(features, step, training)
         if not training:
             return self.calculate_loss(reps, labels)
@@ -141,7 +142,9 @@ class GradCacheSteps(CachedLossMixin):
         reps, states = [], []
         for column, feature in enumerate(features):
             column_reps, column_states = [], []
-            for index in tqdm.trange(step.counts[column], desc="Embed mini-batches", disable=not self.show_progress_bar):
+            for index in tqdm.trange(
+                step.counts[column], desc="Embed mini-batches", disable=not self.show_progress_bar
+            ):
                 begin, end = step.rows(column, index)
                 pad = step.is_pad(column, index)
                 # RNG snapshots only where step (3) replays them (training).
@@ -232,8 +235,10 @@ class GradCacheSteps(CachedLossMixin):
         ``guide_docs`` (every rank's, gathered as the model's docs are), rows in the batch's order."""
         if self.guide is None:
             return {}
-        columns = [restore_order(torch.cat(self._step_guide[key]), order)
-                   for key, order in zip(self._step_guide, self._step_orders)]  # fmt: skip
+        columns = [
+            restore_order(torch.cat(self._step_guide[key]), order)
+            for key, order in zip(self._step_guide, self._step_orders)
+        ]
         docs = torch.cat([all_gather(doc) if self.gather_across_devices else doc for doc in columns[1:]])
         return {"guide_queries": columns[0], "guide_docs": docs}
 
@@ -252,8 +257,11 @@ class GradCacheSteps(CachedLossMixin):
         queries, *docs = self._step_text_ids
         if "world_queries" not in placement:  # not gathered, or a world of one process
             return {"query_ids": queries, "doc_ids": torch.cat(docs)}
-        return {"query_ids": queries, "doc_ids": torch.cat([all_gather(doc) for doc in docs]),
-                "world_query_ids": all_gather(queries)}  # fmt: skip
+        return {
+            "query_ids": queries,
+            "doc_ids": torch.cat([all_gather(doc) for doc in docs]),
+            "world_query_ids": all_gather(queries),
+        }
 
 
 def _check_every_column_used(cache: list[list[Tensor | None]], owner: str) -> None:

@@ -50,10 +50,10 @@ def check_engine(engine: Any) -> None:
         raise ValueError("ZeRO-2/3 with the cached losses needs deepspeed >= 0.19 (engine.coalesce_grad_reduction).")
     if zero_stage == 2 and engine.gradient_accumulation_steps() > 1:
         raise ValueError(
-            f"ZeRO-2 with gradient_accumulation_steps={engine.gradient_accumulation_steps()}: DeepSpeed cannot coalesce "
-            "GradCache's backwards across accumulation steps. Set gradient_accumulation_steps=1 and raise the batch "
-            "size instead (GradCache bounds the memory, and in-batch negatives gain from the larger batch), or use "
-            "ZeRO-1 or ZeRO-3."
+            f"ZeRO-2 with gradient_accumulation_steps={engine.gradient_accumulation_steps()}: DeepSpeed cannot "
+            "coalesce GradCache's backwards across accumulation steps. Set gradient_accumulation_steps=1 and raise the "
+            "batch size instead (GradCache bounds the memory, and in-batch negatives gain from the larger batch), or "
+            "use ZeRO-1 or ZeRO-3."
         )
 
 

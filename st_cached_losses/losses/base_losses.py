@@ -12,6 +12,7 @@ A base loss is not called: it holds the InfoNCE hyperparameters, read at every s
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -109,7 +110,7 @@ class Guide:
             input_ids = features["input_ids"]
             if "cu_seq_lens_q" in features:  # flattened sequences: one row of all the tokens
                 flat, bounds = input_ids[0].tolist(), features["cu_seq_lens_q"].tolist()
-                input_ids = [flat[begin:end] for begin, end in zip(bounds[:-1], bounds[1:])]
+                input_ids = [flat[begin:end] for begin, end in itertools.pairwise(bounds)]
             features = self.model.preprocess(self.tokenizer.batch_decode(input_ids, skip_special_tokens=True))
         features = batch_to_device(dict(features), self.model.device)  # a copy: modules write into their inputs
         return self.model(features)["sentence_embedding"].to(device)

@@ -57,10 +57,25 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         if dim is None:
             raise ValueError(f"{type(self).__name__} needs a model that reports its embedding dimension.")
         super().__init__(
-            model, loss, [dim], None, n_layers_per_step, -1, last_layer_weight, prior_layers_weight, kl_div_weight,
-            kl_temperature, layer_weighting, mini_batch_size, mini_batch_num_tokens, sort_by_length, backend,
-            show_progress_bar, fsdp_sync, mask_duplicates,
-        )  # fmt: skip
+            model,
+            loss,
+            [dim],
+            None,
+            n_layers_per_step,
+            -1,
+            last_layer_weight,
+            prior_layers_weight,
+            kl_div_weight,
+            kl_temperature,
+            layer_weighting,
+            mini_batch_size,
+            mini_batch_num_tokens,
+            sort_by_length,
+            backend,
+            show_progress_bar,
+            fsdp_sync,
+            mask_duplicates,
+        )
 
     def op_options(self) -> dict[str, Any]:
         return {**super().op_options(), "similarity": _FULL_DIM_SIMILARITY[self.similarity_fct]}

@@ -225,7 +225,9 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         self.false_negative_margin = false_negative_margin
         self.false_negative_strategy = false_negative_strategy
         self.guide = Guide(loss) if is_gist(loss) else None
-        self.masked_share: float | None = None  # share of candidates the filter and the duplicate mask dropped, last step
+        self.masked_share: float | None = (
+            None  # share of candidates the filter and the duplicate mask dropped, last step
+        )
         self.mask_duplicates = mask_duplicates
         self._step_text_ids: list[Tensor] | None = None  # this step's text ids per column (note_text_ids)
         self.activation_budget = activation_budget
@@ -262,9 +264,17 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in self._step_dims]
         queries, docs, placement = self.gathered(columns[0], columns[1:])
         loss, per_dim, masked_share = matryoshka_infonce(
-            queries, docs, dims=self._step_dims, weights=weights, return_per_dim=True, return_masked_share=True,
-            **placement, **self.guide_embeddings(), **self.duplicate_ids(placement), **self.op_options(),
-        )  # fmt: skip
+            queries,
+            docs,
+            dims=self._step_dims,
+            weights=weights,
+            return_per_dim=True,
+            return_masked_share=True,
+            **placement,
+            **self.guide_embeddings(),
+            **self.duplicate_ids(placement),
+            **self.op_options(),
+        )
         self._step_per_dim = per_dim
         self._note_masked_share(masked_share)
         if with_backward:
@@ -287,8 +297,9 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
         policy."""
         options = base_losses.op_options(self.loss)
         if self.false_negative_margin is not None:
-            options.update(false_negative_margin=self.false_negative_margin,
-                           false_negative_strategy=self.false_negative_strategy)  # fmt: skip
+            options.update(
+                false_negative_margin=self.false_negative_margin, false_negative_strategy=self.false_negative_strategy
+            )
         return {**options, "backend": self.backend, "nonfinite": nonfinite_policy(self._encoder_dtypes)}
 
     def _sample_dims(self) -> tuple[int, ...]:
@@ -313,14 +324,19 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters, 
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "sort_by_length": self.sort_by_length,
             "backend": self.backend,
-            **({"false_negative_margin": self.false_negative_margin,
-                "false_negative_strategy": self.false_negative_strategy}
-               if self.false_negative_margin is not None else {}),
+            **(
+                {
+                    "false_negative_margin": self.false_negative_margin,
+                    "false_negative_strategy": self.false_negative_strategy,
+                }
+                if self.false_negative_margin is not None
+                else {}
+            ),
             "activation_budget": self.activation_budget,
             **({"fsdp_sync": self.fsdp_sync} if self.fsdp_sync != "per_backward" else {}),
             **({"mask_duplicates": True} if self.mask_duplicates else {}),
             **(self._activations.chosen if self._activations is not None else {}),
-        }  # fmt: skip
+        }
 
     @property
     def activation_report(self) -> StepPlan | None:

@@ -164,13 +164,31 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                 # later: st_cached_losses.truncate_layers(model, 3) embeds with the first 3 layers
         """
         num_layers = _check_layer_options(
-            type(self).__name__, model, loss, n_layers_per_step, n_dims_per_step, kl_temperature, layer_weighting,
-            last_layer_weight=last_layer_weight, prior_layers_weight=prior_layers_weight, kl_div_weight=kl_div_weight,
-        )  # fmt: skip
+            type(self).__name__,
+            model,
+            loss,
+            n_layers_per_step,
+            n_dims_per_step,
+            kl_temperature,
+            layer_weighting,
+            last_layer_weight=last_layer_weight,
+            prior_layers_weight=prior_layers_weight,
+            kl_div_weight=kl_div_weight,
+        )
         super().__init__(
-            model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step, mini_batch_size, mini_batch_num_tokens,
-            sort_by_length, backend, show_progress_bar, fsdp_sync=fsdp_sync, mask_duplicates=mask_duplicates,
-        )  # fmt: skip
+            model,
+            loss,
+            matryoshka_dims,
+            matryoshka_weights,
+            n_dims_per_step,
+            mini_batch_size,
+            mini_batch_num_tokens,
+            sort_by_length,
+            backend,
+            show_progress_bar,
+            fsdp_sync=fsdp_sync,
+            mask_duplicates=mask_duplicates,
+        )
         self.num_layers = num_layers  # transformer layers L: hidden states 0..L, the final layer is L
         self.n_layers_per_step = n_layers_per_step
         self.last_layer_weight = last_layer_weight
@@ -272,13 +290,21 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         total, teacher, self._step_values = 0.0, None, {}
         for slot, (layer, dims, layer_weight) in enumerate(self._step_plan):
             part = slice(slot * width, (slot + 1) * width)
-            layer_placement = {key: value[:, part] if key == "world_queries" else value  # the rest: offset
-                               for key, value in placement.items()}  # fmt: skip
+            layer_placement = {
+                key: value[:, part] if key == "world_queries" else value  # the rest: offset
+                for key, value in placement.items()
+            }
             weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in dims]
             loss, per_dim, *masked_share = matryoshka_infonce(
-                queries[:, part], docs[:, part], dims=dims, weights=weights, return_per_dim=True, **layer_placement,
-                return_masked_share=self.mask_duplicates and not slot, **options,
-            )  # fmt: skip
+                queries[:, part],
+                docs[:, part],
+                dims=dims,
+                weights=weights,
+                return_per_dim=True,
+                **layer_placement,
+                return_masked_share=self.mask_duplicates and not slot,
+                **options,
+            )
             if masked_share:  # the final layer's; the mask is the same in every layer
                 self._note_masked_share(masked_share[0])
             total = total + layer_weight * loss
@@ -311,9 +337,14 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         weighting = self.layer_weighting
         weighting = weighting if isinstance(weighting, str) else getattr(weighting, "__name__", "custom")
         config = super().get_config_dict()
-        layer_options = {"n_layers_per_step": self.n_layers_per_step, "last_layer_weight": self.last_layer_weight,
-                         "prior_layers_weight": self.prior_layers_weight, "kl_div_weight": self.kl_div_weight,
-                         "kl_temperature": self.kl_temperature, "layer_weighting": weighting}  # fmt: skip
+        layer_options = {
+            "n_layers_per_step": self.n_layers_per_step,
+            "last_layer_weight": self.last_layer_weight,
+            "prior_layers_weight": self.prior_layers_weight,
+            "kl_div_weight": self.kl_div_weight,
+            "kl_temperature": self.kl_temperature,
+            "layer_weighting": weighting,
+        }
         return {"loss": config.pop("loss"), **layer_options, **config}
 
     @property

@@ -50,7 +50,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Backend:
     """One loss-stage backend: ``module`` (relative to ``st_cached_losses.ops``) defines ``forward(queries, docs,
@@ -61,12 +60,21 @@ class Backend:
     module: str
     summary: str
 
-    def forward(self, queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool,
-                tile_rows: int | None = None, guide: tuple[Tensor, Tensor] | None = None,
-                duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None) -> InfoNCEResult:  # fmt: skip
+    def forward(
+        self,
+        queries: Tensor,
+        docs: Tensor,
+        world_queries: Tensor,
+        spec: InfoNCESpec,
+        need_grad: bool,
+        tile_rows: int | None = None,
+        guide: tuple[Tensor, Tensor] | None = None,
+        duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    ) -> InfoNCEResult:
         module = importlib.import_module(self.module, __package__)
-        return module.forward(queries, docs, world_queries, spec, need_grad, tile_rows=tile_rows, guide=guide,
-                              duplicates=duplicates)  # fmt: skip
+        return module.forward(
+            queries, docs, world_queries, spec, need_grad, tile_rows=tile_rows, guide=guide, duplicates=duplicates
+        )
 
 
 REGISTRY: dict[str, Backend] = {
@@ -83,9 +91,6 @@ BACKENDS = ("auto", *REGISTRY)
 # ``python -m benchmarks.gpu``) with results committed under benchmarks/results/gpu/. "auto" picks Triton only
 # there. Empty: the kernels have only run in Triton's CPU interpreter so far.
 VERIFIED_TRITON_CAPABILITIES: frozenset[tuple[int, int]] = frozenset()
-
-
-
 
 
 def check_backend(backend: str, device: torch.device | str) -> None:
@@ -106,11 +111,15 @@ def check_backend(backend: str, device: torch.device | str) -> None:
             raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
 
 
-
-
 def run_backend(
-    name: str, queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool,
-    chunk_size: int | None = None, guide: tuple[Tensor, Tensor] | None = None,
+    name: str,
+    queries: Tensor,
+    docs: Tensor,
+    world_queries: Tensor,
+    spec: InfoNCESpec,
+    need_grad: bool,
+    chunk_size: int | None = None,
+    guide: tuple[Tensor, Tensor] | None = None,
     duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
 ) -> InfoNCEResult:
     """One backend's forward by name (no "auto", no fallback; the tests compare them on the same inputs):
@@ -124,8 +133,9 @@ def run_backend(
         raise ValueError(f"Unknown backend {name!r}: choose from {tuple(REGISTRY)}.")
     if spec.mask_duplicates != (duplicates is not None):
         raise ValueError("pass duplicates=(query_ids, doc_ids, world_query_ids) exactly when spec.mask_duplicates.")
-    return REGISTRY[name].forward(queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size, guide=guide,
-                                  duplicates=duplicates)  # fmt: skip
+    return REGISTRY[name].forward(
+        queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size, guide=guide, duplicates=duplicates
+    )
 
 
 def triton_verified(device: torch.device) -> bool:

@@ -50,8 +50,14 @@ def default_tile_rows(spec: InfoNCESpec, tile_bytes: int = DEFAULT_TILE_BYTES) -
 
 
 def forward(
-    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, tile_rows: int | None = None,
-    guide: tuple[Tensor, Tensor] | None = None, duplicates=None,
+    queries: Tensor,
+    docs: Tensor,
+    world_queries: Tensor,
+    spec: InfoNCESpec,
+    need_grad: bool,
+    tile_rows: int | None = None,
+    guide: tuple[Tensor, Tensor] | None = None,
+    duplicates=None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) gradients, one sweep over row tiles.
 
@@ -85,13 +91,16 @@ class _Sweep:
         self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
         self.lse = torch.empty(len(spec.dims), len(self.directions), spec.batch_size, dtype=dtype, device=device)
         self.workspaces: dict[int, list[Tensor]] = {}  # direction index -> K + 1 tile buffers
-        self.filter = None if spec.false_negatives is None else Guide.build(queries, docs, world_queries, spec, guide,
-                                                                            dtype)  # fmt: skip
+        self.filter = (
+            None if spec.false_negatives is None else Guide.build(queries, docs, world_queries, spec, guide, dtype)
+        )
         self.duplicates = None if duplicates is None else DuplicateMask.build(spec, *duplicates)
         self.dropped, self.candidates = torch.zeros((), device=device), 0
         if need_grad:
             uses_world = any(d.cols == "w" for d in self.directions)
-            self.grads = {key: torch.zeros_like(self.sources[key]) for key in ("q", "c", "w") if key != "w" or uses_world}
+            self.grads = {
+                key: torch.zeros_like(self.sources[key]) for key in ("q", "c", "w") if key != "w" or uses_world
+            }
             self.grads["p"] = self.grads["c"][positives]
             # Column sums of A * dot per dim, for the column normalisation term applied once at the end.
             self.col_norm_terms = {
@@ -138,8 +147,11 @@ class _Sweep:
                 self.candidates += num_candidates(direction, spec, count, cols.shape[0])
                 scored -= lost
             candidates.append(scored + direction.partner)
-            tiles.append(_TileDirection(direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec,
-                                        dropped, removed))  # fmt: skip
+            tiles.append(
+                _TileDirection(
+                    direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, dropped, removed
+                )
+            )
         # A row whose softmax holds one candidate has loss and gradient exactly 0 (rounding would leave ~1e-7).
         single = sum(candidates) == 1 if spec.partition_mode == "joint" else torch.stack(candidates).eq(1).all(0)
         for k in range(len(spec.dims)):
@@ -200,10 +212,29 @@ class _TileDirection:
     and to dim k-1's dot buffer afterwards, which is free by then.
     """
 
-    def __init__(self, direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec: InfoNCESpec, dropped,
-                 removed=None):  # fmt: skip
-        self.direction, self.rows, self.row_inv, self.row_key, self.row_slice = direction, rows, row_inv, row_key, row_slice
-        # dropped: (rows, cols) bool tile of the filter (and duplicates); removed: (rows, cols) index pairs of duplicates
+    def __init__(
+        self,
+        direction,
+        rows,
+        row_inv,
+        row_key,
+        row_slice,
+        cols,
+        buffers,
+        begin,
+        spec: InfoNCESpec,
+        dropped,
+        removed=None,
+    ):
+        self.direction, self.rows, self.row_inv, self.row_key, self.row_slice = (
+            direction,
+            rows,
+            row_inv,
+            row_key,
+            row_slice,
+        )
+        # dropped: (rows, cols) bool tile of the filter (and duplicates);
+        # removed: (rows, cols) index pairs of duplicates
         self.cols, self.buffers, self.spec, self.dropped, self.removed = cols, buffers, spec, dropped, removed
         count = rows.shape[0]
         self.row_index = torch.arange(count, device=rows.device)

@@ -39,8 +39,9 @@ from .spec import DIRECTIONS, InfoNCESpec
 __all__ = ["DuplicateMask", "check_ids"]
 
 
-def check_ids(queries: Tensor, docs: Tensor, world_queries: Tensor | None, offset: int, query_ids, doc_ids,
-              world_query_ids) -> bool:  # fmt: skip
+def check_ids(
+    queries: Tensor, docs: Tensor, world_queries: Tensor | None, offset: int, query_ids, doc_ids, world_query_ids
+) -> bool:
     """Whether the duplicate mask is on (ids given), after checking them against the embeddings.
 
     Raises:
@@ -51,26 +52,33 @@ def check_ids(queries: Tensor, docs: Tensor, world_queries: Tensor | None, offse
     if query_ids is None and doc_ids is None and world_query_ids is None:
         return False
     if query_ids is None or doc_ids is None:
-        raise ValueError("pass both query_ids and doc_ids (int64 ids of the texts: equal ids, equal texts) to mask "
-                         "duplicates, or neither.")  # fmt: skip
+        raise ValueError(
+            "pass both query_ids and doc_ids (int64 ids of the texts: equal ids, equal texts) to mask "
+            "duplicates, or neither."
+        )
     if (world_queries is None) != (world_query_ids is None):
-        raise ValueError("world_query_ids (the gathered queries' ids, shape (Bw,)) go with world_queries: pass both "
-                         "or neither.")  # fmt: skip
+        raise ValueError(
+            "world_query_ids (the gathered queries' ids, shape (Bw,)) go with world_queries: pass both or neither."
+        )
     named = {"query_ids": (query_ids, queries), "doc_ids": (doc_ids, docs)}
     if world_queries is not None:
         named["world_query_ids"] = (world_query_ids, world_queries)
     for name, (ids, rows) in named.items():
         if not isinstance(ids, Tensor) or ids.dtype != torch.int64 or ids.ndim != 1:
-            raise TypeError(f"{name} must be a 1-D torch.int64 tensor (one text id per row), got "
-                            f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {tuple(getattr(ids, 'shape', ()))}.")  # fmt: skip
+            raise TypeError(
+                f"{name} must be a 1-D torch.int64 tensor (one text id per row), got "
+                f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {tuple(getattr(ids, 'shape', ()))}."
+            )
         if ids.shape[0] != rows.shape[0]:
-            raise ValueError(f"{name} has {ids.shape[0]} ids but its embeddings have {rows.shape[0]} rows: one id "
-                             "per row.")  # fmt: skip
+            raise ValueError(
+                f"{name} has {ids.shape[0]} ids but its embeddings have {rows.shape[0]} rows: one id per row."
+            )
         if ids.device != queries.device:
             raise ValueError(f"{name} is on {ids.device} but queries is on {queries.device}: move the ids there.")
     if world_query_ids is not None and not torch.equal(world_query_ids[offset : offset + queries.shape[0]], query_ids):
-        raise ValueError("query_ids must equal world_query_ids[offset:offset + B] (this rank's rows of the "
-                         "gathered ids).")  # fmt: skip
+        raise ValueError(
+            "query_ids must equal world_query_ids[offset:offset + B] (this rank's rows of the gathered ids)."
+        )
     return True
 
 
@@ -120,8 +128,9 @@ class DuplicateMask:
         columns less its partner and the columns its direction masks itself (``false_negatives.num_candidates``)."""
         spec = self.spec
         removed = sum(self._entries(name)[0].shape[0] for name in spec.directions)
-        candidates = sum(num_candidates(DIRECTIONS[name], spec, spec.batch_size, self.num_columns(name))
-                         for name in spec.directions)  # fmt: skip
+        candidates = sum(
+            num_candidates(DIRECTIONS[name], spec, spec.batch_size, self.num_columns(name)) for name in spec.directions
+        )
         return torch.tensor(removed / max(candidates, 1), dtype=torch.float32, device=self.codes["c"].device)
 
     def live_rows(self) -> Tensor:

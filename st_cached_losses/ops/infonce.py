@@ -208,7 +208,9 @@ def _run(name, reason, queries, docs, world_queries, spec, need_grad, chunk_size
     if spec.single_candidate:
         result = result._replace(
             per_dim=torch.zeros_like(result.per_dim),
-            grads=None if result.grads is None else tuple(None if g is None else torch.zeros_like(g) for g in result.grads),
+            grads=None
+            if result.grads is None
+            else tuple(None if g is None else torch.zeros_like(g) for g in result.grads),
         )
     return result
 
@@ -287,7 +289,8 @@ def _nan_result(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool
     (fp16 mixed precision) detects it and skips the step."""
     dtype = torch.promote_types(queries.dtype, torch.float32)
     per_dim = torch.full((len(spec.dims),), float("nan"), dtype=dtype, device=queries.device)
-    lse = torch.full((len(spec.dims), len(spec.directions), spec.batch_size), float("nan"), dtype=dtype,
-                     device=queries.device)  # fmt: skip
+    lse = torch.full(
+        (len(spec.dims), len(spec.directions), spec.batch_size), float("nan"), dtype=dtype, device=queries.device
+    )
     grads = tuple(torch.full_like(t, float("nan")) for t in (queries, docs, world_queries)) if need_grad else None
     return InfoNCEResult(per_dim, lse, grads, tile="none")

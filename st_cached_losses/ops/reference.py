@@ -18,8 +18,15 @@ from .spec import DIRECTIONS, NORM_EPS, InfoNCESpec
 
 
 def forward(
-    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, tile_rows=None,
-    guide: tuple[Tensor, Tensor] | None = None, compute_dtype=None, duplicates=None,
+    queries: Tensor,
+    docs: Tensor,
+    world_queries: Tensor,
+    spec: InfoNCESpec,
+    need_grad: bool,
+    tile_rows=None,
+    guide: tuple[Tensor, Tensor] | None = None,
+    compute_dtype=None,
+    duplicates=None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``.
 
@@ -40,7 +47,8 @@ def forward(
             total = sum(w * loss for w, loss in zip(spec.weights, losses))
             grads = torch.autograd.grad(total, leaves, allow_unused=True)
             grads = tuple(
-                torch.zeros_like(t) if g is None else g.to(t.dtype) for g, t in zip(grads, (queries, docs, world_queries))
+                torch.zeros_like(t) if g is None else g.to(t.dtype)
+                for g, t in zip(grads, (queries, docs, world_queries))
             )
     return InfoNCEResult(per_dim.detach(), torch.stack(lses).detach(), grads, tile="dense", masked_share=masked_share)
 
@@ -99,10 +107,7 @@ def _one_dim(q: Tensor, c: Tensor, wq: Tensor, spec: InfoNCESpec, dim: int, drop
         logits.append(logit)
 
     lse = torch.stack([torch.logsumexp(logit, dim=1) for logit in logits])
-    if spec.partition_mode == "joint":
-        log_z = torch.logsumexp(lse, dim=0)
-    else:
-        log_z = lse.mean(dim=0)
+    log_z = torch.logsumexp(lse, dim=0) if spec.partition_mode == "joint" else lse.mean(dim=0)
     return (log_z - positive).mean(), lse
 
 

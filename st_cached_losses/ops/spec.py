@@ -194,7 +194,13 @@ class InfoNCESpec:
         if hardness_strength < 0:
             raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}.")
         false_negatives = _false_negative_filter(
-            false_negative_margin, false_negative_strategy, guide_queries, guide_docs, queries, docs, world_queries,
+            false_negative_margin,
+            false_negative_strategy,
+            guide_queries,
+            guide_docs,
+            queries,
+            docs,
+            world_queries,
             directions,
         )
         return cls(
@@ -244,16 +250,22 @@ def _check_guide(guide_queries, guide_docs, queries, docs, world_queries, direct
         if not isinstance(guide, Tensor) or guide.ndim != 2 or not guide.is_floating_point():
             raise TypeError(f"{name} must be a 2-D floating-point torch.Tensor (rows, guide D), got {guide!r:.80}.")
         if guide.shape[0] != partner.shape[0]:
-            raise ValueError(f"{name} has {guide.shape[0]} rows but its embeddings have {partner.shape[0]}: embed "
-                             "the same texts with the guide.")  # fmt: skip
+            raise ValueError(
+                f"{name} has {guide.shape[0]} rows but its embeddings have {partner.shape[0]}: embed "
+                "the same texts with the guide."
+            )
         if guide.device != queries.device:
-            raise ValueError(f"{name} is on {guide.device} but queries is on {queries.device}: move the guide's "
-                             "embeddings (or the guide model) to the model's device.")  # fmt: skip
+            raise ValueError(
+                f"{name} is on {guide.device} but queries is on {queries.device}: move the guide's "
+                "embeddings (or the guide model) to the model's device."
+            )
     if guide_queries.shape[1] != guide_docs.shape[1]:
         raise ValueError(f"guide_queries has D={guide_queries.shape[1]} but guide_docs has D={guide_docs.shape[1]}.")
     if world_queries is not None and {"query_to_query", "doc_to_query"} & set(directions):
-        raise ValueError("a guide filters query_to_query and doc_to_query only without gathering (the guide's "
-                         "embeddings of the other ranks' queries are not passed); use the GIST directions.")  # fmt: skip
+        raise ValueError(
+            "a guide filters query_to_query and doc_to_query only without gathering (the guide's "
+            "embeddings of the other ranks' queries are not passed); use the GIST directions."
+        )
 
 
 def _check_tensors(queries: Tensor, docs: Tensor, world_queries: Tensor | None) -> None:
@@ -281,7 +293,10 @@ def _check_tensors(queries: Tensor, docs: Tensor, world_queries: Tensor | None) 
 
 
 def check_dims(
-    dims: Sequence[int], weights: Sequence[float] | None, dim: int | None, name: str = "dims",
+    dims: Sequence[int],
+    weights: Sequence[float] | None,
+    dim: int | None,
+    name: str = "dims",
     weights_name: str = "weights",
 ) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]:
     """Validate Matryoshka dims and their weights against the embedding dimension ``dim`` (None: unknown, no

@@ -172,8 +172,14 @@ def _direction_consts(spec: InfoNCESpec, direction: str) -> dict:
     if DIRECTIONS[direction].label and penalised is not None:
         hardness = HARD_OTHERS * penalised.others + HARD_OWN_HARD_NEGATIVES * penalised.own_hard_negatives
     partner = spec.mask_duplicates and DIRECTIONS[direction].partner
-    return dict(K=len(spec.dims), COSINE=spec.cosine, MASK=MASK_CODES[mask], HARD=hardness, DUP=spec.mask_duplicates,
-                PARTNER=partner)  # fmt: skip
+    return dict(
+        K=len(spec.dims),
+        COSINE=spec.cosine,
+        MASK=MASK_CODES[mask],
+        HARD=hardness,
+        DUP=spec.mask_duplicates,
+        PARTNER=partner,
+    )
 
 
 def _ids(duplicates: DuplicateMask | None, direction: str, device) -> tuple[Tensor, Tensor, int]:
@@ -208,10 +214,26 @@ def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direc
     def launch(cfg: TileConfig, outputs):
         (out,) = outputs
         _lse_kernel[(triton.cdiv(n_rows, cfg.block_rows),)](
-            x.x, x.x.stride(0), x.inv, n_rows, y.x, y.x.stride(0), y.inv, n_cols, dims, out, out.stride(0),
-            *_scalars(spec), *ids, **consts, BM=cfg.block_rows, BN=cfg.block_cols, BD=cfg.block_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+            x.x,
+            x.x.stride(0),
+            x.inv,
+            n_rows,
+            y.x,
+            y.x.stride(0),
+            y.inv,
+            n_cols,
+            dims,
+            out,
+            out.stride(0),
+            *_scalars(spec),
+            *ids,
+            **consts,
+            BM=cfg.block_rows,
+            BN=cfg.block_cols,
+            BD=cfg.block_d,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
 
     key = _tune_key("lse", x, y, consts, x.x.dtype)
     config = pick_config(key, x.x.dtype, launch, [lse], tile_rows)
@@ -230,18 +252,54 @@ def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction
     def launch_rows(cfg: TileConfig, outputs):
         dx, rx = outputs
         _row_grad_kernel[(triton.cdiv(n_rows, cfg.block_rows),)](
-            x.x, x.x.stride(0), x.inv, dx, dx.stride(0), rx, n_rows, y.x, y.x.stride(0), y.inv, n_cols,
-            dims, weights, nrm2, *scalars, **consts, BM=cfg.block_rows, BN=cfg.block_cols, BD=cfg.block_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+            x.x,
+            x.x.stride(0),
+            x.inv,
+            dx,
+            dx.stride(0),
+            rx,
+            n_rows,
+            y.x,
+            y.x.stride(0),
+            y.inv,
+            n_cols,
+            dims,
+            weights,
+            nrm2,
+            *scalars,
+            **consts,
+            BM=cfg.block_rows,
+            BN=cfg.block_cols,
+            BD=cfg.block_d,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
 
     def launch_cols(cfg: TileConfig, outputs):
         dy, ry = outputs
         _col_grad_kernel[(triton.cdiv(n_cols, cfg.block_cols),)](
-            x.x, x.x.stride(0), x.inv, n_rows, y.x, y.x.stride(0), y.inv, dy, dy.stride(0), ry, n_cols,
-            dims, weights, nrm2, *scalars, **consts, BM=cfg.block_rows, BN=cfg.block_cols, BD=cfg.block_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+            x.x,
+            x.x.stride(0),
+            x.inv,
+            n_rows,
+            y.x,
+            y.x.stride(0),
+            y.inv,
+            dy,
+            dy.stride(0),
+            ry,
+            n_cols,
+            dims,
+            weights,
+            nrm2,
+            *scalars,
+            **consts,
+            BM=cfg.block_rows,
+            BN=cfg.block_cols,
+            BD=cfg.block_d,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
 
     used = {}
     for kind, launch, outputs in (
@@ -309,8 +367,14 @@ def _finish_grads(ops: dict[str, _Operand], spec: InfoNCESpec, pos_sims: Tensor,
 
 
 def forward(
-    queries: Tensor, docs: Tensor, world_queries: Tensor, spec: InfoNCESpec, need_grad: bool, tile_rows=None,
-    guide: tuple[Tensor, Tensor] | None = None, duplicates=None,
+    queries: Tensor,
+    docs: Tensor,
+    world_queries: Tensor,
+    spec: InfoNCESpec,
+    need_grad: bool,
+    tile_rows=None,
+    guide: tuple[Tensor, Tensor] | None = None,
+    duplicates=None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``.
 
@@ -339,7 +403,7 @@ def forward(
     _check_inputs(queries, spec)
     try:
         return _forward(queries, docs, world_queries, spec, need_grad, tile_rows, duplicates)
-    except Exception as error:  # noqa: BLE001 - filtered just below
+    except Exception as error:
         if not is_launch_error(error):
             raise
         raise TritonUnavailableError(describe_error(error)) from error
@@ -374,8 +438,20 @@ def _forward(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, t
         nrm = log_z if spec.partition_mode == "joint" else lse[:, index] + math.log(num_dirs)
         rows, cols = DIRECTIONS[direction].rows, DIRECTIONS[direction].cols
         nrm2 = nrm * LOG2E if live is None else torch.where(live, nrm * LOG2E, math.inf)  # +inf: a gradient of 0
-        used.update(_launch_grads(ops[rows], ops[cols], dims, weights, nrm2.contiguous(), spec, direction, types,
-                                  tile_rows, ids[direction]))  # fmt: skip
+        used.update(
+            _launch_grads(
+                ops[rows],
+                ops[cols],
+                dims,
+                weights,
+                nrm2.contiguous(),
+                spec,
+                direction,
+                types,
+                tile_rows,
+                ids[direction],
+            )
+        )
 
     _finish_grads(ops, spec, pos_sims, live)
     dtype = queries.dtype

@@ -77,9 +77,23 @@ def _inv_norm(INV, idx, ok, k, K: tl.constexpr, COSINE: tl.constexpr, ACC: tl.co
 
 @triton.jit
 def _dot_tile(
-    X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, lo, hi, acc,
-    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+    X,
+    stride_x,
+    row0,
+    n_rows,
+    Y,
+    stride_y,
+    col0,
+    n_cols,
+    lo,
+    hi,
+    acc,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """acc + X[row0:row0 + BM, lo:hi] @ Y[col0:col0 + BN, lo:hi]^T."""
     for d0 in range(lo, hi, BD):
         x = _load_chunk(X, stride_x, row0, n_rows, d0, hi, BM, BD)
@@ -105,9 +119,23 @@ def _duplicates(t, rows, row_ok, rows_w, cols, col_ok, ROW_IDS, COL_IDS, n_forbi
 
 @triton.jit
 def _logits2(
-    sim, rows, row_ok, offset, cols, col_ok, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid,
-    MASK: tl.constexpr, HARD: tl.constexpr, DUP: tl.constexpr, PARTNER: tl.constexpr,
-):  # fmt: skip
+    sim,
+    rows,
+    row_ok,
+    offset,
+    cols,
+    col_ok,
+    bw,
+    scale2,
+    strength2,
+    ROW_IDS,
+    COL_IDS,
+    n_forbid,
+    MASK: tl.constexpr,
+    HARD: tl.constexpr,
+    DUP: tl.constexpr,
+    PARTNER: tl.constexpr,
+):
     """Logits in log2 units (scale folded with log2(e) for exp2); masked or out-of-range columns: -inf.
 
     ``rows_w`` are world row indices (offset + i): row i's own docs are the columns j with j % Bw == rows_w.
@@ -148,12 +176,38 @@ def _online_lse(run_max, run_sum, t):
 
 @triton.jit
 def _lse_kernel(
-    X, stride_x, INVX, n_rows, Y, stride_y, INVY, n_cols, DIMS, LSE, stride_lse, offset, bw, scale2, strength2,
-    ROW_IDS, COL_IDS, n_forbid,
-    K: tl.constexpr, KP: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr,
-    DUP: tl.constexpr, PARTNER: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+    X,
+    stride_x,
+    INVX,
+    n_rows,
+    Y,
+    stride_y,
+    INVY,
+    n_cols,
+    DIMS,
+    LSE,
+    stride_lse,
+    offset,
+    bw,
+    scale2,
+    strength2,
+    ROW_IDS,
+    COL_IDS,
+    n_forbid,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    COSINE: tl.constexpr,
+    MASK: tl.constexpr,
+    HARD: tl.constexpr,
+    DUP: tl.constexpr,
+    PARTNER: tl.constexpr,
+    ACC: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Forward: LSE[k, i] = logsumexp_j logit_k[i, j] for one row tile, all K dims, one direction.
 
     FlashAttention-2's (arXiv 2307.08691) online softmax without the value matmul, as in Inf-CL
@@ -181,8 +235,24 @@ def _lse_kernel(
             dot = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, lo, hi, dot, BM, BN, BD, PREC, UPCAST)
             a = _inv_norm(INVX, rows, row_ok, k, K, COSINE, ACC)
             b = _inv_norm(INVY, cols, col_ok, k, K, COSINE, ACC)
-            t = _logits2(dot * a[:, None] * b[None, :], rows, row_ok, offset, cols, col_ok, bw, scale2, strength2,
-                         ROW_IDS, COL_IDS, n_forbid, MASK, HARD, DUP, PARTNER)  # fmt: skip
+            t = _logits2(
+                dot * a[:, None] * b[None, :],
+                rows,
+                row_ok,
+                offset,
+                cols,
+                col_ok,
+                bw,
+                scale2,
+                strength2,
+                ROW_IDS,
+                COL_IDS,
+                n_forbid,
+                MASK,
+                HARD,
+                DUP,
+                PARTNER,
+            )
             this_dim = dim_index == k
             m, s = _online_lse(
                 tl.max(tl.where(this_dim, run_max, float("-inf")), 1), tl.sum(tl.where(this_dim, run_sum, 0.0), 1), t
@@ -196,13 +266,45 @@ def _lse_kernel(
 
 @triton.jit
 def _softmax_grad_tile(
-    sim, nrm2, weight, rows, row_ok, cols, col_ok, offset, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid,
-    MASK, HARD, DUP, PARTNER,
-):  # fmt: skip
+    sim,
+    nrm2,
+    weight,
+    rows,
+    row_ok,
+    cols,
+    col_ok,
+    offset,
+    bw,
+    scale2,
+    strength2,
+    ROW_IDS,
+    COL_IDS,
+    n_forbid,
+    MASK,
+    HARD,
+    DUP,
+    PARTNER,
+):
     """w_k * exp(logit_k - normaliser): d(weighted loss) / d(sim_k), up to the factor scale / B and
     without the positive's one-hot (both applied on the host). Rows out of range have normaliser +inf: 0."""
-    t = _logits2(sim, rows, row_ok, offset, cols, col_ok, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid, MASK,
-                 HARD, DUP, PARTNER)  # fmt: skip
+    t = _logits2(
+        sim,
+        rows,
+        row_ok,
+        offset,
+        cols,
+        col_ok,
+        bw,
+        scale2,
+        strength2,
+        ROW_IDS,
+        COL_IDS,
+        n_forbid,
+        MASK,
+        HARD,
+        DUP,
+        PARTNER,
+    )
     return weight * tl.exp2(t - nrm2[:, None])
 
 
@@ -220,10 +322,29 @@ def _accumulate(DZ, stride_dz, z0, n_z, hz, v, d0, hi, BZ: tl.constexpr, BD: tl.
 
 @triton.jit
 def _band_step(
-    X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, DZ, stride_dz, hz, lo, hi,
-    ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, COL_SIDE: tl.constexpr,
-    RECOMPUTE: tl.constexpr, PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+    X,
+    stride_x,
+    row0,
+    n_rows,
+    Y,
+    stride_y,
+    col0,
+    n_cols,
+    DZ,
+    stride_dz,
+    hz,
+    lo,
+    hi,
+    ACC: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    COL_SIDE: tl.constexpr,
+    RECOMPUTE: tl.constexpr,
+    PREC: tl.constexpr,
+    PREC_GRAD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Band [lo, hi) of one tile: DZ += the gradient product (row side: hz @ Y, column side: hz @ X with
     hz = h^T), and (RECOMPUTE) this band's dot product X @ Y^T from the same chunk loads."""
     band = tl.zeros((BM, BN), ACC)
@@ -241,13 +362,53 @@ def _band_step(
 
 @triton.jit
 def _grad_dim(
-    X, stride_x, INVX, row0, n_rows, rows, row_ok, Y, stride_y, INVY, col0, n_cols, cols, col_ok,
-    DZ, stride_dz, RZ, DIMS, W, NRM2, offset, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid, dot, h, k,
-    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, DUP: tl.constexpr,
-    PARTNER: tl.constexpr, ACC: tl.constexpr, GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    COL_SIDE: tl.constexpr, RECOMPUTE: tl.constexpr, PREC: tl.constexpr, PREC_GRAD: tl.constexpr,
+    X,
+    stride_x,
+    INVX,
+    row0,
+    n_rows,
+    rows,
+    row_ok,
+    Y,
+    stride_y,
+    INVY,
+    col0,
+    n_cols,
+    cols,
+    col_ok,
+    DZ,
+    stride_dz,
+    RZ,
+    DIMS,
+    W,
+    NRM2,
+    offset,
+    bw,
+    scale2,
+    strength2,
+    ROW_IDS,
+    COL_IDS,
+    n_forbid,
+    dot,
+    h,
+    k,
+    K: tl.constexpr,
+    COSINE: tl.constexpr,
+    MASK: tl.constexpr,
+    HARD: tl.constexpr,
+    DUP: tl.constexpr,
+    PARTNER: tl.constexpr,
+    ACC: tl.constexpr,
+    GD: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    COL_SIDE: tl.constexpr,
+    RECOMPUTE: tl.constexpr,
+    PREC: tl.constexpr,
+    PREC_GRAD: tl.constexpr,
     UPCAST: tl.constexpr,
-):  # fmt: skip
+):
     """Dim k of one tile, given its prefix dot product: adds its gradient tile to h (the sum over dims
     0..k), band k's gradient product to DZ and (cosine) sum w_k P sim_k to RZ. Returns (h, band k's
     dot product if RECOMPUTE)."""
@@ -256,8 +417,26 @@ def _grad_dim(
     sim = dot * a[:, None] * b[None, :]
     # Rows out of range get normaliser +inf, so a gradient of 0.
     nrm2 = tl.load(NRM2 + tl.cast(k, tl.int64) * n_rows + rows, mask=row_ok, other=float("inf"))
-    g = _softmax_grad_tile(sim, nrm2, tl.load(W + k), rows, row_ok, cols, col_ok, offset, bw, scale2, strength2,
-                           ROW_IDS, COL_IDS, n_forbid, MASK, HARD, DUP, PARTNER)  # fmt: skip
+    g = _softmax_grad_tile(
+        sim,
+        nrm2,
+        tl.load(W + k),
+        rows,
+        row_ok,
+        cols,
+        col_ok,
+        offset,
+        bw,
+        scale2,
+        strength2,
+        ROW_IDS,
+        COL_IDS,
+        n_forbid,
+        MASK,
+        HARD,
+        DUP,
+        PARTNER,
+    )
     if COSINE:
         # This program owns these RZ rows: a plain read-add-write, once per tile and dim.
         if COL_SIDE:
@@ -269,21 +448,77 @@ def _grad_dim(
     h += g * a[:, None] * b[None, :]
     hz = tl.trans(h.to(GD)) if COL_SIDE else h.to(GD)
     band = _band_step(
-        X=X, stride_x=stride_x, row0=row0, n_rows=n_rows, Y=Y, stride_y=stride_y, col0=col0, n_cols=n_cols,
-        DZ=DZ, stride_dz=stride_dz, hz=hz, lo=tl.load(DIMS + k + 1), hi=tl.load(DIMS + k), ACC=ACC, BM=BM, BN=BN,
-        BD=BD, COL_SIDE=COL_SIDE, RECOMPUTE=RECOMPUTE, PREC=PREC, PREC_GRAD=PREC_GRAD, UPCAST=UPCAST,
-    )  # fmt: skip
+        X=X,
+        stride_x=stride_x,
+        row0=row0,
+        n_rows=n_rows,
+        Y=Y,
+        stride_y=stride_y,
+        col0=col0,
+        n_cols=n_cols,
+        DZ=DZ,
+        stride_dz=stride_dz,
+        hz=hz,
+        lo=tl.load(DIMS + k + 1),
+        hi=tl.load(DIMS + k),
+        ACC=ACC,
+        BM=BM,
+        BN=BN,
+        BD=BD,
+        COL_SIDE=COL_SIDE,
+        RECOMPUTE=RECOMPUTE,
+        PREC=PREC,
+        PREC_GRAD=PREC_GRAD,
+        UPCAST=UPCAST,
+    )
     return h, band
 
 
 @triton.jit
 def _grad_tile(
-    X, stride_x, INVX, row0, n_rows, rows, row_ok, Y, stride_y, INVY, col0, n_cols, cols, col_ok,
-    DZ, stride_dz, RZ, DIMS, W, NRM2, offset, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid,
-    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, DUP: tl.constexpr,
-    PARTNER: tl.constexpr, ACC: tl.constexpr, GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    COL_SIDE: tl.constexpr, PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+    X,
+    stride_x,
+    INVX,
+    row0,
+    n_rows,
+    rows,
+    row_ok,
+    Y,
+    stride_y,
+    INVY,
+    col0,
+    n_cols,
+    cols,
+    col_ok,
+    DZ,
+    stride_dz,
+    RZ,
+    DIMS,
+    W,
+    NRM2,
+    offset,
+    bw,
+    scale2,
+    strength2,
+    ROW_IDS,
+    COL_IDS,
+    n_forbid,
+    K: tl.constexpr,
+    COSINE: tl.constexpr,
+    MASK: tl.constexpr,
+    HARD: tl.constexpr,
+    DUP: tl.constexpr,
+    PARTNER: tl.constexpr,
+    ACC: tl.constexpr,
+    GD: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    COL_SIDE: tl.constexpr,
+    PREC: tl.constexpr,
+    PREC_GRAD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """One (row tile, column tile) of the backward pass: recompute the scores, add one side's gradient
     product into DZ band by band, and (cosine) that side's sums w_k sum P sim_k into RZ (N, K).
 
@@ -296,39 +531,166 @@ def _grad_tile(
     that ratio is largest, keeps its own exact dot product (the extra tile).
     """
     smallest = tl.load(DIMS + K - 1)
-    exact = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, 0, smallest, tl.zeros((BM, BN), ACC),
-                      BM, BN, BD, PREC, UPCAST)  # fmt: skip
-    dot = _dot_tile(X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, smallest, tl.load(DIMS), exact,
-                    BM, BN, BD, PREC, UPCAST)  # fmt: skip
+    exact = _dot_tile(
+        X,
+        stride_x,
+        row0,
+        n_rows,
+        Y,
+        stride_y,
+        col0,
+        n_cols,
+        0,
+        smallest,
+        tl.zeros((BM, BN), ACC),
+        BM,
+        BN,
+        BD,
+        PREC,
+        UPCAST,
+    )
+    dot = _dot_tile(
+        X, stride_x, row0, n_rows, Y, stride_y, col0, n_cols, smallest, tl.load(DIMS), exact, BM, BN, BD, PREC, UPCAST
+    )
     h = tl.zeros((BM, BN), ACC)
     for k in range(K - 1):  # largest dim first
         h, band = _grad_dim(
-            X=X, stride_x=stride_x, INVX=INVX, row0=row0, n_rows=n_rows, rows=rows, row_ok=row_ok, Y=Y,
-            stride_y=stride_y, INVY=INVY, col0=col0, n_cols=n_cols, cols=cols, col_ok=col_ok, DZ=DZ,
-            stride_dz=stride_dz, RZ=RZ, DIMS=DIMS, W=W, NRM2=NRM2, offset=offset, bw=bw, scale2=scale2,
-            strength2=strength2, ROW_IDS=ROW_IDS, COL_IDS=COL_IDS, n_forbid=n_forbid, dot=dot, h=h, k=k, K=K,
-            COSINE=COSINE, MASK=MASK, HARD=HARD, DUP=DUP, PARTNER=PARTNER, ACC=ACC, GD=GD, BM=BM, BN=BN, BD=BD,
-            COL_SIDE=COL_SIDE, RECOMPUTE=True, PREC=PREC, PREC_GRAD=PREC_GRAD, UPCAST=UPCAST,
-        )  # fmt: skip
+            X=X,
+            stride_x=stride_x,
+            INVX=INVX,
+            row0=row0,
+            n_rows=n_rows,
+            rows=rows,
+            row_ok=row_ok,
+            Y=Y,
+            stride_y=stride_y,
+            INVY=INVY,
+            col0=col0,
+            n_cols=n_cols,
+            cols=cols,
+            col_ok=col_ok,
+            DZ=DZ,
+            stride_dz=stride_dz,
+            RZ=RZ,
+            DIMS=DIMS,
+            W=W,
+            NRM2=NRM2,
+            offset=offset,
+            bw=bw,
+            scale2=scale2,
+            strength2=strength2,
+            ROW_IDS=ROW_IDS,
+            COL_IDS=COL_IDS,
+            n_forbid=n_forbid,
+            dot=dot,
+            h=h,
+            k=k,
+            K=K,
+            COSINE=COSINE,
+            MASK=MASK,
+            HARD=HARD,
+            DUP=DUP,
+            PARTNER=PARTNER,
+            ACC=ACC,
+            GD=GD,
+            BM=BM,
+            BN=BN,
+            BD=BD,
+            COL_SIDE=COL_SIDE,
+            RECOMPUTE=True,
+            PREC=PREC,
+            PREC_GRAD=PREC_GRAD,
+            UPCAST=UPCAST,
+        )
         dot = dot - band
     _grad_dim(
-        X=X, stride_x=stride_x, INVX=INVX, row0=row0, n_rows=n_rows, rows=rows, row_ok=row_ok, Y=Y, stride_y=stride_y,
-        INVY=INVY, col0=col0, n_cols=n_cols, cols=cols, col_ok=col_ok, DZ=DZ, stride_dz=stride_dz, RZ=RZ, DIMS=DIMS,
-        W=W, NRM2=NRM2, offset=offset, bw=bw, scale2=scale2, strength2=strength2, ROW_IDS=ROW_IDS, COL_IDS=COL_IDS,
-        n_forbid=n_forbid, dot=exact, h=h, k=K - 1, K=K, COSINE=COSINE, MASK=MASK, HARD=HARD, DUP=DUP, PARTNER=PARTNER,
-        ACC=ACC, GD=GD, BM=BM, BN=BN, BD=BD, COL_SIDE=COL_SIDE, RECOMPUTE=False, PREC=PREC, PREC_GRAD=PREC_GRAD,
+        X=X,
+        stride_x=stride_x,
+        INVX=INVX,
+        row0=row0,
+        n_rows=n_rows,
+        rows=rows,
+        row_ok=row_ok,
+        Y=Y,
+        stride_y=stride_y,
+        INVY=INVY,
+        col0=col0,
+        n_cols=n_cols,
+        cols=cols,
+        col_ok=col_ok,
+        DZ=DZ,
+        stride_dz=stride_dz,
+        RZ=RZ,
+        DIMS=DIMS,
+        W=W,
+        NRM2=NRM2,
+        offset=offset,
+        bw=bw,
+        scale2=scale2,
+        strength2=strength2,
+        ROW_IDS=ROW_IDS,
+        COL_IDS=COL_IDS,
+        n_forbid=n_forbid,
+        dot=exact,
+        h=h,
+        k=K - 1,
+        K=K,
+        COSINE=COSINE,
+        MASK=MASK,
+        HARD=HARD,
+        DUP=DUP,
+        PARTNER=PARTNER,
+        ACC=ACC,
+        GD=GD,
+        BM=BM,
+        BN=BN,
+        BD=BD,
+        COL_SIDE=COL_SIDE,
+        RECOMPUTE=False,
+        PREC=PREC,
+        PREC_GRAD=PREC_GRAD,
         UPCAST=UPCAST,
-    )  # fmt: skip
+    )
 
 
 @triton.jit
 def _row_grad_kernel(
-    X, stride_x, INVX, DX, stride_dx, RX, n_rows, Y, stride_y, INVY, n_cols, DIMS, W, NRM2,
-    offset, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid,
-    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, DUP: tl.constexpr,
-    PARTNER: tl.constexpr, ACC: tl.constexpr, GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+    X,
+    stride_x,
+    INVX,
+    DX,
+    stride_dx,
+    RX,
+    n_rows,
+    Y,
+    stride_y,
+    INVY,
+    n_cols,
+    DIMS,
+    W,
+    NRM2,
+    offset,
+    bw,
+    scale2,
+    strength2,
+    ROW_IDS,
+    COL_IDS,
+    n_forbid,
+    K: tl.constexpr,
+    COSINE: tl.constexpr,
+    MASK: tl.constexpr,
+    HARD: tl.constexpr,
+    DUP: tl.constexpr,
+    PARTNER: tl.constexpr,
+    ACC: tl.constexpr,
+    GD: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    PREC: tl.constexpr,
+    PREC_GRAD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Backward, row side: DX[rows] += sum_j dsim[i, j] * dsim/dx_i for one row tile, sweeping the
     column tiles (the dQ pass of FlashAttention-2, arXiv 2307.08691, and of Inf-CL, arXiv
     2410.17243), recomputing the scores from X, Y and the saved normaliser NRM2 (K, n_rows), log2
@@ -340,23 +702,89 @@ def _row_grad_kernel(
         col0 = tl.cast(c0, tl.int64)
         cols = col0 + tl.arange(0, BN)
         _grad_tile(
-            X=X, stride_x=stride_x, INVX=INVX, row0=row0, n_rows=n_rows, rows=rows, row_ok=row_ok, Y=Y,
-            stride_y=stride_y, INVY=INVY, col0=col0, n_cols=n_cols, cols=cols, col_ok=cols < n_cols, DZ=DX,
-            stride_dz=stride_dx, RZ=RX, DIMS=DIMS, W=W, NRM2=NRM2, offset=offset, bw=bw, scale2=scale2,
-            strength2=strength2, ROW_IDS=ROW_IDS, COL_IDS=COL_IDS, n_forbid=n_forbid, K=K, COSINE=COSINE, MASK=MASK,
-            HARD=HARD, DUP=DUP, PARTNER=PARTNER, ACC=ACC, GD=GD, BM=BM, BN=BN, BD=BD, COL_SIDE=False, PREC=PREC,
-            PREC_GRAD=PREC_GRAD, UPCAST=UPCAST,
-        )  # fmt: skip
+            X=X,
+            stride_x=stride_x,
+            INVX=INVX,
+            row0=row0,
+            n_rows=n_rows,
+            rows=rows,
+            row_ok=row_ok,
+            Y=Y,
+            stride_y=stride_y,
+            INVY=INVY,
+            col0=col0,
+            n_cols=n_cols,
+            cols=cols,
+            col_ok=cols < n_cols,
+            DZ=DX,
+            stride_dz=stride_dx,
+            RZ=RX,
+            DIMS=DIMS,
+            W=W,
+            NRM2=NRM2,
+            offset=offset,
+            bw=bw,
+            scale2=scale2,
+            strength2=strength2,
+            ROW_IDS=ROW_IDS,
+            COL_IDS=COL_IDS,
+            n_forbid=n_forbid,
+            K=K,
+            COSINE=COSINE,
+            MASK=MASK,
+            HARD=HARD,
+            DUP=DUP,
+            PARTNER=PARTNER,
+            ACC=ACC,
+            GD=GD,
+            BM=BM,
+            BN=BN,
+            BD=BD,
+            COL_SIDE=False,
+            PREC=PREC,
+            PREC_GRAD=PREC_GRAD,
+            UPCAST=UPCAST,
+        )
 
 
 @triton.jit
 def _col_grad_kernel(
-    X, stride_x, INVX, n_rows, Y, stride_y, INVY, DY, stride_dy, RY, n_cols, DIMS, W, NRM2,
-    offset, bw, scale2, strength2, ROW_IDS, COL_IDS, n_forbid,
-    K: tl.constexpr, COSINE: tl.constexpr, MASK: tl.constexpr, HARD: tl.constexpr, DUP: tl.constexpr,
-    PARTNER: tl.constexpr, ACC: tl.constexpr, GD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, PREC_GRAD: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+    X,
+    stride_x,
+    INVX,
+    n_rows,
+    Y,
+    stride_y,
+    INVY,
+    DY,
+    stride_dy,
+    RY,
+    n_cols,
+    DIMS,
+    W,
+    NRM2,
+    offset,
+    bw,
+    scale2,
+    strength2,
+    ROW_IDS,
+    COL_IDS,
+    n_forbid,
+    K: tl.constexpr,
+    COSINE: tl.constexpr,
+    MASK: tl.constexpr,
+    HARD: tl.constexpr,
+    DUP: tl.constexpr,
+    PARTNER: tl.constexpr,
+    ACC: tl.constexpr,
+    GD: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    PREC: tl.constexpr,
+    PREC_GRAD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Backward, column side: DY[cols] += sum_i dsim[i, j] * dsim/dy_j for one column tile, sweeping
     the row tiles (the dK pass of FlashAttention-2, arXiv 2307.08691, and of Inf-CL, arXiv
     2410.17243). RY[j, k] += sum_i w_k P sim_k."""
@@ -367,13 +795,49 @@ def _col_grad_kernel(
         row0 = tl.cast(r0, tl.int64)
         rows = row0 + tl.arange(0, BM)
         _grad_tile(
-            X=X, stride_x=stride_x, INVX=INVX, row0=row0, n_rows=n_rows, rows=rows, row_ok=rows < n_rows, Y=Y,
-            stride_y=stride_y, INVY=INVY, col0=col0, n_cols=n_cols, cols=cols, col_ok=col_ok, DZ=DY,
-            stride_dz=stride_dy, RZ=RY, DIMS=DIMS, W=W, NRM2=NRM2, offset=offset, bw=bw, scale2=scale2,
-            strength2=strength2, ROW_IDS=ROW_IDS, COL_IDS=COL_IDS, n_forbid=n_forbid, K=K, COSINE=COSINE, MASK=MASK,
-            HARD=HARD, DUP=DUP, PARTNER=PARTNER, ACC=ACC, GD=GD, BM=BM, BN=BN, BD=BD, COL_SIDE=True, PREC=PREC,
-            PREC_GRAD=PREC_GRAD, UPCAST=UPCAST,
-        )  # fmt: skip
+            X=X,
+            stride_x=stride_x,
+            INVX=INVX,
+            row0=row0,
+            n_rows=n_rows,
+            rows=rows,
+            row_ok=rows < n_rows,
+            Y=Y,
+            stride_y=stride_y,
+            INVY=INVY,
+            col0=col0,
+            n_cols=n_cols,
+            cols=cols,
+            col_ok=col_ok,
+            DZ=DY,
+            stride_dz=stride_dy,
+            RZ=RY,
+            DIMS=DIMS,
+            W=W,
+            NRM2=NRM2,
+            offset=offset,
+            bw=bw,
+            scale2=scale2,
+            strength2=strength2,
+            ROW_IDS=ROW_IDS,
+            COL_IDS=COL_IDS,
+            n_forbid=n_forbid,
+            K=K,
+            COSINE=COSINE,
+            MASK=MASK,
+            HARD=HARD,
+            DUP=DUP,
+            PARTNER=PARTNER,
+            ACC=ACC,
+            GD=GD,
+            BM=BM,
+            BN=BN,
+            BD=BD,
+            COL_SIDE=True,
+            PREC=PREC,
+            PREC_GRAD=PREC_GRAD,
+            UPCAST=UPCAST,
+        )
 
 
 # Whether the kernels above were decorated under Triton's CPU interpreter (TRITON_INTERPRET=1 at import).

@@ -27,12 +27,14 @@ def unusable_reason(device: torch.device) -> str | None:
         capability = torch.cuda.get_device_capability(device)
         if capability < MIN_CAPABILITY:
             need = ".".join(map(str, MIN_CAPABILITY))
-            return f"the kernels need compute capability >= {need} (Ampere or newer), got {capability[0]}.{capability[1]}"
+            return (
+                f"the kernels need compute capability >= {need} (Ampere or newer), got {capability[0]}.{capability[1]}"
+            )
     elif device.type != "cpu":
         return f"the kernels are written for NVIDIA GPUs, got {device}"
     try:
         from . import kernels  # importing them is the check: an old Triton may lack what they use
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return f"the Triton kernels cannot be imported ({type(error).__name__}: {error})"
     if device.type == "cpu" and not kernels.INTERPRETED:
         return (

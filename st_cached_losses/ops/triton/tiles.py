@@ -23,8 +23,16 @@ from .kernels import INTERPRETED
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AUTOTUNE", "CANDIDATES", "TileConfig", "default_config", "fastest_config", "forced_tile_config",
-           "is_launch_error", "pick_config"]  # fmt: skip
+__all__ = [
+    "AUTOTUNE",
+    "CANDIDATES",
+    "TileConfig",
+    "default_config",
+    "fastest_config",
+    "forced_tile_config",
+    "is_launch_error",
+    "pick_config",
+]
 
 
 @dataclass(frozen=True)
@@ -104,7 +112,7 @@ def fastest_config(candidates, time_one: Callable[[TileConfig], float]) -> TileC
     for config in candidates:
         try:
             times[config] = time_one(config)
-        except Exception as error:  # noqa: BLE001 - filtered just below
+        except Exception as error:
             if not is_launch_error(error):
                 raise
             failures.append(f"{config}: {describe_error(error)}")
