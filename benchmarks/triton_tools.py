@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from st_cached_losses.ops.triton.host import _types
 from st_cached_losses.ops.triton.kernels import INTERPRETED, MASK_CODES, _col_grad_kernel, _lse_kernel, _row_grad_kernel
+from st_cached_losses.ops.triton.launches import types_for
 from st_cached_losses.ops.triton.tiles import CANDIDATES, TileConfig, default_config
 
 __all__ = ["H100_SXM", "benchmark", "compile_kernels", "cost_model"]
@@ -45,7 +45,7 @@ def compile_kernels(
     from triton.compiler import ASTSource
 
     config = config or default_config(dtype)
-    types = _types(dtype)
+    types = types_for(dtype)
     emb, acc = _TRITON_DTYPES[dtype], _TRITON_DTYPES[types.acc]
     pointers = {"X": emb, "Y": emb, "DIMS": "i64", "ROW_IDS": "i32", "COL_IDS": "i32"}
     pointers.update(dict.fromkeys(("INVX", "INVY", "LSE", "DX", "DY", "RX", "RY", "NRM2", "W"), acc))

@@ -60,5 +60,6 @@ def test_readme_test_command_is_what_ci_runs():
     """.ci/run runs the README's command in a fresh venv (its pip calls quiet), on the line after its marker."""
     command = _readme_command("Install and run the tests")
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
-    ci = lines[lines.index('# README, "Run the tests":') + 1].replace("pip install -q ", "pip install ")
+    marker = next(i for i, line in enumerate(lines) if line.startswith('# README, "Run the tests"'))
+    ci = lines[marker + 1].replace("pip install -q ", "pip install ")
     assert command.endswith(ci), (command, ci)

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from ..duplicates import DuplicateMask
@@ -31,16 +28,10 @@ from ..errors import TritonUnavailableError
 from ..result import InfoNCEResult
 from ..spec import DIRECTIONS, GIST_DIRECTIONS, NORM_EPS, InfoNCESpec
 from .kernels import (
-    HARD_OTHERS,
-    HARD_OWN_HARD_NEGATIVES,
-    INTERPRETED,
     LOG2E,
-    MASK_CODES,
     MAX_DIMS,
-    _col_grad_kernel,
-    _lse_kernel,
-    _row_grad_kernel,
 )
+from .launches import Operand, kernel_ids, launch_grads, launch_lse, types_for
 from .probe import unusable_reason
 from .tiles import (
     CANDIDATES,
@@ -49,21 +40,12 @@ from .tiles import (
     fastest_config,
     forced_tile_config,
     is_launch_error,
-    pick_config,
 )
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CANDIDATES", "MAX_DIMS", "TileConfig", "fastest_config", "forced_tile_config", "forward", "supports"]
 
-
-def _round_key(*sizes: int) -> tuple[int, ...]:
-    return tuple(triton.next_power_of_2(max(1, s)) for s in sizes)
-
-
-# --------------------------------------------------------------------------------------------------
-# Host side
-# --------------------------------------------------------------------------------------------------
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -85,42 +67,6 @@ def unsupported(spec: InfoNCESpec) -> str | None:
     return None
 
 
-@dataclass
-class _Operand:
-    """One set of embedding rows as the kernels see it; ``grad`` and ``r`` are accumulated into."""
-
-    x: Tensor  # (N, D) contiguous embeddings
-    inv: Tensor  # (N, K) inverse prefix norms (cosine), else a placeholder the kernels never read
-    norms: Tensor | None  # (N, K) prefix norms (cosine)
-    grad: Tensor | None  # (N, D) accumulation dtype: gradient wrt x, before the scale / B factor
-    r: Tensor | None  # (N, K) sum_j w_k P sim_k, for the norms' share of the gradient (cosine)
-
-
-@dataclass(frozen=True)
-class _Types:
-    acc: torch.dtype  # fp32 (fp64 for fp64 inputs): scores, LSE, gradient accumulation
-    consts: dict  # ACC, GD, PREC, PREC_GRAD, UPCAST kernel constexprs
-
-
-def _types(dtype: torch.dtype) -> _Types:
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    tf32 = "tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee"
-    precision = tf32 if dtype == torch.float32 else "ieee"
-    # The gradient matmul multiplies the fp32 softmax tile by embeddings: bf16 like FlashAttention-2's
-    # P @ V; fp16 would overflow (1 / norm factors) or underflow (small probabilities), so fp32 with
-    # TF32 there, which holds fp16 embeddings exactly and rounds the tile to fp16's 10-bit mantissa.
-    grad_dot = {torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}.get(dtype, tl.float32)
-    grad_precision = {torch.float32: precision, torch.float16: "tf32"}.get(dtype, "ieee")
-    consts = dict(
-        ACC=tl.float64 if acc == torch.float64 else tl.float32,
-        GD=grad_dot,
-        PREC=precision,
-        PREC_GRAD=grad_precision,
-        UPCAST=INTERPRETED and dtype == torch.bfloat16,
-    )
-    return _Types(acc, consts)
-
-
 def _check_inputs(queries: Tensor, spec: InfoNCESpec) -> None:
     missing = unsupported(spec)
     if missing is not None:
@@ -135,7 +81,7 @@ def _check_inputs(queries: Tensor, spec: InfoNCESpec) -> None:
         raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
 
 
-def _operand(x: Tensor, spec: InfoNCESpec, need_grad: bool, acc: torch.dtype) -> _Operand:
+def _operand(x: Tensor, spec: InfoNCESpec, need_grad: bool, acc: torch.dtype) -> Operand:
     x = x.detach().contiguous()
     rows, num_dims = x.shape[0], len(spec.dims)
     norms = inv = None
@@ -147,10 +93,10 @@ def _operand(x: Tensor, spec: InfoNCESpec, need_grad: bool, acc: torch.dtype) ->
         inv = torch.ones(1, dtype=acc, device=x.device)
     grad = torch.zeros(x.shape, dtype=acc, device=x.device) if need_grad else None
     r = torch.zeros(rows, num_dims, dtype=acc, device=x.device) if need_grad and spec.cosine else None
-    return _Operand(x, inv, norms, grad, r)
+    return Operand(x, inv, norms, grad, r)
 
 
-def _operands(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, acc) -> dict[str, _Operand]:
+def _operands(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, acc) -> dict[str, Operand]:
     """The row/column sets the directions use: "q", "c", "w" (only when used) and "d" (views into "c")."""
     ops = {"q": _operand(queries, spec, need_grad, acc), "c": _operand(docs, spec, need_grad, acc)}
     if {"query_to_query", "doc_to_query"} & set(spec.directions):
@@ -160,156 +106,8 @@ def _operands(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, 
     def view(t):
         return None if t is None else t[local]
 
-    ops["d"] = _Operand(c.x[local], c.inv[local] if spec.cosine else c.inv, view(c.norms), view(c.grad), view(c.r))
+    ops["d"] = Operand(c.x[local], c.inv[local] if spec.cosine else c.inv, view(c.norms), view(c.grad), view(c.r))
     return ops
-
-
-def _direction_consts(spec: InfoNCESpec, direction: str) -> dict:
-    """The kernels' constexprs for one direction: ``MASK_CODES`` of its mask, the hardness as bit flags, the
-    duplicate mask (DUP) and whether column offset + i is the row's partner, which it never removes (PARTNER)."""
-    mask, penalised = DIRECTIONS[direction].mask, spec.penalised
-    hardness = 0
-    if DIRECTIONS[direction].label and penalised is not None:
-        hardness = HARD_OTHERS * penalised.others + HARD_OWN_HARD_NEGATIVES * penalised.own_hard_negatives
-    partner = spec.mask_duplicates and DIRECTIONS[direction].partner
-    return dict(
-        K=len(spec.dims),
-        COSINE=spec.cosine,
-        MASK=MASK_CODES[mask],
-        HARD=hardness,
-        DUP=spec.mask_duplicates,
-        PARTNER=partner,
-    )
-
-
-def _ids(duplicates: DuplicateMask | None, direction: str, device) -> tuple[Tensor, Tensor, int]:
-    """The kernels' (ROW_IDS (rows, L) int32, COL_IDS (cols,) int32, L) of one direction; placeholders without the
-    duplicate mask (the kernels never read them then)."""
-    if duplicates is None:
-        placeholder = torch.zeros(1, dtype=torch.int32, device=device)
-        return placeholder, placeholder, 1
-    forbidden = duplicates.forbidden[DIRECTIONS[direction].rows].to(torch.int32).contiguous()
-    codes = duplicates.codes[DIRECTIONS[direction].cols].to(torch.int32).contiguous()
-    return forbidden, codes, forbidden.shape[1]
-
-
-def _scalars(spec: InfoNCESpec) -> tuple:
-    """offset, Bw, scale and strength in log2 units (the kernels use exp2)."""
-    return spec.offset, spec.world_batch_size, spec.scale * LOG2E, spec.hardness_strength * LOG2E
-
-
-def _tune_key(kind: str, x: _Operand, y: _Operand, consts: dict, dtype) -> tuple:
-    """Shapes rounded up to powers of two (rows, columns) and to a multiple of 64 (features)."""
-    d = -(-x.x.shape[1] // 64) * 64
-    return (kind, *_round_key(x.x.shape[0], y.x.shape[0]), d, dtype, tuple(sorted(consts.items())), x.x.device)
-
-
-def _launch_lse(x: _Operand, y: _Operand, dims: Tensor, lse: Tensor, spec, direction, types, tile_rows, ids) -> dict:
-    """lse (K, B) view: per-row LSE of one direction, all dims. Returns {"lse": the tile config used}."""
-    consts = {**_direction_consts(spec, direction), **types.consts}
-    consts.pop("GD"), consts.pop("PREC_GRAD")
-    consts["KP"] = triton.next_power_of_2(len(spec.dims))
-    n_rows, n_cols = x.x.shape[0], y.x.shape[0]
-
-    def launch(cfg: TileConfig, outputs):
-        (out,) = outputs
-        _lse_kernel[(triton.cdiv(n_rows, cfg.block_rows),)](
-            x.x,
-            x.x.stride(0),
-            x.inv,
-            n_rows,
-            y.x,
-            y.x.stride(0),
-            y.inv,
-            n_cols,
-            dims,
-            out,
-            out.stride(0),
-            *_scalars(spec),
-            *ids,
-            **consts,
-            BM=cfg.block_rows,
-            BN=cfg.block_cols,
-            BD=cfg.block_d,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-
-    key = _tune_key("lse", x, y, consts, x.x.dtype)
-    config = pick_config(key, x.x.dtype, launch, [lse], tile_rows)
-    launch(config, [lse])
-    return {"lse": config}
-
-
-def _launch_grads(x: _Operand, y: _Operand, dims, weights, nrm2, spec, direction, types, tile_rows, ids) -> dict:
-    """x.grad/x.r += row side and y.grad/y.r += column side of one direction's softmax gradient.
-    Returns {"rows": config, "cols": config}, the tile configs used."""
-    consts = {**_direction_consts(spec, direction), **types.consts}
-    n_rows, n_cols = x.x.shape[0], y.x.shape[0]
-    placeholder = x.inv  # RX/RY are only touched for cosine similarity
-    scalars = (*_scalars(spec), *ids)
-
-    def launch_rows(cfg: TileConfig, outputs):
-        dx, rx = outputs
-        _row_grad_kernel[(triton.cdiv(n_rows, cfg.block_rows),)](
-            x.x,
-            x.x.stride(0),
-            x.inv,
-            dx,
-            dx.stride(0),
-            rx,
-            n_rows,
-            y.x,
-            y.x.stride(0),
-            y.inv,
-            n_cols,
-            dims,
-            weights,
-            nrm2,
-            *scalars,
-            **consts,
-            BM=cfg.block_rows,
-            BN=cfg.block_cols,
-            BD=cfg.block_d,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-
-    def launch_cols(cfg: TileConfig, outputs):
-        dy, ry = outputs
-        _col_grad_kernel[(triton.cdiv(n_cols, cfg.block_cols),)](
-            x.x,
-            x.x.stride(0),
-            x.inv,
-            n_rows,
-            y.x,
-            y.x.stride(0),
-            y.inv,
-            dy,
-            dy.stride(0),
-            ry,
-            n_cols,
-            dims,
-            weights,
-            nrm2,
-            *scalars,
-            **consts,
-            BM=cfg.block_rows,
-            BN=cfg.block_cols,
-            BD=cfg.block_d,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-
-    used = {}
-    for kind, launch, outputs in (
-        ("rows", launch_rows, [x.grad, placeholder if x.r is None else x.r]),
-        ("cols", launch_cols, [y.grad, placeholder if y.r is None else y.r]),
-    ):
-        key = _tune_key(kind, x, y, consts, x.x.dtype)
-        used[kind] = pick_config(key, x.x.dtype, launch, outputs, tile_rows)
-        launch(used[kind], outputs)
-    return used
 
 
 def _bands(spec: InfoNCESpec):
@@ -318,7 +116,7 @@ def _bands(spec: InfoNCESpec):
     return [(k, bounds[k + 1], bounds[k]) for k in range(len(spec.dims))]
 
 
-def _positive_similarities(ops: dict[str, _Operand], spec: InfoNCESpec, acc) -> Tensor:
+def _positive_similarities(ops: dict[str, Operand], spec: InfoNCESpec, acc) -> Tensor:
     """sim_k(q_i, c_{offset+i}) (K, B): row-wise band dot products summed from the smallest band up."""
     q, c = ops["q"].x, ops["d"].x
     band_dots = torch.stack([(q[:, lo:hi].to(acc) * c[:, lo:hi].to(acc)).sum(1) for _, lo, hi in _bands(spec)])
@@ -328,7 +126,7 @@ def _positive_similarities(ops: dict[str, _Operand], spec: InfoNCESpec, acc) -> 
     return dots
 
 
-def _finish_grads(ops: dict[str, _Operand], spec: InfoNCESpec, pos_sims: Tensor, live: Tensor | None) -> None:
+def _finish_grads(ops: dict[str, Operand], spec: InfoNCESpec, pos_sims: Tensor, live: Tensor | None) -> None:
     """In place: each ``grad`` becomes the gradient of sum_k w_k L_k wrt its rows.
 
     The kernels left sum_k (w_k P_k a_k b_k) @ y band by band, and r_k = sum_j w_k P_k sim_k. Here, per
@@ -410,16 +208,16 @@ def forward(
 
 
 def _forward(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, tile_rows, duplicates) -> InfoNCEResult:
-    types = _types(queries.dtype)
+    types = types_for(queries.dtype)
     device, num_dirs = queries.device, len(spec.directions)
     ops = _operands(queries, docs, world_queries, spec, need_grad, types.acc)
     dims = torch.tensor([*spec.dims, 0], dtype=torch.int64, device=device)
     mask = None if duplicates is None else DuplicateMask.build(spec, *duplicates)
-    ids = {direction: _ids(mask, direction, device) for direction in spec.directions}
+    ids = {direction: kernel_ids(mask, direction, device) for direction in spec.directions}
     lse = torch.empty(len(spec.dims), num_dirs, spec.batch_size, dtype=types.acc, device=device)
     for index, direction in enumerate(spec.directions):
         rows, cols = DIRECTIONS[direction].rows, DIRECTIONS[direction].cols
-        used = _launch_lse(ops[rows], ops[cols], dims, lse[:, index], spec, direction, types, tile_rows, ids[direction])
+        used = launch_lse(ops[rows], ops[cols], dims, lse[:, index], spec, direction, types, tile_rows, ids[direction])
 
     pos_sims = _positive_similarities(ops, spec, types.acc)
     log_z = torch.logsumexp(lse, dim=1) if spec.partition_mode == "joint" else lse.mean(dim=1)
@@ -439,7 +237,7 @@ def _forward(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, t
         rows, cols = DIRECTIONS[direction].rows, DIRECTIONS[direction].cols
         nrm2 = nrm * LOG2E if live is None else torch.where(live, nrm * LOG2E, math.inf)  # +inf: a gradient of 0
         used.update(
-            _launch_grads(
+            launch_grads(
                 ops[rows],
                 ops[cols],
                 dims,
