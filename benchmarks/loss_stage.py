@@ -77,6 +77,19 @@ def _stock_gist_loss(dim: int, dims: list[int], mini_batch_size: int):
     return MatryoshkaLoss(model, base, dims).loss.calculate_loss
 
 
+def _ours(q, c, dims, backend: str, options: dict):
+    """Ours, forward + backward once: one op call for all dims over the batch's embeddings (leaves sharing q's and
+    c's storage), with the op's keyword ``options``."""
+
+    def run():
+        queries, docs = q.detach().requires_grad_(), c.detach().requires_grad_()
+        loss = matryoshka_infonce(queries, docs, dims=dims, backend=backend, **options)
+        loss.backward()
+        return loss
+
+    return run
+
+
 def contenders(q, c, dims, mini_batch_size: int, device: str, guide=None) -> dict:
     """name -> zero-argument callable running the loss stage forward + backward once; ``guide``: a guide's
     (query, doc) embeddings for the GISTEmbed contest."""
@@ -99,19 +112,9 @@ def contenders(q, c, dims, mini_batch_size: int, device: str, guide=None) -> dic
         reps = [[m.detach().requires_grad_() for m in split(x)] for x in (q, c)]
         return stock_calculate(reps, *stock_args, with_backward=True)
 
-    def ours(backend):
-        def run():
-            # One op call for all dims over the batch's embeddings (leaves sharing q's and c's storage).
-            queries, docs = q.detach().requires_grad_(), c.detach().requires_grad_()
-            loss = matryoshka_infonce(queries, docs, dims=dims, backend=backend, **options)
-            loss.backward()
-            return loss
-
-        return run
-
-    runs = {"stock": stock, "chunked": ours("chunked")}
+    runs = {"stock": stock, "chunked": _ours(q, c, dims, "chunked", options)}
     if device == "cuda" and guide is None:
-        runs["triton"] = ours("triton")
+        runs["triton"] = _ours(q, c, dims, "triton", options)
     return runs
 
 
@@ -124,18 +127,6 @@ def duplicate_ids(batch: int, device: str, every: int = 50) -> tuple[torch.Tenso
     repeated = repeated[repeated + 1 < batch] + 1
     positives[repeated] = positives[repeated - 1]
     return anchors.to(device), positives.to(device)
-
-
-def _ours(q, c, dims, backend: str, options: dict):
-    """Ours, forward + backward once over the batch's embeddings (leaves sharing q's and c's storage)."""
-
-    def run():
-        queries, docs = q.detach().requires_grad_(), c.detach().requires_grad_()
-        loss = matryoshka_infonce(queries, docs, dims=dims, backend=backend, **options)
-        loss.backward()
-        return loss
-
-    return run
 
 
 def mask_contest(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=5, device="cpu"):
