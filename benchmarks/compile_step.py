@@ -224,14 +224,14 @@ def pair(args) -> list[tuple]:
     """``--pair CONTENDER``: eager and CONTENDER side by side in this process, every B; the rows."""
     import torch
 
-    from benchmarks.train_step import load_pairs
+    from benchmarks.train_step import training_pairs
 
     torch.set_num_threads(args.threads)
     if args.backend == "inductor":
         import torch._inductor.config
 
         torch._inductor.config.fx_graph_cache = False  # every B compiles afresh: warmup_seconds is a first run's
-    pairs = load_pairs(max(args.sizes) * args.batches)
+    pairs = training_pairs(max(args.sizes) * args.batches)
     names = ["eager"] + ([args.pair] if args.pair != "eager" else [])
     return [row for batch in args.sizes for row in run_size(batch, args, pairs, names)]
 

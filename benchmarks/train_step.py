@@ -105,8 +105,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # --------------------------------------------------------------------------------------------- set-up
 
 
-def load_pairs(rows: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
-    """(anchor, positive) pairs of the built-in data, both splits, shuffled with ``seed``; ``rows`` of them."""
+def training_pairs(rows: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
+    """(anchor, positive) tuples of the built-in data, both splits, shuffled with ``seed``; ``rows`` of them (the main
+    job's split ``datasets`` are :func:`st_cached_losses.cli.data.load_pairs`)."""
     from st_cached_losses.cli.stdlib_data import load_stdlib_dataset
 
     data = load_stdlib_dataset()
@@ -608,7 +609,7 @@ def main(argv=None) -> list[dict] | None:
     if args.data:
         pairs = [tuple(pair) for pair in json.loads(args.data.read_text())][: args.rows]
     else:
-        pairs = load_pairs(args.rows)
+        pairs = training_pairs(args.rows)
     runner = run_in_process if in_process else run
     title = (
         f"Training step (forward + backward, {Path(args.model).name}, dims {args.dims[0]}..{args.dims[-1]}, "
