@@ -1,15 +1,18 @@
-"""The built-in stdlib code-search dataset: content, de-duplication, determinism, split."""
+"""The built-in stdlib code-search dataset: content, de-duplication, determinism, split; the main job's data
+loading: rows without text are dropped with one warning."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
 
 import pytest
 
+from st_cached_losses.cli.data import load_pairs
 from st_cached_losses.cli.stdlib_data import SKIPPED_MODULES, deduplicate, load_stdlib_dataset, split_of, stdlib_pairs
 
 
@@ -126,3 +129,29 @@ def test_ctrl_c_while_importing_a_module_is_not_swallowed(monkeypatch):
     monkeypatch.setattr(data.importlib, "import_module", importing(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         data._quiet_import("somemodule")
+
+
+def _write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_rows_without_text_are_dropped_with_one_warning(tmp_path, caplog):
+    """An empty anchor and a null positive: both rows dropped, one warning with the count and each reason; a clean
+    file: no warning."""
+    rows = [{"anchor": f"query {i}", "positive": f"doc {i}"} for i in range(6)]
+    rows[1]["anchor"] = ""
+    rows[4]["positive"] = None
+    caplog.set_level(logging.WARNING, logger="st_cached_losses")
+    train, test = load_pairs(_write_jsonl(tmp_path / "pairs.jsonl", rows), seed=0)
+    assert len(train) + len(test) == 4
+    assert sorted([*train["anchor"], *test["anchor"]]) == ["query 0", "query 2", "query 3", "query 5"]
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and record.name == "st_cached_losses.cli.data"
+    message = record.getMessage()
+    assert message.startswith(f"dropped 2 of 6 rows of {tmp_path / 'pairs.jsonl'}"), message
+    assert "empty 'anchor' (1)" in message and "null or missing 'positive' (1)" in message, message
+
+    caplog.clear()
+    load_pairs(_write_jsonl(tmp_path / "clean.jsonl", [rows[0], rows[2], rows[3], rows[5]]), seed=0)
+    assert caplog.records == []

@@ -2,12 +2,14 @@
 
 :func:`load_pairs` gives the train and held-out ``datasets.Dataset`` s with only the columns ``anchor``,
 ``positive`` and ``negative*`` (:func:`pair_columns`); a source without a held-out split is split with the seed
-(:func:`split_held_out`). Bad data raises :class:`~st_cached_losses.cli.usage.UsageError`; :func:`warn_degenerate`
-warns of data that trains or evaluates poorly.
+(:func:`split_held_out`). Bad data raises :class:`~st_cached_losses.cli.usage.UsageError`; rows without text are
+dropped with one logged warning per source or split (:func:`_with_text`); :func:`warn_degenerate` warns of data that
+trains or evaluates poorly.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -17,6 +19,8 @@ import datasets
 
 from .stdlib_data import load_stdlib_dataset
 from .usage import UsageError, first_line, warn
+
+logger = logging.getLogger(__name__)  # under "st_cached_losses", whose records the command line shows on stderr
 
 __all__ = ["load_pairs", "looks_like_path", "pair_columns", "single_pair_batches", "split_held_out", "warn_degenerate"]
 
@@ -93,9 +97,29 @@ def _read_file(spec: str, suffix: str):
         raise UsageError(f"--dataset {spec!r} cannot be read: {first_line(error)}") from error
 
 
-def _with_text(data, columns: list[str]):
-    """``data`` restricted to ``columns`` and to the rows whose every one of them is a non-empty string."""
-    return data.select_columns(columns).filter(lambda row: all(isinstance(row[c], str) and row[c] for c in columns))
+def _with_text(data, columns: list[str], source: str) -> tuple[datasets.Dataset, str | None]:
+    """(``data`` restricted to ``columns`` and to the rows whose every one of them is a non-empty string, the
+    warning to give when that dropped rows: how many of ``source`` and why (:func:`_missing_text`), else None)."""
+    kept = data.select_columns(columns).filter(lambda row: all(isinstance(row[c], str) and row[c] for c in columns))
+    if len(kept) == len(data):
+        return kept, None
+    dropped = f"dropped {len(data) - len(kept)} of {len(data)} rows of {source} for a missing text"
+    return kept, f"{dropped}: {_missing_text(data, columns)}"
+
+
+def _missing_text(data, columns: list[str]) -> str:
+    """Why rows of ``data`` lack a text, per column, with the count of rows: e.g. "empty 'anchor' (1), null or missing
+    'positive' (1)" (a row may count under several columns)."""
+    reasons = Counter()
+    for column in columns:
+        for value in data[column]:
+            if value is None:
+                reasons["null or missing", column] += 1
+            elif not isinstance(value, str):
+                reasons["non-string", column] += 1
+            elif not value:
+                reasons["empty", column] += 1
+    return ", ".join(f"{reason} {column!r} ({count})" for (reason, column), count in reasons.items())
 
 
 def split_held_out(data, spec: str, seed: int):
@@ -118,8 +142,8 @@ def load_pairs(spec: str, seed: int, max_train: int | None = None, max_eval: int
 
     ``spec`` is "stdlib" (the built-in dataset; "stdlib-dups" with its duplicate docstrings), a local
     .jsonl/.json/.csv/.parquet file or a Hub dataset id (ID or ID:SUBSET). Rows with an empty or missing text are
-    dropped; a source without a held-out split is split (:func:`split_held_out`); ``max_train`` / ``max_eval`` keep a
-    seeded random subset.
+    dropped, with a warning that counts them (:func:`_with_text`); a source without a held-out split is split
+    (:func:`split_held_out`); ``max_train`` / ``max_eval`` keep a seeded random subset.
 
     Raises:
         UsageError: an unknown, empty or unreadable file or dataset, missing columns, an empty split, or too few
@@ -127,14 +151,17 @@ def load_pairs(spec: str, seed: int, max_train: int | None = None, max_eval: int
     """
     train, test = _read_dataset(spec)
     columns = pair_columns(train.column_names, spec)
-    train = _with_text(train, columns)
     if test is None:
+        train, dropped = _with_text(train, columns, spec)
+        drops = [dropped]
         train, test = split_held_out(train, spec, seed)
     else:
         missing = [column for column in columns if column not in test.column_names]
         if missing:
             raise UsageError(f"--dataset {spec!r}: the held-out split lacks the training split's columns {missing}")
-        test = _with_text(test, columns)
+        train, dropped_train = _with_text(train, columns, f"{spec}'s training split")
+        test, dropped_test = _with_text(test, columns, f"{spec}'s held-out split")
+        drops = [dropped_train, dropped_test]
     out = []
     for name, data, limit in (("train", train, max_train), ("held-out", test, max_eval)):
         if limit is not None and limit < len(data):
@@ -142,6 +169,8 @@ def load_pairs(spec: str, seed: int, max_train: int | None = None, max_eval: int
         if len(data) == 0:
             raise UsageError(f"--dataset {spec!r}: the {name} split has no rows with text in {columns}")
         out.append(data)
+    for dropped in filter(None, drops):  # only now: bad input stays one line (the UsageError's)
+        logger.warning(dropped)
     return out[0], out[1]
 
 
