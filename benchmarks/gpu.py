@@ -1,7 +1,7 @@
 """One offline command for a CUDA machine: the kernels' correctness, the loss stage, whole training steps.
 
-    python -m benchmarks.gpu --model .gpu/minilm        # about 10 minutes on one H100 -> benchmarks/results/gpu/
-    python -m benchmarks.gpu --quick --model .gpu/minilm  # about 2 minutes: fewer cases and sizes
+    python -m benchmarks.gpu --model .gpu/minilm        # est. 10 minutes on one H100 -> benchmarks/results/gpu/
+    python -m benchmarks.gpu --quick --model .gpu/minilm  # est. 2 minutes: fewer cases and sizes
     python -m benchmarks.gpu --dry-run --out /tmp/gpu   # any machine: every step at tiny sizes on the CPU, the
                                                         # chunked backend standing in for Triton (run in CI)
 
@@ -538,7 +538,7 @@ def parse_args(argv=None):
         help="'minilm' (the packaged all-MiniLM-L6-v2) or a local model "
         "directory, e.g. an offline copy (default: minilm)",
     )
-    parser.add_argument("--quick", action="store_true", help="fewer cases and sizes: about 2 minutes on one H100")
+    parser.add_argument("--quick", action="store_true", help="fewer cases and sizes: est. 2 minutes on one H100")
     parser.add_argument(
         "--dry-run",
         action="store_true",
