@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .errors import TritonUnavailableError
+from .memory import Memory
 from .result import InfoNCEResult
 from .spec import InfoNCESpec
 from .triton.probe import unusable_reason as triton_unusable_reason
@@ -53,8 +54,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Backend:
     """One loss-stage backend: ``module`` (relative to ``st_cached_losses.ops``) defines ``forward(queries, docs,
-    world_queries, spec, need_grad, tile_rows=None, guide=None, duplicates=None) -> InfoNCEResult``; imported at
-    its first use, so Triton is imported only where it runs."""
+    world_queries, spec, need_grad, tile_rows=None, guide=None, duplicates=None, memory=None) -> InfoNCEResult``;
+    imported at its first use, so Triton is imported only where it runs."""
 
     name: str
     module: str
@@ -70,10 +71,19 @@ class Backend:
         tile_rows: int | None = None,
         guide: tuple[Tensor, Tensor] | None = None,
         duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+        memory: Memory | None = None,
     ) -> InfoNCEResult:
         module = importlib.import_module(self.module, __package__)
         return module.forward(
-            queries, docs, world_queries, spec, need_grad, tile_rows=tile_rows, guide=guide, duplicates=duplicates
+            queries,
+            docs,
+            world_queries,
+            spec,
+            need_grad,
+            tile_rows=tile_rows,
+            guide=guide,
+            duplicates=duplicates,
+            memory=memory,
         )
 
 
@@ -121,10 +131,12 @@ def run_backend(
     chunk_size: int | None = None,
     guide: tuple[Tensor, Tensor] | None = None,
     duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    memory: Memory | None = None,
 ) -> InfoNCEResult:
     """One backend's forward by name (no "auto", no fallback; the tests compare them on the same inputs):
     ``chunk_size`` as in ``matryoshka_infonce``, ``guide`` the guide model's (queries, docs) embeddings,
-    ``duplicates`` the text ids ``(query_ids, doc_ids, world_query_ids or None)`` of ``spec.mask_duplicates``.
+    ``duplicates`` the text ids ``(query_ids, doc_ids, world_query_ids or None)`` of ``spec.mask_duplicates``,
+    ``memory`` the banked documents (``spec.num_memory`` of them).
 
     Raises:
         ValueError: an unknown name; ids without ``spec.mask_duplicates`` or the reverse.
@@ -133,8 +145,18 @@ def run_backend(
         raise ValueError(f"Unknown backend {name!r}: choose from {tuple(REGISTRY)}.")
     if spec.mask_duplicates != (duplicates is not None):
         raise ValueError("pass duplicates=(query_ids, doc_ids, world_query_ids) exactly when spec.mask_duplicates.")
+    if spec.num_memory != (0 if memory is None else memory.size):
+        raise ValueError("pass memory (its spec.num_memory banked documents) exactly when spec.num_memory > 0.")
     return REGISTRY[name].forward(
-        queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size, guide=guide, duplicates=duplicates
+        queries,
+        docs,
+        world_queries,
+        spec,
+        need_grad,
+        tile_rows=chunk_size,
+        guide=guide,
+        duplicates=duplicates,
+        memory=memory,
     )
 
 

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .duplicates import DuplicateMask
 from .false_negatives import Guide, num_candidates
+from .memory import Memory
 from .result import InfoNCEResult
 from .spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
 
@@ -41,7 +42,7 @@ _MAX_UNSHIFTED_BOUND = 40.0
 
 def default_tile_rows(spec: InfoNCESpec, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
     """Rows per tile so that all of a tile's temporaries fit in ``tile_bytes`` (fp32 scores)."""
-    sizes = {"c": spec.num_docs, "p": spec.world_batch_size, "w": spec.world_batch_size, "q": spec.batch_size}
+    sizes = {"c": spec.num_doc_columns, "p": spec.world_batch_size, "w": spec.world_batch_size, "q": spec.batch_size}
     columns = sum(sizes[DIRECTIONS[d].cols] for d in spec.directions)
     per_row = 4 * columns * (len(spec.dims) + 1)  # K prefix dot products + one exp / gradient buffer
     if spec.false_negatives is not None:
@@ -58,6 +59,7 @@ def forward(
     tile_rows: int | None = None,
     guide: tuple[Tensor, Tensor] | None = None,
     duplicates=None,
+    memory: Memory | None = None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) gradients, one sweep over row tiles.
 
@@ -66,9 +68,11 @@ def forward(
     their gradients, O((B + M) * K) scalars and one tile of ``chunk x columns x (K + 1)`` scores.
     ``guide``: a guide model's (queries, docs) embeddings for ``spec.false_negatives`` (whose mask each tile
     computes once, for all dims); ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) of
-    ``spec.mask_duplicates``, whose removed candidates are listed sparsely and set to -inf in each tile.
+    ``spec.mask_duplicates``, whose removed candidates are listed sparsely and set to -inf in each tile;
+    ``memory``: banked documents, scored as columns after the docs' in the same tiles, with no gradient computed for
+    them (no column-gradient matmul, no copy next to the docs).
     """
-    sweep = _Sweep(queries, docs, world_queries, spec, need_grad, guide, duplicates)
+    sweep = _Sweep(queries, docs, world_queries, spec, need_grad, guide, duplicates, memory)
     rows = tile_rows or default_tile_rows(spec)
     for begin in range(0, spec.batch_size, rows):
         sweep.tile(begin, min(begin + rows, spec.batch_size))
@@ -78,7 +82,9 @@ def forward(
 class _Sweep:
     """State of one forward sweep: inputs, prefix norms, workspaces and gradient accumulators."""
 
-    def __init__(self, queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, guide=None, duplicates=None):
+    def __init__(
+        self, queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, guide=None, duplicates=None, memory=None
+    ):
         dtype = torch.promote_types(queries.dtype, torch.float32)
         device, positives = queries.device, slice(0, spec.world_batch_size)
         self.spec, self.need_grad, self.input_dtype = spec, need_grad, queries.dtype
@@ -88,13 +94,20 @@ class _Sweep:
         self.inv_norms = {key: _inverse_prefix_norms(x, spec) for key, x in self.sources.items()}
         # "p", the positives, are the first Bw docs: views, so their gradients land in the docs'.
         self.sources["p"], self.inv_norms["p"] = self.sources["c"][positives], self.inv_norms["c"][:, positives]
+        # Banked documents ("m") follow the docs in the columns of "c" directions; (K, columns) scale factors.
+        self.memory = None if memory is None else memory.docs.to(dtype)
+        self.col_inv = dict(self.inv_norms)
+        if self.memory is not None:
+            self.col_inv["c"] = torch.cat([self.inv_norms["c"], _inverse_prefix_norms(self.memory, spec)], dim=1)
         self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
         self.lse = torch.empty(len(spec.dims), len(self.directions), spec.batch_size, dtype=dtype, device=device)
         self.workspaces: dict[int, list[Tensor]] = {}  # direction index -> K + 1 tile buffers
         self.filter = (
-            None if spec.false_negatives is None else Guide.build(queries, docs, world_queries, spec, guide, dtype)
+            None
+            if spec.false_negatives is None
+            else Guide.build(queries, docs, world_queries, spec, guide, dtype, memory)
         )
-        self.duplicates = None if duplicates is None else DuplicateMask.build(spec, *duplicates)
+        self.duplicates = None if duplicates is None else DuplicateMask.build(spec, *duplicates, memory=memory)
         self.dropped, self.candidates = torch.zeros((), device=device), 0
         if need_grad:
             uses_world = any(d.cols == "w" for d in self.directions)
@@ -133,23 +146,25 @@ class _Sweep:
         for index, (name, direction) in enumerate(zip(spec.directions, self.directions)):
             rows, row_inv, row_key, row_slice = self._rows(direction, begin, end)
             cols = self.sources[direction.cols]
-            buffers = self._workspace(index, count, cols.shape[0])
-            _band_dots(rows, cols, spec.dims, buffers[1:])
+            memory = self.memory if direction.cols == "c" else None
+            width = cols.shape[0] + (0 if memory is None else memory.shape[0])
+            buffers = self._workspace(index, count, width)
+            _band_dots(rows, cols, spec.dims, buffers[1:], memory)
             dropped, removed = masks.get(name), None
             if self.duplicates is not None:
                 removed = self.duplicates.tile(name, begin, end)
                 if dropped is not None:  # with the filter: one boolean tile of both
                     dropped[removed], removed = True, None
-            scored = torch.full((count,), num_candidates(direction, spec, 1, cols.shape[0]), device=rows.device)
+            scored = torch.full((count,), num_candidates(direction, spec, 1, width), device=rows.device)
             if dropped is not None or removed is not None:
                 lost = dropped.sum(dim=1) if dropped is not None else self.duplicates.removed_per_row(name)[begin:end]
                 self.dropped += lost.sum()
-                self.candidates += num_candidates(direction, spec, count, cols.shape[0])
+                self.candidates += num_candidates(direction, spec, count, width)
                 scored -= lost
             candidates.append(scored + direction.partner)
             tiles.append(
                 _TileDirection(
-                    direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, dropped, removed
+                    direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, dropped, removed, memory
                 )
             )
         # A row whose softmax holds one candidate has loss and gradient exactly 0 (rounding would leave ~1e-7).
@@ -160,7 +175,7 @@ class _Sweep:
     def _dim(self, k: int, tiles: list[_TileDirection], begin: int, end: int, single: Tensor) -> None:
         spec = self.spec
         for t in tiles:
-            t.exponentiate(k, self.inv_norms[t.direction.cols][k])
+            t.exponentiate(k, self.col_inv[t.direction.cols][k])
         lse = torch.stack([t.lse for t in tiles])  # (ndir, rows)
         self.lse[k, :, begin:end] = lse
         log_norm = torch.logsumexp(lse, dim=0) if spec.partition_mode == "joint" else lse.mean(dim=0)
@@ -172,13 +187,13 @@ class _Sweep:
         normaliser = log_norm if spec.partition_mode == "joint" else None
         for t in tiles:
             col_key = t.direction.cols
-            terms = t.backpropagate(k, self.inv_norms[col_key][k], normaliser, share, ~single)
+            terms = t.backpropagate(k, self.col_inv[col_key][k], normaliser, share, ~single)
             if terms is not None:
                 row_terms, col_terms = terms
                 dim = spec.dims[k]
                 row_grad = self.grads[t.row_key][t.row_slice, :dim]
                 row_grad.addcmul_(t.rows[:, :dim], (row_terms * t.row_inv[k] ** 2)[:, None], value=-1.0)
-                self.col_norm_terms[col_key][k] += col_terms
+                self.col_norm_terms[col_key][k] += col_terms[: self.sources[col_key].shape[0]]  # banked: none
             t.band_gradients(k, self.grads[t.row_key][t.row_slice], self.grads[col_key])
 
     def result(self) -> InfoNCEResult:
@@ -225,6 +240,7 @@ class _TileDirection:
         spec: InfoNCESpec,
         dropped,
         removed=None,
+        memory=None,
     ):
         self.direction, self.rows, self.row_inv, self.row_key, self.row_slice = (
             direction,
@@ -236,6 +252,7 @@ class _TileDirection:
         # dropped: (rows, cols) bool tile of the filter (and duplicates);
         # removed: (rows, cols) index pairs of duplicates
         self.cols, self.buffers, self.spec, self.dropped, self.removed = cols, buffers, spec, dropped, removed
+        self.memory = memory  # banked columns after ``cols`` (no gradient), or None
         count = rows.shape[0]
         self.row_index = torch.arange(count, device=rows.device)
         own = self.row_index + (begin if direction.cols == "q" else spec.offset + begin)  # "q": local columns
@@ -337,13 +354,21 @@ class _TileDirection:
         """Backpropagate A_1 + ... + A_k through band k's matmul into both operands' gradients."""
         dims = self.spec.dims
         lo, hi = (dims[k + 1] if k + 1 < len(dims) else 0), dims[k]
-        total = self.buffers[0]
-        row_grad[:, lo:hi].addmm_(total, self.cols[:, lo:hi])
-        col_grad[:, lo:hi].addmm_(total.T, self.rows[:, lo:hi])
+        total, width = self.buffers[0], self.cols.shape[0]
+        row_grad[:, lo:hi].addmm_(total[:, :width], self.cols[:, lo:hi])
+        col_grad[:, lo:hi].addmm_(total[:, :width].T, self.rows[:, lo:hi])
+        if self.memory is not None:  # the banked columns pass their share to the rows, and take none
+            row_grad[:, lo:hi].addmm_(total[:, width:], self.memory[:, lo:hi])
 
 
-def _band_dots(rows: Tensor, cols: Tensor, dims: tuple[int, ...], out: list[Tensor]) -> None:
-    """out[k] = rows[:, :dims[k]] @ cols[:, :dims[k]].T for every k, with the matmul work of dims[0]."""
+def _band_dots(rows: Tensor, cols: Tensor, dims: tuple[int, ...], out: list[Tensor], memory=None) -> None:
+    """out[k] = rows[:, :dims[k]] @ cols[:, :dims[k]].T for every k, with the matmul work of dims[0]; with a
+    ``memory``, its columns follow ``cols``' in each ``out[k]`` (written in place: no concatenated copy)."""
+    if memory is not None:
+        width = cols.shape[0]
+        _band_dots(rows, cols, dims, [o[:, :width] for o in out])
+        _band_dots(rows, memory, dims, [o[:, width:] for o in out])
+        return
     smallest = len(dims) - 1
     torch.mm(rows[:, : dims[smallest]], cols[:, : dims[smallest]].T, out=out[smallest])
     for k in range(smallest - 1, -1, -1):

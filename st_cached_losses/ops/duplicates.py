@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from .false_negatives import kept_columns, num_candidates
+from .memory import Memory
 from .spec import DIRECTIONS, InfoNCESpec
 
 __all__ = ["DuplicateMask", "check_ids"]
@@ -98,16 +99,32 @@ class DuplicateMask:
     _removed: dict[str, tuple[Tensor, Tensor, list[int], Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, spec: InfoNCESpec, query_ids: Tensor, doc_ids: Tensor, world_query_ids: Tensor | None = None):
+    def build(
+        cls,
+        spec: InfoNCESpec,
+        query_ids: Tensor,
+        doc_ids: Tensor,
+        world_query_ids: Tensor | None = None,
+        memory: Memory | None = None,
+    ):
         """From the op's ids: ``query_ids`` (B,), ``doc_ids`` (M,), ``world_query_ids`` (Bw,) or None (not
-        gathered: ``query_ids``)."""
+        gathered: ``query_ids``); with a ``memory``, its ``doc_ids`` are the columns after the docs' and its
+        ``pair_ids`` (query, positive) more rows of the world batch for rule (3)."""
         world_ids = query_ids if world_query_ids is None else world_query_ids
-        _, inverse = torch.unique(torch.cat([world_ids, doc_ids]), return_inverse=True)
+        banked = [] if memory is None else [memory.doc_ids, memory.pair_ids[:, 0], memory.pair_ids[:, 1]]
+        _, inverse = torch.unique(torch.cat([world_ids, doc_ids, *banked]), return_inverse=True)
         num_codes = int(inverse.max()) + 1
-        bw, local = spec.world_batch_size, slice(spec.offset, spec.offset + spec.batch_size)
-        anchors, docs = inverse[:bw], inverse[bw:]
-        codes = {"w": anchors, "q": anchors[local], "c": docs, "p": docs[:bw]}
-        targets = {"q": (anchors, docs[:bw]), "d": (docs[:bw], anchors)}  # row side -> (own, target) of world rows
+        bw, m, local = spec.world_batch_size, doc_ids.shape[0], slice(spec.offset, spec.offset + spec.batch_size)
+        anchors, docs = inverse[:bw], inverse[bw : bw + m]
+        own, target = anchors, docs[:bw]  # the (query, positive) pairs of the world batch, then of the bank
+        columns = docs
+        if memory is not None:
+            km, kp = memory.size, memory.pair_ids.shape[0]
+            columns = torch.cat([docs, inverse[bw + m : bw + m + km]])
+            pairs = inverse[bw + m + km :]
+            own, target = torch.cat([anchors, pairs[:kp]]), torch.cat([docs[:bw], pairs[kp:]])
+        codes = {"w": anchors, "q": anchors[local], "c": columns, "p": docs[:bw]}
+        targets = {"q": (own, target), "d": (target, own)}  # row side -> (own, target) of every pair
         sides = {DIRECTIONS[name].rows for name in spec.directions}
         forbidden = {side: _forbidden(*targets[side], local, num_codes) for side in sides}
         return cls(spec, codes, forbidden, num_codes)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .memory import Memory
 from .spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
 
 
@@ -27,11 +28,24 @@ class Guide:
     operands: dict[str, Tensor]
 
     @classmethod
-    def build(cls, queries, docs, world_queries, spec: InfoNCESpec, guide: tuple[Tensor, Tensor] | None, dtype):
-        """``guide``: (guide queries (B, Dg), guide docs (M, Dg)) of a guide model, or None for the model itself."""
+    def build(
+        cls,
+        queries,
+        docs,
+        world_queries,
+        spec: InfoNCESpec,
+        guide: tuple[Tensor, Tensor] | None,
+        dtype,
+        memory: Memory | None = None,
+    ):
+        """``guide``: (guide queries (B, Dg), guide docs (M, Dg)) of a guide model, or None for the model itself;
+        ``memory``: banked documents, scored after the docs (by the guide's embeddings of them, or, self-guided, by
+        the banked embeddings)."""
         cosine = spec.cosine or spec.false_negatives.guided
         gathered = world_queries is not queries
         q, c, w = (queries, docs, world_queries) if guide is None else (guide[0], guide[1], guide[0])
+        if memory is not None:
+            c = torch.cat([c.detach(), memory.docs if guide is None else memory.guide_docs])
         q, c = (_unit(x.detach().to(dtype), cosine) for x in (q, c))
         w = _unit(w.detach().to(dtype), cosine) if gathered and guide is None else q  # one copy when not gathered
         local = slice(spec.offset, spec.offset + spec.batch_size)

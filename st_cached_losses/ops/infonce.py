@@ -9,6 +9,7 @@ the same sweep, the gradients of the weighted loss wrt. its inputs; backward onl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from .backend import TritonUnavailableError, fall_back, note_choice, run_backend, select_backend
 from .duplicates import check_ids
+from .memory import check_memory
 from .result import InfoNCEResult
 from .spec import InfoNCESpec
 
@@ -50,6 +52,10 @@ def matryoshka_infonce(
     query_ids: Tensor | None = None,
     doc_ids: Tensor | None = None,
     world_query_ids: Tensor | None = None,
+    memory_docs: Tensor | None = None,
+    memory_doc_ids: Tensor | None = None,
+    memory_pair_ids: Tensor | None = None,
+    memory_guide_docs: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """In-batch InfoNCE (multiple negatives ranking) loss, summed over Matryoshka dims with weights.
 
@@ -114,6 +120,16 @@ def matryoshka_infonce(
             doc_to_query), which is never removed. The mask is built per tile from the ids (no B x M matrix), is
             the same for every Matryoshka dim, and combines with the false-negative filter (a candidate either
             removes is removed). See ``ops/duplicates.py``.
+        memory_docs: (Km, D) banked document embeddings of earlier steps (a cross-batch memory: XBM, MoCo's queue),
+            scored as extra candidates of the directions that score documents (query_to_doc, doc_to_doc), after the
+            docs' columns, with the same dims, similarity and hardness penalty; detached: they get no gradient, and
+            the tiled backends never copy them nor hold a B x Km matrix (one tile of rows at a time). Same dtype,
+            D and device as ``queries``. Not supported by the Triton kernels ("auto" runs chunked).
+        memory_doc_ids: (Km,) int64 text ids of ``memory_docs``, with the duplicate mask (required then).
+        memory_pair_ids: (Kp, 2) int64 (query id, positive id) of every banked pair, with the duplicate mask: its
+            rule (3) then covers the bank (a banked positive of the same query is another positive).
+        memory_guide_docs: (Km, Dg) the guide model's embeddings of the banked texts, with ``guide_queries``
+            (required then); the self-guided filter scores the banked embeddings themselves.
 
     The op computes in fp32 (fp64 for fp64 inputs) whatever autocast is active; gradients come back in the
     inputs' dtype. A row whose only candidate is its positive (a batch of one pair, or a row whose other
@@ -166,12 +182,23 @@ def matryoshka_infonce(
         guide_docs=guide_docs,
         mask_duplicates=check_ids(queries, docs, world_queries, offset, query_ids, doc_ids, world_query_ids),
     )
+    memory = check_memory(
+        memory_docs,
+        memory_doc_ids,
+        memory_pair_ids,
+        memory_guide_docs,
+        queries,
+        mask_duplicates=spec.mask_duplicates,
+        guided=spec.false_negatives is not None and spec.false_negatives.guided,
+    )
+    if memory is not None:
+        spec = dataclasses.replace(spec, num_memory=memory.size)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None (automatic), got {chunk_size!r}.")
     name, reason = select_backend(queries.device, backend)
     if name == "triton" and backend == "auto" and not _triton_host().supports(spec):
         name, reason = "chunked", "auto: the Triton kernels do not support these options"
-    nonfinite_input = _first_nonfinite(queries=queries, docs=docs, world_queries=world_queries)
+    nonfinite_input = _first_nonfinite(queries=queries, docs=docs, world_queries=world_queries, memory_docs=memory_docs)
     if nonfinite_input is not None:
         if not _propagates_nonfinite(nonfinite, queries):
             raise ValueError(
@@ -184,26 +211,28 @@ def matryoshka_infonce(
     duplicates = (query_ids, doc_ids, world_query_ids) if spec.mask_duplicates else None
     with _autocast_off(queries.device):
         loss, per_dim, masked_share = _MatryoshkaInfoNCE.apply(
-            queries, docs, world_queries, spec, name, reason, chunk_size, guide, duplicates
+            queries, docs, world_queries, spec, name, reason, chunk_size, guide, duplicates, memory
         )
     extra = [per_dim] * return_per_dim + [masked_share] * return_masked_share
     return (loss, *extra) if extra else loss
 
 
-def _run(name, reason, queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates) -> InfoNCEResult:
+def _run(
+    name, reason, queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates, memory
+) -> InfoNCEResult:
     """The chosen backend's result, falling back from Triton to chunked on the auto path; exact zeros
     where every row's only candidate is its positive (the backends' rounding would leave ~1e-7 there,
     which AdamW turns into weight updates)."""
     if name == "nonfinite":
         return _nan_result(queries, docs, world_queries, spec, need_grad)
     try:
-        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates)
+        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates, memory)
     except TritonUnavailableError as error:
         if reason == "requested":
             raise
         fall_back(queries.device, error)
         name, reason = select_backend(queries.device, "auto")
-        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates)
+        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates, memory)
     note_choice(name, queries.device, reason, result.tile)
     if spec.single_candidate:
         result = result._replace(
@@ -220,10 +249,10 @@ class _MatryoshkaInfoNCE(torch.autograd.Function):
     only when an input needs them; backward scales them by grad_output (accumulation, AMP scaler)."""
 
     @staticmethod
-    def forward(ctx, queries, docs, world_queries, spec, name, reason, chunk_size, guide, duplicates):
+    def forward(ctx, queries, docs, world_queries, spec, name, reason, chunk_size, guide, duplicates, memory):
         need_grad = any(ctx.needs_input_grad[:3])
         world = queries if world_queries is None else world_queries
-        result = _run(name, reason, queries, docs, world, spec, need_grad, chunk_size, guide, duplicates)
+        result = _run(name, reason, queries, docs, world, spec, need_grad, chunk_size, guide, duplicates, memory)
         weights = torch.tensor(spec.weights, dtype=result.per_dim.dtype, device=result.per_dim.device)
         loss = (weights * result.per_dim).sum()
         per_dim = torch.empty_like(result.per_dim)
@@ -251,7 +280,7 @@ class _MatryoshkaInfoNCE(torch.autograd.Function):
                 "matryoshka_infonce computes its gradients in the forward pass and hands them over once: "
                 "call the op again instead of backpropagating twice (retain_graph=True)."
             )
-        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], *[None] * 6)
+        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], *[None] * 7)
 
 
 def _triton_host():

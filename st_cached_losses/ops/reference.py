@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .duplicates import DuplicateMask
 from .false_negatives import Guide, num_candidates
+from .memory import Memory
 from .result import InfoNCEResult
 from .spec import DIRECTIONS, NORM_EPS, InfoNCESpec
 
@@ -27,6 +28,7 @@ def forward(
     guide: tuple[Tensor, Tensor] | None = None,
     compute_dtype=None,
     duplicates=None,
+    memory: Memory | None = None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``.
 
@@ -34,13 +36,15 @@ def forward(
     dtype. ``compute_dtype=queries.dtype`` is plain PyTorch in the inputs' precision, the yardstick of the
     GPU checks (``benchmarks/cuda_checks.py``). ``guide``: a guide model's (queries, docs) embeddings for
     ``spec.false_negatives``; ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) for
-    ``spec.mask_duplicates``. ``tile_rows`` is unused (the registry's common signature: no tiles here).
+    ``spec.mask_duplicates``; ``memory``: banked documents, more columns after the docs', without gradient.
+    ``tile_rows`` is unused (the registry's common signature: no tiles here).
     """
     compute_dtype = compute_dtype or torch.promote_types(queries.dtype, torch.float32)
     leaves = [t.detach().to(compute_dtype).requires_grad_(need_grad) for t in (queries, docs, world_queries)]
-    dropped, masked_share = _false_negatives(*leaves, spec, guide, duplicates)
+    banked = None if memory is None else memory.docs.to(compute_dtype)
+    dropped, masked_share = _false_negatives(*leaves, spec, guide, duplicates, memory)
     with torch.enable_grad() if need_grad else torch.no_grad():
-        losses, lses = zip(*(_one_dim(*leaves, spec, dim, dropped) for dim in spec.dims))
+        losses, lses = zip(*(_one_dim(*leaves, spec, dim, dropped, banked) for dim in spec.dims))
         per_dim = torch.stack(losses)
         grads = None
         if need_grad:
@@ -53,16 +57,18 @@ def forward(
     return InfoNCEResult(per_dim.detach(), torch.stack(lses).detach(), grads, tile="dense", masked_share=masked_share)
 
 
-def _false_negatives(q, c, wq, spec: InfoNCESpec, guide, duplicates) -> tuple[dict[str, Tensor], Tensor | None]:
+def _false_negatives(
+    q, c, wq, spec: InfoNCESpec, guide, duplicates, memory=None
+) -> tuple[dict[str, Tensor], Tensor | None]:
     """Each direction's (B, columns) mask of the candidates the false-negative filter and the duplicate mask drop,
     and their share."""
     if spec.false_negatives is None and not spec.mask_duplicates:
         return {}, None
     dropped = {}
     if spec.false_negatives is not None:
-        dropped = Guide.build(q, c, wq, spec, guide, q.dtype).dropped(spec, 0, spec.batch_size)
+        dropped = Guide.build(q, c, wq, spec, guide, q.dtype, memory).dropped(spec, 0, spec.batch_size)
     if spec.mask_duplicates:
-        duplicate = DuplicateMask.build(spec, *duplicates)
+        duplicate = DuplicateMask.build(spec, *duplicates, memory=memory)
         for name in spec.directions:
             columns = duplicate.num_columns(name)
             drop = dropped.setdefault(name, torch.zeros(spec.batch_size, columns, dtype=torch.bool, device=q.device))
@@ -77,17 +83,20 @@ def _prefix(x: Tensor, dim: int, cosine: bool) -> Tensor:
     return F.normalize(x, p=2, dim=-1, eps=NORM_EPS) if cosine else x
 
 
-def _one_dim(q: Tensor, c: Tensor, wq: Tensor, spec: InfoNCESpec, dim: int, dropped) -> tuple[Tensor, Tensor]:
+def _one_dim(
+    q: Tensor, c: Tensor, wq: Tensor, spec: InfoNCESpec, dim: int, dropped, banked: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Loss (scalar) and per-direction LSE (ndir, B) at one Matryoshka dim; ``dropped``: the false-negative
-    filter's masks per direction."""
+    filter's masks per direction; ``banked``: memory columns after the docs'."""
     q, c, wq = (_prefix(x, dim, spec.cosine) for x in (q, c, wq))
+    candidates = c if banked is None else torch.cat([c, _prefix(banked, dim, spec.cosine)])
     batch, world = spec.batch_size, spec.world_batch_size
     rows = torch.arange(batch, device=q.device)
     own = rows + spec.offset
-    own_doc = torch.zeros(batch, spec.num_docs, dtype=torch.bool, device=q.device)
+    own_doc = torch.zeros(batch, spec.num_doc_columns, dtype=torch.bool, device=q.device)
     for column in range(spec.num_columns):
         own_doc[rows, own + column * world] = True
-    operands = {"q": q, "d": c[own], "c": c, "p": c[:world], "w": wq}
+    operands = {"q": q, "d": c[own], "c": candidates, "p": c[:world], "w": wq}
 
     logits, positive = [], None
     for name in spec.directions:

@@ -117,10 +117,16 @@ class InfoNCESpec:
     hardness_strength: float
     false_negatives: FalseNegativeFilter | None = None
     mask_duplicates: bool = False  # exact duplicates leave the softmax (``duplicates.py``; the ids go to the backend)
+    num_memory: int = 0  # Km: banked documents scored after the docs' columns, without gradient (``memory.py``)
 
     @property
     def num_docs(self) -> int:
         return self.world_batch_size * self.num_columns
+
+    @property
+    def num_doc_columns(self) -> int:
+        """Columns of the directions that score documents: the docs, then the banked ones."""
+        return self.num_docs + self.num_memory
 
     @property
     def hardness(self) -> bool:
@@ -136,7 +142,9 @@ class InfoNCESpec:
         """Whether every row's only candidate is its positive, so the loss and its gradient are exactly 0:
         one pair in the world batch and no hard negatives, with no direction that adds the positive again
         ("doc_to_query" does under a joint partition; "query_to_query" and "doc_to_doc" mask theirs)."""
-        if self.world_batch_size != 1 or self.num_columns != 1 or set(GIST_DIRECTIONS) & set(self.directions):
+        if self.world_batch_size != 1 or self.num_columns != 1 or self.num_memory:
+            return False
+        if set(GIST_DIRECTIONS) & set(self.directions):
             return False
         return self.partition_mode == "per_direction" or "doc_to_query" not in self.directions
 

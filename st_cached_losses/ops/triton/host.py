@@ -53,8 +53,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def supports(spec: InfoNCESpec) -> bool:
     """Whether the kernels handle ``spec``: sentence-transformers' four directions, every partition mode,
     hardness mode, offset and similarity, the duplicate mask, at most ``MAX_DIMS`` Matryoshka dims
-    (fp32/bf16/fp16/fp64 inputs);
-    not the false-negative filter nor GISTEmbed's directions (``backend="auto"`` runs chunked for those)."""
+    (fp32/bf16/fp16/fp64 inputs); not the false-negative filter, GISTEmbed's directions nor a memory bank
+    (``backend="auto"`` runs chunked for those)."""
     return unsupported(spec) is None
 
 
@@ -64,6 +64,8 @@ def unsupported(spec: InfoNCESpec) -> str | None:
         return f"at most {MAX_DIMS} Matryoshka dims, got {len(spec.dims)}"
     if spec.false_negatives is not None or set(GIST_DIRECTIONS) & set(spec.directions):
         return "no false-negative filter and no GISTEmbed directions"
+    if spec.num_memory:
+        return "no memory bank (banked columns without gradient)"
     return None
 
 
@@ -173,6 +175,7 @@ def forward(
     tile_rows=None,
     guide: tuple[Tensor, Tensor] | None = None,
     duplicates=None,
+    memory=None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``.
 
@@ -188,6 +191,7 @@ def forward(
         tile_rows: rows per row tile, rounded down to a power of two in [16, 256]; default: tuned.
         guide: unused (the registry's common signature): the kernels have no false-negative filter (``supports``).
         duplicates: the text ids (query_ids, doc_ids, world_query_ids or None) of ``spec.mask_duplicates``.
+        memory: unused (the registry's common signature): the kernels take no memory bank (``supports``).
 
     Returns:
         ``InfoNCEResult``: per_dim (K,) and lse (K, ndir, B) in fp32 (fp64 for fp64 inputs), grads in
