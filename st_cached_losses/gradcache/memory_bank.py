@@ -1,0 +1,253 @@
+"""A cross-batch memory of earlier training steps' embeddings, scored as negatives beyond the batch.
+
+XBM (Wang et al., CVPR 2020, arXiv 1912.06798) and MoCo keep the embeddings of earlier steps and score them as extra
+negatives; ContAccum (Kim et al., NeurIPS 2024, arXiv 2406.12356) keeps earlier queries too and adds them as rows of
+the loss (a dual memory). :class:`MemoryBank` is the state: a ring of banked *pairs* (slots), each with its document
+embeddings (the positive, then every hard-negative column), their text ids and the id of the query they answered,
+the step it was banked at, the guide model's embeddings of its documents (with a guide) and, for the dual memory, its
+query embedding. Embeddings are detached, full-dim, in fp32 (fp64 for fp64 inputs: the op's precision).
+
+- ``memory_size`` K counts banked documents: the ring holds K // (1 + hard negatives per row) pairs, oldest out
+  first, and (``max_age``) a pair leaves once it is older than that many training steps.
+- ``warmup_steps``: the bank is neither scored nor filled before that many training steps (XBM's start iteration).
+- A training step is one training forward of the loss (with gradient accumulation, each micro-batch).
+- :meth:`candidates` gives the op the valid slots as views of the ring (a copy only when an age limit leaves them
+  wrapped around its end); :meth:`enqueue` banks a step's pairs after its loss is computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["BankedPairs", "MemoryBank", "check_memory_options"]
+
+
+def check_memory_options(memory_size, memory_warmup_steps, memory_max_age, dual_memory) -> None:
+    """Raises TypeError / ValueError naming the argument, before any work."""
+    for name, value, low in (("memory_size", memory_size, 0), ("memory_warmup_steps", memory_warmup_steps, 0)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}.")
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}.")
+    if memory_max_age is not None and (
+        isinstance(memory_max_age, bool) or not isinstance(memory_max_age, int) or memory_max_age < 1
+    ):
+        raise ValueError(
+            f"memory_max_age must be None (no limit) or an int >= 1 (training steps), got {memory_max_age!r}."
+        )
+    if not isinstance(dual_memory, bool):
+        raise TypeError(f"dual_memory must be True or False, got {dual_memory!r}.")
+    if memory_size == 0 and (memory_warmup_steps or memory_max_age is not None or dual_memory):
+        raise ValueError(
+            "memory_warmup_steps, memory_max_age and dual_memory configure the memory bank: set memory_size > 0 "
+            "(banked documents) to use them."
+        )
+
+
+@dataclass
+class BankedPairs:
+    """Banked pairs as the loss uses them (rows of the ring's valid slots, oldest first or in ring order).
+
+    docs: (P, 1 + n, D) the positive, then each hard negative, of every pair.
+    doc_ids: (P, 1 + n) int64 their text ids; query_ids: (P,) int64 the ids of the queries they answered.
+    guide_docs: (P, 1 + n, Dg) or None; queries: (P, D) or None (dual memory); guide_queries: (P, Dg) or None.
+    """
+
+    docs: Tensor
+    doc_ids: Tensor
+    query_ids: Tensor
+    guide_docs: Tensor | None = None
+    queries: Tensor | None = None
+    guide_queries: Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.docs.shape[0]
+
+
+class MemoryBank(nn.Module):
+    """The memory bank of a cached loss (``loss.memory``): moves with ``.to(device)``; saved and restored by
+    :class:`st_cached_losses.CachedLossCallback` with the trainer's checkpoints (:meth:`bank_state`,
+    :meth:`load_bank_state`).
+
+    Args:
+        memory_size: banked documents K (> 0).
+        warmup_steps: training steps before the bank is scored and filled.
+        max_age: training steps after which a banked pair leaves even before the bank is full; None: no limit.
+        dual: also bank the queries (ContAccum's dual memory).
+    """
+
+    _TENSORS = ("docs", "doc_ids", "query_ids", "steps", "guide_docs", "queries", "guide_queries")
+
+    def __init__(self, memory_size: int, *, warmup_steps: int = 0, max_age: int | None = None, dual: bool = False):
+        super().__init__()
+        self.memory_size, self.warmup_steps, self.max_age, self.dual = memory_size, warmup_steps, max_age, dual
+        self.step = 0  # training steps seen
+        self.next_slot = 0  # where the next pair goes
+        self.filled = 0  # slots holding a pair
+        for name in self._TENSORS:
+            self.register_buffer(name, None)
+
+    # ------------------------------------------------------------------------------------------ reports
+
+    @property
+    def slots(self) -> int:
+        """Pairs the ring holds (0 before the first enqueue: the hard negatives per row are not known yet)."""
+        return 0 if self.docs is None else self.docs.shape[0]
+
+    @property
+    def columns(self) -> int | None:
+        """Documents per banked pair (1 + hard negatives), once known."""
+        return None if self.docs is None else self.docs.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Banked documents the ring holds when full (``memory_size`` rounded down to whole pairs)."""
+        return self.memory_size if self.docs is None else self.slots * self.columns
+
+    @property
+    def size(self) -> int:
+        """Banked documents scored at the next step (valid pairs x documents per pair)."""
+        return 0 if self.docs is None else len(self._valid_slots(self.step)) * self.columns
+
+    @property
+    def fill(self) -> float:
+        """:attr:`size` / :attr:`capacity`."""
+        return self.size / max(self.capacity, 1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the bank's tensors."""
+        return sum(t.numel() * t.element_size() for name in self._TENSORS if (t := getattr(self, name)) is not None)
+
+    @property
+    def oldest_age(self) -> int | None:
+        """Training steps since the oldest pair scored at the next step was banked (1: the previous step), or
+        None when there is none."""
+        valid = self._valid_slots(self.step)
+        return None if len(valid) == 0 else int(self.step - self.steps[valid].min())
+
+    def extra_repr(self) -> str:
+        return (
+            f"memory_size={self.memory_size}, warmup_steps={self.warmup_steps}, max_age={self.max_age}, "
+            f"dual={self.dual}, fill={self.fill:.3f}"
+        )
+
+    # ------------------------------------------------------------------------------------------ one step
+
+    @property
+    def scored(self) -> bool:
+        """Whether this training step scores the bank (warm-up over, and something banked)."""
+        return self.step >= self.warmup_steps and self.size > 0
+
+    def check(self, columns: int, dim: int | None) -> None:
+        """Raises ValueError before a training step whose batch does not fit the banked pairs: another number of
+        columns (1 + hard negatives) or another embedding dimension ``dim`` (None: not known)."""
+        if self.docs is None:
+            if self.memory_size < columns:
+                raise ValueError(
+                    f"memory_size={self.memory_size} holds no whole pair of {columns} documents (a positive and "
+                    f"{columns - 1} hard negatives): set memory_size >= {columns}."
+                )
+            return
+        if columns != self.columns:
+            raise ValueError(
+                f"The memory bank holds pairs of {self.columns} documents but this batch has {columns} per row: every "
+                "batch must have the same columns while memory_size > 0."
+            )
+        if dim is not None and dim != self.docs.shape[2]:
+            raise ValueError(
+                f"The memory bank holds {self.docs.shape[2]}-dim embeddings but the model now embeds {dim} dims: "
+                "rebuild the loss (memory_size) for the new model."
+            )
+
+    def candidates(self) -> BankedPairs | None:
+        """The pairs this training step scores, or None (warm-up, or nothing banked): the valid slots as views of
+        the ring, oldest to newest where they are contiguous."""
+        if not self.scored:
+            return None
+        valid = self._valid_slots(self.step)
+        start = int(valid[0])
+        contiguous = int(valid[-1]) - start + 1 == len(valid)
+        index = slice(start, start + len(valid)) if contiguous else valid  # a slice: views of the ring, no copy
+        fields = ("docs", "doc_ids", "query_ids", "guide_docs", "queries", "guide_queries")
+        return BankedPairs(*(None if (t := getattr(self, name)) is None else t[index] for name in fields))
+
+    def end_step(self, pairs: BankedPairs | None) -> None:
+        """After a training step's loss: bank its ``pairs`` (none during the warm-up) and count the step."""
+        if pairs is not None and self.step >= self.warmup_steps:
+            self._enqueue(pairs)
+        self.step += 1
+
+    def _enqueue(self, pairs: BankedPairs) -> None:
+        if self.docs is None:
+            self._allocate(pairs)
+        slots = self.slots
+        count = min(pairs.size, slots)  # more pairs than slots: the newest
+        index = ((self.next_slot + torch.arange(count)) % slots).to(self.docs.device)
+        self.steps[index] = self.step
+        for name in ("docs", "doc_ids", "query_ids", "guide_docs", "queries", "guide_queries"):
+            target = getattr(self, name)
+            if target is not None:
+                target[index] = getattr(pairs, name)[pairs.size - count :].detach().to(target.device, target.dtype)
+        self.next_slot = (self.next_slot + count) % slots
+        self.filled = min(slots, self.filled + count)
+
+    def _allocate(self, pairs: BankedPairs) -> None:
+        """The ring, from the first banked pairs' shapes: memory_size // columns slots."""
+        columns, dim = pairs.docs.shape[1], pairs.docs.shape[2]
+        slots = self.memory_size // columns
+        dtype = torch.promote_types(pairs.docs.dtype, torch.float32)
+        device = pairs.docs.device
+        self.docs = torch.zeros(slots, columns, dim, dtype=dtype, device=device)
+        self.doc_ids = torch.zeros(slots, columns, dtype=torch.int64, device=device)
+        self.query_ids = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.steps = torch.zeros(slots, dtype=torch.int64, device=device)
+        if pairs.guide_docs is not None:
+            self.guide_docs = torch.zeros(slots, columns, pairs.guide_docs.shape[2], dtype=dtype, device=device)
+        if self.dual:
+            self.queries = torch.zeros(slots, dim, dtype=dtype, device=device)
+            if pairs.guide_queries is not None:
+                self.guide_queries = torch.zeros(slots, pairs.guide_queries.shape[1], dtype=dtype, device=device)
+
+    def _valid_slots(self, step: int) -> Tensor:
+        """Indices of the slots scored at ``step``, oldest first: the newest ``filled`` ones, less those banked more
+        than ``max_age`` steps before it."""
+        if self.docs is None or self.filled == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        newest = (self.next_slot - self.filled + torch.arange(self.filled)) % self.slots
+        if self.max_age is not None:
+            newest = newest[(step - self.steps.cpu()[newest]) <= self.max_age]
+        return newest
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def bank_state(self) -> dict:
+        """Everything to restore the bank (tensors on CPU)."""
+        tensors = {name: t.cpu() for name in self._TENSORS if (t := getattr(self, name)) is not None}
+        counters = {"step": self.step, "next_slot": self.next_slot, "filled": self.filled}
+        settings = {
+            "memory_size": self.memory_size,
+            "warmup_steps": self.warmup_steps,
+            "max_age": self.max_age,
+            "dual": self.dual,
+        }
+        return {"tensors": tensors, "counters": counters, "settings": settings}
+
+    def load_bank_state(self, state: dict, device: torch.device | None = None) -> None:
+        """Restore :meth:`bank_state`'s output onto ``device``.
+
+        Raises:
+            ValueError: a state saved with other memory settings.
+        """
+        settings = {"memory_size": self.memory_size, "warmup_steps": self.warmup_steps, "max_age": self.max_age}
+        saved = {key: state["settings"][key] for key in settings}
+        if saved != settings or state["settings"]["dual"] != self.dual:
+            raise ValueError(f"The checkpoint's memory bank was saved with {state['settings']}, not {settings}.")
+        for name in self._TENSORS:
+            tensor = state["tensors"].get(name)
+            setattr(self, name, None if tensor is None else tensor.to(device))
+        self.step, self.next_slot, self.filled = (state["counters"][key] for key in ("step", "next_slot", "filled"))
