@@ -25,7 +25,7 @@ _LAZY = {
     "CachedMatryoshkaLoss": "losses",
     "CachedMatryoshka2dLoss": "losses",
     "CachedAdaptiveLayerLoss": "losses",
-    "truncate_layers": "gradcache.layers",
+    "truncate_layers": "truncation",
 }
 
 

@@ -140,7 +140,7 @@ def test_matches_stock_and_embeds_each_mini_batch_once_plus_the_re_embedded(tiny
             assert kept == 0
         else:
             assert 0 < kept < minibatches
-        assert ours._activations.held == 0  # every kept graph was back-propagated
+        assert ours.budget.held == 0  # every kept graph was back-propagated
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_no_budget_is_todays_behaviour_exactly(tiny_model):
     (loss, grads, forwards, snapshots), (our_loss, our_grads, our_forwards, our_snapshots) = results
     assert our_loss == loss and (our_forwards, our_snapshots) == (forwards, snapshots) == (2 * 15, 15)
     assert all(torch.equal(our_grads[name], grad) for name, grad in grads.items())
-    assert ours.activation_report is None and ours._activations is None
+    assert ours.activation_report is None and ours.budget is None
 
 
 @pytest.mark.parametrize("budget", [ALL, SOME], ids=["keeps_all", "keeps_some"])
@@ -276,17 +276,17 @@ def test_second_forward_before_backward_counts_the_first_ones_kept_bytes(tiny_mo
     assert loss == pytest.approx(stock_loss, rel=1e-4)
     _assert_grads_close(grads, stock_grads)
     assert ours.activation_report.allowance_bytes == budget - reports[-1].kept_bytes > 0
-    assert ours._activations.held == 0
+    assert ours.budget.held == 0
 
 
 def test_a_loss_dropped_without_backward_releases_its_kept_bytes(tiny_model):
     features = _features(tiny_model, rows=8, negatives=0, seed=41)
     ours = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model), ALL, mini_batch_size=3)
     out = ours(features, None)
-    assert ours._activations.held == ours.activation_report.kept_bytes > 0
+    assert ours.budget.held == ours.activation_report.kept_bytes > 0
     del out
     gc.collect()
-    assert ours._activations.held == 0
+    assert ours.budget.held == 0
 
 
 def test_evaluation_keeps_nothing(tiny_model):
@@ -300,7 +300,7 @@ def test_evaluation_keeps_nothing(tiny_model):
     assert count[0] == 3 * 5  # 3 columns x 5 mini-batches, each embedded once
     assert not any(value.requires_grad for value in out.values())
     assert float(sum(out.values())) == pytest.approx(expected, rel=1e-4)
-    assert ours.activation_report is None and ours._activations.held == 0
+    assert ours.activation_report is None and ours.budget.held == 0
 
 
 def test_trainer_gradient_accumulation_with_a_budget(tmp_path, dropout_model):
@@ -566,7 +566,7 @@ def _ddp_worker(rank, port, state_path, out_dir):
             "syncs": counter["syncs"],
             "forwards": forwards,
             "kept": kept,
-            "held": getattr(loss_fn._activations, "held", 0),
+            "held": getattr(loss_fn.budget, "held", 0),
         }
         model.zero_grad(set_to_none=True)
         loss_fn = ddp = None

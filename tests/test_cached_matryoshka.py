@@ -316,9 +316,9 @@ def test_sorting_by_length_copies_no_feature_tensor(tiny_model):
     features = _features(tiny_model, rows=16, negatives=0, seed=31)
     ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, mini_batch_size=4)
     handed = []
-    three_steps = CachedMatryoshkaLoss._three_steps
-    spy = lambda self, columns, *args: handed.extend(columns) or three_steps(self, columns, *args)  # noqa: E731
-    with mock.patch.object(CachedMatryoshkaLoss, "_three_steps", spy):
+    step1 = CachedMatryoshkaLoss._step1
+    spy = lambda self, step: handed.extend(step.features) or step1(self, step)  # noqa: E731
+    with mock.patch.object(CachedMatryoshkaLoss, "_step1", spy):
         sum(ours(features, None).values()).backward()
     assert len(handed) == len(features)
     for column, feature in zip(handed, features):

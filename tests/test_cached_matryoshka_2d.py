@@ -24,7 +24,8 @@ from sentence_transformers.util import dot_score
 
 from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss, truncate_layers
 from st_cached_losses.gradcache import steps as gradcache_steps
-from st_cached_losses.losses.cached_matryoshka_2d import _PRIOR_LAYERS
+from st_cached_losses.gradcache.parallel import Parallelism
+from st_cached_losses.gradcache.step import LayerDraw, Step
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.test_cached_matryoshka import _assert_grads_close, _features, _loss_and_grads
 
@@ -362,9 +363,11 @@ def test_truncate_layers_embeds_what_the_loss_trains_as_that_layer(model):
     layer; the model itself keeps its layers."""
     features = model.preprocess(["a quick test", "the cat sat on the mat", "rain"])
     ours = CachedMatryoshka2dLoss(model, MultipleNegativesRankingLoss(model), [48])
-    minibatch = ours.minibatch_features({**features, _PRIOR_LAYERS: (0, 1, 2)}, 0, 3)
+    minibatch = ours.minibatch_features(features, 0, 3)
+    draw = tuple(LayerDraw(layer, (48,)) for layer in (LAYERS, 0, 1, 2))
+    step = Step(draw=draw, training=False, parallel=Parallelism.of(model))
     with torch.no_grad():
-        slots = ours.encode(minibatch).split(48, dim=1)  # final, then layers 0, 1, 2
+        slots = ours.encode(minibatch, step=step).split(48, dim=1)  # final, then layers 0, 1, 2
         for layer, slot in zip((LAYERS, 0, 1, 2), slots):
             truncated = truncate_layers(model, layer)
             torch.testing.assert_close(truncated(dict(features))["sentence_embedding"], slot, rtol=1e-5, atol=1e-6)

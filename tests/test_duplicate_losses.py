@@ -21,7 +21,7 @@ from sentence_transformers.sentence_transformer.losses import (
 )
 
 from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss, CachedMatryoshkaLoss
-from st_cached_losses.gradcache.duplicates import text_ids
+from st_cached_losses.gradcache.text_ids import text_ids
 from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
 from tests import duplicates_reference as reference
 from tests.helpers import ALL_DIRECTIONS, texts
@@ -231,7 +231,7 @@ def test_text_ids_follow_the_tokens_not_the_padding():
 def test_text_ids_are_the_same_in_every_process():
     code = textwrap.dedent("""
         import torch
-        from st_cached_losses.gradcache.duplicates import text_ids
+        from st_cached_losses.gradcache.text_ids import text_ids
         ids = torch.tensor([[101, 2023, 2003, 102, 0], [101, 7592, 102, 0, 0]])
         print(text_ids({"input_ids": ids, "attention_mask": (ids > 0).long()}).tolist())
     """)

@@ -1,6 +1,7 @@
 """The package's layering, read from its source (every import statement, module level or inside a function):
-no import circle; the library (losses, gradcache, ops) never imports the command line; ops never imports
-sentence-transformers; sentence-transformers' internals come through one module; no module over 400 lines."""
+no import circle; the library (losses, gradcache, ops) never imports the command line; gradcache never imports the
+losses; ops never imports sentence-transformers; the losses never import triton (the op chooses its backend);
+sentence-transformers' and DeepSpeed's internals each come through one module; no module over 400 lines."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "st_cached_losses"
 LIBRARY = ("st_cached_losses.losses", "st_cached_losses.gradcache", "st_cached_losses.ops")
 ST_COMPAT = "st_cached_losses.gradcache._st_compat"
+DEEPSPEED_COMPAT = "st_cached_losses.gradcache._deepspeed_compat"
+DEEPSPEED_INTERNALS = ("_backward_epilogue", "inside_no_sync_ctxt")
 MAX_LINES = 400
 
 
@@ -83,6 +86,38 @@ def test_the_library_never_imports_the_command_line():
         if _within(name, LIBRARY)
     }
     assert not {name: found for name, found in offenders.items() if found}
+
+
+def test_gradcache_never_imports_the_losses():
+    """The shared machinery sits below the losses that use it: the calls go down, never back up."""
+    offenders = {
+        name: sorted(m for m in GRAPH[name] if _within(m, ["st_cached_losses.losses"]))
+        for name in GRAPH
+        if _within(name, ["st_cached_losses.gradcache"])
+    }
+    assert not {name: found for name, found in offenders.items() if found}
+
+
+def test_the_losses_never_import_triton():
+    offenders = [
+        name
+        for name, path in MODULES.items()
+        if _within(name, ["st_cached_losses.losses"])
+        and any(m.split(".")[0] == "triton" or _within(m, ["st_cached_losses.ops.triton"]) for m in _imports(path))
+    ]
+    assert not offenders
+
+
+def test_deepspeed_internals_come_through_one_module():
+    """DeepSpeed's private engine attributes are named in ``gradcache/_deepspeed_compat.py`` alone, with its tested
+    range."""
+    offenders = [
+        name
+        for name, path in MODULES.items()
+        if name != DEEPSPEED_COMPAT and any(internal in path.read_text() for internal in DEEPSPEED_INTERNALS)
+    ]
+    assert not offenders
+    assert all(internal in MODULES[DEEPSPEED_COMPAT].read_text() for internal in DEEPSPEED_INTERNALS)
 
 
 def test_ops_never_imports_sentence_transformers():

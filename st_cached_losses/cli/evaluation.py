@@ -44,7 +44,7 @@ def evaluate_truncated(evaluate, model, layers: Sequence[int] | None) -> dict[st
     """``{"<n>": evaluate(model truncated to its first n layers)}`` for each n of ``layers`` (--layers), else {}."""
     if not layers:
         return {}
-    from ..gradcache.layers import truncate_layers
+    from ..truncation import truncate_layers
 
     results = {}
     for n in layers:

@@ -216,7 +216,7 @@ def check_layers(layers: Sequence[int] | None, model) -> None:
     evaluated anyway), or for a model whose layers cannot be selected."""
     if layers is None:
         return
-    from ..gradcache.layers import num_layers
+    from ..truncation import num_layers
 
     try:
         total = num_layers(model)

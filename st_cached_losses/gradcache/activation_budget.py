@@ -9,10 +9,12 @@ mini-batch size from the memory given (``mini_batch_size="auto"``).
 - :mod:`.activation_memory` measures the bytes a forward's graph keeps, predicts a mini-batch's from its rows and
   padded width, and says how much memory there is.
 - :mod:`.kept_minibatches` decides one step: which mini-batches to keep (a greedy knapsack), the step's plan and
-  report (``StepPlan``), and the kept graphs handed to sentence-transformers' ``CachedLossMixin`` in place of their
-  RNG states, which the mixin passes back to ``embed_minibatch`` in step (3).
+  report (``StepPlan``), and the kept graphs step (3) back-propagates in place of re-embedding them.
 - Here: the settings' checks, :class:`ActivationBudget` (what a loss holds across steps), the ``"auto"`` budget
-  (:meth:`ActivationBudget.auto_allowance`) and the automatic mini-batch size.
+  (:meth:`ActivationBudget.auto_allowance`) and the automatic mini-batch size
+  (:meth:`ActivationBudget.choose_mini_batch`, from the forward :mod:`.steps` measures on :func:`probe_minibatch`).
+
+The calls go one way: :mod:`.steps` → here → :mod:`.kept_minibatches` → :mod:`.activation_memory`.
 """
 
 from __future__ import annotations
@@ -23,22 +25,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from sentence_transformers.util import get_world_size
 from torch import Tensor, nn
-from torch.utils.checkpoint import get_device_states
 
 from ._st_compat import get_batch_size
-from .activation_memory import (
-    ActivationModel,
-    SavedTensorBytes,
-    alive_anyway,
-    available_memory,
-    gradient_bytes,
-    step2_bytes,
-)
+from .activation_memory import ActivationModel, available_memory, gradient_bytes, step2_bytes
 from .agreement import agree_min
-from .distributed import ddp_of, without_gradient_sync
-from .kept_minibatches import StepPlan, step_minibatches
+from .distributed import ddp_of
+from .kept_minibatches import HeldBytes, MiniBatch, StepPlan, step_minibatches
 from .minibatches import LengthSorted, length_order
 
 logger = logging.getLogger(__name__)
@@ -94,38 +87,42 @@ def _embedding_dim(model: nn.Module) -> int:
 
 class ActivationBudget:
     """What a loss with an activation budget keeps across steps: the setting (None: keep nothing, only the automatic
-    mini-batch size; an int of bytes; "auto"), the measured bytes per shape, the bytes held by kept graphs not yet
-    back-propagated (``held``), the last training step's :class:`StepPlan` (``report``) and the automatic mini-batch
-    size once chosen (``chosen``: {"auto_mini_batch_size" or "auto_mini_batch_num_tokens": value})."""
+    mini-batch size; an int of bytes; "auto"), the measured bytes per shape (``activations``), the bytes held by kept
+    graphs not yet back-propagated (``held``), the last training step's :class:`StepPlan` (``report``) and the
+    automatic mini-batch size once chosen (``chosen``: {"auto_mini_batch_size" or "auto_mini_batch_num_tokens":
+    value})."""
 
     def __init__(self, setting: int | str | None) -> None:
         self.setting = setting
         self.activations = ActivationModel()
-        self.held = 0
+        self.ledger = HeldBytes()
         self.report: StepPlan | None = None
         self.chosen: dict[str, int] = {}
         self._logged: set[str] = set()
 
-    def hold(self, nbytes: int) -> None:
-        self.held += nbytes
-
-    def release(self, nbytes: int) -> None:
-        self.held -= nbytes
+    @property
+    def held(self) -> int:
+        """Bytes held by kept graphs not yet back-propagated."""
+        return self.ledger.nbytes
 
     def plan(
-        self, loss: Any, features: Sequence[dict[str, Any]], ranges: Sequence[Sequence[tuple[int, int]]]
+        self,
+        model: nn.Module,
+        features: Sequence[dict[str, Any]],
+        ranges: Sequence[Sequence[tuple[int, int]]],
+        world_size: int = 1,
     ) -> StepPlan | None:
-        """This training step's plan (None without a budget). ``loss`` is the GradCache loss (its ``model``, mini-batch
-        settings and ``gather_across_devices``); ``features`` the columns as step (1) embeds them, ``ranges`` their
-        mini-batches.
+        """This training step's plan (None without a budget): ``model`` the loss's (maybe wrapped) model, ``features``
+        the columns as step (1) embeds them, ``ranges`` their mini-batches, ``world_size`` the processes whose rows
+        step (2) holds (gathered: all, else 1).
 
-        Under DDP, sentence-transformers' backward hook synchronises gradients in the backward of the step's last
-        mini-batch, whose forward (run right before it) prepares the all-reduce; a kept graph's forward ran in step
-        (1) under ``no_sync``. So a step that synchronises always re-embeds its last mini-batch. Static-graph DDP
-        keeps nothing (its first iterations synchronise every re-embedded mini-batch's backward)."""
+        Under DDP, step (3) synchronises gradients in the backward of the step's last mini-batch, whose forward (run
+        right before it) prepares the all-reduce; a kept graph's forward ran in step (1) under ``no_sync``. So a step
+        that synchronises always re-embeds its last mini-batch. Static-graph DDP keeps nothing (its first iterations
+        synchronise every re-embedded mini-batch's backward)."""
         if self.setting is None:
             return None
-        ddp = ddp_of(loss.model)
+        ddp = ddp_of(model)
         if ddp is not None and ddp.static_graph:
             self._log_once(
                 "static",
@@ -136,75 +133,78 @@ class ActivationBudget:
             return None
         minibatches = step_minibatches(features, ranges)
         never = {len(minibatches) - 1} if ddp is not None and ddp.require_backward_grad_sync else set()
-        allowance = self.auto_allowance(loss, features) if self.setting == AUTO else self.setting - self.held
-        self.report = StepPlan(self, features, minibatches, allowance, self.setting == AUTO, never)
+        if self.setting == AUTO:
+            allowance = self.auto_allowance(model, features, world_size)
+        else:
+            allowance = self.setting - self.held
+        self.report = StepPlan(
+            self.activations, self.ledger, features, minibatches, allowance, self.setting == AUTO, never
+        )
         return self.report
 
-    def auto_allowance(self, loss: Any, features: Sequence[dict[str, Any]]) -> int:
+    def auto_allowance(self, model: nn.Module, features: Sequence[dict[str, Any]], world_size: int = 1) -> int:
         """The "auto" budget in bytes: the memory still available on the model's device
         (:func:`available_memory`) less a safety margin (max(1 GiB, 10% of the total)), step (2)'s estimated bytes
         (:func:`step2_bytes`) and the parameter gradients not yet allocated (:func:`gradient_bytes`); at least 0.
         Step (3)'s largest re-embedded mini-batch is reserved from it by :func:`choose_kept`. Logged at INFO once."""
-        available, total, source = available_memory(_device(loss.model))
+        available, total, source = available_memory(_device(model))
         margin = max(SAFETY_MARGIN_MIN_BYTES, int(SAFETY_MARGIN_FRACTION * total))
-        world = get_world_size() if getattr(loss, "gather_across_devices", False) else 1
-        dim = _embedding_dim(loss.model)
-        step2 = step2_bytes(get_batch_size(features[0]), len(features), dim, world)
-        gradients = gradient_bytes(loss.model)
+        dim = _embedding_dim(model)
+        step2 = step2_bytes(get_batch_size(features[0]), len(features), dim, world_size)
+        gradients = gradient_bytes(model)
         allowance = max(0, available - margin - step2 - gradients)
         self._log_once(
             "auto",
             logging.INFO,
             f"activation_budget='auto': {available} bytes available ({source}) - {margin} safety margin (max(1 GiB, "
             f"{SAFETY_MARGIN_FRACTION:.0%} of {total})) - {step2} for step (2) ({get_batch_size(features[0])} rows x "
-            f"{len(features)} columns x {world} ranks x {dim} dims) - {gradients} for parameter gradients = "
+            f"{len(features)} columns x {world_size} ranks x {dim} dims) - {gradients} for parameter gradients = "
             f"{allowance} bytes for the kept activations and step (3)'s largest re-embedded mini-batch.",
         )
         return allowance
 
-    def choose_mini_batch(self, loss: Any, features: Sequence[dict[str, Any]], agree: bool = False) -> None:
-        """``mini_batch_size="auto"``: set ``loss.mini_batch_size`` (or ``loss.mini_batch_num_tokens``, when set) to
-        the largest mini-batch whose activations with gradients fit in the budget (the int, else
-        :meth:`auto_allowance`), from one forward with gradients of the batch's ``PROBE_ROWS`` longest rows
-        (measured by :class:`SavedTensorBytes`; the RNG restored, no DDP sync, the graph dropped). Once; INFO log.
-        With ``agree`` (a parallel run) every rank takes the smallest any rank chose, so that every rank's fits."""
-        rows, width, tokens, nbytes = self._probe(loss, features)
-        self.activations.observe(rows, width, nbytes)
-        memory = self.setting if isinstance(self.setting, int) else self.auto_allowance(loss, features)
-        by_tokens = loss.mini_batch_num_tokens is not None
+    def choose_mini_batch(
+        self,
+        probe: MiniBatch,
+        tokens: int,
+        nbytes: int,
+        *,
+        by_tokens: bool,
+        model: nn.Module,
+        features: Sequence[dict[str, Any]],
+        world_size: int = 1,
+        agree: bool = False,
+    ) -> int:
+        """``mini_batch_size="auto"``: the largest mini-batch (rows, or tokens when ``by_tokens``) whose activations
+        with gradients fit in the budget (the int, else :meth:`auto_allowance`), from the ``nbytes`` saved-tensor
+        bytes measured for one forward of ``probe`` (:func:`probe_minibatch`, holding ``tokens`` non-padding tokens).
+        With ``agree`` (a parallel run) every rank takes the smallest any rank chose, so that every rank's fits.
+        Recorded in ``chosen``; INFO log."""
+        self.activations.observe(probe.rows, probe.width, nbytes)
+        memory = self.setting if isinstance(self.setting, int) else self.auto_allowance(model, features, world_size)
         unit = "tokens" if by_tokens else "rows"
-        value = max(1, int(memory // (nbytes / (tokens if by_tokens else rows))))
+        value = max(1, int(memory // (nbytes / (tokens if by_tokens else probe.rows))))
         value = agree_min(value) if agree else value
-        if by_tokens:
-            loss.mini_batch_num_tokens = value
-        else:
-            loss.mini_batch_size = value
         self.chosen = {f"auto_mini_batch_{'num_tokens' if by_tokens else 'size'}": value}
         logger.info(
             f"mini_batch_size='auto': {value} {unit} per mini-batch = {memory} bytes of budget / {nbytes} bytes "
-            f"measured for {rows} rows ({tokens} tokens) of width {width} (the batch's longest rows)."
+            f"measured for {probe.rows} rows ({tokens} tokens) of width {probe.width} (the batch's longest rows)."
         )
-
-    def _probe(self, loss: Any, features: Sequence[dict[str, Any]]) -> tuple[int, int, int, int]:
-        """(rows, width, tokens, saved-tensor bytes) of one forward with gradients of the longest rows."""
-        column = max(features, key=_longest_row)
-        order = length_order(column)
-        column = column if order is None else LengthSorted(column, order)
-        rows = min(PROBE_ROWS, get_batch_size(column))
-        probe = loss.minibatch_features(column, 0, rows)
-        (minibatch,) = step_minibatches([column], [[(0, rows)]])
-        mask = probe.get("attention_mask")
-        tokens = int(mask.sum()) if isinstance(mask, Tensor) else minibatch.tokens
-        tensors = [value for value in probe.values() if isinstance(value, Tensor)]
-        measure = SavedTensorBytes(alive_anyway(loss.model, probe))
-        rng = torch.random.fork_rng(devices=get_device_states(*tensors)[0])
-        with rng, torch.enable_grad(), without_gradient_sync(loss.model), measure:
-            loss.encode(probe)
-        return rows, minibatch.width, tokens, measure.nbytes
+        return value
 
     def _log_once(self, key: str, level: int, message: str) -> None:
         logger.log(level if key not in self._logged else logging.DEBUG, message)
         self._logged.add(key)
+
+
+def probe_minibatch(features: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], MiniBatch]:
+    """What ``mini_batch_size="auto"`` measures: the column holding the batch's longest row, length-sorted, and its
+    first mini-batch of ``PROBE_ROWS`` rows (its longest)."""
+    column = max(features, key=_longest_row)
+    order = length_order(column)
+    column = column if order is None else LengthSorted(column, order)
+    (minibatch,) = step_minibatches([column], [[(0, min(PROBE_ROWS, get_batch_size(column)))]])
+    return column, minibatch
 
 
 def _longest_row(feature: dict[str, Any]) -> int:

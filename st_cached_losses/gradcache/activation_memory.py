@@ -6,14 +6,17 @@ budget (:mod:`st_cached_losses.gradcache.activation_budget`) decides with these 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import get_device_states
 
 from ..ops.chunked import DEFAULT_TILE_BYTES
+from .distributed import without_gradient_sync
 from .minibatches import column_modality
 
 # Step (2) holds the embeddings, their gradient cache and the op's normalised copies and their gradients (4 fp32
@@ -75,6 +78,18 @@ def alive_anyway(model: nn.Module, features: dict[str, Any]) -> list[Tensor]:
     """The tensors whose storages a forward's graph does not add: the model's parameters and buffers, the inputs."""
     inputs = [value for value in features.values() if isinstance(value, Tensor)]
     return [*model.parameters(), *model.buffers(), *inputs]
+
+
+@contextmanager
+def measured_forward(model: nn.Module, features: dict[str, Any]) -> Iterator[SavedTensorBytes]:
+    """Around one forward with gradients of ``model`` on ``features`` (one mini-batch) that only measures: yields its
+    :class:`SavedTensorBytes`; the RNG is restored afterwards (no dropout draw is consumed), DDP does not prepare a
+    gradient sync, and the graph goes when the forward's outputs do."""
+    tensors = [value for value in features.values() if isinstance(value, Tensor)]
+    measure = SavedTensorBytes(alive_anyway(model, features))
+    rng = torch.random.fork_rng(devices=get_device_states(*tensors)[0])
+    with rng, torch.enable_grad(), without_gradient_sync(model), measure:
+        yield measure
 
 
 class ActivationModel:

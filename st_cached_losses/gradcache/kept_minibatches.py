@@ -1,7 +1,8 @@
 """Which mini-batches a training step keeps under an activation budget: the choice (:func:`choose_kept`, a greedy
-knapsack), the step's plan and report (:class:`StepPlan`), the context of a kept forward (:class:`KeptForward`) and
-the kept graph handed to sentence-transformers' ``CachedLossMixin`` in place of an RNG state (:class:`KeptGraph`).
-:class:`~st_cached_losses.gradcache.activation_budget.ActivationBudget` makes one :class:`StepPlan` per step."""
+knapsack), the step's plan and report (:class:`StepPlan`), the context of a kept forward (:class:`KeptForward`), the
+kept graph step (3) takes in place of re-embedding (:class:`KeptGraph`) and the bytes kept graphs hold
+(:class:`HeldBytes`). :class:`~st_cached_losses.gradcache.activation_budget.ActivationBudget` makes one
+:class:`StepPlan` per step; this module calls nothing above it (:mod:`.activation_memory` measures and predicts)."""
 
 from __future__ import annotations
 
@@ -10,25 +11,28 @@ import weakref
 from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from torch import Tensor, nn
 
 from .activation_memory import ActivationModel, SavedTensorBytes, alive_anyway, row_size
 from .distributed import without_gradient_sync
 
-__all__ = ["Budget", "KeptForward", "KeptGraph", "MiniBatch", "StepPlan", "choose_kept", "step_minibatches"]
+__all__ = ["HeldBytes", "KeptForward", "KeptGraph", "MiniBatch", "StepPlan", "choose_kept", "step_minibatches"]
 
 
-class Budget(Protocol):
-    """What a step's plan needs of the budget that outlives it (``ActivationBudget``): the activation model its
-    measurements feed, and the ledger of bytes held by kept graphs not yet back-propagated."""
+class HeldBytes:
+    """The bytes held by kept graphs not yet back-propagated, across steps (gradient accumulation runs several
+    forwards before their backwards): a step's plan adds what it keeps, a kept graph gives its bytes back when taken."""
 
-    activations: ActivationModel
+    def __init__(self) -> None:
+        self.nbytes = 0
 
-    def hold(self, nbytes: int) -> None: ...
+    def hold(self, nbytes: int) -> None:
+        self.nbytes += nbytes
 
-    def release(self, nbytes: int) -> None: ...
+    def release(self, nbytes: int) -> None:
+        self.nbytes -= nbytes
 
 
 # --------------------------------------------------------------------------------------------- choosing
@@ -152,8 +156,10 @@ class StepPlan:
             its bytes, and those of a modality's first: one mini-batch with gradients, as step (3) holds anyway).
     """
 
-    def __init__(self, budget: Budget, features, minibatches, allowance, reserve_step3, never) -> None:
-        self.budget = budget
+    def __init__(
+        self, activations: ActivationModel, held: HeldBytes, features, minibatches, allowance, reserve_step3, never
+    ) -> None:
+        self.activations, self.held = activations, held
         self.minibatches: list[MiniBatch] = minibatches
         self.allowance_bytes = int(allowance)
         self.limit_bytes = self.allowance_bytes
@@ -165,7 +171,7 @@ class StepPlan:
         self.measured_first: int | None = None
         self._reserve_step3, self._never = reserve_step3, set(never)
         self._index = {(id(features[mb.column]), mb.begin): i for i, mb in enumerate(minibatches)}
-        if budget.activations.ready:
+        if activations.ready:
             self._choose()
 
     @property
@@ -183,7 +189,7 @@ class StepPlan:
         index = self._index.get((id(sentence_feature), begin))
         if index is None:
             return None
-        if self._chosen is not None and self.budget.activations.knows(self.minibatches[index].modality):
+        if self._chosen is not None and self.activations.knows(self.minibatches[index].modality):
             fits = self.kept_bytes + self.predicted_bytes[index] <= self.limit_bytes
             if index not in self._chosen or not fits:
                 return None
@@ -192,8 +198,8 @@ class StepPlan:
     def settle(self, index: int, nbytes: int) -> bool:
         """Record a mini-batch's measured bytes; whether it is kept."""
         mb = self.minibatches[index]
-        new_modality = not self.budget.activations.knows(mb.modality)
-        self.budget.activations.observe(mb.rows, mb.width, nbytes, mb.modality)
+        new_modality = not self.activations.knows(mb.modality)
+        self.activations.observe(mb.rows, mb.width, nbytes, mb.modality)
         self.measured_bytes[index] = nbytes
         if self._chosen is None:
             self.measured_first = index
@@ -203,7 +209,7 @@ class StepPlan:
         if keep:
             self.kept.append(index)
             self.kept_bytes += nbytes
-            self.budget.hold(nbytes)
+            self.held.hold(nbytes)
         return keep
 
     def unkeep(self, sentence_feature: dict, begin: int) -> None:
@@ -215,9 +221,9 @@ class StepPlan:
 
     def _choose(self) -> None:
         # A modality not measured yet (predicted 0 here) is not chosen: its first mini-batch is measured (keeping).
-        known = [self.budget.activations.knows(mb.modality) for mb in self.minibatches]
+        known = [self.activations.knows(mb.modality) for mb in self.minibatches]
         self.predicted_bytes = [
-            self.budget.activations.predict(mb.rows, mb.width, mb.modality) if k else 0.0
+            self.activations.predict(mb.rows, mb.width, mb.modality) if k else 0.0
             for mb, k in zip(self.minibatches, known)
         ]
         never = self._never | {i for i, k in enumerate(known) if not k}
@@ -251,19 +257,19 @@ class KeptForward:
         nbytes = self._measure.nbytes
         if not self._plan.settle(self._index, nbytes):
             return embeddings.detach(), random_state
-        return embeddings, KeptGraph(embeddings, random_state, nbytes, self._plan.budget)
+        return embeddings, KeptGraph(embeddings, random_state, nbytes, self._plan.held)
 
 
 class KeptGraph:
-    """Step (1)'s embeddings of one mini-batch, (rows, D) with their autograd graph, standing in for its RNG state in
-    ``CachedLossMixin`` (which hands it back to ``embed_minibatch`` in step (3)). :meth:`take` returns them once;
-    afterwards (sentence-transformers' zero-gradient DDP replay) the RNG state re-embeds the mini-batch. Its bytes
-    count against the budget until taken, or until the loss is dropped without a backward pass."""
+    """Step (1)'s embeddings of one mini-batch, (rows, D) with their autograd graph, standing in for its RNG state
+    among step (1)'s states; step (3) (:mod:`.backward`) takes them instead of re-embedding. :meth:`take` returns them
+    once; afterwards (the zero-gradient DDP replay) the RNG state re-embeds the mini-batch. Its bytes are held
+    (:class:`HeldBytes`) until taken, or until the loss is dropped without a backward pass."""
 
-    def __init__(self, embeddings: Tensor, random_state: Any, nbytes: int, budget: Budget) -> None:
+    def __init__(self, embeddings: Tensor, random_state: Any, nbytes: int, held: HeldBytes) -> None:
         self.random_state = random_state
         self._embeddings: Tensor | None = embeddings
-        self._release = weakref.finalize(self, budget.release, nbytes)
+        self._release = weakref.finalize(self, held.release, nbytes)
 
     def take(self) -> tuple[Tensor | None, Any]:
         embeddings, self._embeddings = self._embeddings, None

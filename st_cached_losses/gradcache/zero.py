@@ -5,7 +5,8 @@ times with an AssertionError in its bucketing: sentence-transformers' issues #31
 :func:`coalesced` wraps step (3) in ``engine.coalesce_grad_reduction()`` (DeepSpeed >= 0.19), which accumulates every
 backward's gradients locally and reduces them once when the block ends. The block ends inside the loss's own backward
 (``engine.backward(loss)``, whose epilogue would reduce again), so that epilogue is told to skip its reduction once
-(:class:`_SkipNextReduction`). ZeRO-1 reduces once per ``engine.backward`` by itself and needs nothing.
+(:func:`._deepspeed_compat.skip_next_reduction`, the one place that touches DeepSpeed's internals). ZeRO-1 reduces
+once per ``engine.backward`` by itself and needs nothing.
 
 Nothing here imports deepspeed: a model is a DeepSpeed engine only if deepspeed was imported by whoever built it.
 """
@@ -17,6 +18,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
+
+from ._deepspeed_compat import check_internals, skip_next_reduction
 
 __all__ = ["check_engine", "coalesced", "engine_of", "stage"]
 
@@ -39,15 +42,16 @@ def check_engine(engine: Any) -> None:
     - ZeRO-2 with ``gradient_accumulation_steps`` > 1: ``coalesce_grad_reduction`` overwrites the previous micro-steps'
       reduced gradients there (DeepSpeed's documented constraint). GradCache makes the batch as large as memory allows
       without accumulation: raise the per-device batch size instead.
-    - ``coalesce_grad_reduction`` missing (DeepSpeed < 0.19).
+    - ZeRO-2/3 on a DeepSpeed without what step (3) relies on (``coalesce_grad_reduction``, >= 0.19, and the
+      internals :mod:`._deepspeed_compat` reaches).
     """
     zero_stage = stage(engine)
     if zero_stage == 0:
         raise ValueError(
             "DeepSpeed without ZeRO (stage 0) is not supported by the cached losses: use ZeRO stage 1, 2 or 3, or DDP."
         )
-    if zero_stage >= 2 and not hasattr(engine, "coalesce_grad_reduction"):
-        raise ValueError("ZeRO-2/3 with the cached losses needs deepspeed >= 0.19 (engine.coalesce_grad_reduction).")
+    if zero_stage >= 2:
+        check_internals(engine)
     if zero_stage == 2 and engine.gradient_accumulation_steps() > 1:
         raise ValueError(
             f"ZeRO-2 with gradient_accumulation_steps={engine.gradient_accumulation_steps()}: DeepSpeed cannot "
@@ -65,28 +69,4 @@ def coalesced(engine: Any):
         return
     with engine.coalesce_grad_reduction():
         yield
-    _SkipNextReduction.install(engine)
-
-
-class _SkipNextReduction:
-    """Makes the engine's next backward epilogue (the one of ``engine.backward(loss)`` that step (3) ran inside)
-    skip its gradient all-reduce, which the coalesced block already did; the rest of the epilogue runs as usual.
-    Installed on the engine instance, removed by that call."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.epilogue = engine._backward_epilogue
-
-    @classmethod
-    def install(cls, engine: Any) -> None:
-        if not isinstance(vars(engine).get("_backward_epilogue"), cls):
-            engine._backward_epilogue = cls(engine)
-
-    def __call__(self, *args, **kwargs):
-        del self.engine._backward_epilogue  # back to the class's method
-        inside = self.engine.inside_no_sync_ctxt
-        self.engine.inside_no_sync_ctxt = True  # the epilogue's condition for skipping allreduce_gradients
-        try:
-            return self.epilogue(*args, **kwargs)
-        finally:
-            self.engine.inside_no_sync_ctxt = inside
+    skip_next_reduction(engine)

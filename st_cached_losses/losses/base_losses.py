@@ -12,19 +12,18 @@ A base loss is not called: it holds the InfoNCE hyperparameters, read at every s
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
-import torch
 from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
     CachedMultipleNegativesRankingLoss,
     GISTEmbedLoss,
     MultipleNegativesRankingLoss,
 )
-from sentence_transformers.util import batch_to_device, cos_sim, dot_score
-from torch import Tensor, nn
+from sentence_transformers.util import cos_sim, dot_score
+from torch import nn
 
+from ..gradcache.guide_model import GuideModel
 from ..ops.spec import check_false_negative_rule
 
 MNRL_LOSSES = (MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss)
@@ -37,13 +36,16 @@ CACHED_LOSSES = (CachedMultipleNegativesRankingLoss, CachedGISTEmbedLoss)  # the
 _PREFIX_SIMILARITY = {cos_sim: "cosine", dot_score: "cosine"}
 
 
-def check_base_loss(loss: nn.Module, owner: str) -> None:
-    """Raises TypeError for a loss ``owner`` cannot take, ValueError for an unsupported similarity_fct."""
-    if not isinstance(loss, SUPPORTED_LOSSES):
-        supported = ", ".join(cls.__name__ for cls in SUPPORTED_LOSSES)
+def check_base_loss(
+    loss: nn.Module, owner: str, supported: tuple[type, ...] = SUPPORTED_LOSSES, instead: str = "MatryoshkaLoss"
+) -> None:
+    """The one check of a cached loss's base loss: TypeError for a loss ``owner`` cannot take (one of ``supported``),
+    naming the stock wrapper to use ``instead``; ValueError for an unsupported similarity_fct."""
+    if not isinstance(loss, supported):
+        names = ", ".join(cls.__name__ for cls in supported)
         raise TypeError(
-            f"{owner} supports loss={supported}, got {type(loss).__name__}: wrap other losses in "
-            "sentence_transformers' MatryoshkaLoss instead."
+            f"{owner} supports loss={names}, got {type(loss).__name__}: wrap other losses in "
+            f"sentence_transformers' {instead} instead."
         )
     if isinstance(loss, MNRL_LOSSES):
         prefix_similarity(loss.similarity_fct, owner)
@@ -93,27 +95,11 @@ def mini_batch_defaults(loss: nn.Module, default_size: int) -> tuple[int, int | 
     return default_size, None
 
 
-class Guide:
-    """A GISTEmbed base loss's guide model, embedding the texts of the model's mini-batches (no gradient, never
-    stepped): on the guide's own device, tokenised by its own tokenizer when the two differ (as stock does,
-    decoding the model's tokens), returned on the model's device."""
-
-    def __init__(self, loss: nn.Module) -> None:
-        self.model = loss.guide
-        self.retokenize = loss.must_retokenize
-        self.tokenizer = getattr(loss, "tokenizer", None)
-
-    @torch.no_grad()
-    def embed(self, features: dict[str, Any], device: torch.device) -> Tensor:
-        """(rows, guide D) embeddings of one mini-batch's texts (``features``: the model's tokenised inputs)."""
-        if self.retokenize:
-            input_ids = features["input_ids"]
-            if "cu_seq_lens_q" in features:  # flattened sequences: one row of all the tokens
-                flat, bounds = input_ids[0].tolist(), features["cu_seq_lens_q"].tolist()
-                input_ids = [flat[begin:end] for begin, end in itertools.pairwise(bounds)]
-            features = self.model.preprocess(self.tokenizer.batch_decode(input_ids, skip_special_tokens=True))
-        features = batch_to_device(dict(features), self.model.device)  # a copy: modules write into their inputs
-        return self.model(features)["sentence_embedding"].to(device)
+def guide_model(loss: nn.Module) -> GuideModel | None:
+    """A GISTEmbed base loss's guide model, as step (1) runs it (:class:`GuideModel`); None for other base losses."""
+    if not is_gist(loss):
+        return None
+    return GuideModel(loss.guide, retokenize=loss.must_retokenize, tokenizer=getattr(loss, "tokenizer", None))
 
 
 def check_self_guided_filter(loss: nn.Module, margin: float | None, strategy: str) -> None:

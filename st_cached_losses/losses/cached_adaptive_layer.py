@@ -13,6 +13,7 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from sentence_transformers.util import cos_sim, dot_score
 
+from ..gradcache.step import Step
 from . import card, citations
 from .cached_matryoshka_2d import CachedMatryoshka2dLoss
 
@@ -32,53 +33,102 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         kl_div_weight: float = 1.0,
         kl_temperature: float = 0.3,
         layer_weighting: Literal["uniform", "log", "linear"] | Callable[[int], float] = "uniform",
-        mini_batch_size: int | None = None,
+        *,
+        mini_batch_size: int | str | None = None,
         mini_batch_num_tokens: int | None = None,
         sort_by_length: bool = True,
         backend: str = "auto",
         show_progress_bar: bool = False,
+        false_negative_margin: float | None = None,
+        false_negative_strategy: str = "absolute",
+        activation_budget: int | str | None = None,
         fsdp_sync: str = "per_backward",
         mask_duplicates: bool = False,
     ) -> None:
         """
-        Stock ``AdaptiveLayerLoss(model, MultipleNegativesRankingLoss(model), ...)`` with GradCache: every layer
-        of the encoder trained to embed well at the model's full embedding dim, with the same loss value and
-        parameter gradients as stock, in mini-batches. It is :class:`CachedMatryoshka2dLoss` with the one dim D
-        and the base loss's similarity as is (``dot_score`` scores raw dot products here; only Matryoshka
-        truncation re-normalises); the arguments, the forward's entries ``loss_layer_<l>_dim_<D>`` /
-        ``loss_layer_<l>_kl``, the memory and the raised errors are that loss's (the model must report its
-        embedding dimension).
+        Stock ``AdaptiveLayerLoss(model, MultipleNegativesRankingLoss(model), ...)`` with GradCache: every layer of the
+        encoder trained to embed well at the model's full embedding dim, with the same loss value and parameter
+        gradients as stock, in mini-batches. It is :class:`CachedMatryoshka2dLoss` at the one dim D, with the base
+        loss's similarity as is (``dot_score`` scores raw dot products here; only Matryoshka truncation
+        re-normalises). ``forward`` returns ``{"loss_layer_<l>_dim_<D>": ..., "loss_layer_<l>_kl": ...}``, whose sum
+        the trainer back-propagates.
+
+        Args:
+            model: SentenceTransformer whose first module is a ``Transformer`` and that reports its embedding
+                dimension.
+            loss: a MultipleNegativesRankingLoss or CachedMultipleNegativesRankingLoss holding the InfoNCE
+                hyperparameters; it is not called itself.
+            n_layers_per_step: prior layers per step, drawn with ``random.sample`` as stock does; -1 for all.
+            last_layer_weight: weight of the final layer's loss.
+            prior_layers_weight: weight of the prior layers' losses (averaged over the drawn layers).
+            kl_div_weight: weight of the KL term.
+            kl_temperature: temperature T of the KL term, >= 0; 0 turns it off.
+            layer_weighting: weight of prior layer ``l``: "uniform", "log", "linear" or a callable, as stock's.
+            mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar, activation_budget,
+                fsdp_sync, mask_duplicates: as in :class:`CachedMatryoshkaLoss`.
+            false_negative_margin, false_negative_strategy: refused, as in :class:`CachedMatryoshka2dLoss`.
+
+        Raises:
+            ValueError: a model that does not report its embedding dimension, and what
+                :class:`CachedMatryoshka2dLoss` raises.
+            TypeError: as :class:`CachedMatryoshka2dLoss`.
 
         References:
             - 2D Matryoshka Sentence Embeddings (2DMSE): https://arxiv.org/abs/2402.14776
             - GradCache: https://arxiv.org/abs/2101.06983
+
+        Inputs:
+            +-------------------------------------------------+--------+
+            | Texts                                           | Labels |
+            +=================================================+========+
+            | (anchor, positive) pairs                        | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative) triplets           | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative_1, ..., negative_n) | none   |
+            +-------------------------------------------------+--------+
+
+        Example:
+            ::
+
+                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, losses
+                from st_cached_losses import CachedAdaptiveLayerLoss
+
+                model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
+                base = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
+                loss = CachedAdaptiveLayerLoss(model, base, n_layers_per_step=-1)
+                trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
+                trainer.train()
         """
         dim = model.get_embedding_dimension() if isinstance(model, SentenceTransformer) else None
         if dim is None:
             raise ValueError(f"{type(self).__name__} needs a model that reports its embedding dimension.")
         super().__init__(
-            model,
-            loss,
-            [dim],
-            None,
-            n_layers_per_step,
-            -1,
-            last_layer_weight,
-            prior_layers_weight,
-            kl_div_weight,
-            kl_temperature,
-            layer_weighting,
-            mini_batch_size,
-            mini_batch_num_tokens,
-            sort_by_length,
-            backend,
-            show_progress_bar,
-            fsdp_sync,
-            mask_duplicates,
+            model=model,
+            loss=loss,
+            matryoshka_dims=[dim],
+            matryoshka_weights=None,
+            n_layers_per_step=n_layers_per_step,
+            n_dims_per_step=-1,
+            last_layer_weight=last_layer_weight,
+            prior_layers_weight=prior_layers_weight,
+            kl_div_weight=kl_div_weight,
+            kl_temperature=kl_temperature,
+            layer_weighting=layer_weighting,
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            sort_by_length=sort_by_length,
+            backend=backend,
+            show_progress_bar=show_progress_bar,
+            false_negative_margin=false_negative_margin,
+            false_negative_strategy=false_negative_strategy,
+            activation_budget=activation_budget,
+            fsdp_sync=fsdp_sync,
+            mask_duplicates=mask_duplicates,
         )
 
-    def op_options(self) -> dict[str, Any]:
-        return {**super().op_options(), "similarity": _FULL_DIM_SIMILARITY[self.similarity_fct]}
+    def op_options(self, step: Step) -> dict[str, Any]:
+        return {**super().op_options(step), "similarity": _FULL_DIM_SIMILARITY[self.similarity_fct]}
 
     def get_config_dict(self) -> dict[str, Any]:
         config = super().get_config_dict()

@@ -1,17 +1,19 @@
-"""CachedMatryoshka2dLoss and CachedAdaptiveLayerLoss: GradCache for 2D Matryoshka (layers x dims).
+"""CachedMatryoshka2dLoss: GradCache for 2D Matryoshka (layers x dims).
 
 Stock ``Matryoshka2dLoss`` / ``AdaptiveLayerLoss`` train every layer of the encoder to embed well, but refuse cached
 base losses, so their batch is the one whose activations fit in memory. GradCache extends to several outputs per
-mini-batch: step (1) keeps each selected layer's pooled embedding side by side, (2) computes the loss of every
-layer (one :func:`~st_cached_losses.matryoshka_infonce` call per layer, for all its dims) and caches the gradient
-of all of them, (3) re-embeds each mini-batch once and back-propagates all layers in one backward.
+mini-batch: step (1) keeps each drawn layer's pooled embedding side by side, (2) computes the loss of every layer (one
+:func:`~st_cached_losses.matryoshka_infonce` call per layer, for all its dims) and caches the gradient of all of them,
+(3) re-embeds each mini-batch once and back-propagates all layers in one backward. The layers a step draws travel in
+its :class:`~st_cached_losses.gradcache.step.Step`. ``CachedAdaptiveLayerLoss`` (:mod:`.cached_adaptive_layer`) is
+this loss at the model's one full dim.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any, Literal
 
@@ -26,18 +28,14 @@ from torch import Tensor
 
 from ..gradcache import _st_compat
 from ..gradcache.layers import base_model, num_hidden_layers
-from ..gradcache.loss_components import loss_components
-from ..gradcache.minibatches import check_columns
+from ..gradcache.step import LayerDraw, Step, require_step
 from ..ops import matryoshka_infonce
 from . import card, citations
-from .base_losses import MNRL_LOSSES
+from .base_losses import MNRL_LOSSES, check_base_loss
 from .cached_matryoshka import CachedMatryoshkaLoss
 
 SUPPORTED_LOSSES = MNRL_LOSSES  # (Cached)MultipleNegativesRankingLoss, as stock's layer-wise losses take
 LAYER_WEIGHTINGS = ("uniform", "log", "linear")
-# A column's key for the prior layers of its step, so that step (3), which runs in the backward pass (maybe after
-# another forward), re-embeds the layers of its own step. Taken off each mini-batch before the model sees it.
-_PRIOR_LAYERS = "st_cached_losses.prior_layers"
 
 
 @card.public_class
@@ -55,83 +53,69 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         kl_div_weight: float = 1.0,
         kl_temperature: float = 0.3,
         layer_weighting: Literal["uniform", "log", "linear"] | Callable[[int], float] = "uniform",
-        mini_batch_size: int | None = None,
+        *,
+        mini_batch_size: int | str | None = None,
         mini_batch_num_tokens: int | None = None,
         sort_by_length: bool = True,
         backend: str = "auto",
         show_progress_bar: bool = False,
+        false_negative_margin: float | None = None,
+        false_negative_strategy: str = "absolute",
+        activation_budget: int | str | None = None,
         fsdp_sync: str = "per_backward",
         mask_duplicates: bool = False,
     ) -> None:
         """
         Stock ``Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), dims, ...)`` (2D Matryoshka: every
-        layer of the encoder and every Matryoshka dim embeds well) with GradCache, so that the batch size is not
-        bounded by memory. It gives the same loss value and parameter gradients as the stock loss (which refuses
-        cached base losses), with the memory of one mini-batch's activations:
+        layer of the encoder and every Matryoshka dim embeds well) with GradCache, so that the batch size is bounded by
+        time rather than memory: the same loss value and parameter gradients as the stock loss (which refuses cached
+        base losses), with the memory of one mini-batch's activations. Step (1) runs the transformer once per
+        mini-batch with hidden states and keeps the pooled embeddings of the final layer and each drawn prior layer
+        side by side; step (2) calls :func:`~st_cached_losses.matryoshka_infonce` once per layer, for all its dims,
+        plus stock's KL term; step (3) re-embeds each mini-batch once and back-propagates all its layers together.
 
-            (1) embed every mini-batch without gradients: one run of the transformer with hidden states, and the
-                model's other modules (pooling, Dense, Normalize, ...) applied to the final layer and to each
-                selected prior layer, as stock's ``TransformerDecorator`` does; the pooled embeddings of the
-                selected layers are kept side by side, (rows, S * D) for S selected layers, and nothing else;
-            (2) compute the loss for every selected layer (one :func:`~st_cached_losses.matryoshka_infonce` call
-                per layer, for all its dims) plus each prior layer's KL term, and cache d loss / d embedding;
-            (3) on backward, re-embed each mini-batch once, with gradients (same dropout masks), and
-                back-propagate the cached gradient of all its layers in one backward.
-
-        Layers are numbered as stock's hidden states: 0 is the embedding layer's output, ``l`` the output of the
-        first ``l`` transformer layers (what a model truncated to ``l`` layers embeds), and the final layer is the
-        model's number of layers L. Each step trains the final layer and, like stock, ``n_layers_per_step``
-        prior layers drawn from 0..L-1 (all with -1), each at ``n_dims_per_step`` dims of its own (all with -1).
-        The loss is, as in stock::
+        Layers are numbered as stock's hidden states: 0 is the embedding layer's output, ``l`` the output of the first
+        ``l`` transformer layers (what :func:`~st_cached_losses.truncate_layers` keeps), the final layer is the
+        model's number of layers L. The loss is stock's::
 
             last_layer_weight * sum_d w_d InfoNCE_d(final layer)
             + sum_l [prior_layers_weight * layer_weight(l) / n_l * sum_d w_d InfoNCE_d(layer l)
                      + kl_div_weight * kl_temperature * KL(softmax(final / T) || softmax(layer l / T))]
 
-        where the KL term (temperature T = ``kl_temperature``) is stock's: the softmax over the embedding's D
-        features of each full-dim embedding (anchors, positives and negatives), the final layer's detached as
-        the teacher, ``batchmean`` over those rows. It holds a few (rows, D) tensors per layer during step (2),
-        never a rows x rows matrix.
-
-        Memory beyond one mini-batch's activations (which step (3) holds with the hidden states the graph keeps
-        anyway, plus each selected layer's pooling): the embeddings of the whole batch, S times those of
-        :class:`CachedMatryoshkaLoss`, their gradients, and one score tile of the op at a time.
-
-        ``forward`` returns ``{"loss_layer_<l>_dim_<d>": ..., "loss_layer_<l>_kl": ...}`` (0-dim tensors; each
-        entry weighted as in the sum above; layers from the final one down, dims in descending order; 0 for
-        what was not sampled this step; no ``kl`` entries with ``kl_temperature=0``): the trainer logs each and
-        back-propagates their sum, which is the loss. Only that sum carries the gradient, as in
-        :class:`CachedMatryoshkaLoss`.
+        ``forward`` returns ``{"loss_layer_<l>_dim_<d>": ..., "loss_layer_<l>_kl": ...}`` (0-dim tensors weighted as
+        above; layers from the final one down; 0 for what was not drawn this step): the trainer logs each and
+        back-propagates their sum, the loss. Memory and time: ``docs/benchmarks.md`` (2D Matryoshka).
 
         Args:
             model: SentenceTransformer whose first module is a ``Transformer`` (hidden states come from it).
-            loss: a :class:`MultipleNegativesRankingLoss` or :class:`CachedMultipleNegativesRankingLoss`
-                holding the InfoNCE hyperparameters (``scale``, ``similarity_fct`` cos_sim or dot_score,
-                ``directions``, ``partition_mode``, ``hardness_*``, ``gather_across_devices``); it is not
-                called itself.
+            loss: a MultipleNegativesRankingLoss or CachedMultipleNegativesRankingLoss holding the InfoNCE
+                hyperparameters, as for :class:`CachedMatryoshkaLoss`; it is not called itself.
             matryoshka_dims: embedding dims to train, each in [1, model embedding dim], no duplicates.
             matryoshka_weights: one weight per dim (default 1 each).
-            n_layers_per_step: prior layers per step, sampled with ``random.sample`` as stock does; -1 for all.
-            n_dims_per_step: dims per layer and step, sampled as stock's MatryoshkaLoss; -1 for all. The same
-                seed picks the same layers and dims as stock.
+            n_layers_per_step: prior layers per step, drawn with ``random.sample`` as stock does; -1 for all.
+            n_dims_per_step: dims per layer and step, drawn as stock's MatryoshkaLoss; -1 for all (a seed draws
+                stock's layers and dims).
             last_layer_weight: weight of the final layer's loss.
-            prior_layers_weight: weight of the prior layers' losses (averaged over the sampled layers).
+            prior_layers_weight: weight of the prior layers' losses (averaged over the drawn layers).
             kl_div_weight: weight of the KL term.
             kl_temperature: temperature T of the KL term, >= 0; 0 turns it off.
             layer_weighting: weight of prior layer ``l``: "uniform" (1), "log" (``1 / (1 + ln(1 + l))``),
                 "linear" (``1 / (1 + l)``) or a callable ``l -> float``, as stock's AdaptiveLayerLoss.
-            mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar, fsdp_sync,
-                mask_duplicates: as in :class:`CachedMatryoshkaLoss` (mini-batches of rows or tokens, the memory knob;
-                FSDP2's gradient reduction; exact duplicates removed from every layer's softmax, the share logged as
-                there).
+            mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar, activation_budget,
+                fsdp_sync, mask_duplicates: as in :class:`CachedMatryoshkaLoss` (a kept mini-batch keeps every
+                layer's graph; the duplicate mask applies to every layer's softmax).
+            false_negative_margin, false_negative_strategy: refused (None and "absolute" only): which layer would
+                guide the self-guided filter is not defined by stock or the filter's recipe; filter with
+                :class:`CachedMatryoshkaLoss`.
 
         Raises:
             TypeError: ``loss`` of another type, or an option of the wrong type.
             ValueError: a model without a ``Transformer`` first module (e.g. a StaticEmbedding) or without
                 ``num_hidden_layers`` in its config, bad dims or weights, a negative or non-finite
-                ``kl_temperature``, ``n_*_per_step`` not -1 or positive, an unknown ``layer_weighting``; during
-                a step, a ``layer_weighting`` callable that returns no finite number, or a model that returns
-                another number of hidden states than its config says.
+                ``kl_temperature``, ``n_*_per_step`` not -1 or positive, an unknown ``layer_weighting``, a
+                ``false_negative_margin``, and what :class:`CachedMatryoshkaLoss` refuses; during a step, a
+                ``layer_weighting`` callable that returns no finite number, or a model that returns another number of
+                hidden states than its config says.
 
         References:
             - 2D Matryoshka Sentence Embeddings (2DMSE): https://arxiv.org/abs/2402.14776
@@ -154,19 +138,18 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             ::
 
                 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, losses
-                from st_cached_losses import CachedMatryoshka2dLoss
+                from st_cached_losses import CachedMatryoshka2dLoss, truncate_layers
 
                 model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
                 base = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
                 loss = CachedMatryoshka2dLoss(model, base, [384, 192, 96, 48], n_layers_per_step=-1)
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
-                # later: st_cached_losses.truncate_layers(model, 3) embeds with the first 3 layers
+                small = truncate_layers(model, 3)  # embeds with the first 3 layers, as the loss trained them
         """
+        check_base_loss(loss, type(self).__name__, SUPPORTED_LOSSES, "Matryoshka2dLoss / AdaptiveLayerLoss")
         num_layers = _check_layer_options(
-            type(self).__name__,
             model,
-            loss,
             n_layers_per_step,
             n_dims_per_step,
             kl_temperature,
@@ -175,17 +158,24 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             prior_layers_weight=prior_layers_weight,
             kl_div_weight=kl_div_weight,
         )
+        if false_negative_margin is not None or false_negative_strategy != "absolute":
+            raise ValueError(
+                f"{type(self).__name__} does not take false_negative_margin / false_negative_strategy: the "
+                "self-guided filter drops candidates by the model's own similarity, and a loss over several layers has "
+                "no one guide (stock Matryoshka2dLoss has no such filter). Filter with CachedMatryoshkaLoss instead."
+            )
         super().__init__(
-            model,
-            loss,
-            matryoshka_dims,
-            matryoshka_weights,
-            n_dims_per_step,
-            mini_batch_size,
-            mini_batch_num_tokens,
-            sort_by_length,
-            backend,
-            show_progress_bar,
+            model=model,
+            loss=loss,
+            matryoshka_dims=matryoshka_dims,
+            matryoshka_weights=matryoshka_weights,
+            n_dims_per_step=n_dims_per_step,
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            sort_by_length=sort_by_length,
+            backend=backend,
+            show_progress_bar=show_progress_bar,
+            activation_budget=activation_budget,
             fsdp_sync=fsdp_sync,
             mask_duplicates=mask_duplicates,
         )
@@ -196,26 +186,6 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         self.kl_div_weight = kl_div_weight
         self.kl_temperature = kl_temperature
         self.layer_weighting = layer_weighting
-        # Set by forward for the calculate_loss call it makes: ((layer, dims, weight), ...) with the final layer
-        # first, and the entries calculate_loss computed.
-        self._step_plan: tuple[tuple[int, tuple[int, ...], float], ...] = ()
-        self._step_values: dict[str, Tensor] = {}
-
-    def forward(
-        self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None
-    ) -> dict[str, Tensor]:
-        """Embed the columns [anchor, positive, negative_1, ...] (each a tokenized dict) and return the weighted
-        losses ``{"loss_layer_<l>_dim_<d>": ..., "loss_layer_<l>_kl": ...}``; their sum is the loss, and only
-        that sum can be back-propagated. ``labels`` are unused."""
-        sentence_features = list(sentence_features)
-        check_columns(sentence_features, self.mini_batch_num_tokens)
-        self._step_plan = self._sample_plan()
-        prior = tuple(layer for layer, _, _ in self._step_plan[1:])
-        self.note_text_ids(sentence_features)
-        total = self.forward_sorted([{**feature, _PRIOR_LAYERS: prior} for feature in sentence_features], labels)
-        computed, self._step_values = self._step_values, {}
-        zero = torch.zeros_like(total.detach())
-        return loss_components(total, {name: computed.get(name, zero) for name in self.component_names()})
 
     def component_names(self) -> list[str]:
         """Names of the entries ``forward`` returns, in order: per layer (final first) its dims, then its KL."""
@@ -225,11 +195,11 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             names += [f"loss_layer_{layer}_kl"] * (layer < self.num_layers and self.kl_temperature > 0)
         return names
 
-    def _sample_plan(self) -> tuple[tuple[int, tuple[int, ...], float], ...]:
-        """This step's ((layer, dims, layer weight), ...), the final layer first, drawn with stock
-        Matryoshka2dLoss's ``random`` calls in its order: the final layer's dims, then the prior layers (unsorted,
-        as stock), then each prior layer's dims."""
-        plan = [(self.num_layers, self._sample_dims(), self.last_layer_weight)]
+    def draw_step(self) -> tuple[LayerDraw, ...]:
+        """This step's layers, their dims and weights, the final layer first, drawn with stock Matryoshka2dLoss's
+        ``random`` calls in its order: the final layer's dims, then the prior layers (unsorted, as stock), then each
+        prior layer's dims."""
+        draws = [LayerDraw(self.num_layers, self._sample_dims(), self.last_layer_weight)]
         layers = range(self.num_layers)
         if 0 < self.n_layers_per_step < len(layers):
             layers = random.sample(layers, self.n_layers_per_step)
@@ -237,19 +207,13 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             weight = _st_compat.layer_weight(self.layer_weighting, layer)  # stock AdaptiveLayerLoss's weighting
             if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight):
                 raise ValueError(f"layer_weighting({layer}) returned {weight!r}: it must return a finite number.")
-            plan.append((layer, self._sample_dims(), weight / len(layers) * self.prior_layers_weight))
-        return tuple(plan)
+            draws.append(LayerDraw(layer, self._sample_dims(), weight / len(layers) * self.prior_layers_weight))
+        return tuple(draws)
 
-    def minibatch_features(self, sentence_feature: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
-        """The parent's mini-batch, as a :class:`_MiniBatch` that carries the prior layers of the column's step."""
-        features = super().minibatch_features(sentence_feature, begin, end)
-        prior = features.pop(_PRIOR_LAYERS)
-        return _MiniBatch(features, prior)
-
-    def encode(self, features: dict[str, Any]) -> Tensor:
-        """(rows, S * D): the pooled embedding of the final layer, then of each prior layer of the step, side by
-        side. One run of the transformer with hidden states (stock's ``TransformerDecorator``); the model's other
-        modules run once per layer on that layer's hidden states."""
+    def encode(self, features: dict[str, Any], step: Step | None = None) -> Tensor:
+        """(rows, S * D): the pooled embedding of the final layer, then of each prior layer of ``step`` (none without
+        one), side by side. One run of the transformer with hidden states (stock's ``TransformerDecorator``); the
+        model's other modules run once per layer on that layer's hidden states."""
         base = base_model(self.model, type(self).__name__)
         transformer = base[0]
         own_forward = vars(transformer).get("forward")
@@ -266,7 +230,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                     "the model must support output_hidden_states."
                 )
             embeddings = [output["sentence_embedding"]]
-            for layer in features.prior_layers:
+            for layer in () if step is None else step.prior_layers:
                 decorator.set_layer_idx(layer)
                 # The cached hidden states: no transformer run. forward, not __call__: outside a model.compile()d call.
                 embeddings.append(base.forward(output)["sentence_embedding"])
@@ -278,27 +242,37 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         return torch.cat(embeddings, dim=1)
 
     def calculate_loss(
-        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+        self,
+        reps: list[list[Tensor]],
+        labels: Tensor | None = None,
+        *,
+        with_backward: bool = False,
+        step: Step | None = None,
     ) -> Tensor:
-        """Step (2): the 2D loss of the whole batch from the per-mini-batch (rows, S * D) embeddings: per
-        selected layer one call of the op for its dims, and for each prior layer stock's KL term. With
-        ``with_backward`` it back-propagates to the embeddings and returns the detached loss."""
-        columns = self.columns(reps)
-        width = columns[0].shape[1] // len(self._step_plan)
-        queries, docs, placement = self.gathered(columns[0], columns[1:])
-        options = {**self.op_options(), **self.duplicate_ids(placement)}  # the same text ids for every layer
-        total, teacher, self._step_values = 0.0, None, {}
-        for slot, (layer, dims, layer_weight) in enumerate(self._step_plan):
+        """Step (2): the 2D loss of the whole batch from the per-mini-batch (rows, S * D) embeddings of ``step``: per
+        drawn layer one call of the op for its dims, and for each prior layer stock's KL term; the entries go to
+        ``step.components``. With ``with_backward`` it back-propagates to the embeddings and returns the detached
+        loss.
+
+        Raises:
+            ValueError: without the ``step`` of the forward that embedded ``reps``.
+        """
+        step = require_step(step, type(self).__name__)
+        columns = step.columns(reps)
+        width = columns[0].shape[1] // len(step.draw)
+        queries, docs, placement = step.gathered(columns[0], columns[1:])
+        options = {**self.op_options(step), **step.duplicate_inputs(placement)}  # the same text ids for every layer
+        total, teacher = 0.0, None
+        for slot, draw in enumerate(step.draw):
             part = slice(slot * width, (slot + 1) * width)
-            layer_placement = {
-                key: value[:, part] if key == "world_queries" else value  # the rest: offset
-                for key, value in placement.items()
+            layer_placement = {  # the rest: offset
+                key: value[:, part] if key == "world_queries" else value for key, value in placement.items()
             }
-            weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in dims]
+            weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in draw.dims]
             loss, per_dim, *masked_share = matryoshka_infonce(
                 queries[:, part],
                 docs[:, part],
-                dims=dims,
+                dims=draw.dims,
                 weights=weights,
                 return_per_dim=True,
                 **layer_placement,
@@ -306,15 +280,15 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                 **options,
             )
             if masked_share:  # the final layer's; the mask is the same in every layer
-                self._note_masked_share(masked_share[0])
-            total = total + layer_weight * loss
-            for dim, weight, value in zip(dims, weights, per_dim):
-                self._step_values[f"loss_layer_{layer}_dim_{dim}"] = layer_weight * weight * value
+                self.note_masked_share(step, masked_share[0])
+            total = total + draw.weight * loss
+            for dim, weight, value in zip(draw.dims, weights, per_dim):
+                step.components[f"loss_layer_{draw.layer}_dim_{dim}"] = (draw.weight * weight * value).detach()
             if slot and self.kl_temperature > 0:
                 teacher = self._kl_teacher(columns, width) if teacher is None else teacher
                 kl = self._kl(columns, part, teacher) * self.kl_temperature * self.kl_div_weight
                 total = total + kl
-                self._step_values[f"loss_layer_{layer}_kl"] = kl.detach()
+                step.components[f"loss_layer_{draw.layer}_kl"] = kl.detach()
         if with_backward:
             total.backward()
             total = total.detach()
@@ -352,25 +326,8 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         return citations.MATRYOSHKA_2D + citations.GRADCACHE + citations.MATRYOSHKA
 
 
-class _MiniBatch(dict):
-    """One mini-batch's features and the prior layers (``prior_layers``) its step embeds from them; the model gets
-    a plain dict of the features."""
-
-    def __init__(self, features: dict[str, Any], prior_layers: tuple[int, ...]) -> None:
-        super().__init__(features)
-        self.prior_layers = prior_layers
-
-
-def _check_layer_options(
-    name: str, model, loss, n_layers_per_step, n_dims_per_step, kl_temperature, layer_weighting, **weights
-) -> int:
+def _check_layer_options(model, n_layers_per_step, n_dims_per_step, kl_temperature, layer_weighting, **weights) -> int:
     """The model's number of layers, after checking the layer options; TypeError / ValueError naming the fix."""
-    if not isinstance(loss, SUPPORTED_LOSSES):
-        supported = ", ".join(cls.__name__ for cls in SUPPORTED_LOSSES)
-        raise TypeError(
-            f"{name} supports loss={supported}, got {type(loss).__name__}: wrap other losses in sentence_transformers' "
-            "Matryoshka2dLoss / AdaptiveLayerLoss instead."
-        )
     num_layers = num_hidden_layers(model[0] if isinstance(model, SentenceTransformer) and len(model) else model)
     for option, value in (("n_layers_per_step", n_layers_per_step), ("n_dims_per_step", n_dims_per_step)):
         if isinstance(value, bool) or not isinstance(value, int):

@@ -1,7 +1,7 @@
 """Exact duplicates are not negatives: the candidates the duplicate mask removes, found from integer text ids.
 
 Each row and column carries an int64 id of its text (the losses hash each row's token ids,
-``gradcache/duplicates.py``); equal ids are the same text. For row i of a direction, its own text and its
+``gradcache/text_ids.py``); equal ids are the same text. For row i of a direction, its own text and its
 target text are, by the direction's row side (``spec.Direction.rows``):
 
     "q" rows (query_to_doc, query_to_query, anchor_to_anchor):   own(i) = a_i (its query),    target(i) = p_i

@@ -1,0 +1,162 @@
+"""One forward of a GradCache loss, as an object: what its three steps share, built by the loss's ``forward``
+(:meth:`.steps.GradCacheSteps.run_steps`), passed to ``embed_minibatch`` (step (1)), ``calculate_loss`` (step (2)) and
+the backward hook (step (3), :mod:`.backward`), and gone with the loss tensor after the backward.
+
+Nothing of a step is kept on the loss: two forwards before one backward (gradient accumulation, a user's own loop)
+each carry their own :class:`Step`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
+from torch import Tensor
+
+from .distributed import check_same_rows_on_every_rank
+from .kept_minibatches import StepPlan
+from .minibatches import restore_order
+from .parallel import Parallelism
+
+__all__ = ["LayerDraw", "Step", "require_step"]
+
+
+@dataclass(frozen=True)
+class LayerDraw:
+    """What a loss scores for one layer this step: the hidden-state index ``layer`` (None: the model's output),
+    the Matryoshka ``dims`` drawn for it (descending) and its ``weight`` in the loss."""
+
+    layer: int | None
+    dims: tuple[int, ...]
+    weight: float = 1.0
+
+
+@dataclass
+class Step:
+    """One forward's state.
+
+    Attributes:
+        draw: the layers and dims the loss drew for this step, the model's output first (one entry for the 1D loss;
+            the 2D losses add their prior layers, whose embeddings step (1) puts beside the output's).
+        training: gradients enabled (a training forward; evaluation runs steps (1) and (2) only).
+        parallel: the model's parallelism (DDP, FSDP2, DeepSpeed or none).
+        gather: the base loss's ``gather_across_devices`` at this step.
+        text_ids: per column, (rows,) int64 text ids for ``mask_duplicates`` (else None), in the batch's row order.
+        features: the columns as step (1) embeds them (length-sorted views, see :mod:`.minibatches`).
+        orders: per column, the length order step (1) embeds its rows in (None: the batch's order).
+        ranges: per column, the (begin, end) rows of each of this rank's mini-batches.
+        counts: per column, the mini-batches every rank embeds (the ranges, then one-row pads).
+        kept: the activation budget's plan of kept mini-batches (None: keep nothing).
+        guide: id(column) -> the guide model's embeddings of each mini-batch (a GISTEmbed base loss), else None.
+        encoder_dtypes: the autocast dtype the encoder ran under in each forward of step (1).
+        components: filled by step (2): the entries ``forward`` returns (e.g. ``loss_dim_<d>``), detached.
+        masked_share: filled by step (2): the share of candidates the filter and the duplicate mask removed.
+    """
+
+    draw: tuple[LayerDraw, ...]
+    training: bool
+    parallel: Parallelism
+    gather: bool = False
+    text_ids: list[Tensor] | None = None
+    features: list[dict[str, Any]] = field(default_factory=list)
+    orders: list[Tensor | None] = field(default_factory=list)
+    ranges: list[list[tuple[int, int]]] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    kept: StepPlan | None = None
+    guide: dict[int, list[Tensor]] | None = None
+    encoder_dtypes: list[torch.dtype | None] = field(default_factory=list)
+    components: dict[str, Tensor] = field(default_factory=dict)
+    masked_share: float | None = None
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The model output's dims this step."""
+        return self.draw[0].dims
+
+    @property
+    def prior_layers(self) -> tuple[int, ...]:
+        """The hidden-state indices step (1) embeds beside the model's output (the 2D losses), in slot order."""
+        return tuple(draw.layer for draw in self.draw[1:])
+
+    # ------------------------------------------------------------------------------------------ mini-batches
+
+    def positions(self) -> list[tuple[int, int]]:
+        """(column, index) of every mini-batch in embedding order, pads included."""
+        return [(column, index) for column, count in enumerate(self.counts) for index in range(count)]
+
+    def is_pad(self, column: int, index: int) -> bool:
+        """Whether mini-batch ``index`` of ``column`` is a pad: a rank with fewer mini-batches than another embeds
+        one-row pads (zero gradient), so that every rank runs the same collectives."""
+        return index >= len(self.ranges[column])
+
+    def rows(self, column: int, index: int) -> tuple[int, int]:
+        """(begin, end) of a mini-batch: a pad re-embeds the column's first row (its gradient is zero)."""
+        return (0, 1) if self.is_pad(column, index) else self.ranges[column][index]
+
+    def add_guide_embeddings(self, feature: dict[str, Any], embeddings: Tensor) -> None:
+        """Step (1): the guide model's embeddings of the next mini-batch of ``feature`` (one of :attr:`features`)."""
+        self.guide[id(feature)].append(embeddings)
+
+    # ------------------------------------------------------------------------------------------ step (2)'s inputs
+
+    def columns(self, reps: list[list[Tensor]]) -> list[Tensor]:
+        """Each column's mini-batch embeddings as one (B, width) tensor, rows in the batch's own order; detached in
+        evaluation (else the op would compute gradients for step (1)'s leaves)."""
+        columns = [restore_order(torch.cat(column), order) for column, order in zip(reps, self.orders)]
+        return columns if self.training else [column.detach() for column in columns]
+
+    def gathered(self, queries: Tensor, docs: list[Tensor]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        """``(queries, docs, {"offset", "world_queries"})`` for the op: with ``gather``, as stock's calculate_loss,
+        this rank's queries against every rank's queries and documents (gathered with gradients, which flow back to
+        their owners); ``docs`` (M, width) concatenated column by column.
+
+        Raises:
+            ValueError: with ``gather``, different numbers of rows on different processes.
+        """
+        if not self.gather:
+            return queries, torch.cat(docs), {}
+        check_same_rows_on_every_rank(queries)
+        world_queries = all_gather_with_grad(queries)
+        docs = torch.cat([all_gather_with_grad(doc) for doc in docs])
+        if world_queries.shape[0] == queries.shape[0]:
+            return queries, docs, {}
+        return queries, docs, {"offset": get_rank() * queries.shape[0], "world_queries": world_queries}
+
+    def guide_inputs(self) -> dict[str, Tensor]:
+        """The guide model's embeddings for the op (a GISTEmbed base loss): ``guide_queries`` (this rank's) and
+        ``guide_docs`` (every rank's, gathered as the model's docs are), rows in the batch's order; {} without."""
+        if self.guide is None:
+            return {}
+        columns = [
+            restore_order(torch.cat(self.guide[id(feature)]), order)
+            for feature, order in zip(self.features, self.orders)
+        ]
+        docs = torch.cat([all_gather(doc) if self.gather else doc for doc in columns[1:]])
+        return {"guide_queries": columns[0], "guide_docs": docs}
+
+    def duplicate_inputs(self, placement: dict[str, Any]) -> dict[str, Tensor]:
+        """The text ids for the op's duplicate mask (``query_ids``, ``doc_ids`` and, where :meth:`gathered` placed
+        this rank's rows in a gathered batch, ``world_query_ids``), gathered as the embeddings are; {} without."""
+        if self.text_ids is None:
+            return {}
+        queries, *docs = self.text_ids
+        if "world_queries" not in placement:  # not gathered, or a world of one process
+            return {"query_ids": queries, "doc_ids": torch.cat(docs)}
+        return {
+            "query_ids": queries,
+            "doc_ids": torch.cat([all_gather(doc) for doc in docs]),
+            "world_query_ids": all_gather(queries),
+        }
+
+
+def require_step(step: Step | None, owner: str) -> Step:
+    """``step``, or a ValueError: ``calculate_loss`` (step (2)) needs the :class:`Step` of the forward that embedded
+    its inputs, which only the loss's own forward builds."""
+    if step is None:
+        raise ValueError(
+            f"{owner}.calculate_loss is step (2) of the loss's forward and needs that forward's step: call the loss "
+            "itself, loss(sentence_features, labels), rather than calculate_loss."
+        )
+    return step
