@@ -13,6 +13,7 @@ from .ops import matryoshka_infonce
 
 __all__ = [
     "CachedAdaptiveLayerLoss",
+    "CachedLossCallback",
     "CachedMatryoshka2dLoss",
     "CachedMatryoshkaLoss",
     "__version__",
@@ -25,6 +26,7 @@ _LAZY = {
     "CachedMatryoshkaLoss": "losses",
     "CachedMatryoshka2dLoss": "losses",
     "CachedAdaptiveLayerLoss": "losses",
+    "CachedLossCallback": "losses",
     "truncate_layers": "truncation",
 }
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .distributed import check_same_rows_on_every_rank
 from .kept_minibatches import StepPlan
+from .memory_bank import BankedPairs
 from .minibatches import restore_order
 from .parallel import Parallelism
 
@@ -53,6 +54,7 @@ class Step:
         encoder_dtypes: the autocast dtype the encoder ran under in each forward of step (1).
         components: filled by step (2): the entries ``forward`` returns (e.g. ``loss_dim_<d>``), detached.
         masked_share: filled by step (2): the share of candidates the filter and the duplicate mask removed.
+        to_bank: filled by step (2) of a loss with a memory bank: the step's pairs, banked after its loss.
     """
 
     draw: tuple[LayerDraw, ...]
@@ -69,6 +71,7 @@ class Step:
     encoder_dtypes: list[torch.dtype | None] = field(default_factory=list)
     components: dict[str, Tensor] = field(default_factory=dict)
     masked_share: float | None = None
+    to_bank: BankedPairs | None = None
 
     @property
     def dims(self) -> tuple[int, ...]:

@@ -63,7 +63,7 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         show_progress_bar: a progress bar over step (1)'s mini-batches.
         budget: the activation budget (None: plain GradCache and a fixed mini-batch size).
         guide: a GISTEmbed guide model embedding every mini-batch in step (1), or None.
-        mask_duplicates: take each row's text id before step (1), for the op's duplicate mask.
+        take_text_ids: take each row's text id before step (1) (the op's duplicate mask, a memory bank's ids).
         fsdp_sync: FSDP2's gradient reduction, "per_backward" or "per_step" (:mod:`.parallel`).
     """
 
@@ -78,7 +78,7 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         show_progress_bar: bool,
         budget: ActivationBudget | None,
         guide: GuideModel | None,
-        mask_duplicates: bool,
+        take_text_ids: bool,
         fsdp_sync: str,
     ) -> None:
         super().__init__()
@@ -90,7 +90,7 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         self.show_progress_bar = show_progress_bar
         self.budget = budget
         self.guide = guide
-        self.mask_duplicates = mask_duplicates
+        self.take_text_ids = take_text_ids
         self.fsdp_sync = fsdp_sync
 
     def run_steps(
@@ -104,7 +104,7 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         training = torch.is_grad_enabled()
         step = Step(draw=draw, training=training, parallel=Parallelism.of(self.model, self.fsdp_sync), gather=gather)
         # From the columns as given, before sorting, so that the ids follow the rows' order step (2) restores.
-        step.text_ids = [text_ids(feature) for feature in sentence_features] if self.mask_duplicates else None
+        step.text_ids = [text_ids(feature) for feature in sentence_features] if self.take_text_ids else None
         agree = step.parallel.needs_agreement(training)
         budgeted = self.budget is not None and training
         if budgeted and self.auto_mini_batch and not self.budget.chosen:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["text_ids"]
+__all__ = ["combine_ids", "text_ids"]
 
 
 def text_ids(features: dict[str, Any]) -> Tensor:
@@ -36,8 +36,8 @@ def text_ids(features: dict[str, Any]) -> Tensor:
     input_ids = features.get("input_ids")
     if not isinstance(input_ids, Tensor):
         raise ValueError(
-            f"mask_duplicates identifies texts by their token ids, but a column has no input_ids (its "
-            f"features: {sorted(features)}): use mask_duplicates=False for such inputs."
+            f"The loss identifies texts by their token ids here, but a column has no input_ids (its features: "
+            f"{sorted(features)}): use mask_duplicates=False and memory_size=0 for such inputs."
         )
     tokens = input_ids.detach().to("cpu", torch.int64).numpy().astype("<i8", copy=False)
     if "cu_seq_lens_q" in features:  # flattened sequences: one row of all the tokens
@@ -48,5 +48,16 @@ def text_ids(features: dict[str, Any]) -> Tensor:
         rows = [row[keep] for row, keep in zip(tokens, kept)]
     else:
         rows = list(tokens)
+    return _hashes(rows, input_ids.device)
+
+
+def combine_ids(*ids: Tensor) -> Tensor:
+    """(rows,) int64: one id per row for the tuple of its ids (same hash, so equal tuples give equal ids), e.g. the
+    (query, positive) pair of a row."""
+    table = torch.stack([i.detach().to("cpu", torch.int64) for i in ids], dim=1).numpy().astype("<i8", copy=False)
+    return _hashes(list(table), ids[0].device)
+
+
+def _hashes(rows: list[np.ndarray], device: torch.device) -> Tensor:
     digests = b"".join(hashlib.blake2b(row.tobytes(), digest_size=8).digest() for row in rows)
-    return torch.from_numpy(np.frombuffer(digests, dtype="<i8").astype(np.int64)).to(input_ids.device)
+    return torch.from_numpy(np.frombuffer(digests, dtype="<i8").astype(np.int64)).to(device)

@@ -4,6 +4,7 @@
 - ``cached_matryoshka_2d.py``: ``CachedMatryoshka2dLoss`` for ``Matryoshka2dLoss(model, MNRL)``;
 - ``cached_adaptive_layer.py``: ``CachedAdaptiveLayerLoss`` for ``AdaptiveLayerLoss(model, MNRL)``;
 - ``base_losses.py``: which base losses are accepted and what their hyperparameters mean for the op; the guide;
+- ``callback.py``: ``CachedLossCallback``, the losses' step reports in the trainer's log, the bank in its checkpoints;
 - ``card.py``: what the model card shows (``get_config_dict()`` in JSON values, the public class path);
 - ``citations.py``: BibTeX for the model card.
 
@@ -16,5 +17,6 @@ from __future__ import annotations
 from .cached_adaptive_layer import CachedAdaptiveLayerLoss
 from .cached_matryoshka import CachedMatryoshkaLoss
 from .cached_matryoshka_2d import CachedMatryoshka2dLoss
+from .callback import CachedLossCallback
 
-__all__ = ["CachedAdaptiveLayerLoss", "CachedMatryoshka2dLoss", "CachedMatryoshkaLoss"]
+__all__ = ["CachedAdaptiveLayerLoss", "CachedLossCallback", "CachedMatryoshka2dLoss", "CachedMatryoshkaLoss"]

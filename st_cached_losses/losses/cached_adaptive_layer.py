@@ -44,6 +44,10 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         activation_budget: int | str | None = None,
         fsdp_sync: str = "per_backward",
         mask_duplicates: bool = False,
+        memory_size: int = 0,
+        memory_warmup_steps: int = 0,
+        memory_max_age: int | None = None,
+        dual_memory: bool = False,
     ) -> None:
         """
         Stock ``AdaptiveLayerLoss(model, MultipleNegativesRankingLoss(model), ...)`` with GradCache: every layer of the
@@ -66,7 +70,8 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
             layer_weighting: weight of prior layer ``l``: "uniform", "log", "linear" or a callable, as stock's.
             mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar, activation_budget,
                 fsdp_sync, mask_duplicates: as in :class:`CachedMatryoshkaLoss`.
-            false_negative_margin, false_negative_strategy: refused, as in :class:`CachedMatryoshka2dLoss`.
+            false_negative_margin, false_negative_strategy, memory_size, memory_warmup_steps, memory_max_age,
+                dual_memory: refused, as in :class:`CachedMatryoshka2dLoss`.
 
         Raises:
             ValueError: a model that does not report its embedding dimension, and what
@@ -125,6 +130,10 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
             activation_budget=activation_budget,
             fsdp_sync=fsdp_sync,
             mask_duplicates=mask_duplicates,
+            memory_size=memory_size,
+            memory_warmup_steps=memory_warmup_steps,
+            memory_max_age=memory_max_age,
+            dual_memory=dual_memory,
         )
 
     def op_options(self, step: Step) -> dict[str, Any]:

@@ -22,8 +22,11 @@ from ..gradcache._st_compat import has_static_embedding_input, validate_mini_bat
 from ..gradcache.activation_budget import AUTO, ActivationBudget, check_activation_budget, check_mini_batch_size
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..gradcache.dims import sorted_dims
+from ..gradcache.distributed import unwrapped
 from ..gradcache.kept_minibatches import StepPlan
 from ..gradcache.loss_components import loss_components
+from ..gradcache.memory_bank import MemoryBank, check_memory_options
+from ..gradcache.memory_inputs import banked_pairs, dual_inputs, memory_inputs, pair_mode_ids
 from ..gradcache.minibatches import check_columns
 from ..gradcache.parallel import check_fsdp_sync
 from ..gradcache.precision import nonfinite_policy
@@ -58,6 +61,10 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         activation_budget: int | str | None = None,
         fsdp_sync: str = "per_backward",
         mask_duplicates: bool = False,
+        memory_size: int = 0,
+        memory_warmup_steps: int = 0,
+        memory_max_age: int | None = None,
+        dual_memory: bool = False,
     ) -> None:
         """
         A drop-in replacement for ``MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model), dims)``: the
@@ -108,6 +115,18 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
             mask_duplicates: exact duplicates are not negatives: a row does not score a candidate with the same token
                 ids as its positive, as itself, or as another positive of its query (every direction, and across
                 processes when gathered); the rule: ``docs/design.md``. False: stock's behaviour.
+            memory_size: negatives beyond the batch (a cross-batch memory, XBM): each training step also scores the
+                newest ``memory_size`` document embeddings of earlier training steps (positives and hard negatives,
+                full dim, detached) as candidates of its rows, and banks its own after its loss (gathered across
+                processes with ``gather_across_devices``). A banked copy of a row's own pair is never its negative.
+                0 (default): no bank, exactly the loss without one. The bank: ``loss.memory``; checkpoints and the
+                trainer's log: :class:`st_cached_losses.CachedLossCallback`; when it helps: ``docs/benchmarks.md``.
+            memory_warmup_steps: training steps before the bank is filled and scored (XBM's warm-up).
+            memory_max_age: training steps after which a banked pair leaves, even before the bank is full; None: no
+                limit.
+            dual_memory: also bank the queries (ContAccum's dual memory): banked pairs join the batch as rows, each
+                with its banked positive as target, and the loss is the mean over this step's and the banked rows;
+                not with ``gather_across_devices``.
 
         Raises:
             TypeError: ``loss`` of an unsupported type; a ``mask_duplicates`` that is not a bool.
@@ -116,13 +135,20 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
                 ``false_negative_margin`` (also next to a GISTEmbed base loss, which has its own) or strategy; an
                 unknown ``backend`` or one that cannot run on the model's device. ``forward`` raises ValueError for
                 fewer than two columns or columns of different lengths, uneven rows across processes with
-                ``gather_across_devices``, FSDP1, DeepSpeed without ZeRO and ZeRO-2 with gradient accumulation.
+                ``gather_across_devices``, FSDP1, DeepSpeed without ZeRO and ZeRO-2 with gradient accumulation;
+                with a bank, a batch of other columns or a model of another embedding dimension than it holds.
+            TypeError / ValueError: a negative or non-integer ``memory_size``, ``memory_warmup_steps`` or
+                ``memory_max_age``; memory options without ``memory_size``; ``dual_memory`` with a base loss that
+                gathers across devices.
 
         References:
             - Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup (GradCache):
               https://arxiv.org/abs/2101.06983
             - Matryoshka Representation Learning: https://arxiv.org/abs/2205.13147
             - GISTEmbed (the false-negative filter): https://arxiv.org/abs/2402.16829
+            - Cross-Batch Memory for Embedding Learning (XBM, the memory bank): https://arxiv.org/abs/1912.06798
+            - A Gradient Accumulation Method for Dense Retriever under Memory Constraint (ContAccum, the dual
+              memory): https://arxiv.org/abs/2406.12356
 
         Inputs:
             +-------------------------------------------------+--------+
@@ -163,6 +189,9 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
         if not isinstance(mask_duplicates, bool):
             raise TypeError(f"mask_duplicates must be True or False, got {mask_duplicates!r}.")
+        check_memory_options(memory_size, memory_warmup_steps, memory_max_age, dual_memory)
+        if dual_memory:
+            _check_dual_memory(loss)
         budgeted = activation_budget is not None or mini_batch_size == AUTO
         super().__init__(
             model,
@@ -173,7 +202,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
             show_progress_bar=show_progress_bar,
             budget=ActivationBudget(activation_budget) if budgeted else None,
             guide=guide_model(loss),
-            mask_duplicates=mask_duplicates,
+            take_text_ids=mask_duplicates or memory_size > 0,
             fsdp_sync=check_fsdp_sync(fsdp_sync),
         )
         self.loss = loss
@@ -183,6 +212,12 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         self.false_negative_margin = false_negative_margin
         self.false_negative_strategy = false_negative_strategy
         self.activation_budget = activation_budget
+        self.mask_duplicates = mask_duplicates
+        self.memory = (
+            MemoryBank(memory_size, warmup_steps=memory_warmup_steps, max_age=memory_max_age, dual=dual_memory)
+            if memory_size
+            else None
+        )
         self.masked_share: float | None = None  # the last step's share of candidates the masks removed
 
     def forward(
@@ -193,8 +228,14 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         back-propagated (:func:`st_cached_losses.gradcache.loss_components.loss_components`). ``labels`` are unused."""
         sentence_features = list(sentence_features)
         check_columns(sentence_features, self.mini_batch_num_tokens)
+        if self.memory is not None and torch.is_grad_enabled():
+            self.memory.check(len(sentence_features) - 1, self.model_embedding_dimension())
+            if self.memory.dual:
+                _check_dual_memory(self.loss)
         draw = self.draw_step()
         total, step = self.run_steps(sentence_features, labels, draw, self.gather_across_devices)
+        if self.memory is not None and step.training:
+            self.memory.end_step(step.to_bank)  # after the loss: a failing step banks nothing
         zero = torch.zeros_like(total.detach())
         return loss_components(total, {name: step.components.get(name, zero) for name in self.component_names()})
 
@@ -226,16 +267,13 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         columns = step.columns(reps)
         weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in step.dims]
         queries, docs, placement = step.gathered(columns[0], columns[1:])
+        inputs = self.memory_step(step, queries, docs, placement)
         loss, per_dim, masked_share = matryoshka_infonce(
-            queries,
-            docs,
             dims=step.dims,
             weights=weights,
             return_per_dim=True,
             return_masked_share=True,
-            **placement,
-            **step.guide_inputs(),
-            **step.duplicate_inputs(placement),
+            **inputs,
             **self.op_options(step),
         )
         for dim, weight, value in zip(step.dims, weights, per_dim):
@@ -246,11 +284,40 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
             loss = loss.detach()
         return loss
 
+    def memory_step(self, step: Step, queries: Tensor, docs: Tensor, placement: dict[str, Any]) -> dict[str, Any]:
+        """The op's inputs for this step (queries, docs, their placement, the guide's embeddings and the text ids)
+        with the memory bank's pairs (:mod:`st_cached_losses.gradcache.memory_inputs`), and, in training, the pairs
+        this step banks (``step.to_bank``)."""
+        ids, guide = step.duplicate_inputs(placement), step.guide_inputs()
+        if self.memory is None:
+            return {"queries": queries, "docs": docs, **placement, **guide, **ids}
+        world_batch = placement["world_queries"].shape[0] if "world_queries" in placement else queries.shape[0]
+        if not self.mask_duplicates:  # without the mask, ids that catch a copy of a row's own pair, and no more
+            ids = pair_mode_ids(ids, world_batch, placement.get("offset", 0))
+        banked = self.memory.candidates() if step.training else None
+        if step.training:
+            world_queries = placement.get("world_queries", queries) if self.memory.dual else None
+            step.to_bank = banked_pairs(docs, ids, guide, world_batch, world_queries)
+        if banked is None:
+            return {"queries": queries, "docs": docs, **placement, **guide, **ids}
+        if self.memory.dual:
+            queries, docs, ids, guide = dual_inputs(queries, docs, ids, guide, banked)
+            return {"queries": queries, "docs": docs, **guide, **ids}
+        memory = memory_inputs(banked, queries.dtype)
+        return {"queries": queries, "docs": docs, **placement, **guide, **ids, **memory}
+
+    def model_embedding_dimension(self) -> int | None:
+        """The model's embedding dimension, when it says (a wrapped model is looked through)."""
+        get = getattr(unwrapped(self.model), "get_embedding_dimension", None)
+        return None if get is None else get()
+
     def note_masked_share(self, step: Step, masked_share: Tensor) -> None:
         """Keep the share of candidates the false-negative filter and the duplicate mask removed this step (in
         ``step.masked_share`` and ``self.masked_share``; a training step's logged at INFO)."""
         filtered = self.guide is not None or self.false_negative_margin is not None
-        masks = " and ".join(["false-negative filter"] * filtered + ["duplicate mask"] * self.mask_duplicates)
+        pair_mask = self.memory is not None and not self.mask_duplicates
+        masks = ["false-negative filter"] * filtered + ["duplicate mask"] * self.mask_duplicates
+        masks = " and ".join(masks + ["own-pair mask"] * pair_mask)
         if not masks:
             return
         step.masked_share = self.masked_share = float(masked_share)
@@ -300,7 +367,18 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
             "activation_budget": self.activation_budget,
             **({"fsdp_sync": self.fsdp_sync} if self.fsdp_sync != "per_backward" else {}),
             **({"mask_duplicates": True} if self.mask_duplicates else {}),
+            **(self.memory_settings() if self.memory is not None else {}),
             **(self.budget.chosen if self.budget is not None else {}),
+        }
+
+    def memory_settings(self) -> dict[str, Any]:
+        """The memory bank's settings as given (for the model card)."""
+        memory = self.memory
+        return {
+            "memory_size": memory.memory_size,
+            "memory_warmup_steps": memory.warmup_steps,
+            "memory_max_age": memory.max_age,
+            "dual_memory": memory.dual,
         }
 
     @property
@@ -311,7 +389,19 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
     @property
     def citation(self) -> str:
         filtered = self.guide is not None or self.false_negative_margin is not None
-        return citations.GRADCACHE + citations.MATRYOSHKA + (citations.GISTEMBED if filtered else "")
+        memory = ""
+        if self.memory is not None:
+            memory = citations.XBM + (citations.CONTACCUM if self.memory.dual else "")
+        return citations.GRADCACHE + citations.MATRYOSHKA + (citations.GISTEMBED if filtered else "") + memory
+
+
+def _check_dual_memory(loss: nn.Module) -> None:
+    """ValueError for the dual memory with a base loss that gathers across devices."""
+    if getattr(loss, "gather_across_devices", False):
+        raise ValueError(
+            "dual_memory=True with gather_across_devices=True is not supported: banked rows would be added on every "
+            "process. Use dual_memory=False (the banked documents are gathered), or gather_across_devices=False."
+        )
 
 
 def _check_model(model: Any, backend: str) -> None:

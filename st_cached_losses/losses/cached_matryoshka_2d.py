@@ -64,6 +64,10 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         activation_budget: int | str | None = None,
         fsdp_sync: str = "per_backward",
         mask_duplicates: bool = False,
+        memory_size: int = 0,
+        memory_warmup_steps: int = 0,
+        memory_max_age: int | None = None,
+        dual_memory: bool = False,
     ) -> None:
         """
         Stock ``Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), dims, ...)`` (2D Matryoshka: every
@@ -107,6 +111,9 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             false_negative_margin, false_negative_strategy: refused (None and "absolute" only): which layer would
                 guide the self-guided filter is not defined by stock or the filter's recipe; filter with
                 :class:`CachedMatryoshkaLoss`.
+            memory_size, memory_warmup_steps, memory_max_age, dual_memory: refused (0, 0, None, False only): a bank
+                would hold one embedding per text while this loss scores every layer's; a bank of each drawn layer
+                grows with the layers and goes stale at the rate of each. Use :class:`CachedMatryoshkaLoss`.
 
         Raises:
             TypeError: ``loss`` of another type, or an option of the wrong type.
@@ -158,6 +165,12 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             prior_layers_weight=prior_layers_weight,
             kl_div_weight=kl_div_weight,
         )
+        if memory_size or memory_warmup_steps or memory_max_age is not None or dual_memory:
+            raise ValueError(
+                f"{type(self).__name__} does not take a memory bank (memory_size and its options): a bank holds one "
+                "embedding per text, and this loss scores every layer's. Use CachedMatryoshkaLoss for negatives "
+                "beyond the batch."
+            )
         if false_negative_margin is not None or false_negative_strategy != "absolute":
             raise ValueError(
                 f"{type(self).__name__} does not take false_negative_margin / false_negative_strategy: the "

@@ -43,3 +43,25 @@ MATRYOSHKA_2D = """
     primaryClass={cs.CL}
 }
 """
+
+XBM = """
+@inproceedings{wang2020xbm,
+    title={Cross-Batch Memory for Embedding Learning},
+    author={Xun Wang and Haozhi Zhang and Weilin Huang and Matthew R. Scott},
+    booktitle={Proceedings of the IEEE/CVF Conference on Computer Vision and Pattern Recognition (CVPR)},
+    year={2020},
+    eprint={1912.06798},
+    archivePrefix={arXiv}
+}
+"""
+
+CONTACCUM = """
+@inproceedings{kim2024contaccum,
+    title={A Gradient Accumulation Method for Dense Retriever under Memory Constraint},
+    author={Jaehee Kim and Yukyung Lee and Pilsung Kang},
+    booktitle={Advances in Neural Information Processing Systems (NeurIPS)},
+    year={2024},
+    eprint={2406.12356},
+    archivePrefix={arXiv}
+}
+"""
