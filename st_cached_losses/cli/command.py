@@ -41,6 +41,13 @@ def _positive_int(text: str) -> int:
     return _checked(int(text), integer=True)
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     return _checked(float(text), integer=False)
 
@@ -186,6 +193,33 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         help="no_duplicates: rows sharing a text never share a batch (sentence-transformers' "
         "NO_DUPLICATES); batch_sampler: plain shuffled batches (default: no_duplicates, or batch_sampler "
         "with --mask-duplicates)",
+    )
+    p.add_argument(
+        "--memory-size",
+        type=_non_negative_int,
+        default=0,
+        metavar="K",
+        help="negatives beyond the batch: also score the K newest document embeddings of earlier steps (a memory "
+        "bank, XBM), banked after each step's loss (default: 0, no bank)",
+    )
+    p.add_argument(
+        "--memory-warmup-steps",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="with --memory-size, training steps before the bank is filled and scored (default: 0)",
+    )
+    p.add_argument(
+        "--memory-max-age",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="with --memory-size, training steps a banked pair stays at most (default: until the bank evicts it)",
+    )
+    p.add_argument(
+        "--dual-memory",
+        action="store_true",
+        help="with --memory-size, also bank the queries, as rows of the loss (ContAccum's dual memory)",
     )
     p.add_argument(
         "--layers",

@@ -38,7 +38,7 @@ from .options import (
     resolve_dims,
 )
 from .run_dir import check_output_dir, write_run
-from .training import activation_summary, compare_stock, format_activation, make_loss, train_measured
+from .training import activation_summary, compare_stock, format_activation, make_loss, memory_summary, train_measured
 from .usage import UsageError, first_line, quiet_loading
 
 __all__ = ["Prepared", "TrainOptions", "load_model", "prepare", "run"]
@@ -152,6 +152,8 @@ def run(options: TrainOptions) -> dict[str, Any]:
         results["layers"] = {n: {"before": before_layers[n], "after": after_layers[n]} for n in before_layers}
     if options.activation_budget is not None or options.mini_batch_size == "auto":
         results["activation"] = activation_summary(loss)
+    if options.memory_size:
+        results["memory"] = memory_summary(loss)
     if initial is not None:
         results["compare_stock"] = compare_stock(initial, job.dims, job.train, options, first=ours, guide=job.guide)
 

@@ -83,6 +83,10 @@ class TrainOptions:
     layers: Sequence[int] | None = None  # 2D Matryoshka: CachedMatryoshka2dLoss, and evaluate at these many layers
     mask_duplicates: bool = False  # exact duplicates leave the softmax (inside the loss) instead of the batch
     batch_sampler: str | None = None  # one of BATCH_SAMPLERS; None: no_duplicates, or batch_sampler with the mask
+    memory_size: int = 0  # banked documents of earlier steps scored as negatives (0: no memory bank)
+    memory_warmup_steps: int = 0  # training steps before the bank is filled and scored
+    memory_max_age: int | None = None  # training steps a banked pair stays at most (None: until evicted)
+    dual_memory: bool = False  # also bank the queries, as rows of the loss (ContAccum)
 
     def __post_init__(self):
         self.output_dir = Path(self.output_dir)
@@ -119,6 +123,7 @@ class TrainOptions:
             )
         self._check_layers()
         self._check_duplicates()
+        self._check_memory()
 
     @property
     def sampler(self) -> str:
@@ -138,6 +143,24 @@ class TrainOptions:
             raise UsageError(
                 "--compare-stock compares the same loss, and stock has no duplicate mask: drop "
                 "--mask-duplicates or --compare-stock"
+            )
+
+    def _check_memory(self) -> None:
+        """--memory-size and its options: the loss's rules (one line each), and no stock comparison (stock has no
+        bank) nor 2D Matryoshka (it refuses a bank)."""
+        from ..gradcache.memory_bank import check_memory_options
+
+        try:
+            check_memory_options(self.memory_size, self.memory_warmup_steps, self.memory_max_age, self.dual_memory)
+        except (TypeError, ValueError) as error:
+            message = str(error)
+            for name in ("memory_warmup_steps", "memory_max_age", "memory_size", "dual_memory"):
+                message = message.replace(name, "--" + name.replace("_", "-"))
+            raise UsageError(message.rstrip(".")) from error
+        if self.memory_size and (self.compare_stock or self.layers is not None):
+            raise UsageError(
+                "--memory-size is CachedMatryoshkaLoss's: drop --compare-stock (stock has no memory bank) and --layers "
+                "(the 2D loss takes no bank)"
             )
 
     def _check_layers(self) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "compare_stock",
     "format_activation",
     "make_loss",
+    "memory_summary",
     "train_measured",
     "train_once",
 ]
@@ -83,7 +84,25 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
         false_negative_margin=None if guide is not None else margin,
         activation_budget=options.activation_budget,
         mask_duplicates=options.mask_duplicates,
+        memory_size=options.memory_size,
+        memory_warmup_steps=options.memory_warmup_steps,
+        memory_max_age=options.memory_max_age,
+        dual_memory=options.dual_memory,
     )
+
+
+def memory_summary(loss) -> dict[str, Any]:
+    """results.json's ``memory`` for a loss with a memory bank, after training: its settings, capacity and bytes
+    (documents; bytes of its tensors), and the last step's fill and oldest age (training steps)."""
+    memory = loss.memory
+    return {
+        **loss.memory_settings(),
+        "capacity": memory.capacity,
+        "nbytes": memory.nbytes,
+        "fill": memory.fill,
+        "oldest_age": memory.oldest_age,
+        "steps": memory.step,
+    }
 
 
 def activation_summary(loss) -> dict[str, Any]:
@@ -157,10 +176,14 @@ def train_once(model, loss, train, options: TrainOptions) -> tuple[float, int]:
     """Train ``model`` in place with ``loss``; returns (seconds in ``trainer.train()``, optimizer steps)."""
     from sentence_transformers import SentenceTransformerTrainer
 
+    from ..losses.callback import CachedLossCallback
+
     with tempfile.TemporaryDirectory(prefix="st-cached-losses-trainer-") as scratch:
         trainer = SentenceTransformerTrainer(
             model=model, args=_training_args(options, scratch, str(model.device)), train_dataset=train, loss=loss
         )
+        if hasattr(loss, "memory"):  # ours: the masked share and the bank's fill in the trainer's log
+            CachedLossCallback.attach(trainer)
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start
