@@ -8,10 +8,10 @@
     peak over K = 0 within one tile.
 (b) ``step``: one training step (forward + backward) of the packaged all-MiniLM-L6-v2 at B = 64 with K = 4096 (the
     bank filled first) against K = 0, alternated round by round. Target: within 1.2x.
-(c) ``ndcg``: the main job (``st_cached_losses.cli.job.run``) on the built-in data, equal epochs: B = 64 with
-    K in {256, 1024, 4096}, documents only and dual, with and without staleness control (a warm-up and a maximum
-    age), at the default and a lower learning rate; B = 64 and B = 1024 without a bank. NDCG@10 per dim and the
-    training time of each run. Slow (~2 min a run on 2 cores).
+(c) ``ndcg``: the main job (``st_cached_losses.cli.job.run``) on the built-in data, one epoch each: B = 64 with
+    K in {256, 1024, 4096} (documents), the dual memory, staleness control (a warm-up and a maximum age), at the
+    default and a lower learning rate (:func:`ndcg_configs`); B = 64 and B = 1024 without a bank. NDCG@10 per dim and
+    the training time of each run. Slow (2-3 min a run on 2 idle cores).
 
     python -m benchmarks.memory_bank loss-stage step          # -> benchmarks/results/memory_bank_{loss_stage,step}.*
     python -m benchmarks.memory_bank ndcg                     # -> benchmarks/results/memory_bank_ndcg.{csv,png,md}
@@ -157,18 +157,22 @@ def step(batch: int, bank: int, rounds: int, model_name: str = "minilm") -> list
 
 
 def ndcg_configs() -> dict[str, dict]:
-    """Run name -> TrainOptions fields."""
+    """Run name -> TrainOptions fields: without a bank at B = 64 and 1024; at the default learning rate every K
+    (documents), and at K = 1024 the dual memory and staleness control; at the lower rate, K = 1024 and 4096 with and
+    without staleness control, and the dual memory with it."""
     configs = {}
     for lr in LEARNING_RATES:
         tag = f"lr{lr:g}"
         configs[f"B64_{tag}"] = dict(batch_size=64, learning_rate=lr)
         configs[f"B1024_{tag}"] = dict(batch_size=1024, learning_rate=lr)
-        for k in NDCG_BANKS:
-            for dual in (False, True):
-                for control in (False, True):
-                    name = f"B64_K{k}_{'dual' if dual else 'docs'}{'_ctl' if control else ''}_{tag}"
-                    configs[name] = dict(batch_size=64, learning_rate=lr, memory_size=k, dual_memory=dual)
-                    configs[name].update(STALENESS if control else {})
+    runs = [(2e-4, k, False, False) for k in NDCG_BANKS]
+    runs += [(2e-4, 1024, False, True), (2e-4, 1024, True, False), (2e-4, 1024, True, True)]
+    runs += [(5e-5, k, False, control) for k in (1024, 4096) for control in (False, True)]
+    runs += [(5e-5, 1024, True, True)]
+    for lr, k, dual, control in runs:
+        name = f"B64_K{k}_{'dual' if dual else 'docs'}{'_ctl' if control else ''}_lr{lr:g}"
+        configs[name] = dict(batch_size=64, learning_rate=lr, memory_size=k, dual_memory=dual)
+        configs[name].update(STALENESS if control else {})
     return configs
 
 
