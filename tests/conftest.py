@@ -38,3 +38,24 @@ def tiny_model():
     from st_cached_losses.testing import tiny_sentence_transformer
 
     return tiny_sentence_transformer()
+
+
+@pytest.fixture(scope="module")
+def dropout_model():
+    """A tiny BERT with dropout 0.1, in training mode (dropout on), one per test module."""
+    from st_cached_losses.testing import tiny_sentence_transformer
+
+    model = tiny_sentence_transformer(dropout=0.1, seed=1)
+    model.train()
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A saved 2-layer BERT with 64-dim embeddings (the command line's default dims are then [64, 32]), one per test
+    module."""
+    from st_cached_losses.testing import tiny_sentence_transformer
+
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    tiny_sentence_transformer(hidden_size=64).save(str(path))
+    return path

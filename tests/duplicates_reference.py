@@ -5,12 +5,17 @@ The rule (issue 21): for each loss row, a candidate other than the row's own tar
 (1) its text equals the row's target text, (2) its text equals the row's own text, or (3) it is the target text of
 another row whose own text equals this row's text. Rows over queries own a_i and target p_i; rows over positives
 own p_i and target a_i. The row's own target (its partner column) stays.
+
+Below the rule: problems with duplicates on random embeddings, and the op (``matryoshka_infonce``, its public entry)
+and the rule run on them, for tests/test_duplicates.py and test_triton.py.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from st_cached_losses import matryoshka_infonce
 
 # direction: (row side, candidate set); "docs": every doc column, "world": the world's queries, "local": this rank's
 # queries, "positives": the world's positives.
@@ -132,3 +137,83 @@ def loss(
             log_z = torch.stack([torch.logsumexp(block, dim=1) for block in blocks]).mean(dim=0)
         total = total + weight * (log_z - positive).mean()
     return total
+
+
+# ------------------------------------------------------------------------------------------ problems for the op
+
+DIMS, WEIGHTS = [24, 16, 4], [1.0, 0.5, 2.0]
+
+# Text ids by world row: anchors, positives, then each hard-negative column. Rows 0 and 3 share a query (two
+# positives of one query), rows 2 and 5 share a positive, row 2's hard negative is its own positive, row 4's is row
+# 0's positive, row 7's is a query text (its own), and row 6's positive is the text of query 1.
+MIXED = dict(
+    anchors=[100, 101, 102, 100, 104, 105, 106, 107],
+    positives=[200, 201, 202, 203, 204, 202, 101, 207],
+    negatives=[[300, 301, 202, 303, 200, 305, 306, 107]],
+)
+
+
+def problem(anchors, positives, negatives=(), seed=0):
+    """(world queries, docs, anchor ids, doc ids): one random embedding per text (a text is embedded the same
+    wherever it occurs, as without dropout), each positive near the first query it belongs to."""
+    g = torch.Generator().manual_seed(seed)
+    doc_ids = [*positives, *(i for column in negatives for i in column)]
+    table = {text: torch.randn(DIMS[0], generator=g) for text in sorted({*anchors, *doc_ids})}
+    related = set()
+    for anchor, positive in zip(anchors, positives):
+        if positive not in related and positive != anchor:
+            related.add(positive)
+            table[positive] = table[positive] + table[anchor]
+    queries = torch.stack([table[text] for text in anchors])
+    return queries, torch.stack([table[text] for text in doc_ids]), list(anchors), doc_ids
+
+
+def run_op(queries, docs, world, anchor_ids, doc_ids, offset=0, ids=True, **options):
+    """(loss, masked share, d queries, d docs, d world queries) of the op on fresh leaves."""
+    batch = queries.shape[0]
+    gathered = world is not None
+    leaves = [t.clone().requires_grad_() for t in (queries, docs, *([world] if gathered else []))]
+    id_options = {}
+    if ids:
+        world_ids = torch.tensor(anchor_ids)
+        id_options = dict(query_ids=world_ids[offset : offset + batch], doc_ids=torch.tensor(doc_ids))
+        id_options.update(world_query_ids=world_ids if gathered else None)
+    loss, share = matryoshka_infonce(
+        leaves[0],
+        leaves[1],
+        dims=DIMS,
+        weights=WEIGHTS,
+        offset=offset,
+        world_queries=leaves[2] if gathered else None,
+        return_masked_share=True,
+        **id_options,
+        **options,
+    )
+    loss.backward()
+    return (loss.detach(), share, *(leaf.grad for leaf in leaves))
+
+
+def run_rule(queries, docs, world, anchor_ids, doc_ids, offset=0, **options):
+    """(loss, d queries, d docs, d world queries, removed, candidates) of the reference."""
+    options = {key: value for key, value in options.items() if key not in ("backend", "chunk_size")}
+    gathered = world is not None
+    leaves = [t.clone().requires_grad_() for t in (queries, docs, world if gathered else queries)]
+    world_leaf = leaves[2] if gathered else leaves[0]
+    total = loss(
+        leaves[0],
+        leaves[1],
+        world_leaf,
+        anchor_ids,
+        doc_ids,
+        DIMS,
+        offset=offset,
+        weights=WEIGHTS,
+        extra=options.pop("extra", None),
+        **options,
+    )
+    total.backward()
+    _, removed, candidates = masks(
+        anchor_ids, doc_ids, queries.shape[0], offset, options.get("directions", ("query_to_doc",))
+    )
+    grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+    return (total.detach(), *grads[:2], grads[2] if gathered else None, removed, candidates)

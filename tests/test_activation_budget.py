@@ -29,10 +29,33 @@ from st_cached_losses.gradcache import steps as gradcache_steps
 from st_cached_losses.gradcache.activation_memory import ActivationModel
 from st_cached_losses.gradcache.kept_minibatches import MiniBatch, choose_kept
 from st_cached_losses.testing import tiny_sentence_transformer
-from tests.test_cached_matryoshka import DIMS, WEIGHTS, _assert_grads_close, _features, _loss_and_grads
+from tests.distributed_helpers import DIMS as DDP_DIMS
+from tests.distributed_helpers import (
+    MINI_BATCH_SIZE,
+    ROWS,
+    WORLD_SIZE,
+    batch_texts,
+    child_setup,
+    init_process_group,
+    local_rows,
+    spawn,
+)
+from tests.helpers import (
+    DIMS,
+    SOME,
+    WEIGHTS,
+    assert_close_within_bf16,
+    assert_grads_close,
+    autocast_forward,
+    budget_bytes,
+    loss_and_grads,
+    parameter_grads,
+    saved_bytes,
+    text_features,
+    training_dataset,
+)
 
 ALL, NONE = 10**12, 1  # budgets (bytes) that keep every mini-batch of these tiny batches, and none
-SOME = "some"  # half the bytes of the whole batch embedded at once (measured here): keeps some, not all
 CASES = {  # name: (hard negatives per row, CachedMatryoshkaLoss options, base loss options)
     "triplets": (1, dict(mini_batch_size=3), {}),
     "pairs_unsorted": (0, dict(mini_batch_size=4, sort_by_length=False), {}),
@@ -43,48 +66,6 @@ CASES = {  # name: (hard negatives per row, CachedMatryoshkaLoss options, base l
 
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def _saved_bytes(model, features) -> int:
-    """Bytes of the tensors autograd saves in one forward with gradients of ``features``, measured here with our
-    own saved-tensor hooks: each storage once, parameters, buffers and inputs excluded (alive anyway)."""
-    alive = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    alive |= {v.untyped_storage().data_ptr() for v in features.values() if torch.is_tensor(v)}
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in alive:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.random.fork_rng(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(features)["sentence_embedding"]
-    return sum(storages.values())
-
-
-def _budget(model, features, budget):
-    """``SOME``: half the saved bytes of all columns embedded whole (each mini-batch holds a part of them)."""
-    return sum(_saved_bytes(model, dict(f)) for f in features) // 2 if budget == SOME else budget
-
-
-def _assert_matches_stock(model, stock, ours, features, budget) -> list[dict[str, torch.Tensor]]:
-    """``ours`` gives ``stock``'s loss and every gradient (rtol 1e-4) with the same dropout draws, for one step, or two
-    with a budget (the first measures, the second predicts), and a ``SOME`` budget keeps some mini-batches within it.
-    Returns ours' gradients of each step."""
-    steps = []
-    for step in range(2 if budget else 1):
-        torch.manual_seed(step)
-        stock_loss, stock_grads = _loss_and_grads(model, stock, features)
-        torch.manual_seed(step)
-        loss, grads = _loss_and_grads(model, ours, features)
-        assert loss == pytest.approx(stock_loss, rel=1e-4)
-        _assert_grads_close(grads, stock_grads)
-        steps.append(grads)
-    if budget:
-        report = ours.activation_report
-        assert 0 < len(report.kept) < len(report.minibatches) and report.kept_bytes <= budget
-    return steps
 
 
 @contextmanager
@@ -109,8 +90,8 @@ def _ours(model, base, budget, **options):
 @pytest.mark.parametrize("case", CASES)
 def test_matches_stock_and_embeds_each_mini_batch_once_plus_the_re_embedded(tiny_model, case, budget):
     negatives, options, config = CASES[case]
-    features = _features(tiny_model, rows=13, negatives=negatives, seed=3)
-    budget = _budget(tiny_model, features, budget)
+    features = text_features(tiny_model, rows=13, negatives=negatives, seed=3)
+    budget = budget_bytes(tiny_model, features, budget)
     stock = MatryoshkaLoss(
         tiny_model,
         MultipleNegativesRankingLoss(tiny_model, **config),
@@ -121,16 +102,16 @@ def test_matches_stock_and_embeds_each_mini_batch_once_plus_the_re_embedded(tiny
     plain = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model, **config), None, **options)
     ours = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model, **config), budget, **options)
     with _counting_forwards(tiny_model) as count:
-        _loss_and_grads(tiny_model, plain, features)
+        loss_and_grads(tiny_model, plain, features)
     minibatches = count[0] // 2  # without a budget every mini-batch is embedded twice
     for step in range(2):  # the first step measures before it predicts; the second predicts from the first
         random.seed(step)  # n_dims_per_step: the same dims for stock and ours
-        stock_loss, stock_grads = _loss_and_grads(tiny_model, stock, features)
+        stock_loss, stock_grads = loss_and_grads(tiny_model, stock, features)
         random.seed(step)
         with _counting_forwards(tiny_model) as count:
-            loss, grads = _loss_and_grads(tiny_model, ours, features)
+            loss, grads = loss_and_grads(tiny_model, ours, features)
         assert loss == pytest.approx(stock_loss, rel=1e-4)
-        _assert_grads_close(grads, stock_grads)
+        assert_grads_close(grads, stock_grads)
         kept = len(ours.activation_report.kept)
         assert len(ours.activation_report.minibatches) == minibatches
         assert count[0] == minibatches + (minibatches - kept)  # step (1) once each, step (3) only the re-embedded
@@ -143,22 +124,15 @@ def test_matches_stock_and_embeds_each_mini_batch_once_plus_the_re_embedded(tiny
         assert ours.budget.held == 0  # every kept graph was back-propagated
 
 
-@pytest.fixture(scope="module")
-def dropout_model():
-    model = tiny_sentence_transformer(dropout=0.1, seed=1)
-    model.train()
-    return model
-
-
 @pytest.mark.parametrize("budget", [ALL, SOME, NONE], ids=["keeps_all", "keeps_some", "keeps_none"])
 def test_dropout_kept_mini_batches_keep_the_masks_stock_replays(dropout_model, budget):
     """Stock MatryoshkaLoss(CachedMNRL) replays step (1)'s RNG in step (3); a kept mini-batch keeps step (1)'s masks."""
-    features = _features(dropout_model, rows=13, negatives=1, seed=7)
-    budget = _budget(dropout_model, features, budget)
+    features = text_features(dropout_model, rows=13, negatives=1, seed=7)
+    budget = budget_bytes(dropout_model, features, budget)
 
     def run(loss_fn):
         torch.manual_seed(1234)
-        return _loss_and_grads(dropout_model, loss_fn, features)
+        return loss_and_grads(dropout_model, loss_fn, features)
 
     stock = MatryoshkaLoss(
         dropout_model, CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=3), DIMS, WEIGHTS
@@ -173,13 +147,13 @@ def test_dropout_kept_mini_batches_keep_the_masks_stock_replays(dropout_model, b
     for _ in range(2):
         loss, grads = run(ours)
         assert loss == pytest.approx(stock_loss, rel=1e-4)
-        _assert_grads_close(grads, stock_grads)
+        assert_grads_close(grads, stock_grads)
     torch.manual_seed(99)  # dropout is really on: other masks, another loss
-    assert _loss_and_grads(dropout_model, ours, features)[0] != pytest.approx(stock_loss, rel=1e-4)
+    assert loss_and_grads(dropout_model, ours, features)[0] != pytest.approx(stock_loss, rel=1e-4)
 
 
 def test_no_budget_is_todays_behaviour_exactly(tiny_model):
-    features = _features(tiny_model, rows=13, negatives=1, seed=5)
+    features = text_features(tiny_model, rows=13, negatives=1, seed=5)
     today = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=3)
     ours = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model), None, mini_batch_size=3)
     results = []
@@ -188,7 +162,7 @@ def test_no_budget_is_todays_behaviour_exactly(tiny_model):
             _counting_forwards(tiny_model) as count,
             mock.patch.object(gradcache_steps, "RandContext", wraps=gradcache_steps.RandContext) as rand_context,
         ):
-            loss, grads = _loss_and_grads(tiny_model, loss_fn, features)
+            loss, grads = loss_and_grads(tiny_model, loss_fn, features)
         results.append((loss, grads, count[0], rand_context.call_count))
     (loss, grads, forwards, snapshots), (our_loss, our_grads, our_forwards, our_snapshots) = results
     assert our_loss == loss and (our_forwards, our_snapshots) == (forwards, snapshots) == (2 * 15, 15)
@@ -200,22 +174,20 @@ def test_no_budget_is_todays_behaviour_exactly(tiny_model):
 def test_bf16_autocast_kept_graphs_match_stock(budget):
     """The trainer's bf16=True (the model's forward under autocast): a kept graph is step (1)'s bf16 forward, whose
     gradients stock gets by replaying it; within bf16 rounding."""
-    from tests.test_mixed_precision import _assert_close_within_bf16, _bf16_autocast_forward
-
     model = tiny_sentence_transformer(seed=1)
-    _bf16_autocast_forward(model)
-    features = _features(model, rows=12, negatives=1, seed=43)
+    autocast_forward(model)
+    features = text_features(model, rows=12, negatives=1, seed=43)
     stock = MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=4), DIMS, WEIGHTS)
     ours = _ours(
         model,
         CachedMultipleNegativesRankingLoss(model, mini_batch_size=4),
-        _budget(model, features, budget),
+        budget_bytes(model, features, budget),
         sort_by_length=False,
     )
-    stock_loss, stock_grads = _loss_and_grads(model, stock, features)
-    loss, grads = _loss_and_grads(model, ours, features)
+    stock_loss, stock_grads = loss_and_grads(model, stock, features)
+    loss, grads = loss_and_grads(model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=2**-6)
-    _assert_close_within_bf16(grads, stock_grads)
+    assert_close_within_bf16(grads, stock_grads)
     assert len(ours.activation_report.kept) > 0
 
 
@@ -225,17 +197,17 @@ def test_bf16_autocast_kept_graphs_match_stock(budget):
 def test_kept_bytes_stay_within_the_budget(tiny_model):
     """Measured with our own saved-tensor hooks: what step (1) keeps never exceeds the budget, and its activations at
     any moment exceed it by at most the prediction error of the mini-batch being embedded."""
-    features = _features(tiny_model, rows=16, negatives=1, seed=11)
-    budget = _budget(tiny_model, features, SOME)
+    features = text_features(tiny_model, rows=16, negatives=1, seed=11)
+    budget = budget_bytes(tiny_model, features, SOME)
     ours = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model), budget, mini_batch_size=3, sort_by_length=False)
     errors = set()
     for step in range(2):
-        _loss_and_grads(tiny_model, ours, features)
+        loss_and_grads(tiny_model, ours, features)
         report = ours.activation_report
         measured = {}
         for index in report.measured_bytes:  # the mini-batches step (1) embedded with gradients
             mb = report.minibatches[index]
-            measured[index] = _saved_bytes(tiny_model, ours.minibatch_features(features[mb.column], mb.begin, mb.end))
+            measured[index] = saved_bytes(tiny_model, ours.minibatch_features(features[mb.column], mb.begin, mb.end))
         assert report.measured_bytes == measured  # the loss measures exactly what our hooks see
         assert sum(measured[i] for i in report.kept) <= budget
         held = 0
@@ -253,9 +225,9 @@ def test_kept_bytes_stay_within_the_budget(tiny_model):
 
 
 def test_second_forward_before_backward_counts_the_first_ones_kept_bytes(tiny_model):
-    first = _features(tiny_model, rows=9, negatives=1, seed=17)
-    second = _features(tiny_model, rows=12, negatives=1, seed=19)
-    budget = _budget(tiny_model, first, SOME) * 3
+    first = text_features(tiny_model, rows=9, negatives=1, seed=17)
+    second = text_features(tiny_model, rows=12, negatives=1, seed=19)
+    budget = budget_bytes(tiny_model, first, SOME) * 3
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
     ours = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model), budget, mini_batch_size=4)
     reports = []
@@ -271,16 +243,16 @@ def test_second_forward_before_backward_counts_the_first_ones_kept_bytes(tiny_mo
 
         return run
 
-    stock_loss, stock_grads = _loss_and_grads(tiny_model, both(stock), None)
-    loss, grads = _loss_and_grads(tiny_model, both(ours), None)
+    stock_loss, stock_grads = loss_and_grads(tiny_model, both(stock), None)
+    loss, grads = loss_and_grads(tiny_model, both(ours), None)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
     assert ours.activation_report.allowance_bytes == budget - reports[-1].kept_bytes > 0
     assert ours.budget.held == 0
 
 
 def test_a_loss_dropped_without_backward_releases_its_kept_bytes(tiny_model):
-    features = _features(tiny_model, rows=8, negatives=0, seed=41)
+    features = text_features(tiny_model, rows=8, negatives=0, seed=41)
     ours = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model), ALL, mini_batch_size=3)
     out = ours(features, None)
     assert ours.budget.held == ours.activation_report.kept_bytes > 0
@@ -290,7 +262,7 @@ def test_a_loss_dropped_without_backward_releases_its_kept_bytes(tiny_model):
 
 
 def test_evaluation_keeps_nothing(tiny_model):
-    features = _features(tiny_model, rows=13, negatives=1, seed=23)
+    features = text_features(tiny_model, rows=13, negatives=1, seed=23)
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
     ours = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model), ALL, mini_batch_size=3)
     with torch.no_grad():
@@ -308,15 +280,15 @@ def test_trainer_gradient_accumulation_with_a_budget(tmp_path, dropout_model):
     micro-steps equal those without a budget (dropout on: a kept mini-batch keeps the masks the replay draws)."""
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 
-    from tests.test_trainer import _dataset
-
     state = {name: value.clone() for name, value in dropout_model.state_dict().items()}
     weights, reports = [], []
     for budget in (None, SOME):
         dropout_model.load_state_dict(state)
-        sample = [dropout_model.preprocess(_dataset(rows=4)[column]) for column in ("anchor", "positive", "negative")]
+        sample = [
+            dropout_model.preprocess(training_dataset(rows=4)[column]) for column in ("anchor", "positive", "negative")
+        ]
         base = CachedMultipleNegativesRankingLoss(dropout_model, mini_batch_size=2)
-        loss = _ours(dropout_model, base, _budget(dropout_model, sample, budget), sort_by_length=False)
+        loss = _ours(dropout_model, base, budget_bytes(dropout_model, sample, budget), sort_by_length=False)
         args = SentenceTransformerTrainingArguments(
             output_dir=str(tmp_path / str(budget)),
             max_steps=2,
@@ -329,7 +301,9 @@ def test_trainer_gradient_accumulation_with_a_budget(tmp_path, dropout_model):
             save_strategy="no",
             disable_tqdm=True,
         )
-        SentenceTransformerTrainer(model=dropout_model, args=args, train_dataset=_dataset(rows=16), loss=loss).train()
+        SentenceTransformerTrainer(
+            model=dropout_model, args=args, train_dataset=training_dataset(rows=16), loss=loss
+        ).train()
         weights.append({name: p.detach().clone() for name, p in dropout_model.named_parameters()})
         reports.append(loss.activation_report)
     dropout_model.load_state_dict(state)
@@ -369,7 +343,7 @@ def test_choose_kept_order_and_step3_reserve():
 
 
 def test_auto_budget_from_the_available_memory(tiny_model, monkeypatch, caplog):
-    features = _features(tiny_model, rows=13, negatives=1, seed=29)
+    features = text_features(tiny_model, rows=13, negatives=1, seed=29)
     total = 64 * 2**30
     margin = max(2**30, total // 10)
     available = {"bytes": total}
@@ -377,7 +351,7 @@ def test_auto_budget_from_the_available_memory(tiny_model, monkeypatch, caplog):
     ours = _ours(tiny_model, MultipleNegativesRankingLoss(tiny_model), "auto", mini_batch_size=3)
     with caplog.at_level(logging.INFO, logger="st_cached_losses.gradcache.activation_budget"):
         for _ in range(2):
-            _loss_and_grads(tiny_model, ours, features)
+            loss_and_grads(tiny_model, ours, features)
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "'auto'" in r.getMessage()]
     assert len(logged) == 1 and f"{total} bytes available (test)" in logged[0] and f"- {margin} safety" in logged[0]
     report = ours.activation_report
@@ -386,7 +360,7 @@ def test_auto_budget_from_the_available_memory(tiny_model, monkeypatch, caplog):
     # Just above the margin, step (2) and the gradients: the largest re-embedded mini-batch is reserved, little kept.
     largest = max(report.measured_bytes.values())
     available["bytes"] = total - report.allowance_bytes + int(2.5 * largest)
-    _loss_and_grads(tiny_model, ours, features)
+    loss_and_grads(tiny_model, ours, features)
     report = ours.activation_report
     assert 0 < len(report.kept) < len(report.minibatches)
     assert (
@@ -395,7 +369,7 @@ def test_auto_budget_from_the_available_memory(tiny_model, monkeypatch, caplog):
         <= report.allowance_bytes
     )
     available["bytes"] = margin  # nothing left: nothing kept
-    _loss_and_grads(tiny_model, ours, features)
+    loss_and_grads(tiny_model, ours, features)
     assert ours.activation_report.allowance_bytes == 0 and ours.activation_report.kept == []
 
 
@@ -416,11 +390,11 @@ def _longest_rows_bytes_per_row(model, features, rows=activation_budget.PROBE_RO
     longest = {key: value[order] for key, value in column.items() if torch.is_tensor(value)}
     width = int(longest["attention_mask"].sum(dim=1).max())
     longest = {key: value[:, :width] if value.ndim == 2 else value for key, value in longest.items()}
-    return _saved_bytes(model, longest) / rows, int(longest["attention_mask"].sum())
+    return saved_bytes(model, longest) / rows, int(longest["attention_mask"].sum())
 
 
 def test_auto_mini_batch_size_is_the_largest_that_fits(dropout_model, caplog):
-    features = _features(dropout_model, rows=13, negatives=1, seed=31)
+    features = text_features(dropout_model, rows=13, negatives=1, seed=31)
     per_row, _ = _longest_rows_bytes_per_row(dropout_model, features)
     budget = int(5.5 * per_row)
     ours = _ours(
@@ -437,7 +411,7 @@ def test_auto_mini_batch_size_is_the_largest_that_fits(dropout_model, caplog):
 
     def run(loss_fn):
         torch.manual_seed(4321)
-        return _loss_and_grads(dropout_model, loss_fn, features)
+        return loss_and_grads(dropout_model, loss_fn, features)
 
     with (
         caplog.at_level(logging.INFO, logger="st_cached_losses.gradcache.activation_budget"),
@@ -455,24 +429,24 @@ def test_auto_mini_batch_size_is_the_largest_that_fits(dropout_model, caplog):
     )
     stock_loss, stock_grads = run(stock)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
     run(ours)
     assert ours.mini_batch_size == 5  # fixed after the first step
 
 
 def test_auto_mini_batch_num_tokens(tiny_model):
-    features = _features(tiny_model, rows=13, negatives=1, seed=37)
+    features = text_features(tiny_model, rows=13, negatives=1, seed=37)
     per_row, tokens = _longest_rows_bytes_per_row(tiny_model, features)
     budget = int(per_row * activation_budget.PROBE_ROWS / tokens * 40.5)  # 40.5 tokens' worth
     ours = _ours(
         tiny_model, MultipleNegativesRankingLoss(tiny_model), budget, mini_batch_size="auto", mini_batch_num_tokens=1
     )
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
-    loss, grads = _loss_and_grads(tiny_model, ours, features)
+    loss, grads = loss_and_grads(tiny_model, ours, features)
     assert ours.mini_batch_num_tokens == 40 and ours.get_config_dict()["auto_mini_batch_num_tokens"] == 40
-    stock_loss, stock_grads = _loss_and_grads(tiny_model, stock, features)
+    stock_loss, stock_grads = loss_and_grads(tiny_model, stock, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 def test_config_dict_has_both_settings(tiny_model):
@@ -509,9 +483,6 @@ WORKER_MODES = (*DDP_MODES, "static_graph_no_budget")
 
 
 def _ddp_loss(model, budget):
-    from tests.test_distributed import DIMS as DDP_DIMS
-    from tests.test_distributed import MINI_BATCH_SIZE
-
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH_SIZE, gather_across_devices=True)
     return CachedMatryoshkaLoss(model, base, DDP_DIMS, activation_budget=budget)
 
@@ -523,15 +494,13 @@ def _ddp_worker(rank, port, state_path, out_dir):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    from tests.test_distributed import ROWS, WORLD_SIZE, _child_setup, _columns
-
-    _child_setup(rank, port)
+    child_setup(rank, port)
     model = tiny_sentence_transformer()
     model.load_state_dict(torch.load(state_path))
     trainer_models = {find_unused: tiny_sentence_transformer(dropout=0.1, seed=3) for find_unused in (True, False)}
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    local = slice(rank * ROWS // WORLD_SIZE, (rank + 1) * ROWS // WORLD_SIZE)
-    batches = [[model.preprocess(texts[local]) for texts in _columns(1, seed)] for seed in (11, 12)]
+    init_process_group(rank)
+    local = local_rows(rank)
+    batches = [[model.preprocess(texts[local]) for texts in batch_texts(1, seed)] for seed in (11, 12)]
     results = {}
     for mode in WORKER_MODES:
         find_unused = mode != "all_used" and mode != "accumulate_all_used"
@@ -557,7 +526,7 @@ def _ddp_worker(rank, port, state_path, out_dir):
             losses.append(float(total))
             forwards.append(count[0])
             kept.append(len(loss_fn.activation_report.kept) if loss_fn.activation_report else 0)
-        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+        grads = parameter_grads(model)
         loss = torch.tensor(losses)
         dist.all_reduce(loss)
         results[mode] = {
@@ -584,8 +553,6 @@ def _ddp_worker(rank, port, state_path, out_dir):
 def _ddp_train_two_steps(model, find_unused, output_dir):
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 
-    from tests.test_trainer import _dataset
-
     if not find_unused:
         model[0].model.pooler.requires_grad_(False)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -603,7 +570,7 @@ def _ddp_train_two_steps(model, find_unused, output_dir):
         disable_tqdm=True,
         seed=0,
     )
-    SentenceTransformerTrainer(model=model, args=args, train_dataset=_dataset(rows=32), loss=loss).train()
+    SentenceTransformerTrainer(model=model, args=args, train_dataset=training_dataset(rows=32), loss=loss).train()
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     changed = sum(not torch.equal(weights[name], initial[name]) for name in weights)
     report = loss.activation_report
@@ -612,11 +579,9 @@ def _ddp_train_two_steps(model, find_unused, output_dir):
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory, tiny_model):
-    from tests.test_distributed import _free_port, _spawn
-
     out_dir = tmp_path_factory.mktemp("ddp_budget")
     torch.save(tiny_model.state_dict(), out_dir / "state.pt")
-    _spawn(_ddp_worker, _free_port(), str(out_dir / "state.pt"), str(out_dir))
+    spawn(_ddp_worker, str(out_dir / "state.pt"), str(out_dir))
     return out_dir
 
 
@@ -624,16 +589,14 @@ def ddp_results(tmp_path_factory, tiny_model):
 def test_ddp_synchronises_once_per_step_and_matches_one_process(ddp_results, tiny_model, mode):
     """Kept forwards run under no_sync in step (1); the step's last mini-batch is re-embedded and synchronises, once.
     The mean over ranks of the gradients (DDP's all-reduce) is one process's gradient on the whole batch."""
-    from tests.test_distributed import MINI_BATCH_SIZE, ROWS, WORLD_SIZE, _columns
-
     results = torch.load(ddp_results / "budget_gradients.pt")
     result = results[mode]
-    batches = [[tiny_model.preprocess(texts) for texts in _columns(1, seed)] for seed in (11, 12)]
+    batches = [[tiny_model.preprocess(texts) for texts in batch_texts(1, seed)] for seed in (11, 12)]
     micro_steps = batches if mode.startswith("accumulate") else batches[:1]
-    losses, grads = zip(*(_loss_and_grads(tiny_model, _ddp_loss(tiny_model, None), f) for f in micro_steps))
+    losses, grads = zip(*(loss_and_grads(tiny_model, _ddp_loss(tiny_model, None), f) for f in micro_steps))
     expected = {name: sum(g[name] for g in grads) for name in grads[0]}
     assert result["loss"] == pytest.approx(list(losses), rel=1e-4)
-    _assert_grads_close(result["grads"], expected)
+    assert_grads_close(result["grads"], expected)
     assert result["held"] == 0
     # Static-graph DDP's first iteration synchronises as it does without a budget (sentence-transformers' replay).
     assert result["syncs"] == (results["static_graph_no_budget"]["syncs"] if mode == "static_graph" else 1)
@@ -667,14 +630,14 @@ def test_gistembed_base_loss_with_a_budget_matches_stock(budget):
 
     model = tiny_sentence_transformer(dropout=0.0, seed=2)
     guide = tiny_sentence_transformer(hidden_size=32, dropout=0.0, seed=3)
-    features = _features(model, rows=12, negatives=1, seed=7)
+    features = text_features(model, rows=12, negatives=1, seed=7)
     stock = MatryoshkaLoss(model, CachedGISTEmbedLoss(model, guide, mini_batch_size=4), DIMS, WEIGHTS)
-    ours = _ours(model, CachedGISTEmbedLoss(model, guide, mini_batch_size=4), _budget(model, features, budget))
-    stock_loss, stock_grads = _loss_and_grads(model, stock, features)
+    ours = _ours(model, CachedGISTEmbedLoss(model, guide, mini_batch_size=4), budget_bytes(model, features, budget))
+    stock_loss, stock_grads = loss_and_grads(model, stock, features)
     with _counting_forwards(model) as forwards:
-        loss, grads = _loss_and_grads(model, ours, features)
+        loss, grads = loss_and_grads(model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
     report = ours.activation_report
     assert forwards[0] == 2 * len(report.minibatches) - len(report.kept)  # 3 columns x 3 mini-batches, once or twice
     assert (

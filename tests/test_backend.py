@@ -23,7 +23,8 @@ def _pairs(batch=6, dim=8, seed=0, dtype=torch.float32, negatives=0):
     return queries, docs
 
 
-def _loss_and_grads(queries, docs, **options):
+def _op_loss_and_grads(queries, docs, **options):
+    """(loss, d queries, d docs) of matryoshka_infonce on fresh leaves (dims: the full one and 4 unless given)."""
     q, c = queries.detach().clone().requires_grad_(), docs.detach().clone().requires_grad_()
     loss = matryoshka_infonce(q, c, **{"dims": [queries.shape[1], 4], **options})
     loss.backward()
@@ -100,14 +101,14 @@ def test_auto_falls_back_to_chunked_once_when_triton_cannot_launch(monkeypatch, 
     monkeypatch.setattr(backend, "triton_verified", lambda device: True)
     _launch_fails(monkeypatch)
     queries, docs = _pairs()
-    want = _loss_and_grads(queries, docs, backend="chunked")
+    want = _op_loss_and_grads(queries, docs, backend="chunked")
     with pytest.warns(RuntimeWarning, match="cannot run here .*OutOfResources.*uses the chunked backend"):
-        got = _loss_and_grads(queries, docs)
+        got = _op_loss_and_grads(queries, docs)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once: the next call goes straight to chunked
-        _loss_and_grads(queries, docs)
+        _op_loss_and_grads(queries, docs)
     assert all(c["backend"] == "chunked" for c in backend.choices())
     assert any("the Triton kernels failed here (OutOfResources" in c["reason"] for c in backend.choices())
 
@@ -147,9 +148,9 @@ def test_tuner_does_not_hide_other_errors():
 @pytest.mark.parametrize("name", ["dense", "chunked", "triton"])
 def test_autocast_does_not_lower_the_loss_stage_precision(name):
     queries, docs = _pairs(batch=32, dim=64, seed=3)
-    want = _loss_and_grads(queries, docs, dims=[64, 16], backend=name)
+    want = _op_loss_and_grads(queries, docs, dims=[64, 16], backend=name)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = _loss_and_grads(queries, docs, dims=[64, 16], backend=name)
+        got = _op_loss_and_grads(queries, docs, dims=[64, 16], backend=name)
     assert got[0].dtype == torch.float32 and got[1].dtype == queries.dtype
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
     for g, w in zip(got[1:], want[1:]):
@@ -221,7 +222,7 @@ def test_a_row_whose_only_candidate_is_its_positive_has_exactly_zero_loss_and_gr
     """As in stock: softmax over one candidate is exactly 1. Rounding left ~1e-8 losses and ~1e-6
     gradients here, which AdamW's normalisation turns into real weight updates."""
     queries, docs = _pairs(batch=1, dim=16, seed=7)
-    loss, d_queries, d_docs = _loss_and_grads(queries, docs, backend=name, **options)
+    loss, d_queries, d_docs = _op_loss_and_grads(queries, docs, backend=name, **options)
     assert loss.item() == 0.0
     assert not d_queries.any() and not d_docs.any()
 

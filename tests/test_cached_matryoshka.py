@@ -20,8 +20,16 @@ from st_cached_losses import CachedMatryoshkaLoss
 from st_cached_losses.gradcache import steps as gradcache_steps
 from st_cached_losses.gradcache.minibatches import length_order as _length_order
 from st_cached_losses.losses import cached_matryoshka
-from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
-from tests.helpers import ALL_DIRECTIONS, texts
+from st_cached_losses.testing import tiny_decoder_sentence_transformer
+from tests.helpers import (
+    ALL_DIRECTIONS,
+    DIMS,
+    WEIGHTS,
+    assert_grads_close,
+    loss_and_grads,
+    parameter_grads,
+    text_features,
+)
 
 # Also run against the oldest supported sentence-transformers (.ci/run: python -m pytest -m oldest_st).
 pytestmark = pytest.mark.oldest_st
@@ -33,40 +41,13 @@ CONFIGS = {
     "hard_negatives_hardness": dict(hardness_mode="hard_negatives", hardness_strength=5.0),
     "dot_score_scale_1": dict(similarity_fct=dot_score, scale=1.0),
 }
-DIMS, WEIGHTS = [8, 48, 32], [2.0, 1.0, 0.5]  # unsorted on purpose: both losses sort them
-
-
-def _features(model, rows=13, negatives=1, seed=0):
-    return [model.preprocess(texts(rows, seed + 100 * column)) for column in range(2 + negatives)]
-
-
-def _loss_and_grads(model, loss_fn, features, grad_scale=1.0):
-    """Run ``loss_fn`` once and back-propagate ``grad_scale`` x its total; returns (total, {name: grad})."""
-    model.zero_grad(set_to_none=True)
-    out = loss_fn(features, None)
-    total = torch.stack(list(out.values())).sum() if isinstance(out, dict) else out
-    (total * grad_scale).backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return float(total.detach()), grads
-
-
-def _assert_grads_close(actual, expected, rtol=1e-4):
-    assert actual.keys() == expected.keys()
-    largest = max(float(g.abs().max()) for g in expected.values())
-    for name, grad in expected.items():
-        # A parameter whose true gradient is ~0 (e.g. attention key biases) is compared at 1e-3 of the largest.
-        scale = max(float(grad.abs().max()), 1e-3 * largest)
-        torch.testing.assert_close(
-            actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m, name=name: f"{name}: {m}"
-        )
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("sort_by_length", [True, False], ids=["sorted", "unsorted"])
 @pytest.mark.parametrize("mini_batch_size", [3, 50])
 def test_matches_stock_matryoshka_mnrl(tiny_model, config, sort_by_length, mini_batch_size):
-    features = _features(tiny_model, negatives=1)
+    features = text_features(tiny_model, negatives=1)
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model, **config), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(
         tiny_model,
@@ -76,37 +57,37 @@ def test_matches_stock_matryoshka_mnrl(tiny_model, config, sort_by_length, mini_
         mini_batch_size=mini_batch_size,
         sort_by_length=sort_by_length,
     )
-    stock_loss, stock_grads = _loss_and_grads(tiny_model, stock, features)
-    loss, grads = _loss_and_grads(tiny_model, ours, features)
+    stock_loss, stock_grads = loss_and_grads(tiny_model, stock, features)
+    loss, grads = loss_and_grads(tiny_model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 def test_pairs_without_negatives_match_stock(tiny_model):
-    features = _features(tiny_model, rows=11, negatives=0, seed=3)
+    features = text_features(tiny_model, rows=11, negatives=0, seed=3)
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=4)
-    stock_loss, stock_grads = _loss_and_grads(tiny_model, stock, features)
-    loss, grads = _loss_and_grads(tiny_model, ours, features)
+    stock_loss, stock_grads = loss_and_grads(tiny_model, stock, features)
+    loss, grads = loss_and_grads(tiny_model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 def test_gather_across_devices_on_one_process_matches_stock(tiny_model):
-    features = _features(tiny_model, rows=10, negatives=1, seed=37)
+    features = text_features(tiny_model, rows=10, negatives=1, seed=37)
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model, gather_across_devices=True), DIMS)
     ours = CachedMatryoshkaLoss(
         tiny_model, MultipleNegativesRankingLoss(tiny_model, gather_across_devices=True), DIMS, mini_batch_size=3
     )
-    stock_loss, stock_grads = _loss_and_grads(tiny_model, stock, features)
-    loss, grads = _loss_and_grads(tiny_model, ours, features)
+    stock_loss, stock_grads = loss_and_grads(tiny_model, stock, features)
+    loss, grads = loss_and_grads(tiny_model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 def test_components_are_weighted_per_dim_losses(tiny_model):
     """One entry per dim (descending), each weight x that dim's stock loss; they sum to the loss."""
-    features = _features(tiny_model, negatives=1, seed=5)
+    features = text_features(tiny_model, negatives=1, seed=5)
     loss = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
     with mock.patch.object(cached_matryoshka, "matryoshka_infonce", wraps=cached_matryoshka.matryoshka_infonce) as op:
         out = loss(features, None)
@@ -133,7 +114,7 @@ def test_an_entry_alone_cannot_be_backpropagated(tiny_model, backpropagate):
     """One re-embedding pass serves the whole loss, so an entry has no gradient of its own: say so, rather than
     silently back-propagating the sum (or raising 'does not require grad')."""
     loss = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=4)
-    out = loss(_features(tiny_model, rows=6, negatives=0, seed=53), None)
+    out = loss(text_features(tiny_model, rows=6, negatives=0, seed=53), None)
     with pytest.raises(RuntimeError, match=r"back-propagate their sum, sum\(out.values\(\)\).backward\(\)"):
         backpropagate(out)
     tiny_model.zero_grad(set_to_none=True)
@@ -141,30 +122,23 @@ def test_an_entry_alone_cannot_be_backpropagated(tiny_model, backpropagate):
 
 def test_the_sum_of_the_entries_backpropagates_the_loss(tiny_model):
     """Python's sum over the dict (not only the trainer's torch.stack) gives stock's gradients."""
-    features = _features(tiny_model, rows=7, negatives=0, seed=59)
+    features = text_features(tiny_model, rows=7, negatives=0, seed=59)
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=3)
-    _, stock_grads = _loss_and_grads(tiny_model, stock, features)
+    _, stock_grads = loss_and_grads(tiny_model, stock, features)
     sum(ours(features, None).values()).backward()
-    grads = {name: p.grad.clone() for name, p in tiny_model.named_parameters() if p.grad is not None}
+    grads = parameter_grads(tiny_model)
     tiny_model.zero_grad(set_to_none=True)
-    _assert_grads_close(grads, stock_grads)
-
-
-@pytest.fixture(scope="module")
-def dropout_model():
-    model = tiny_sentence_transformer(dropout=0.1, seed=1)
-    model.train()
-    return model
+    assert_grads_close(grads, stock_grads)
 
 
 @pytest.mark.parametrize("mini_batch_size", [3, 50])
 def test_dropout_replay_matches_stock_cached(dropout_model, mini_batch_size):
-    features = _features(dropout_model, negatives=1, seed=7)
+    features = text_features(dropout_model, negatives=1, seed=7)
 
     def run(loss_fn):
         torch.manual_seed(1234)
-        return _loss_and_grads(dropout_model, loss_fn, features)
+        return loss_and_grads(dropout_model, loss_fn, features)
 
     base = dict(directions=("query_to_doc", "doc_to_query"))
     stock = MatryoshkaLoss(
@@ -184,7 +158,7 @@ def test_dropout_replay_matches_stock_cached(dropout_model, mini_batch_size):
     stock_loss, stock_grads = run(stock)
     loss, grads = run(ours)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
     # Dropout is really on: another seed draws other masks, hence another loss.
     torch.manual_seed(99)
     with torch.no_grad():
@@ -194,26 +168,26 @@ def test_dropout_replay_matches_stock_cached(dropout_model, mini_batch_size):
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_n_dims_per_step_samples_as_stock(tiny_model, seed):
     dims, weights = [48, 32, 16, 8], [1.0, 0.5, 2.0, 0.25]
-    features = _features(tiny_model, rows=10, negatives=1, seed=11)
+    features = text_features(tiny_model, rows=10, negatives=1, seed=11)
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), dims, weights, n_dims_per_step=2)
     ours = CachedMatryoshkaLoss(
         tiny_model, MultipleNegativesRankingLoss(tiny_model), dims, weights, n_dims_per_step=2, mini_batch_size=4
     )
     random.seed(seed)
-    stock_loss, stock_grads = _loss_and_grads(tiny_model, stock, features)
+    stock_loss, stock_grads = loss_and_grads(tiny_model, stock, features)
     random.seed(seed)
     with torch.no_grad():
         out = ours(features, None)
     assert float(sum(out.values())) == pytest.approx(stock_loss, rel=1e-4)
     assert sum(float(value) != 0.0 for value in out.values()) == 2  # unsampled dims log 0
     random.seed(seed)
-    loss, grads = _loss_and_grads(tiny_model, ours, features)
+    loss, grads = loss_and_grads(tiny_model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 def test_n_dims_per_step_varies_with_the_seed(tiny_model):
-    features = _features(tiny_model, rows=6, negatives=0, seed=2)
+    features = text_features(tiny_model, rows=6, negatives=0, seed=2)
     loss = CachedMatryoshkaLoss(
         tiny_model, MultipleNegativesRankingLoss(tiny_model), [48, 32, 16, 8], n_dims_per_step=2
     )
@@ -227,18 +201,18 @@ def test_n_dims_per_step_varies_with_the_seed(tiny_model):
 
 def test_grad_output_scaling_reaches_every_mini_batch(tiny_model):
     """Gradient accumulation divides, an fp16 scaler multiplies: the factor must reach each re-embedded mini-batch."""
-    features = _features(tiny_model, negatives=1, seed=13)
+    features = text_features(tiny_model, negatives=1, seed=13)
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=2)
     for factor in (0.25, 1024.0):
-        _, stock_grads = _loss_and_grads(tiny_model, stock, features, grad_scale=factor)
-        _, grads = _loss_and_grads(tiny_model, ours, features, grad_scale=factor)
-        _assert_grads_close(grads, stock_grads)
+        _, stock_grads = loss_and_grads(tiny_model, stock, features, grad_scale=factor)
+        _, grads = loss_and_grads(tiny_model, ours, features, grad_scale=factor)
+        assert_grads_close(grads, stock_grads)
 
 
 def test_two_forwards_before_one_backward_keep_their_caches(tiny_model):
-    first = _features(tiny_model, rows=9, negatives=1, seed=17)
-    second = _features(tiny_model, rows=12, negatives=1, seed=19)
+    first = text_features(tiny_model, rows=9, negatives=1, seed=17)
+    second = text_features(tiny_model, rows=12, negatives=1, seed=19)
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=4)
 
@@ -253,14 +227,14 @@ def test_two_forwards_before_one_backward_keep_their_caches(tiny_model):
 
         return run
 
-    stock_loss, stock_grads = _loss_and_grads(tiny_model, both(stock), None)
-    loss, grads = _loss_and_grads(tiny_model, both(ours), None)
+    stock_loss, stock_grads = loss_and_grads(tiny_model, both(stock), None)
+    loss, grads = loss_and_grads(tiny_model, both(ours), None)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 def test_evaluation_has_no_rng_capture_and_no_gradient_cache(tiny_model):
-    features = _features(tiny_model, negatives=1, seed=23)
+    features = text_features(tiny_model, negatives=1, seed=23)
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=3)
     with torch.no_grad():
@@ -292,7 +266,7 @@ def _embedded_shapes(model, loss_fn, features):
 
 
 def test_sort_by_length_pads_each_mini_batch_to_its_own_longest_row(tiny_model):
-    features = _features(tiny_model, rows=16, negatives=0, seed=29)
+    features = text_features(tiny_model, rows=16, negatives=0, seed=29)
     sorted_loss, plain_loss = (
         CachedMatryoshkaLoss(
             tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, mini_batch_size=4, sort_by_length=sort
@@ -313,7 +287,7 @@ def test_sort_by_length_pads_each_mini_batch_to_its_own_longest_row(tiny_model):
 def test_sorting_by_length_copies_no_feature_tensor(tiny_model):
     # Each mini-batch gathers its own rows: a sorted copy of the whole batch's features would sit in memory
     # beside the trainer's through step (3).
-    features = _features(tiny_model, rows=16, negatives=0, seed=31)
+    features = text_features(tiny_model, rows=16, negatives=0, seed=31)
     ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, mini_batch_size=4)
     handed = []
     step1 = CachedMatryoshkaLoss._step1
@@ -335,7 +309,7 @@ def decoder_model():
 def test_left_padded_mini_batches_drop_their_leading_padding(decoder_model):
     """Sorting by length saves work for left-padded columns too: each mini-batch is only as wide as its own
     longest row (stock trims padding columns at the end only, of which left padding has none)."""
-    features = _features(decoder_model, rows=16, negatives=0, seed=29)
+    features = text_features(decoder_model, rows=16, negatives=0, seed=29)
     assert bool((features[0]["attention_mask"][:, 0] == 0).any())  # left padding
     loss = CachedMatryoshkaLoss(decoder_model, MultipleNegativesRankingLoss(decoder_model), DIMS, mini_batch_size=4)
     shapes = _embedded_shapes(decoder_model, loss, features)
@@ -349,7 +323,7 @@ def test_left_padded_mini_batches_drop_their_leading_padding(decoder_model):
 def test_left_padded_decoder_matches_stock(decoder_model, config, sort_by_length):
     """Trimming leading padding keeps the loss and every gradient of stock, which embeds the whole padded column:
     the model's rotary positions are relative, so a shift of all of them changes nothing."""
-    features = _features(decoder_model, negatives=1, seed=43)
+    features = text_features(decoder_model, negatives=1, seed=43)
     stock = MatryoshkaLoss(decoder_model, MultipleNegativesRankingLoss(decoder_model, **config), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(
         decoder_model,
@@ -359,21 +333,21 @@ def test_left_padded_decoder_matches_stock(decoder_model, config, sort_by_length
         mini_batch_size=3,
         sort_by_length=sort_by_length,
     )
-    stock_loss, stock_grads = _loss_and_grads(decoder_model, stock, features)
-    loss, grads = _loss_and_grads(decoder_model, ours, features)
+    stock_loss, stock_grads = loss_and_grads(decoder_model, stock, features)
+    loss, grads = loss_and_grads(decoder_model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 def test_one_mini_batch_per_column_is_not_sorted(dropout_model):
     """When one mini-batch holds the whole column, sorting saves nothing: rows keep their order and draw the
     dropout masks stock draws for them."""
-    features = _features(dropout_model, rows=13, negatives=1, seed=47)
+    features = text_features(dropout_model, rows=13, negatives=1, seed=47)
     assert _length_order(features[0]) is not None  # these columns are not in length order
 
     def run(loss_fn):
         torch.manual_seed(4321)
-        return _loss_and_grads(dropout_model, loss_fn, features)
+        return loss_and_grads(dropout_model, loss_fn, features)
 
     base = dict(model=dropout_model, mini_batch_size=16)  # one mini-batch holds each column's 13 rows
     stock = MatryoshkaLoss(dropout_model, CachedMultipleNegativesRankingLoss(**base), DIMS)
@@ -382,19 +356,19 @@ def test_one_mini_batch_per_column_is_not_sorted(dropout_model):
     stock_loss, stock_grads = run(stock)
     loss, grads = run(ours)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 def test_sorted_with_a_token_budget_matches_stock(tiny_model):
-    features = _features(tiny_model, rows=13, negatives=1, seed=41)
+    features = text_features(tiny_model, rows=13, negatives=1, seed=41)
     stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(
         tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, WEIGHTS, mini_batch_size=4, mini_batch_num_tokens=40
     )
-    stock_loss, stock_grads = _loss_and_grads(tiny_model, stock, features)
-    loss, grads = _loss_and_grads(tiny_model, ours, features)
+    stock_loss, stock_grads = loss_and_grads(tiny_model, stock, features)
+    loss, grads = loss_and_grads(tiny_model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 def test_sorting_falls_back_for_inputs_it_cannot_reorder(tiny_model):
@@ -426,7 +400,7 @@ def test_config_and_citation(tiny_model):
 
 
 def test_hyperparameters_are_read_from_the_base_loss_at_each_step(tiny_model):
-    features = _features(tiny_model, rows=8, negatives=0, seed=31)
+    features = text_features(tiny_model, rows=8, negatives=0, seed=31)
     base = MultipleNegativesRankingLoss(tiny_model)
     ours = CachedMatryoshkaLoss(tiny_model, base, DIMS)
     base.scale = 7.0

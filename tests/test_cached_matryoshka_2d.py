@@ -27,7 +27,14 @@ from st_cached_losses.gradcache import steps as gradcache_steps
 from st_cached_losses.gradcache.parallel import Parallelism
 from st_cached_losses.gradcache.step import LayerDraw, Step
 from st_cached_losses.testing import tiny_sentence_transformer
-from tests.test_cached_matryoshka import _assert_grads_close, _features, _loss_and_grads
+from tests.helpers import (
+    assert_close_within_bf16,
+    assert_grads_close,
+    autocast_forward,
+    loss_and_grads,
+    text_features,
+    training_dataset,
+)
 
 LAYERS = 3  # hidden states 0 (embeddings) .. 3 (final)
 DIMS, WEIGHTS = [16, 48, 8], [0.5, 1.0, 2.0]  # unsorted on purpose: both losses sort them
@@ -55,12 +62,12 @@ def _pair(model, base=None, mini_batch_size=4, stock_base=None, sort_by_length=T
 def _assert_matches(model, stock, ours, features, seed=None):
     if seed is not None:
         random.seed(seed)
-    stock_loss, stock_grads = _loss_and_grads(model, stock, features)
+    stock_loss, stock_grads = loss_and_grads(model, stock, features)
     if seed is not None:
         random.seed(seed)
-    loss, grads = _loss_and_grads(model, ours, features)
+    loss, grads = loss_and_grads(model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 @pytest.mark.oldest_st
@@ -69,7 +76,7 @@ def _assert_matches(model, stock, ours, features, seed=None):
 @pytest.mark.parametrize("sort_by_length", [True, False], ids=["sorted", "unsorted"])
 @pytest.mark.parametrize("mini_batch_size", [3, 5, 50])  # 13 rows: 5 + 4 + 4, 3 + 3 + 3 + 3 + 1, and one
 def test_all_layers_and_dims_match_stock(model, kl, negatives, sort_by_length, mini_batch_size):
-    features = _features(model, rows=13, negatives=negatives, seed=1)
+    features = text_features(model, rows=13, negatives=negatives, seed=1)
     stock, ours = _pair(model, mini_batch_size=mini_batch_size, sort_by_length=sort_by_length, **ALL, **kl)
     _assert_matches(model, stock, ours, features)
 
@@ -85,7 +92,7 @@ def test_all_layers_and_dims_match_stock(model, kl, negatives, sort_by_length, m
 )
 def test_layer_weighting_and_weights_match_stock(model, options):
     stock, ours = _pair(model, mini_batch_size=3, **ALL, **options)
-    _assert_matches(model, stock, ours, _features(model, rows=9, negatives=1, seed=2))
+    _assert_matches(model, stock, ours, text_features(model, rows=9, negatives=1, seed=2))
 
 
 @pytest.mark.parametrize(
@@ -100,7 +107,7 @@ def test_layer_weighting_and_weights_match_stock(model, options):
 def test_base_loss_hyperparameters_match_stock(model, config):
     base, stock_base = MultipleNegativesRankingLoss(model, **config), MultipleNegativesRankingLoss(model, **config)
     stock, ours = _pair(model, base=base, stock_base=stock_base, **ALL, **KL_ON)
-    _assert_matches(model, stock, ours, _features(model, rows=10, negatives=1, seed=3))
+    _assert_matches(model, stock, ours, text_features(model, rows=10, negatives=1, seed=3))
 
 
 def test_cached_base_loss_matches_stock_with_the_plain_one(model):
@@ -109,7 +116,7 @@ def test_cached_base_loss_matches_stock_with_the_plain_one(model):
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=3)
     stock, ours = _pair(model, base=base, mini_batch_size=None, **ALL, **KL_ON)
     assert ours.mini_batch_size == 3
-    _assert_matches(model, stock, ours, _features(model, rows=11, negatives=1, seed=4))
+    _assert_matches(model, stock, ours, text_features(model, rows=11, negatives=1, seed=4))
 
 
 def _stock_selection(stock, features, seed):
@@ -140,7 +147,7 @@ def _stock_selection(stock, features, seed):
 @pytest.mark.parametrize("seed", [0, 5, 7, 9])
 @pytest.mark.parametrize("n_layers, n_dims", [(1, 1), (2, 2)])
 def test_sampling_picks_what_stock_picks_with_the_same_seed(model, seed, n_layers, n_dims):
-    features = _features(model, rows=10, negatives=1, seed=5)
+    features = text_features(model, rows=10, negatives=1, seed=5)
     options = dict(n_layers_per_step=n_layers, n_dims_per_step=n_dims, **KL_ON)
     stock, ours = _pair(model, **options)
     expected, next_draw = _stock_selection(stock, features, seed)
@@ -161,7 +168,7 @@ def test_sampling_picks_what_stock_picks_with_the_same_seed(model, seed, n_layer
 
 def test_sampling_varies_with_the_seed(model):
     ours = CachedMatryoshka2dLoss(model, MultipleNegativesRankingLoss(model), DIMS)  # defaults: 1 layer, 1 dim
-    features = _features(model, rows=6, negatives=0, seed=6)
+    features = text_features(model, rows=6, negatives=0, seed=6)
     picked = set()
     with torch.no_grad():
         for seed in range(8):
@@ -173,7 +180,7 @@ def test_sampling_varies_with_the_seed(model):
 def test_components_are_stock_losses_of_each_truncated_model(model):
     """Entry (l, d) is stock MatryoshkaLoss(MNRL) at dim d of the model truncated to l layers, times the layer's
     weight; the KL entries add up to what the KL term adds to stock's loss; all entries add up to the loss."""
-    features = _features(model, rows=9, negatives=1, seed=7)
+    features = text_features(model, rows=9, negatives=1, seed=7)
     options = dict(layer_weighting="linear", last_layer_weight=2.0, prior_layers_weight=0.5, **KL_ON)
     ours = CachedMatryoshka2dLoss(model, MultipleNegativesRankingLoss(model), DIMS, WEIGHTS, **ALL, **options)
     stock_with, stock_without = (
@@ -219,7 +226,7 @@ def _count_transformer_runs(model):
 def test_each_mini_batch_runs_the_transformer_once_per_pass_for_all_layers(model):
     """Step (1) and step (3) run the transformer once per mini-batch whatever the number of layers; the gradient
     cache holds one (rows, S * D) tensor per mini-batch, S = selected layers; evaluation embeds once."""
-    features = _features(model, rows=10, negatives=1, seed=8)  # 3 columns x 3 mini-batches of 4, 4, 2
+    features = text_features(model, rows=10, negatives=1, seed=8)  # 3 columns x 3 mini-batches of 4, 4, 2
     ours = CachedMatryoshka2dLoss(
         model, MultipleNegativesRankingLoss(model), DIMS, n_layers_per_step=2, mini_batch_size=4
     )
@@ -249,7 +256,7 @@ def test_each_mini_batch_runs_the_transformer_once_per_pass_for_all_layers(model
 
 
 def test_evaluation_gives_stocks_value(model):
-    features = _features(model, rows=13, negatives=1, seed=9)
+    features = text_features(model, rows=13, negatives=1, seed=9)
     stock, ours = _pair(model, mini_batch_size=3, n_layers_per_step=2, n_dims_per_step=2, **KL_ON)
     with torch.no_grad():
         random.seed(5)
@@ -263,7 +270,10 @@ def test_evaluation_gives_stocks_value(model):
 def test_two_forwards_before_one_backward_keep_their_own_layers(model):
     """Step (3) of each forward re-embeds the layers its own step selected, even after another forward."""
     SEED = 1
-    first, second = _features(model, rows=9, negatives=1, seed=10), _features(model, rows=7, negatives=0, seed=11)
+    first, second = (
+        text_features(model, rows=9, negatives=1, seed=10),
+        text_features(model, rows=7, negatives=0, seed=11),
+    )
     stock, ours = _pair(model, n_layers_per_step=1, n_dims_per_step=2, **KL_ON)
 
     def both(loss_fn):
@@ -288,21 +298,21 @@ def test_dropout_replay_matches_stock_with_one_mini_batch_per_column(sort_by_len
     order) and step (3) must replay them exactly."""
     model = tiny_sentence_transformer(num_layers=LAYERS, dropout=0.1, seed=3)
     model.train()
-    features = _features(model, rows=11, negatives=1, seed=12)
+    features = text_features(model, rows=11, negatives=1, seed=12)
     stock, ours = _pair(model, mini_batch_size=16, sort_by_length=sort_by_length, **ALL, **KL_ON)
 
     def run(loss_fn, seed=1234):
         torch.manual_seed(seed)
-        return _loss_and_grads(model, loss_fn, features)
+        return loss_and_grads(model, loss_fn, features)
 
     (stock_loss, stock_grads), (loss, grads) = run(stock), run(ours)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
     assert run(ours, seed=99)[0] != pytest.approx(loss, rel=1e-4)  # dropout is really on
 
 
 def test_sort_by_length_pads_each_mini_batch_to_its_own_longest_row(model):
-    features = _features(model, rows=16, negatives=0, seed=13)
+    features = text_features(model, rows=16, negatives=0, seed=13)
     ours = CachedMatryoshka2dLoss(model, MultipleNegativesRankingLoss(model), DIMS, **ALL, mini_batch_size=4)
     counter, handle = _count_transformer_runs(model)
     try:
@@ -320,16 +330,14 @@ def test_sort_by_length_pads_each_mini_batch_to_its_own_longest_row(model):
 
 def test_bf16_autocast_matches_stock_under_the_same_autocast():
     """The trainer's bf16=True runs the model's forward under autocast: every layer's modules run under it."""
-    from tests.test_mixed_precision import _assert_close_within_bf16, _bf16_autocast_forward
-
     model = tiny_sentence_transformer(num_layers=LAYERS, seed=4)
-    _bf16_autocast_forward(model)
-    features = _features(model, rows=8, negatives=0, seed=14)
+    autocast_forward(model)
+    features = text_features(model, rows=8, negatives=0, seed=14)
     stock, ours = _pair(model, mini_batch_size=64, sort_by_length=False, **ALL, **KL_ON)
-    stock_loss, stock_grads = _loss_and_grads(model, stock, features)
-    loss, grads = _loss_and_grads(model, ours, features)
+    stock_loss, stock_grads = loss_and_grads(model, stock, features)
+    loss, grads = loss_and_grads(model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=2**-6)
-    _assert_close_within_bf16(grads, stock_grads)
+    assert_close_within_bf16(grads, stock_grads)
 
 
 @pytest.mark.oldest_st
@@ -340,7 +348,7 @@ def test_adaptive_layer_loss_matches_stock(model, similarity_fct, kl):
     from sentence_transformers import util
 
     config = dict(similarity_fct=getattr(util, similarity_fct), scale=20.0 if similarity_fct == "cos_sim" else 0.5)
-    features = _features(model, rows=11, negatives=1, seed=15)
+    features = text_features(model, rows=11, negatives=1, seed=15)
     stock = AdaptiveLayerLoss(model, MultipleNegativesRankingLoss(model, **config), n_layers_per_step=-1, **kl)
     ours = CachedAdaptiveLayerLoss(
         model, MultipleNegativesRankingLoss(model, **config), n_layers_per_step=-1, mini_batch_size=3, **kl
@@ -351,7 +359,7 @@ def test_adaptive_layer_loss_matches_stock(model, similarity_fct, kl):
 
 
 def test_adaptive_layer_loss_samples_as_stock(model):
-    features = _features(model, rows=8, negatives=0, seed=16)
+    features = text_features(model, rows=8, negatives=0, seed=16)
     stock = AdaptiveLayerLoss(model, MultipleNegativesRankingLoss(model), n_layers_per_step=2)
     ours = CachedAdaptiveLayerLoss(model, MultipleNegativesRankingLoss(model), n_layers_per_step=2, mini_batch_size=3)
     for seed in range(3):
@@ -407,8 +415,6 @@ def test_config_and_citation(model):
 def test_trainer_logs_every_layer_and_dim_and_writes_the_model_card(tmp_path):
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 
-    from tests.test_trainer import _dataset
-
     model = tiny_sentence_transformer(num_layers=2, dropout=0.1, seed=5)
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=3)
     loss = CachedMatryoshka2dLoss(model, base, [48, 8], n_layers_per_step=-1, n_dims_per_step=-1)
@@ -425,7 +431,7 @@ def test_trainer_logs_every_layer_and_dim_and_writes_the_model_card(tmp_path):
         use_cpu=True,
         seed=0,
     )
-    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=_dataset(), loss=loss)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=training_dataset(), loss=loss)
     trainer.train()
 
     assert sum(not torch.equal(p.detach(), before[name]) for name, p in model.named_parameters()) > len(before) // 2
@@ -491,7 +497,7 @@ def test_error_layer_weighting_that_returns_no_number_is_raised_before_embedding
     counter, handle = _count_transformer_runs(model)
     try:
         with pytest.raises(ValueError, match=r"layer_weighting\(\d\) returned None: it must return a finite number"):
-            ours(_features(model, rows=4, negatives=0), None)
+            ours(text_features(model, rows=4, negatives=0), None)
     finally:
         handle.remove()
     assert counter["runs"] == 0
@@ -502,7 +508,7 @@ def test_error_model_that_returns_no_hidden_states(model):
     ours.num_layers = LAYERS + 1  # as if the config said 4 layers
     ours.n_layers_per_step = -1
     with pytest.raises(ValueError, match=r"expected the model's 4 layers to return 5 hidden states .* got 4"):
-        ours(_features(model, rows=4, negatives=0), None)
+        ours(text_features(model, rows=4, negatives=0), None)
 
 
 def test_error_columns(model):

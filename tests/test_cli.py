@@ -23,34 +23,9 @@ from st_cached_losses.cli.data import load_pairs
 from st_cached_losses.cli.evaluation import build_evaluate
 from st_cached_losses.cli.options import TrainOptions
 from st_cached_losses.cli.stdlib_data import load_stdlib_dataset
-from st_cached_losses.testing import tiny_sentence_transformer
+from tests.helpers import SMALL, record_losses, train_cli
 
-# 48 training pairs in batches of 16 (3 steps an epoch, 2 taken), 24 held-out queries: seconds on a CPU.
-SMALL = [
-    "--max-train-samples",
-    "48",
-    "--max-eval-samples",
-    "24",
-    "--batch-size",
-    "16",
-    "--mini-batch-size",
-    "8",
-    "--max-steps",
-    "2",
-    "--learning-rate",
-    "1e-3",
-    "--seed",
-    "3",
-]
 ERROR_PREFIX = "st-cached-losses train: error: "
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A saved 2-layer BERT with 64-dim embeddings: the default dims are then [64, 32]."""
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    tiny_sentence_transformer(hidden_size=64).save(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +34,9 @@ def run(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "out"
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        code = main(["train", "--model", str(tiny_dir), *SMALL, "--output-dir", str(out)])
+        code = train_cli(tiny_dir, out)
     assert code == 0
     return out, json.loads((out / "results.json").read_text()), stdout.getvalue()
-
-
-def _train(tiny_dir, out, *extra: str) -> int:
-    return main(["train", "--model", str(tiny_dir), *SMALL, "--output-dir", str(out), *extra])
 
 
 def _stdlib_jsonl(path, rows: int, columns=("anchor", "positive", "negative")):
@@ -209,7 +180,7 @@ def test_prints_the_table(run):
 def test_local_jsonl_with_negatives_and_compare_stock(tiny_dir, tmp_path):
     data = _stdlib_jsonl(tmp_path / "pairs.jsonl", rows=60)
     out = tmp_path / "out"
-    assert _train(tiny_dir, out, "--dataset", str(data), "--dims", "16", "48", "--compare-stock") == 0
+    assert train_cli(tiny_dir, out, "--dataset", str(data), "--dims", "16", "48", "--compare-stock") == 0
     results = json.loads((out / "results.json").read_text())
     assert list(results["after"]) == ["48", "16"]
     assert results["config"]["dataset"] == str(data) and results["config"]["train_pairs"] == 48
@@ -230,7 +201,7 @@ def test_overwrite_replaces_a_previous_run(run, tiny_dir, tmp_path):
     previous, _, _ = run
     out = tmp_path / "out"
     shutil.copytree(previous, out)
-    assert _train(tiny_dir, out, "--overwrite", "--max-steps", "1") == 0
+    assert train_cli(tiny_dir, out, "--overwrite", "--max-steps", "1") == 0
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["steps"] == 1 and results["config"]["overwrite"] is True
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the old run and the staging dir are gone
@@ -245,7 +216,7 @@ def test_overwrite_replaces_only_what_a_run_writes(run, tiny_dir, tmp_path):
     (out / "src" / "main.py").write_text("print('mine')\n")
     (out / "notes.txt").write_text("my notes\n")
     old_weights = (out / "model" / "model.safetensors").read_bytes()
-    assert _train(tiny_dir, out, "--overwrite", "--max-steps", "1") == 0
+    assert train_cli(tiny_dir, out, "--overwrite", "--max-steps", "1") == 0
     assert (out / "src" / "main.py").read_text() == "print('mine')\n"
     assert (out / "notes.txt").read_text() == "my notes\n"
     assert json.loads((out / "results.json").read_text())["config"]["steps"] == 1
@@ -256,7 +227,7 @@ def test_overwrite_replaces_only_what_a_run_writes(run, tiny_dir, tmp_path):
 def test_an_empty_output_dir_is_used(tiny_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    assert _train(tiny_dir, out, "--max-steps", "1") == 0
+    assert train_cli(tiny_dir, out, "--max-steps", "1") == 0
     assert sorted(p.name for p in out.iterdir()) == [run_dir.RUN_MARKER, "model", "results.json"]
 
 
@@ -301,7 +272,7 @@ def test_failure_while_writing_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(run_dir, "publish", broken_publish)
     with pytest.raises(OSError, match="disk full"):
-        _train(tiny_dir, tmp_path / "out", "--max-steps", "1")
+        train_cli(tiny_dir, tmp_path / "out", "--max-steps", "1")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -468,7 +439,7 @@ def test_identical_pairs_warn_of_single_pair_batches_and_a_single_query(tiny_dir
     """8 copies of one pair: the no-duplicates sampler puts each alone in a batch (loss and gradient 0) and the
     held-out split has one distinct query. The run goes on, with a warning for each."""
     data = _jsonl(tmp_path, "same.jsonl", [ONE_PAIR] * 8)
-    assert _train(tiny_dir, tmp_path / "out", *data, "--max-steps", "1") == 0
+    assert train_cli(tiny_dir, tmp_path / "out", *data, "--max-steps", "1") == 0
     warnings = [
         line for line in capsys.readouterr().err.splitlines() if line.startswith(f"{command.PROG} train: warning")
     ]
@@ -494,7 +465,7 @@ def test_triton_backend_on_cpu_is_refused_before_anything_runs(tiny_dir, tmp_pat
 
     monkeypatch.setattr(triton_kernels, "INTERPRETED", False)  # the tests run Triton's CPU interpreter; a user does not
     monkeypatch.setattr(job, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
-    code = _train(tiny_dir, tmp_path / "out", "--backend", "triton")
+    code = train_cli(tiny_dir, tmp_path / "out", "--backend", "triton")
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"{ERROR_PREFIX}--backend triton: backend='triton' cannot run here: "), err
@@ -525,7 +496,7 @@ def test_bf16_trains_on_cpu_and_is_recorded(tiny_dir, tmp_path, monkeypatch):
     seen = []
     training_args = training._training_args
     monkeypatch.setattr(training, "_training_args", lambda *a: seen.append(training_args(*a)) or seen[-1])
-    assert _train(tiny_dir, tmp_path / "out", "--bf16", "--max-steps", "1") == 0
+    assert train_cli(tiny_dir, tmp_path / "out", "--bf16", "--max-steps", "1") == 0
     assert [(args.bf16, args.fp16) for args in seen] == [(True, False)]
     config = json.loads((tmp_path / "out" / "results.json").read_text())["config"]
     assert config["bf16"] is True and config["fp16"] is False
@@ -533,7 +504,7 @@ def test_bf16_trains_on_cpu_and_is_recorded(tiny_dir, tmp_path, monkeypatch):
 
 def test_fp16_without_a_gpu_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(job, "model_device", lambda: "cpu")
-    assert _train(tiny_dir, tmp_path / "out", "--fp16") == 2
+    assert train_cli(tiny_dir, tmp_path / "out", "--fp16") == 2
     err = capsys.readouterr().err
     assert (
         err == f"{ERROR_PREFIX}--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); "
@@ -589,7 +560,7 @@ def test_compare_stock_alternates_and_says_faster_or_slower(
     tiny_dir, tmp_path, monkeypatch, capsys, ours_seconds, stock_seconds, wording
 ):
     trained = _fake_training(monkeypatch, {"ours": ours_seconds, "stock": stock_seconds}, [100, 220, 180, 100])
-    assert _train(tiny_dir, tmp_path / "out", "--compare-stock") == 0
+    assert train_cli(tiny_dir, tmp_path / "out", "--compare-stock") == 0
     assert trained == ["ours", "stock", "stock", "ours"]
     stdout = capsys.readouterr().out
     assert wording in stdout
@@ -606,7 +577,7 @@ def test_compare_stock_alternates_and_says_faster_or_slower(
 def test_compare_stock_without_a_per_run_memory_measure(tiny_dir, tmp_path, monkeypatch, capsys):
     """Where the peak RSS cannot be reset (macOS, Windows) each run's peak includes the runs before it: not compared."""
     _fake_training(monkeypatch, {"ours": 1.0, "stock": 2.0}, [100, 200, 300, 400], block_only=False)
-    assert _train(tiny_dir, tmp_path / "out", "--compare-stock") == 0
+    assert train_cli(tiny_dir, tmp_path / "out", "--compare-stock") == 0
     comparison = json.loads((tmp_path / "out" / "results.json").read_text())["compare_stock"]
     assert comparison["memory_ratio"] is None
     assert comparison["summary"] == (
@@ -671,26 +642,12 @@ def test_bad_options_from_python_raise_usage_error(options, message, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def _record_losses(monkeypatch) -> list:
-    """Every loss the main job builds, in order (ours first)."""
-
-    made, real = [], training.make_loss
-
-    def recording(*args, **kwargs):
-        made.append(real(*args, **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(training, "make_loss", recording)
-    monkeypatch.setattr(job, "make_loss", recording)
-    return made
-
-
 def test_guide_trains_gistembed_inside_the_loss(tiny_dir, tmp_path, monkeypatch):
     """--guide: CachedMatryoshkaLoss around CachedGISTEmbedLoss(model, guide, margin) (the guide here: the same
     tiny model), recorded in results.json; with --compare-stock, stock MatryoshkaLoss around the same base."""
-    made = _record_losses(monkeypatch)
+    made = record_losses(monkeypatch)
     assert (
-        _train(
+        train_cli(
             tiny_dir, tmp_path / "out", "--guide", str(tiny_dir), "--false-negative-margin", "0.05", "--compare-stock"
         )
         == 0
@@ -704,8 +661,8 @@ def test_guide_trains_gistembed_inside_the_loss(tiny_dir, tmp_path, monkeypatch)
 
 
 def test_false_negative_margin_alone_is_self_guided(tiny_dir, tmp_path, monkeypatch):
-    made = _record_losses(monkeypatch)
-    assert _train(tiny_dir, tmp_path / "out", "--false-negative-margin", "-0.1") == 0
+    made = record_losses(monkeypatch)
+    assert train_cli(tiny_dir, tmp_path / "out", "--false-negative-margin", "-0.1") == 0
     (loss,) = made
     assert loss.false_negative_margin == -0.1 and type(loss.loss).__name__ == "CachedMultipleNegativesRankingLoss"
 
@@ -719,6 +676,6 @@ def test_false_negative_margin_alone_is_self_guided(tiny_dir, tmp_path, monkeypa
     ],
 )
 def test_bad_false_negative_options_are_one_line(tiny_dir, tmp_path, capsys, extra, message):
-    assert _train(tiny_dir, tmp_path / "out", *extra) == 2
+    assert train_cli(tiny_dir, tmp_path / "out", *extra) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and not (tmp_path / "out").exists()

@@ -12,8 +12,7 @@ from st_cached_losses.cli import training
 from st_cached_losses.cli.options import TrainOptions
 from st_cached_losses.cli.stdlib_data import distinct_pairs, load_stdlib_dataset
 from st_cached_losses.cli.usage import UsageError
-from tests.helpers import texts
-from tests.test_cli import _record_losses, _train, tiny_dir  # noqa: F401 - tiny_dir is a fixture
+from tests.helpers import record_losses, texts, train_cli
 
 
 def _samplers(monkeypatch) -> list[str]:
@@ -38,10 +37,10 @@ def _pairs_sharing_queries(path, rows: int = 48):
     return path
 
 
-def test_mask_duplicates_trains_with_plain_batches(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
-    made, samplers = _record_losses(monkeypatch), _samplers(monkeypatch)
+def test_mask_duplicates_trains_with_plain_batches(tiny_dir, tmp_path, monkeypatch):
+    made, samplers = record_losses(monkeypatch), _samplers(monkeypatch)
     data = _pairs_sharing_queries(tmp_path / "pairs.jsonl")
-    assert _train(tiny_dir, tmp_path / "out", "--dataset", str(data), "--mask-duplicates") == 0
+    assert train_cli(tiny_dir, tmp_path / "out", "--dataset", str(data), "--mask-duplicates") == 0
     (loss,) = made
     assert type(loss).__name__ == "CachedMatryoshkaLoss" and loss.mask_duplicates and loss.masked_share > 0
     assert samplers == ["batch_sampler"]
@@ -49,10 +48,10 @@ def test_mask_duplicates_trains_with_plain_batches(tiny_dir, tmp_path, monkeypat
     assert config["mask_duplicates"] is True
 
 
-def test_defaults_and_the_2d_loss(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
-    made, samplers = _record_losses(monkeypatch), _samplers(monkeypatch)
-    assert _train(tiny_dir, tmp_path / "plain", "--batch-sampler", "batch_sampler") == 0
-    assert _train(tiny_dir, tmp_path / "2d", "--dataset", "stdlib-dups", "--mask-duplicates", "--layers", "1") == 0
+def test_defaults_and_the_2d_loss(tiny_dir, tmp_path, monkeypatch):
+    made, samplers = record_losses(monkeypatch), _samplers(monkeypatch)
+    assert train_cli(tiny_dir, tmp_path / "plain", "--batch-sampler", "batch_sampler") == 0
+    assert train_cli(tiny_dir, tmp_path / "2d", "--dataset", "stdlib-dups", "--mask-duplicates", "--layers", "1") == 0
     assert samplers == ["batch_sampler", "batch_sampler"]
     assert not made[0].mask_duplicates
     assert type(made[1]).__name__ == "CachedMatryoshka2dLoss" and made[1].mask_duplicates
@@ -78,8 +77,8 @@ def test_stdlib_dups_keeps_shared_docstrings():
         (["--mask-duplicates", "--compare-stock"], "stock has no duplicate mask"),
     ],
 )
-def test_bad_combinations_are_one_line(tiny_dir, tmp_path, capsys, extra, message):  # noqa: F811
-    assert _train(tiny_dir, tmp_path / "out", *extra) == 2
+def test_bad_combinations_are_one_line(tiny_dir, tmp_path, capsys, extra, message):
+    assert train_cli(tiny_dir, tmp_path / "out", *extra) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and not (tmp_path / "out").exists()
 

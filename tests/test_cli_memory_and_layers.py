@@ -13,16 +13,16 @@ from st_cached_losses.cli.data import load_pairs
 from st_cached_losses.cli.evaluation import build_evaluate
 from st_cached_losses.cli.options import DEFAULT_MAX_SEQ_LENGTH, TrainOptions
 from st_cached_losses.cli.usage import UsageError
-from tests.test_cli import SMALL, _record_losses, _train, tiny_dir  # noqa: F401 - tiny_dir is a fixture
+from tests.helpers import record_losses, train_cli
 
 
 def _results(out) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
-def test_layers_trains_every_layer_and_evaluates_the_truncated_model(tiny_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
-    made = _record_losses(monkeypatch)
-    assert _train(tiny_dir, tmp_path / "out", "--layers", "1") == 0
+def test_layers_trains_every_layer_and_evaluates_the_truncated_model(tiny_dir, tmp_path, monkeypatch, capsys):
+    made = record_losses(monkeypatch)
+    assert train_cli(tiny_dir, tmp_path / "out", "--layers", "1") == 0
     (loss,) = made
     assert type(loss).__name__ == "CachedMatryoshka2dLoss"
     assert loss.n_layers_per_step == -1 and loss.n_dims_per_step == -1 and loss.matryoshka_dims == (64, 32)
@@ -41,9 +41,9 @@ def test_layers_trains_every_layer_and_evaluates_the_truncated_model(tiny_dir, t
         assert any(line.split()[:2] == [layers, str(dim)] for line in table.splitlines()), (layers, dim)
 
 
-def test_activation_budget_and_auto_mini_batch(tiny_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
-    made = _record_losses(monkeypatch)
-    assert _train(tiny_dir, tmp_path / "out", "--activation-budget", "auto", "--mini-batch-size", "auto") == 0
+def test_activation_budget_and_auto_mini_batch(tiny_dir, tmp_path, monkeypatch, capsys):
+    made = record_losses(monkeypatch)
+    assert train_cli(tiny_dir, tmp_path / "out", "--activation-budget", "auto", "--mini-batch-size", "auto") == 0
     (loss,) = made
     assert loss.activation_budget == "auto" and loss.auto_mini_batch
     activation = _results(tmp_path / "out")["activation"]
@@ -54,9 +54,9 @@ def test_activation_budget_and_auto_mini_batch(tiny_dir, tmp_path, monkeypatch, 
     assert "mini batch size chosen" in capsys.readouterr().out
 
 
-def test_activation_budget_in_bytes_keeps_nothing_when_too_small(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
-    made = _record_losses(monkeypatch)
-    assert _train(tiny_dir, tmp_path / "out", "--activation-budget", "1") == 0
+def test_activation_budget_in_bytes_keeps_nothing_when_too_small(tiny_dir, tmp_path, monkeypatch):
+    made = record_losses(monkeypatch)
+    assert train_cli(tiny_dir, tmp_path / "out", "--activation-budget", "1") == 0
     (loss,) = made
     assert loss.activation_budget == 1 and loss.mini_batch_size == 8
     last = _results(tmp_path / "out")["activation"]["last_step"]
@@ -81,9 +81,9 @@ def test_activation_budget_in_bytes_keeps_nothing_when_too_small(tiny_dir, tmp_p
         ),
     ],
 )
-def test_bad_memory_and_layer_options_are_one_line_and_exit_2(tiny_dir, tmp_path, capsys, extra, message):  # noqa: F811
+def test_bad_memory_and_layer_options_are_one_line_and_exit_2(tiny_dir, tmp_path, capsys, extra, message):
     try:
-        code = _train(tiny_dir, tmp_path / "out", *extra)
+        code = train_cli(tiny_dir, tmp_path / "out", *extra)
     except SystemExit as exit_:  # argparse's own errors
         code = exit_.code
     lines = capsys.readouterr().err.strip().splitlines()

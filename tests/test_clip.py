@@ -15,9 +15,15 @@ from sentence_transformers.sentence_transformer.losses import CachedMultipleNega
 from st_cached_losses import CachedMatryoshkaLoss
 from st_cached_losses.gradcache.activation_memory import ActivationModel
 from st_cached_losses.testing import random_images, tiny_clip_sentence_transformer
-from tests.helpers import texts
-from tests.test_activation_budget import SOME, _assert_matches_stock, _budget, _saved_bytes
-from tests.test_cached_matryoshka import _assert_grads_close, _loss_and_grads
+from tests.helpers import (
+    SOME,
+    assert_grads_close,
+    assert_matches_stock,
+    budget_bytes,
+    loss_and_grads,
+    saved_bytes,
+    texts,
+)
 
 ROWS, MINI_BATCH = 7, 3  # mini-batches of 3, 3 and 1 rows
 DIMS = [24, 12, 6]  # the projection dim and two prefixes
@@ -62,7 +68,7 @@ def _features(model, modalities, rows=ROWS, seed=0):
 def test_matches_stock(clip, case):
     modalities, options, budget = CASES[case]
     features = _features(clip, modalities)
-    budget = _budget(clip, features, budget)
+    budget = budget_bytes(clip, features, budget)
     stock = MatryoshkaLoss(clip, CachedMultipleNegativesRankingLoss(clip, mini_batch_size=MINI_BATCH, **options), DIMS)
     ours = CachedMatryoshkaLoss(
         clip,
@@ -70,7 +76,7 @@ def test_matches_stock(clip, case):
         DIMS,
         activation_budget=budget,
     )
-    _assert_matches_stock(clip, stock, ours, features, budget)
+    assert_matches_stock(clip, stock, ours, features, budget)
 
 
 def test_a_budget_over_image_and_text_columns_predicts_each_from_its_own_shape(clip):
@@ -78,7 +84,7 @@ def test_a_budget_over_image_and_text_columns_predicts_each_from_its_own_shape(c
     its own measurements: so the second step predicts every image mini-batch it embeds with gradients exactly (one
     image size, bytes linear in rows), and the kept bytes stay within the budget."""
     features = _features(clip, ("image", "text", "text", "image"), rows=10, seed=5)
-    budget = _budget(clip, features, SOME)
+    budget = budget_bytes(clip, features, SOME)
     ours = CachedMatryoshkaLoss(
         clip,
         CachedMultipleNegativesRankingLoss(clip, mini_batch_size=MINI_BATCH),
@@ -87,11 +93,11 @@ def test_a_budget_over_image_and_text_columns_predicts_each_from_its_own_shape(c
         sort_by_length=False,
     )
     for _ in range(2):
-        _loss_and_grads(clip, ours, features)
+        loss_and_grads(clip, ours, features)
         report = ours.activation_report
         for index, nbytes in report.measured_bytes.items():  # what our own hooks see
             mb = report.minibatches[index]
-            assert nbytes == _saved_bytes(clip, ours.minibatch_features(features[mb.column], mb.begin, mb.end))
+            assert nbytes == saved_bytes(clip, ours.minibatch_features(features[mb.column], mb.begin, mb.end))
         assert report.kept_bytes == sum(report.measured_bytes[i] for i in report.kept) <= budget
         assert 0 < len(report.kept) < len(report.minibatches)
     images = {i for i, mb in enumerate(report.minibatches) if mb.modality == "image"}
@@ -157,4 +163,4 @@ def _one_sgd_step(tmp_path, name: str) -> dict[str, torch.Tensor]:
 def test_trainer_step_matches_stock(tmp_path):
     ours, stock = _one_sgd_step(tmp_path, "ours"), _one_sgd_step(tmp_path, "stock")
     assert sum(bool(delta.abs().max() > 0) for delta in stock.values()) > len(stock) // 2
-    _assert_grads_close(ours, stock)
+    assert_grads_close(ours, stock)

@@ -26,7 +26,7 @@ from torch import nn
 import st_cached_losses
 from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss, CachedMatryoshkaLoss
 from st_cached_losses.testing import tiny_sentence_transformer
-from tests.helpers import texts
+from tests.helpers import assert_grads_close, loss_and_grads, texts
 
 DIMS, WEIGHTS = [8, 48, 24], [2, 1.0, 0.5]  # unsorted, an int among the floats: stock keeps the user's numbers
 
@@ -130,17 +130,15 @@ def test_a_model_of_unknown_embedding_dimension_skips_the_dims_check_as_stock(ti
 
 def test_a_real_model_of_unknown_embedding_dimension_trains_as_stock(monkeypatch):
     """A SentenceTransformer whose ``get_embedding_dimension()`` is None: loss and every gradient equal stock's."""
-    from tests.test_cached_matryoshka import _assert_grads_close, _loss_and_grads
-
     model = tiny_sentence_transformer(seed=3)
     monkeypatch.setattr(type(model), "get_embedding_dimension", lambda self: None)
     features = [model.preprocess(texts(9, seed)) for seed in (41, 42)]
     stock = MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), [48, 16])
     ours = CachedMatryoshkaLoss(model, MultipleNegativesRankingLoss(model), [48, 16], mini_batch_size=4)
-    stock_loss, stock_grads = _loss_and_grads(model, stock, features)
-    loss, grads = _loss_and_grads(model, ours, features)
+    stock_loss, stock_grads = loss_and_grads(model, stock, features)
+    loss, grads = loss_and_grads(model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 class _FakeDDP(nn.Module):

@@ -11,28 +11,32 @@ one per mini-batch) and for stock ``MatryoshkaLoss(CachedMNRL)``. The gradient c
 ``test_trainer_ddp_ranks_end_with_identical_weights``: ``SentenceTransformerTrainer`` under DDP (2 gloo processes),
 2 steps, ``ddp_find_unused_parameters`` True and False.
 
-Every child runs with one thread; a failing child fails the test (its traceback is re-raised), a hung one is killed.
+The 2 processes: tests/distributed_helpers.py.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import socket
-import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.helpers import texts
+from tests.distributed_helpers import (
+    DIMS,
+    MINI_BATCH_SIZE,
+    ROWS,
+    WORLD_SIZE,
+    batch_texts,
+    child_setup,
+    init_process_group,
+    local_rows,
+    spawn,
+)
+from tests.helpers import assert_grads_close, loss_and_grads, texts
 
-WORLD_SIZE = 2
-ROWS = 8  # whole batch; ROWS // WORLD_SIZE per process
-MINI_BATCH_SIZE = 3  # 4 local rows -> 2 embedding mini-batches per column
-DIMS, WEIGHTS = [48, 32, 8], [1.0, 0.5, 0.25]
+WEIGHTS = [1.0, 0.5, 0.25]
 CASES = {  # name: (hard negatives per row, base loss config)
     "pairs": (0, {}),
     "triplets": (1, {}),
@@ -51,49 +55,6 @@ CASES = {  # name: (hard negatives per row, base loss config)
 # stock: MatryoshkaLoss(CachedMultipleNegativesRankingLoss(gather_across_devices=True)), all-reduced by hand.
 MODES = ("ours", "ours_ddp_find_unused", "ours_ddp_static", "ours_ddp_token_budget", "stock")
 TOKEN_BUDGET = 24
-JOIN_TIMEOUT_S = 300  # failure guard only: the whole file takes well under this
-
-
-def _columns(negatives, seed=11):
-    return [texts(ROWS, seed + 100 * column) for column in range(2 + negatives)]
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _spawn(fn, *args):
-    """Run ``fn(rank, *args)`` in WORLD_SIZE spawned processes; re-raise a child's failure, kill them on timeout."""
-    context = mp.start_processes(fn, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        # join raises (and terminates the others) as soon as one child fails; True once all exited cleanly.
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{fn.__name__} did not finish within {JOIN_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-
-
-def _child_setup(rank, port):
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD_SIZE),
-        LOCAL_WORLD_SIZE=str(WORLD_SIZE),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
 
 
 def _make_loss(model, kind, config, mini_batch_num_tokens=None):
@@ -112,27 +73,15 @@ def _make_loss(model, kind, config, mini_batch_num_tokens=None):
     )
 
 
-def _loss_and_grads(model, loss_fn, features):
-    model.zero_grad(set_to_none=True)
-    out = loss_fn(features, None)
-    total = torch.stack(list(out.values())).sum() if isinstance(out, dict) else out
-    total.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return total.detach(), grads
-
-
 def _worker(rank, port, state_path, out_dir):
     """One spawned process: the gradient cases, then the trainer runs, on one gloo process group."""
-    _child_setup(rank, port)
+    child_setup(rank, port)
     from st_cached_losses.testing import tiny_sentence_transformer
 
-    # Models are built before the process group: once it exists, transformers' save_pretrained (which
-    # tiny_sentence_transformer goes through) writes nothing on ranks other than 0.
     model = tiny_sentence_transformer()
     model.load_state_dict(torch.load(state_path))
     trainer_models = {find_unused: tiny_sentence_transformer(dropout=0.1, seed=3) for find_unused in (True, False)}
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=120))
+    init_process_group(rank)  # after the models (tests/distributed_helpers.py says why)
     results = _gradient_cases(rank, model)
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "gradients.pt"))
@@ -151,10 +100,10 @@ def _gradient_cases(rank, model):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    local = slice(rank * ROWS // WORLD_SIZE, (rank + 1) * ROWS // WORLD_SIZE)
+    local = local_rows(rank)
     results = {}
     for case, (negatives, config) in CASES.items():
-        features = [model.preprocess(texts[local]) for texts in _columns(negatives)]
+        features = [model.preprocess(texts[local]) for texts in batch_texts(negatives)]
         for mode in MODES:
             budget = TOKEN_BUDGET if mode == "ours_ddp_token_budget" else None
             loss_fn = _make_loss(model, "stock" if mode == "stock" else "ours", config, budget)
@@ -176,7 +125,7 @@ def _gradient_cases(rank, model):
                 forward_hook = model.register_forward_pre_hook(count_forward)
                 ddp.register_comm_hook(counter, counting_hook)
                 loss_fn.model = ddp  # as SentenceTransformerTrainer.override_model_in_loss does
-                loss, grads = _loss_and_grads(model, loss_fn, features)  # DDP averaged the gradients already
+                loss, grads = loss_and_grads(model, loss_fn, features)  # DDP averaged the gradients already
                 syncs = counter["syncs"]
                 forwards = [None] * WORLD_SIZE  # embedding forwards of each rank: 2 per mini-batch
                 dist.all_gather_object(forwards, counter["forwards"])
@@ -187,10 +136,11 @@ def _gradient_cases(rank, model):
             else:
                 if mode == "ours":
                     loss_fn.calculate_loss = _recording_cache_rows(loss_fn.calculate_loss, cache_rows := [])
-                loss, grads = _loss_and_grads(model, loss_fn, features)
+                loss, grads = loss_and_grads(model, loss_fn, features)
                 for grad in grads.values():
                     dist.all_reduce(grad)
                     grad /= WORLD_SIZE
+            loss = torch.tensor(loss)
             dist.all_reduce(loss)
             results[case, mode] = {
                 "loss": float(loss) / WORLD_SIZE,
@@ -205,7 +155,7 @@ def _gradient_cases(rank, model):
 def _uneven_rows_error(rank, model):
     """The error each rank raises when rank 0 holds 4 rows and rank 1 holds 3 (both raise, nothing hangs)."""
     rows = ROWS // WORLD_SIZE - rank
-    features = [model.preprocess(texts[:rows]) for texts in _columns(0)]
+    features = [model.preprocess(texts[:rows]) for texts in batch_texts(0)]
     try:
         _make_loss(model, "ours", {})(features, None)
     except ValueError as error:
@@ -229,20 +179,8 @@ def spawned(tmp_path_factory, tiny_model):
     """Run the 2 processes once for the whole module; returns the folder holding their results."""
     out_dir = tmp_path_factory.mktemp("distributed")
     torch.save(tiny_model.state_dict(), out_dir / "state.pt")
-    _spawn(_worker, _free_port(), str(out_dir / "state.pt"), str(out_dir))
+    spawn(_worker, str(out_dir / "state.pt"), str(out_dir))
     return out_dir
-
-
-def _assert_grads_close(actual, expected, rtol=1e-4):
-    missing = expected.keys() - actual.keys()
-    assert not missing, f"no gradient for {sorted(missing)}"
-    largest = max(float(g.abs().max()) for g in expected.values())
-    for name, grad in expected.items():
-        # A parameter whose true gradient is ~0 (e.g. attention key biases) is compared at 1e-3 of the largest.
-        scale = max(float(grad.abs().max()), 1e-3 * largest)
-        torch.testing.assert_close(
-            actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m, name=name: f"{name}: {m}"
-        )
 
 
 @pytest.fixture(scope="module")
@@ -250,9 +188,9 @@ def one_process_and_two(spawned, tiny_model):
     """(whole-batch results on this one process, {(case, mode): results averaged over the 2 processes})."""
     reference = {}
     for case, (negatives, config) in CASES.items():
-        features = [tiny_model.preprocess(texts) for texts in _columns(negatives)]
-        loss, grads = _loss_and_grads(tiny_model, _make_loss(tiny_model, "ours", config), features)
-        reference[case] = {"loss": float(loss), "grads": grads}
+        features = [tiny_model.preprocess(texts) for texts in batch_texts(negatives)]
+        loss, grads = loss_and_grads(tiny_model, _make_loss(tiny_model, "ours", config), features)
+        reference[case] = {"loss": loss, "grads": grads}
     return reference, torch.load(spawned / "gradients.pt")
 
 
@@ -262,7 +200,7 @@ def test_gathered_gradients_match_one_process_on_the_whole_batch(one_process_and
     reference, distributed = one_process_and_two
     result = distributed[case, mode]
     assert result["loss"] == pytest.approx(reference[case]["loss"], rel=1e-4)
-    _assert_grads_close(result["grads"], reference[case]["grads"])
+    assert_grads_close(result["grads"], reference[case]["grads"])
     if mode == "ours":
         assert result["cache_rows"] == [ROWS // WORLD_SIZE] * (2 + CASES[case][0])  # only this rank's rows
     if mode.startswith("ours_ddp"):

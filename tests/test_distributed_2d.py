@@ -13,23 +13,21 @@ from __future__ import annotations
 import gc
 import os
 import random
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.test_distributed import (
+from tests.distributed_helpers import (
     MINI_BATCH_SIZE,
-    ROWS,
     WORLD_SIZE,
-    _assert_grads_close,
-    _child_setup,
-    _columns,
-    _free_port,
-    _loss_and_grads,
-    _spawn,
+    batch_texts,
+    child_setup,
+    init_process_group,
+    local_rows,
+    spawn,
 )
+from tests.helpers import assert_grads_close, loss_and_grads
 
 LAYERS = 2
 DIMS, WEIGHTS = [48, 16], [1.0, 0.5]
@@ -60,12 +58,12 @@ def _make_loss(model, mode):
 
 
 def _worker(rank, port, state_path, out_dir):
-    _child_setup(rank, port)
+    child_setup(rank, port)
     from st_cached_losses.testing import tiny_sentence_transformer
 
-    model = tiny_sentence_transformer(num_layers=LAYERS)  # before the process group (see test_distributed)
+    model = tiny_sentence_transformer(num_layers=LAYERS)  # before the process group (distributed_helpers.py)
     model.load_state_dict(torch.load(state_path))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=120))
+    init_process_group(rank)
     results = {key: value for case in CASES for key, value in _case(rank, model, case).items()}
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "gradients.pt"))
@@ -78,8 +76,8 @@ def _case(rank, model, case):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    local = slice(rank * ROWS // WORLD_SIZE, (rank + 1) * ROWS // WORLD_SIZE)
-    features = [model.preprocess(texts[local]) for texts in _columns(CASES[case])]
+    local = local_rows(rank)
+    features = [model.preprocess(texts[local]) for texts in batch_texts(CASES[case])]
     results = {}
     for mode in MODES:
         loss_fn, counter = _make_loss(model, mode), {"syncs": 0, "runs": 0}
@@ -100,16 +98,17 @@ def _case(rank, model, case):
 
             ddp.register_comm_hook(counter, counting_hook)
             loss_fn.model = ddp  # as SentenceTransformerTrainer.override_model_in_loss does
-            loss, grads = _loss_and_grads(model, loss_fn, features)  # DDP averaged the gradients
+            loss, grads = loss_and_grads(model, loss_fn, features)  # DDP averaged the gradients
             loss_fn = ddp = None
             gc.collect()
             model[0].model.pooler.requires_grad_(True)
         else:
-            loss, grads = _loss_and_grads(model, loss_fn, features)
+            loss, grads = loss_and_grads(model, loss_fn, features)
             for grad in grads.values():
                 dist.all_reduce(grad)
                 grad /= WORLD_SIZE
         hook.remove()
+        loss = torch.tensor(loss)
         dist.all_reduce(loss)
         runs = [None] * WORLD_SIZE
         dist.all_gather_object(runs, counter["runs"])
@@ -123,7 +122,7 @@ def two_processes(tmp_path_factory):
 
     out_dir = tmp_path_factory.mktemp("distributed_2d")
     torch.save(tiny_sentence_transformer(num_layers=LAYERS).state_dict(), out_dir / "state.pt")
-    _spawn(_worker, _free_port(), str(out_dir / "state.pt"), str(out_dir))
+    spawn(_worker, str(out_dir / "state.pt"), str(out_dir))
     return torch.load(out_dir / "gradients.pt")
 
 
@@ -135,11 +134,11 @@ def one_process():
     model = tiny_sentence_transformer(num_layers=LAYERS)
     reference = {}
     for case, negatives in CASES.items():
-        features = [model.preprocess(texts) for texts in _columns(negatives)]
+        features = [model.preprocess(texts) for texts in batch_texts(negatives)]
         for sampled in (False, True):
             random.seed(SEED)
-            loss, grads = _loss_and_grads(model, _make_loss(model, "stock_sampled" if sampled else "stock"), features)
-            reference[case, sampled] = (float(loss), grads)
+            loss, grads = loss_and_grads(model, _make_loss(model, "stock_sampled" if sampled else "stock"), features)
+            reference[case, sampled] = (loss, grads)
     return reference
 
 
@@ -149,7 +148,7 @@ def test_gathered_gradients_match_stock_on_one_process(two_processes, one_proces
     result = two_processes[case, mode]
     loss, grads = one_process[case, mode.endswith("sampled")]
     assert result["loss"] == pytest.approx(loss, rel=1e-4)
-    _assert_grads_close(result["grads"], grads)
+    assert_grads_close(result["grads"], grads)
     if mode.startswith("ours"):
         # 4 local rows: 2 mini-batches per column, each run once without and once with gradients, for all layers.
         assert result["runs"] == [2 * 2 * (2 + CASES[case])] * WORLD_SIZE

@@ -24,7 +24,8 @@ from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss, Ca
 from st_cached_losses.gradcache.text_ids import text_ids
 from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
 from tests import duplicates_reference as reference
-from tests.helpers import ALL_DIRECTIONS, texts
+from tests.distributed_helpers import WORLD_SIZE, child_setup, init_process_group, spawn
+from tests.helpers import ALL_DIRECTIONS, assert_grads_close, loss_and_grads, parameter_grads, texts
 
 DIMS, WEIGHTS = [48, 24, 8], [1.0, 0.5, 2.0]
 
@@ -49,14 +50,9 @@ def _ids(columns: list[list[str]]) -> tuple[list[int], list[int]]:
     return ids[0], [i for column in ids[1:] for i in column]
 
 
-def _loss_and_grads(model, loss_fn, columns):
-    model.zero_grad(set_to_none=True)
-    out = loss_fn([model.preprocess(column) for column in columns], None)
-    total = sum(out.values()) if isinstance(out, dict) else out
-    total.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return float(total.detach()), grads
+def _loss_and_grads_of_texts(model, loss_fn, columns: list[list[str]]):
+    """One step of ``loss_fn`` on the model's features of ``columns`` (texts): (loss, parameter gradients)."""
+    return loss_and_grads(model, loss_fn, [model.preprocess(column) for column in columns])
 
 
 def _reference_loss_and_grads(model, columns, extra=None, **options):
@@ -68,19 +64,9 @@ def _reference_loss_and_grads(model, columns, extra=None, **options):
     extra = extra(queries, docs) if callable(extra) else extra
     loss = reference.loss(queries, docs, queries, anchor_ids, doc_ids, DIMS, weights=WEIGHTS, extra=extra, **options)
     loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = parameter_grads(model)
     model.zero_grad(set_to_none=True)
     return float(loss.detach()), grads
-
-
-def _assert_grads_close(actual, expected, rtol=1e-4):
-    assert actual.keys() == expected.keys()
-    largest = max(float(g.abs().max()) for g in expected.values())
-    for name, grad in expected.items():
-        scale = max(float(grad.abs().max()), 1e-3 * largest)
-        torch.testing.assert_close(
-            actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m, name=name: f"{name}: {m}"
-        )
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +88,14 @@ def test_matches_the_rule(model, case):
     columns = _columns(negatives)
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, **config)
     ours = CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=4, mask_duplicates=True)
-    loss, grads = _loss_and_grads(model, ours, columns)
+    loss, grads = _loss_and_grads_of_texts(model, ours, columns)
     want, want_grads = _reference_loss_and_grads(model, columns, **config)
     assert loss == pytest.approx(want, rel=1e-4)
-    _assert_grads_close(grads, want_grads)
+    assert_grads_close(grads, want_grads)
     assert 0 < ours.masked_share < 1
-    unmasked, _ = _loss_and_grads(model, CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=4), columns)
+    unmasked, _ = _loss_and_grads_of_texts(
+        model, CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=4), columns
+    )
     assert abs(loss - unmasked) > 1e-3
 
 
@@ -134,12 +122,12 @@ def test_combines_with_a_gist_guide_and_the_self_guided_filter(model):
     }
     for name, (base, options, directions, extra) in runs.items():
         ours = CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=4, mask_duplicates=True, **options)
-        loss, grads = _loss_and_grads(model, ours, columns)
+        loss, grads = _loss_and_grads_of_texts(model, ours, columns)
         want, want_grads = _reference_loss_and_grads(model, columns, extra=extra, directions=directions)
         assert loss == pytest.approx(want, rel=1e-4), name
-        _assert_grads_close(grads, want_grads)
+        assert_grads_close(grads, want_grads)
         filter_only = CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=4, **options)
-        _loss_and_grads(model, filter_only, columns)
+        _loss_and_grads_of_texts(model, filter_only, columns)
         assert ours.masked_share > filter_only.masked_share > 0, name
 
 
@@ -148,21 +136,21 @@ def test_without_duplicates_equals_stock(model):
     assert len({text for column in columns for text in column}) == 27
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, directions=ALL_DIRECTIONS)
     masked = CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=4, mask_duplicates=True)
-    loss, grads = _loss_and_grads(model, masked, columns)
-    plain_loss, plain_grads = _loss_and_grads(
+    loss, grads = _loss_and_grads_of_texts(model, masked, columns)
+    plain_loss, plain_grads = _loss_and_grads_of_texts(
         model, CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=4), columns
     )
     assert loss == plain_loss and masked.masked_share == 0.0
     assert all(torch.equal(grads[name], plain_grads[name]) for name in plain_grads)
-    stock_loss, stock_grads = _loss_and_grads(model, MatryoshkaLoss(model, base, DIMS, WEIGHTS), columns)
+    stock_loss, stock_grads = _loss_and_grads_of_texts(model, MatryoshkaLoss(model, base, DIMS, WEIGHTS), columns)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 def test_share_is_logged_and_in_the_config(model, caplog):
     loss = CachedMatryoshkaLoss(model, MultipleNegativesRankingLoss(model), DIMS, mask_duplicates=True)
     with caplog.at_level(logging.INFO, logger="st_cached_losses.losses.cached_matryoshka"):
-        _loss_and_grads(model, loss, _columns(0))
+        _loss_and_grads_of_texts(model, loss, _columns(0))
     logged = [record.getMessage() for record in caplog.records if "duplicate mask" in record.getMessage()]
     assert logged and "of in-batch candidates dropped" in logged[0] and loss.masked_share > 0
     assert loss.get_config_dict()["mask_duplicates"] is True
@@ -191,17 +179,22 @@ def test_2d_losses(model):
         mini_batch_size=4,
         mask_duplicates=True,
     )
-    loss, grads = _loss_and_grads(model, final_only, columns)
+    loss, grads = _loss_and_grads_of_texts(model, final_only, columns)
     want, want_grads = _reference_loss_and_grads(model, columns)
     assert loss == pytest.approx(want, rel=1e-4)
-    _assert_grads_close(grads, want_grads)
+    assert_grads_close(grads, want_grads)
     for cls, options in (
         (CachedMatryoshka2dLoss, dict(matryoshka_dims=DIMS, n_layers_per_step=-1)),
         (CachedAdaptiveLayerLoss, dict(n_layers_per_step=-1)),
     ):
         masked = cls(model, base, mini_batch_size=4, mask_duplicates=True, **options)
         plain = cls(model, base, mini_batch_size=4, **options)
-        assert abs(_loss_and_grads(model, masked, columns)[0] - _loss_and_grads(model, plain, columns)[0]) > 1e-3
+        assert (
+            abs(
+                _loss_and_grads_of_texts(model, masked, columns)[0] - _loss_and_grads_of_texts(model, plain, columns)[0]
+            )
+            > 1e-3
+        )
         assert masked.masked_share > 0
 
 
@@ -258,13 +251,11 @@ def _distributed_columns() -> list[list[str]]:
 
 
 def _worker(rank, port, out_dir):
-    from tests.test_distributed import WORLD_SIZE, _child_setup
-
-    _child_setup(rank, port)
+    child_setup(rank, port)
     import torch.distributed as dist
 
     model = tiny_sentence_transformer(seed=4)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    init_process_group(rank)
     try:
         local = [column[rank * 4 : (rank + 1) * 4] for column in _distributed_columns()]
         results = {}
@@ -273,7 +264,7 @@ def _worker(rank, port, out_dir):
                 model, mini_batch_size=3, gather_across_devices=True, directions=directions
             )
             loss_fn = CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=3, mask_duplicates=True)
-            loss, grads = _loss_and_grads(model, loss_fn, local)
+            loss, grads = _loss_and_grads_of_texts(model, loss_fn, local)
             for grad in grads.values():
                 dist.all_reduce(grad)
                 grad /= WORLD_SIZE
@@ -286,15 +277,13 @@ def _worker(rank, port, out_dir):
 
 
 def test_two_processes_match_the_whole_batch_reference(tmp_path):
-    from tests.test_distributed import _free_port, _spawn
-
-    _spawn(_worker, _free_port(), str(tmp_path))
+    spawn(_worker, str(tmp_path))
     results = torch.load(tmp_path / "rank0.pt")
     model, columns = tiny_sentence_transformer(seed=4), _distributed_columns()
     for directions, (loss, grads, share) in results.items():
         want, want_grads = _reference_loss_and_grads(model, columns, directions=directions)
         assert loss == pytest.approx(want, rel=1e-4), directions
-        _assert_grads_close(grads, want_grads)
+        assert_grads_close(grads, want_grads)
         plain = CachedMultipleNegativesRankingLoss(model, mini_batch_size=3, directions=directions)
-        unmasked, _ = _loss_and_grads(model, CachedMatryoshkaLoss(model, plain, DIMS, WEIGHTS), columns)
+        unmasked, _ = _loss_and_grads_of_texts(model, CachedMatryoshkaLoss(model, plain, DIMS, WEIGHTS), columns)
         assert abs(loss - unmasked) > 1e-3 and share > 0

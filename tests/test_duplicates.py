@@ -10,18 +10,9 @@ import torch
 
 from st_cached_losses import matryoshka_infonce
 from tests import duplicates_reference as reference
-from tests.helpers import ALL_DIRECTIONS
+from tests.duplicates_reference import MIXED, problem, run_op, run_rule
+from tests.helpers import ALL_DIRECTIONS, assert_close_to_scale
 
-DIMS, WEIGHTS = [24, 16, 4], [1.0, 0.5, 2.0]
-
-# Text ids by world row: anchors, positives, then each hard-negative column. Rows 0 and 3 share a query (two
-# positives of one query), rows 2 and 5 share a positive, row 2's hard negative is its own positive, row 4's is row
-# 0's positive, row 7's is a query text (its own), and row 6's positive is the text of query 1.
-MIXED = dict(
-    anchors=[100, 101, 102, 100, 104, 105, 106, 107],
-    positives=[200, 201, 202, 203, 204, 202, 101, 207],
-    negatives=[[300, 301, 202, 303, 200, 305, 306, 107]],
-)
 IDS = {
     "repeated_anchors": dict(anchors=[1, 2, 1, 3, 1, 4], positives=[10, 11, 12, 13, 14, 15]),
     "repeated_positives": dict(anchors=[1, 2, 3, 4, 5, 6], positives=[10, 11, 10, 13, 11, 15]),
@@ -42,106 +33,34 @@ OPTIONS = {
 }
 
 
-def _problem(anchors, positives, negatives=(), seed=0):
-    """(world queries, docs, anchor ids, doc ids): one random embedding per text (a text is embedded the same
-    wherever it occurs, as without dropout), each positive near the first query it belongs to."""
-    g = torch.Generator().manual_seed(seed)
-    doc_ids = [*positives, *(i for column in negatives for i in column)]
-    table = {text: torch.randn(DIMS[0], generator=g) for text in sorted({*anchors, *doc_ids})}
-    related = set()
-    for anchor, positive in zip(anchors, positives):
-        if positive not in related and positive != anchor:
-            related.add(positive)
-            table[positive] = table[positive] + table[anchor]
-    queries = torch.stack([table[text] for text in anchors])
-    return queries, torch.stack([table[text] for text in doc_ids]), list(anchors), doc_ids
-
-
-def _op(queries, docs, world, anchor_ids, doc_ids, offset=0, ids=True, **options):
-    """(loss, masked share, d queries, d docs, d world queries) of the op on fresh leaves."""
-    batch = queries.shape[0]
-    gathered = world is not None
-    leaves = [t.clone().requires_grad_() for t in (queries, docs, *([world] if gathered else []))]
-    id_options = {}
-    if ids:
-        world_ids = torch.tensor(anchor_ids)
-        id_options = dict(query_ids=world_ids[offset : offset + batch], doc_ids=torch.tensor(doc_ids))
-        id_options.update(world_query_ids=world_ids if gathered else None)
-    loss, share = matryoshka_infonce(
-        leaves[0],
-        leaves[1],
-        dims=DIMS,
-        weights=WEIGHTS,
-        offset=offset,
-        world_queries=leaves[2] if gathered else None,
-        return_masked_share=True,
-        **id_options,
-        **options,
-    )
-    loss.backward()
-    return (loss.detach(), share, *(leaf.grad for leaf in leaves))
-
-
-def _assert_close(actual, expected, what, rtol=1e-4):
-    scale = max(float(expected.detach().abs().max()), 1.0)
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what}: {m}")
-
-
-def _want(queries, docs, world, anchor_ids, doc_ids, offset=0, **options):
-    """(loss, d queries, d docs, d world queries, removed, candidates) of the reference."""
-    options = {key: value for key, value in options.items() if key not in ("backend", "chunk_size")}
-    gathered = world is not None
-    leaves = [t.clone().requires_grad_() for t in (queries, docs, world if gathered else queries)]
-    world_leaf = leaves[2] if gathered else leaves[0]
-    loss = reference.loss(
-        leaves[0],
-        leaves[1],
-        world_leaf,
-        anchor_ids,
-        doc_ids,
-        DIMS,
-        offset=offset,
-        weights=WEIGHTS,
-        extra=options.pop("extra", None),
-        **options,
-    )
-    loss.backward()
-    loss = loss.detach()
-    _, removed, candidates = reference.masks(
-        anchor_ids, doc_ids, queries.shape[0], offset, options.get("directions", ("query_to_doc",))
-    )
-    grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
-    return (loss, *grads[:2], grads[2] if gathered else None, removed, candidates)
-
-
 @pytest.mark.parametrize(
     "backend,chunk_size", [("dense", None), ("chunked", 4), ("chunked", 1)], ids=["dense", "chunked_4", "chunked_1"]
 )
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 @pytest.mark.parametrize("ids", IDS.values(), ids=IDS.keys())
 def test_matches_the_rule(ids, options, backend, chunk_size):
-    queries, docs, anchor_ids, doc_ids = _problem(**ids)
+    queries, docs, anchor_ids, doc_ids = problem(**ids)
     options = dict(options, backend=backend, chunk_size=chunk_size)
-    want_loss, want_dq, want_dc, _, removed, candidates = _want(queries, docs, None, anchor_ids, doc_ids, **options)
+    want_loss, want_dq, want_dc, _, removed, candidates = run_rule(queries, docs, None, anchor_ids, doc_ids, **options)
     assert removed > 0, "the case must remove something"
-    loss, share, dq, dc = _op(queries, docs, None, anchor_ids, doc_ids, **options)
-    _assert_close(loss, want_loss, "loss")
-    _assert_close(dq, want_dq, "d queries")
-    _assert_close(dc, want_dc, "d docs")
+    loss, share, dq, dc = run_op(queries, docs, None, anchor_ids, doc_ids, **options)
+    assert_close_to_scale(loss, want_loss, "loss")
+    assert_close_to_scale(dq, want_dq, "d queries")
+    assert_close_to_scale(dc, want_dc, "d docs")
     assert float(share) == pytest.approx(removed / candidates)
-    unmasked = _op(queries, docs, None, anchor_ids, doc_ids, ids=False, **options)[0]
+    unmasked = run_op(queries, docs, None, anchor_ids, doc_ids, ids=False, **options)[0]
     assert abs(loss.item() - unmasked.item()) > 1e-3, "the mask must change the loss"
 
 
 @pytest.mark.parametrize("backend,chunk_size", [("dense", None), ("chunked", 3)], ids=["dense", "chunked"])
 def test_gathered_rows_match_the_rule(backend, chunk_size):
     """This rank holds world rows [3, 7) of 8; duplicates of its rows' texts among the other ranks' rows count."""
-    world, docs, anchor_ids, doc_ids = _problem(**MIXED, seed=1)
+    world, docs, anchor_ids, doc_ids = problem(**MIXED, seed=1)
     queries, options = world[3:7], dict(offset=3, directions=ALL_DIRECTIONS)
-    want_loss, want_dq, want_dc, want_dw, removed, candidates = _want(
+    want_loss, want_dq, want_dc, want_dw, removed, candidates = run_rule(
         queries, docs, world, anchor_ids, doc_ids, **options
     )
-    loss, share, dq, dc, dw = _op(
+    loss, share, dq, dc, dw = run_op(
         queries, docs, world, anchor_ids, doc_ids, backend=backend, chunk_size=chunk_size, **options
     )
     for name, a, b in (
@@ -150,39 +69,39 @@ def test_gathered_rows_match_the_rule(backend, chunk_size):
         ("d docs", dc, want_dc),
         ("d world", dw, want_dw),
     ):
-        _assert_close(a, b, name)
+        assert_close_to_scale(a, b, name)
     assert float(share) == pytest.approx(removed / candidates) and removed > 0
 
 
 def test_chunked_matches_dense_with_the_hardness_penalty():
-    world, docs, anchor_ids, doc_ids = _problem(**MIXED, seed=4)
+    world, docs, anchor_ids, doc_ids = problem(**MIXED, seed=4)
     options = dict(offset=3, directions=ALL_DIRECTIONS, hardness_mode="all_negatives", hardness_strength=3.0)
-    truth = _op(world[3:7], docs, world, anchor_ids, doc_ids, backend="dense", **options)
+    truth = run_op(world[3:7], docs, world, anchor_ids, doc_ids, backend="dense", **options)
     for chunk_size in (1, 3):
-        got = _op(world[3:7], docs, world, anchor_ids, doc_ids, backend="chunked", chunk_size=chunk_size, **options)
+        got = run_op(world[3:7], docs, world, anchor_ids, doc_ids, backend="chunked", chunk_size=chunk_size, **options)
         for name, a, b in zip(("loss", "share", "d queries", "d docs", "d world"), got, truth):
-            _assert_close(a, b, name)
+            assert_close_to_scale(a, b, name)
 
 
 @pytest.mark.parametrize("backend", ["dense", "chunked"])
 def test_a_row_left_with_its_positive_alone_has_exactly_zero_loss_and_gradient(backend):
     """Both rows hold the same query with different positives: each row's only other candidate is the other
     positive of its own query, so nothing is left to contrast."""
-    queries, docs, anchor_ids, doc_ids = _problem(anchors=[7, 7], positives=[1, 2])
-    loss, share, dq, dc = _op(queries, docs, None, anchor_ids, doc_ids, backend=backend)
+    queries, docs, anchor_ids, doc_ids = problem(anchors=[7, 7], positives=[1, 2])
+    loss, share, dq, dc = run_op(queries, docs, None, anchor_ids, doc_ids, backend=backend)
     assert loss.item() == 0.0 and not dq.any() and not dc.any() and float(share) == 1.0
     # One of three rows keeps a candidate: the other two are exact zeros, so the loss is that row's alone.
-    queries, docs, anchor_ids, doc_ids = _problem(anchors=[7, 7, 8], positives=[1, 2, 3])
-    want = _want(queries, docs, None, anchor_ids, doc_ids)[0]
-    _assert_close(_op(queries, docs, None, anchor_ids, doc_ids, backend=backend)[0], want, "loss")
+    queries, docs, anchor_ids, doc_ids = problem(anchors=[7, 7, 8], positives=[1, 2, 3])
+    want = run_rule(queries, docs, None, anchor_ids, doc_ids)[0]
+    assert_close_to_scale(run_op(queries, docs, None, anchor_ids, doc_ids, backend=backend)[0], want, "loss")
 
 
 @pytest.mark.parametrize("backend", ["dense", "chunked"])
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 def test_without_duplicates_nothing_changes(options, backend):
-    queries, docs, anchor_ids, doc_ids = _problem(anchors=range(6), positives=range(10, 16), negatives=[range(20, 26)])
-    masked = _op(queries, docs, None, anchor_ids, doc_ids, backend=backend, chunk_size=4, **options)
-    plain = _op(queries, docs, None, anchor_ids, doc_ids, ids=False, backend=backend, chunk_size=4, **options)
+    queries, docs, anchor_ids, doc_ids = problem(anchors=range(6), positives=range(10, 16), negatives=[range(20, 26)])
+    masked = run_op(queries, docs, None, anchor_ids, doc_ids, backend=backend, chunk_size=4, **options)
+    plain = run_op(queries, docs, None, anchor_ids, doc_ids, ids=False, backend=backend, chunk_size=4, **options)
     assert float(masked[1]) == 0.0
     for a, b in zip(masked[:1] + masked[2:], plain[:1] + plain[2:]):
         assert torch.equal(a, b)
@@ -192,7 +111,7 @@ def test_without_duplicates_nothing_changes(options, backend):
 @pytest.mark.parametrize("guided", [True, False], ids=["gist_guide", "self_guided"])
 def test_combines_with_the_false_negative_filter(guided, backend):
     """A candidate either the filter or the duplicate mask drops is dropped; the share counts it once."""
-    queries, docs, anchor_ids, doc_ids = _problem(**MIXED, seed=2)
+    queries, docs, anchor_ids, doc_ids = problem(**MIXED, seed=2)
     if guided:  # GISTEmbed's directions and a guide model's embeddings (close to the model's: some drop)
         directions, margin = ("query_to_doc", "anchor_to_anchor", "positive_to_positive"), 0.0
         g = torch.Generator().manual_seed(3)
@@ -203,8 +122,8 @@ def test_combines_with_the_false_negative_filter(guided, backend):
         directions, margin, guide = ALL_DIRECTIONS, 0.1, {}
         guide_q, guide_c = queries, docs
     extra = reference.filtered(guide_q, guide_c, guide_q, 0, directions, margin)
-    want = _want(queries, docs, None, anchor_ids, doc_ids, directions=directions, extra=extra)
-    got = _op(
+    want = run_rule(queries, docs, None, anchor_ids, doc_ids, directions=directions, extra=extra)
+    got = run_op(
         queries,
         docs,
         None,
@@ -217,7 +136,7 @@ def test_combines_with_the_false_negative_filter(guided, backend):
         **guide,
     )
     for name, a, b in (("loss", got[0], want[0]), ("d queries", got[2], want[1]), ("d docs", got[3], want[2])):
-        _assert_close(a, b, name)
+        assert_close_to_scale(a, b, name)
     duplicates, _, candidates = reference.masks(anchor_ids, doc_ids, 8, 0, directions)
     structural = reference.masks(anchor_ids, doc_ids, 8, 0, directions, duplicates=False)[0]
     dropped = sum(int(((duplicates[n] & ~structural[n]) | extra[n]).sum()) for n in directions)

@@ -16,7 +16,8 @@ from sentence_transformers.sentence_transformer.losses import (
 
 from st_cached_losses import CachedMatryoshkaLoss, matryoshka_infonce
 from st_cached_losses.testing import tiny_sentence_transformer
-from tests.helpers import texts
+from tests.distributed_helpers import ROWS, WORLD_SIZE, child_setup, init_process_group, spawn
+from tests.helpers import assert_grads_close, loss_and_grads, parameter_grads, texts
 
 DIMS, WEIGHTS = [48, 24, 8], [1.0, 0.5, 2.0]
 
@@ -33,26 +34,6 @@ def _features(model, negatives: int, rows: int = 11, seed: int = 0):
     columns = [texts(rows, seed + column) for column in range(2 + negatives)]
     columns[1][3] = columns[1][7]  # a duplicate positive: a false negative of row 3 for the guide
     return [model.preprocess(texts) for texts in columns]
-
-
-def _loss_and_grads(model, loss_fn, features):
-    model.zero_grad(set_to_none=True)
-    out = loss_fn(features, None)
-    total = sum(out.values()) if isinstance(out, dict) else out
-    total.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return float(total.detach()), grads
-
-
-def _assert_grads_close(actual, expected, rtol=1e-4):
-    assert actual.keys() == expected.keys()
-    largest = max(float(g.abs().max()) for g in expected.values())
-    for name, grad in expected.items():
-        scale = max(float(grad.abs().max()), 1e-3 * largest)
-        torch.testing.assert_close(
-            actual[name], grad, rtol=rtol, atol=rtol * scale, msg=lambda m, name=name: f"{name}: {m}"
-        )
 
 
 GIST = {
@@ -80,10 +61,10 @@ def test_matches_stock_matryoshka_cached_gist(models, case, sort_by_length):
         WEIGHTS,
         sort_by_length=sort_by_length,
     )
-    stock_loss, stock_grads = _loss_and_grads(model, stock, features)
-    loss, grads = _loss_and_grads(model, ours, features)
+    stock_loss, stock_grads = loss_and_grads(model, stock, features)
+    loss, grads = loss_and_grads(model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
     assert 0 < ours.masked_share < 1
 
 
@@ -93,10 +74,10 @@ def test_matches_stock_matryoshka_gist_not_cached(models, negatives):
     features = _features(model, negatives)
     stock = MatryoshkaLoss(model, GISTEmbedLoss(model, guide, margin=0.05), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(model, GISTEmbedLoss(model, guide, margin=0.05), DIMS, WEIGHTS, mini_batch_size=4)
-    stock_loss, stock_grads = _loss_and_grads(model, stock, features)
-    loss, grads = _loss_and_grads(model, ours, features)
+    stock_loss, stock_grads = loss_and_grads(model, stock, features)
+    loss, grads = loss_and_grads(model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
-    _assert_grads_close(grads, stock_grads)
+    assert_grads_close(grads, stock_grads)
 
 
 def test_evaluation_matches_stock(models):
@@ -112,7 +93,7 @@ def test_the_guide_is_never_trained(models):
     model, guide = models
     before = {name: p.detach().clone() for name, p in guide.named_parameters()}
     loss = CachedMatryoshkaLoss(model, CachedGISTEmbedLoss(model, guide, mini_batch_size=4), DIMS)
-    _loss_and_grads(model, loss, _features(model, 0))
+    loss_and_grads(model, loss, _features(model, 0))
     assert all(p.grad is None and torch.equal(p, before[name]) for name, p in guide.named_parameters())
 
 
@@ -126,7 +107,7 @@ def test_self_guided_matches_the_loss_without_gradient_caching(strategy, margin)
     ours = CachedMatryoshkaLoss(
         model, base, DIMS, WEIGHTS, false_negative_margin=margin, false_negative_strategy=strategy
     )
-    loss, grads = _loss_and_grads(model, ours, features)
+    loss, grads = loss_and_grads(model, ours, features)
 
     model.zero_grad(set_to_none=True)
     embeddings = [model(dict(f))["sentence_embedding"] for f in features]
@@ -140,10 +121,10 @@ def test_self_guided_matches_the_loss_without_gradient_caching(strategy, margin)
         false_negative_strategy=strategy,
     )
     want.backward()
-    want_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    want_grads = parameter_grads(model)
     assert loss == pytest.approx(float(want), rel=1e-5)
-    _assert_grads_close(grads, want_grads)
-    unfiltered, _ = _loss_and_grads(model, CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS), features)
+    assert_grads_close(grads, want_grads)
+    unfiltered, _ = loss_and_grads(model, CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS), features)
     assert ours.masked_share > 0 and loss != pytest.approx(unfiltered, rel=1e-6)
 
 
@@ -153,7 +134,7 @@ def test_masked_share_is_logged_and_in_the_model_card(caplog):
     model = tiny_sentence_transformer(seed=2)
     loss = CachedMatryoshkaLoss(model, MultipleNegativesRankingLoss(model), DIMS, false_negative_margin=0.1)
     with caplog.at_level(logging.INFO, logger="st_cached_losses.losses.cached_matryoshka"):
-        _loss_and_grads(model, loss, _features(model, 0))
+        loss_and_grads(model, loss, _features(model, 0))
     assert any("of in-batch candidates dropped" in record.getMessage() for record in caplog.records)
     config = loss.get_config_dict()
     assert config["false_negative_margin"] == 0.1 and config["false_negative_strategy"] == "absolute"
@@ -184,14 +165,12 @@ def test_bad_input_at_construction(models, options, error, message):
 def _gist_worker(rank, port, out_dir):
     """Each rank: ours and stock MatryoshkaLoss(CachedGISTEmbedLoss(gather_across_devices=True)) on its half of
     the batch; saves the per-rank loss and the all-reduced gradients."""
-    from tests.test_distributed import ROWS, WORLD_SIZE, _child_setup
-
-    _child_setup(rank, port)
+    child_setup(rank, port)
     import torch.distributed as dist
 
     model = tiny_sentence_transformer(seed=0)
     guide = tiny_sentence_transformer(hidden_size=32, seed=1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    init_process_group(rank)
     try:
         half = ROWS // WORLD_SIZE
         columns = [texts(ROWS, 30 + column) for column in range(3)]
@@ -204,7 +183,7 @@ def _gist_worker(rank, port, out_dir):
                 if kind == "ours"
                 else MatryoshkaLoss(model, base, DIMS)
             )
-            loss, grads = _loss_and_grads(model, loss_fn, features)
+            loss, grads = loss_and_grads(model, loss_fn, features)
             for grad in grads.values():
                 dist.all_reduce(grad)
             results[kind] = (loss, grads)
@@ -214,11 +193,9 @@ def _gist_worker(rank, port, out_dir):
 
 
 def test_gathered_across_two_processes_matches_stock(tmp_path):
-    from tests.test_distributed import WORLD_SIZE, _free_port, _spawn
-
-    _spawn(_gist_worker, _free_port(), str(tmp_path))
+    spawn(_gist_worker, str(tmp_path))
     for rank in range(WORLD_SIZE):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         (loss, grads), (stock_loss, stock_grads) = results["ours"], results["stock"]
         assert loss == pytest.approx(stock_loss, rel=1e-4)
-        _assert_grads_close(grads, stock_grads)
+        assert_grads_close(grads, stock_grads)

@@ -19,13 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import texts
-from tests.test_distributed import _assert_grads_close, _child_setup, _free_port, _loss_and_grads, _spawn
+from tests.distributed_helpers import DIMS, MINI_BATCH_SIZE, ROWS, WORLD_SIZE, child_setup, local_rows, spawn
+from tests.helpers import assert_grads_close, loss_and_grads, texts
 
-WORLD_SIZE = 2
-ROWS = 8  # the whole batch; 4 rows per process
-MINI_BATCH_SIZE = 3
-DIMS = [48, 32, 8]
 TOKEN_BUDGET = 24
 ALL_DIRECTIONS = dict(
     directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
@@ -126,10 +122,10 @@ class _Collectives:
 
 
 def _worker(rank, port, out_dir):
-    _child_setup(rank, port)
+    child_setup(rank, port)
     models = {case: _model(kind) for case, (kind, *_) in CASES.items()}  # before the process group (see there)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=30))
-    local = slice(rank * ROWS // WORLD_SIZE, (rank + 1) * ROWS // WORLD_SIZE)
+    local = local_rows(rank)
     results = {}
     for case, (_kind, negatives, config, options, shard_options) in CASES.items():
         # The loss is built before the model is sharded, as a user's script may: it sees the model change in place.
@@ -174,7 +170,7 @@ def _fsdp_units(model):
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("fsdp")
-    _spawn(_worker, _free_port(), str(out_dir))
+    spawn(_worker, str(out_dir))
     return [torch.load(out_dir / f"fsdp_rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 
@@ -188,7 +184,7 @@ def _reference(case):
     for rows in halves:
         options = {key: 10**9 if value == "per rank" else value for key, value in options.items()}
         features = [model.preprocess(column[rows]) for column in columns]
-        loss, grad = _loss_and_grads(model, _loss(model, negatives, config, options), features)  # the loss, too
+        loss, grad = loss_and_grads(model, _loss(model, negatives, config, options), features)  # the loss, too
         losses.append(float(loss))
         grads.append(grad)
     return sum(losses) / len(losses), {name: sum(g[name] for g in grads) / len(grads) for name in grads[0]}
@@ -200,7 +196,7 @@ def test_fsdp2_matches_one_process_on_the_whole_batch(spawned, case):
     for rank in range(WORLD_SIZE):
         result = spawned[rank][case]
         assert result["loss"] == pytest.approx(loss, rel=1e-4)
-        _assert_grads_close(result["grads"], grads)
+        assert_grads_close(result["grads"], grads)
 
 
 def test_bf16_mixed_precision_is_fp32_within_bf16_rounding(spawned):
@@ -210,7 +206,7 @@ def test_bf16_mixed_precision_is_fp32_within_bf16_rounding(spawned):
     for rank in range(WORLD_SIZE):
         result = spawned[rank]["bf16"]
         assert result["loss"] == pytest.approx(loss, rel=2e-2)
-        _assert_grads_close(result["grads"], grads, rtol=5e-2)
+        assert_grads_close(result["grads"], grads, rtol=5e-2)
 
 
 def test_evaluation_with_uneven_token_budgets_finishes_with_the_whole_batch_loss(spawned):
@@ -237,7 +233,7 @@ def test_token_budgets_that_cut_the_ranks_differently_still_finish(spawned):
         model.register_forward_pre_hook(
             lambda module, args, forwards=forwards: forwards.__setitem__(0, forwards[0] + 1)
         )
-        _loss_and_grads(
+        loss_and_grads(
             model, _loss(model, negatives, config, options), [model.preprocess(c[rows]) for c in _columns(0)]
         )
         alone.append(forwards[0])
@@ -258,7 +254,7 @@ def test_kept_bytes_under_fsdp2_are_the_unsharded_ones(spawned):
     model = _model("bert")
     loss_fn = _loss(model, 1, {}, {"activation_budget": 10**9})
     features = [model.preprocess(column[0:4]) for column in _columns(1)]
-    _loss_and_grads(model, loss_fn, features)
+    loss_and_grads(model, loss_fn, features)
     unsharded = loss_fn.activation_report.measured_bytes
     sharded = spawned[0]["budget"]
     expected = sum(unsharded[index] for index in sharded["kept"])

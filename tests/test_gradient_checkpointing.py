@@ -14,9 +14,7 @@ from sentence_transformers.sentence_transformer.losses import CachedMultipleNega
 
 from st_cached_losses import CachedMatryoshkaLoss
 from st_cached_losses.testing import tiny_sentence_transformer
-from tests.helpers import texts
-from tests.test_activation_budget import SOME, _assert_matches_stock, _budget
-from tests.test_cached_matryoshka import _assert_grads_close, _features
+from tests.helpers import SOME, assert_grads_close, assert_matches_stock, budget_bytes, text_features, texts
 
 DIMS, WEIGHTS = [48, 24, 8], [1.0, 0.5, 0.25]
 MINI_BATCH = 3
@@ -34,8 +32,8 @@ def checkpointed_model(use_reentrant: bool, seed: int = 0):
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_gradient_checkpointing_matches_stock(use_reentrant, budget):
     model = checkpointed_model(use_reentrant)
-    features = _features(model, rows=10, negatives=1, seed=4)
-    budget = _budget(model, features, budget)
+    features = text_features(model, rows=10, negatives=1, seed=4)
+    budget = budget_bytes(model, features, budget)
     stock = MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(
         model,
@@ -45,7 +43,7 @@ def test_gradient_checkpointing_matches_stock(use_reentrant, budget):
         sort_by_length=False,
         activation_budget=budget,
     )
-    _assert_matches_stock(model, stock, ours, features, budget)
+    assert_matches_stock(model, stock, ours, features, budget)
 
 
 def _one_sgd_step(tmp_path, loss_name: str) -> dict[str, torch.Tensor]:
@@ -82,4 +80,4 @@ def _one_sgd_step(tmp_path, loss_name: str) -> dict[str, torch.Tensor]:
 def test_trainer_step_matches_stock(tmp_path):
     ours, stock = _one_sgd_step(tmp_path, "ours"), _one_sgd_step(tmp_path, "stock")
     assert sum(bool(delta.abs().max() > 0) for delta in stock.values()) > len(stock) // 2
-    _assert_grads_close(ours, stock)
+    assert_grads_close(ours, stock)

@@ -1,7 +1,8 @@
 """The package's layering, read from its source (every import statement, module level or inside a function):
 no import circle; the library (losses, gradcache, ops) never imports the command line; gradcache never imports the
 losses; ops never imports sentence-transformers; the losses never import triton (the op chooses its backend);
-sentence-transformers' and DeepSpeed's internals each come through one module; no module over 400 lines."""
+sentence-transformers' and DeepSpeed's internals each come through one module; no module over 400 lines. And the
+tests': a test module shares code through the helper modules only, never by importing another test module."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "st_cached_losses"
+TESTS = Path(__file__).resolve().parent
 LIBRARY = ("st_cached_losses.losses", "st_cached_losses.gradcache", "st_cached_losses.ops")
 ST_COMPAT = "st_cached_losses.gradcache._st_compat"
 DEEPSPEED_COMPAT = "st_cached_losses.gradcache._deepspeed_compat"
@@ -152,3 +154,31 @@ def test_sentence_transformers_internals_come_through_one_module():
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_module_over_400_lines(name):
     assert len(MODULES[name].read_text().splitlines()) <= MAX_LINES
+
+
+def _test_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name) of every import in a file of tests/ from tests/ (``from tests.m import name``, ``from .m import
+    name``, ``from tests import m``, ``import tests.m``), module level or inside a function; name "" for a module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names if alias.name.split(".")[0] == TESTS.name]
+        elif isinstance(node, ast.ImportFrom):
+            module = ".".join(filter(None, [TESTS.name if node.level else None, node.module]))
+            if module == TESTS.name:  # from tests import m: the module m
+                found += [(f"{module}.{alias.name}", "") for alias in node.names]
+            elif module.split(".")[0] == TESTS.name:
+                found += [(module, alias.name) for alias in node.names]
+    return found
+
+
+def test_test_modules_share_code_through_the_helpers_only():
+    """What two test modules share lives in a helper module (tests/helpers.py, distributed_helpers.py, stock.py,
+    duplicates_reference.py) or in conftest.py, under a public name: no file in tests/ imports a test_*.py module, or
+    a private name from any module of tests/."""
+    offenders = []
+    for path in sorted(TESTS.glob("*.py")):
+        for module, name in _test_imports(path):
+            if module.split(".")[-1].startswith("test_") or name.startswith("_"):
+                offenders.append(f"{path.name}: {module}" + (f".{name}" if name else ""))
+    assert not offenders, offenders

@@ -15,9 +15,7 @@ from sentence_transformers.sentence_transformer.losses import CachedMultipleNega
 
 from st_cached_losses import CachedMatryoshkaLoss
 from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
-from tests.helpers import texts
-from tests.test_activation_budget import SOME, _assert_matches_stock, _budget
-from tests.test_cached_matryoshka import _assert_grads_close, _features
+from tests.helpers import SOME, assert_grads_close, assert_matches_stock, budget_bytes, text_features, texts
 
 DIMS, WEIGHTS = [48, 24, 8], [1.0, 0.5, 0.25]
 MINI_BATCH = 3
@@ -68,8 +66,8 @@ def test_lora_matches_stock(name, case):
     model = lora_model(name, lora_dropout)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)  # the base weights are frozen
-    features = _full_width_features(model) if lora_dropout else _features(model, rows=10, negatives=1, seed=2)
-    budget = _budget(model, features, budget)
+    features = _full_width_features(model) if lora_dropout else text_features(model, rows=10, negatives=1, seed=2)
+    budget = budget_bytes(model, features, budget)
     stock = MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH), DIMS, WEIGHTS)
     ours = CachedMatryoshkaLoss(
         model,
@@ -79,7 +77,7 @@ def test_lora_matches_stock(name, case):
         sort_by_length=sort_by_length,
         activation_budget=budget,
     )
-    for grads in _assert_matches_stock(model, stock, ours, features, budget):
+    for grads in assert_matches_stock(model, stock, ours, features, budget):
         assert grads.keys() == trainable
 
 
@@ -116,4 +114,4 @@ def _one_sgd_step(tmp_path, name: str, loss_name: str) -> dict[str, torch.Tensor
 def test_trainer_step_matches_stock(tmp_path, name):
     ours, stock = _one_sgd_step(tmp_path, name, "ours"), _one_sgd_step(tmp_path, name, "stock")
     assert all(bool(delta.abs().max() > 0) for delta in stock.values())
-    _assert_grads_close(ours, stock)
+    assert_grads_close(ours, stock)

@@ -19,7 +19,7 @@ from sentence_transformers.sentence_transformer.losses import (
 
 from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss, CachedMatryoshkaLoss
 from st_cached_losses.testing import tiny_sentence_transformer
-from tests.helpers import texts
+from tests.helpers import assert_grads_close, parameter_grads, texts
 
 DIMS, WEIGHTS, SCALE = [48, 16], [1.0, 0.5], 20.0
 LR = 0.5  # large enough that the bank's embeddings of earlier steps are stale
@@ -115,16 +115,6 @@ def _sgd(model):
                 p -= LR * p.grad
 
 
-def _grads(model):
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-def _assert_close(actual, expected):
-    assert actual.keys() == expected.keys()
-    for name, grad in expected.items():
-        torch.testing.assert_close(actual[name], grad, rtol=1e-4, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
-
-
 def _train(model, loss_fn, reference, batches, guide=None, margin=0.0, mask_duplicates=False):
     """Trains ``model`` with ``loss_fn`` and a copy with the reference over ``batches``, step by step (SGD on each
     one's own gradients), asserting equal losses and gradients; returns ours' losses."""
@@ -139,7 +129,7 @@ def _train(model, loss_fn, reference, batches, guide=None, margin=0.0, mask_dupl
         expected.backward()
         reference.bank(docs, columns)
         assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-6)
-        _assert_close(_grads(model), _grads(theirs))
+        assert_grads_close(parameter_grads(model), parameter_grads(theirs))
         losses.append(float(loss))
         _sgd(model)
         _sgd(theirs)
@@ -232,8 +222,8 @@ def test_no_bank_is_the_loss_without_one(model):
             outs.append(loss_fn([m.preprocess(column) for column in columns], None))
             sum(outs[-1].values()).backward()
         assert all(torch.equal(a, b) for a, b in zip(outs[0].values(), outs[1].values()))
-        assert _grads(model).keys() == _grads(theirs).keys()
-        assert all(torch.equal(grad, _grads(theirs)[name]) for name, grad in _grads(model).items())
+        assert parameter_grads(model).keys() == parameter_grads(theirs).keys()
+        assert all(torch.equal(grad, parameter_grads(theirs)[name]) for name, grad in parameter_grads(model).items())
         _sgd(model)
         _sgd(theirs)
 
@@ -265,7 +255,7 @@ def test_the_dual_memory_matches_stock_on_the_batch_and_the_banked_pairs(model):
         expected.backward()
         banked = [torch.cat([b, c.detach()])[-6:] for b, c in zip(bank, current)]  # 12 documents: the newest 6 pairs
         assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-6)
-        _assert_close(_grads(model), _grads(theirs))
+        assert_grads_close(parameter_grads(model), parameter_grads(theirs))
         _sgd(model)
         _sgd(theirs)
 

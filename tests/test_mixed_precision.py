@@ -6,36 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from accelerate.utils import convert_outputs_to_fp32
 from datasets import Dataset
 from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss, MatryoshkaLoss
 
 from st_cached_losses import CachedMatryoshkaLoss, matryoshka_infonce
 from st_cached_losses.testing import tiny_sentence_transformer
-from tests.helpers import texts
+from tests.helpers import BF16_RTOL, assert_close_within_bf16, autocast_forward, parameter_grads, texts
 
 DIMS = [48, 24, 8]
-BF16_RTOL = 2**-6  # a few bf16 roundings (8-bit mantissa) through a 2-layer encoder
-
-
-def _bf16_autocast_forward(model) -> None:
-    """What accelerate does for the trainer's bf16=True: the model's forward under autocast, fp32 outputs."""
-    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
-
-
-def _assert_close_within_bf16(actual: dict, expected: dict) -> None:
-    """Each parameter's gradient within BF16_RTOL of stock's, relative to its norm; a gradient that is ~0
-    (attention key biases: softmax ignores them) is compared at 1% of the largest norm."""
-    assert actual.keys() == expected.keys()
-    largest = max(float(g.norm()) for g in expected.values())
-    for name, want in expected.items():
-        error = float((actual[name] - want).norm())
-        assert error <= BF16_RTOL * max(float(want.norm()), 1e-2 * largest), f"{name}: {error:.3g}"
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize(
@@ -48,7 +27,7 @@ def test_bf16_autocast_matches_stock_and_keeps_the_loss_in_fp32(scope, backend):
     a user's ``with torch.autocast(...)`` around the loss call, so the loss stage itself runs under it."""
     model = tiny_sentence_transformer(seed=1)
     if scope == "model":
-        _bf16_autocast_forward(model)
+        autocast_forward(model)
     features = [model.preprocess(texts(12, seed)) for seed in (0, 1)]
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)  # one mini-batch: the same embeddings
     ours = CachedMatryoshkaLoss(model, base, DIMS, sort_by_length=False, backend=backend)
@@ -61,7 +40,7 @@ def test_bf16_autocast_matches_stock_and_keeps_the_loss_in_fp32(scope, backend):
             out = loss_fn(features, None)
             total = sum(out.values()) if isinstance(out, dict) else out
         total.backward()
-        results[name] = (total.detach(), _grads(model))
+        results[name] = (total.detach(), parameter_grads(model))
 
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=scope == "whole_loss"):
         queries, docs = (model(dict(f))["sentence_embedding"] for f in features)
@@ -70,7 +49,7 @@ def test_bf16_autocast_matches_stock_and_keeps_the_loss_in_fp32(scope, backend):
     assert ours_loss.dtype == torch.float32
     torch.testing.assert_close(ours_loss, fp32_loss, rtol=1e-6, atol=0)  # the loss stage ran in fp32
     assert float(ours_loss) == pytest.approx(float(stock_loss), rel=BF16_RTOL)  # stock scores in bf16
-    _assert_close_within_bf16(ours_grads, stock_grads)
+    assert_close_within_bf16(ours_grads, stock_grads)
 
 
 def _one_sgd_step(tmp_path, loss_name: str) -> dict[str, torch.Tensor]:
@@ -106,7 +85,7 @@ def _one_sgd_step(tmp_path, loss_name: str) -> dict[str, torch.Tensor]:
 def test_trainer_bf16_step_matches_stock(tmp_path):
     ours, stock = _one_sgd_step(tmp_path, "ours"), _one_sgd_step(tmp_path, "stock")
     assert sum(bool(delta.abs().max() > 0) for delta in stock.values()) > len(stock) // 2
-    _assert_close_within_bf16(ours, stock)
+    assert_close_within_bf16(ours, stock)
 
 
 def _diverged(model) -> None:
@@ -115,16 +94,12 @@ def _diverged(model) -> None:
         model[0].auto_model.embeddings.LayerNorm.weight.fill_(float("nan"))
 
 
-def _autocast_forward(model, dtype) -> None:
-    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=dtype)(model.forward))
-
-
 @pytest.mark.parametrize("loss_name", ["ours", "stock"])
 def test_fp16_mixed_precision_skips_a_diverged_step_like_stock(loss_name):
     """Under fp16 autocast (the trainer's fp16=True) a NaN embedding gives a NaN loss and NaN gradients, so the
     gradient scaler skips the step and lowers its scale: the same for ours as for stock."""
     model = tiny_sentence_transformer(seed=4)
-    _autocast_forward(model, torch.float16)
+    autocast_forward(model, torch.float16)
     _diverged(model)
     base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=4)
     loss_fn = CachedMatryoshkaLoss(model, base, DIMS) if loss_name == "ours" else MatryoshkaLoss(model, base, DIMS)
@@ -148,7 +123,7 @@ def test_a_diverged_step_outside_fp16_is_a_clear_error(dtype):
     into NaN; ours stops with a ValueError that says so."""
     model = tiny_sentence_transformer(seed=4)
     if dtype is not None:
-        _autocast_forward(model, dtype)
+        autocast_forward(model, dtype)
     _diverged(model)
     loss = CachedMatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=4), DIMS)
     with pytest.raises(ValueError, match="contains NaN or Inf: the run diverged"):

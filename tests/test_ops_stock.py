@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from st_cached_losses import matryoshka_infonce
-from tests.helpers import ALL_DIRECTIONS
-
-from .stock import stock_loss_and_grads
+from tests.helpers import ALL_DIRECTIONS, assert_grads_close
+from tests.stock import stock_loss_and_grads
 
 # Also run against the oldest supported sentence-transformers (.ci/run: python -m pytest -m oldest_st).
 pytestmark = pytest.mark.oldest_st
@@ -25,6 +24,8 @@ CONFIGS = {
     "scale_5": dict(scale=5.0),
 }
 BACKENDS = ["dense", "chunked"]
+# Gradients per input column, each entry at rtol of its own column's largest (near_zero=0.0: no floor from the
+# other columns).
 
 
 def _columns(batch, dim, negatives, seed=0, dtype=torch.float32):
@@ -56,12 +57,6 @@ def _op(columns, batch, offset, dims, weights, backend, similarity="cosine", **c
     return float(loss.detach()), [d_world_q, *docs.grad.split(columns[0].shape[0])]
 
 
-def _assert_grads_close(actual, expected, rtol):
-    for a, e in zip(actual, expected):
-        # Entries whose true gradient is ~0 are compared at rtol of the largest one.
-        torch.testing.assert_close(a, e, rtol=rtol, atol=rtol * float(e.abs().max()))
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("negatives", [0, 2])
@@ -71,7 +66,7 @@ def test_matches_stock_cosine(tiny_model, backend, config, negatives):
     loss, grads = _op(columns, 13, 0, dims, weights, backend, **config)
     stock_loss, stock_grads = stock_loss_and_grads(tiny_model, columns, 13, dims, weights, **config)
     assert loss == pytest.approx(stock_loss, rel=1e-5)
-    _assert_grads_close(grads, stock_grads, rtol=1e-5)
+    assert_grads_close(grads, stock_grads, rtol=1e-5, near_zero=0.0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -84,7 +79,7 @@ def test_matches_stock_dot(tiny_model, backend, config):
         tiny_model, columns, 11, dims, None, similarity="dot", **{"scale": 1.0, **config}
     )
     assert loss == pytest.approx(stock_loss, rel=1e-5)
-    _assert_grads_close(grads, stock_grads, rtol=1e-5)
+    assert_grads_close(grads, stock_grads, rtol=1e-5, near_zero=0.0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -99,4 +94,4 @@ def test_offset_matches_stock_gather(tiny_model, backend, similarity, config):
         tiny_model, columns, 9, dims, [1.0, 0.7], similarity=similarity, offset=9, **config
     )
     assert loss == pytest.approx(stock_loss, rel=1e-5)
-    _assert_grads_close(grads, stock_grads, rtol=1e-5)
+    assert_grads_close(grads, stock_grads, rtol=1e-5, near_zero=0.0)

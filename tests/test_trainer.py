@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from datasets import Dataset
 from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
 from st_cached_losses import CachedMatryoshkaLoss
 from st_cached_losses.testing import tiny_sentence_transformer
-from tests.helpers import texts
+from tests.helpers import training_dataset
 
 # Also run against the oldest supported sentence-transformers (.ci/run: python -m pytest -m oldest_st).
 pytestmark = pytest.mark.oldest_st
-
-
-def _dataset(rows=24, seed=0):
-    columns = ("anchor", "positive", "negative")
-    return Dataset.from_dict({column: texts(rows, 10 * seed + i, 2, 10) for i, column in enumerate(columns)})
 
 
 def test_trainer_trains_logs_per_dim_losses_and_writes_the_model_card(tmp_path):
@@ -38,7 +32,7 @@ def test_trainer_trains_logs_per_dim_losses_and_writes_the_model_card(tmp_path):
         use_cpu=True,
         seed=0,
     )
-    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=_dataset(), loss=loss)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=training_dataset(), loss=loss)
     trainer.train()
 
     changed = [name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])]

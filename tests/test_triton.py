@@ -28,7 +28,8 @@ from st_cached_losses.ops import InfoNCESpec, run_backend
 from st_cached_losses.ops.triton import host as triton_backend
 from st_cached_losses.ops.triton import kernels as triton_kernels
 from st_cached_losses.ops.triton import tiles as triton_tiles
-from tests.helpers import ALL_DIRECTIONS
+from tests import duplicates_reference as reference
+from tests.helpers import ALL_DIRECTIONS, assert_close_to_scale
 
 if not triton_kernels.INTERPRETED:  # imported earlier in this process without the interpreter
     triton_kernels = importlib.reload(triton_kernels)
@@ -61,24 +62,18 @@ def _problem(batch, dim, negatives=1, world=None, offset=0, dtype=torch.float32,
     return queries, docs, world_queries, spec
 
 
-def _assert_close(actual, expected, rtol, what):
-    """Entries are compared at rtol of the largest one (|true gradient| ~ 0 entries included)."""
-    scale = max(float(expected.abs().max()), 1.0)
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what}: {m}")
-
-
 def _assert_matches_dense(queries, docs, world, spec, rtol=RTOL, grad_rtol=RTOL, chunk_size=None):
     got = run_backend("triton", queries, docs, world, spec, need_grad=True, chunk_size=chunk_size)
     # The truth: the dense reference in fp32 on the same (upcast) values.
     want = run_backend("dense", queries.float(), docs.float(), world.float(), spec, need_grad=True)
     assert got.per_dim.dtype == torch.float32 and got.lse.shape == want.lse.shape
-    _assert_close(got.per_dim, want.per_dim, rtol, "per_dim")
+    assert_close_to_scale(got.per_dim, want.per_dim, "per_dim", rtol=rtol)
     assert torch.equal(torch.isinf(got.lse), torch.isinf(want.lse)), "fully masked rows must have LSE -inf"
     finite = torch.isfinite(want.lse)
-    _assert_close(got.lse[finite], want.lse[finite], rtol, "lse")
+    assert_close_to_scale(got.lse[finite], want.lse[finite], "lse", rtol=rtol)
     for name, g, w, x in zip(("d_queries", "d_docs", "d_world_queries"), got.grads, want.grads, (queries, docs, world)):
         assert g.dtype == x.dtype and g.shape == x.shape, name
-        _assert_close(g.float(), w, grad_rtol, name)
+        assert_close_to_scale(g.float(), w, name, rtol=grad_rtol)
     return got
 
 
@@ -168,9 +163,9 @@ def test_fp64_inputs_accumulate_in_fp64():
     want = run_backend("dense", queries, docs, world, spec, need_grad=True)
     assert got.per_dim.dtype == torch.float64
     # The scale enters the kernels as an fp32 scalar, so agreement is ~1e-7 rather than 1e-15.
-    _assert_close(got.per_dim, want.per_dim, 1e-6, "per_dim")
+    assert_close_to_scale(got.per_dim, want.per_dim, "per_dim", rtol=1e-6)
     for g, w in zip(got.grads, want.grads):
-        _assert_close(g, w, 1e-6, "grad")
+        assert_close_to_scale(g, w, "grad", rtol=1e-6)
 
 
 def test_no_grad_and_deterministic():
@@ -212,10 +207,10 @@ def test_public_op_backward(gathered):
         if want is None:
             assert got is None
         else:
-            _assert_close(got, want, RTOL, "matryoshka_infonce")
+            assert_close_to_scale(got, want, "matryoshka_infonce", rtol=RTOL)
 
 
-# The duplicate mask (tests/test_duplicates.py's problems and its reference written from the rule).
+# The duplicate mask (tests/duplicates_reference.py: problems with duplicates and the rule).
 DUPLICATE_CASES = {
     "all_directions_joint": dict(directions=ALL_DIRECTIONS),
     "symmetric_per_direction": dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"),
@@ -225,39 +220,37 @@ DUPLICATE_CASES = {
 
 @pytest.mark.parametrize("options", DUPLICATE_CASES.values(), ids=DUPLICATE_CASES.keys())
 def test_duplicate_mask_matches_the_rule(options):
-    from tests.test_duplicates import MIXED, _op, _problem, _want
-
-    world, docs, anchor_ids, doc_ids = _problem(**MIXED, seed=5)
+    world, docs, anchor_ids, doc_ids = reference.problem(**reference.MIXED, seed=5)
     offset = options.get("offset", 0)
     queries, world = (world[offset : offset + 4], world) if offset else (world, None)
-    want_loss, want_dq, want_dc, want_dw, removed, candidates = _want(
+    want_loss, want_dq, want_dc, want_dw, removed, candidates = reference.run_rule(
         queries, docs, world, anchor_ids, doc_ids, **options
     )
-    got = _op(queries, docs, world, anchor_ids, doc_ids, backend="triton", **options)
+    got = reference.run_op(queries, docs, world, anchor_ids, doc_ids, backend="triton", **options)
     for name, a, b in zip(
         ("loss", "d queries", "d docs", "d world"), got[:1] + got[2:], (want_loss, want_dq, want_dc, want_dw)
     ):
-        _assert_close(a, b, RTOL, name)
+        assert_close_to_scale(a, b, name, rtol=RTOL)
     assert float(got[1]) == pytest.approx(removed / candidates) and removed > 0
 
 
 def test_duplicate_mask_with_hardness_and_exact_zeros():
-    from tests.test_duplicates import MIXED, _op, _problem
-
-    world, docs, anchor_ids, doc_ids = _problem(**MIXED, seed=6)
+    world, docs, anchor_ids, doc_ids = reference.problem(**reference.MIXED, seed=6)
     options = dict(offset=3, directions=ALL_DIRECTIONS, hardness_mode="all_negatives", hardness_strength=3.0)
-    got = _op(world[3:7], docs, world, anchor_ids, doc_ids, backend="triton", **options)
-    want = _op(world[3:7], docs, world, anchor_ids, doc_ids, backend="dense", **options)
+    got = reference.run_op(world[3:7], docs, world, anchor_ids, doc_ids, backend="triton", **options)
+    want = reference.run_op(world[3:7], docs, world, anchor_ids, doc_ids, backend="dense", **options)
     for name, a, b in zip(("loss", "share", "d queries", "d docs", "d world"), got, want):
-        _assert_close(a, b, RTOL, name)
+        assert_close_to_scale(a, b, name, rtol=RTOL)
     # Two rows of one query: each row's only other candidate is the other positive of its query.
-    queries, docs, anchor_ids, doc_ids = _problem(anchors=[7, 7], positives=[1, 2])
-    loss, share, dq, dc = _op(queries, docs, None, anchor_ids, doc_ids, backend="triton")
+    queries, docs, anchor_ids, doc_ids = reference.problem(anchors=[7, 7], positives=[1, 2])
+    loss, share, dq, dc = reference.run_op(queries, docs, None, anchor_ids, doc_ids, backend="triton")
     assert loss.item() == 0.0 and not dq.any() and not dc.any() and float(share) == 1.0
     # Without duplicates the ids change nothing.
-    queries, docs, anchor_ids, doc_ids = _problem(anchors=range(5), positives=range(10, 15))
-    masked = _op(queries, docs, None, anchor_ids, doc_ids, backend="triton", directions=ALL_DIRECTIONS)
-    plain = _op(queries, docs, None, anchor_ids, doc_ids, ids=False, backend="triton", directions=ALL_DIRECTIONS)
+    queries, docs, anchor_ids, doc_ids = reference.problem(anchors=range(5), positives=range(10, 15))
+    masked = reference.run_op(queries, docs, None, anchor_ids, doc_ids, backend="triton", directions=ALL_DIRECTIONS)
+    plain = reference.run_op(
+        queries, docs, None, anchor_ids, doc_ids, ids=False, backend="triton", directions=ALL_DIRECTIONS
+    )
     for a, b in zip(masked[:1] + masked[2:], plain[:1] + plain[2:]):
         assert torch.equal(a, b)
 

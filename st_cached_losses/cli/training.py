@@ -96,7 +96,7 @@ def memory_summary(loss) -> dict[str, Any]:
     (documents; bytes of its tensors), and the last step's fill and oldest age (training steps)."""
     memory = loss.memory
     return {
-        **loss.memory_settings(),
+        **memory.settings(),
         "capacity": memory.capacity,
         "nbytes": memory.nbytes,
         "fill": memory.fill,

@@ -25,8 +25,9 @@ from torch import Tensor, nn
 __all__ = ["BankedPairs", "MemoryBank", "check_memory_options"]
 
 
-def check_memory_options(memory_size, memory_warmup_steps, memory_max_age, dual_memory) -> None:
-    """Raises TypeError / ValueError naming the argument, before any work."""
+def check_memory_options(memory_size, memory_warmup_steps, memory_max_age, dual_memory, gather: bool = False) -> None:
+    """Raises TypeError / ValueError naming the argument, before any work (``gather``: the base loss's
+    ``gather_across_devices``, which the dual memory does not take)."""
     for name, value, low in (("memory_size", memory_size, 0), ("memory_warmup_steps", memory_warmup_steps, 0)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r}.")
@@ -44,6 +45,11 @@ def check_memory_options(memory_size, memory_warmup_steps, memory_max_age, dual_
         raise ValueError(
             "memory_warmup_steps, memory_max_age and dual_memory configure the memory bank: set memory_size > 0 "
             "(banked documents) to use them."
+        )
+    if dual_memory and gather:
+        raise ValueError(
+            "dual_memory=True with gather_across_devices=True is not supported: banked rows would be added on every "
+            "process. Use dual_memory=False (the banked documents are gathered), or gather_across_devices=False."
         )
 
 
@@ -136,6 +142,15 @@ class MemoryBank(nn.Module):
             f"dual={self.dual}, fill={self.fill:.3f}"
         )
 
+    def settings(self) -> dict:
+        """The loss's memory arguments as given (the model card)."""
+        return {
+            "memory_size": self.memory_size,
+            "memory_warmup_steps": self.warmup_steps,
+            "memory_max_age": self.max_age,
+            "dual_memory": self.dual,
+        }
+
     # ------------------------------------------------------------------------------------------ one step
 
     @property
@@ -143,9 +158,11 @@ class MemoryBank(nn.Module):
         """Whether this training step scores the bank (warm-up over, and something banked)."""
         return self.step >= self.warmup_steps and self.size > 0
 
-    def check(self, columns: int, dim: int | None) -> None:
+    def check(self, columns: int, dim: int | None, gather: bool = False) -> None:
         """Raises ValueError before a training step whose batch does not fit the banked pairs: another number of
-        columns (1 + hard negatives) or another embedding dimension ``dim`` (None: not known)."""
+        columns (1 + hard negatives) or another embedding dimension ``dim`` (None: not known); the dual memory with
+        a base loss that now gathers (``gather``)."""
+        check_memory_options(self.memory_size, self.warmup_steps, self.max_age, self.dual, gather)
         if self.docs is None:
             if self.memory_size < columns:
                 raise ValueError(

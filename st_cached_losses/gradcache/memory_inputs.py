@@ -22,12 +22,41 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .memory_bank import BankedPairs
+from .memory_bank import BankedPairs, MemoryBank
+from .step import Step
 from .text_ids import combine_ids
 
-__all__ = ["banked_pairs", "dual_inputs", "memory_inputs", "pair_mode_ids"]
+__all__ = ["banked_pairs", "dual_inputs", "memory_inputs", "pair_mode_ids", "step_inputs"]
 
 _NEGATIVE = 0x2545F4914F6CDD1D  # hashed with a hard negative's text id: ids that no (query, positive) pair has
+
+
+def step_inputs(
+    step: Step,
+    queries: Tensor,
+    docs: Tensor,
+    placement: dict[str, Tensor | int],
+    memory: MemoryBank | None,
+    mask_duplicates: bool,
+) -> dict[str, Tensor | int]:
+    """The op's inputs for one step (queries, docs, their placement, the guide's embeddings and the text ids), with
+    the bank's pairs when it is scored; in training, the pairs the step banks go to ``step.to_bank``."""
+    ids, guide = step.duplicate_inputs(placement), step.guide_inputs()
+    if memory is None:
+        return {"queries": queries, "docs": docs, **placement, **guide, **ids}
+    world_batch = placement["world_queries"].shape[0] if "world_queries" in placement else queries.shape[0]
+    if not mask_duplicates:  # without the mask, ids that catch a copy of a row's own pair, and no more
+        ids = pair_mode_ids(ids, world_batch, placement.get("offset", 0))
+    banked = memory.candidates() if step.training else None
+    if step.training:
+        world_queries = placement.get("world_queries", queries) if memory.dual else None
+        step.to_bank = banked_pairs(docs, ids, guide, world_batch, world_queries)
+    if banked is None:
+        return {"queries": queries, "docs": docs, **placement, **guide, **ids}
+    if memory.dual:
+        queries, docs, ids, guide = dual_inputs(queries, docs, ids, guide, banked)
+        return {"queries": queries, "docs": docs, **guide, **ids}
+    return {"queries": queries, "docs": docs, **placement, **guide, **ids, **memory_inputs(banked, queries.dtype)}
 
 
 def pair_mode_ids(ids: dict[str, Tensor], world_batch: int, offset: int) -> dict[str, Tensor]:

@@ -26,7 +26,7 @@ from ..gradcache.distributed import unwrapped
 from ..gradcache.kept_minibatches import StepPlan
 from ..gradcache.loss_components import loss_components
 from ..gradcache.memory_bank import MemoryBank, check_memory_options
-from ..gradcache.memory_inputs import banked_pairs, dual_inputs, memory_inputs, pair_mode_ids
+from ..gradcache.memory_inputs import step_inputs
 from ..gradcache.minibatches import check_columns
 from ..gradcache.parallel import check_fsdp_sync
 from ..gradcache.precision import nonfinite_policy
@@ -189,9 +189,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
         if not isinstance(mask_duplicates, bool):
             raise TypeError(f"mask_duplicates must be True or False, got {mask_duplicates!r}.")
-        check_memory_options(memory_size, memory_warmup_steps, memory_max_age, dual_memory)
-        if dual_memory:
-            _check_dual_memory(loss)
+        check_memory_options(memory_size, memory_warmup_steps, memory_max_age, dual_memory, loss.gather_across_devices)
         budgeted = activation_budget is not None or mini_batch_size == AUTO
         super().__init__(
             model,
@@ -229,9 +227,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         sentence_features = list(sentence_features)
         check_columns(sentence_features, self.mini_batch_num_tokens)
         if self.memory is not None and torch.is_grad_enabled():
-            self.memory.check(len(sentence_features) - 1, self.model_embedding_dimension())
-            if self.memory.dual:
-                _check_dual_memory(self.loss)
+            self.memory.check(len(sentence_features) - 1, self.model_embedding_dimension(), self.gather_across_devices)
         draw = self.draw_step()
         total, step = self.run_steps(sentence_features, labels, draw, self.gather_across_devices)
         if self.memory is not None and step.training:
@@ -267,7 +263,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         columns = step.columns(reps)
         weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in step.dims]
         queries, docs, placement = step.gathered(columns[0], columns[1:])
-        inputs = self.memory_step(step, queries, docs, placement)
+        inputs = step_inputs(step, queries, docs, placement, self.memory, self.mask_duplicates)
         loss, per_dim, masked_share = matryoshka_infonce(
             dims=step.dims,
             weights=weights,
@@ -283,28 +279,6 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
             loss.backward()
             loss = loss.detach()
         return loss
-
-    def memory_step(self, step: Step, queries: Tensor, docs: Tensor, placement: dict[str, Any]) -> dict[str, Any]:
-        """The op's inputs for this step (queries, docs, their placement, the guide's embeddings and the text ids)
-        with the memory bank's pairs (:mod:`st_cached_losses.gradcache.memory_inputs`), and, in training, the pairs
-        this step banks (``step.to_bank``)."""
-        ids, guide = step.duplicate_inputs(placement), step.guide_inputs()
-        if self.memory is None:
-            return {"queries": queries, "docs": docs, **placement, **guide, **ids}
-        world_batch = placement["world_queries"].shape[0] if "world_queries" in placement else queries.shape[0]
-        if not self.mask_duplicates:  # without the mask, ids that catch a copy of a row's own pair, and no more
-            ids = pair_mode_ids(ids, world_batch, placement.get("offset", 0))
-        banked = self.memory.candidates() if step.training else None
-        if step.training:
-            world_queries = placement.get("world_queries", queries) if self.memory.dual else None
-            step.to_bank = banked_pairs(docs, ids, guide, world_batch, world_queries)
-        if banked is None:
-            return {"queries": queries, "docs": docs, **placement, **guide, **ids}
-        if self.memory.dual:
-            queries, docs, ids, guide = dual_inputs(queries, docs, ids, guide, banked)
-            return {"queries": queries, "docs": docs, **guide, **ids}
-        memory = memory_inputs(banked, queries.dtype)
-        return {"queries": queries, "docs": docs, **placement, **guide, **ids, **memory}
 
     def model_embedding_dimension(self) -> int | None:
         """The model's embedding dimension, when it says (a wrapped model is looked through)."""
@@ -367,18 +341,8 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
             "activation_budget": self.activation_budget,
             **({"fsdp_sync": self.fsdp_sync} if self.fsdp_sync != "per_backward" else {}),
             **({"mask_duplicates": True} if self.mask_duplicates else {}),
-            **(self.memory_settings() if self.memory is not None else {}),
+            **(self.memory.settings() if self.memory is not None else {}),
             **(self.budget.chosen if self.budget is not None else {}),
-        }
-
-    def memory_settings(self) -> dict[str, Any]:
-        """The memory bank's settings as given (for the model card)."""
-        memory = self.memory
-        return {
-            "memory_size": memory.memory_size,
-            "memory_warmup_steps": memory.warmup_steps,
-            "memory_max_age": memory.max_age,
-            "dual_memory": memory.dual,
         }
 
     @property
@@ -393,15 +357,6 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         if self.memory is not None:
             memory = citations.XBM + (citations.CONTACCUM if self.memory.dual else "")
         return citations.GRADCACHE + citations.MATRYOSHKA + (citations.GISTEMBED if filtered else "") + memory
-
-
-def _check_dual_memory(loss: nn.Module) -> None:
-    """ValueError for the dual memory with a base loss that gathers across devices."""
-    if getattr(loss, "gather_across_devices", False):
-        raise ValueError(
-            "dual_memory=True with gather_across_devices=True is not supported: banked rows would be added on every "
-            "process. Use dual_memory=False (the banked documents are gathered), or gather_across_devices=False."
-        )
 
 
 def _check_model(model: Any, backend: str) -> None:
