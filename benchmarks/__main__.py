@@ -2,19 +2,20 @@
 
 python -m benchmarks                          # everything committed: train_step (default, GISTEmbed, 2D), then
                                               # loss_stage (1 and 2 threads, GISTEmbed, mask_duplicates),
-                                              # compile_step, integrations, scale_out
+                                              # compile_step, integrations, scale_out, memory_bank
 python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
 python -m benchmarks loss_stage [FLAGS...]
 python -m benchmarks compile_step [FLAGS...]  # torch.compile against eager (inductor: C++ compiles, minutes)
 python -m benchmarks integrations             # LoRA, image-text, gradient checkpointing: errors against stock
 python -m benchmarks scale_out [FLAGS...]     # DDP, FSDP2, DeepSpeed ZeRO on 2 gloo processes
+python -m benchmarks memory_bank PARTS...      # the memory bank: loss stage, a training step, NDCG@10 (slow)
 """
 
 from __future__ import annotations
 
 import sys
 
-from benchmarks import compile_step, integrations, loss_stage, scale_out, train_step
+from benchmarks import compile_step, integrations, loss_stage, memory_bank, scale_out, train_step
 
 BENCHMARKS = {
     "train_step": train_step.main,
@@ -22,6 +23,7 @@ BENCHMARKS = {
     "compile_step": compile_step.main,
     "integrations": integrations.main,
     "scale_out": scale_out.main,
+    "memory_bank": memory_bank.main,
 }
 # What `python -m benchmarks` runs: the committed results, each under its own file name.
 EVERYTHING = (
@@ -63,6 +65,7 @@ EVERYTHING = (
     ("integrations", []),
     ("loss_stage", ["--mask-duplicates", "--sizes", "8192", "--threads", "1", "--name", "loss_stage_mask_duplicates"]),
     ("scale_out", []),
+    ("memory_bank", ["loss-stage", "step", "ndcg"]),
 )
 
 

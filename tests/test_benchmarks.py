@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks import loss_stage
+from benchmarks import loss_stage, memory_bank
 
 
 def test_loss_stage_smoke(tmp_path):
@@ -111,3 +111,14 @@ def test_compile_step_smoke(tmp_path):
     assert value[("compiled", "graphs")] > 0 and value[("compiled", "recompile_limit_hit")] == 0
     assert value[("eager", "graphs")] == 0 and value[("compiled", "time_ratio_to_eager_median")] > 0
     assert (tmp_path / "compile_step.png").stat().st_size > 0
+
+
+def test_memory_bank_smoke(tmp_path):
+    sizes = ["--sizes", "32", "--banks", "0", "64", "--repeats", "1", "--step-bank", "64", "--rounds", "2"]
+    memory_bank.main(["loss-stage", "step", *sizes, "--model", "tiny", "--out", str(tmp_path)])
+    records = memory_bank.read_csv(tmp_path / "memory_bank_loss_stage.csv")
+    assert {r["contender"] for r in records} >= {"ours_K0", "ours_K64", "dense_K0", "dense_K64", "inputs"}
+    assert all(r["value"] > 0 for r in records if r["metric"] in ("seconds_median", "peak_bytes"))
+    assert "| 32 | 64 |" in (tmp_path / "memory_bank_loss_stage.md").read_text()
+    step = {r["contender"]: r["value"] for r in memory_bank.read_csv(tmp_path / "memory_bank_step.csv")}
+    assert step["ours_K0"] > 0 and step["ours_K64"] > 0 and step["bank"] == 1.0
