@@ -298,3 +298,13 @@ def test_a_batch_the_bank_cannot_hold_is_refused_before_any_work(model):
     with pytest.raises(ValueError, match=r"holds no whole pair of 3 documents"):
         _loss(model, 2)([loss_fn.model.preprocess(c) for c in _batches(1, rows=4, negatives=2)[0]], None)
     assert loss_fn.memory.bank_state()["counters"] == state["counters"]  # nothing banked, no step counted
+
+
+def test_a_model_of_another_dimension_under_a_filled_bank_is_refused(model):
+    loss_fn = _loss(copy.deepcopy(model), 12)
+    columns = _batches(1, rows=4, negatives=0)[0]
+    sum(loss_fn([loss_fn.model.preprocess(column) for column in columns], None).values()).backward()
+    loss_fn.model = tiny_sentence_transformer(hidden_size=32, seed=1).double()  # as a swapped or resized encoder
+    with pytest.raises(ValueError, match=r"holds 48-dim embeddings but the model now embeds 32 dims"):
+        loss_fn([loss_fn.model.preprocess(column) for column in columns], None)
+    assert loss_fn.memory.step == 1
