@@ -62,12 +62,14 @@ class _Bank:
         self.step += 1
 
 
-def _reference_loss(model, columns, bank, mask_duplicates=False, guide=None, margin=0.0):
+def _reference_loss(model, columns, bank, mask_duplicates=False, guide=None, margin=0.0, hardness=0.0):
     """sum_d w_d InfoNCE_d of the queries against [this step's documents | banked documents] (query_to_doc), from
     the definition: the banked embeddings carry no gradient; a row never scores a copy of its own (query, positive)
     pair (any column with the same query and positive texts); with ``mask_duplicates`` it never scores a copy of its
     positive, of its query, or another positive of its query (in the batch or the bank); with a ``guide`` model,
-    no candidate the guide scores above the positive - margin. Returns the loss and this step's doc embeddings."""
+    no candidate the guide scores above the positive - margin; with ``hardness``, its similarity to the other rows'
+    documents (in the batch and the bank) counts that much more, without gradient (in_batch_negatives). Returns the
+    loss and this step's doc embeddings."""
     anchors, *doc_texts = columns
     queries = _embed(model, anchors)
     docs = [_embed(model, column) for column in doc_texts]
@@ -98,7 +100,11 @@ def _reference_loss(model, columns, bank, mask_duplicates=False, guide=None, mar
         drop |= over
     total = 0.0
     for dim, weight in zip(DIMS, WEIGHTS):
-        logits = SCALE * F.normalize(queries[:, :dim], dim=-1) @ F.normalize(candidates[:, :dim], dim=-1).T
+        sims = F.normalize(queries[:, :dim], dim=-1) @ F.normalize(candidates[:, :dim], dim=-1).T
+        others = torch.ones_like(drop)
+        for c in range(len(doc_texts)):  # a row's own documents: its positive and its hard negatives
+            others[torch.arange(rows), c * batch + torch.arange(rows)] = False
+        logits = SCALE * sims + hardness * sims.detach() * others
         logits = logits.masked_fill(drop, -torch.inf)
         total = total + weight * F.cross_entropy(logits, torch.arange(rows))
     return total, docs
@@ -115,7 +121,7 @@ def _sgd(model):
                 p -= LR * p.grad
 
 
-def _train(model, loss_fn, reference, batches, guide=None, margin=0.0, mask_duplicates=False):
+def _train(model, loss_fn, reference, batches, guide=None, margin=0.0, mask_duplicates=False, hardness=0.0):
     """Trains ``model`` with ``loss_fn`` and a copy with the reference over ``batches``, step by step (SGD on each
     one's own gradients), asserting equal losses and gradients; returns ours' losses."""
     theirs = copy.deepcopy(model)
@@ -125,7 +131,7 @@ def _train(model, loss_fn, reference, batches, guide=None, margin=0.0, mask_dupl
         loss = sum(loss_fn([model.preprocess(column) for column in columns], None).values())
         loss.backward()
         theirs.zero_grad(set_to_none=True)
-        expected, docs = _reference_loss(theirs, columns, reference, mask_duplicates, guide, margin)
+        expected, docs = _reference_loss(theirs, columns, reference, mask_duplicates, guide, margin, hardness)
         expected.backward()
         reference.bank(docs, columns)
         assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-6)
@@ -159,6 +165,14 @@ def test_the_bank_of_earlier_steps_matches_the_reference(model, negatives):
     loss_fn = _loss(model, 7 * columns)
     _train(model, loss_fn, _Bank(7 * columns), batches)
     assert loss_fn.memory.size == 7 * columns and loss_fn.memory.oldest_age == 2  # the newest 7 of 25 pairs
+
+
+def test_hardness_weighting_holds_across_the_bank(model):
+    """in_batch_negatives' penalty applies to banked documents too (other rows' documents)."""
+    model = copy.deepcopy(model)
+    base = MultipleNegativesRankingLoss(model, scale=SCALE, hardness_mode="in_batch_negatives", hardness_strength=4.0)
+    loss_fn = CachedMatryoshkaLoss(model, base, DIMS, WEIGHTS, mini_batch_size=3, memory_size=24)
+    _train(model, loss_fn, _Bank(24), _batches(3, rows=4, negatives=1), hardness=4.0)
 
 
 def test_warm_up_and_maximum_age(model):
