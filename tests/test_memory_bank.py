@@ -341,3 +341,30 @@ def test_the_op_checks_its_memory_arguments_and_the_triton_kernels_refuse_a_bank
     with pytest.raises(NotImplementedError, match=r"no memory bank"):
         matryoshka_infonce(q, c, dims=[16], memory_docs=m, backend="triton")
     assert torch.isfinite(matryoshka_infonce(q, c, dims=[16], memory_docs=m, backend="auto"))  # auto: chunked
+
+
+def test_the_scored_pairs_are_views_of_the_ring_unless_an_age_limit_wraps_them():
+    """No copy of the bank per step: while filling, when full (in ring order), and for one stretch of it; a copy
+    only when an age limit leaves the valid pairs wrapped around the ring's end."""
+    from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank
+
+    def pairs(step):
+        return BankedPairs(
+            torch.full((3, 1, 4), float(step)), torch.zeros(3, 1, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+        )
+
+    def shares(bank):
+        return bank.candidates().docs.untyped_storage().data_ptr() == bank.docs.untyped_storage().data_ptr()
+
+    bank = MemoryBank(10, max_age=2)  # 10 slots of one document
+    bank.end_step(pairs(0))
+    assert shares(bank) and bank.size == 3  # filling: slots 0..2
+    for step in range(1, 4):
+        bank.end_step(pairs(step))
+    assert bank.size == 6 and bank.oldest_age == 2  # steps 2 and 3 (slots 6..8 and 9, 0, 1): wrapped
+    assert not shares(bank)
+    assert sorted(bank.candidates().docs.flatten().unique().tolist()) == [2.0, 3.0]
+    full = MemoryBank(6)
+    for step in range(3):
+        full.end_step(pairs(step))
+    assert full.size == 6 and shares(full)

@@ -183,13 +183,17 @@ class MemoryBank(nn.Module):
 
     def candidates(self) -> BankedPairs | None:
         """The pairs this training step scores, or None (warm-up, or nothing banked): the valid slots as views of
-        the ring, oldest to newest where they are contiguous."""
+        the ring (all of it, or one stretch of it), or a copy where an age limit leaves them wrapped around its end."""
         if not self.scored:
             return None
         valid = self._valid_slots(self.step)
         start = int(valid[0])
-        contiguous = int(valid[-1]) - start + 1 == len(valid)
-        index = slice(start, start + len(valid)) if contiguous else valid  # a slice: views of the ring, no copy
+        if len(valid) == self.slots:  # all of the ring: in ring order (the loss does not depend on the order)
+            index = slice(None)
+        elif int(valid[-1]) - start + 1 == len(valid):  # one stretch of the ring
+            index = slice(start, start + len(valid))
+        else:  # wrapped around the ring's end: a copy
+            index = valid
         fields = ("docs", "doc_ids", "query_ids", "guide_docs", "queries", "guide_queries")
         return BankedPairs(*(None if (t := getattr(self, name)) is None else t[index] for name in fields))
 
