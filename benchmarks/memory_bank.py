@@ -38,7 +38,8 @@ DIMS = (384, 256, 128, 64, 32)
 DIM = 384
 NDCG_BANKS = (256, 1024, 4096)
 LEARNING_RATES = (2e-4, 5e-5)  # the main job's default, and a quarter of it
-STALENESS = {"memory_warmup_steps": 10, "memory_max_age": 8}  # about a fifth of an epoch of 51 steps, as XBM
+STALENESS = {"memory_warmup_steps": 10, "memory_max_age": 8}
+REPLICATE_SEEDS = (13, 14)  # the main job's default seed is 12  # about a fifth of an epoch of 51 steps, as XBM
 
 
 def _unit(rows: int, seed: int) -> torch.Tensor:
@@ -173,6 +174,10 @@ def ndcg_configs() -> dict[str, dict]:
         name = f"B64_K{k}_{'dual' if dual else 'docs'}{'_ctl' if control else ''}_lr{lr:g}"
         configs[name] = dict(batch_size=64, learning_rate=lr, memory_size=k, dual_memory=dual)
         configs[name].update(STALENESS if control else {})
+    # The one configuration that beat its no-bank run, and that run, again with other seeds (data order, dropout).
+    for seed in REPLICATE_SEEDS:
+        for name in ("B64_lr5e-05", "B64_K1024_dual_ctl_lr5e-05"):
+            configs[f"{name}_seed{seed}"] = {**configs[name], "seed": seed}
     return configs
 
 

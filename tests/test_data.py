@@ -14,6 +14,7 @@ import pytest
 
 from st_cached_losses.cli.data import load_pairs
 from st_cached_losses.cli.stdlib_data import SKIPPED_MODULES, deduplicate, load_stdlib_dataset, split_of, stdlib_pairs
+from tests.helpers import train_cli
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +156,16 @@ def test_rows_without_text_are_dropped_with_one_warning(tmp_path, caplog):
     caplog.clear()
     load_pairs(_write_jsonl(tmp_path / "clean.jsonl", [rows[0], rows[2], rows[3], rows[5]]), seed=0)
     assert caplog.records == []
+
+
+def test_the_dropped_rows_warning_waits_for_the_other_checks(tiny_dir, tmp_path, capsys):
+    """With a bad option checked after the data is read (dims larger than the model's), the error is the one line
+    printed; with good options the warning comes."""
+    rows = [{"anchor": f"query {i}", "positive": f"doc {i}"} for i in range(60)]
+    rows[1]["anchor"] = ""
+    data = _write_jsonl(tmp_path / "pairs.jsonl", rows)
+    assert train_cli(tiny_dir, tmp_path / "bad", "--dataset", data, "--dims", "4096") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "4096" in err and "dropped" not in err
+    assert train_cli(tiny_dir, tmp_path / "good", "--dataset", data) == 0
+    assert "dropped 1 of 60 rows" in capsys.readouterr().err

@@ -19,14 +19,17 @@ print the table. The data is :mod:`.data`'s; the command line (:mod:`.command`) 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import logging
 import platform
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..ops import recorded_choices
 from .data import load_pairs, looks_like_path, warn_degenerate
+from .data import logger as data_logger
 from .evaluation import METRICS, build_evaluate, evaluate_truncated
 from .options import (
     TrainOptions,
@@ -93,15 +96,40 @@ def prepare(options: TrainOptions) -> Prepared:
         check_batch_sizes(options.batch_size, options.mini_batch_size)
     check_device(options.backend, options.fp16, model_device())
     model_spec = options.model or default_model_path()
-    with quiet_loading():
+    with quiet_loading(), _held_warnings(data_logger) as release:  # bad input below stays one line
         train, test = load_pairs(options.dataset, options.seed, options.max_train_samples, options.max_eval_samples)
         model = load_model(model_spec, options.max_seq_length)
         guide = None if options.guide is None else load_model(options.guide, options.max_seq_length, "--guide")
-    dims = resolve_dims(options.dims, model.get_embedding_dimension())
-    check_layers(options.layers, model)
+        dims = resolve_dims(options.dims, model.get_embedding_dimension())
+        check_layers(options.layers, model)
+        release()
     evaluate = build_evaluate(test, dims)
     warn_degenerate(train, test, options.batch_size, options.seed, options.sampler)
     return Prepared(model, model_spec, dims, train, evaluate, guide)
+
+
+@contextlib.contextmanager
+def _held_warnings(logger: logging.Logger):
+    """Hold ``logger``'s records (the dropped rows' warning) until the block calls the ``release`` it yields: the
+    checks after loading may still refuse the input, whose error is then the one line printed."""
+    held: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = held.append
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+
+    def release() -> None:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+        for record in held:
+            logger.handle(record)
+        held.clear()
+
+    try:
+        yield release
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 # ----------------------------------------------------------------------------------------------- the run
