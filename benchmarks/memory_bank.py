@@ -206,12 +206,42 @@ def ndcg(out: Path, only: list[str] | None = None) -> None:
             rows.append((path.stem, int(dim), "ndcg@10", metrics["ndcg@10"]))
         rows.append((path.stem, 0, "train_seconds", result["train_seconds"]))
     write_csv(rows, out / "memory_bank_ndcg.csv")
-    (out / "memory_bank_ndcg.md").write_text(ndcg_table(read_csv(out / "memory_bank_ndcg.csv")) + "\n")
+    records = read_csv(out / "memory_bank_ndcg.csv")
+    (out / "memory_bank_ndcg.md").write_text(ndcg_table(records) + "\n")
+    plot_ndcg(records, out / "memory_bank_ndcg.png")
+
+
+def plot_ndcg(records: list[dict], path: Path) -> None:
+    """NDCG@10 at each dim (a panel per learning rate), one bar per run, the run without a bank at B = 64 marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    value = values(records)
+    dims = sorted({r["B"] for r in records if r["metric"] == "ndcg@10"}, reverse=True)
+    rates = sorted({name.split("_lr")[1].split("_")[0] for name in {r["contender"] for r in records}}, reverse=True)
+    fig, axes = plt.subplots(1, len(rates), figsize=(8 * len(rates), 5), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        names = sorted(n for n in {r["contender"] for r in records} if f"_lr{rate}" in n)
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            heights = [value[(name, d, "ndcg@10")] for d in dims]
+            positions = [j + i * width for j in range(len(dims))]
+            hatch = "//" if "_K" not in name else None
+            ax.bar(positions, heights, width, label=name.replace(f"_lr{rate}", ""), hatch=hatch)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(dims))], [f"dim {d}" for d in dims])
+        ax.set_ylim(0.4, 0.7)
+        ax.set(title=f"learning rate {rate}", ylabel="NDCG@10 after one epoch")
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def ndcg_table(records: list[dict]) -> str:
     value = values(records)
-    names = sorted({r["contender"] for r in records}, key=lambda n: (n.split("_")[-1], n))
+    names = sorted({r["contender"] for r in records}, key=lambda n: (n.split("_lr")[1].split("_")[0], n))
     dims = sorted({r["B"] for r in records if r["metric"] == "ndcg@10"}, reverse=True)
     lines = ["| run | " + " | ".join(f"NDCG@10 @{d}" for d in dims) + " | train s |", "|---" * (len(dims) + 2) + "|"]
     for name in names:

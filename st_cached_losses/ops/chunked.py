@@ -193,7 +193,7 @@ class _Sweep:
                 dim = spec.dims[k]
                 row_grad = self.grads[t.row_key][t.row_slice, :dim]
                 row_grad.addcmul_(t.rows[:, :dim], (row_terms * t.row_inv[k] ** 2)[:, None], value=-1.0)
-                self.col_norm_terms[col_key][k] += col_terms[: self.sources[col_key].shape[0]]  # banked: none
+                self.col_norm_terms[col_key][k] += col_terms
             t.band_gradients(k, self.grads[t.row_key][t.row_slice], self.grads[col_key])
 
     def result(self) -> InfoNCEResult:
@@ -343,7 +343,8 @@ class _TileDirection:
             return None
         product = self._dots(k).mul_(grad)  # the dot buffer is not needed any more
         row_terms = torch.mv(product, col_inv)
-        col_terms = torch.mv(product.T, self._ones(product.shape[0])).mul_(col_inv)  # gemv beats sum(0)
+        width = self.cols.shape[0]  # the banked columns after them take no gradient: no column terms
+        col_terms = torch.mv(product[:, :width].T, self._ones(product.shape[0])).mul_(col_inv[:width])  # gemv > sum(0)
         if k == 0:
             grad.mul_(col_inv[None, :])
         else:
@@ -380,8 +381,9 @@ def _inverse_prefix_norms(x: Tensor, spec: InfoNCESpec) -> Tensor:
     """(K, rows) 1 / max(||x[:, :d_k]||, eps), as F.normalize divides; ones for dot similarity."""
     if not spec.cosine:
         return torch.ones(len(spec.dims), x.shape[0], dtype=x.dtype, device=x.device)
-    squares = torch.stack([x[:, :dim].pow(2).sum(dim=1) for dim in spec.dims])
-    return squares.sqrt().clamp_min(NORM_EPS).reciprocal()
+    # vector_norm reduces without a (rows, d) temporary of squares: a memory bank's rows are many.
+    norms = torch.stack([torch.linalg.vector_norm(x[:, :dim], dim=1) for dim in spec.dims])
+    return norms.clamp_min(NORM_EPS).reciprocal()
 
 
 def _penalty_plan(direction: Direction, spec: InfoNCESpec) -> tuple[float, list[float] | None]:
