@@ -368,3 +368,15 @@ def test_the_scored_pairs_are_views_of_the_ring_unless_an_age_limit_wraps_them()
     for step in range(3):
         full.end_step(pairs(step))
     assert full.size == 6 and shares(full)
+
+
+def test_a_step_whose_embeddings_are_not_finite_banks_nothing():
+    """Under fp16 a diverged step's NaN embeddings reach the loss (the gradient scaler skips the step); banked, they
+    would make every later step NaN."""
+    from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank
+
+    bank, docs = MemoryBank(8), torch.zeros(2, 1, 4)
+    ids = torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    bank.end_step(BankedPairs(docs, *ids))
+    bank.end_step(BankedPairs(docs.clone().fill_(float("nan")), *ids))
+    assert bank.step == 2 and bank.size == 2 and torch.isfinite(bank.candidates().docs).all()

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..ops.infonce import all_finite
+
 __all__ = ["BankedPairs", "MemoryBank", "check_memory_options"]
 
 
@@ -198,8 +200,10 @@ class MemoryBank(nn.Module):
         return BankedPairs(*(None if (t := getattr(self, name)) is None else t[index] for name in fields))
 
     def end_step(self, pairs: BankedPairs | None) -> None:
-        """After a training step's loss: bank its ``pairs`` (none during the warm-up) and count the step."""
-        if pairs is not None and self.step >= self.warmup_steps:
+        """After a training step's loss: bank its ``pairs`` (none during the warm-up, and none of a step whose
+        embeddings are not finite: an fp16 step the gradient scaler skips must not poison the bank) and count the
+        step."""
+        if pairs is not None and self.step >= self.warmup_steps and all_finite(pairs.docs):
             self._enqueue(pairs)
         self.step += 1
 

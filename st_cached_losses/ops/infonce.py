@@ -21,7 +21,7 @@ from .memory import check_memory
 from .result import InfoNCEResult
 from .spec import InfoNCESpec
 
-__all__ = ["NONFINITE_POLICIES", "matryoshka_infonce"]
+__all__ = ["NONFINITE_POLICIES", "all_finite", "matryoshka_infonce"]
 
 NONFINITE_POLICIES = ("auto", "raise", "propagate")
 
@@ -290,8 +290,15 @@ def _triton_host():
 
 
 def _first_nonfinite(**tensors: Tensor | None) -> str | None:
-    """The name of the first tensor holding NaN or Inf, or None."""
-    return next((name for name, t in tensors.items() if t is not None and not bool(torch.isfinite(t).all())), None)
+    """The name of the first tensor holding NaN or Inf, or None. By its max and min (both propagate NaN): two
+    reductions, where ``isfinite`` would allocate an absolute value and masks of the tensor's size (a memory bank's
+    rows are many)."""
+    return next((name for name, t in tensors.items() if t is not None and not all_finite(t)), None)
+
+
+def all_finite(t: Tensor) -> bool:
+    """No NaN or Inf in ``t``, by its max and min (both propagate NaN): no temporaries of its size."""
+    return t.numel() == 0 or bool(torch.isfinite(t.amax()) & torch.isfinite(t.amin()))
 
 
 def _propagates_nonfinite(policy: str, queries: Tensor) -> bool:
