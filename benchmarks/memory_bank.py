@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.profiling import peak_tensor_bytes, summarize, time_call
-from benchmarks.report import RESULTS, plot, read_csv, values, write_csv
+from benchmarks.report import RESULTS, read_csv, style, values, write_csv
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops.chunked import DEFAULT_TILE_BYTES
 
@@ -103,11 +103,7 @@ def loss_stage_table(records: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for batch in sorted({r["B"] for r in records}):
-        ks = sorted(
-            int(r["contender"].split("_K")[1])
-            for r in records
-            if r["B"] == batch and r["contender"].startswith("ours_") and r["metric"] == "seconds_median"
-        )
+        ks = _banks(records, batch, "ours")
         base_time, base_peak = value[("ours_K0", batch, "seconds_median")], value[("ours_K0", batch, "peak_bytes")]
         for k in ks:
             ours, peak = value[(f"ours_K{k}", batch, "seconds_median")], value[(f"ours_K{k}", batch, "peak_bytes")]
@@ -120,6 +116,43 @@ def loss_stage_table(records: list[dict]) -> str:
             )
     lines.append(f"\nOne tile: {DEFAULT_TILE_BYTES / 2**20:.0f} MiB (the chunked backend's budget).")
     return "\n".join(lines)
+
+
+def plot_loss_stage(records: list[dict], path: Path) -> None:
+    """Seconds and peak MiB against the bank's size K, a line per contender and batch size, and the time target
+    (K = 0's time x (B + K) / B) dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    value = values(records)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for batch, dashes in zip(sorted({r["B"] for r in records}), ("-", "--")):
+        for name in ("ours", "dense"):
+            banks = _banks(records, batch, name)
+            for ax, metric, divisor in ((axes[0], "seconds_median", 1), (axes[1], "peak_bytes", 2**20)):
+                points = [(k, value[(f"{name}_K{k}", batch, metric)] / divisor) for k in banks]
+                ax.plot(*zip(*points), dashes, label=f"{name} B={batch}", **style(name))
+        base, banks = value[("ours_K0", batch, "seconds_median")], _banks(records, batch, "ours")
+        axes[0].plot(banks, [base * (batch + k) / batch for k in banks], ":", color="gray", label=f"target B={batch}")
+    for ax, label in zip(axes, ("seconds", "peak MiB (above the inputs)")):
+        ax.set_xscale("symlog", linthresh=1024)
+        ax.set_yscale("log")
+        ax.set(xlabel="banked documents K", ylabel=label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("the loss stage with a memory bank (D = 384, 5 dims)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _banks(records: list[dict], batch: int, name: str) -> list[int]:
+    """The bank sizes K timed for ``name`` at ``batch``."""
+    prefix = f"{name}_K"
+    timed = {r["contender"] for r in records if r["B"] == batch and r["metric"] == "seconds_median"}
+    return sorted(int(c.removeprefix(prefix)) for c in timed if c.startswith(prefix))
 
 
 def step(batch: int, bank: int, rounds: int, model_name: str = "minilm") -> list[tuple]:
@@ -269,11 +302,7 @@ def main(argv=None) -> None:
         write_csv(rows, args.out / "memory_bank_loss_stage.csv")
         records = read_csv(args.out / "memory_bank_loss_stage.csv")
         (args.out / "memory_bank_loss_stage.md").write_text(loss_stage_table(records) + "\n")
-        plot(
-            [r for r in records if r["contender"] != "inputs"],
-            args.out / "memory_bank_loss_stage.png",
-            "loss stage with a bank of K",
-        )
+        plot_loss_stage(records, args.out / "memory_bank_loss_stage.png")
         print(loss_stage_table(records))
     if "step" in args.parts:
         write_csv(step(64, args.step_bank, args.rounds, args.model), args.out / "memory_bank_step.csv")
