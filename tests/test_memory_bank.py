@@ -380,3 +380,16 @@ def test_a_step_whose_embeddings_are_not_finite_banks_nothing():
     bank.end_step(BankedPairs(docs, *ids))
     bank.end_step(BankedPairs(docs.clone().fill_(float("nan")), *ids))
     assert bank.step == 2 and bank.size == 2 and torch.isfinite(bank.candidates().docs).all()
+
+
+def test_the_model_card_names_the_bank_and_its_papers(model):
+    loss_fn = _loss(model, 64, memory_warmup_steps=2, dual_memory=True)
+    config = loss_fn.get_config_dict()
+    assert {key: config[key] for key in ("memory_size", "memory_warmup_steps", "memory_max_age", "dual_memory")} == {
+        "memory_size": 64,
+        "memory_warmup_steps": 2,
+        "memory_max_age": None,
+        "dual_memory": True,
+    }
+    assert "1912.06798" in loss_fn.citation and "2406.12356" in loss_fn.citation
+    assert "memory_size" not in _loss(model, 0).get_config_dict() and "1912.06798" not in _loss(model, 0).citation
