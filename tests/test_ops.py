@@ -1,6 +1,9 @@
-"""The chunked backend against the dense reference (loss, per-row LSE, dQ, dC), and the op's input checks."""
+"""The chunked backend against the dense reference (loss, per-row LSE, dQ, dC), with and without a memory bank, and
+the op's input checks."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ import torch
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops import InfoNCESpec, run_backend
 from st_cached_losses.ops.chunked import default_tile_rows as tile_rows
+from st_cached_losses.ops.memory import Memory
 from tests.helpers import ALL_DIRECTIONS
 
 OPTIONS = {
@@ -54,14 +58,20 @@ def _spec(queries, docs, world_q, dims, weights=None, offset=0, similarity="cosi
     )
 
 
-def _compare(batch, world, num_docs, dim, dims, offset, chunk_size, options, weights=None, rtol=1e-5, seed=0):
-    world_q, docs = _inputs(
-        batch, world, num_docs, dim, seed=seed, spread=0.3 if options.get("similarity") == "dot" else 1.0
-    )
+def _compare(
+    batch, world, num_docs, dim, dims, offset, chunk_size, options, weights=None, rtol=1e-5, seed=0, memory_rows=0
+):
+    """Chunked against dense on random inputs; ``memory_rows``: banked documents scored after the docs."""
+    spread = 0.3 if options.get("similarity") == "dot" else 1.0
+    world_q, docs = _inputs(batch, world, num_docs, dim, seed=seed, spread=spread)
     queries = world_q[offset : offset + batch]
     spec = _spec(queries, docs, world_q, dims, weights, offset, **dict(options))
-    truth = run_backend("dense", queries, docs, world_q, spec, need_grad=True)
-    tiled = run_backend("chunked", queries, docs, world_q, spec, need_grad=True, chunk_size=chunk_size)
+    memory = None
+    if memory_rows:
+        memory = Memory(_inputs(0, memory_rows, 0, dim, seed=seed + 1, spread=spread)[0])
+        spec = dataclasses.replace(spec, num_memory=memory_rows)
+    truth = run_backend("dense", queries, docs, world_q, spec, need_grad=True, memory=memory)
+    tiled = run_backend("chunked", queries, docs, world_q, spec, need_grad=True, chunk_size=chunk_size, memory=memory)
     torch.testing.assert_close(tiled.per_dim, truth.per_dim, rtol=rtol, atol=0)
     torch.testing.assert_close(tiled.lse, truth.lse, rtol=rtol, atol=rtol)
     for got, want in zip(tiled.grads, truth.grads):
@@ -83,6 +93,53 @@ def test_chunked_matches_reference_ragged(options):
         options=options,
         weights=[1.0, 0.3, 2.0, 0.5],
     )
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+def test_chunked_matches_reference_with_a_memory_bank_ragged(options):
+    """The ragged shapes above with 301 banked documents: columns after the docs' in every 64-row tile; loss, LSE,
+    dQ and dC (the bank takes no gradient)."""
+    _compare(
+        batch=255,
+        world=507,
+        num_docs=507,
+        dim=123,
+        dims=[123, 100, 48, 7],
+        offset=100,
+        chunk_size=64,
+        options=options,
+        weights=[1.0, 0.3, 2.0, 0.5],
+        memory_rows=301,
+    )
+
+
+@pytest.mark.parametrize("options", [OPTIONS["default"], OPTIONS["dot"], OPTIONS["large_scale_row_max_shift"]])
+@pytest.mark.parametrize("backend", ["dense", "chunked"])
+def test_a_banked_document_scores_as_a_hard_negative_column_would(options, backend):
+    """Independent of how either backend handles a bank: for query_to_doc without a hardness penalty every document
+    is a candidate of every row, so a bank of 2 x B documents gives the loss, LSE and dQ of the same documents passed
+    as two hard-negative columns, and dC of the batch's documents unchanged."""
+    spread = 0.3 if options.get("similarity") == "dot" else 1.0
+    queries, docs = _inputs(37, 37, 3 * 37, 48, seed=5, spread=spread)
+    positives, banked = docs[:37], docs[37:]
+    spec = _spec(queries, positives, queries, [48, 16, 4], **dict(options))
+    with_bank = run_backend(
+        backend,
+        queries,
+        positives,
+        queries,
+        dataclasses.replace(spec, num_memory=banked.shape[0]),
+        need_grad=True,
+        chunk_size=7,
+        memory=Memory(banked),
+    )
+    as_columns = run_backend(
+        backend, queries, docs, queries, _spec(queries, docs, queries, [48, 16, 4], **dict(options)), True, 7
+    )
+    torch.testing.assert_close(with_bank.per_dim, as_columns.per_dim, rtol=1e-5, atol=0)
+    torch.testing.assert_close(with_bank.lse, as_columns.lse, rtol=1e-5, atol=1e-5)
+    for got, want in ((with_bank.grads[0], as_columns.grads[0]), (with_bank.grads[1], as_columns.grads[1][:37])):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize(
