@@ -6,7 +6,9 @@ scores them as extra negatives. For the op they are more columns of the directio
 batch's columns do (the Matryoshka prefixes, re-normalised; the hardness penalty, as other rows' documents; the
 false-negative filter, with the guide's embeddings of the banked texts or, self-guided, the banked embeddings
 themselves; the duplicate mask, with the banked texts' ids and the (query, positive) pairs the bank answered), but
-receive no gradient: the backends skip their column gradients, and never copy them next to the batch's.
+receive no gradient: the backends skip their column gradients, and never copy them next to the batch's (the
+false-negative filter aside: it scores unit vectors of every column, banked ones included, so it holds a (M + Km)
+copy with a filter on).
 """
 
 from __future__ import annotations
