@@ -132,11 +132,7 @@ def launch_lse(x: Operand, y: Operand, dims: Tensor, lse: Tensor, spec, directio
             *_scalars(spec),
             *ids,
             **consts,
-            BM=cfg.block_rows,
-            BN=cfg.block_cols,
-            BD=cfg.block_d,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            **cfg.launch_options,
         )
 
     key = _tune_key("lse", x, y, consts, x.x.dtype)
@@ -172,11 +168,7 @@ def launch_grads(x: Operand, y: Operand, dims, weights, nrm2, spec, direction, t
             nrm2,
             *scalars,
             **consts,
-            BM=cfg.block_rows,
-            BN=cfg.block_cols,
-            BD=cfg.block_d,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            **cfg.launch_options,
         )
 
     def launch_cols(cfg: TileConfig, outputs):
@@ -198,11 +190,7 @@ def launch_grads(x: Operand, y: Operand, dims, weights, nrm2, spec, direction, t
             nrm2,
             *scalars,
             **consts,
-            BM=cfg.block_rows,
-            BN=cfg.block_cols,
-            BD=cfg.block_d,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            **cfg.launch_options,
         )
 
     used = {}

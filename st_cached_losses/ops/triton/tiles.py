@@ -50,6 +50,17 @@ class TileConfig:
         """e.g. "64x64x32 w8 s2": rows x columns x features per step, warps, stages."""
         return f"{self.block_rows}x{self.block_cols}x{self.block_d} w{self.num_warps} s{self.num_stages}"
 
+    @property
+    def launch_options(self) -> dict[str, int]:
+        """The kernels' tile constants (BM, BN, BD) and Triton's launch options: ``kernel[grid](..., **these)``."""
+        return {
+            "BM": self.block_rows,
+            "BN": self.block_cols,
+            "BD": self.block_d,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
 
 # Candidates the tuner times. Checked with compile_kernels + ptxas -v for sm_90, K = 3, 5 and 8:
 # 64 x 64 with 8 warps compiles without register spills (32 features per step for bf16/fp16/TF32,
