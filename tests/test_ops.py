@@ -79,9 +79,11 @@ def _compare(
         torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("memory_rows", [0, 301], ids=["no_bank", "bank"])
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
-def test_chunked_matches_reference_ragged(options):
-    """Ragged shapes: B=255 local rows at offset 100 of a 507-row world, M=507, D=123, 64-row tiles."""
+def test_chunked_matches_reference_ragged(options, memory_rows):
+    """Ragged shapes: B=255 local rows at offset 100 of a 507-row world, M=507, D=123, 64-row tiles; without and with
+    301 banked documents (columns after the docs' in every tile, taking no gradient)."""
     _compare(
         batch=255,
         world=507,
@@ -92,24 +94,7 @@ def test_chunked_matches_reference_ragged(options):
         chunk_size=64,
         options=options,
         weights=[1.0, 0.3, 2.0, 0.5],
-    )
-
-
-@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
-def test_chunked_matches_reference_with_a_memory_bank_ragged(options):
-    """The ragged shapes above with 301 banked documents: columns after the docs' in every 64-row tile; loss, LSE,
-    dQ and dC (the bank takes no gradient)."""
-    _compare(
-        batch=255,
-        world=507,
-        num_docs=507,
-        dim=123,
-        dims=[123, 100, 48, 7],
-        offset=100,
-        chunk_size=64,
-        options=options,
-        weights=[1.0, 0.3, 2.0, 0.5],
-        memory_rows=301,
+        memory_rows=memory_rows,
     )
 
 
