@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING
 # tokenizer of the tiny models below.
 from .cli.options import default_model_path as minilm_path
 
-if TYPE_CHECKING:  # the builders import Hugging Face's libraries when called: local_rank_setup runs before them
-    from sentence_transformers import SentenceTransformer
+# The builders import Hugging Face's libraries when called (local_rank_setup runs before them), SentenceTransformer
+# from its own module: a test may patch the package's name to build these models in its place.
+if TYPE_CHECKING:
+    from sentence_transformers.sentence_transformer.model import SentenceTransformer
 
 
 def tiny_sentence_transformer(
@@ -23,7 +25,7 @@ def tiny_sentence_transformer(
 ) -> SentenceTransformer:
     """A randomly initialised BERT (mean pooling) with MiniLM's tokenizer; embedding dim = hidden_size."""
     import torch
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.model import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     from transformers import AutoTokenizer, BertConfig, BertModel
 
@@ -53,7 +55,7 @@ def tiny_decoder_sentence_transformer(
     """A randomly initialised Qwen3 (causal attention, rotary positions) with last-token pooling and MiniLM's
     tokenizer set to pad on the left, as decoder embedding models (Qwen3-Embedding, e5-mistral) are set up."""
     import torch
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.model import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
 
@@ -96,7 +98,7 @@ def tiny_clip_sentence_transformer(
     [SEP]) and a CLIP image processor that resizes and crops to ``image_size`` pixels; ``dropout`` is attention
     dropout, CLIP's only dropout."""
     import torch
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.model import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Transformer
     from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
 
