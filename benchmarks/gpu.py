@@ -217,7 +217,7 @@ def _contender(name: str, q, c, dims, mini_batch: int, stand_in: bool):
 
     def ours():
         queries, docs = q.detach().requires_grad_(), c.detach().requires_grad_()
-        matryoshka_infonce(queries, docs, dims=list(dims), backend=backend).backward()
+        matryoshka_infonce(queries, docs, dims=list(dims), backend=backend).loss.backward()
 
     return ours
 

@@ -83,7 +83,7 @@ def _ours(q, c, dims, backend: str, options: dict):
 
     def run():
         queries, docs = q.detach().requires_grad_(), c.detach().requires_grad_()
-        loss = matryoshka_infonce(queries, docs, dims=dims, backend=backend, **options)
+        loss = matryoshka_infonce(queries, docs, dims=dims, backend=backend, **options).loss
         loss.backward()
         return loss
 
@@ -161,7 +161,7 @@ def mask_contest(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=5, device
                 f"{peak / 2**20:8.2f} MiB",
                 flush=True,
             )
-        share = matryoshka_infonce(q, c, dims=dims, return_masked_share=True, **ids)[1]
+        share = matryoshka_infonce(q, c, dims=dims, **ids).masked_share
         rows.append(("chunked_mask_duplicates", batch, "masked_share", float(share)))
     return rows
 
@@ -286,7 +286,7 @@ def crossover(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=15):
 
             def fn(backend=backend, q=q, c=c):
                 qq, cc = q.clone().requires_grad_(), c.clone().requires_grad_()
-                matryoshka_infonce(qq, cc, dims=list(dims), backend=backend).backward()
+                matryoshka_infonce(qq, cc, dims=list(dims), backend=backend).loss.backward()
 
             median = summarize(time_call(fn, repeats=repeats, warmup=2))["median"]
             rows.append((backend, batch, "seconds_median", median))

@@ -199,7 +199,7 @@ def benchmark(
 
         def step(backend=backend):
             q, c = queries.detach().requires_grad_(), docs.detach().requires_grad_()
-            loss = matryoshka_infonce(q, c, dims=list(dims), directions=directions, backend=backend)
+            loss = matryoshka_infonce(q, c, dims=list(dims), directions=directions, backend=backend).loss
             loss.backward()
             return loss.detach()
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .ops import matryoshka_infonce
+from .ops import InfoNCEOutput, matryoshka_infonce
 
 __all__ = [
     "CachedAdaptiveLayerLoss",
     "CachedLossCallback",
     "CachedMatryoshka2dLoss",
     "CachedMatryoshkaLoss",
+    "InfoNCEOutput",
     "__version__",
     "matryoshka_infonce",
     "truncate_layers",

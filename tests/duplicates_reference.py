@@ -178,17 +178,17 @@ def run_op(queries, docs, world, anchor_ids, doc_ids, offset=0, ids=True, **opti
         world_ids = torch.tensor(anchor_ids)
         id_options = dict(query_ids=world_ids[offset : offset + batch], doc_ids=torch.tensor(doc_ids))
         id_options.update(world_query_ids=world_ids if gathered else None)
-    loss, share = matryoshka_infonce(
+    out = matryoshka_infonce(
         leaves[0],
         leaves[1],
         dims=DIMS,
         weights=WEIGHTS,
         offset=offset,
         world_queries=leaves[2] if gathered else None,
-        return_masked_share=True,
         **id_options,
         **options,
     )
+    loss, share = out.loss, out.masked_share
     loss.backward()
     return (loss.detach(), share, *(leaf.grad for leaf in leaves))
 

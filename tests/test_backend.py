@@ -26,7 +26,7 @@ def _pairs(batch=6, dim=8, seed=0, dtype=torch.float32, negatives=0):
 def _op_loss_and_grads(queries, docs, **options):
     """(loss, d queries, d docs) of matryoshka_infonce on fresh leaves (dims: the full one and 4 unless given)."""
     q, c = queries.detach().clone().requires_grad_(), docs.detach().clone().requires_grad_()
-    loss = matryoshka_infonce(q, c, **{"dims": [queries.shape[1], 4], **options})
+    loss = matryoshka_infonce(q, c, **{"dims": [queries.shape[1], 4], **options}).loss
     loss.backward()
     return loss.detach(), q.grad, c.grad
 
@@ -179,7 +179,8 @@ def test_nonfinite_embeddings_propagate_under_fp16(how):
     q, c = _with_nan(queries).requires_grad_(), docs.clone().requires_grad_()
     options = {"nonfinite": "propagate"} if how == "explicit" else {}
     with torch.autocast("cpu", dtype=torch.float16, enabled=how == "fp16_autocast"):
-        loss, per_dim = matryoshka_infonce(q, c, dims=[8, 4], return_per_dim=True, **options)
+        out = matryoshka_infonce(q, c, dims=[8, 4], **options)
+    loss, per_dim = out.loss, out.per_dim
     loss.backward()
     assert torch.isnan(loss) and torch.isnan(per_dim).all()
     assert torch.isnan(q.grad).all() and torch.isnan(c.grad).all() and q.grad.dtype == q.dtype
@@ -192,7 +193,7 @@ def test_gradient_scaler_skips_a_step_with_nonfinite_embeddings():
     before = linear.weight.detach().clone()
     queries, docs = _pairs()
     with torch.autocast("cpu", dtype=torch.float16):
-        loss = matryoshka_infonce(linear(_with_nan(queries)), linear(docs), dims=[8, 4])
+        loss = matryoshka_infonce(linear(_with_nan(queries)), linear(docs), dims=[8, 4]).loss
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
@@ -230,7 +231,7 @@ def test_a_row_whose_only_candidate_is_its_positive_has_exactly_zero_loss_and_gr
 def test_a_pair_that_doc_to_query_sees_twice_is_not_single_candidate():
     """With a joint partition, doc_to_query adds the positive again: the loss is log 2, not 0."""
     queries, docs = _pairs(batch=1, dim=16, seed=7)
-    loss = matryoshka_infonce(queries, docs, dims=[16], directions=("query_to_doc", "doc_to_query"))
+    loss = matryoshka_infonce(queries, docs, dims=[16], directions=("query_to_doc", "doc_to_query")).loss
     assert loss.item() == pytest.approx(torch.log(torch.tensor(2.0)).item(), rel=1e-6)
 
 

@@ -119,7 +119,7 @@ def test_self_guided_matches_the_loss_without_gradient_caching(strategy, margin)
         backend="dense",
         false_negative_margin=margin,
         false_negative_strategy=strategy,
-    )
+    ).loss
     want.backward()
     want_grads = parameter_grads(model)
     assert loss == pytest.approx(float(want), rel=1e-5)

@@ -145,7 +145,7 @@ def test_self_guided_matches_the_definition(case, backend):
         world_queries=w if gathered else None,
         false_negative_margin=case["margin"],
         false_negative_strategy=case["strategy"],
-    )
+    ).loss
     loss.backward()
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
     grads = (q.grad, c.grad, w.grad) if gathered else (q.grad, c.grad)
@@ -169,12 +169,13 @@ def test_a_row_left_with_only_its_positive():
         want_rows.append(float(value))
     assert want_rows[0] == 0.0 and all(v > 0 for v in want_rows[1:])
     for backend in ("chunked", "dense"):
-        loss, share = matryoshka_infonce(queries, docs, backend=backend, return_masked_share=True, **spec_options)
+        out = matryoshka_infonce(queries, docs, backend=backend, **spec_options)
+        loss, share = out.loss, out.masked_share
         assert float(loss) == pytest.approx(sum(want_rows) / 8, rel=1e-5)
         assert float(share) >= 7 / (8 * 7)
         # Row 0 alone (as a gathered rank of one row): its softmax holds one candidate, so exactly 0 and 0.
         q0, c = queries[:1].clone().requires_grad_(), docs.clone().requires_grad_()
-        row0 = matryoshka_infonce(q0, c, world_queries=queries, backend=backend, **spec_options)
+        row0 = matryoshka_infonce(q0, c, world_queries=queries, backend=backend, **spec_options).loss
         row0.backward()
         assert row0.item() == 0.0 and not q0.grad.any() and not c.grad.any()
 
@@ -203,8 +204,8 @@ def test_a_duplicate_text_is_dropped():
 
     dropped = Guide.build(queries, docs, queries, spec, None, torch.float32).dropped(spec, 0, 8)["query_to_doc"]
     assert dropped[3, 5] and not dropped[5, 5] and not dropped[3, 3]
-    filtered = matryoshka_infonce(queries, docs, dims=[16], false_negative_margin=0.05)
-    unfiltered = matryoshka_infonce(queries, docs, dims=[16])
+    filtered = matryoshka_infonce(queries, docs, dims=[16], false_negative_margin=0.05).loss
+    unfiltered = matryoshka_infonce(queries, docs, dims=[16]).loss
     assert float(filtered) < float(unfiltered)
 
 
@@ -221,15 +222,14 @@ def test_chunked_matches_dense_on_ragged_tiles():
         hardness_strength=3.0,
         false_negative_margin=0.1,
         false_negative_strategy="relative",
-        return_per_dim=True,
-        return_masked_share=True,
     )
     results = {}
     for backend, chunk in (("dense", None), ("chunked", 7), ("chunked", 1)):
         leaves = [t.clone().requires_grad_() for t in (queries, docs, world_q)]
-        loss, per_dim, share = matryoshka_infonce(
+        out = matryoshka_infonce(
             leaves[0], leaves[1], backend=backend, chunk_size=chunk, **{**options, "world_queries": leaves[2]}
         )
+        loss, per_dim, share = out.loss, out.per_dim, out.masked_share
         loss.backward()
         results[(backend, chunk)] = (loss, per_dim, share, *(leaf.grad for leaf in leaves))
     want = results[("dense", None)]
@@ -299,7 +299,7 @@ def test_guided_matches_stock_matryoshka_cached_gist(gist_models, case, mini_bat
         + ("positive_to_positive",) * case["contrast_positives"]
     )
     q, c = reps[0].clone().requires_grad_(), torch.cat(reps[1:]).clone().requires_grad_()
-    loss, share = matryoshka_infonce(
+    out = matryoshka_infonce(
         q,
         c,
         dims=dims,
@@ -310,8 +310,8 @@ def test_guided_matches_stock_matryoshka_cached_gist(gist_models, case, mini_bat
         guide_docs=torch.cat(guided[1:]),
         false_negative_margin=case["margin"],
         false_negative_strategy=case["margin_strategy"],
-        return_masked_share=True,
     )
+    loss, share = out.loss, out.masked_share
     loss.backward()
     assert float(share) > 0
     torch.testing.assert_close(loss, want.detach(), rtol=1e-4, atol=0)
@@ -379,4 +379,4 @@ def test_bad_input(options, error, message):
 def test_margins_of_either_sign_and_zero_are_valid():
     queries, docs = _embeddings(6, 8)
     for margin in (-0.3, 0.0, 0.3):
-        assert torch.isfinite(matryoshka_infonce(queries, docs, dims=[8], false_negative_margin=margin))
+        assert torch.isfinite(matryoshka_infonce(queries, docs, dims=[8], false_negative_margin=margin).loss)

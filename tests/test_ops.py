@@ -148,28 +148,28 @@ def test_public_op_backends_agree_and_per_dim_order():
     for backend in ("dense", "chunked"):
         q = world_q.clone().requires_grad_()
         c = docs.clone().requires_grad_()
-        loss, per_dim = matryoshka_infonce(
-            q, c, dims=[8, 32, 16], weights=[0.5, 1.0, 2.0], backend=backend, return_per_dim=True, chunk_size=9
-        )
-        (3.0 * loss).backward()  # grad_output scaling must reach the gradients
-        results[backend] = (loss.detach(), per_dim, q.grad, c.grad)
+        out = matryoshka_infonce(q, c, dims=[8, 32, 16], weights=[0.5, 1.0, 2.0], backend=backend, chunk_size=9)
+        assert out.lse.shape == (3, 1, 40) and out.masked_share is None  # no mask: no share
+        (3.0 * out.loss).backward()  # grad_output scaling must reach the gradients
+        results[backend] = (out.loss.detach(), out.per_dim, out.lse, q.grad, c.grad)
     for got, want in zip(results["chunked"], results["dense"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    loss, per_dim = results["dense"][:2]
-    # per_dim follows the caller's dims order: [8, 32, 16] with weights [0.5, 1, 2].
+    loss, per_dim, lse = results["dense"][:3]
+    # per_dim and lse follow the caller's dims order: [8, 32, 16] with weights [0.5, 1, 2].
     torch.testing.assert_close(loss, 0.5 * per_dim[0] + per_dim[1] + 2.0 * per_dim[2])
     single = matryoshka_infonce(world_q, docs, dims=[8], backend="dense")
-    torch.testing.assert_close(per_dim[0], single)
+    torch.testing.assert_close(per_dim[0], single.loss)
+    torch.testing.assert_close(lse[0], single.lse[0])
 
 
 def test_no_grad_forward_matches_and_skips_gradients():
     world_q, docs = _inputs(30, 30, 30, 16)
     with torch.no_grad():
-        value = matryoshka_infonce(world_q, docs, dims=[16, 4], backend="chunked", chunk_size=8)
+        value = matryoshka_infonce(world_q, docs, dims=[16, 4], backend="chunked", chunk_size=8).loss
     spec = _spec(world_q, docs, world_q, [16, 4])
     result = run_backend("chunked", world_q, docs, world_q, spec, need_grad=False, chunk_size=8)
     assert result.grads is None
-    torch.testing.assert_close(value, matryoshka_infonce(world_q, docs, dims=[16, 4], backend="dense"))
+    torch.testing.assert_close(value, matryoshka_infonce(world_q, docs, dims=[16, 4], backend="dense").loss)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -179,10 +179,10 @@ def test_low_precision_inputs_against_fp32_truth(dtype):
     world_q, docs = _inputs(64, 64, 128, 40, seed=4)
     q_low, c_low = world_q.to(dtype), docs.to(dtype)
     q_low.requires_grad_(), c_low.requires_grad_()
-    loss = matryoshka_infonce(q_low, c_low, dims=[40, 20], backend="chunked", chunk_size=16)
+    loss = matryoshka_infonce(q_low, c_low, dims=[40, 20], backend="chunked", chunk_size=16).loss
     loss.backward()
     q32, c32 = q_low.detach().float().requires_grad_(), c_low.detach().float().requires_grad_()
-    truth = matryoshka_infonce(q32, c32, dims=[40, 20], backend="dense")
+    truth = matryoshka_infonce(q32, c32, dims=[40, 20], backend="dense").loss
     truth.backward()
     assert loss.dtype == torch.float32 and q_low.grad.dtype == dtype
     torch.testing.assert_close(loss, truth, rtol=1e-5, atol=0)
@@ -284,7 +284,7 @@ def test_more_than_2_pow_31_logits_matches_float64():
     batch, dim, dims = 46400, 8, [8, 4]
     assert batch * batch > 2**31
     world_q, docs = _inputs(batch, batch, batch, dim, seed=5)
-    loss = matryoshka_infonce(world_q, docs, dims=dims, backend="chunked")
+    loss = matryoshka_infonce(world_q, docs, dims=dims, backend="chunked").loss
     truth = _float64_truth_by_row_blocks(world_q, docs, dims, block=2048)
     assert float(loss) == pytest.approx(float(truth), rel=1e-5)
 
@@ -298,7 +298,7 @@ def test_chunked_peak_memory_is_gradients_plus_one_tile():
     dims, rows = [96, 64, 32], 32
 
     def step():
-        matryoshka_infonce(q, c, dims=dims, backend="chunked", chunk_size=rows).backward()
+        matryoshka_infonce(q, c, dims=dims, backend="chunked", chunk_size=rows).loss.backward()
 
     _, peak = peak_tensor_bytes(step)
     embeddings = 2 * 1024 * 96 * 4
@@ -307,13 +307,13 @@ def test_chunked_peak_memory_is_gradients_plus_one_tile():
     assert peak <= 1.5 * embeddings + tile
     # The dense reference holds whole B x M score matrices: the measurement can tell them apart.
     q.grad = c.grad = None
-    _, dense_peak = peak_tensor_bytes(lambda: matryoshka_infonce(q, c, dims=dims, backend="dense").backward())
+    _, dense_peak = peak_tensor_bytes(lambda: matryoshka_infonce(q, c, dims=dims, backend="dense").loss.backward())
     assert dense_peak > 1024 * 1024 * 4 * len(dims)
 
 
 def test_second_backward_is_a_clear_error():
     world_q, docs = _inputs(8, 8, 8, 8)
-    loss = matryoshka_infonce(world_q.requires_grad_(), docs, dims=[8], backend="chunked")
+    loss = matryoshka_infonce(world_q.requires_grad_(), docs, dims=[8], backend="chunked").loss
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="call the op again"):
         loss.backward()

@@ -50,7 +50,7 @@ def _op(columns, batch, offset, dims, weights, backend, similarity="cosine", **c
         chunk_size=5,
         world_queries=world_q if gathered else None,
         **config,
-    )
+    ).loss
     loss.backward()
     d_world_q = world_q.grad if gathered else torch.zeros_like(columns[0])
     d_world_q[offset : offset + batch] += queries.grad

@@ -37,7 +37,7 @@ def test_the_library_works_without_the_cli_extra_or_triton():
         "from st_cached_losses import CachedMatryoshkaLoss, matryoshka_infonce\n"
         "import st_cached_losses.cli\n"
         "q, c = torch.randn(8, 16, requires_grad=True), torch.randn(8, 16, requires_grad=True)\n"
-        "matryoshka_infonce(q, c, dims=[16, 8]).backward()\n"
+        "matryoshka_infonce(q, c, dims=[16, 8]).loss.backward()\n"
         "assert c.grad is not None\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)

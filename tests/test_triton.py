@@ -190,19 +190,18 @@ def test_public_op_backward(gathered):
         q = world_q[offset : offset + batch].clone().requires_grad_()
         wq = world_q.clone().requires_grad_()
         c = docs.clone().requires_grad_()
-        loss, per_dim = matryoshka_infonce(
+        out = matryoshka_infonce(
             q,
             c,
             dims=[24, 48],
             weights=[2.0, 1.0],
             offset=offset,
             backend=backend,
-            return_per_dim=True,
             world_queries=wq if gathered else None,
             directions=("query_to_doc", "doc_to_query"),
         )
-        (3.0 * loss).backward()
-        results[backend] = (loss.detach(), per_dim, q.grad, c.grad, wq.grad)
+        (3.0 * out.loss).backward()
+        results[backend] = (out.loss.detach(), out.per_dim, out.lse, q.grad, c.grad, wq.grad)
     for got, want in zip(results["triton"], results["dense"]):
         if want is None:
             assert got is None
@@ -262,7 +261,7 @@ def test_too_many_dims_not_implemented():
     with pytest.raises(NotImplementedError, match="Matryoshka dims"):
         run_backend("triton", queries, docs, world, spec, need_grad=False)
     # "auto" routes it elsewhere (on CUDA too, since supports() is False).
-    assert torch.isfinite(matryoshka_infonce(queries, docs, dims=list(spec.dims), backend="auto"))
+    assert torch.isfinite(matryoshka_infonce(queries, docs, dims=list(spec.dims), backend="auto").loss)
 
 
 def test_benchmark_needs_cuda():

@@ -264,17 +264,11 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in step.dims]
         queries, docs, placement = step.gathered(columns[0], columns[1:])
         inputs = step_inputs(step, queries, docs, placement, self.memory, self.mask_duplicates)
-        loss, per_dim, masked_share = matryoshka_infonce(
-            dims=step.dims,
-            weights=weights,
-            return_per_dim=True,
-            return_masked_share=True,
-            **inputs,
-            **self.op_options(step),
-        )
-        for dim, weight, value in zip(step.dims, weights, per_dim):
+        out = matryoshka_infonce(dims=step.dims, weights=weights, **inputs, **self.op_options(step))
+        for dim, weight, value in zip(step.dims, weights, out.per_dim):
             step.components[f"loss_dim_{dim}"] = (weight * value).detach()
-        self.note_masked_share(step, masked_share)
+        self.note_masked_share(step, out.masked_share)
+        loss = out.loss
         if with_backward:
             loss.backward()
             loss = loss.detach()
@@ -285,7 +279,7 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         get = getattr(unwrapped(self.model), "get_embedding_dimension", None)
         return None if get is None else get()
 
-    def note_masked_share(self, step: Step, masked_share: Tensor) -> None:
+    def note_masked_share(self, step: Step, masked_share: Tensor | None) -> None:
         """Keep the share of candidates the false-negative filter and the duplicate mask removed this step (in
         ``step.masked_share`` and ``self.masked_share``; a training step's logged at INFO)."""
         filtered = self.guide is not None or self.false_negative_margin is not None

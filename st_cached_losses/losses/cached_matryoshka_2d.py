@@ -282,20 +282,13 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                 key: value[:, part] if key == "world_queries" else value for key, value in placement.items()
             }
             weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in draw.dims]
-            loss, per_dim, *masked_share = matryoshka_infonce(
-                queries[:, part],
-                docs[:, part],
-                dims=draw.dims,
-                weights=weights,
-                return_per_dim=True,
-                **layer_placement,
-                return_masked_share=self.mask_duplicates and not slot,
-                **options,
+            out = matryoshka_infonce(
+                queries[:, part], docs[:, part], dims=draw.dims, weights=weights, **layer_placement, **options
             )
-            if masked_share:  # the final layer's; the mask is the same in every layer
-                self.note_masked_share(step, masked_share[0])
-            total = total + draw.weight * loss
-            for dim, weight, value in zip(draw.dims, weights, per_dim):
+            if not slot and out.masked_share is not None:  # the final layer's; the mask is the same in every layer
+                self.note_masked_share(step, out.masked_share)
+            total = total + draw.weight * out.loss
+            for dim, weight, value in zip(draw.dims, weights, out.per_dim):
                 step.components[f"loss_layer_{draw.layer}_dim_{dim}"] = (draw.weight * weight * value).detach()
             if slot and self.kl_temperature > 0:
                 teacher = self._kl_teacher(columns, width) if teacher is None else teacher

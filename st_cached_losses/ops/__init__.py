@@ -22,13 +22,14 @@ from .backend import (
 )
 from .errors import TritonUnavailableError
 from .infonce import NONFINITE_POLICIES, matryoshka_infonce
-from .result import InfoNCEResult
+from .result import InfoNCEOutput, InfoNCEResult
 from .spec import InfoNCESpec
 
 __all__ = [
     "BACKENDS",
     "NONFINITE_POLICIES",
     "REGISTRY",
+    "InfoNCEOutput",
     "InfoNCEResult",
     "InfoNCESpec",
     "TritonUnavailableError",

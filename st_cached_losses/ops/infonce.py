@@ -18,7 +18,7 @@ from torch import Tensor
 from .backend import TritonUnavailableError, fall_back, note_choice, run_backend, select_backend
 from .duplicates import check_ids
 from .memory import check_memory
-from .result import InfoNCEResult
+from .result import InfoNCEOutput, InfoNCEResult
 from .spec import InfoNCESpec
 
 __all__ = ["NONFINITE_POLICIES", "all_finite", "matryoshka_infonce"]
@@ -41,14 +41,12 @@ def matryoshka_infonce(
     hardness_strength: float = 0.0,
     backend: str = "auto",
     chunk_size: int | None = None,
-    return_per_dim: bool = False,
     world_queries: Tensor | None = None,
     nonfinite: str = "auto",
     false_negative_margin: float | None = None,
     false_negative_strategy: str = "absolute",
     guide_queries: Tensor | None = None,
     guide_docs: Tensor | None = None,
-    return_masked_share: bool = False,
     query_ids: Tensor | None = None,
     doc_ids: Tensor | None = None,
     world_query_ids: Tensor | None = None,
@@ -56,7 +54,7 @@ def matryoshka_infonce(
     memory_doc_ids: Tensor | None = None,
     memory_pair_ids: Tensor | None = None,
     memory_guide_docs: Tensor | None = None,
-) -> Tensor | tuple[Tensor, ...]:
+) -> InfoNCEOutput:
     """In-batch InfoNCE (multiple negatives ranking) loss, summed over Matryoshka dims with weights.
 
     For each dim ``d`` the embeddings are truncated to their first ``d`` features (and, for cosine
@@ -88,7 +86,6 @@ def matryoshka_infonce(
             choice is logged once at INFO (``ops.choices()`` lists them).
         chunk_size: rows per row tile of the tiled backends (chunked: as given, default from a 64 MiB byte
             budget; Triton: rounded down to a power of two in [16, 256], default tuned).
-        return_per_dim: also return the (K,) unweighted loss per dim, in the order of ``dims`` (no grad).
         world_queries: (Bw, D) all queries of the gathered batch when ``queries`` are rows
             ``[offset, offset + B)`` of it (``gather_across_devices``); default ``queries``.
         nonfinite: what NaN or Inf in the embeddings do. "raise": a ValueError (in fp32 or bf16 training a
@@ -103,9 +100,6 @@ def matryoshka_infonce(
         false_negative_strategy: "absolute" or "relative".
         guide_queries, guide_docs: (B, Dg) and (M, Dg) embeddings of the same texts by a guide model, scored by
             cosine similarity (CachedGISTEmbedLoss's guide); the filter never holds a B x M matrix of them.
-        return_masked_share: also return the share of candidates the false-negative filter and the duplicate
-            mask removed, together (0-dim, no grad; 0 with neither): removed / candidates, where a row's candidates
-            are its columns in every direction less its partner and the columns the direction masks itself.
         query_ids, doc_ids, world_query_ids: turn the duplicate mask on (exact duplicates are not negatives). Each
             is a 1-D ``torch.int64`` tensor of text ids on the queries' device, one per embedding row, equal ids
             meaning the same text (the losses hash each row's token ids): ``query_ids`` (B,) of ``queries``;
@@ -136,8 +130,11 @@ def matryoshka_infonce(
     candidates the filter or the duplicate mask removed) has loss and gradient exactly 0.
 
     Returns:
-        The scalar loss (fp32; fp64 for fp64 inputs); with ``return_per_dim`` and/or ``return_masked_share``
-        the tuple ``(loss, per_dim, masked_share)`` without the ones not asked for.
+        :class:`~st_cached_losses.ops.result.InfoNCEOutput`: ``loss`` (0-dim, fp32; fp64 for fp64 inputs; the one
+        field with a gradient), ``per_dim`` (K,) the unweighted loss per dim in the order of ``dims``, ``lse``
+        (K, ndir, B) each row's logsumexp per dim and direction, and ``masked_share`` (the share of candidates the
+        false-negative filter and the duplicate mask removed together, where a row's candidates are its columns in
+        every direction less its partner and the columns the direction masks itself; None with neither).
 
     Raises:
         ValueError / TypeError: for bad shapes, dtypes, devices, NaN/Inf inputs (see ``nonfinite``), empty
@@ -158,8 +155,9 @@ def matryoshka_infonce(
 
             q = torch.randn(4096, 384, requires_grad=True)
             c = torch.randn(4096, 384, requires_grad=True)
-            loss = matryoshka_infonce(q, c, dims=[384, 256, 128, 64, 32])
-            loss.backward()
+            out = matryoshka_infonce(q, c, dims=[384, 256, 128, 64, 32])
+            out.loss.backward()
+            out.per_dim  # (5,) the loss of each dim, in the order of dims
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
@@ -210,11 +208,11 @@ def matryoshka_infonce(
     guide = None if guide_queries is None else (guide_queries, guide_docs)
     duplicates = (query_ids, doc_ids, world_query_ids) if spec.mask_duplicates else None
     with _autocast_off(queries.device):
-        loss, per_dim, masked_share = _MatryoshkaInfoNCE.apply(
+        loss, per_dim, lse, masked_share = _MatryoshkaInfoNCE.apply(
             queries, docs, world_queries, spec, name, reason, chunk_size, guide, duplicates, memory
         )
-    extra = [per_dim] * return_per_dim + [masked_share] * return_masked_share
-    return (loss, *extra) if extra else loss
+    masked = spec.false_negatives is not None or spec.mask_duplicates
+    return InfoNCEOutput(loss, per_dim, lse, masked_share if masked else None)
 
 
 def _run(
@@ -255,10 +253,10 @@ class _MatryoshkaInfoNCE(torch.autograd.Function):
         result = _run(name, reason, queries, docs, world, spec, need_grad, chunk_size, guide, duplicates, memory)
         weights = torch.tensor(spec.weights, dtype=result.per_dim.dtype, device=result.per_dim.device)
         loss = (weights * result.per_dim).sum()
-        per_dim = torch.empty_like(result.per_dim)
-        per_dim[list(spec.order)] = result.per_dim
+        per_dim, lse = torch.empty_like(result.per_dim), torch.empty_like(result.lse)
+        per_dim[list(spec.order)], lse[list(spec.order)] = result.per_dim, result.lse  # the caller's dims order
         masked_share = result.per_dim.new_zeros(()) if result.masked_share is None else result.masked_share
-        ctx.mark_non_differentiable(per_dim, masked_share)
+        ctx.mark_non_differentiable(per_dim, lse, masked_share)
         if need_grad:
             d_queries, d_docs, d_world = result.grads
             if world_queries is None:
@@ -269,11 +267,11 @@ class _MatryoshkaInfoNCE(torch.autograd.Function):
             # Held as plain attributes (not saved tensors) and handed over in backward, so autograd can
             # adopt them as .grad without a copy: peak memory stays at one set of gradients.
             ctx.grads = (d_queries, d_docs, d_world)
-        return loss, per_dim, masked_share
+        return loss, per_dim, lse, masked_share
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_per_dim, _grad_masked_share):
+    def backward(ctx, grad_loss, _grad_per_dim, _grad_lse, _grad_masked_share):
         grads, ctx.grads = getattr(ctx, "grads", None), None
         if grads is None:
             raise RuntimeError(

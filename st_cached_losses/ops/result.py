@@ -1,7 +1,9 @@
-"""What every backend returns: per-dim losses, per-row LSEs and (optionally) input gradients."""
+"""What the ops return: :class:`InfoNCEOutput`, the public result of ``matryoshka_infonce``; :class:`InfoNCEResult`,
+what every backend returns to it (per-dim losses, per-row LSEs and, optionally, input gradients)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from torch import Tensor
@@ -25,4 +27,24 @@ class InfoNCEResult(NamedTuple):
     lse: Tensor
     grads: tuple[Tensor, Tensor, Tensor] | None
     tile: str = ""
+    masked_share: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class InfoNCEOutput:
+    """The result of ``matryoshka_infonce``, the same in every case (no flag changes its type).
+
+    Attributes:
+        loss: 0-dim ``sum_k w_k L_k``, the loss to back-propagate (fp32; fp64 for fp64 inputs).
+        per_dim: (K,) the unweighted loss L_k of each Matryoshka dim, in the order of the caller's ``dims``;
+            detached, same dtype as ``loss``.
+        lse: (K, ndir, B) the logsumexp of each row's logits per dim (the caller's order) and direction (in
+            ``ops.spec.DIRECTIONS`` order, those the call scored); detached, same dtype as ``loss``.
+        masked_share: 0-dim fp32, the share of candidates the false-negative filter and the duplicate mask removed
+            together (removed / candidates); None when neither is on.
+    """
+
+    loss: Tensor
+    per_dim: Tensor
+    lse: Tensor
     masked_share: Tensor | None = None
