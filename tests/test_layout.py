@@ -17,6 +17,8 @@ TESTS = Path(__file__).resolve().parent
 LIBRARY = ("st_cached_losses.losses", "st_cached_losses.gradcache", "st_cached_losses.ops")
 ST_COMPAT = "st_cached_losses.gradcache._st_compat"
 DEEPSPEED_COMPAT = "st_cached_losses.gradcache._deepspeed_compat"
+FSDP_COMPAT = "st_cached_losses.gradcache._fsdp_compat"
+FSDP_INTERNALS = ("_get_fsdp_state", "_fsdp_param_groups", "_auto_reshard_after_forward")
 DEEPSPEED_INTERNALS = ("_backward_epilogue", "inside_no_sync_ctxt")
 MAX_LINES = 400
 
@@ -120,6 +122,17 @@ def test_deepspeed_internals_come_through_one_module():
     ]
     assert not offenders
     assert all(internal in MODULES[DEEPSPEED_COMPAT].read_text() for internal in DEEPSPEED_INTERNALS)
+
+
+def test_fsdp2_internals_come_through_one_module():
+    """FSDP2's private state is named in ``gradcache/_fsdp_compat.py`` alone, with its tested torch range."""
+    offenders = [
+        name
+        for name, path in MODULES.items()
+        if name != FSDP_COMPAT and any(internal in path.read_text() for internal in FSDP_INTERNALS)
+    ]
+    assert not offenders
+    assert all(internal in MODULES[FSDP_COMPAT].read_text() for internal in FSDP_INTERNALS)
 
 
 def test_ops_never_imports_sentence_transformers():

@@ -8,7 +8,10 @@ behaves as the losses assume (not only that it exists).
 What each is for:
 
 - ``CachedLossMixin``: the GradCache loss contract (``embed_minibatch``, ``embed_minibatch_iter``,
-  ``calculate_loss``, ``uses_gradient_cache``); :mod:`.steps` runs the three steps itself.
+  ``calculate_loss``, ``uses_gradient_cache``); :mod:`.steps` runs steps (1) and (2) itself (``docs/design.md``,
+  "Where the engine differs from sentence-transformers'", says why).
+- ``backward_hook``: step (3), stock's ``_backward_hook`` (the surrogate of the cached gradient, ``grad_output``
+  scaling, DDP's synchronisation and flush; :mod:`.backward` hands it the mini-batches to re-embed).
 - ``RandContext``: the RNG snapshot a mini-batch's step-(1) forward takes, replayed in step (3) (dropout).
 - ``minibatch_ranges`` / ``create_minibatch``: the ``(begin, end)`` rows of each mini-batch (by rows or by
   non-padding tokens), and one mini-batch's features with their trailing padding columns trimmed.
@@ -47,6 +50,7 @@ _GRADCACHE = "sentence_transformers.base.losses.gradcache"
 _ADAPTIVE_LAYER = "sentence_transformers.sentence_transformer.losses.adaptive_layer"
 
 CachedLossMixin = _borrow(_GRADCACHE, "CachedLossMixin")
+backward_hook = _borrow(_GRADCACHE, "_backward_hook")
 RandContext = _borrow(_GRADCACHE, "RandContext")
 minibatch_ranges = _borrow(_GRADCACHE, "_minibatch_ranges")
 create_minibatch = _borrow(_GRADCACHE, "_create_minibatch")

@@ -8,26 +8,26 @@ What each needs of the steps (:mod:`.steps`, :mod:`.backward`):
 - **every rank runs the same collectives in the same order** (:meth:`Parallelism.needs_agreement`): the number of
   mini-batches per column and the kept mini-batches are agreed across ranks (:mod:`.agreement`). FSDP2 and ZeRO-3
   all-gather parameters in every forward, so they need it in evaluation too; DDP and ZeRO-1/2 in training.
-- **gradient synchronisation in step (3)** (:meth:`Parallelism.step3`, :meth:`Parallelism.backward_sync`): DDP
-  synchronises once, in the backward of the step's last mini-batch (sentence-transformers' own replay context);
+- **gradient synchronisation in step (3)**: DDP is sentence-transformers' own backward hook's (it synchronises once,
+  in the backward of the step's last mini-batch, since sentence-transformers 6.2; 6.0.x synchronises every one);
   FSDP2 reduce-scatters after every backward by default (its own behaviour: memory first), or once per step with
-  ``fsdp_sync="per_step"``; DeepSpeed ZeRO-2/3 coalesce every backward of step (3) into one reduction
-  (:mod:`.zero`); ZeRO-1 reduces once at the end of ``engine.backward`` by itself.
-- **a step-(1) forward whose graph is kept** (:meth:`Parallelism.kept_forward`): under DDP inside ``no_sync``, since
-  its backward comes in step (3).
+  ``fsdp_sync="per_step"`` (:meth:`Parallelism.before_backward`; FSDP2's private settings behind
+  :mod:`._fsdp_compat`); DeepSpeed ZeRO-2/3 coalesce every backward of step (3) into one reduction (:mod:`.zero`,
+  :meth:`Parallelism.step3`); ZeRO-1 reduces once at the end of ``engine.backward`` by itself.
+- **a step-(1) forward whose graph is kept**: under DDP inside ``no_sync``
+  (:class:`.kept_minibatches.KeptForward`), since its backward comes in step (3).
 """
 
 from __future__ import annotations
 
 import sys
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from sentence_transformers.util import get_world_size
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from . import zero
+from . import _fsdp_compat, zero
 from .distributed import ddp_of
 
 __all__ = ["FSDP_SYNC_MODES", "Parallelism", "check_fsdp_sync"]
@@ -36,12 +36,15 @@ FSDP_SYNC_MODES = ("per_backward", "per_step")
 
 
 def check_fsdp_sync(value: Any) -> str:
-    """``fsdp_sync`` as accepted, else a ValueError naming the choices."""
+    """``fsdp_sync`` as accepted, else a ValueError naming the choices; "per_step" only with a torch whose FSDP2
+    state :mod:`._fsdp_compat` was tested with."""
     if value not in FSDP_SYNC_MODES:
         raise ValueError(
             "fsdp_sync must be 'per_backward' (FSDP2's own: reduce-scatter after every backward, parameters "
             f"resharded) or 'per_step' (one reduce-scatter per step, parameters gathered once), got {value!r}."
         )
+    if value == "per_step":
+        _fsdp_compat.check_per_step()
     return value
 
 
@@ -60,6 +63,7 @@ class Parallelism:
         self.fsdp_modules = fsdp_modules  # every FSDPModule of the model (FSDP2)
         self.fsdp_sync = fsdp_sync
         self.world_size = get_world_size()
+        self.fsdp_settings: _fsdp_compat.FsdpSettings | None = None  # the user's, while a per_step step runs
 
     @classmethod
     def of(cls, model: nn.Module, fsdp_sync: str = "per_backward") -> Parallelism:
@@ -84,27 +88,21 @@ class Parallelism:
         """Whether the ranks must agree on the step's mini-batches (see the module docstring)."""
         return self.world_size > 1 and (self.sharded or (training and self.kind != "single"))
 
-    def kept_forward(self) -> AbstractContextManager:
-        """Around a step-(1) forward whose graph is kept: DDP's ``no_sync`` (its backward comes in step (3), which
-        synchronises once, after the step's last re-embedded mini-batch)."""
-        return self.wrapper.no_sync() if self.kind == "ddp" else nullcontext()
-
     def step_start(self) -> None:
         """Before step (1) of a training step: FSDP2 ``per_step`` keeps the parameters gathered through the step."""
         if self.kind == "fsdp2" and self.fsdp_sync == "per_step":
-            self._saved = _fsdp2_settings(self.fsdp_modules)
+            self.fsdp_settings = _fsdp_compat.saved_settings(self.fsdp_modules)
             for module in self.fsdp_modules:
                 module.set_reshard_after_forward(False, recurse=False)
                 module.set_reshard_after_backward(False, recurse=False)
 
     def step_end(self) -> None:
         """After step (3) (or after an evaluation step): FSDP2 ``per_step`` restores the settings and reshards."""
-        saved = getattr(self, "_saved", None)
-        if saved is not None:
-            _restore_fsdp2_settings(self.fsdp_modules, saved)
+        if self.fsdp_settings is not None:
+            _fsdp_compat.restore(self.fsdp_modules, self.fsdp_settings)
             for module in self.fsdp_modules:
                 module.reshard()
-            self._saved = None
+            self.fsdp_settings = None
 
     @contextmanager
     def step3(self):
@@ -118,38 +116,12 @@ class Parallelism:
             finally:
                 self.step_end()
 
-    def backward_sync(self, last: bool) -> AbstractContextManager:
-        """Around one mini-batch's re-embedding (forward) and backward in step (3). DDP: synchronise in the last one
-        only (:func:`_ddp_sync`). FSDP2
-        ``per_step``: reduce-scatter in the last backward only (if the user's setting syncs at all)."""
-        if self.kind == "ddp":
-            return _ddp_sync(self.wrapper, last)
-        if self.kind == "fsdp2" and self.fsdp_sync == "per_step" and getattr(self, "_saved", None) is not None:
-            return _fsdp2_sync(self.fsdp_modules, self._saved, last)
-        return nullcontext()
-
-
-# ------------------------------------------------------------------------------------------------ DDP
-
-
-@contextmanager
-def _ddp_sync(ddp: DistributedDataParallel, last: bool):
-    """One mini-batch of step (3) under DDP: ``no_sync`` but in the step's last, whose forward (inside this block)
-    prepares the one all-reduce of the step; outside the trainer's own ``no_sync`` (gradient accumulation) DDP's
-    ``require_backward_grad_sync`` keeps that one off too. Static-graph DDP builds its reducer in its first iteration
-    from synchronising backwards, so there every mini-batch synchronises (sentence-transformers 6.2's rule; DDP keeps
-    that state in a private attribute)."""
-    if ddp.static_graph and not getattr(ddp, "_static_graph_delay_allreduce_enqueued", True):
-        previous, ddp.require_backward_grad_sync = ddp.require_backward_grad_sync, True
-        try:
-            yield
-        finally:
-            ddp.require_backward_grad_sync = previous
-    elif last:
-        yield
-    else:
-        with ddp.no_sync():
-            yield
+    def before_backward(self, last: bool) -> None:
+        """Before one mini-batch's re-embedding (forward) and backward in step (3): FSDP2 ``per_step`` reduce-scatters
+        in the step's last backward only (if the user's settings reduce at all). DDP's synchronisation is
+        sentence-transformers' backward hook's own."""
+        if self.fsdp_settings is not None:
+            _fsdp_compat.reduce_in_next_backward(self.fsdp_modules, self.fsdp_settings, reduce=last)
 
 
 # ------------------------------------------------------------------------------------------------ FSDP2
@@ -171,38 +143,3 @@ def _refuse_fsdp1(model: nn.Module) -> None:
             "FSDP1 (FullyShardedDataParallel) is not supported by the cached losses: use FSDP2 "
             "(torch.distributed.fsdp.fully_shard; with SentenceTransformerTrainer, fsdp_config={'fsdp_version': 2})."
         )
-
-
-# FSDP2 has setters for these but no getters: read them from its parameter groups (torch >= 2.6's layout).
-def _fsdp2_settings(modules: list[nn.Module]) -> list[tuple]:
-    """Per module: (whether its reshard-after-forward was automatic, per parameter group: (post-forward mesh,
-    reshard after backward, reduce gradients, all-reduce gradients))."""
-    saved = []
-    for module in modules:
-        state = module._get_fsdp_state()
-        groups = [
-            (g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads)
-            for g in state._fsdp_param_groups
-        ]
-        saved.append((state._auto_reshard_after_forward, groups))
-    return saved
-
-
-def _restore_fsdp2_settings(modules: list[nn.Module], saved: list[tuple]) -> None:
-    for module, (auto, groups) in zip(modules, saved):
-        state = module._get_fsdp_state()
-        state._auto_reshard_after_forward = auto
-        for group, values in zip(state._fsdp_param_groups, groups):
-            group.post_forward_mesh_info, group.reshard_after_backward, group.reduce_grads, group.all_reduce_grads = (
-                values
-            )
-
-
-@contextmanager
-def _fsdp2_sync(modules: list[nn.Module], saved: list[tuple], last: bool):
-    """Reduce gradients in this backward only if it is the step's last (and the user's setting reduces at all)."""
-    for module, (_, groups) in zip(modules, saved):
-        for group, (_, _, reduce_grads, all_reduce_grads) in zip(module._get_fsdp_state()._fsdp_param_groups, groups):
-            group.reduce_grads = reduce_grads and last
-            group.all_reduce_grads = all_reduce_grads and last
-    yield

@@ -140,7 +140,10 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         cache = [[rep.grad for rep in column] for column in reps]
         _check_every_column_used(cache, type(self).__name__)
         # Step (3), in the backward pass; the hook holds this forward's step, so another forward cannot clobber it.
-        loss.register_hook(partial(backward.step3, embed=self.embed_minibatch, step=step, cache=cache, states=states))
+        hook = partial(
+            backward.step3, embed=self.embed_minibatch, model=self.model, step=step, cache=cache, states=states
+        )
+        loss.register_hook(hook)
         return loss
 
     def _step1(self, step: Step) -> tuple[list, list]:
