@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import get_device_states
@@ -170,17 +170,11 @@ def _fit_per_row(per_row: dict[int, float]) -> tuple[float, float]:
 def available_memory(device: torch.device) -> tuple[int, int, str]:
     """``(bytes that can still be allocated, total bytes, where the numbers come from)`` on ``device``: on CUDA, the
     free device memory (``torch.cuda.mem_get_info``) plus the caching allocator's free blocks; elsewhere the
-    machine's available RAM (psutil, else /proc/meminfo)."""
+    machine's available RAM (psutil)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return free + cached, total, "torch.cuda.mem_get_info + the caching allocator's free blocks"
-    try:
-        import psutil
-    except ImportError:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        available, total = (int(fields[key].split()[0]) * 1024 for key in ("MemAvailable", "MemTotal"))  # kB
-        return available, total, "/proc/meminfo MemAvailable"
     memory = psutil.virtual_memory()
     return memory.available, memory.total, "psutil.virtual_memory().available"
 

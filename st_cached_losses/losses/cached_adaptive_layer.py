@@ -52,8 +52,9 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         """
         Stock ``AdaptiveLayerLoss(model, MultipleNegativesRankingLoss(model), ...)`` with GradCache: every layer of the
         encoder trained to embed well at the model's full embedding dim, with the same loss value and parameter
-        gradients as stock, in mini-batches. It is :class:`CachedMatryoshka2dLoss` at the one dim D, with the base
-        loss's similarity as is (``dot_score`` scores raw dot products here; only Matryoshka truncation
+        gradients as stock (with dropout, as stock's only with ``sort_by_length=False``: see
+        :class:`CachedMatryoshkaLoss`), in mini-batches. It is :class:`CachedMatryoshka2dLoss` at the one dim D, with
+        the base loss's similarity as is (``dot_score`` scores raw dot products here; only Matryoshka truncation
         re-normalises). ``forward`` returns ``{"loss_layer_<l>_dim_<D>": ..., "loss_layer_<l>_kl": ...}``, whose sum
         the trainer back-propagates.
 

@@ -69,11 +69,14 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         """
         A drop-in replacement for ``MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model), dims)``: the
         in-batch negatives InfoNCE loss at several Matryoshka dims, with GradCache, so that the batch size is bounded
-        by time rather than memory. Same loss value and parameter gradients as the stock combination, faster and with
-        less memory: (1) every mini-batch is embedded without gradients (rows of similar length together), (2) the
-        loss of every dim is computed in one sweep of :func:`~st_cached_losses.matryoshka_infonce`, which never holds
-        the score matrix, caching d loss / d embedding, (3) the backward re-embeds each mini-batch with gradients
-        (the same dropout) and back-propagates the cached gradient. How each part works: ``docs/design.md``.
+        by time rather than memory. The same loss value and parameter gradients as the stock combination (without
+        dropout; with dropout, the default ``sort_by_length=True`` groups other rows into a mini-batch than stock does,
+        so they draw other dropout masks: the same loss in distribution, and ``sort_by_length=False`` gives stock's
+        masks, bit for bit), faster and with less memory: (1) every mini-batch is embedded without gradients (rows of
+        similar length together), (2) the loss of every dim is computed in one sweep of
+        :func:`~st_cached_losses.matryoshka_infonce`, which never holds the score matrix, caching d loss / d embedding,
+        (3) the backward re-embeds each mini-batch with gradients (the same dropout) and back-propagates the cached
+        gradient. How each part works: ``docs/design.md``.
 
         The InfoNCE hyperparameters are read from ``loss`` at every step (:mod:`st_cached_losses.losses.base_losses`):
         ``scale``, ``similarity_fct`` (``cos_sim`` or ``dot_score``: cosine of the re-normalised prefixes either way,

@@ -73,7 +73,8 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         Stock ``Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), dims, ...)`` (2D Matryoshka: every
         layer of the encoder and every Matryoshka dim embeds well) with GradCache, so that the batch size is bounded by
         time rather than memory: the same loss value and parameter gradients as the stock loss (which refuses cached
-        base losses), with the memory of one mini-batch's activations. Step (1) runs the transformer once per
+        base losses; with dropout, as stock's only with ``sort_by_length=False``: see :class:`CachedMatryoshkaLoss`),
+        with the memory of one mini-batch's activations. Step (1) runs the transformer once per
         mini-batch with hidden states and keeps the pooled embeddings of the final layer and each drawn prior layer
         side by side; step (2) calls :func:`~st_cached_losses.matryoshka_infonce` once per layer, for all its dims,
         plus stock's KL term; step (3) re-embeds each mini-batch once and back-propagates all its layers together.

@@ -2,11 +2,13 @@
 its backends. Never imports sentence_transformers.
 
 - ``infonce.py``: the op and its ``torch.autograd.Function``;
-- ``spec.py``: the validated problem (dims, directions, hardness, false-negative rule); ``result.py``: what a
-  backend returns; ``errors.py``: the op's exception;
+- ``spec.py``: the validated problem (dims, directions, hardness, false-negative rule); ``result.py``: what the op
+  returns (``InfoNCEOutput``) and what a backend returns to it (``InfoNCEResult``); ``errors.py``: the op's exception;
 - ``backend.py``: the one registry of backends, ``"auto"``, the Triton fallback and the log of choices;
-- ``reference.py`` (dense, the test oracle), ``chunked.py`` (row tiles, any device), ``triton/`` (GPU kernels);
-- ``false_negatives.py``: GISTEmbed's per-tile mask of dropped candidates.
+- ``reference.py`` (dense, the test oracle: every rule computed on its own), ``chunked.py`` (row tiles, any device),
+  ``triton/`` (GPU kernels);
+- the rules the tiled backends share: ``false_negatives.py`` (GISTEmbed's per-tile mask of dropped candidates),
+  ``duplicates.py`` (the duplicate mask from text ids), ``memory.py`` (banked documents as extra columns).
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ class InfoNCEResult(NamedTuple):
             (``d world_queries`` may be None when no direction reads world_queries), or None when
             gradients were not requested.
         tile: how the backend tiled the problem, for the log (e.g. "256 rows").
-        masked_share: with a false-negative filter, the share of candidates it dropped (0-dim, fp32), else None.
+        masked_share: with a false-negative filter or the duplicate mask, the share of candidates they removed together
+            (0-dim, fp32), else None.
     """
 
     per_dim: Tensor

@@ -14,7 +14,7 @@ All Matryoshka dims share one sweep: the forward accumulates the prefix dot prod
 dims; the backward visits the dims from the largest down (band m's gradient product uses the running
 sum of the gradient tiles of the dims containing it) and gets each smaller prefix by subtracting the
 band it recomputes for that product. Cosine similarity divides each prefix dot product by per-prefix
-norms computed on the host (``triton.py``, which launches these kernels); the norms' and the positive
+norms computed on the host (``host.py``; ``launches.py`` launches these kernels); the norms' and the positive
 pair's shares of the gradient are row-wise and applied there, band by band.
 
 Decorated at import: with ``TRITON_INTERPRET=1`` set before triton is imported they run in Triton's CPU
