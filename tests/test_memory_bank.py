@@ -2,12 +2,14 @@
 parameter gradient over several training steps whose parameters move between steps, so that the bank holds stale
 embeddings of earlier steps. Pairs and hard negatives, FIFO eviction, warm-up and maximum age, an evaluation forward
 that banks nothing, the own-pair rule without the duplicate mask, the duplicate mask and a GISTEmbed guide across the
-bank, the dual memory (against stock MultipleNegativesRankingLoss on the batch and the banked pairs), and the errors.
-2 gloo processes: tests/test_memory_bank_distributed.py; trainer checkpoints: tests/test_memory_bank_trainer.py."""
+bank, the dual memory (against stock MultipleNegativesRankingLoss on the batch and the banked pairs), the errors, and
+the steps the bank counts (optimizer steps once counted, else training forwards, with one warning). 2 gloo processes:
+tests/test_memory_bank_distributed.py; checkpoints, gradient accumulation: tests/test_memory_bank_trainer.py."""
 
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from sentence_transformers.sentence_transformer.losses import (
 )
 
 from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss, CachedMatryoshkaLoss
+from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.helpers import assert_grads_close, parameter_grads, texts
 
@@ -346,7 +349,6 @@ def test_the_op_checks_its_memory_arguments_and_the_triton_kernels_refuse_a_bank
 def test_the_scored_pairs_are_views_of_the_ring_unless_an_age_limit_wraps_them():
     """No copy of the bank per step: while filling, when full (in ring order), and for one stretch of it; a copy
     only when an age limit leaves the valid pairs wrapped around the ring's end."""
-    from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank
 
     def pairs(step):
         return BankedPairs(
@@ -373,8 +375,6 @@ def test_the_scored_pairs_are_views_of_the_ring_unless_an_age_limit_wraps_them()
 def test_a_step_whose_embeddings_are_not_finite_banks_nothing():
     """Under fp16 a diverged step's NaN embeddings reach the loss (the gradient scaler skips the step); banked, they
     would make every later step NaN."""
-    from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank
-
     bank, docs = MemoryBank(8), torch.zeros(2, 1, 4)
     ids = torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
     bank.end_step(BankedPairs(docs, *ids))
@@ -393,3 +393,93 @@ def test_the_model_card_names_the_bank_and_its_papers(model):
     }
     assert "1912.06798" in loss_fn.citation and "2406.12356" in loss_fn.citation
     assert "memory_size" not in _loss(model, 0).get_config_dict() and "1912.06798" not in _loss(model, 0).citation
+
+
+def _pairs(value: float, rows: int = 2) -> BankedPairs:
+    """A training forward's ``rows`` pairs of one document each, every embedding entry ``value``."""
+    ids = torch.zeros(rows, 1, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
+    return BankedPairs(torch.full((rows, 1, 4), float(value)), *ids)
+
+
+def _banked_values(bank: MemoryBank) -> list[float]:
+    """The values of the pairs the next training forward scores."""
+    candidates = bank.candidates()
+    return [] if candidates is None else sorted(candidates.docs[:, 0, 0].unique().tolist())
+
+
+def test_a_bank_that_counts_optimizer_steps_ages_its_pairs_by_them():
+    """Gradient accumulation of 2 micro-batches, warm-up 1 and maximum age 2, in optimizer steps: nothing banked in
+    optimizer step 0; in step 1 the second micro-batch scores the first's pairs (age 0); a pair of step s leaves
+    after step s + 2; both micro-batches' pairs of a step have the same age. Micro-batch m of step s banks the value
+    10 s + m."""
+    bank = MemoryBank(100, warmup_steps=1, max_age=2)
+    bank.count_optimizer_steps()
+    scored = []
+    for optimizer_step in range(5):
+        for micro in range(2):
+            scored.append(_banked_values(bank))
+            bank.end_step(_pairs(10 * optimizer_step + micro))
+        bank.end_optimizer_step()
+    assert scored == [
+        [],
+        [],  # warm-up
+        [],
+        [10],  # the first micro-batch's pairs, banked before the second's loss
+        [10, 11],
+        [10, 11, 20],
+        [10, 11, 20, 21],
+        [10, 11, 20, 21, 30],
+        [20, 21, 30, 31],  # step 1's pairs are 3 optimizer steps old
+        [20, 21, 30, 31, 40],
+    ]
+    banked_at = {float(doc): int(step) for doc, step in zip(bank.docs[: bank.filled, 0, 0], bank.steps)}
+    assert banked_at == {10.0: 1, 11.0: 1, 20.0: 2, 21.0: 2, 30.0: 3, 31.0: 3, 40.0: 4, 41.0: 4}
+    assert bank.step == 5 and bank.oldest_age == 2
+
+
+def test_a_bank_that_counts_nothing_counts_training_forwards():
+    """A loop of its own that does not count optimizer steps: each training forward is a step (warm-up 1: the first
+    forward banks nothing, the second does and is counted too)."""
+    bank = MemoryBank(100, warmup_steps=1, max_age=1)
+    for forward in range(3):
+        bank.end_step(_pairs(forward))
+    assert bank.step == 3 and _banked_values(bank) == [2.0] and bank.oldest_age == 1
+    with pytest.raises(RuntimeError, match=r"counts training forwards .* call loss.memory.count_optimizer_steps\(\)"):
+        bank.end_optimizer_step()
+
+
+def _bank_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "st_cached_losses.gradcache.memory_bank"]
+
+
+def test_a_bank_no_callback_serves_warns_once_at_its_first_training_forward(model, caplog):
+    """Not at an evaluation forward; once per loss, naming the fix; never for a bank that counts optimizer steps
+    (as CachedLossCallback makes it at the start of training)."""
+    features = [model.preprocess(column) for column in _batches(1, rows=3, negatives=0)[0]]
+    unserved, other, served = (_loss(copy.deepcopy(model), 12) for _ in range(3))
+    served.memory.count_optimizer_steps()
+    with caplog.at_level(logging.WARNING, logger="st_cached_losses.gradcache.memory_bank"):
+        with torch.no_grad():
+            unserved(features, None)
+        assert _bank_warnings(caplog) == []
+        for loss_fn in (unserved, unserved, served, served, other):
+            sum(loss_fn(features, None).values()).backward()
+    warnings = _bank_warnings(caplog)
+    assert len(warnings) == 2  # unserved's and other's, once each
+    assert "CachedLossCallback.attach(trainer)" in warnings[0] and "not an optimizer step" in warnings[0]
+    assert "loss.memory.count_optimizer_steps()" in warnings[0]
+
+
+def test_a_banks_state_is_a_snapshot():
+    """bank_state() does not change with later steps, and banks loaded from one state share nothing."""
+    bank = MemoryBank(4)
+    bank.end_step(_pairs(1.0))
+    state = bank.bank_state()
+    copies = [MemoryBank(4), MemoryBank(4)]
+    for copy_ in copies:
+        copy_.load_bank_state(state)
+    for source in (bank, copies[0]):
+        source.end_step(_pairs(2.0, rows=3))
+    assert state["counters"] == {"step": 1, "next_slot": 2, "filled": 2}
+    assert state["tensors"]["docs"][:2].unique().tolist() == [1.0]
+    assert _banked_values(copies[1]) == [1.0] and _banked_values(copies[0]) == [1.0, 2.0]

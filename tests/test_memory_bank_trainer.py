@@ -1,72 +1,311 @@
-"""The memory bank inside SentenceTransformerTrainer, with CachedLossCallback: the bank is saved with each checkpoint
-and restored by resume_from_checkpoint (a resumed run ends where the uninterrupted one does), and its fill, age and
-the masked share reach the trainer's own log."""
+"""The memory bank inside SentenceTransformerTrainer, with CachedLossCallback: the bank counts optimizer steps (also
+under gradient accumulation), is saved with each checkpoint the trainer writes and restored by
+``trainer.train(resume_from_checkpoint=...)`` (True, or a folder anywhere: a resumed run ends where the uninterrupted
+one does), every cached loss of a dict of losses is served under its name, and the fill, age and masked share reach
+the trainer's own log. Fast tests drive the callback's hooks with stand-in losses and trainer state; the slow ones
+train end to end."""
 
 from __future__ import annotations
 
+import logging
+import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
-from datasets import Dataset
+from datasets import Dataset, DatasetDict
 from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+from sentence_transformers.sentence_transformer.losses import (
+    CachedMultipleNegativesRankingLoss,
+    MultipleNegativesRankingLoss,
+)
+from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.trainer_utils import HPSearchBackend
 
 from st_cached_losses import CachedLossCallback, CachedMatryoshkaLoss
-from st_cached_losses.losses.callback import MEMORY_FILE
+from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank
+from st_cached_losses.losses.callback import MEMORY_FILE, TrainCall, trainer_run_folder
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.helpers import texts
 
 STEPS, SAVE_AT = 6, 3
+BANK_LOGGER = "st_cached_losses.gradcache.memory_bank"
+
+# --------------------------------------------------------------------------------------------- the hooks, fast
 
 
-def _dataset(rows=48):
-    return Dataset.from_dict({column: texts(rows, 40 + i, 2, 10) for i, column in enumerate(("anchor", "positive"))})
+def _stand_in(memory_size: int = 100, **options) -> SimpleNamespace:
+    """What CachedLossCallback uses of a cached loss: its bank, its masked share and its model's device."""
+    return SimpleNamespace(memory=MemoryBank(memory_size, **options), masked_share=0.25, model=torch.nn.Linear(1, 1))
 
 
-def _train(output_dir, resume=None, max_steps=STEPS):
-    """A fresh model and loss (an empty bank) trained with the callback; ``resume``: resume_from_checkpoint."""
-    model = tiny_sentence_transformer(dropout=0.1, seed=5)
-    loss = CachedMatryoshkaLoss(
-        model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=3), [48, 16], memory_size=20
+def _forward(loss, value: float, rows: int = 2) -> None:
+    """A training forward's end, as the loss ends it: ``rows`` pairs of one document, every entry ``value``."""
+    ids = torch.zeros(rows, 1, dtype=torch.int64), torch.arange(rows) + int(value) * 100
+    loss.memory.end_step(BankedPairs(torch.full((rows, 1, 4), float(value)), *ids))
+
+
+def _hooks(callback, tmp_path, resume=None, output_dir=None):
+    """``(args, state, control)`` of a trainer whose ``train(resume)`` the callback heard, after on_train_begin."""
+    output_dir = str(output_dir or tmp_path / "run")
+    args = SentenceTransformerTrainingArguments(output_dir=output_dir, report_to="none", use_cpu=True)
+    state, control = TrainerState(), TrainerControl()
+    callback.train_call = TrainCall(resume, output_dir)
+    callback.on_train_begin(args, state, control)
+    return args, state, control
+
+
+def _optimizer_step(callback, hooks, value: float, micro_batches: int = 1) -> dict:
+    """One optimizer step of the trainer: ``micro_batches`` training forwards of each served loss (banking
+    ``value``), on_step_end, then a training log (returned)."""
+    args, state, control = hooks
+    for loss in callback.losses.values():
+        for _ in range(micro_batches):
+            _forward(loss, value)
+    state.global_step += 1
+    callback.on_step_end(args, state, control)
+    logs = {"loss": 1.0}
+    callback.on_log(args, state, control, logs=logs)
+    return logs
+
+
+def _assert_same_bank(bank: MemoryBank, other: MemoryBank) -> None:
+    state, expected = bank.bank_state(), other.bank_state()
+    assert state["counters"] == expected["counters"] and state["tensors"].keys() == expected["tensors"].keys()
+    assert all(torch.equal(state["tensors"][name], t) for name, t in expected["tensors"].items())
+
+
+def test_the_callback_makes_the_bank_count_optimizer_steps(tmp_path, caplog):
+    """Gradient accumulation of 2: both micro-batches of an optimizer step bank at the same step, the logged age is
+    in optimizer steps, and a bank the callback serves never warns."""
+    loss = _stand_in()
+    callback = CachedLossCallback(loss)
+    with caplog.at_level(logging.WARNING, logger=BANK_LOGGER):
+        hooks = _hooks(callback, tmp_path)
+        logs = [_optimizer_step(callback, hooks, value, micro_batches=2) for value in (1, 2)]
+    assert [entry["memory_age"] for entry in logs] == [1.0, 2.0]
+    assert [entry["memory_fill"] for entry in logs] == [pytest.approx(4 / 100), pytest.approx(8 / 100)]
+    assert logs[0]["masked_share"] == 0.25 and loss.memory.step == 2
+    assert loss.memory.steps[:4].tolist() == [0, 0, 0, 0] and loss.memory.steps[4:8].tolist() == [1, 1, 1, 1]
+    assert caplog.records == []
+
+
+def test_every_bank_of_a_dict_of_losses_is_saved_and_restored_under_its_name(tmp_path):
+    """From the last checkpoint in output_dir (True) and from a folder outside it, into fresh banks: the exact banks;
+    the reports carry the losses' names."""
+    losses = {"a": _stand_in(20), "b": _stand_in(12, max_age=5)}
+    callback = CachedLossCallback(losses)
+    hooks = _hooks(callback, tmp_path)
+    for step in range(3):
+        logs = _optimizer_step(callback, hooks, step)
+    assert {key for key in logs if key != "loss"} == {
+        f"{name}_{key}" for name in "ab" for key in ("masked_share", "memory_fill", "memory_age")
+    }
+    callback.on_save(*hooks)
+    checkpoint = tmp_path / "run" / f"checkpoint-{SAVE_AT}"
+    assert sorted(torch.load(checkpoint / MEMORY_FILE.format(rank=0), weights_only=True)) == ["a", "b"]
+    outside = tmp_path / "elsewhere" / "kept"
+    shutil.copytree(checkpoint, outside)
+    for resume, output_dir in ((True, tmp_path / "run"), (str(outside), tmp_path / "fresh")):
+        restored = {"a": _stand_in(20), "b": _stand_in(12, max_age=5)}
+        _hooks(CachedLossCallback(restored), tmp_path, resume, output_dir)
+        for name in "ab":
+            _assert_same_bank(restored[name].memory, losses[name].memory)
+
+
+def test_a_checkpoint_without_a_loss_bank_says_which_starts_empty(tmp_path, caplog):
+    saved = {"a": _stand_in(20)}
+    _forward(saved["a"], 1)
+    callback = CachedLossCallback(saved)
+    hooks = _hooks(callback, tmp_path)
+    hooks[1].global_step = 4
+    callback.on_save(*hooks)
+    restored = {"a": _stand_in(20), "b": _stand_in(20)}
+    with caplog.at_level(logging.WARNING):
+        _hooks(CachedLossCallback(restored), tmp_path, resume=True)
+    _assert_same_bank(restored["a"].memory, saved["a"].memory)
+    assert restored["b"].memory.size == 0
+    (message,) = [r.getMessage() for r in caplog.records if "starts empty" in r.getMessage()]
+    assert "without the memory bank of 'b'" in message and "holds ['a']" in message
+
+
+def test_a_callback_that_heard_no_train_call_refuses_to_begin(tmp_path):
+    callback = CachedLossCallback(_stand_in())
+    args = SentenceTransformerTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match=r"not attached with CachedLossCallback.attach\(trainer\)"):
+        callback.on_train_begin(args, TrainerState(), TrainerControl())
+
+
+def test_attach_serves_every_cached_loss_of_a_dict_once_and_hears_train(tmp_path):
+    model = tiny_sentence_transformer(seed=5)
+    losses = {name: _loss(model, memory_size=size) for name, size in (("a", 20), ("b", 12))}
+    losses["c"] = MultipleNegativesRankingLoss(model)  # stock: not served
+    data = _dataset(8)
+    args = SentenceTransformerTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    trainer = SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=DatasetDict(a=data, b=data, c=data), loss=losses
     )
+    trainer.train = lambda resume_from_checkpoint=None, trial=None: ("trained", resume_from_checkpoint)  # no training
+    callback = CachedLossCallback.attach(trainer)
+    assert trainer.callback_handler.callbacks[1] is callback and sorted(callback.losses) == ["a", "b"]
+    assert trainer.train("/somewhere/checkpoint-7") == ("trained", "/somewhere/checkpoint-7")
+    assert callback.train_call == TrainCall("/somewhere/checkpoint-7", str(tmp_path))
+    with pytest.raises(ValueError, match=r"attached to this trainer already"):
+        CachedLossCallback.attach(trainer)
+    with pytest.raises(TypeError, match=r"needs a loss of st_cached_losses, got MultipleNegativesRankingLoss"):
+        CachedLossCallback({"c": losses["c"]})
+    # The checkpoints' folder is the trainer's own: a trial's folder under a hyperparameter search.
+    trainer.hp_search_backend = HPSearchBackend.OPTUNA
+    assert trainer_run_folder(trainer, SimpleNamespace(number=4)) == str(tmp_path / "run-4")
+
+
+# --------------------------------------------------------------------------------------------- end to end
+
+
+def _dataset(rows=48, seed=40):
+    return Dataset.from_dict({column: texts(rows, seed + i, 2, 10) for i, column in enumerate(("anchor", "positive"))})
+
+
+def _loss(model, memory_size=20, mini_batch_size=3, **options):
+    base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch_size)
+    return CachedMatryoshkaLoss(model, base, [48, 16], memory_size=memory_size, **options)
+
+
+class _BanksAtStart(TrainerCallback):
+    """Each served bank's state when training begins, after CachedLossCallback restored it (it runs first)."""
+
+    def __init__(self, losses):
+        self.losses, self.states = losses, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.states = {name: loss.memory.bank_state() for name, loss in self.losses.items()}
+
+
+def _trainer(output_dir, losses="one", max_steps=STEPS, **options):
+    """A trainer of a fresh model and loss(es) (empty banks), and its losses by name: ``losses`` "one" (a loss) or
+    "two" (a dict of two losses on two datasets, in turns); ``options``: more training arguments."""
+    model = tiny_sentence_transformer(dropout=0.1, seed=5)
+    if losses == "one":
+        loss, data = _loss(model), _dataset()
+    else:
+        loss = {"a": _loss(model, 20), "b": _loss(model, 12, memory_max_age=3)}
+        data = DatasetDict(a=_dataset(), b=_dataset(seed=60))
+    arguments = dict(per_device_train_batch_size=8, save_strategy="steps", save_steps=SAVE_AT)
     args = SentenceTransformerTrainingArguments(
         output_dir=str(output_dir),
         max_steps=max_steps,
-        per_device_train_batch_size=8,
         learning_rate=1e-3,
         logging_steps=1,
-        save_strategy="steps",
-        save_steps=SAVE_AT,
         report_to="none",
         use_cpu=True,
         seed=0,
         data_seed=0,
+        multi_dataset_batch_sampler="round_robin",
+        **{**arguments, **options},
     )
-    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=_dataset(), loss=loss)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss)
+    return trainer, loss if isinstance(loss, dict) else {"": loss}
+
+
+def _train(output_dir, losses="one", resume=None, **options):
+    """:func:`_trainer`'s, with CachedLossCallback, trained (``resume``: resume_from_checkpoint); and its banks'
+    states when training began."""
+    trainer, named = _trainer(output_dir, losses, **options)
+    at_start = _BanksAtStart(named)
+    trainer.add_callback(at_start)
     CachedLossCallback.attach(trainer)
     trainer.train(resume_from_checkpoint=resume)
-    return trainer, loss
+    return trainer, named, at_start.states
 
 
-def test_a_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
-    whole, whole_loss = _train(tmp_path / "whole")
-    assert (tmp_path / "whole" / f"checkpoint-{SAVE_AT}" / MEMORY_FILE.format(rank=0)).exists()
-    # As if the run had stopped after its first checkpoint: its folder alone, resumed from (the latest) there.
-    shutil.copytree(tmp_path / "whole" / f"checkpoint-{SAVE_AT}", tmp_path / "resumed" / f"checkpoint-{SAVE_AT}")
-    resumed, resumed_loss = _train(tmp_path / "resumed", resume=True)
-    assert resumed_loss.memory.step == whole_loss.memory.step == STEPS
-    assert resumed_loss.memory.size == whole_loss.memory.size == 20  # full: 20 pairs of the 48 banked
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted runs, one per kind of loss, trained when first asked for."""
+    runs = {}
+
+    def run(losses):
+        if losses not in runs:
+            folder = tmp_path_factory.mktemp(f"whole-{losses}")
+            runs[losses] = (folder, *_train(folder, losses)[:2])
+        return runs[losses]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("losses", "where"), [("one", "inside"), ("two", "outside")])
+def test_a_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path, uninterrupted, losses, where):
+    """As if the run had stopped after its first checkpoint: ``resume_from_checkpoint=True`` with that checkpoint
+    alone in output_dir, or its folder copied outside output_dir (under another name) and named by path. The bank
+    restored is exactly the checkpoint's, and the resumed run ends where the uninterrupted one does."""
+    folder, whole, whole_losses = uninterrupted(losses)
+    checkpoint = folder / f"checkpoint-{SAVE_AT}"
+    assert (checkpoint / "trainer_state.json").exists()  # the folder the trainer wrote, and the bank beside it
+    saved = torch.load(checkpoint / MEMORY_FILE.format(rank=0), weights_only=True)
+    assert sorted(saved) == sorted(whole_losses)
+    if where == "inside":
+        shutil.copytree(checkpoint, tmp_path / "resumed" / checkpoint.name)
+        resume = True
+    else:
+        shutil.copytree(checkpoint, tmp_path / "elsewhere" / "kept")
+        resume = str(tmp_path / "elsewhere" / "kept")
+    resumed, resumed_losses, at_start = _train(tmp_path / "resumed", losses, resume=resume)
+    for name, loss in resumed_losses.items():
+        assert at_start[name]["counters"] == saved[name]["counters"]
+        assert all(torch.equal(at_start[name]["tensors"][k], t) for k, t in saved[name]["tensors"].items())
+        expected = whole_losses[name].memory
+        assert loss.memory.bank_state()["counters"] == expected.bank_state()["counters"]
+        assert loss.memory.step == STEPS and loss.memory.size == expected.size == loss.memory.capacity  # full
+        torch.testing.assert_close(loss.memory.docs, expected.docs, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(whole.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
-    torch.testing.assert_close(resumed_loss.memory.docs, whole_loss.memory.docs, rtol=1e-5, atol=1e-6)
-    losses = [[entry["loss"] for entry in t.state.log_history if "loss" in entry] for t in (whole, resumed)]
-    assert losses[1] == pytest.approx(losses[0], rel=1e-4)  # the first ones: the checkpoint's history
+    logs = [[entry for entry in t.state.log_history if "loss" in entry] for t in (whole, resumed)]
+    assert [entry["loss"] for entry in logs[1]] == pytest.approx([entry["loss"] for entry in logs[0]], rel=1e-4)
+    if losses == "two":  # each loss's reports under its name, counted in the run's optimizer steps
+        assert [entry["a_memory_age"] for entry in logs[0]] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+        assert [entry["b_memory_age"] for entry in logs[0][1:]] == [1.0, 2.0, 3.0, 2.0, 3.0]
+        assert not any("memory_age" in entry for entry in logs[0])
 
 
-def test_the_banks_reports_reach_the_trainers_log(tmp_path):
-    trainer, _ = _train(tmp_path, max_steps=3)
+def test_the_banks_reports_reach_the_trainers_log(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger=BANK_LOGGER):
+        trainer, _, _ = _train(tmp_path, max_steps=3, save_strategy="no")
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["memory_fill"] for entry in logs] == [pytest.approx(v) for v in (8 / 20, 16 / 20, 1.0)]
     assert [entry["memory_age"] for entry in logs] == [1.0, 2.0, 3.0]  # the oldest pair: step 0's
     assert all(entry["masked_share"] == 0.0 and "loss_dim_48" in entry for entry in logs)
+    assert caplog.records == []  # a bank the callback serves does not warn
+
+
+@pytest.mark.slow
+def test_under_gradient_accumulation_the_bank_counts_optimizer_steps(tmp_path):
+    """2 micro-batches of 4 rows per optimizer step, warm-up 1, maximum age 2 (optimizer steps): optimizer step 0
+    banks nothing, both micro-batches of a step bank at its step, step 1's pairs leave after step 3."""
+    options = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, save_strategy="no")
+    model = tiny_sentence_transformer(dropout=0.1, seed=5)
+    loss = _loss(model, 100, mini_batch_size=4, memory_warmup_steps=1, memory_max_age=2)
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, logging_steps=1, report_to="none", use_cpu=True, seed=0, **options
+    )
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=_dataset(), loss=loss)
+    CachedLossCallback.attach(trainer)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["memory_fill"] for entry in logs] == pytest.approx([0.0, 0.08, 0.16, 0.16])
+    assert math.isnan(logs[0]["memory_age"]) and [entry["memory_age"] for entry in logs[1:]] == [1.0, 2.0, 2.0]
+    banked_at = sorted(loss.memory.steps[: loss.memory.filled].tolist())
+    assert loss.memory.step == 4 and banked_at == [1] * 8 + [2] * 8 + [3] * 8
+
+
+@pytest.mark.slow
+def test_a_trainer_without_the_callback_warns_once_at_its_first_training_step(tmp_path, caplog):
+    """Not at an evaluation (no grad), once however many training steps, naming the fix."""
+    trainer, named = _trainer(tmp_path, max_steps=2, save_strategy="no")
+    with caplog.at_level(logging.WARNING, logger=BANK_LOGGER):
+        trainer.evaluate(_dataset(8))
+        assert caplog.records == []
+        trainer.train()
+    (message,) = [record.getMessage() for record in caplog.records]
+    assert "CachedLossCallback.attach(trainer)" in message and "empty bank" in message
+    assert named[""].memory.step == 2  # training forwards, without the callback

@@ -93,7 +93,8 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
 
 def memory_summary(loss) -> dict[str, Any]:
     """results.json's ``memory`` for a loss with a memory bank, after training: its settings, capacity and bytes
-    (documents; bytes of its tensors), and the last step's fill and oldest age (training steps)."""
+    (documents; bytes of its tensors), and the last step's fill and oldest age (optimizer steps, as
+    CachedLossCallback counts them)."""
     memory = loss.memory
     return {
         **memory.settings(),

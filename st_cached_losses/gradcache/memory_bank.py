@@ -8,21 +8,28 @@ the step it was banked at, the guide model's embeddings of its documents (with a
 query embedding. Embeddings are detached, full-dim, in fp32 (fp64 for fp64 inputs: the op's precision).
 
 - ``memory_size`` K counts banked documents: the ring holds K // (1 + hard negatives per row) pairs, oldest out
-  first, and (``max_age``) a pair leaves once it is older than that many training steps.
-- ``warmup_steps``: the bank is neither scored nor filled before that many training steps (XBM's start iteration).
-- A training step is one training forward of the loss (with gradient accumulation, each micro-batch).
-- :meth:`candidates` gives the op the valid slots as views of the ring (a copy only when an age limit leaves them
-  wrapped around its end); :meth:`enqueue` banks a step's pairs after its loss is computed.
+  first, and (``max_age``) a pair leaves once it is older than that many steps.
+- ``warmup_steps``: the bank is neither scored nor filled before that many steps (XBM's start iteration).
+- A step is an optimizer step once something counts them (:meth:`MemoryBank.count_optimizer_steps`; under
+  ``SentenceTransformerTrainer``, :class:`st_cached_losses.CachedLossCallback` does): the pairs that the micro-batches
+  of one optimizer step bank have the same age, and a later micro-batch of the step scores an earlier one's (age 0:
+  the same parameters embedded them). Otherwise (a loop of your own that does not count them) each training forward
+  is a step, a micro-batch under gradient accumulation, and the bank says so once, at its first training forward.
+- :meth:`MemoryBank.candidates` gives the op the valid slots as views of the ring (a copy only when an age limit
+  leaves them wrapped around its end); :meth:`MemoryBank.end_step` banks a training forward's pairs after its loss.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from ..ops.infonce import all_finite
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["BankedPairs", "MemoryBank", "check_memory_options"]
 
@@ -38,9 +45,7 @@ def check_memory_options(memory_size, memory_warmup_steps, memory_max_age, dual_
     if memory_max_age is not None and (
         isinstance(memory_max_age, bool) or not isinstance(memory_max_age, int) or memory_max_age < 1
     ):
-        raise ValueError(
-            f"memory_max_age must be None (no limit) or an int >= 1 (training steps), got {memory_max_age!r}."
-        )
+        raise ValueError(f"memory_max_age must be None (no limit) or an int >= 1 (steps), got {memory_max_age!r}.")
     if not isinstance(dual_memory, bool):
         raise TypeError(f"dual_memory must be True or False, got {dual_memory!r}.")
     if memory_size == 0 and (memory_warmup_steps or memory_max_age is not None or dual_memory):
@@ -79,12 +84,16 @@ class BankedPairs:
 class MemoryBank(nn.Module):
     """The memory bank of a cached loss (``loss.memory``): moves with ``.to(device)``; saved and restored by
     :class:`st_cached_losses.CachedLossCallback` with the trainer's checkpoints (:meth:`bank_state`,
-    :meth:`load_bank_state`).
+    :meth:`load_bank_state`), which also makes it count optimizer steps (:meth:`count_optimizer_steps`).
+
+    A loop of your own counts optimizer steps with ``loss.memory.count_optimizer_steps()`` before its first step and
+    ``loss.memory.end_optimizer_step()`` after each ``optimizer.step()``, and saves ``loss.memory.bank_state()`` with
+    its checkpoints; without the first, each training forward is a step (a warning says so at the first one).
 
     Args:
         memory_size: banked documents K (> 0).
-        warmup_steps: training steps before the bank is scored and filled.
-        max_age: training steps after which a banked pair leaves even before the bank is full; None: no limit.
+        warmup_steps: steps before the bank is scored and filled.
+        max_age: steps after which a banked pair leaves even before the bank is full; None: no limit.
         dual: also bank the queries (ContAccum's dual memory).
     """
 
@@ -93,7 +102,9 @@ class MemoryBank(nn.Module):
     def __init__(self, memory_size: int, *, warmup_steps: int = 0, max_age: int | None = None, dual: bool = False):
         super().__init__()
         self.memory_size, self.warmup_steps, self.max_age, self.dual = memory_size, warmup_steps, max_age, dual
-        self.step = 0  # training steps seen
+        self.step = 0  # steps counted: optimizer steps (counts_optimizer_steps), else training forwards
+        self.counts_optimizer_steps = False  # count_optimizer_steps() was called (by CachedLossCallback, or a loop)
+        self.said_what_it_counts = False  # the first training forward's warning, once
         self.next_slot = 0  # where the next pair goes
         self.filled = 0  # slots holding a pair
         for name in self._TENSORS:
@@ -133,8 +144,8 @@ class MemoryBank(nn.Module):
 
     @property
     def oldest_age(self) -> int | None:
-        """Training steps since the oldest pair scored at the next step was banked (1: the previous step), or
-        None when there is none."""
+        """Steps since the oldest pair scored at the next training forward was banked (1: the previous step; 0: an
+        earlier micro-batch of this optimizer step), or None when there is none."""
         valid = self._valid_slots(self.step)
         return None if len(valid) == 0 else int(self.step - self.steps[valid].min())
 
@@ -157,11 +168,11 @@ class MemoryBank(nn.Module):
 
     @property
     def scored(self) -> bool:
-        """Whether this training step scores the bank (warm-up over, and something banked)."""
+        """Whether this training forward scores the bank (warm-up over, and something banked)."""
         return self.step >= self.warmup_steps and self.size > 0
 
     def check(self, columns: int, dim: int | None, gather: bool = False) -> None:
-        """Raises ValueError before a training step whose batch does not fit the banked pairs: another number of
+        """Raises ValueError before a training forward whose batch does not fit the banked pairs: another number of
         columns (1 + hard negatives) or another embedding dimension ``dim`` (None: not known); the dual memory with
         a base loss that now gathers (``gather``)."""
         check_memory_options(self.memory_size, self.warmup_steps, self.max_age, self.dual, gather)
@@ -184,7 +195,7 @@ class MemoryBank(nn.Module):
             )
 
     def candidates(self) -> BankedPairs | None:
-        """The pairs this training step scores, or None (warm-up, or nothing banked): the valid slots as views of
+        """The pairs this training forward scores, or None (warm-up, or nothing banked): the valid slots as views of
         the ring (all of it, or one stretch of it), or a copy where an age limit leaves them wrapped around its end."""
         if not self.scored:
             return None
@@ -200,12 +211,50 @@ class MemoryBank(nn.Module):
         return BankedPairs(*(None if (t := getattr(self, name)) is None else t[index] for name in fields))
 
     def end_step(self, pairs: BankedPairs | None) -> None:
-        """After a training step's loss: bank its ``pairs`` (none during the warm-up, and none of a step whose
-        embeddings are not finite: an fp16 step the gradient scaler skips must not poison the bank) and count the
-        step."""
+        """After a training forward's loss: bank its ``pairs`` (none during the warm-up, and none of a forward whose
+        embeddings are not finite: an fp16 step the gradient scaler skips must not poison the bank) at the current
+        step; unless the bank counts optimizer steps, the forward is a step (counted), and the first one warns."""
+        if not self.counts_optimizer_steps:
+            self._say_what_it_counts()
         if pairs is not None and self.step >= self.warmup_steps and all_finite(pairs.docs):
             self._enqueue(pairs)
+        if not self.counts_optimizer_steps:
+            self.step += 1
+
+    def count_optimizer_steps(self) -> None:
+        """From now on a step is an optimizer step, counted by :meth:`end_optimizer_step` (training forwards no
+        longer count). :class:`st_cached_losses.CachedLossCallback` calls it when the trainer's training begins; a
+        loop of your own calls it before its first step."""
+        self.counts_optimizer_steps = True
+
+    def end_optimizer_step(self) -> None:
+        """After an optimizer step: one more step (the age of every banked pair grows by one).
+
+        Raises:
+            RuntimeError: the bank counts training forwards (call :meth:`count_optimizer_steps` first).
+        """
+        if not self.counts_optimizer_steps:
+            raise RuntimeError(
+                "This memory bank counts training forwards as its steps: call loss.memory.count_optimizer_steps() "
+                "before the first step to count optimizer steps with end_optimizer_step()."
+            )
         self.step += 1
+
+    def _say_what_it_counts(self) -> None:
+        """Once: nothing counts this bank's optimizer steps or keeps it in checkpoints (no CachedLossCallback)."""
+        if self.said_what_it_counts:
+            return
+        self.said_what_it_counts = True
+        logger.warning(
+            "A memory bank (memory_size=%d) that no CachedLossCallback serves: it counts each training forward as a "
+            "step (memory_warmup_steps, memory_max_age; a micro-batch under gradient accumulation, not an optimizer "
+            "step), and the trainer's checkpoints will not hold it (a run resumed from one starts with an empty "
+            "bank). With SentenceTransformerTrainer: CachedLossCallback.attach(trainer) before trainer.train(). In a "
+            "loop of your own: loss.memory.count_optimizer_steps() before the first step, "
+            "loss.memory.end_optimizer_step() after each optimizer step, and loss.memory.bank_state() / "
+            "load_bank_state() with your checkpoints.",
+            self.memory_size,
+        )
 
     def _enqueue(self, pairs: BankedPairs) -> None:
         if self.docs is None:
@@ -251,8 +300,8 @@ class MemoryBank(nn.Module):
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def bank_state(self) -> dict:
-        """Everything to restore the bank (tensors on CPU)."""
-        tensors = {name: t.cpu() for name in self._TENSORS if (t := getattr(self, name)) is not None}
+        """Everything to restore the bank: a snapshot (tensors copied to CPU, so later steps do not change it)."""
+        tensors = {name: t.to("cpu", copy=True) for name in self._TENSORS if (t := getattr(self, name)) is not None}
         counters = {"step": self.step, "next_slot": self.next_slot, "filled": self.filled}
         settings = {
             "memory_size": self.memory_size,
@@ -274,5 +323,5 @@ class MemoryBank(nn.Module):
             raise ValueError(f"The checkpoint's memory bank was saved with {state['settings']}, not {settings}.")
         for name in self._TENSORS:
             tensor = state["tensors"].get(name)
-            setattr(self, name, None if tensor is None else tensor.to(device))
+            setattr(self, name, None if tensor is None else tensor.to(device, copy=True))  # not shared with ``state``
         self.step, self.next_slot, self.filled = (state["counters"][key] for key in ("step", "next_slot", "filled"))

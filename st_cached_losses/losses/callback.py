@@ -1,20 +1,23 @@
 """What a cached loss needs of ``SentenceTransformerTrainer`` beyond its loss value: its step reports in the trainer's
-log, and its memory bank in the trainer's checkpoints.
+log, its memory bank in the trainer's checkpoints, and the trainer's optimizer steps as the bank's steps.
 
 The trainer logs each entry of the loss's dict and back-propagates their sum, so a report that is not a loss (the share
-of candidates the masks removed, the bank's fill) cannot travel in that dict; and a checkpoint holds the model, the
-optimizer, the scheduler and the RNG states, but no loss state. :class:`CachedLossCallback` adds both, with
-``transformers``' own callback hooks.
+of candidates the masks removed, the bank's fill) cannot travel in that dict; a checkpoint holds the model, the
+optimizer, the scheduler and the RNG states, but no loss state; and the loss sees training forwards, not optimizer
+steps. :class:`CachedLossCallback` adds the three, with ``transformers``' own callback hooks.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -23,19 +26,53 @@ __all__ = ["MEMORY_FILE", "CachedLossCallback"]
 MEMORY_FILE = "st_cached_losses_memory_rank{rank}.pt"  # in each checkpoint folder, one per process
 
 
+@dataclass(frozen=True)
+class TrainCall:
+    """What a ``trainer.train(...)`` call says that transformers tells no callback: the ``resume_from_checkpoint``
+    it was given (None, True or a folder) and the folder its checkpoints go in."""
+
+    resume_from_checkpoint: str | os.PathLike | bool | None
+    run_folder: str
+
+    def checkpoint(self, output_dir: str) -> str | None:
+        """The checkpoint folder the call resumes from, or None: ``True`` is the last checkpoint in ``output_dir``,
+        found as ``Trainer.train`` finds it (before this run writes one)."""
+        if self.resume_from_checkpoint is None or self.resume_from_checkpoint is False:
+            return None
+        if self.resume_from_checkpoint is True:
+            return get_last_checkpoint(output_dir)
+        return os.fspath(self.resume_from_checkpoint)
+
+
+def trainer_run_folder(trainer: Any, trial: Any) -> str:
+    """The folder ``trainer`` writes this run's ``checkpoint-<step>`` folders in: ``args.output_dir``, or a trial's
+    own folder under a hyperparameter search. transformers has no public name for it; ``Trainer._save_checkpoint``
+    asks its private ``_get_output_dir(trial)`` (transformers 4.x and 5.x), so this asks the same (tested in
+    tests/test_memory_bank_trainer.py)."""
+    return trainer._get_output_dir(trial=trial)
+
+
 class CachedLossCallback(TrainerCallback):
-    """Puts a cached loss's step reports into the trainer's log and its memory bank into the trainer's checkpoints.
+    """Puts every cached loss's step reports into the trainer's log, its memory bank into the trainer's checkpoints,
+    and makes the bank count the trainer's optimizer steps. Create it with :meth:`attach`.
 
     Logged next to ``loss_dim_*`` (training logs only; the values of the logged step): ``masked_share`` (the share of
     candidates the false-negative filter, the duplicate mask or the own-pair mask removed) and, with a memory bank,
-    ``memory_fill`` (banked documents / capacity) and ``memory_age`` (training steps since the oldest banked pair was
-    banked). Saved: ``loss.memory`` (:class:`~st_cached_losses.gradcache.memory_bank.MemoryBank`) in every checkpoint
-    folder, one file per process (:data:`MEMORY_FILE`), restored when training resumes from a checkpoint in
-    ``output_dir`` (``resume_from_checkpoint=True`` or a path there) or from ``resume_from``.
+    ``memory_fill`` (banked documents / capacity) and ``memory_age`` (optimizer steps since the oldest banked pair was
+    banked). With a dict of losses each key is prefixed by the loss's name: ``<name>_memory_fill``.
+
+    Saved: every bank (:class:`~st_cached_losses.gradcache.memory_bank.MemoryBank`) in every checkpoint folder the
+    trainer writes, one file per process (:data:`MEMORY_FILE`: ``{name: bank_state()}``, name ``""`` for a single
+    loss); restored when ``trainer.train(resume_from_checkpoint=...)`` resumes from a checkpoint (``True``: the last
+    one in ``output_dir``, or a folder anywhere). A bank's steps are optimizer steps: its warm-up, maximum age and
+    ``memory_age`` count them, whatever ``gradient_accumulation_steps``.
 
     Args:
-        loss: a cached loss of this package (any object with ``masked_share`` and ``memory``).
-        resume_from: a checkpoint folder to restore the bank from when it is not under the trainer's ``output_dir``.
+        losses: the trainer's loss, or its dict of losses (name -> loss); every loss of this package in it (any
+            object with ``masked_share`` and ``memory``) is served.
+
+    Raises:
+        TypeError: no loss of this package among ``losses``.
 
     Example:
         ::
@@ -43,36 +80,76 @@ class CachedLossCallback(TrainerCallback):
             loss = CachedMatryoshkaLoss(model, base, dims, memory_size=4096)
             trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
             CachedLossCallback.attach(trainer)  # before the logging callbacks, so they see its values
-            trainer.train()
+            trainer.train()  # or trainer.train(resume_from_checkpoint=True / "path/to/checkpoint-500")
     """
 
-    def __init__(self, loss: Any, resume_from: str | os.PathLike | None = None) -> None:
-        self.loss = loss
-        self.resume_from = resume_from
+    def __init__(self, losses: Any) -> None:
+        named = losses.items() if isinstance(losses, dict) else [("", losses)]
+        self.losses = {name: loss for name, loss in named if hasattr(loss, "memory")}
+        if not self.losses:
+            got = [type(loss).__name__ for _, loss in named]
+            raise TypeError(f"CachedLossCallback needs a loss of st_cached_losses, got {', '.join(got) or 'none'}.")
+        self.train_call: TrainCall | None = None  # the running trainer.train call's, heard by attach's wrapper
 
     @classmethod
-    def attach(cls, trainer: Any, resume_from: str | os.PathLike | None = None) -> CachedLossCallback:
-        """A callback for ``trainer.loss`` (or each cached loss of a dict of losses: the first one), inserted right
-        after the trainer's flow callback, before the logging integrations and the progress bar."""
-        losses = trainer.loss.values() if isinstance(trainer.loss, dict) else [trainer.loss]
-        loss = next((loss for loss in losses if hasattr(loss, "memory")), None)
-        if loss is None:
-            raise TypeError(f"CachedLossCallback needs a loss of st_cached_losses, got {type(trainer.loss).__name__}.")
-        callback = cls(loss, resume_from)
+    def attach(cls, trainer: Any) -> CachedLossCallback:
+        """A callback for every cached loss of ``trainer.loss`` (a loss or a dict of losses), inserted right after
+        the trainer's flow callback, before the logging integrations and the progress bar. It wraps this trainer's
+        ``train`` to hear its ``resume_from_checkpoint`` and trial, which transformers tells no callback.
+
+        Raises:
+            TypeError: ``trainer.loss`` holds no loss of this package.
+            ValueError: a CachedLossCallback is attached to ``trainer`` already.
+        """
+        if any(isinstance(callback, cls) for callback in trainer.callback_handler.callbacks):
+            raise ValueError("A CachedLossCallback is attached to this trainer already: it serves every cached loss.")
+        callback = cls(trainer.loss)
         trainer.callback_handler.callbacks.insert(1, callback)
+        train = trainer.train
+
+        @functools.wraps(train)
+        def train_heard(resume_from_checkpoint=None, trial=None, *args, **kwargs):
+            callback.train_call = TrainCall(resume_from_checkpoint, trainer_run_folder(trainer, trial))
+            return train(resume_from_checkpoint, trial, *args, **kwargs)
+
+        trainer.train = train_heard
         return callback
+
+    def banks(self) -> dict[str, Any]:
+        """The served losses' memory banks by name (losses without one left out)."""
+        return {name: loss.memory for name, loss in self.losses.items() if loss.memory is not None}
 
     def reports(self) -> dict[str, float]:
         """The values this callback logs now."""
         values = {}
-        if getattr(self.loss, "masked_share", None) is not None:
-            values["masked_share"] = float(self.loss.masked_share)
-        memory = getattr(self.loss, "memory", None)
-        if memory is not None:
-            values["memory_fill"] = memory.fill
-            age = memory.oldest_age
-            values["memory_age"] = float("nan") if age is None else float(age)
+        for name, loss in self.losses.items():
+            prefix = f"{name}_" if name else ""
+            if getattr(loss, "masked_share", None) is not None:
+                values[f"{prefix}masked_share"] = float(loss.masked_share)
+            if loss.memory is not None:
+                values[f"{prefix}memory_fill"] = loss.memory.fill
+                age = loss.memory.oldest_age
+                values[f"{prefix}memory_age"] = float("nan") if age is None else float(age)
         return values
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        banks = self.banks()
+        if not banks:
+            return
+        if self.train_call is None:
+            raise ValueError(
+                "CachedLossCallback was not attached with CachedLossCallback.attach(trainer): it needs to hear "
+                "trainer.train's resume_from_checkpoint to restore the memory bank. Attach it that way instead."
+            )
+        for bank in banks.values():
+            bank.count_optimizer_steps()
+        checkpoint = self.train_call.checkpoint(args.output_dir)
+        if checkpoint is not None:
+            self._restore(banks, checkpoint, args.process_index, state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        for bank in self.banks().values():
+            bank.end_optimizer_step()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs:  # evaluation logs and the run's summary carry no step reports
@@ -83,26 +160,27 @@ class CachedLossCallback(TrainerCallback):
             state.log_history[-1].update(values)  # the trainer appended this entry before calling the callbacks
 
     def on_save(self, args, state, control, **kwargs):
-        memory = getattr(self.loss, "memory", None)
-        if memory is None:
+        banks = self.banks()
+        if not banks:
             return
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        folder = os.path.join(self.train_call.run_folder, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         os.makedirs(folder, exist_ok=True)
-        torch.save(memory.bank_state(), os.path.join(folder, MEMORY_FILE.format(rank=args.process_index)))
+        saved = {name: bank.bank_state() for name, bank in banks.items()}
+        torch.save(saved, os.path.join(folder, MEMORY_FILE.format(rank=args.process_index)))
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        memory = getattr(self.loss, "memory", None)
-        if memory is None or state.global_step == 0:
-            return
-        folder = self.resume_from or os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        path = os.path.join(folder, MEMORY_FILE.format(rank=args.process_index))
-        if not os.path.exists(path):
+    def _restore(self, banks: dict[str, Any], checkpoint: str, rank: int, step: int) -> None:
+        """Each bank from the checkpoint's file; a warning names the banks that start empty, and why."""
+        path = os.path.join(checkpoint, MEMORY_FILE.format(rank=rank))
+        saved = torch.load(path, map_location="cpu", weights_only=True) if os.path.exists(path) else {}
+        for name, bank in banks.items():
+            if name in saved:
+                bank.load_bank_state(saved[name], next(self.losses[name].model.parameters()).device)
+        empty = sorted(set(banks) - set(saved))
+        if empty:
             logger.warning(
-                "Resuming at step %d without the memory bank (no %s): it starts empty. Pass "
-                "CachedLossCallback(loss, resume_from=<checkpoint folder>) for a checkpoint outside output_dir.",
-                state.global_step,
-                path,
+                "Resuming at step %d from %s without the memory bank of %s (%s): it starts empty.",
+                step,
+                checkpoint,
+                ", ".join(repr(name) if name else "the loss" for name in empty),
+                f"{path} holds {sorted(saved)}" if saved else f"no {path}",
             )
-            return
-        device = next(self.loss.model.parameters()).device
-        memory.load_bank_state(torch.load(path, map_location="cpu", weights_only=True), device)
