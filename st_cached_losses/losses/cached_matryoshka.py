@@ -124,8 +124,10 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
                 processes with ``gather_across_devices``). A banked copy of a row's own pair is never its negative.
                 0 (default): no bank, exactly the loss without one. The bank: ``loss.memory``; checkpoints and the
                 trainer's log: :class:`st_cached_losses.CachedLossCallback`; when it helps: ``docs/benchmarks.md``.
-            memory_warmup_steps: training steps before the bank is filled and scored (XBM's warm-up).
-            memory_max_age: training steps after which a banked pair leaves, even before the bank is full; None: no
+            memory_warmup_steps: optimizer steps before the bank is filled and scored (XBM's warm-up; counted by
+                :class:`st_cached_losses.CachedLossCallback`; in a loop of your own without
+                ``loss.memory.count_optimizer_steps()``, training forwards).
+            memory_max_age: optimizer steps after which a banked pair leaves, even before the bank is full; None: no
                 limit.
             dual_memory: also bank the queries (ContAccum's dual memory): banked pairs join the batch as rows, each
                 with its banked positive as target, and the loss is the mean over this step's and the banked rows;
