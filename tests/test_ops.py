@@ -294,6 +294,18 @@ def test_no_grad_forward_matches_and_skips_gradients():
     torch.testing.assert_close(value, matryoshka_infonce(world_q, docs, dims=[16, 4], backend="dense").loss)
 
 
+def test_no_grad_asks_the_backend_for_no_gradients_even_of_inputs_that_require_them(monkeypatch):
+    from st_cached_losses.ops import infonce
+
+    asked, run = [], infonce.run_backend
+    monkeypatch.setattr(infonce, "run_backend", lambda *args, **kw: asked.append(args[5]) or run(*args, **kw))
+    world_q, docs = (t.requires_grad_() for t in _inputs(30, 30, 30, 16))
+    with torch.no_grad():
+        out = matryoshka_infonce(world_q, docs, dims=[16, 4], backend="chunked")
+    matryoshka_infonce(world_q, docs, dims=[16, 4], backend="chunked").loss.backward()
+    assert asked == [False, True] and not out.loss.requires_grad and world_q.grad is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_inputs_against_fp32_truth(dtype):
     """bf16/fp16 inputs are upcast once and computed in fp32: the loss is within 1e-5 of the fp32 loss on

@@ -209,7 +209,17 @@ def matryoshka_infonce(
     duplicates = (query_ids, doc_ids, world_query_ids) if spec.mask_duplicates else None
     with _autocast_off(queries.device):
         loss, per_dim, lse, masked_share = _MatryoshkaInfoNCE.apply(
-            queries, docs, world_queries, spec, name, reason, chunk_size, guide, duplicates, memory
+            queries,
+            docs,
+            world_queries,
+            spec,
+            name,
+            reason,
+            chunk_size,
+            guide,
+            duplicates,
+            memory,
+            torch.is_grad_enabled(),
         )
     masked = spec.false_negatives is not None or spec.mask_duplicates
     return InfoNCEOutput(loss, per_dim, lse, masked_share if masked else None)
@@ -244,11 +254,14 @@ def _run(
 
 class _MatryoshkaInfoNCE(torch.autograd.Function):
     """Gradients are computed in the forward sweep (saving a recompute of every score tile) and kept
-    only when an input needs them; backward scales them by grad_output (accumulation, AMP scaler)."""
+    only when an input needs them and gradients are enabled where the op is called (inside ``forward`` they never
+    are); backward scales them by grad_output (accumulation, AMP scaler)."""
 
     @staticmethod
-    def forward(ctx, queries, docs, world_queries, spec, name, reason, chunk_size, guide, duplicates, memory):
-        need_grad = any(ctx.needs_input_grad[:3])
+    def forward(
+        ctx, queries, docs, world_queries, spec, name, reason, chunk_size, guide, duplicates, memory, grad_mode
+    ):
+        need_grad = grad_mode and any(ctx.needs_input_grad[:3])
         world = queries if world_queries is None else world_queries
         result = _run(name, reason, queries, docs, world, spec, need_grad, chunk_size, guide, duplicates, memory)
         weights = torch.tensor(spec.weights, dtype=result.per_dim.dtype, device=result.per_dim.device)
@@ -278,7 +291,7 @@ class _MatryoshkaInfoNCE(torch.autograd.Function):
                 "matryoshka_infonce computes its gradients in the forward pass and hands them over once: "
                 "call the op again instead of backpropagating twice (retain_graph=True)."
             )
-        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], *[None] * 7)
+        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], *[None] * 8)
 
 
 def _triton_host():
