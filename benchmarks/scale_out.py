@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.profiling import peak_tensor_bytes
 from benchmarks.report import RESULTS, write_csv
-from st_cached_losses.testing import free_port, local_rank_setup
+from st_cached_losses.testing import local_rank_setup, rendezvous_store
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_per_step", "zero1", "zero2", "zero3", "stock_zero2", "stock_zero3")
 WORLD_SIZE = 2
@@ -226,20 +226,21 @@ def _live_tensor_bytes() -> int:
 
 def run(strategy: str, args, out: Path) -> list[dict]:
     """Both ranks' results for one strategy (a fresh pair of processes)."""
-    context = mp.start_processes(
-        _worker, args=(free_port(), strategy, args, str(out)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + (min(args.timeout, 300) if strategy.startswith("stock") else args.timeout)
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                break
-    except Exception as error:
-        print(f"{strategy}: {type(error).__name__}", file=sys.stderr)
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    with rendezvous_store() as port:
+        context = mp.start_processes(
+            _worker, args=(port, strategy, args, str(out)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + (min(args.timeout, 300) if strategy.startswith("stock") else args.timeout)
+        try:
+            while not context.join(timeout=5):
+                if time.monotonic() > deadline:
+                    break
+        except Exception as error:
+            print(f"{strategy}: {type(error).__name__}", file=sys.stderr)
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
     results = []
     for rank in range(WORLD_SIZE):
         path = out / f"{strategy}_rank{rank}.json"

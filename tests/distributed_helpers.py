@@ -1,5 +1,6 @@
-"""2 gloo processes on CPU, each holding half of the batch: spawning them (a free port, a deadline to join them by) and
-setting each one up (one thread, the rendezvous environment, a process group whose collectives time out soon).
+"""2 gloo processes on CPU, each holding half of the batch: spawning them (the rendezvous store this process hosts, a
+deadline to join them by) and setting each one up (one thread, the rendezvous environment, a process group whose
+collectives time out soon).
 
 A test runs ``spawn(worker, *args)``; each process runs ``worker(rank, port, *args)``, which calls ``child_setup``,
 builds its models (before the process group: once it exists, transformers' save_pretrained, which the tiny models go
@@ -14,7 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from st_cached_losses.testing import free_port, local_rank_setup
+from st_cached_losses.testing import local_rank_setup, rendezvous_store
 from tests.helpers import texts
 
 WORLD_SIZE = 2
@@ -36,20 +37,21 @@ def batch_texts(negatives: int, seed: int = 11) -> list[list[str]]:
 
 
 def spawn(fn, *args) -> None:
-    """Run ``fn(rank, port, *args)`` in WORLD_SIZE spawned processes (``port``: a free one for the rendezvous);
-    re-raise a child's failure, kill them all after JOIN_TIMEOUT_S."""
-    context = mp.start_processes(fn, args=(free_port(), *args), nprocs=WORLD_SIZE, join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        # join raises (and terminates the others) as soon as one child fails; True once all exited cleanly.
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{fn.__name__} did not finish within {JOIN_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+    """Run ``fn(rank, port, *args)`` in WORLD_SIZE spawned processes (``port``: the rendezvous store's, which this
+    process hosts until they are done); re-raise a child's failure, kill them all after JOIN_TIMEOUT_S."""
+    with rendezvous_store() as port:
+        context = mp.start_processes(fn, args=(port, *args), nprocs=WORLD_SIZE, join=False, start_method="spawn")
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        try:
+            # join raises (and terminates the others) as soon as one child fails; True once all exited cleanly.
+            while not context.join(timeout=5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn.__name__} did not finish within {JOIN_TIMEOUT_S} s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)
 
 
 def child_setup(rank: int, port: int) -> None:

@@ -585,6 +585,7 @@ def ddp_results(tmp_path_factory, tiny_model):
     return out_dir
 
 
+@pytest.mark.slow  # 2 spawned gloo processes
 @pytest.mark.parametrize("mode", DDP_MODES)
 def test_ddp_synchronises_once_per_step_and_matches_one_process(ddp_results, tiny_model, mode):
     """Kept forwards run under no_sync in step (1); the step's last mini-batch is re-embedded and synchronises, once.
@@ -611,6 +612,7 @@ def test_ddp_synchronises_once_per_step_and_matches_one_process(ddp_results, tin
         assert result["kept"] == [minibatches - 1] and result["forwards"] == [minibatches + 1]
 
 
+@pytest.mark.slow  # 2 spawned gloo processes
 @pytest.mark.parametrize("find_unused", [True, False], ids=["find_unused", "all_used"])
 def test_ddp_trainer_with_a_budget_ends_with_identical_weights(ddp_results, find_unused):
     rank0, rank1 = (torch.load(ddp_results / f"budget_trainer_{find_unused}_rank{rank}.pt") for rank in range(2))

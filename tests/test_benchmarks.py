@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import loss_stage, memory_bank
 
 
+@pytest.mark.slow
 def test_loss_stage_smoke(tmp_path):
     loss_stage.main(
         ["--sizes", "32", "64", "--dim", "48", "--dims", "48", "24", "--repeats", "1", "--out", str(tmp_path)]
@@ -21,6 +24,7 @@ def test_loss_stage_smoke(tmp_path):
     assert "| 64 |" in loss_stage.summary_table(records)
 
 
+@pytest.mark.slow
 def test_crossover_smoke(tmp_path):
     loss_stage.main(["--crossover", "--sizes", "16", "--dim", "8", "--dims", "8", "4", "--out", str(tmp_path)])
     records = loss_stage.read_csv(tmp_path / "crossover.csv")
@@ -47,6 +51,7 @@ def test_python_m_benchmarks_regenerates_every_committed_result(monkeypatch):
     assert sorted(stems) == sorted(p.stem for p in loss_stage.RESULTS.glob("loss_stage*.csv"))
 
 
+@pytest.mark.slow
 def test_loss_stage_mask_duplicates_smoke(tmp_path):
     loss_stage.main(
         [
@@ -73,6 +78,7 @@ def test_loss_stage_mask_duplicates_smoke(tmp_path):
     assert "| 120 | chunked |" in loss_stage.mask_table(records)
 
 
+@pytest.mark.slow
 def test_loss_stage_gist_smoke(tmp_path):
     loss_stage.main(
         ["--gist", "--sizes", "32", "--dim", "48", "--dims", "48", "24", "--repeats", "1", "--out", str(tmp_path)]
@@ -83,6 +89,7 @@ def test_loss_stage_gist_smoke(tmp_path):
     assert value[("inputs", "guide_embedding_bytes")] == value[("inputs", "embedding_bytes")]
 
 
+@pytest.mark.slow
 def test_compile_step_smoke(tmp_path):
     from benchmarks import compile_step
 
@@ -113,6 +120,7 @@ def test_compile_step_smoke(tmp_path):
     assert (tmp_path / "compile_step.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_memory_bank_smoke(tmp_path):
     sizes = ["--sizes", "32", "--banks", "0", "64", "--repeats", "1", "--step-bank", "64", "--rounds", "2"]
     memory_bank.main(["loss-stage", "step", *sizes, "--model", "tiny", "--out", str(tmp_path)])

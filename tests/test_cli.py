@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,7 @@ def _stdlib_jsonl(path, rows: int, columns=("anchor", "positive", "negative")):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.oldest_st
 def test_results_schema(run):
     out, results, _ = run
@@ -85,6 +87,7 @@ def test_results_schema(run):
     assert not list(out.parent.glob(".*"))  # no staging or backup directory left behind
 
 
+@pytest.mark.slow
 def test_results_record_the_loss_stage_backend(run):
     """Issue 11: results.json says which loss-stage backend and tile the op used in this run's training (even when
     earlier tests made other choices in this process), and so does the table. On a CPU "auto" runs the chunked
@@ -106,6 +109,7 @@ def test_results_record_the_loss_stage_backend(run):
     )
 
 
+@pytest.mark.slow  # trains in a fresh interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the model, and the loss stage, run on the GPU")
 def test_the_cli_shows_the_backend_choice_at_info(tiny_dir, tmp_path):
     """In a fresh process (the op logs each choice once per process): the choice is logged at INFO on stderr and
@@ -135,6 +139,7 @@ def test_the_cli_shows_the_backend_choice_at_info(tiny_dir, tmp_path):
     assert [(c["backend"], c["device"], c["tile"]) for c in loss_stage] == [("chunked", "cpu", "16 rows")]
 
 
+@pytest.mark.slow
 def test_saved_model_is_the_trained_one(run, tiny_dir):
     """Re-evaluating the saved model gives the 'after' numbers, the initial one the 'before' numbers, and
     the weights moved: the table is about the model that was trained and written."""
@@ -170,6 +175,7 @@ def test_shared_encoding_matches_truncate_dim(tiny_dir):
     assert shared["64"] != shared["16"]
 
 
+@pytest.mark.slow
 def test_prints_the_table(run):
     _, results, stdout = run
     assert "NDCG@10" in stdout and "Recall@10" in stdout and "train:" in stdout
@@ -177,6 +183,7 @@ def test_prints_the_table(run):
     assert any(line.split()[0] == "32" and f"{after:.4f}" in line for line in stdout.splitlines() if line.strip())
 
 
+@pytest.mark.slow
 def test_local_jsonl_with_negatives_and_compare_stock(tiny_dir, tmp_path):
     data = _stdlib_jsonl(tmp_path / "pairs.jsonl", rows=60)
     out = tmp_path / "out"
@@ -197,6 +204,7 @@ def test_local_jsonl_with_negatives_and_compare_stock(tiny_dir, tmp_path):
     assert comparison["time_ratio"] == pytest.approx(mean["stock"] / mean["ours"])
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_a_previous_run(run, tiny_dir, tmp_path):
     previous, _, _ = run
     out = tmp_path / "out"
@@ -207,6 +215,7 @@ def test_overwrite_replaces_a_previous_run(run, tiny_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the old run and the staging dir are gone
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_only_what_a_run_writes(run, tiny_dir, tmp_path):
     """A user's files beside a previous run (the trial lost src/main.py and notes.txt) survive --overwrite."""
     previous, _, _ = run
@@ -224,6 +233,7 @@ def test_overwrite_replaces_only_what_a_run_writes(run, tiny_dir, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [run_dir.RUN_MARKER, "model", "notes.txt", "results.json", "src"]
 
 
+@pytest.mark.slow
 def test_an_empty_output_dir_is_used(tiny_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -266,6 +276,7 @@ def test_publish_never_replaces_outputs_it_did_not_write(tmp_path):
     assert (target / "results.json").read_text() == "someone else's"
 
 
+@pytest.mark.slow
 def test_failure_while_writing_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
     def broken_publish(staging, target):
         raise OSError("disk full")
@@ -364,6 +375,7 @@ def test_argparse_errors_exit_2(capsys):
     assert "must be a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_python_dash_m_exit_code(tmp_path):
     """The module entry point: a missing model fails before anything is loaded, one line, exit code 2."""
     missing = tmp_path / "missing"
@@ -387,6 +399,19 @@ def test_python_dash_m_exit_code(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_python_dash_m_in_this_process(tmp_path, capsys, monkeypatch):
+    """The module entry point run here (the inner loop's stand-in for the fresh process above): the same line, the
+    same exit code."""
+    missing = tmp_path / "missing"
+    argv = ["st_cached_losses", "train", "--model", str(missing), "--output-dir", str(tmp_path / "o")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as raised:
+        runpy.run_module("st_cached_losses", run_name="__main__")
+    assert raised.value.code == 2
+    assert capsys.readouterr().err == f"{ERROR_PREFIX}--model {str(missing)!r}: no such directory\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the RSS high-water mark is reset on Linux only")
 def test_peak_memory_is_measured_over_the_training_phase_alone():
     """What ran before training (here 512 MiB, like an evaluation's encodings) does not count."""
@@ -400,6 +425,7 @@ def test_peak_memory_is_measured_over_the_training_phase_alone():
     assert 64 * 2**20 < peak["bytes"] < lifetime - 256 * 2**20
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_cli_imports_and_measures_without_the_resource_module():
     """Windows has no ``resource`` module: the CLI still imports, and the fallback (psutil's peak working set,
     faked here) says what it measured."""
@@ -419,6 +445,7 @@ def test_cli_imports_and_measures_without_the_resource_module():
     assert proc.stdout.startswith(f"{123 * 2**20} peak RSS of the process from its start to the end of training")
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_malformed_dataset_is_one_line_in_a_fresh_process(tmp_path):
     """In a fresh process, as a user runs it: datasets' own log line about the bad file is not printed too."""
     bad = tmp_path / "bad.jsonl"
@@ -435,6 +462,7 @@ def test_malformed_dataset_is_one_line_in_a_fresh_process(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
 
 
+@pytest.mark.slow
 def test_identical_pairs_warn_of_single_pair_batches_and_a_single_query(tiny_dir, tmp_path, capsys):
     """8 copies of one pair: the no-duplicates sampler puts each alone in a batch (loss and gradient 0) and the
     held-out split has one distinct query. The run goes on, with a warning for each."""
@@ -472,6 +500,7 @@ def test_triton_backend_on_cpu_is_refused_before_anything_runs(tiny_dir, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a fresh interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine --backend triton can run")
 def test_triton_backend_on_cpu_in_a_fresh_process(tmp_path):
     """As a user runs it (no TRITON_INTERPRET): one line, exit code 2, not a traceback after the first evaluation."""
@@ -491,6 +520,7 @@ def test_triton_backend_on_cpu_in_a_fresh_process(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.oldest_st
 def test_bf16_trains_on_cpu_and_is_recorded(tiny_dir, tmp_path, monkeypatch):
     seen = []
@@ -642,6 +672,7 @@ def test_bad_options_from_python_raise_usage_error(options, message, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_guide_trains_gistembed_inside_the_loss(tiny_dir, tmp_path, monkeypatch):
     """--guide: CachedMatryoshkaLoss around CachedGISTEmbedLoss(model, guide, margin) (the guide here: the same
     tiny model), recorded in results.json; with --compare-stock, stock MatryoshkaLoss around the same base."""
@@ -660,6 +691,7 @@ def test_guide_trains_gistembed_inside_the_loss(tiny_dir, tmp_path, monkeypatch)
     assert type(ours).__name__ == "CachedMatryoshkaLoss" and ours.false_negative_margin is None
 
 
+@pytest.mark.slow
 def test_false_negative_margin_alone_is_self_guided(tiny_dir, tmp_path, monkeypatch):
     made = record_losses(monkeypatch)
     assert train_cli(tiny_dir, tmp_path / "out", "--false-negative-margin", "-0.1") == 0

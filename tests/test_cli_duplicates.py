@@ -37,6 +37,7 @@ def _pairs_sharing_queries(path, rows: int = 48):
     return path
 
 
+@pytest.mark.slow
 def test_mask_duplicates_trains_with_plain_batches(tiny_dir, tmp_path, monkeypatch):
     made, samplers = record_losses(monkeypatch), _samplers(monkeypatch)
     data = _pairs_sharing_queries(tmp_path / "pairs.jsonl")
@@ -48,6 +49,7 @@ def test_mask_duplicates_trains_with_plain_batches(tiny_dir, tmp_path, monkeypat
     assert config["mask_duplicates"] is True
 
 
+@pytest.mark.slow
 def test_defaults_and_the_2d_loss(tiny_dir, tmp_path, monkeypatch):
     made, samplers = record_losses(monkeypatch), _samplers(monkeypatch)
     assert train_cli(tiny_dir, tmp_path / "plain", "--batch-sampler", "batch_sampler") == 0

@@ -20,6 +20,7 @@ def _results(out) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.slow
 def test_layers_trains_every_layer_and_evaluates_the_truncated_model(tiny_dir, tmp_path, monkeypatch, capsys):
     made = record_losses(monkeypatch)
     assert train_cli(tiny_dir, tmp_path / "out", "--layers", "1") == 0
@@ -41,6 +42,7 @@ def test_layers_trains_every_layer_and_evaluates_the_truncated_model(tiny_dir, t
         assert any(line.split()[:2] == [layers, str(dim)] for line in table.splitlines()), (layers, dim)
 
 
+@pytest.mark.slow
 def test_activation_budget_and_auto_mini_batch(tiny_dir, tmp_path, monkeypatch, capsys):
     made = record_losses(monkeypatch)
     assert train_cli(tiny_dir, tmp_path / "out", "--activation-budget", "auto", "--mini-batch-size", "auto") == 0
@@ -54,6 +56,7 @@ def test_activation_budget_and_auto_mini_batch(tiny_dir, tmp_path, monkeypatch, 
     assert "mini batch size chosen" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_activation_budget_in_bytes_keeps_nothing_when_too_small(tiny_dir, tmp_path, monkeypatch):
     made = record_losses(monkeypatch)
     assert train_cli(tiny_dir, tmp_path / "out", "--activation-budget", "1") == 0

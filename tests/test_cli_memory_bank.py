@@ -10,6 +10,7 @@ import pytest
 from tests.helpers import record_losses, train_cli
 
 
+@pytest.mark.slow
 def test_memory_size_trains_with_a_bank_and_records_it(tiny_dir, tmp_path, monkeypatch):
     made = record_losses(monkeypatch)
     extra = ["--memory-size", "24", "--memory-warmup-steps", "1", "--memory-max-age", "5", "--dual-memory"]

@@ -160,6 +160,7 @@ def _one_sgd_step(tmp_path, name: str) -> dict[str, torch.Tensor]:
     return {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow  # trains through SentenceTransformerTrainer
 def test_trainer_step_matches_stock(tmp_path):
     ours, stock = _one_sgd_step(tmp_path, "ours"), _one_sgd_step(tmp_path, "stock")
     assert sum(bool(delta.abs().max() > 0) for delta in stock.values()) > len(stock) // 2

@@ -23,6 +23,8 @@ from st_cached_losses import CachedMatryoshka2dLoss, CachedMatryoshkaLoss
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.helpers import texts
 
+pytestmark = pytest.mark.slow  # torch.compile: 7 trainings of 10 steps
+
 STEPS, ROWS, MINI_BATCH = 10, 10, 3  # mini-batches of 3, 3, 3 and 1 rows
 DIMS = [32, 16, 8]
 MODES = ("trainer_torch_compile", "model_compile", "inner_transformer")

@@ -78,6 +78,7 @@ def test_deduplicate_drops_ambiguous_anchors():
     assert deduplicate(rows) == [rows[1], rows[4]]
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_pairs_are_deterministic_across_processes(pairs):
     """Same pairs in a fresh process with another hash seed that first imports transformers (which adds
     methods to logging.Logger), and in this one, where pytest has replaced sys.unraisablehook."""

@@ -19,6 +19,8 @@ import torch
 from tests.distributed_helpers import DIMS, MINI_BATCH_SIZE, ROWS, WORLD_SIZE, child_setup, local_rows, spawn
 from tests.helpers import assert_grads_close, loss_and_grads, texts
 
+pytestmark = pytest.mark.slow  # 2 spawned gloo processes
+
 deepspeed = pytest.importorskip("deepspeed")
 
 # name: (ZeRO stage, gradient accumulation steps, 2D loss)

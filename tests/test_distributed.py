@@ -36,6 +36,8 @@ from tests.distributed_helpers import (
 )
 from tests.helpers import assert_grads_close, loss_and_grads, texts
 
+pytestmark = pytest.mark.slow  # 2 spawned gloo processes
+
 WEIGHTS = [1.0, 0.5, 0.25]
 CASES = {  # name: (hard negatives per row, base loss config)
     "pairs": (0, {}),

@@ -29,6 +29,8 @@ from tests.distributed_helpers import (
 )
 from tests.helpers import assert_grads_close, loss_and_grads
 
+pytestmark = pytest.mark.slow  # 2 spawned gloo processes
+
 LAYERS = 2
 DIMS, WEIGHTS = [48, 16], [1.0, 0.5]
 OPTIONS = dict(n_layers_per_step=-1, n_dims_per_step=-1, kl_div_weight=50.0)

@@ -221,6 +221,7 @@ def test_text_ids_follow_the_tokens_not_the_padding():
         text_ids({"pixel_values": torch.zeros(2, 3)})
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_text_ids_are_the_same_in_every_process():
     code = textwrap.dedent("""
         import torch
@@ -276,6 +277,7 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 spawned gloo processes
 def test_two_processes_match_the_whole_batch_reference(tmp_path):
     spawn(_worker, str(tmp_path))
     results = torch.load(tmp_path / "rank0.pt")

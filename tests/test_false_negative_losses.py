@@ -192,6 +192,7 @@ def _gist_worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 spawned gloo processes
 def test_gathered_across_two_processes_matches_stock(tmp_path):
     spawn(_gist_worker, str(tmp_path))
     for rank in range(WORLD_SIZE):

@@ -167,6 +167,7 @@ def _fsdp_units(model):
     return (module for module in model.modules() if isinstance(module, FSDPModule))
 
 
+# 2 spawned gloo processes: the tests that take these results are marked slow.
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("fsdp")
@@ -190,6 +191,7 @@ def _reference(case):
     return sum(losses) / len(losses), {name: sum(g[name] for g in grads) / len(grads) for name in grads[0]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [case for case in CASES if case not in ("bf16", "evaluation")])
 def test_fsdp2_matches_one_process_on_the_whole_batch(spawned, case):
     loss, grads = _reference(case)
@@ -199,6 +201,7 @@ def test_fsdp2_matches_one_process_on_the_whole_batch(spawned, case):
         assert_grads_close(result["grads"], grads)
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_is_fp32_within_bf16_rounding(spawned):
     """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the forward and backward in bf16 (8 bits of
     mantissa: ~0.4% per rounding), the same loss and gradients as one fp32 process within a few roundings."""
@@ -209,6 +212,7 @@ def test_bf16_mixed_precision_is_fp32_within_bf16_rounding(spawned):
         assert_grads_close(result["grads"], grads, rtol=5e-2)
 
 
+@pytest.mark.slow
 def test_evaluation_with_uneven_token_budgets_finishes_with_the_whole_batch_loss(spawned):
     """Without gradients FSDP2 still all-gathers in every forward: the ranks agree on their mini-batches here too."""
     loss, _ = _reference("evaluation")
@@ -216,12 +220,14 @@ def test_evaluation_with_uneven_token_budgets_finishes_with_the_whole_batch_loss
     assert spawned[0]["evaluation"]["loss"] == pytest.approx(loss, rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["per_backward", "token_budget", "budget", "decoder"])
 def test_every_rank_runs_the_same_forwards(spawned, case):
     assert spawned[0][case]["forwards"] == spawned[1][case]["forwards"]
     assert spawned[0][case]["collectives"] == spawned[1][case]["collectives"]
 
 
+@pytest.mark.slow
 def test_token_budgets_that_cut_the_ranks_differently_still_finish(spawned):
     """Rank 0's long texts need more mini-batches than rank 1's short ones (one process on each half counts them):
     under FSDP2 both ranks run as many as the one that needs most (rank 1 pads with one-row mini-batches)."""
@@ -241,6 +247,7 @@ def test_token_budgets_that_cut_the_ranks_differently_still_finish(spawned):
     assert spawned[0]["token_budget"]["forwards"] == spawned[1]["token_budget"]["forwards"] >= max(alone)
 
 
+@pytest.mark.slow
 def test_budgets_that_keep_different_mini_batches_agree_on_the_ones_both_kept(spawned):
     for case in ("budget", "per_step_budget"):
         rank0, rank1 = (spawned[rank][case] for rank in range(WORLD_SIZE))
@@ -248,6 +255,7 @@ def test_budgets_that_keep_different_mini_batches_agree_on_the_ones_both_kept(sp
         assert 0 < len(rank0["kept"]) < rank0["minibatches"], "rank 1's budget keeps only some"
 
 
+@pytest.mark.slow
 def test_kept_bytes_under_fsdp2_are_the_unsharded_ones(spawned):
     """The budget measures activations, not FSDP2's all-gathered parameters: rank 0's kept bytes (everything kept,
     agreed down to what rank 1 kept) are within 15% of the same mini-batches' bytes without sharding."""
@@ -261,6 +269,7 @@ def test_kept_bytes_under_fsdp2_are_the_unsharded_ones(spawned):
     assert sharded["kept_bytes"] == pytest.approx(expected, rel=0.15)
 
 
+@pytest.mark.slow
 def test_per_step_reduce_scatters_once_per_unit_and_step(spawned):
     for rank in range(WORLD_SIZE):
         once, every = spawned[rank]["per_step"], spawned[rank]["per_backward"]

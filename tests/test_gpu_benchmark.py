@@ -11,12 +11,14 @@ import torch
 from benchmarks import cuda_checks, gpu
 
 
+# The whole dry run, minutes on a CPU: the tests that take it are marked slow.
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu")
     return gpu.main(["--dry-run", "--out", str(out)]), out
 
 
+@pytest.mark.slow
 def test_dry_run_writes_every_result(dry_run):
     code, out = dry_run
     assert code == 0
@@ -29,6 +31,7 @@ def test_dry_run_writes_every_result(dry_run):
         assert section in summary
 
 
+@pytest.mark.slow
 def test_dry_run_checks_every_case_backend_and_tile_config(dry_run):
     from st_cached_losses.ops.triton.host import CANDIDATES
 
@@ -44,6 +47,7 @@ def test_dry_run_checks_every_case_backend_and_tile_config(dry_run):
     assert all(r["passed"] == "True" for r in rows)
 
 
+@pytest.mark.slow
 def test_dry_run_measures_every_contender(dry_run):
     from benchmarks.report import read_csv
 
@@ -57,6 +61,7 @@ def test_dry_run_measures_every_contender(dry_run):
         assert {(name, "seconds_median"), (name, "seconds_loss_median"), (name, "peak_bytes")} <= steps
 
 
+@pytest.mark.slow
 def test_a_failing_case_fails_the_run(monkeypatch, tmp_path):
     """The exit code says whether every check passed (here a backend whose d_docs is off by 1%)."""
     from st_cached_losses import ops

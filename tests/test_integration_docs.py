@@ -39,6 +39,7 @@ def test_every_integration_has_a_snippet():
     }
 
 
+@pytest.mark.slow  # trains through SentenceTransformerTrainer
 @pytest.mark.parametrize("heading", ["LoRA adapters", "Image-text models (CLIP-style)", "Gradient checkpointing"])
 def test_snippet_trains(heading, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the trainer's output directory

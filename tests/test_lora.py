@@ -110,6 +110,7 @@ def _one_sgd_step(tmp_path, name: str, loss_name: str) -> dict[str, torch.Tensor
     return {n: p.detach() - before[n] for n, p in model.named_parameters() if n in before}
 
 
+@pytest.mark.slow  # trains through SentenceTransformerTrainer
 @pytest.mark.parametrize("name", MODELS)
 def test_trainer_step_matches_stock(tmp_path, name):
     ours, stock = _one_sgd_step(tmp_path, name, "ours"), _one_sgd_step(tmp_path, name, "stock")

@@ -24,6 +24,8 @@ from tests.distributed_helpers import (
 )
 from tests.helpers import assert_grads_close, parameter_grads
 
+pytestmark = pytest.mark.slow  # 2 spawned gloo processes
+
 STEPS, MEMORY_SIZE, LR = 3, 20, 0.5  # 10 pairs of 2 documents: the bank wraps around in the third step
 
 

@@ -22,6 +22,7 @@ def smoke_env(monkeypatch, tmp_path):
     monkeypatch.setenv("TQDM_DISABLE", "1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["quickstart", "benchmarks"])
 def test_notebook_executes(name, smoke_env, tmp_path):
     notebook = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)

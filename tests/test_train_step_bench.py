@@ -5,10 +5,14 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
+
 from benchmarks import train_step
 from benchmarks.report import FIELDS
 from benchmarks.step import PHASES
 from benchmarks.train_step_report import summary_table
+
+pytestmark = pytest.mark.slow  # a benchmark's smoke runs: each contender in its own process
 
 PAIRS = [
     (f"return the {w} of the {v} list", f"mod.{w}_{v}(items, key=None)")

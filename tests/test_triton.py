@@ -40,6 +40,12 @@ if not triton_kernels.INTERPRETED:  # imported earlier in this process without t
 RTOL = 1e-4  # fp32
 
 
+def _sizes(full: dict, small: dict) -> list:
+    """A test's shapes: ``full`` in the whole suite only (marked slow), ``small`` (fewer interpreted tiles, the same
+    checks) in the inner loop too."""
+    return [pytest.param(full, marks=pytest.mark.slow, id="full"), pytest.param(small, id="small")]
+
+
 def _problem(batch, dim, negatives=1, world=None, offset=0, dtype=torch.float32, seed=0, **options):
     """(queries, docs, world_queries, spec): this rank owns world rows [offset, offset + batch)."""
     generator = torch.Generator().manual_seed(seed)
@@ -129,9 +135,10 @@ def test_matches_dense_fp32(case):
     _assert_matches_dense(*_problem(**case))
 
 
-def test_row_tiles_smaller_than_batch():
-    """chunk_size picks the row tile: 16 rows, so B=37 spans three row tiles, the last one ragged."""
-    queries, docs, world, spec = _problem(batch=37, dim=48, dims=[48, 24], directions=ALL_DIRECTIONS)
+@pytest.mark.parametrize("shape", _sizes(dict(batch=37, dim=48, dims=[48, 24]), dict(batch=21, dim=40, dims=[40, 8])))
+def test_row_tiles_smaller_than_batch(shape):
+    """chunk_size picks the row tile: 16 rows, so B=37 spans three row tiles (B=21 two), the last one ragged."""
+    queries, docs, world, spec = _problem(**shape, directions=ALL_DIRECTIONS)
     _assert_matches_dense(queries, docs, world, spec, chunk_size=16)
 
 
@@ -141,12 +148,12 @@ def test_row_tiles_smaller_than_batch():
     # P @ V) and the gradients are returned in bf16 (2^-9 relative); fp16 keeps the tile in fp32.
     [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)],
 )
-def test_half_precision_against_fp32_truth(dtype, grad_rtol):
+@pytest.mark.parametrize(
+    "shape", _sizes(dict(batch=37, dim=96, dims=[96, 48], world=45), dict(batch=13, dim=40, dims=[40, 8], world=21))
+)
+def test_half_precision_against_fp32_truth(dtype, grad_rtol, shape):
     queries, docs, world, spec = _problem(
-        batch=37,
-        dim=96,
-        dims=[96, 48],
-        world=45,
+        **shape,
         offset=5,
         dtype=dtype,
         directions=ALL_DIRECTIONS,
@@ -168,8 +175,9 @@ def test_fp64_inputs_accumulate_in_fp64():
         assert_close_to_scale(g, w, "grad", rtol=1e-6)
 
 
-def test_no_grad_and_deterministic():
-    queries, docs, world, spec = _problem(batch=37, dim=48, dims=[48, 24], directions=ALL_DIRECTIONS)
+@pytest.mark.parametrize("shape", _sizes(dict(batch=37, dim=48, dims=[48, 24]), dict(batch=21, dim=40, dims=[40, 8])))
+def test_no_grad_and_deterministic(shape):
+    queries, docs, world, spec = _problem(**shape, directions=ALL_DIRECTIONS)
     first = run_backend("triton", queries, docs, world, spec, need_grad=True)
     second = run_backend("triton", queries, docs, world, spec, need_grad=True)
     no_grad = run_backend("triton", queries, docs, world, spec, need_grad=False)
@@ -279,6 +287,7 @@ def _run_python(code: str, **env) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_cpu_without_interpreter_raises_clear_error():
     result = _run_python("""
         import torch
@@ -302,6 +311,7 @@ def test_cpu_without_interpreter_raises_clear_error():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.slow  # a fresh interpreter and Triton's ahead-of-time compile
 def test_kernels_compile_for_hopper():
     """The interpreter runs programs the compiler rejects: compile all three kernels for sm_90 (no GPU
     needed: Triton's LLVM and bundled ptxas), in a process without TRITON_INTERPRET, with and without the
