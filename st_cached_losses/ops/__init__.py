@@ -6,7 +6,8 @@ its backends. Never imports sentence_transformers.
   backend returns; ``errors.py``: the op's exception;
 - ``backend.py``: the one registry of backends, ``"auto"``, the Triton fallback and the log of choices;
 - ``reference.py`` (dense, the test oracle), ``chunked.py`` (row tiles, any device), ``triton/`` (GPU kernels);
-- ``false_negatives.py``: GISTEmbed's per-tile mask of dropped candidates.
+- ``false_negatives.py``: GISTEmbed's per-tile mask of dropped candidates;
+- ``maxsim/``: ``maxsim_infonce``, the late-interaction (ColBERT MaxSim) loss over Matryoshka token dims.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .backend import (
 )
 from .errors import TritonUnavailableError
 from .infonce import NONFINITE_POLICIES, matryoshka_infonce
+from .maxsim import maxsim_infonce
 from .result import InfoNCEOutput, InfoNCEResult
 from .spec import InfoNCESpec
 
@@ -36,6 +38,7 @@ __all__ = [
     "check_backend",
     "choices",
     "matryoshka_infonce",
+    "maxsim_infonce",
     "recorded_choices",
     "run_backend",
     "select_backend",
