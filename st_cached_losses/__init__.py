@@ -16,11 +16,13 @@ __all__ = [
     "CachedLossCallback",
     "CachedMatryoshka2dLoss",
     "CachedMatryoshkaLoss",
+    "CachedMultiVectorMatryoshkaLoss",
     "InfoNCEOutput",
     "__version__",
     "matryoshka_infonce",
     "maxsim_infonce",
     "truncate_layers",
+    "truncate_token_dim",
 ]
 
 # Imported lazily: the losses pull in sentence_transformers (seconds), the op does not.
@@ -29,7 +31,9 @@ _LAZY = {
     "CachedMatryoshka2dLoss": "losses",
     "CachedAdaptiveLayerLoss": "losses",
     "CachedLossCallback": "losses",
+    "CachedMultiVectorMatryoshkaLoss": "losses",
     "truncate_layers": "truncation",
+    "truncate_token_dim": "truncation",
 }
 
 

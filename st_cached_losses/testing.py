@@ -146,7 +146,7 @@ def tiny_multi_vector_encoder(
     """A randomly initialised MultiVectorEncoder as ``MultiVectorEncoder(path)`` builds one from a bare transformer: a
     BERT (MiniLM's tokenizer), a projection of its token vectors to ``token_dim`` (no bias), a ``MultiVectorMask``
     (``skiplist_words`` dropped from documents) and, with ``normalize``, a ``Normalize`` of the token vectors.
-    ``query_expansion``: the Transformer's ColBERT query expansion (e.g. ``{"strategy": "pad", "length": 12}``)."""
+    ``query_expansion``: the Transformer's ColBERT query expansion (e.g. ``{"strategy": "fixed", "length": 12}``)."""
     import torch
     from sentence_transformers.base.modules import Dense, Normalize, Transformer
     from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
