@@ -272,3 +272,24 @@ def test_the_trainer_trains_logs_per_dim_losses_and_writes_the_model_card(tmp_pa
         assert sum(components) == pytest.approx(entry["loss"], abs=1e-3)  # logged rounded to 4 decimals
     card = (tmp_path / "checkpoint-3" / "README.md").read_text()
     assert "st_cached_losses.CachedMultiVectorMatryoshkaLoss" in card and "2004.12832" in card
+
+
+def test_truncate_token_dim_serves_the_first_coordinates_re_normalised(model, tmp_path):
+    from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
+
+    cut = truncate_token_dim(model, 8)
+    sentences = texts(3, 5, 2, 9)
+    full = model.encode_document(sentences)
+    served = cut.encode_document(sentences)
+    assert cut.get_embedding_dimension() == 8 and model.get_embedding_dimension() == TOKEN_DIM  # a copy
+    for whole, part in zip(full, served):
+        torch.testing.assert_close(part, torch.nn.functional.normalize(whole[:, :8], dim=-1))
+    cut.save(str(tmp_path / "cut"))
+    loaded = MultiVectorEncoder(str(tmp_path / "cut"))
+    torch.testing.assert_close(loaded.encode_document(sentences)[0], served[0])
+    unnormalised = tiny_multi_vector_encoder(token_dim=TOKEN_DIM, seed=4, normalize=False)
+    plain = truncate_token_dim(unnormalised, 8).encode_query(sentences)
+    torch.testing.assert_close(plain[0], unnormalised.encode_query(sentences)[0][:, :8])
+    for bad in (0, TOKEN_DIM + 1, 2.0):
+        with pytest.raises(ValueError, match=r"dim must be an int in \[1, 32\]"):
+            truncate_token_dim(model, bad)
