@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .ops import InfoNCEOutput, matryoshka_infonce
+from .ops import InfoNCEOutput, matryoshka_infonce, maxsim_infonce
 
 __all__ = [
     "CachedAdaptiveLayerLoss",
@@ -19,6 +19,7 @@ __all__ = [
     "InfoNCEOutput",
     "__version__",
     "matryoshka_infonce",
+    "maxsim_infonce",
     "truncate_layers",
 ]
 

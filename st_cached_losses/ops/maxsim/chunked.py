@@ -1,0 +1,216 @@
+"""Row-tiled MaxSim InfoNCE: every Matryoshka dim in one sweep, on any device.
+
+A tile of queries (their unmasked tokens only: R query tokens) meets every document in blocks. For each block the
+token dot products of all dims come from one GEMM's worth of work, smallest dim first in prefix bands
+[d_{k+1}, d_k): S_K = C[:, :d_K] Q[:, :d_K]^T, S_k = S_{k+1} + C[:, band_k] Q[:, band_k]^T (document tokens as
+rows). Cosine similarity scales the document tokens by their prefix norms (``_block_dots``: S_k then holds
+<q, ĉ>; the query norm is a positive row factor, taken out of the max and applied to the maxima). Each dim takes
+its own max over each document's tokens with its argmax (a channels-last ``adaptive_max_pool2d``: vectorised across
+query tokens, where ``max(dim)`` is not), kept per (dim, query token, document): no B x M x Lq x Ld tensor, and of
+size B x M x Lq only the tile's. The tile's scores, LSEs and logit gradients follow (``tile``), and at once its
+gradients (``gradients.py``): gathers and scatter-adds of token vectors at the argmaxes, never a GEMM over Ld.
+
+Memory beyond the inputs and their gradients: per tile K x R x M maxima (fp32) and argmaxes (int64) and a few
+K x (queries) x M score buffers (``default_tile_queries`` sizes them from ``DEFAULT_TILE_BYTES``), one block of
+token dot products (``FORWARD_BLOCK_BYTES``) and the backward's per-block buffers (``gradients.py``).
+
+References: ColBERT (arXiv 2004.12832), Matryoshka (arXiv 2205.13147), jina-colbert-v2 (arXiv 2408.16672),
+GradCache (arXiv 2101.06983), Liger-Kernel's fused linear cross-entropy (forward and backward of a row tile at once).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..duplicates import DuplicateMask
+from ..result import InfoNCEResult
+from ..spec import NORM_EPS
+from .gradients import TileGradients
+from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
+
+DEFAULT_TILE_BYTES = 64 * 2**20
+MAX_TILE_TOKENS = 1024
+FORWARD_BLOCK_BYTES = 4 * 2**20
+
+# Per (dim, query token, document): its maximum (fp32; the buffer later holds the token's logit gradient) and its
+# argmax (int16). Per (dim, query, document): the logits and their exponentials (fp32).
+_BYTES_PER_TOKEN_ENTRY = 4 + 2
+_BYTES_PER_QUERY_ENTRY = 4
+
+
+def default_tile_queries(spec: MaxSimSpec, query_tokens: int, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
+    """Queries per tile: their per-(dim, query token, document) buffers fit in ``tile_bytes``, and they hold at most
+    ``MAX_TILE_TOKENS`` token positions (more would only grow the blocks of token dot products; fewer would read and
+    write every document gradient more often, once per tile)."""
+    per_query = len(spec.dims) * spec.num_docs * (query_tokens * _BYTES_PER_TOKEN_ENTRY + _BYTES_PER_QUERY_ENTRY)
+    return max(1, min(spec.batch_size, tile_bytes // per_query, MAX_TILE_TOKENS // query_tokens))
+
+
+def forward(
+    queries: Tensor,
+    documents: Tensor,
+    query_mask: Tensor,
+    document_mask: Tensor,
+    spec: MaxSimSpec,
+    need_grad: bool,
+    tile_queries: int | None = None,
+    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+) -> InfoNCEResult:
+    """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients of
+    ``sum_k w_k L_k`` wrt. queries (B, Lq, D) and documents (M, Ld, D), in their dtype; computes in fp32 (fp64 for
+    fp64 inputs). ``tile_queries``: queries per tile (default: ``default_tile_queries``); ``duplicates``: the text ids
+    (query_ids, doc_ids, world_query_ids or None) of ``spec.mask_duplicates``."""
+    sweep = _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, duplicates)
+    rows = tile_queries or default_tile_queries(spec, queries.shape[1])
+    for begin in range(0, spec.batch_size, rows):
+        sweep.tile(begin, min(begin + rows, spec.batch_size))
+    return sweep.result()._replace(tile=f"{min(rows, spec.batch_size)} queries")
+
+
+class _Sweep:
+    """One forward sweep's inputs, token bookkeeping, prefix norms and accumulators."""
+
+    def __init__(self, queries, documents, query_mask, document_mask, spec: MaxSimSpec, need_grad: bool, duplicates):
+        dtype = torch.promote_types(queries.dtype, torch.float32)
+        self.spec, self.need_grad, self.input_dtype = spec, need_grad, queries.dtype
+        self.doc_tokens, self.shapes = documents.shape[1], (queries.shape, documents.shape)
+        self.queries = queries.to(dtype).reshape(-1, queries.shape[2])  # (B * Lq, D) token vectors
+        self.docs = documents.to(dtype).reshape(-1, documents.shape[2])  # (M * Ld, D)
+        device = self.queries.device
+        # The unmasked query tokens, query by query: a tile's rows of the GEMM (padding costs nothing).
+        self.tokens = query_mask.reshape(-1).nonzero().squeeze(1)
+        counts = query_mask.sum(dim=1)
+        self.token_counts = counts
+        self.token_starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).tolist()
+        self.denominator = (
+            counts.clamp(min=1).to(dtype) if spec.length_normalize else torch.ones(spec.batch_size, dtype=dtype)
+        ).to(device)
+        self.empty = (~document_mask.any(dim=1)).nonzero().squeeze(1)  # documents without a scored token
+        self.masked_doc_tokens = (~document_mask).reshape(-1).nonzero().squeeze(1)  # ascending flat indices
+        self.query_inv = _inverse_prefix_norms(self.queries, spec)  # (K, B * Lq) or None ("dot")
+        self.doc_inv = _inverse_prefix_norms(self.docs, spec)  # (K, M * Ld) or None
+        self.duplicates = None if duplicates is None else DuplicateMask.build(spec.infonce_spec(), *duplicates)
+        self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
+        self.lse = torch.empty(len(spec.dims), 1, spec.batch_size, dtype=dtype, device=device)
+        self.grads = (torch.zeros_like(self.queries), torch.zeros_like(self.docs)) if need_grad else None
+
+    def tile(self, begin: int, end: int) -> None:
+        """Queries [begin, end) against every document: scores, LSEs, loss and (with gradients) their gradients."""
+        spec, count = self.spec, end - begin
+        tokens = self.tokens[self.token_starts[begin] : self.token_starts[end]]  # (R,)
+        owner = torch.repeat_interleave(
+            torch.arange(count, device=tokens.device), self.token_counts[begin:end], output_size=tokens.shape[0]
+        )  # each token's query in the tile
+        rows = self.queries[tokens]  # (R, D)
+        maxima = rows.new_empty(len(spec.dims), tokens.shape[0], spec.num_docs)  # (K, R, M)
+        index_dtype = torch.int16 if self.doc_tokens <= torch.iinfo(torch.int16).max else torch.int32
+        argmax = torch.empty(maxima.shape, dtype=index_dtype, device=rows.device)
+        if tokens.shape[0]:
+            self._token_maxima(rows, maxima, argmax)
+        logits = self._logits(maxima, tokens, owner, begin, end)  # (K, count, M)
+        lse = torch.logsumexp(logits, dim=2)
+        local = torch.arange(count, device=logits.device)
+        positive = logits[:, local, spec.offset + begin + local]
+        self.lse[:, 0, begin:end] = lse
+        self.per_dim_sum += (lse - positive).sum(dim=1)
+        if not self.need_grad or not tokens.shape[0]:
+            return
+        # d(w_k L_k) / d(score): the softmax less the label, exactly 0 for a row whose only candidate is its
+        # positive (exp(0) = 1) and for an empty document (its score is a constant).
+        grad = logits.sub_(lse[:, :, None]).exp_()
+        grad[:, local, spec.offset + begin + local] -= 1.0
+        factors = torch.tensor(spec.weights, dtype=grad.dtype, device=grad.device) * (spec.scale / spec.batch_size)
+        grad.mul_(factors[:, None, None]).div_(self.denominator[begin:end][None, :, None])
+        grad[:, :, self.empty] = 0.0
+        # Each token's share: d loss / d(its maximum against document j), into the maxima's buffer (K, R, M).
+        token_grad = torch.index_select(grad, 1, owner, out=maxima)
+        TileGradients(self, tokens, rows).run(token_grad, argmax)
+
+    def _token_maxima(self, rows: Tensor, maxima: Tensor, argmax: Tensor) -> None:
+        """maxima[k, t, j] = max_u <q_t, ĉ_ju> over document j's unmasked tokens (cosine: ĉ the prefix-normalised
+        token, q_t raw; dot: both raw) in dim k, and argmax[k, t, j] its u; in document blocks of one GEMM each."""
+        spec, width = self.spec, self.doc_tokens
+        block = max(1, FORWARD_BLOCK_BYTES // (4 * width * rows.shape[0]))
+        buffer = rows.new_empty(min(block, spec.num_docs) * width, rows.shape[0])
+        for first in range(0, spec.num_docs, block):
+            last = min(first + block, spec.num_docs)
+            span = slice(first * width, last * width)
+            dots = buffer[: span.stop - span.start]
+            masked = self._masked_in(span)
+            for k, current in _block_dots(self.docs[span], rows, spec, self.doc_inv, span, dots):
+                if k == len(spec.dims) - 1 and masked.numel():
+                    dots.index_fill_(0, masked, float("-inf"))  # stays -inf through the larger dims' sums
+                values, indices = _max_over_tokens(current, last - first, width)
+                maxima[k, :, first:last] = values.T
+                argmax[k, :, first:last] = indices.T
+
+    def _masked_in(self, span: slice) -> Tensor:
+        """The masked document tokens in the flat range ``span``, relative to its start."""
+        bounds = torch.searchsorted(self.masked_doc_tokens, torch.tensor([span.start, span.stop])).tolist()
+        return self.masked_doc_tokens[bounds[0] : bounds[1]] - span.start
+
+    def _logits(self, maxima: Tensor, tokens: Tensor, owner: Tensor, begin: int, end: int) -> Tensor:
+        """(K, count, M) scale * MaxSim scores of queries [begin, end), the removed duplicates at -inf."""
+        spec, count = self.spec, end - begin
+        maxima.index_fill_(2, self.empty, 0.0)  # their -inf would poison the product below
+        # scores[k, i] = sum over i's tokens t of maxima[k, t] * (cosine: 1 / ||q_t[:d_k]||) / denominator_i
+        weights = maxima.new_zeros(len(spec.dims), count, tokens.shape[0])
+        token_scale = 1.0 if self.query_inv is None else self.query_inv[:, tokens]
+        weights[:, owner, torch.arange(tokens.shape[0], device=tokens.device)] = token_scale
+        logits = torch.bmm(weights, maxima)
+        logits.div_(self.denominator[begin:end][None, :, None])
+        logits[:, :, self.empty] = (EMPTY_DOCUMENT_SCORE / self.denominator[begin:end])[None, :, None]
+        logits.mul_(spec.scale)
+        if self.duplicates is not None:
+            removed_rows, removed_cols = self.duplicates.tile("query_to_doc", begin, end)
+            logits[:, removed_rows, removed_cols] = float("-inf")
+        return logits
+
+    def result(self) -> InfoNCEResult:
+        per_dim = self.per_dim_sum / self.spec.batch_size
+        share = None if self.duplicates is None else self.duplicates.share()
+        grads = None
+        if self.grads is not None:
+            dq, dc = self.grads
+            grads = (dq.to(self.input_dtype).view(self.shapes[0]), dc.to(self.input_dtype).view(self.shapes[1]), None)
+        return InfoNCEResult(per_dim, self.lse, grads, masked_share=share)
+
+
+def _block_dots(docs: Tensor, rows: Tensor, spec: MaxSimSpec, doc_inv: Tensor | None, span: slice, out: Tensor):
+    """Yield (k, S_k) for k = K-1 .. 0: the (document tokens, query tokens) dot products of dim k in ``out``,
+    accumulated band by band (the matmul work of the largest dim); cosine: the document tokens scaled by their
+    inverse prefix norm of dim k (S_k = S_{k+1} * (inv_k / inv_{k+1}) + band_k, in place)."""
+    dims = spec.dims
+    previous = None
+    for k in range(len(dims) - 1, -1, -1):
+        lo, hi = (dims[k + 1] if k + 1 < len(dims) else 0), dims[k]
+        band = docs[:, lo:hi]
+        if doc_inv is not None:
+            inv = doc_inv[k, span]
+            band = band * inv[:, None]
+            if previous is not None:
+                out.mul_((inv / previous)[:, None])
+            previous = inv
+        if lo == 0:
+            torch.mm(band, rows[:, :hi].T, out=out)
+        else:
+            out.addmm_(band, rows[:, lo:hi].T)
+        yield k, out
+
+
+def _max_over_tokens(dots: Tensor, docs: int, width: int) -> tuple[Tensor, Tensor]:
+    """(docs, R) max over each document's ``width`` token rows of ``dots`` (docs * width, R), and its argmax."""
+    # As a channels-last (N=docs, C=R, H=width, W=1) image: the pool runs across the R contiguous query tokens.
+    image = dots.view(docs, width, 1, dots.shape[1]).permute(0, 3, 1, 2)
+    values, indices = F.adaptive_max_pool2d(image, 1, return_indices=True)
+    return values.reshape(docs, -1), indices.reshape(docs, -1)
+
+
+def _inverse_prefix_norms(x: Tensor, spec: MaxSimSpec) -> Tensor | None:
+    """(K, rows) 1 / max(||x[:, :d_k]||, eps), as F.normalize divides; None for dot similarity."""
+    if not spec.cosine:
+        return None
+    norms = torch.stack([torch.linalg.vector_norm(x[:, :dim], dim=1) for dim in spec.dims])
+    return norms.clamp_min(NORM_EPS).reciprocal()
