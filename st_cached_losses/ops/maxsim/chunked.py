@@ -31,21 +31,28 @@ from .gradients import TileGradients
 from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
 
 DEFAULT_TILE_BYTES = 64 * 2**20
-MAX_TILE_TOKENS = 1024
-FORWARD_BLOCK_BYTES = 4 * 2**20
+MAX_TILE_TOKENS = 2048
+FORWARD_BLOCK_BYTES = 8 * 2**20
 
-# Per (dim, query token, document): its maximum (fp32; the buffer later holds the token's logit gradient) and its
-# argmax (int16). Per (dim, query, document): the logits and their exponentials (fp32).
-_BYTES_PER_TOKEN_ENTRY = 4 + 2
+# Per (dim, query token, document) a tile keeps the argmax (uint8 up to 256 document tokens); per (dim, query,
+# document) its scores and then their gradients (fp32).
 _BYTES_PER_QUERY_ENTRY = 4
 
 
-def default_tile_queries(spec: MaxSimSpec, query_tokens: int, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
-    """Queries per tile: their per-(dim, query token, document) buffers fit in ``tile_bytes``, and they hold at most
-    ``MAX_TILE_TOKENS`` token positions (more would only grow the blocks of token dot products; fewer would read and
-    write every document gradient more often, once per tile)."""
-    per_query = len(spec.dims) * spec.num_docs * (query_tokens * _BYTES_PER_TOKEN_ENTRY + _BYTES_PER_QUERY_ENTRY)
+def default_tile_queries(spec: MaxSimSpec, query_tokens: int, doc_tokens: int, tile_bytes: int = DEFAULT_TILE_BYTES):
+    """Queries per tile: their per-(dim, query token, document) argmaxes and per-(dim, query, document) scores fit in
+    ``tile_bytes``, and they hold at most ``MAX_TILE_TOKENS`` token positions (more would only grow the blocks of
+    token dot products; fewer would read and write every document gradient more often: once per tile)."""
+    entry = _index_dtype(doc_tokens).itemsize
+    per_query = len(spec.dims) * spec.num_docs * (query_tokens * entry + _BYTES_PER_QUERY_ENTRY)
     return max(1, min(spec.batch_size, tile_bytes // per_query, MAX_TILE_TOKENS // query_tokens))
+
+
+def _index_dtype(doc_tokens: int) -> torch.dtype:
+    """The narrowest integer dtype holding a token index in [0, doc_tokens): the tile's argmaxes."""
+    if doc_tokens <= 256:
+        return torch.uint8
+    return torch.int16 if doc_tokens <= torch.iinfo(torch.int16).max else torch.int32
 
 
 def forward(
@@ -63,7 +70,7 @@ def forward(
     fp64 inputs). ``tile_queries``: queries per tile (default: ``default_tile_queries``); ``duplicates``: the text ids
     (query_ids, doc_ids, world_query_ids or None) of ``spec.mask_duplicates``."""
     sweep = _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, duplicates)
-    rows = tile_queries or default_tile_queries(spec, queries.shape[1])
+    rows = tile_queries or default_tile_queries(spec, queries.shape[1], documents.shape[1])
     for begin in range(0, spec.batch_size, rows):
         sweep.tile(begin, min(begin + rows, spec.batch_size))
     return sweep.result()._replace(tile=f"{min(rows, spec.batch_size)} queries")
@@ -87,7 +94,8 @@ class _Sweep:
         self.denominator = (
             counts.clamp(min=1).to(dtype) if spec.length_normalize else torch.ones(spec.batch_size, dtype=dtype)
         ).to(device)
-        self.empty = (~document_mask.any(dim=1)).nonzero().squeeze(1)  # documents without a scored token
+        self.is_empty = ~document_mask.any(dim=1)  # documents without a scored token
+        self.empty = self.is_empty.nonzero().squeeze(1)
         self.masked_doc_tokens = (~document_mask).reshape(-1).nonzero().squeeze(1)  # ascending flat indices
         self.query_inv = _inverse_prefix_norms(self.queries, spec)  # (K, B * Lq) or None ("dot")
         self.doc_inv = _inverse_prefix_norms(self.docs, spec)  # (K, M * Ld) or None
@@ -104,12 +112,13 @@ class _Sweep:
             torch.arange(count, device=tokens.device), self.token_counts[begin:end], output_size=tokens.shape[0]
         )  # each token's query in the tile
         rows = self.queries[tokens]  # (R, D)
-        maxima = rows.new_empty(len(spec.dims), tokens.shape[0], spec.num_docs)  # (K, R, M)
-        index_dtype = torch.int16 if self.doc_tokens <= torch.iinfo(torch.int16).max else torch.int32
-        argmax = torch.empty(maxima.shape, dtype=index_dtype, device=rows.device)
+        argmax = torch.empty(
+            len(spec.dims), tokens.shape[0], spec.num_docs, dtype=_index_dtype(self.doc_tokens), device=rows.device
+        )
+        scores = rows.new_zeros(len(spec.dims), count, spec.num_docs)
         if tokens.shape[0]:
-            self._token_maxima(rows, maxima, argmax)
-        logits = self._logits(maxima, tokens, owner, begin, end)  # (K, count, M)
+            self._scores(rows, self._token_weights(tokens, owner, begin, end), scores, argmax)
+        logits = self._logits(scores, begin, end)  # (K, count, M)
         lse = torch.logsumexp(logits, dim=2)
         local = torch.arange(count, device=logits.device)
         positive = logits[:, local, spec.offset + begin + local]
@@ -124,13 +133,22 @@ class _Sweep:
         factors = torch.tensor(spec.weights, dtype=grad.dtype, device=grad.device) * (spec.scale / spec.batch_size)
         grad.mul_(factors[:, None, None]).div_(self.denominator[begin:end][None, :, None])
         grad[:, :, self.empty] = 0.0
-        # Each token's share: d loss / d(its maximum against document j), into the maxima's buffer (K, R, M).
-        token_grad = torch.index_select(grad, 1, owner, out=maxima)
-        TileGradients(self, tokens, rows).run(token_grad, argmax)
+        TileGradients(self, tokens, rows).run(grad, owner, argmax)
 
-    def _token_maxima(self, rows: Tensor, maxima: Tensor, argmax: Tensor) -> None:
-        """maxima[k, t, j] = max_u <q_t, ĉ_ju> over document j's unmasked tokens (cosine: ĉ the prefix-normalised
-        token, q_t raw; dot: both raw) in dim k, and argmax[k, t, j] its u; in document blocks of one GEMM each."""
+    def _token_weights(self, tokens: Tensor, owner: Tensor, begin: int, end: int) -> Tensor:
+        """(K, count, R): d score_i / d(maximum of token t), i.e. [t in query i] (1 / ||q_t[:d_k]||) / denominator_i."""
+        spec = self.spec
+        weights = self.queries.new_zeros(len(spec.dims), end - begin, tokens.shape[0])
+        scale = self.denominator[begin:end][owner].reciprocal()
+        if self.query_inv is not None:
+            scale = self.query_inv[:, tokens] * scale
+        weights[:, owner, torch.arange(tokens.shape[0], device=tokens.device)] = scale
+        return weights
+
+    def _scores(self, rows: Tensor, weights: Tensor, scores: Tensor, argmax: Tensor) -> None:
+        """scores[k, i, j] = sum over query i's tokens t of weights[k, i, t] * max_u <q_t, ĉ_ju> over document j's
+        unmasked tokens (cosine: ĉ the prefix-normalised token, q_t raw; dot: both raw) in dim k, and argmax[k, t, j]
+        that u; in document blocks of one GEMM's worth of work each, every dim in the same block."""
         spec, width = self.spec, self.doc_tokens
         block = max(1, FORWARD_BLOCK_BYTES // (4 * width * rows.shape[0]))
         buffer = rows.new_empty(min(block, spec.num_docs) * width, rows.shape[0])
@@ -139,34 +157,28 @@ class _Sweep:
             span = slice(first * width, last * width)
             dots = buffer[: span.stop - span.start]
             masked = self._masked_in(span)
+            empty = self.is_empty[first:last, None]
             for k, current in _block_dots(self.docs[span], rows, spec, self.doc_inv, span, dots):
                 if k == len(spec.dims) - 1 and masked.numel():
                     dots.index_fill_(0, masked, float("-inf"))  # stays -inf through the larger dims' sums
                 values, indices = _max_over_tokens(current, last - first, width)
-                maxima[k, :, first:last] = values.T
                 argmax[k, :, first:last] = indices.T
+                # An empty document's -inf would poison the product (0 * -inf); its score is filled later.
+                scores[k, :, first:last] = weights[k] @ values.masked_fill_(empty, 0.0).T
 
     def _masked_in(self, span: slice) -> Tensor:
         """The masked document tokens in the flat range ``span``, relative to its start."""
         bounds = torch.searchsorted(self.masked_doc_tokens, torch.tensor([span.start, span.stop])).tolist()
         return self.masked_doc_tokens[bounds[0] : bounds[1]] - span.start
 
-    def _logits(self, maxima: Tensor, tokens: Tensor, owner: Tensor, begin: int, end: int) -> Tensor:
-        """(K, count, M) scale * MaxSim scores of queries [begin, end), the removed duplicates at -inf."""
-        spec, count = self.spec, end - begin
-        maxima.index_fill_(2, self.empty, 0.0)  # their -inf would poison the product below
-        # scores[k, i] = sum over i's tokens t of maxima[k, t] * (cosine: 1 / ||q_t[:d_k]||) / denominator_i
-        weights = maxima.new_zeros(len(spec.dims), count, tokens.shape[0])
-        token_scale = 1.0 if self.query_inv is None else self.query_inv[:, tokens]
-        weights[:, owner, torch.arange(tokens.shape[0], device=tokens.device)] = token_scale
-        logits = torch.bmm(weights, maxima)
-        logits.div_(self.denominator[begin:end][None, :, None])
-        logits[:, :, self.empty] = (EMPTY_DOCUMENT_SCORE / self.denominator[begin:end])[None, :, None]
-        logits.mul_(spec.scale)
+    def _logits(self, scores: Tensor, begin: int, end: int) -> Tensor:
+        """In place: (K, count, M) scale * MaxSim scores of queries [begin, end), the removed duplicates at -inf."""
+        scores[:, :, self.empty] = (EMPTY_DOCUMENT_SCORE / self.denominator[begin:end])[None, :, None]
+        scores.mul_(self.spec.scale)
         if self.duplicates is not None:
             removed_rows, removed_cols = self.duplicates.tile("query_to_doc", begin, end)
-            logits[:, removed_rows, removed_cols] = float("-inf")
-        return logits
+            scores[:, removed_rows, removed_cols] = float("-inf")
+        return scores
 
     def result(self) -> InfoNCEResult:
         per_dim = self.per_dim_sum / self.spec.batch_size

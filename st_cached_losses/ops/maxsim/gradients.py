@@ -42,14 +42,16 @@ class TileGradients:
     def _unit(x: Tensor, inv: Tensor | None, dim: int) -> Tensor:
         return x[:, :dim].contiguous() if inv is None else x[:, :dim] * inv[:, None]
 
-    def run(self, token_grad: Tensor, argmax: Tensor) -> None:
-        """``token_grad``, ``argmax``: (K, R, M) the weights w and the argmaxes u* of the tile."""
+    def run(self, grad: Tensor, owner: Tensor, argmax: Tensor) -> None:
+        """``grad``: (K, count, M) d loss / d score_ij (divided by the query's denominator: each of its tokens' weight
+        w), ``owner``: (R,) each token's query, ``argmax``: (K, R, M) the argmaxes u* of the tile."""
         spec, width = self.sweep.spec, self.sweep.doc_tokens
         entries = len(spec.dims) * self.rows.shape[0] * _BYTES_PER_ENTRY + 2 * width * self.rows.shape[1] * 4
         block = max(1, BACKWARD_BLOCK_BYTES // entries)
         for first in range(0, spec.num_docs, block):
             last = min(first + block, spec.num_docs)
-            self._block(first, last, token_grad[:, :, first:last], argmax[:, :, first:last])
+            weights = torch.index_select(grad[:, :, first:last], 1, owner)  # (K, R, count)
+            self._block(first, last, weights, argmax[:, :, first:last])
         self._finish_rows()
 
     def _block(self, first: int, last: int, weights: Tensor, argmax: Tensor) -> None:
@@ -60,7 +62,6 @@ class TileGradients:
         # Each (dim, token, document) entry's document token in the block, and as a key unique across dims.
         # int32: fewer than K * count * Ld < 2**31 keys per block (and int32's sort is a radix sort, 2-3x int64's).
         keys = argmax + torch.arange(0, count * width, width, dtype=torch.int32, device=argmax.device)  # (K, R, count)
-        weights = weights.contiguous()
         dims = len(spec.dims)
         bag_keys = (
             keys
