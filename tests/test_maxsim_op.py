@@ -442,7 +442,9 @@ def test_auto_is_chunked_and_logged_once(monkeypatch, caplog):
         _call()
         _call()
     messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("maxsim_infonce:")]
-    assert messages == ["maxsim_infonce: chunked backend on cpu (auto: the default on every device); tile: 4 queries"]
+    (message,) = messages
+    assert message.startswith("maxsim_infonce: chunked backend on cpu (auto: the default on every device); tile: 4 ")
+    assert "budget 64 MiB" in message and "MiB of token dot products" in message
 
 
 # ------------------------------------------------------------------------------------------ memory

@@ -83,9 +83,11 @@ class TileGradients:
                 per_sample_weights=weights[k].view(-1)[taken],
                 mode="sum",
             )  # (count * Ld, d_k): d loss / d ĉ
-            if inv is not None:
-                _project(bags, unit_docs, inv)
-            doc_grad[:, :dim] += bags
+            if inv is None:
+                doc_grad[:, :dim] += bags
+            else:  # (bags - <bags, ĉ> ĉ) / ||c[:d_k]||, added in two passes
+                along = torch.linalg.vecdot(bags, unit_docs).mul_(inv)
+                doc_grad[:, :dim].addcmul_(bags, inv[:, None]).addcmul_(unit_docs, along[:, None], value=-1.0)
 
     def _finish_rows(self) -> None:
         total = self.rows.new_zeros(self.rows.shape)
@@ -99,5 +101,5 @@ class TileGradients:
 
 def _project(grad: Tensor, unit: Tensor, inv: Tensor) -> None:
     """In place: grad <- (grad - <grad, x̂> x̂) / ||x||, the gradient wrt. x of a function of x̂ = x / ||x||."""
-    along = (grad * unit).sum(dim=1, keepdim=True)
-    grad.addcmul_(unit, along, value=-1.0).mul_(inv[:, None])
+    along = torch.linalg.vecdot(grad, unit)
+    grad.addcmul_(unit, along[:, None], value=-1.0).mul_(inv[:, None])
