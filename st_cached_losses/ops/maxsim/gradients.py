@@ -10,7 +10,8 @@ and x̂ the prefix of x of dim k, normalised for cosine similarity (x itself for
 that is Lq * Ld * D times fewer multiply-adds than the dense einsum backward (B * M * Lq * d each). For cosine
 similarity each dim's normalisation passes its gradient on as d / dx = (g - <g, x̂> x̂) / ||x[:d_k]||: per block
 of documents for the documents, once per tile for the queries. The documents are taken in blocks whose prefix
-copies and bags fit ``BACKWARD_BLOCK_BYTES``; index arithmetic is int64 throughout.
+copies and bags fit ``BACKWARD_BLOCK_BYTES``. Indices into the inputs (token rows, B * Lq and M * Ld of them) are
+int64; only a block's own keys (fewer than K * block * Ld) are int32.
 """
 
 from __future__ import annotations
