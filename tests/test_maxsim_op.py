@@ -139,6 +139,24 @@ def test_backends_match_the_definition(options):
     _compare(*_inputs(5, 5, 6, 7, 13), **options)
 
 
+def test_a_query_without_a_scored_token():
+    """Its scores are 0 (MeanMaxSim: divided by 1), its loss log of the non-empty documents, and it passes no gradient;
+    with tiles of one query, a tile without a single token."""
+    q, c, query_mask, document_mask = _inputs(4, 8, 5, 6, 7, seed=11)
+    query_mask[2] = False
+    for length_normalize in (False, True):
+        _compare(
+            q,
+            c,
+            query_mask,
+            document_mask,
+            dims=[7, 3],
+            weights=[1.0, 1.0],
+            length_normalize=length_normalize,
+            runs=(("dense", None), ("chunked", 1), ("chunked", 3)),
+        )
+
+
 def test_hard_negatives_in_a_gathered_world():
     """Rows [3, 7) of a 9-row world batch, a positive and a hard-negative block (M=18): tiles of 1 row, 3 rows (not
     dividing B) and from the byte budget."""
@@ -442,7 +460,9 @@ def test_auto_is_chunked_and_logged_once(monkeypatch, caplog):
         _call()
         _call()
     messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("maxsim_infonce:")]
-    assert messages == ["maxsim_infonce: chunked backend on cpu (auto: the default on every device); tile: 4 queries"]
+    (message,) = messages
+    assert message.startswith("maxsim_infonce: chunked backend on cpu (auto: the default on every device); tile: 4 ")
+    assert "budget 64 MiB" in message and "MiB of token dot products" in message
 
 
 # ------------------------------------------------------------------------------------------ memory

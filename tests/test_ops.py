@@ -1,5 +1,6 @@
-"""The chunked backend against the dense reference (loss, per-row LSE, dQ, dC), with and without a memory bank, and
-the op's input checks."""
+"""The chunked backend against the dense reference (loss, per-row LSE, dQ, dC), with and without a memory bank, with
+the duplicate mask and the false-negative filter on texts with real duplicates (the reference computes both masks from
+their rules, sharing no code with the chunked backend: a wrong rule there fails here), and the op's input checks."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def _inputs(batch, world, num_docs, dim, seed=0, dtype=torch.float32, spread=1.0
 
 
 def _spec(queries, docs, world_q, dims, weights=None, offset=0, similarity="cosine", scale=20.0, **options):
+    """``options``: InfoNCESpec.build's keywords (the filter's and the duplicate mask's too), defaults as the op's."""
+    defaults = dict(directions=("query_to_doc",), partition_mode="joint", hardness_mode=None, hardness_strength=0.0)
     return InfoNCESpec.build(
         queries,
         docs,
@@ -51,10 +54,7 @@ def _spec(queries, docs, world_q, dims, weights=None, offset=0, similarity="cosi
         scale=scale,
         similarity=similarity,
         offset=offset,
-        directions=options.pop("directions", ("query_to_doc",)),
-        partition_mode=options.pop("partition_mode", "joint"),
-        hardness_mode=options.pop("hardness_mode", None),
-        hardness_strength=options.pop("hardness_strength", 0.0),
+        **{**defaults, **options},
     )
 
 
@@ -72,11 +72,20 @@ def _compare(
         spec = dataclasses.replace(spec, num_memory=memory_rows)
     truth = run_backend("dense", queries, docs, world_q, spec, need_grad=True, memory=memory)
     tiled = run_backend("chunked", queries, docs, world_q, spec, need_grad=True, chunk_size=chunk_size, memory=memory)
+    _assert_same(tiled, truth, rtol)
+
+
+def _assert_same(tiled, truth, rtol):
+    """Loss per dim, LSE per dim, direction and row, every input gradient and the masked share."""
     torch.testing.assert_close(tiled.per_dim, truth.per_dim, rtol=rtol, atol=0)
     torch.testing.assert_close(tiled.lse, truth.lse, rtol=rtol, atol=rtol)
     for got, want in zip(tiled.grads, truth.grads):
         got = torch.zeros_like(want) if got is None else got
         torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * float(want.abs().max()))
+    if truth.masked_share is None:
+        assert tiled.masked_share is None
+    else:
+        torch.testing.assert_close(tiled.masked_share, truth.masked_share, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("memory_rows", [0, 301], ids=["no_bank", "bank"])
@@ -96,6 +105,119 @@ def test_chunked_matches_reference_ragged(options, memory_rows):
         weights=[1.0, 0.3, 2.0, 0.5],
         memory_rows=memory_rows,
     )
+
+
+SIX_DIRECTIONS = (*ALL_DIRECTIONS, "anchor_to_anchor", "positive_to_positive")
+GUIDED_DIRECTIONS = ("query_to_doc", "doc_to_doc", "anchor_to_anchor", "positive_to_positive")  # gathered: no "w"
+MASKS = {
+    "duplicates_all_directions": dict(directions=SIX_DIRECTIONS, mask_duplicates=True),
+    "duplicates_symmetric_per_direction": dict(
+        directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction", mask_duplicates=True
+    ),
+    # Margin 0 without the duplicate mask: a copy of the positive ties with it and is kept (">", as stock).
+    "self_guided_absolute_ties": dict(directions=SIX_DIRECTIONS, false_negative_margin=0.0),
+    "self_guided_relative_duplicates": dict(
+        directions=SIX_DIRECTIONS, false_negative_margin=0.5, false_negative_strategy="relative", mask_duplicates=True
+    ),
+    "self_guided_dot_duplicates_hardness": dict(
+        similarity="dot",
+        scale=1.0,
+        directions=ALL_DIRECTIONS,
+        false_negative_margin=-0.2,
+        mask_duplicates=True,
+        hardness_mode="all_negatives",
+        hardness_strength=1.0,
+    ),
+    "guide_absolute_duplicates": dict(
+        directions=GUIDED_DIRECTIONS, guided=True, false_negative_margin=0.4, mask_duplicates=True
+    ),
+    "guide_relative": dict(
+        directions=GUIDED_DIRECTIONS, guided=True, false_negative_margin=0.5, false_negative_strategy="relative"
+    ),
+}
+
+
+def _texts_with_duplicates(world: int, banked: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """int64 text ids with real duplicates: "queries" (Bw,), "docs" (2 Bw: positives, then one hard-negative
+    column), "bank" (Km,) banked documents, "pairs" (Km // 2, 2) the banked (query, positive) pairs. Repeated queries
+    (another positive of the same query), repeated positives, a query's text as another row's positive, hard
+    negatives that are another row's positive, the row's own positive or a query's text, banked copies of positives,
+    queries and hard negatives, banked pairs of the batch's queries."""
+    g = torch.Generator().manual_seed(seed)
+
+    def some(ids: torch.Tensor, n: int) -> torch.Tensor:
+        return ids[torch.randint(0, ids.shape[0], (n,), generator=g)]
+
+    queries = torch.randint(0, world * 3 // 4, (world,), generator=g)
+    positives = 10_000 + torch.arange(world)
+    positives[5::11] = some(positives, len(range(5, world, 11)))
+    positives[2::13] = some(queries, len(range(2, world, 13)))
+    negatives = 20_000 + torch.arange(world)
+    negatives[::5] = some(positives, len(range(0, world, 5)))
+    negatives[1::17] = positives[1::17]
+    negatives[3::19] = some(queries, len(range(3, world, 19)))
+    bank = 30_000 + torch.arange(banked)
+    bank[::4] = some(positives, len(range(0, banked, 4)))
+    bank[1::9] = some(queries, len(range(1, banked, 9)))
+    bank[2::7] = some(negatives, len(range(2, banked, 7)))
+    pair_queries = 40_000 + torch.arange(banked // 2)
+    pair_queries[::3] = some(queries, len(range(0, banked // 2, 3)))
+    pairs = torch.stack([pair_queries, bank[: 2 * (banked // 2) : 2]], dim=1)
+    assert len(queries.unique()) < world and len(positives.unique()) < world  # repeated queries and positives
+    return dict(queries=queries, docs=torch.cat([positives, negatives]), bank=bank, pairs=pairs)
+
+
+def _embed(ids: dict[str, torch.Tensor], dim: int, seed: int, spread: float) -> dict[str, torch.Tensor]:
+    """One random embedding per text, the same wherever the text occurs (as without dropout); each positive moved
+    towards the first query it answers, so the filter's threshold falls among the candidates."""
+    g = torch.Generator().manual_seed(seed)
+    texts = torch.unique(torch.cat([ids["queries"], ids["docs"], ids["bank"]]))
+    table = torch.randn(texts.shape[0], dim, generator=g, dtype=torch.float64)
+    related = set()
+    for query, positive in zip(ids["queries"].tolist(), ids["docs"][: ids["queries"].shape[0]].tolist()):
+        if positive not in related and positive != query:
+            related.add(positive)
+            table[torch.searchsorted(texts, positive)] += table[torch.searchsorted(texts, query)]
+    table = (spread * table).float()
+    return {role: table[torch.searchsorted(texts, ids[role])] for role in ("queries", "docs", "bank")}
+
+
+@pytest.mark.parametrize("memory_rows", [0, 301], ids=["no_bank", "bank"])
+@pytest.mark.parametrize("options", MASKS.values(), ids=MASKS.keys())
+def test_chunked_matches_reference_with_masks(options, memory_rows):
+    """The ragged shapes (B=255 at offset 100 of a 507-row world, one hard-negative column, D=123, 4 weighted dims,
+    64-row tiles; with and without 301 banked documents) on texts with real duplicates: the duplicate mask, the
+    self-guided filter and a guide's, both strategies, every direction the option allows. The reference computes
+    the masks densely from their rules, so a wrong rule in the chunked backend's mask code fails here."""
+    options = dict(options)
+    guided, spread = options.pop("guided", False), 0.3 if options.get("similarity") == "dot" else 1.0
+    batch, world, offset = 255, 507, 100
+    ids = _texts_with_duplicates(world, memory_rows or 2, seed=1)
+    emb = _embed(ids, 123, seed=2, spread=spread)
+    world_q, docs, local = emb["queries"], emb["docs"], slice(offset, offset + batch)
+    queries = world_q[local]
+    guide = None
+    if guided:
+        guide_emb = _embed(ids, 32, seed=3, spread=1.0)
+        guide = (guide_emb["queries"][local], guide_emb["docs"])
+        options.update(guide_queries=guide[0], guide_docs=guide[1])
+    spec = _spec(queries, docs, world_q, [123, 100, 48, 7], [1.0, 0.3, 2.0, 0.5], offset, **options)
+    duplicates = (ids["queries"][local], ids["docs"], ids["queries"]) if spec.mask_duplicates else None
+    memory = None
+    if memory_rows:
+        memory = Memory(
+            emb["bank"],
+            ids["bank"] if spec.mask_duplicates else None,
+            ids["pairs"] if spec.mask_duplicates else None,
+            guide_emb["bank"] if guided else None,
+        )
+        spec = dataclasses.replace(spec, num_memory=memory_rows)
+    inputs = (queries, docs, world_q, spec, True)
+    masks = dict(guide=guide, duplicates=duplicates, memory=memory)
+    truth = run_backend("dense", *inputs, **masks)
+    tiled = run_backend("chunked", *inputs, chunk_size=64, **masks)
+    assert 0 < float(truth.masked_share) < 0.5, "the masks must remove some candidates, not all"
+    _assert_same(tiled, truth, rtol=1e-5)
 
 
 @pytest.mark.parametrize("options", [OPTIONS["default"], OPTIONS["dot"], OPTIONS["large_scale_row_max_shift"]])

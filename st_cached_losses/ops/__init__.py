@@ -8,7 +8,7 @@ its backends. Never imports sentence_transformers.
 - ``reference.py`` (dense, the test oracle: every rule computed on its own), ``chunked.py`` (row tiles, any device),
   ``triton/`` (GPU kernels);
 - the rules the tiled backends share: ``false_negatives.py`` (GISTEmbed's per-tile mask of dropped candidates),
-  ``duplicates.py`` (the duplicate mask from text ids), ``memory.py`` (banked documents as extra columns).
+  ``duplicates.py`` (the duplicate mask from text ids), ``memory.py`` (banked documents as extra columns);
 - ``maxsim/``: ``maxsim_infonce``, the late-interaction (ColBERT MaxSim) loss over Matryoshka token dims.
 """
 

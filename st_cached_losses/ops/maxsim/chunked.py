@@ -3,16 +3,19 @@
 A tile of queries (their unmasked tokens only: R query tokens) meets every document in blocks. For each block the
 token dot products of all dims come from one GEMM's worth of work, smallest dim first in prefix bands
 [d_{k+1}, d_k): S_K = C[:, :d_K] Q[:, :d_K]^T, S_k = S_{k+1} + C[:, band_k] Q[:, band_k]^T (document tokens as
-rows). Cosine similarity scales the document tokens by their prefix norms (``_block_dots``: S_k then holds
-<q, ĉ>; the query norm is a positive row factor, taken out of the max and applied to the maxima). Each dim takes
-its own max over each document's tokens with its argmax (a channels-last ``adaptive_max_pool2d``: vectorised across
-query tokens, where ``max(dim)`` is not), kept per (dim, query token, document): no B x M x Lq x Ld tensor, and of
-size B x M x Lq only the tile's. The tile's scores, LSEs and logit gradients follow (``tile``), and at once its
+rows; ``_Sweep._block_dots``). Cosine similarity scales the document tokens by their prefix norms (S_k then holds
+<q, ĉ>; the query's norm is a positive factor of its row, taken out of the max and applied to the maxima); a masked
+document token's -inf comes in through the smallest band (a bias column), so it leaves every dim's max. Each dim
+takes its own max over each document's tokens with its argmax (a channels-last ``adaptive_max_pool2d``: vectorised
+across query tokens, where ``max(dim)`` is not); the maxima go at once into the tile's (K, queries, M) scores, the
+argmaxes are kept per (dim, query token, document) in the narrowest integer dtype. No B x M x Lq x Ld tensor, and of
+B x M x Lq only the tile's argmaxes. The tile's LSEs and logit gradients follow (``_Sweep.tile``), and at once its
 gradients (``gradients.py``): gathers and scatter-adds of token vectors at the argmaxes, never a GEMM over Ld.
 
-Memory beyond the inputs and their gradients: per tile K x R x M maxima (fp32) and argmaxes (int64) and a few
-K x (queries) x M score buffers (``default_tile_queries`` sizes them from ``DEFAULT_TILE_BYTES``), one block of
-token dot products (``FORWARD_BLOCK_BYTES``) and the backward's per-block buffers (``gradients.py``).
+Memory beyond the inputs and their gradients (budgets, logged with the tile): per tile K x R x M argmaxes (uint8 up
+to 256 document tokens) and two K x (queries) x M fp32 buffers, within ``DEFAULT_TILE_BYTES`` (64 MiB) and at most
+``MAX_TILE_TOKENS`` query tokens; one block of token dot products (``FORWARD_BLOCK_BYTES``, 8 MiB); the backward's
+per-block buffers (``gradients.BACKWARD_BLOCK_BYTES``, 8 MiB); per-token prefix norms (K x (B Lq + 2 M Ld) floats).
 
 References: ColBERT (arXiv 2004.12832), Matryoshka (arXiv 2205.13147), jina-colbert-v2 (arXiv 2408.16672),
 GradCache (arXiv 2101.06983), Liger-Kernel's fused linear cross-entropy (forward and backward of a row tile at once).
@@ -70,10 +73,20 @@ def forward(
     fp64 inputs). ``tile_queries``: queries per tile (default: ``default_tile_queries``); ``duplicates``: the text ids
     (query_ids, doc_ids, world_query_ids or None) of ``spec.mask_duplicates``."""
     sweep = _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, duplicates)
-    rows = tile_queries or default_tile_queries(spec, queries.shape[1], documents.shape[1])
+    rows = min(tile_queries or default_tile_queries(spec, queries.shape[1], documents.shape[1]), spec.batch_size)
     for begin in range(0, spec.batch_size, rows):
         sweep.tile(begin, min(begin + rows, spec.batch_size))
-    return sweep.result()._replace(tile=f"{min(rows, spec.batch_size)} queries")
+    return sweep.result()._replace(tile=_describe(rows, queries.shape[1], documents.shape[1], tile_queries is None))
+
+
+def _describe(rows: int, query_tokens: int, doc_tokens: int, automatic: bool) -> str:
+    """The tiling, for the log: queries per tile and documents per block of token dot products, with their budgets."""
+    block = max(1, FORWARD_BLOCK_BYTES // (4 * doc_tokens * rows * query_tokens))
+    budget = f" (budget {DEFAULT_TILE_BYTES / 2**20:g} MiB, at most {MAX_TILE_TOKENS} tokens)" if automatic else ""
+    return (
+        f"{rows} queries{budget}; documents in blocks of at least {block} "
+        f"({FORWARD_BLOCK_BYTES / 2**20:g} MiB of token dot products)"
+    )
 
 
 class _Sweep:
@@ -96,9 +109,14 @@ class _Sweep:
         ).to(device)
         self.is_empty = ~document_mask.any(dim=1)  # documents without a scored token
         self.empty = self.is_empty.nonzero().squeeze(1)
-        self.masked_doc_tokens = (~document_mask).reshape(-1).nonzero().squeeze(1)  # ascending flat indices
+        self.doc_bias = None  # (M * Ld,): 0, or -inf for a masked document token (out of every max)
+        if not bool(document_mask.all()):
+            self.doc_bias = torch.zeros(document_mask.numel(), dtype=dtype, device=device)
+            self.doc_bias.masked_fill_(~document_mask.reshape(-1), float("-inf"))
         self.query_inv = _inverse_prefix_norms(self.queries, spec)  # (K, B * Lq) or None ("dot")
         self.doc_inv = _inverse_prefix_norms(self.docs, spec)  # (K, M * Ld) or None
+        # inv_k / inv_{k+1}: turns the dots of dim k + 1 scaled by its norms into those scaled by dim k's.
+        self.doc_inv_ratio = None if self.doc_inv is None else self.doc_inv[:-1] / self.doc_inv[1:]
         self.duplicates = None if duplicates is None else DuplicateMask.build(spec.infonce_spec(), *duplicates)
         self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
         self.lse = torch.empty(len(spec.dims), 1, spec.batch_size, dtype=dtype, device=device)
@@ -152,24 +170,42 @@ class _Sweep:
         spec, width = self.spec, self.doc_tokens
         block = max(1, FORWARD_BLOCK_BYTES // (4 * width * rows.shape[0]))
         buffer = rows.new_empty(min(block, spec.num_docs) * width, rows.shape[0])
+        smallest = spec.dims[-1]
+        if self.doc_bias is not None:  # a column of ones meets each document token's bias (0, or -inf if masked)
+            rows = torch.cat([rows[:, :smallest], rows.new_ones(rows.shape[0], 1), rows[:, smallest:]], dim=1)
         for first in range(0, spec.num_docs, block):
             last = min(first + block, spec.num_docs)
             span = slice(first * width, last * width)
-            dots = buffer[: span.stop - span.start]
-            masked = self._masked_in(span)
-            empty = self.is_empty[first:last, None]
-            for k, current in _block_dots(self.docs[span], rows, spec, self.doc_inv, span, dots):
-                if k == len(spec.dims) - 1 and masked.numel():
-                    dots.index_fill_(0, masked, float("-inf"))  # stays -inf through the larger dims' sums
+            empty = self.is_empty[first:last, None] if self.empty.numel() else None
+            for k, current in self._block_dots(rows, span, buffer[: span.stop - span.start]):
                 values, indices = _max_over_tokens(current, last - first, width)
                 argmax[k, :, first:last] = indices.T
-                # An empty document's -inf would poison the product (0 * -inf); its score is filled later.
-                scores[k, :, first:last] = weights[k] @ values.masked_fill_(empty, 0.0).T
+                if empty is not None:  # its -inf would poison the product (0 * -inf); its score is filled later
+                    values.masked_fill_(empty, 0.0)
+                torch.mm(weights[k], values.T, out=scores[k, :, first:last])
 
-    def _masked_in(self, span: slice) -> Tensor:
-        """The masked document tokens in the flat range ``span``, relative to its start."""
-        bounds = torch.searchsorted(self.masked_doc_tokens, torch.tensor([span.start, span.stop])).tolist()
-        return self.masked_doc_tokens[bounds[0] : bounds[1]] - span.start
+    def _block_dots(self, rows: Tensor, span: slice, out: Tensor):
+        """Yield (k, S_k) for k = K-1 .. 0: the (document tokens ``span``, query tokens) dot products of dim k in
+        ``out``, accumulated band by band (the matmul work of the largest dim); cosine: the document tokens scaled by
+        their inverse prefix norm of dim k (S_k = S_{k+1} * (inv_k / inv_{k+1}) + band_k, in place). The smallest
+        band carries the masked tokens' -inf (``rows`` then has a column of ones after it): no pass of its own."""
+        dims, docs = self.spec.dims, self.docs[span]
+        for k in range(len(dims) - 1, -1, -1):
+            lo, hi = (dims[k + 1] if k + 1 < len(dims) else 0), dims[k]
+            band = docs[:, lo:hi]
+            if self.doc_inv is not None:
+                band = band * self.doc_inv[k, span, None]
+                if k + 1 < len(dims):
+                    out.mul_(self.doc_inv_ratio[k, span, None])
+            if lo == 0:
+                if self.doc_bias is not None:
+                    band = torch.cat([band, self.doc_bias[span, None]], dim=1)
+                    hi += 1
+                torch.mm(band, rows[:, :hi].T, out=out)
+            else:
+                shift = 0 if self.doc_bias is None else 1
+                out.addmm_(band, rows[:, lo + shift : hi + shift].T)
+            yield k, out
 
     def _logits(self, scores: Tensor, begin: int, end: int) -> Tensor:
         """In place: (K, count, M) scale * MaxSim scores of queries [begin, end), the removed duplicates at -inf."""
@@ -188,28 +224,6 @@ class _Sweep:
             dq, dc = self.grads
             grads = (dq.to(self.input_dtype).view(self.shapes[0]), dc.to(self.input_dtype).view(self.shapes[1]), None)
         return InfoNCEResult(per_dim, self.lse, grads, masked_share=share)
-
-
-def _block_dots(docs: Tensor, rows: Tensor, spec: MaxSimSpec, doc_inv: Tensor | None, span: slice, out: Tensor):
-    """Yield (k, S_k) for k = K-1 .. 0: the (document tokens, query tokens) dot products of dim k in ``out``,
-    accumulated band by band (the matmul work of the largest dim); cosine: the document tokens scaled by their
-    inverse prefix norm of dim k (S_k = S_{k+1} * (inv_k / inv_{k+1}) + band_k, in place)."""
-    dims = spec.dims
-    previous = None
-    for k in range(len(dims) - 1, -1, -1):
-        lo, hi = (dims[k + 1] if k + 1 < len(dims) else 0), dims[k]
-        band = docs[:, lo:hi]
-        if doc_inv is not None:
-            inv = doc_inv[k, span]
-            band = band * inv[:, None]
-            if previous is not None:
-                out.mul_((inv / previous)[:, None])
-            previous = inv
-        if lo == 0:
-            torch.mm(band, rows[:, :hi].T, out=out)
-        else:
-            out.addmm_(band, rows[:, lo:hi].T)
-        yield k, out
 
 
 def _max_over_tokens(dots: Tensor, docs: int, width: int) -> tuple[Tensor, Tensor]:

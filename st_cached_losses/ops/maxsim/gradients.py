@@ -10,7 +10,8 @@ and x̂ the prefix of x of dim k, normalised for cosine similarity (x itself for
 that is Lq * Ld * D times fewer multiply-adds than the dense einsum backward (B * M * Lq * d each). For cosine
 similarity each dim's normalisation passes its gradient on as d / dx = (g - <g, x̂> x̂) / ||x[:d_k]||: per block
 of documents for the documents, once per tile for the queries. The documents are taken in blocks whose prefix
-copies and bags fit ``BACKWARD_BLOCK_BYTES``; index arithmetic is int64 throughout.
+copies and bags fit ``BACKWARD_BLOCK_BYTES``. Indices into the inputs (token rows, B * Lq and M * Ld of them) are
+int64; only a block's own keys (fewer than K * block * Ld) are int32.
 """
 
 from __future__ import annotations
@@ -83,9 +84,11 @@ class TileGradients:
                 per_sample_weights=weights[k].view(-1)[taken],
                 mode="sum",
             )  # (count * Ld, d_k): d loss / d ĉ
-            if inv is not None:
-                _project(bags, unit_docs, inv)
-            doc_grad[:, :dim] += bags
+            if inv is None:
+                doc_grad[:, :dim] += bags
+            else:  # (bags - <bags, ĉ> ĉ) / ||c[:d_k]||, added in two passes
+                along = torch.linalg.vecdot(bags, unit_docs).mul_(inv)
+                doc_grad[:, :dim].addcmul_(bags, inv[:, None]).addcmul_(unit_docs, along[:, None], value=-1.0)
 
     def _finish_rows(self) -> None:
         total = self.rows.new_zeros(self.rows.shape)
@@ -99,5 +102,5 @@ class TileGradients:
 
 def _project(grad: Tensor, unit: Tensor, inv: Tensor) -> None:
     """In place: grad <- (grad - <grad, x̂> x̂) / ||x||, the gradient wrt. x of a function of x̂ = x / ||x||."""
-    along = (grad * unit).sum(dim=1, keepdim=True)
-    grad.addcmul_(unit, along, value=-1.0).mul_(inv[:, None])
+    along = torch.linalg.vecdot(grad, unit)
+    grad.addcmul_(unit, along[:, None], value=-1.0).mul_(inv[:, None])

@@ -72,8 +72,9 @@ def maxsim_infonce(
         offset: this rank's first query in the world batch (its positive's column); 0 <= offset, offset + B <= M.
         backend: "auto" (chunked on every device; logged once at INFO), "chunked" or "dense" (materialises the
             (B, M, Lq, Ld) token similarities: the test oracle).
-        chunk_size: queries per tile of the chunked backend (default: from a 64 MiB byte budget,
-            ``chunked.DEFAULT_TILE_BYTES``, for the tile's per-(dim, query token, document) maxima and argmaxes).
+        chunk_size: queries per tile of the chunked backend (default: within a 64 MiB byte budget for the tile's
+            per-(dim, query token, document) argmaxes and per-(dim, query, document) scores, and at most 2048 query
+            tokens: ``chunked.default_tile_queries``; the choice is in the log line).
         nonfinite: what NaN or Inf in the token vectors do: "raise" (ValueError), "propagate" (the loss and the
             gradients are NaN, so fp16's gradient scaler skips the step), "auto" (default: "propagate" under fp16
             autocast or for fp16 inputs, else "raise").
