@@ -1,6 +1,6 @@
-"""One offline command for a CUDA machine: the kernels' correctness, the loss stage, whole training steps.
+"""One offline command for a CUDA machine: the kernels' correctness, the loss stages, whole training steps.
 
-    python -m benchmarks.gpu --model .gpu/minilm        # est. 10 minutes on one H100 -> benchmarks/results/gpu/
+    python -m benchmarks.gpu --model .gpu/minilm        # est. 8 minutes on one H100 -> benchmarks/results/gpu/
     python -m benchmarks.gpu --quick --model .gpu/minilm  # est. 2 minutes: fewer cases and sizes
     python -m benchmarks.gpu --dry-run --out /tmp/gpu   # any machine: every step at tiny sizes on the CPU, the
                                                         # chunked backend standing in for Triton (run in CI)
@@ -17,11 +17,23 @@ Steps, in order; each writes long-format CSV + PNG under --out, and summary.md g
    dims [768, 512, 256, 128, 64], bf16 and fp32, B in {4096, 16384, 65536}: ``triton.testing.do_bench`` median and
    20 / 80 % quantiles, ``max_memory_allocated`` above the inputs, effective TFLOP/s (6 B M d_max over the median)
    against a measured bf16 ``torch.mm``; then B doubling from the largest size until out of memory or out of
-   the time budget (each doubling takes 4x as long), with the largest B that memory allows extrapolated from
-   the measured bytes per row.
-3. training step (``train_step.csv``, via ``benchmarks/train_step.py --device cuda``): the model on the built-in
+   the time budget (60 s; each doubling takes 4x as long), with the largest B that memory allows extrapolated
+   from the measured bytes per row.
+3. multi-vector loss stage (``multivector_loss_stage.csv``, ``benchmarks/multivector_gpu.py``): forward + backward
+   of the MaxSim InfoNCE on random unit token vectors, Lq 32, Ld 128 and 256, D 128, pairs, bf16 and fp32:
+   ``maxsim_infonce`` (chunked) at one dim and at dims [128, 96, 64, 32], stock
+   ``CachedMultiVectorMultipleNegativesRankingLoss.calculate_loss(with_backward=True)``, the forward GEMM floor,
+   and late-interaction-kernels' and flash-maxsim's fused MaxSim under the same InfoNCE where importable (the
+   bundle carries their wheels), each loss checked against stock's; the same timer and memory counter. B doubles
+   from 512 while the step's 90 s share allows (``--quick``: 20 s, Ld 128).
+4. training step (``train_step.csv``, via ``benchmarks/train_step.py --device cuda``): the model on the built-in
    data (cycled), bf16 autocast, dims [384, 256, 128, 64, 32], mini-batch 256: ``ours`` vs ``stock``
    (MatryoshkaLoss(CachedMNRL)) vs ``stock_cmnrl``, B in {1024, 8192, 65536}; CUDA events per phase, tensor peak.
+
+Device time (estimates: no GPU has run this yet): correctness ~2 min (mostly Triton compiling each case's kernels),
+loss stage ~1 min plus the largest-B search's 60 s, the multi-vector step its 90 s share (its first size always runs,
+Triton autotuning included), training steps ~2 min: about 8 minutes. ``--quick``: ~40 s, ~40 s (search 20 s),
+20 s and ~30 s.
 
 The machine may have no network: ``--model PATH`` takes a local copy of the model (an fp16 copy is cast to fp32;
 bf16 is autocast's job, as in the trainer).
@@ -81,7 +93,7 @@ def _plan(args) -> dict:
         loss_dim=DIM,
         loss_dims=DIMS,
         stock_max=65536,
-        search_seconds=150.0,
+        search_seconds=60.0,
         train_sizes=(1024, 8192, 65536),
         train_dims=TRAIN_DIMS,
         model=args.model,
@@ -407,7 +419,9 @@ def environment() -> dict[str, str]:
     return info
 
 
-def summary(env: dict, checks: list[dict], stage: list[dict], steps: list[dict] | None) -> str:
+def summary(
+    env: dict, checks: list[dict], stage: list[dict], steps: list[dict] | None, multivector: list[str] = ()
+) -> str:
     lines = ["# GPU results", "", " | ".join(f"{k} {v}" for k, v in env.items()), ""]
     if checks:
         failed = cuda_checks.failures([r for r in checks if r["quantity"] != "raised"])
@@ -420,6 +434,8 @@ def summary(env: dict, checks: list[dict], stage: list[dict], steps: list[dict] 
         ]
     if stage:
         lines += [*_loss_stage_table(stage), ""]
+    if multivector:
+        lines += [*multivector, ""]  # multivector_gpu.summary_lines
     if steps:
         from benchmarks.train_step import summary_table
 
@@ -548,8 +564,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--steps",
         nargs="+",
-        choices=("correctness", "loss_stage", "train_step"),
-        default=["correctness", "loss_stage", "train_step"],
+        choices=("correctness", "loss_stage", "multivector", "train_step"),
+        default=["correctness", "loss_stage", "multivector", "train_step"],
     )
     parser.add_argument("--out", type=Path, help=f"results folder (default: {RESULTS}; a temporary one for --dry-run)")
     return parser.parse_args(argv)
@@ -564,7 +580,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plan, env = _plan(args), environment()
     print(" | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
-    checks, stage, steps = [], [], None
+    checks, stage, multivector, steps = [], [], [], None
     if "correctness" in args.steps:
         start = time.perf_counter()
         print("== 1. correctness against float64", flush=True)
@@ -576,12 +592,20 @@ def main(argv=None) -> int:
         print("== 2. loss stage", flush=True)
         stage = write_loss_stage(loss_stage(plan, args.dry_run), out)
         print(f"   {time.perf_counter() - start:.0f} s", flush=True)
+    if "multivector" in args.steps:
+        start = time.perf_counter()
+        print("== 3. multi-vector loss stage", flush=True)
+        from benchmarks import multivector_gpu
+
+        mode = "tiny" if args.dry_run else "quick" if args.quick else "full"
+        multivector = multivector_gpu.main(mode, out)
+        print(f"   {time.perf_counter() - start:.0f} s", flush=True)
     if "train_step" in args.steps:
         start = time.perf_counter()
-        print("== 3. training step", flush=True)
+        print("== 4. training step", flush=True)
         steps = train_step(plan, out, args.dry_run)
         print(f"   {time.perf_counter() - start:.0f} s", flush=True)
-    text = summary(env, checks, stage, steps)
+    text = summary(env, checks, stage, steps, multivector)
     (out / "summary.md").write_text(text + "\n")
     print(text)
     print(f"wrote {out}")

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .ops import InfoNCEOutput, matryoshka_infonce
+from .ops import InfoNCEOutput, matryoshka_infonce, maxsim_infonce
 
 __all__ = [
     "CachedAdaptiveLayerLoss",
     "CachedLossCallback",
     "CachedMatryoshka2dLoss",
     "CachedMatryoshkaLoss",
+    "CachedMultiVectorMatryoshkaLoss",
     "InfoNCEOutput",
     "__version__",
     "matryoshka_infonce",
+    "maxsim_infonce",
     "truncate_layers",
+    "truncate_token_dim",
 ]
 
 # Imported lazily: the losses pull in sentence_transformers (seconds), the op does not.
@@ -28,7 +31,9 @@ _LAZY = {
     "CachedMatryoshka2dLoss": "losses",
     "CachedAdaptiveLayerLoss": "losses",
     "CachedLossCallback": "losses",
+    "CachedMultiVectorMatryoshkaLoss": "losses",
     "truncate_layers": "truncation",
+    "truncate_token_dim": "truncation",
 }
 
 

@@ -1,7 +1,7 @@
 """Small models for tests, notebooks and smoke benchmarks: no network, built in a second: a tiny BERT, a tiny decoder
-(left padding, last-token pooling) and a tiny CLIP-style image-text model, with random images to feed it; and the
-set-up of local gloo processes that the distributed tests and benchmarks spawn (the rendezvous store their parent
-hosts, each rank's environment)."""
+(left padding, last-token pooling), a tiny CLIP-style image-text model, with random images to feed it, and a tiny
+ColBERT-style MultiVectorEncoder; and the set-up of local gloo processes that the distributed tests and benchmarks
+spawn (the rendezvous store their parent hosts, each rank's environment)."""
 
 from __future__ import annotations
 
@@ -130,6 +130,56 @@ def tiny_clip_sentence_transformer(
         CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(tmp)
         transformer = Transformer(tmp, max_seq_length=max_seq_length)
     return SentenceTransformer(modules=[transformer], device="cpu")
+
+
+def tiny_multi_vector_encoder(
+    hidden_size: int = 48,
+    token_dim: int = 32,
+    num_layers: int = 2,
+    dropout: float = 0.0,
+    seed: int = 0,
+    normalize: bool = True,
+    skiplist_words: list[str] | None = None,
+    query_expansion: dict | None = None,
+    max_seq_length: int = 64,
+):
+    """A randomly initialised MultiVectorEncoder as ``MultiVectorEncoder(path)`` builds one from a bare transformer: a
+    BERT (MiniLM's tokenizer), a projection of its token vectors to ``token_dim`` (no bias), a ``MultiVectorMask``
+    (``skiplist_words`` dropped from documents) and, with ``normalize``, a ``Normalize`` of the token vectors.
+    ``query_expansion``: the Transformer's ColBERT query expansion (e.g. ``{"strategy": "fixed", "length": 12}``)."""
+    import torch
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        intermediate_size=2 * hidden_size,
+        max_position_embeddings=max_seq_length + 2,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        BertModel(config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        transformer = Transformer(tmp, max_seq_length=max_seq_length, query_expansion=query_expansion)
+    projection = Dense(
+        hidden_size,
+        token_dim,
+        bias=False,
+        activation_function=torch.nn.Identity(),
+        module_input_name="token_embeddings",
+    )
+    modules = [transformer, projection, MultiVectorMask(skiplist_words=skiplist_words)]
+    if normalize:
+        modules.append(Normalize(module_input_name="token_embeddings"))
+    return MultiVectorEncoder(modules=modules, device="cpu")
 
 
 def random_images(count: int, seed: int, min_side: int = 12, max_side: int = 28) -> list:

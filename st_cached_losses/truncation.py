@@ -1,17 +1,24 @@
-"""Deploying a 2D-Matryoshka-trained model with fewer layers: :func:`truncate_layers` cuts a SentenceTransformer to
-its first ``n`` transformer layers, which is what :class:`~st_cached_losses.CachedMatryoshka2dLoss` and stock
-``Matryoshka2dLoss`` train as layer ``n``; :func:`num_layers` says how many it has."""
+"""Deploying a Matryoshka-trained model cut down: :func:`truncate_layers` cuts a SentenceTransformer to its first ``n``
+transformer layers, which is what :class:`~st_cached_losses.CachedMatryoshka2dLoss` and stock ``Matryoshka2dLoss``
+train as layer ``n`` (:func:`num_layers` says how many it has); :func:`truncate_token_dim` makes a MultiVectorEncoder
+emit the first ``d`` coordinates of each token vector, which is what
+:class:`~st_cached_losses.CachedMultiVectorMatryoshkaLoss` trains as token dim ``d``."""
 
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
+import torch
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from torch import nn
 
 from .gradcache.layers import num_hidden_layers
 
-__all__ = ["num_layers", "truncate_layers"]
+if TYPE_CHECKING:
+    from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
+
+__all__ = ["num_layers", "truncate_layers", "truncate_token_dim"]
 
 
 def truncate_layers(model: SentenceTransformer, num_layers: int) -> SentenceTransformer:
@@ -61,3 +68,44 @@ def num_layers(model: SentenceTransformer) -> int:
         ValueError: the first module is not a ``Transformer``, or its config does not say.
     """
     return num_hidden_layers(model[0] if isinstance(model, SentenceTransformer) and len(model) else None)
+
+
+def truncate_token_dim(model: MultiVectorEncoder, dim: int) -> MultiVectorEncoder:
+    """A copy of ``model`` whose token vectors are the first ``dim`` coordinates of the model's, re-normalised where
+    the model normalises its token vectors (as :class:`~st_cached_losses.CachedMultiVectorMatryoshkaLoss` trains
+    token dim ``dim``); ``model`` is left as is. ``encode``, ``encode_query`` / ``encode_document`` and the
+    multi-vector evaluators then serve ``dim``-dim tokens.
+
+    The copy appends sentence-transformers' own modules: a ``Dense`` that keeps the first ``dim`` coordinates (the
+    first rows of an identity matrix, no bias) and, for a normalising model, a ``Normalize`` of the token vectors; it
+    saves and loads as any MultiVectorEncoder, without this package.
+
+    Args:
+        model: a MultiVectorEncoder (its ``get_embedding_dimension()``: the token dim).
+        dim: the token dim to keep, in [1, the model's token dim].
+
+    Raises:
+        TypeError: ``model`` is no MultiVectorEncoder.
+        ValueError: ``dim`` out of range, or a model that does not say its token dim.
+    """
+    from sentence_transformers.base.modules import Dense, Normalize
+    from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
+
+    if not isinstance(model, MultiVectorEncoder):
+        raise TypeError(f"truncate_token_dim needs a MultiVectorEncoder, got {type(model).__name__}.")
+    full = model.get_embedding_dimension()
+    if full is None:
+        raise ValueError("truncate_token_dim needs a model that says its token dim (get_embedding_dimension()).")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= full:
+        raise ValueError(f"dim must be an int in [1, {full}] (the model's token dim), got {dim!r}.")
+    normalizes = any(
+        isinstance(module, Normalize) and module.module_output_name == "token_embeddings" for module in model
+    )
+    keep = Dense(full, dim, bias=False, activation_function=nn.Identity(), module_input_name="token_embeddings")
+    with torch.no_grad():
+        keep.linear.weight.copy_(torch.eye(full)[:dim])
+    truncated = copy.deepcopy(model)
+    truncated.append(keep.to(model.device))
+    if normalizes:
+        truncated.append(Normalize(module_input_name="token_embeddings"))
+    return truncated

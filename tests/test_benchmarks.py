@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import loss_stage, memory_bank
+from benchmarks import loss_stage, memory_bank, multivector_loss_stage
 
 
 @pytest.mark.slow
@@ -130,3 +130,33 @@ def test_memory_bank_smoke(tmp_path):
     assert "| 32 | 64 |" in (tmp_path / "memory_bank_loss_stage.md").read_text()
     step = {r["contender"]: r["value"] for r in memory_bank.read_csv(tmp_path / "memory_bank_step.csv")}
     assert step["ours_K0"] > 0 and step["ours_K64"] > 0 and step["bank"] == 1.0
+
+
+def test_multivector_loss_stage_smoke(tmp_path):
+    multivector_loss_stage.main(
+        [
+            "--quick",
+            "--sizes",
+            "8",
+            "--doc-tokens",
+            "8",
+            "--query-tokens",
+            "4",
+            "--dim",
+            "8",
+            "--dims",
+            "8",
+            "4",
+            "--negatives",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    records = multivector_loss_stage.read_csv(tmp_path / "multivector_loss_stage.csv")
+    assert {r["contender"] for r in records} == {"inputs", "stock", "chunked", "chunked4dims", "matmul"}
+    value = {(r["contender"], r["metric"]): r["value"] for r in records}
+    for name in ("stock", "chunked", "chunked4dims"):
+        assert value[(name, "Ld8_1hn/peak_bytes")] > 0 and value[(name, "Ld8_1hn/seconds_median")] > 0
+    assert (tmp_path / "multivector_loss_stage_Ld8_1hn.png").stat().st_size > 0
+    assert "| Ld8_1hn | 8 |" in multivector_loss_stage.summary_table(records)

@@ -375,7 +375,7 @@ def test_truncate_layers_embeds_what_the_loss_trains_as_that_layer(model):
     draw = tuple(LayerDraw(layer, (48,)) for layer in (LAYERS, 0, 1, 2))
     step = Step(draw=draw, training=False, parallel=Parallelism.of(model))
     with torch.no_grad():
-        slots = ours.encode(minibatch, step=step).split(48, dim=1)  # final, then layers 0, 1, 2
+        slots = ours.encode(minibatch, step=step).embeddings.split(48, dim=1)  # final, then layers 0, 1, 2
         for layer, slot in zip((LAYERS, 0, 1, 2), slots):
             truncated = truncate_layers(model, layer)
             torch.testing.assert_close(truncated(dict(features))["sentence_embedding"], slot, rtol=1e-5, atol=1e-6)

@@ -4,6 +4,7 @@ backend standing in for Triton, so that its code (and the CUDA suite's cases) ca
 from __future__ import annotations
 
 import csv
+import math
 
 import pytest
 import torch
@@ -22,12 +23,14 @@ def dry_run(tmp_path_factory):
 def test_dry_run_writes_every_result(dry_run):
     code, out = dry_run
     assert code == 0
-    for name in ("correctness", "loss_stage", "train_step"):
+    for name in ("correctness", "loss_stage", "multivector_loss_stage", "train_step"):
         assert (out / f"{name}.csv").stat().st_size > 0
-    for name in ("correctness", "loss_stage_bf16", "loss_stage_fp32", "train_step", "train_step_phases"):
+    pngs = ("loss_stage_bf16", "loss_stage_fp32", "multivector_loss_stage_bf16", "multivector_loss_stage_fp32")
+    for name in ("correctness", *pngs, "train_step", "train_step_phases"):
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (out / "summary.md").read_text()
-    for section in ("**Correctness**", "**Loss stage**", "**Training step**", "**Targets**", "Largest loss-stage B"):
+    sections = ("**Correctness**", "**Loss stage**", "**Multi-vector loss stage**", "**Training step**", "**Targets**")
+    for section in (*sections, "Largest loss-stage B"):
         assert section in summary
 
 
@@ -56,6 +59,18 @@ def test_dry_run_measures_every_contender(dry_run):
     for name in ("triton", "chunked", "stock"):
         for dtype in ("bf16", "fp32"):
             assert {(f"{name}_{dtype}", "seconds_median"), (f"{name}_{dtype}", "peak_bytes")} <= stage
+    multivector = {(r["contender"], r["metric"]): r["value"] for r in read_csv(out / "multivector_loss_stage.csv")}
+    for shape in ("Ld16_pairs", "Ld32_pairs"):
+        for dtype in ("bf16", "fp32"):
+            for name in ("matmul", "chunked", "chunked4dims", "stock"):
+                assert {
+                    (f"{name}_{dtype}", f"{shape}/{m}") for m in ("seconds_median", "peak_bytes")
+                } <= multivector.keys()
+            for name in ("chunked", "chunked4dims", "stock"):  # the same loss as the reference (stock's)
+                assert multivector[(f"{name}_{dtype}", f"{shape}/loss_ok")] == 1
+    summary = (out / "summary.md").read_text()
+    for name in ("lik", "flash_maxsim"):  # not installed, or their backward kernels need CUDA: skipped, and said so
+        assert f"not run: {name}: " in summary
     steps = {(r["contender"], r["metric"]) for r in read_csv(out / "train_step.csv")}
     for name in ("ours", "stock", "stock_cmnrl"):
         assert {(name, "seconds_median"), (name, "seconds_loss_median"), (name, "peak_bytes")} <= steps
@@ -82,3 +97,135 @@ def test_a_failing_case_fails_the_run(monkeypatch, tmp_path):
 def test_without_a_gpu_the_real_run_is_a_one_line_error(capsys, tmp_path):
     assert gpu.main(["--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_multivector_step_stops_adding_sizes_past_its_share(monkeypatch):
+    """Every contender is measured at the first size; with the share spent, no larger B runs, and the table says
+    why."""
+    from benchmarks import multivector_gpu
+
+    monkeypatch.setattr(multivector_gpu, "CONTENDERS", ("matmul", "chunked"))
+    plan = multivector_gpu.Plan("cpu", (8, 16, 32), (16,), 0.0, query_tokens=4, dim=8, dims=(8, 4), floor_block=32)
+    rows, notes = multivector_gpu.run(plan)
+    measured = {(name, batch) for name, batch, metric, _ in rows if metric.endswith("/seconds_median")}
+    assert measured == {(f"{n}_{d}", 8) for n in ("matmul", "chunked") for d in ("bf16", "fp32")}
+    skipped = {(name, batch) for name, batch, metric, _ in rows if metric.endswith("/over_budget")}
+    assert skipped == {(f"{n}_{d}", 16) for n in ("matmul", "chunked") for d in ("bf16", "fp32")}
+    records = [dict(zip(("contender", "B", "metric", "value"), row)) for row in rows]
+    assert "not run: measuring it would take" in "\n".join(multivector_gpu.summary_lines(records, notes, plan))
+
+
+def test_the_multivector_step_flags_a_wrong_loss_and_outlives_a_failing_kernel(monkeypatch):
+    """A contender whose loss is not the reference's is marked MISMATCH; one that raises is noted, and the run goes
+    on (here stand-ins for the two libraries, which cannot run on a CPU)."""
+    from benchmarks import maxsim_anchors, multivector_gpu
+
+    def stand_in(name, *inputs):
+        if name == "lik":
+            return lambda: torch.tensor(5.0)
+
+        def kernel_fails():
+            raise RuntimeError("no kernel image")
+
+        return kernel_fails
+
+    monkeypatch.setattr(maxsim_anchors, "unavailable", lambda name, device: None)
+    monkeypatch.setattr(maxsim_anchors, "infonce_step", stand_in)
+    monkeypatch.setattr(multivector_gpu, "CONTENDERS", ("matmul", "chunked", "lik", "flash_maxsim"))
+    plan = multivector_gpu.Plan("cpu", (8,), (16,), math.inf, query_tokens=4, dim=8, dims=(8, 4), floor_block=32)
+    rows, notes = multivector_gpu.run(plan)
+    value = {(name, metric): v for name, _, metric, v in rows}
+    assert value[("chunked_fp32", "Ld16_pairs/loss_ok")] == 1 and value[("lik_fp32", "Ld16_pairs/loss_ok")] == 0
+    assert value[("flash_maxsim_bf16", "Ld16_pairs/raised")] == 1
+    records = [dict(zip(("contender", "B", "metric", "value"), row)) for row in rows]
+    summary = "\n".join(multivector_gpu.summary_lines(records, notes, plan))
+    assert "| lik | " in summary and "MISMATCH" in summary
+    assert "flash_maxsim_fp32 at B = 8, Ld16_pairs: raised RuntimeError: no kernel image" in summary
+
+
+# ------------------------------------------------------------------ other libraries' MaxSim kernels (benchmarks)
+
+
+@pytest.fixture
+def interpreted_autotune(monkeypatch, tmp_path):
+    """Autotuned kernels of other libraries in Triton's CPU interpreter (TRITON_INTERPRET=1, conftest.py), which has
+    no benchmarker: each autotuner takes its first config."""
+    from triton.runtime.autotuner import Autotuner
+
+    monkeypatch.setattr(Autotuner, "do_bench", property(lambda self: lambda fn, quantiles: [1.0, 1.0, 1.0]))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
+
+def _maxsim_problem(query_tokens: int = 6, doc_tokens: int = 12, dim: int = 16):
+    """Unit token vectors, positives echoing their queries, right-padded query and document masks."""
+    from benchmarks.multivector_gpu import Plan, problem
+
+    queries, documents, query_mask, document_mask = problem(
+        Plan("cpu", (5,), (doc_tokens,), 0.0, query_tokens=query_tokens, dim=dim), 5, doc_tokens, torch.float32
+    )
+    query_mask[1, query_tokens - 2 :] = False
+    return queries, documents, query_mask, document_mask
+
+
+def _ours(queries, documents, query_mask, document_mask, similarity="cosine"):
+    from st_cached_losses import maxsim_infonce
+
+    leaves = queries.clone().requires_grad_(), documents.clone().requires_grad_()
+    out = maxsim_infonce(
+        *leaves, query_mask=query_mask, document_mask=document_mask, dims=[queries.shape[2]], similarity=similarity
+    )
+    out.loss.backward()
+    return out.loss.detach(), leaves[0].grad, leaves[1].grad
+
+
+def test_anchor_lengths_need_right_padded_masks():
+    from benchmarks.maxsim_anchors import prefix_lengths
+
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    assert prefix_lengths(mask, "document_mask").tolist() == [2, 3, 0]
+    with pytest.raises(ValueError, match="document_mask must keep a prefix"):
+        prefix_lengths(torch.tensor([[1, 0, 1]], dtype=torch.bool), "document_mask")
+
+
+def test_anchors_are_skipped_without_cuda():
+    from benchmarks.maxsim_anchors import ANCHORS, unavailable
+
+    for name in ANCHORS:
+        assert "CUDA" in unavailable(name, "cpu") or "not importable" in unavailable(name, "cpu")
+    with pytest.raises(ValueError, match="name must be one of"):
+        unavailable("colbert", "cpu")
+
+
+def test_lik_scores_give_maxsim_infonce_loss(interpreted_autotune):
+    """late-interaction-kernels' forward in the interpreter (its backward kernels refuse CPU tensors): the InfoNCE over
+    its scores is maxsim_infonce's at the full dim, masks included."""
+    pytest.importorskip("late_interaction_kernels", reason="pip install late-interaction-kernels==0.4.5")
+    import torch.nn.functional as F
+
+    from benchmarks.maxsim_anchors import scorer
+
+    queries, documents, query_mask, document_mask = _maxsim_problem()
+    with torch.no_grad():
+        scores = scorer("lik", query_mask, document_mask)(queries, documents)
+    loss = F.cross_entropy(scores, torch.arange(queries.shape[0]))
+    torch.testing.assert_close(loss, _ours(queries, documents, query_mask, document_mask)[0], rtol=1e-3, atol=0)
+
+
+def test_flash_maxsim_step_gives_maxsim_infonce_loss_and_gradients(interpreted_autotune, monkeypatch):
+    """flash-maxsim forward + backward in the interpreter (its atomic backward path, which does not ask the CUDA
+    device for its name): the loss is maxsim_infonce's, the gradients those of its dot-product MaxSim (on unit token
+    vectors the same loss; cosine's gradients are the tangential part of these)."""
+    pytest.importorskip("flash_maxsim", reason="pip install flash-maxsim==0.3.0")
+    import torch.nn.functional as F
+
+    from benchmarks.maxsim_anchors import infonce_step, scorer
+
+    monkeypatch.setenv("FLASH_BWD_PATH", "atomic")
+    problem = _maxsim_problem()
+    loss, d_queries, d_docs = _ours(*problem, similarity="dot")
+    torch.testing.assert_close(infonce_step("flash_maxsim", *problem)(), loss, rtol=2e-3, atol=0)
+    torch.testing.assert_close(_ours(*problem)[0], loss, rtol=1e-5, atol=0)
+    queries, documents = (x.clone().requires_grad_() for x in problem[:2])
+    F.cross_entropy(scorer("flash_maxsim", *problem[2:])(queries, documents), torch.arange(5)).backward()
+    torch.testing.assert_close(queries.grad, d_queries, rtol=2e-3, atol=2e-4)
+    torch.testing.assert_close(documents.grad, d_docs, rtol=2e-3, atol=2e-4)

@@ -30,6 +30,7 @@ from .options import (
     TrainOptions,
     check_positive,
 )
+from .training import MULTI_VECTOR_SCALE
 from .usage import PROG, UsageError
 
 __all__ = ["EXIT_USAGE", "UsageError", "build_parser", "main"]
@@ -73,7 +74,8 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         help="fine-tune a model with CachedMatryoshkaLoss and evaluate it before and after",
         description="Fine-tune a SentenceTransformer with CachedMatryoshkaLoss (in-batch negatives, GradCache, "
         "Matryoshka dims) and report NDCG@10, MRR@10 and Recall@10 on the held-out split at every dim, "
-        "before and after training.",
+        "before and after training. With --multi-vector: a ColBERT-style MultiVectorEncoder (one vector per "
+        "token, MaxSim) with CachedMultiVectorMatryoshkaLoss, evaluated at every token dim.",
     )
     p.add_argument(
         "--model",
@@ -93,7 +95,8 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         default=None,
         metavar="DIM",
-        help="Matryoshka dims (default: the model's dim, halved while >= 32, e.g. 384 192 96 48)",
+        help="Matryoshka dims (default: the model's dim, halved while >= 32, e.g. 384 192 96 48; with "
+        "--multi-vector, token dims: the token dim halved while >= 16, 128 64 32 16)",
     )
     p.add_argument(
         "--batch-size",
@@ -146,7 +149,11 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir", required=True, help="where model/ and results.json are written")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --output-dir")
     p.add_argument(
-        "--backend", choices=BACKENDS, default="auto", help="loss-stage kernel of CachedMatryoshkaLoss (default: auto)"
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="loss-stage kernel of CachedMatryoshkaLoss (with --multi-vector, of maxsim_infonce: no triton; default: "
+        "auto)",
     )
     precision = p.add_mutually_exclusive_group()
     precision.add_argument(
@@ -162,7 +169,8 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also train copies of the initial model for the "
         "same steps with the stock MatryoshkaLoss(CachedMultipleNegativesRankingLoss) and ours, alternating "
-        "(ours, stock, stock, ours), and report each run's time and peak memory",
+        "(ours, stock, stock, ours), and report each run's time and peak memory (with --multi-vector: stock "
+        "CachedMultiVectorMultipleNegativesRankingLoss, which trains the full token dim only)",
     )
     p.add_argument(
         "--guide",
@@ -229,6 +237,16 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="2D Matryoshka: train every layer and dim with CachedMatryoshka2dLoss, and also evaluate the "
         "model truncated to its first N layers (one table row per layers and dim; default: off)",
+    )
+    p.add_argument(
+        "--multi-vector",
+        action="store_true",
+        help="late interaction: build a MultiVectorEncoder from --model as MultiVectorEncoder(model) does (a "
+        "128-dim token projection initialised with --seed, MultiVectorMask, Normalize; a saved MultiVectorEncoder "
+        "as it is), train it with CachedMultiVectorMatryoshkaLoss around CachedMultiVectorMNRL (MaxSim, scale "
+        f"{MULTI_VECTOR_SCALE:g}) at every token dim, and evaluate MaxSim retrieval at each dim served by "
+        "truncate_token_dim; --compare-stock runs stock CachedMultiVectorMNRL (full token dim only). Refuses "
+        "--guide, --false-negative-margin, --memory-size and its options, --layers, --backend triton (default: off)",
     )
     p.add_argument(
         "--max-train-samples",

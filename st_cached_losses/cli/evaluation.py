@@ -1,13 +1,13 @@
 """The main job's retrieval evaluation: NDCG@10, MRR@10 and Recall@10 on the held-out pairs at every Matryoshka
 dim, with one encoding of the queries and corpus shared by all dims; with --layers, of the model truncated to its
-first layers too."""
+first layers too; with --multi-vector, MaxSim retrieval at every token dim (:func:`build_multi_vector_evaluate`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["METRICS", "build_evaluate", "evaluate_truncated"]
+__all__ = ["METRICS", "build_evaluate", "build_multi_vector_evaluate", "evaluate_truncated"]
 
 METRICS = ("ndcg@10", "mrr@10", "recall@10")
 
@@ -34,6 +34,36 @@ def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[
             prefix = f"dim_{dim}_{model.similarity_fn_name}_"
             results[str(dim)] = {metric: float(scores[prefix + metric]) for metric in METRICS}
         cache.clear()
+        return results
+
+    evaluate.num_queries, evaluate.num_corpus = len(queries), len(corpus)
+    return evaluate
+
+
+def build_multi_vector_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[str, float]]]:
+    """:func:`build_evaluate` for a MultiVectorEncoder: ``evaluate(model) -> {"<token dim>": {"ndcg@10", "mrr@10",
+    "recall@10"}}``, the retrieval task of the same held-out pairs scored by MaxSim, with sentence-transformers'
+    ``MultiVectorInformationRetrievalEvaluator`` (its scoring: the model's ``similarity_fn_name``, "maxsim") run on
+    ``truncate_token_dim(model, dim)`` for each dim: what a model cut to that dim serves.
+
+    One encoding per call is shared by all dims: the full model encodes the queries and corpus once, and each dim's
+    token vectors are the cut model's own appended modules (truncate_token_dim's ``Dense`` and ``Normalize``, both
+    per token) applied to them, which is what the cut model's ``encode_query`` / ``encode_document`` give; it saves
+    (len(dims) - 1) encodings of the split.
+    """
+    from ..truncation import truncate_token_dim
+
+    queries, corpus, relevant = _retrieval_task(test)
+
+    def evaluate(model) -> dict[str, dict[str, float]]:
+        shared: dict[tuple, Any] = {}  # a fresh encoding per call: the model changes between calls
+        results = {}
+        for dim in dims:
+            served = truncate_token_dim(model, dim)
+            evaluator = _multi_vector_evaluator(queries, corpus, relevant, dim, model, shared)
+            scores = evaluator(served)
+            prefix = f"dim_{dim}_{served.similarity_fn_name}_"
+            results[str(dim)] = {metric: float(scores[prefix + metric]) for metric in METRICS}
         return results
 
     evaluate.num_queries, evaluate.num_corpus = len(queries), len(corpus)
@@ -100,3 +130,45 @@ def _shared_encoding_evaluator(queries, corpus, relevant, dim: int, cache: dict[
         truncate_dim=dim,
         show_progress_bar=True,  # only the first dim encodes (the rest reuse it): two bars per call
     )
+
+
+def _multi_vector_evaluator(queries, corpus, relevant, dim: int, full_model, shared: dict[tuple, Any]):
+    """A ``MultiVectorInformationRetrievalEvaluator`` named ``dim_<dim>`` for ``truncate_token_dim(full_model, dim)``
+    that takes the full model's token vectors from ``shared`` (encoding them there once) and applies the cut model's
+    appended modules to them."""
+    import torch
+    from sentence_transformers.multi_vector_encoder.evaluation import MultiVectorInformationRetrievalEvaluator
+
+    class SharedEncodingEvaluator(MultiVectorInformationRetrievalEvaluator):
+        def embed_inputs(self, model, sentences, encode_fn_name=None, **kwargs):
+            key = (encode_fn_name, tuple(sentences))
+            if key not in shared:
+                shared[key] = super().embed_inputs(full_model, sentences, encode_fn_name, **kwargs)
+            appended = [model[index] for index in range(len(full_model), len(model))]
+            with torch.no_grad():
+                if torch.is_tensor(shared[key]):  # queries: padded (queries, tokens, dim), zero rows stay zero
+                    return _run(appended, shared[key])
+                return [_run(appended, tokens) for tokens in shared[key]]  # documents: (tokens, dim) each
+
+    return SharedEncodingEvaluator(
+        queries,
+        corpus,
+        relevant,
+        mrr_at_k=[10],
+        ndcg_at_k=[10],
+        accuracy_at_k=[10],
+        precision_recall_at_k=[10],
+        map_at_k=[10],
+        batch_size=64,
+        name=f"dim_{dim}",
+        write_csv=False,
+        show_progress_bar=True,  # only the first dim encodes (the rest reuse it): two bars per call
+    )
+
+
+def _run(modules, token_embeddings):
+    """``token_embeddings`` through sentence-transformers modules that read and write ``token_embeddings``."""
+    features = {"token_embeddings": token_embeddings}
+    for module in modules:
+        features = module(features)
+    return features["token_embeddings"]

@@ -10,6 +10,15 @@ before and after, and writes ``<output_dir>/model``, ``<output_dir>/results.json
     results = run(TrainOptions(output_dir="runs/python", max_steps=2))   # the command's flags, same defaults
     print(results["after"]["384"]["ndcg@10"], results["loss_stage"])
 
+With ``multi_vector=True`` (``--multi-vector``) the model is a ``MultiVectorEncoder`` (ColBERT-style: one vector per
+token, scored by MaxSim) built from ``model``, trained with :class:`~st_cached_losses.CachedMultiVectorMatryoshkaLoss`
+through ``MultiVectorEncoderTrainer`` at every token dim, and evaluated by MaxSim retrieval with each token dim served
+by :func:`~st_cached_losses.truncate_token_dim`; results.json keys its metrics by token dim and gains
+``multi_vector``::
+
+    results = run(TrainOptions(output_dir="runs/colbert", multi_vector=True))   # token dims 128 64 32 16
+    print(results["after"]["16"]["ndcg@10"], results["multi_vector"]["scale"])
+
 The steps, in order: :func:`prepare` (every check of :mod:`.options` before anything is written or trained; bad
 input raises :class:`~st_cached_losses.cli.usage.UsageError`, whose messages name the options by their flags),
 evaluate before, train (:mod:`.training`), evaluate after (:mod:`.evaluation`), write the run (:mod:`.run_dir`),
@@ -30,8 +39,10 @@ from typing import Any, NamedTuple
 from ..ops import recorded_choices
 from .data import load_pairs, looks_like_path, warn_degenerate
 from .data import logger as data_logger
-from .evaluation import METRICS, build_evaluate, evaluate_truncated
+from .evaluation import METRICS, build_evaluate, build_multi_vector_evaluate, evaluate_truncated
 from .options import (
+    MIN_DEFAULT_DIM,
+    MIN_DEFAULT_TOKEN_DIM,
     TrainOptions,
     check_batch_sizes,
     check_device,
@@ -41,7 +52,16 @@ from .options import (
     resolve_dims,
 )
 from .run_dir import check_output_dir, write_run
-from .training import activation_summary, compare_stock, format_activation, make_loss, memory_summary, train_measured
+from .training import (
+    activation_summary,
+    compare_stock,
+    format_activation,
+    loss_names,
+    make_loss,
+    memory_summary,
+    multi_vector_summary,
+    train_measured,
+)
 from .usage import UsageError, first_line, quiet_loading
 
 __all__ = ["Prepared", "TrainOptions", "load_model", "prepare", "run"]
@@ -50,8 +70,9 @@ __all__ = ["Prepared", "TrainOptions", "load_model", "prepare", "run"]
 # ----------------------------------------------------------------------------------------------- loading
 
 
-def load_model(spec: str, max_seq_length: int, flag: str = "--model"):
-    """A SentenceTransformer from a local directory or Hub id (``flag`` names the option in messages).
+def load_model(spec: str, max_seq_length: int, flag: str = "--model", *, multi_vector: bool = False, seed: int = 0):
+    """A SentenceTransformer from a local directory or Hub id (``flag`` names the option in messages); with
+    ``multi_vector``, a MultiVectorEncoder as ``MultiVectorEncoder(spec)`` builds it (:func:`_multi_vector_encoder`).
 
     Raises:
         UsageError: a local path that does not exist, or a model that cannot be loaded.
@@ -61,14 +82,34 @@ def load_model(spec: str, max_seq_length: int, flag: str = "--model"):
         raise UsageError(f"{flag} {spec!r}: no such directory")
     from sentence_transformers import SentenceTransformer  # seconds: only once the cheap checks passed
 
+    source = str(local) if local.exists() else spec
     try:
-        model = SentenceTransformer(str(local) if local.exists() else spec)
+        model = _multi_vector_encoder(source, seed) if multi_vector else SentenceTransformer(source)
     except Exception as error:
         raise UsageError(f"{flag} {spec!r} cannot be loaded: {first_line(error)}") from error
     if model.get_embedding_dimension() is None:
         raise UsageError(f"{flag} {spec!r} does not report its embedding dimension")
     model.max_seq_length = max_seq_length
     return model
+
+
+def _multi_vector_encoder(source: str, seed: int):
+    """``MultiVectorEncoder(source)``: a saved MultiVectorEncoder as it is; a bare transformer or a SentenceTransformer
+    (its pooling dropped) gains sentence-transformers' default head, a 128-dim token projection (no bias), a
+    ``MultiVectorMask`` and a ``Normalize`` of the token vectors. The projection's random init is drawn from
+    ``seed`` (the global RNG is left as it was); the converter's warning is silenced (the run says what it trains)."""
+    import torch
+    from sentence_transformers import MultiVectorEncoder
+
+    converter = logging.getLogger("sentence_transformers.base.model")  # "Converting SentenceTransformer model ..."
+    level = converter.level
+    converter.setLevel(logging.ERROR)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return MultiVectorEncoder(source)
+    finally:
+        converter.setLevel(level)
 
 
 class Prepared(NamedTuple):
@@ -98,12 +139,13 @@ def prepare(options: TrainOptions) -> Prepared:
     model_spec = options.model or default_model_path()
     with quiet_loading(), _held_warnings(data_logger) as release:  # bad input below stays one line
         train, test = load_pairs(options.dataset, options.seed, options.max_train_samples, options.max_eval_samples)
-        model = load_model(model_spec, options.max_seq_length)
+        model = load_model(model_spec, options.max_seq_length, multi_vector=options.multi_vector, seed=options.seed)
         guide = None if options.guide is None else load_model(options.guide, options.max_seq_length, "--guide")
-        dims = resolve_dims(options.dims, model.get_embedding_dimension())
+        min_dim = MIN_DEFAULT_TOKEN_DIM if options.multi_vector else MIN_DEFAULT_DIM
+        dims = resolve_dims(options.dims, model.get_embedding_dimension(), min_dim)
         check_layers(options.layers, model)
         release()
-    evaluate = build_evaluate(test, dims)
+    evaluate = (build_multi_vector_evaluate if options.multi_vector else build_evaluate)(test, dims)
     warn_degenerate(train, test, options.batch_size, options.seed, options.sampler)
     return Prepared(model, model_spec, dims, train, evaluate, guide)
 
@@ -154,7 +196,8 @@ def run(options: TrainOptions) -> dict[str, Any]:
     model, device = job.model, str(job.model.device)
     print(
         f"{len(job.train)} training pairs, {job.evaluate.num_queries} held-out queries over "
-        f"{job.evaluate.num_corpus} documents; dims {job.dims}; device {device}",
+        f"{job.evaluate.num_corpus} documents; {'token dims' if options.multi_vector else 'dims'} {job.dims}; "
+        f"device {device}",
         flush=True,
     )
     initial = copy.deepcopy(model) if options.compare_stock else None
@@ -182,6 +225,8 @@ def run(options: TrainOptions) -> dict[str, Any]:
         results["activation"] = activation_summary(loss)
     if options.memory_size:
         results["memory"] = memory_summary(loss)
+    if options.multi_vector:
+        results["multi_vector"] = multi_vector_summary(model, loss)
     if initial is not None:
         results["compare_stock"] = compare_stock(initial, job.dims, job.train, options, first=ours, guide=job.guide)
 
@@ -231,10 +276,13 @@ def format_table(results: dict[str, Any]) -> str:
     text."""
     names = ("NDCG@10", "MRR@10", "Recall@10")
     layers = results.get("layers", {})
+    lines = []
+    if "multi_vector" in results:
+        lines.append("MaxSim retrieval at each token dim (the model cut by truncate_token_dim):")
     rows = [("all", results["before"], results["after"])]
     rows += [(n, runs["before"], runs["after"]) for n, runs in layers.items()]
     header = (f"{'layers':>6} " if layers else "") + f"{'dim':>5}  "
-    lines = [header + "  ".join(f"{name + ' before -> after':>25}" for name in names)]
+    lines.append(header + "  ".join(f"{name + ' before -> after':>25}" for name in names))
     for n, before_dims, after_dims in rows:
         for dim, before in before_dims.items():
             after = after_dims[dim]
@@ -255,12 +303,12 @@ def format_table(results: dict[str, Any]) -> str:
     if "activation" in results:
         lines.append(format_activation(results["activation"]))
     if "compare_stock" in results:
-        comparison = results["compare_stock"]
+        comparison, config = results["compare_stock"], results["config"]
+        ours_name, stock_name = loss_names(config.get("multi_vector", False), config.get("guide") is not None)
         lines.append(
-            f"compared with stock MatryoshkaLoss(CachedMNRL) on the same steps, run in the order "
-            f"{', '.join(comparison['order'])}:"
+            f"compared with {stock_name} on the same steps, run in the order {', '.join(comparison['order'])}:"
         )
-        for name, label in (("ours", "CachedMatryoshkaLoss"), ("stock", "stock")):
+        for name, label in (("ours", ours_name), ("stock", "stock")):
             runs = comparison[name]
             lines.append(
                 f"  {label}: "

@@ -17,6 +17,8 @@ from .usage import UsageError
 
 __all__ = [
     "DEFAULT_MINI_BATCH_SIZE",
+    "MIN_DEFAULT_DIM",
+    "MIN_DEFAULT_TOKEN_DIM",
     "TrainOptions",
     "check_batch_sizes",
     "check_device",
@@ -35,6 +37,9 @@ DEFAULT_MAX_SEQ_LENGTH = 64  # covers 97% of the built-in anchors and 99% of the
 DEFAULT_LEARNING_RATE = 2e-4
 DEFAULT_SEED = 12
 MIN_DEFAULT_DIM = 32
+# --multi-vector: the token dim halved while >= 16, so MultiVectorEncoder's 128-dim projection trains 128 64 32 16
+# (jina-colbert-v2 serves 128, 96 and 64; token vectors are many, so the small dims are the ones that save storage).
+MIN_DEFAULT_TOKEN_DIM = 16
 # Options that must be positive (the command line's argument types apply the same rule, check_positive).
 POSITIVE_INTS = (
     "batch_size",
@@ -56,12 +61,14 @@ class TrainOptions:
     ``batch_size``), with the same defaults; ``st-cached-losses train --help`` describes each.
 
     Raises:
-        UsageError: a size or count that is not positive, or both ``bf16`` and ``fp16``.
+        UsageError: a size or count that is not positive, or both ``bf16`` and ``fp16``; with ``multi_vector``,
+            an option CachedMultiVectorMatryoshkaLoss does not take (``guide``, ``false_negative_margin``, the memory
+            bank's, ``layers``, ``backend="triton"``); combinations the rules below refuse.
     """
 
     model: str | None = None  # None: the packaged all-MiniLM-L6-v2 (default_model_path)
     dataset: str = "stdlib"
-    dims: Sequence[int] | None = None  # None: the model's dim halved while >= MIN_DEFAULT_DIM
+    dims: Sequence[int] | None = None  # None: the model's dim halved while >= MIN_DEFAULT_DIM (MIN_DEFAULT_TOKEN_DIM)
     batch_size: int = DEFAULT_BATCH_SIZE
     mini_batch_size: int | str = DEFAULT_MINI_BATCH_SIZE  # or "auto": the largest that fits (activation_budget)
     epochs: float = DEFAULT_EPOCHS
@@ -87,6 +94,7 @@ class TrainOptions:
     memory_warmup_steps: int = 0  # training steps before the bank is filled and scored
     memory_max_age: int | None = None  # training steps a banked pair stays at most (None: until evicted)
     dual_memory: bool = False  # also bank the queries, as rows of the loss (ContAccum)
+    multi_vector: bool = False  # a MultiVectorEncoder (MaxSim) with CachedMultiVectorMatryoshkaLoss, token dims
 
     def __post_init__(self):
         self.output_dir = Path(self.output_dir)
@@ -100,6 +108,7 @@ class TrainOptions:
                 raise UsageError(f"--{name.replace('_', '-')} {error}") from error
         if self.bf16 and self.fp16:
             raise UsageError("--bf16 and --fp16 exclude each other: choose one")
+        self._check_multi_vector()
         if self.false_negative_margin is not None:
             try:
                 check_false_negative_rule(self.false_negative_margin, "absolute")
@@ -161,6 +170,32 @@ class TrainOptions:
             raise UsageError(
                 "--memory-size is CachedMatryoshkaLoss's: drop --compare-stock (stock has no memory bank) and --layers "
                 "(the 2D loss takes no bank)"
+            )
+
+    def _check_multi_vector(self) -> None:
+        """--multi-vector: refuse the options CachedMultiVectorMatryoshkaLoss does not take, each with its reason."""
+        if not self.multi_vector:
+            return
+        no_filter = "the MaxSim op has no false-negative filter"
+        no_bank = "a bank of token vectors would hold documents x tokens x dim floats"
+        refused = {
+            "--guide": (self.guide is not None, no_filter),
+            "--false-negative-margin": (self.false_negative_margin is not None, no_filter),
+            "--memory-size": (bool(self.memory_size), no_bank),
+            "--memory-warmup-steps": (bool(self.memory_warmup_steps), no_bank),
+            "--memory-max-age": (self.memory_max_age is not None, no_bank),
+            "--dual-memory": (self.dual_memory, no_bank),
+            "--layers": (self.layers is not None, "2D Matryoshka cuts a SentenceTransformer's layers"),
+            "--backend triton": (
+                self.backend == "triton",
+                "maxsim_infonce has no Triton kernels: use auto, chunked or dense",
+            ),
+        }
+        clash = [f"{flag} ({reason})" for flag, (given, reason) in refused.items() if given]
+        if clash:
+            raise UsageError(
+                f"--multi-vector (CachedMultiVectorMatryoshkaLoss) does not take {'; '.join(clash)}: drop "
+                f"{'it' if len(clash) == 1 else 'them'} or --multi-vector"
             )
 
     def _check_layers(self) -> None:
@@ -253,8 +288,9 @@ def check_layers(layers: Sequence[int] | None, model) -> None:
         )
 
 
-def resolve_dims(dims: Sequence[int] | None, model_dim: int) -> list[int]:
-    """Matryoshka dims in descending order; default: ``model_dim`` halved while >= 32 (384 -> 384 192 96 48).
+def resolve_dims(dims: Sequence[int] | None, model_dim: int, min_dim: int = MIN_DEFAULT_DIM) -> list[int]:
+    """Matryoshka dims in descending order; default: ``model_dim`` halved while >= ``min_dim`` (384 -> 384 192 96 48;
+    a MultiVectorEncoder's token dim with :data:`MIN_DEFAULT_TOKEN_DIM`: 128 -> 128 64 32 16).
 
     Raises:
         UsageError: dims that :func:`st_cached_losses.ops.spec.check_dims` refuses (larger than ``model_dim``,
@@ -262,7 +298,7 @@ def resolve_dims(dims: Sequence[int] | None, model_dim: int) -> list[int]:
     """
     if dims is None:
         dims = [model_dim]
-        while dims[-1] // 2 >= MIN_DEFAULT_DIM:
+        while dims[-1] // 2 >= min_dim:
             dims.append(dims[-1] // 2)
         return dims
     try:

@@ -9,10 +9,17 @@ each carry their own :class:`Step`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
+from sentence_transformers.util import (
+    all_gather,
+    all_gather_padded,
+    all_gather_with_grad,
+    cat_padded_token_embeddings,
+    get_rank,
+    get_world_size,
+)
 from torch import Tensor
 
 from .distributed import check_same_rows_on_every_rank
@@ -21,7 +28,16 @@ from .memory_bank import BankedPairs
 from .minibatches import restore_order
 from .parallel import Parallelism
 
-__all__ = ["LayerDraw", "Step", "require_step"]
+__all__ = ["Encoded", "LayerDraw", "Step", "require_step"]
+
+
+class Encoded(NamedTuple):
+    """One mini-batch as a loss's ``encode`` gives it: ``embeddings`` (rows, D), or (rows, tokens, D) token vectors of
+    a multi-vector model, and for those the ``token_mask`` (rows, tokens) bool of the tokens the loss scores (as the
+    model's ``MultiVectorMask`` leaves its ``attention_mask``), else None."""
+
+    embeddings: Tensor
+    token_mask: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,7 @@ class Step:
         counts: per column, the mini-batches every rank embeds (the ranges, then one-row pads).
         kept: the activation budget's plan of kept mini-batches (None: keep nothing).
         guide: id(column) -> the guide model's embeddings of each mini-batch (a GISTEmbed base loss), else None.
+        token_masks: id(column) -> step (1)'s token mask of each real mini-batch (a multi-vector model), else empty.
         encoder_dtypes: the autocast dtype the encoder ran under in each forward of step (1).
         components: filled by step (2): the entries ``forward`` returns (e.g. ``loss_dim_<d>``), detached.
         masked_share: filled by step (2): the share of candidates the filter and the duplicate mask removed.
@@ -68,6 +85,7 @@ class Step:
     counts: list[int] = field(default_factory=list)
     kept: StepPlan | None = None
     guide: dict[int, list[Tensor]] | None = None
+    token_masks: dict[int, list[Tensor]] = field(default_factory=dict)
     encoder_dtypes: list[torch.dtype | None] = field(default_factory=list)
     components: dict[str, Tensor] = field(default_factory=dict)
     masked_share: float | None = None
@@ -102,6 +120,10 @@ class Step:
         """Step (1): the guide model's embeddings of the next mini-batch of ``feature`` (one of :attr:`features`)."""
         self.guide[id(feature)].append(embeddings)
 
+    def add_token_mask(self, feature: dict[str, Any], mask: Tensor) -> None:
+        """Step (1): the token mask of the next real mini-batch of ``feature`` (one of :attr:`features`)."""
+        self.token_masks.setdefault(id(feature), []).append(mask)
+
     # ------------------------------------------------------------------------------------------ step (2)'s inputs
 
     def columns(self, reps: list[list[Tensor]]) -> list[Tensor]:
@@ -126,6 +148,43 @@ class Step:
         if world_queries.shape[0] == queries.shape[0]:
             return queries, docs, {}
         return queries, docs, {"offset": get_rank() * queries.shape[0], "world_queries": world_queries}
+
+    def token_columns(self, reps: list[list[Tensor]]) -> list[tuple[Tensor, Tensor]]:
+        """A multi-vector model's columns: per column its (rows, tokens, D) token vectors and (rows, tokens) bool mask,
+        rows in the batch's own order, each mini-batch (as wide as its own longest row) padded to the widest
+        (sentence-transformers' ``cat_padded_token_embeddings``); detached in evaluation."""
+        columns = []
+        for feature, column, order in zip(self.features, reps, self.orders):
+            embeddings, mask = cat_padded_token_embeddings(column, self.token_masks[id(feature)])
+            embeddings, mask = restore_order(embeddings, order), restore_order(mask, order)
+            columns.append((embeddings if self.training else embeddings.detach(), mask))
+        return columns
+
+    def gathered_tokens(self, columns: list[tuple[Tensor, Tensor]]) -> dict[str, Any]:
+        """``maxsim_infonce``'s inputs from :meth:`token_columns`: this rank's queries against the documents laid out
+        ``[positives | negatives_1 | ...]``, each column padded to the widest; with ``gather``, as stock's cached
+        multi-vector loss, every rank's documents (the token axis padded to the widest rank's, gathered with
+        gradients, which flow back to their owners) and ``offset``, this rank's first row; the text ids for
+        ``mask_duplicates``, gathered as the documents are.
+
+        Raises:
+            ValueError: with ``gather``, different numbers of rows on different processes.
+        """
+        (queries, query_mask), docs = columns[0], columns[1:]
+        gathered = self.gather and get_world_size() > 1
+        if gathered:
+            check_same_rows_on_every_rank(queries)
+            docs = [all_gather_padded(embeddings, mask, with_grad=True) for embeddings, mask in docs]
+        documents, document_mask = cat_padded_token_embeddings(*map(list, zip(*docs)))
+        inputs = {"queries": queries, "documents": documents, "query_mask": query_mask, "document_mask": document_mask}
+        if gathered:
+            inputs["offset"] = get_rank() * queries.shape[0]
+        if self.text_ids is not None:
+            query_ids, *doc_ids = self.text_ids
+            inputs.update(query_ids=query_ids, doc_ids=torch.cat([all_gather(i) if gathered else i for i in doc_ids]))
+            if gathered:
+                inputs["world_query_ids"] = all_gather(query_ids)
+        return inputs
 
     def guide_inputs(self) -> dict[str, Tensor]:
         """The guide model's embeddings for the op (a GISTEmbed base loss): ``guide_queries`` (this rank's) and

@@ -43,7 +43,7 @@ from .kept_minibatches import KeptGraph
 from .minibatches import LengthSorted, length_order, length_sorted, reorder, without_leading_padding
 from .parallel import Parallelism
 from .precision import encoder_autocast_dtypes
-from .step import LayerDraw, Step
+from .step import Encoded, LayerDraw, Step
 from .text_ids import text_ids
 
 __all__ = ["GradCacheSteps"]
@@ -201,8 +201,9 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         ``with_grad=False``, step (3) with True.
 
         With the forward's ``step``: in step (1) a kept mini-batch (activation budget) is embedded with gradients,
-        a :class:`.kept_minibatches.KeptGraph` standing in for its RNG state, and a GISTEmbed guide embeds the same
-        rows. A ``pad`` (a rank's extra mini-batch, see :meth:`.step.Step.is_pad`) is never kept nor guided."""
+        a :class:`.kept_minibatches.KeptGraph` standing in for its RNG state, a GISTEmbed guide embeds the same
+        rows, and a multi-vector model's token mask goes to ``step.token_masks``. A ``pad`` (a rank's extra
+        mini-batch, see :meth:`.step.Step.is_pad`) is never kept nor guided."""
         features = self.minibatch_features(sentence_feature, begin, end)
         step1 = step is not None and not with_grad and not pad
         if step1 and step.guide is not None:  # the guide embeds the same rows
@@ -211,7 +212,9 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         grad = nullcontext() if with_grad or kept is not None else torch.no_grad()
         with nullcontext() if random_state is None else random_state, grad, kept or nullcontext():
             random_state = RandContext(*features.values()) if copy_random_state else None
-            embeddings = self.encode(features, step=step)
+            embeddings, token_mask = self.encode(features, step=step)
+        if step1 and token_mask is not None:
+            step.add_token_mask(sentence_feature, token_mask)
         return (embeddings, random_state) if kept is None else kept.result(embeddings, random_state)
 
     def minibatch_features(self, sentence_feature: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
@@ -224,10 +227,10 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         sentence_feature, begin, end = without_leading_padding(sentence_feature, begin, end)
         return compile_friendly(create_minibatch(sentence_feature, begin, end))
 
-    def encode(self, features: dict[str, Any], step: Step | None = None) -> Tensor:
-        """(rows, D) embeddings of one mini-batch: the model's sentence embedding (the 2D losses add the layers of
-        ``step.prior_layers`` beside it)."""
-        return self.model(features)["sentence_embedding"]
+    def encode(self, features: dict[str, Any], step: Step | None = None) -> Encoded:
+        """One mini-batch's :class:`.step.Encoded`: the model's (rows, D) sentence embeddings (the 2D losses add the
+        layers of ``step.prior_layers`` beside them; the multi-vector loss gives token vectors and their mask)."""
+        return Encoded(self.model(features)["sentence_embedding"])
 
     def _length_order(self, feature: dict[str, Any]) -> Tensor | None:
         # When one mini-batch holds the whole column, sorting saves nothing and would only change the dropout draw.

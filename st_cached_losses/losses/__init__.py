@@ -3,6 +3,8 @@
 - ``cached_matryoshka.py``: ``CachedMatryoshkaLoss`` for ``MatryoshkaLoss(model, CachedMNRL / CachedGISTEmbedLoss)``;
 - ``cached_matryoshka_2d.py``: ``CachedMatryoshka2dLoss`` for ``Matryoshka2dLoss(model, MNRL)``;
 - ``cached_adaptive_layer.py``: ``CachedAdaptiveLayerLoss`` for ``AdaptiveLayerLoss(model, MNRL)``;
+- ``cached_multi_vector.py``: ``CachedMultiVectorMatryoshkaLoss`` for a ``MultiVectorEncoder``'s
+  ``CachedMultiVectorMultipleNegativesRankingLoss``, with Matryoshka token dims (``maxsim_infonce``);
 - ``base_losses.py``: which base losses are accepted and what their hyperparameters mean for the op; the guide;
 - ``callback.py``: ``CachedLossCallback``, the losses' step reports in the trainer's log, the bank in its checkpoints;
 - ``card.py``: what the model card shows (``get_config_dict()`` in JSON values, the public class path);
@@ -17,6 +19,13 @@ from __future__ import annotations
 from .cached_adaptive_layer import CachedAdaptiveLayerLoss
 from .cached_matryoshka import CachedMatryoshkaLoss
 from .cached_matryoshka_2d import CachedMatryoshka2dLoss
+from .cached_multi_vector import CachedMultiVectorMatryoshkaLoss
 from .callback import CachedLossCallback
 
-__all__ = ["CachedAdaptiveLayerLoss", "CachedLossCallback", "CachedMatryoshka2dLoss", "CachedMatryoshkaLoss"]
+__all__ = [
+    "CachedAdaptiveLayerLoss",
+    "CachedLossCallback",
+    "CachedMatryoshka2dLoss",
+    "CachedMatryoshkaLoss",
+    "CachedMultiVectorMatryoshkaLoss",
+]

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..gradcache import _st_compat
 from ..gradcache.layers import base_model, num_hidden_layers
-from ..gradcache.step import LayerDraw, Step, require_step
+from ..gradcache.step import Encoded, LayerDraw, Step, require_step
 from ..ops import matryoshka_infonce
 from . import card, citations
 from .base_losses import MNRL_LOSSES, check_base_loss
@@ -224,7 +224,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             draws.append(LayerDraw(layer, self._sample_dims(), weight / len(layers) * self.prior_layers_weight))
         return tuple(draws)
 
-    def encode(self, features: dict[str, Any], step: Step | None = None) -> Tensor:
+    def encode(self, features: dict[str, Any], step: Step | None = None) -> Encoded:
         """(rows, S * D): the pooled embedding of the final layer, then of each prior layer of ``step`` (none without
         one), side by side. One run of the transformer with hidden states (stock's ``TransformerDecorator``); the
         model's other modules run once per layer on that layer's hidden states."""
@@ -253,7 +253,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                 del transformer.forward
             else:
                 transformer.forward = own_forward
-        return torch.cat(embeddings, dim=1)
+        return Encoded(torch.cat(embeddings, dim=1))
 
     def calculate_loss(
         self,

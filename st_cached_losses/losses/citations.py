@@ -65,3 +65,15 @@ CONTACCUM = """
     archivePrefix={arXiv}
 }
 """
+
+COLBERT = """
+@inproceedings{khattab2020colbert,
+    title={ColBERT: Efficient and Effective Passage Search via Contextualized Late Interaction over BERT},
+    author={Omar Khattab and Matei Zaharia},
+    booktitle={Proceedings of the 43rd International ACM SIGIR Conference on Research and Development in Information Retrieval},
+    year={2020},
+    eprint={2004.12832},
+    archivePrefix={arXiv},
+    primaryClass={cs.IR}
+}
+"""

@@ -8,7 +8,8 @@ its backends. Never imports sentence_transformers.
 - ``reference.py`` (dense, the test oracle: every rule computed on its own), ``chunked.py`` (row tiles, any device),
   ``triton/`` (GPU kernels);
 - the rules the tiled backends share: ``false_negatives.py`` (GISTEmbed's per-tile mask of dropped candidates),
-  ``duplicates.py`` (the duplicate mask from text ids), ``memory.py`` (banked documents as extra columns).
+  ``duplicates.py`` (the duplicate mask from text ids), ``memory.py`` (banked documents as extra columns);
+- ``maxsim/``: ``maxsim_infonce``, the late-interaction (ColBERT MaxSim) loss over Matryoshka token dims.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .backend import (
 )
 from .errors import TritonUnavailableError
 from .infonce import NONFINITE_POLICIES, matryoshka_infonce
+from .maxsim import maxsim_infonce
 from .result import InfoNCEOutput, InfoNCEResult
 from .spec import InfoNCESpec
 
@@ -38,6 +40,7 @@ __all__ = [
     "check_backend",
     "choices",
     "matryoshka_infonce",
+    "maxsim_infonce",
     "recorded_choices",
     "run_backend",
     "select_backend",

@@ -200,16 +200,16 @@ _FAILED: dict[str, str] = {}  # device -> why the Triton kernels failed there (a
 _RECORDERS: list[dict[tuple, dict]] = []  # open ``recorded_choices`` blocks
 
 
-def note_choice(backend: str, device: torch.device, reason: str, tile: str) -> None:
-    """Log a backend choice once at INFO (each distinct backend, device, reason and tile) and keep it."""
-    key = (backend, str(device), reason, tile)
+def note_choice(backend: str, device: torch.device, reason: str, tile: str, op: str = "matryoshka_infonce") -> None:
+    """Log a backend choice of ``op`` once at INFO (each distinct op, backend, device, reason and tile) and keep it."""
+    key = (op, backend, str(device), reason, tile)
     choice = {"backend": backend, "device": str(device), "reason": reason, "tile": tile}
     for recorder in _RECORDERS:
         recorder.setdefault(key, choice)
     if key in _CHOICES:
         return
     _CHOICES[key] = choice
-    logger.info("matryoshka_infonce: %s backend on %s (%s); tile: %s", backend, device, reason, tile)
+    logger.info("%s: %s backend on %s (%s); tile: %s", op, backend, device, reason, tile)
 
 
 def choices() -> list[dict]:

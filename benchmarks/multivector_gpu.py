@@ -1,0 +1,347 @@
+"""The multi-vector (late-interaction) loss stage on the GPU: step 3 of ``python -m benchmarks.gpu``.
+
+Forward + backward of the in-batch InfoNCE over ColBERT's MaxSim scores (GradCache step 2) on random unit token
+vectors: Lq = 32 query tokens, Ld = 128 (and 256) document tokens of D = 128, pairs (M = B documents, every other
+one with its last quarter of tokens masked, as padding), each positive's tokens noisy echoes of its query's (cosine
+about 0.45), so that the loss depends on which document is whose. Contenders, in bf16 and fp32 inputs:
+
+- ``matmul``: the floor, the token dot products of every query against every document in blocks of 8192 x 8192
+  tokens (one GEMM's work, nothing else: no max, no loss, no backward);
+- ``chunked``: ``maxsim_infonce`` (chunked backend) at the full dim; ``chunked4dims``: at dims [128, 96, 64, 32];
+- ``lik`` / ``flash_maxsim``: late-interaction-kernels' and flash-maxsim's fused MaxSim forward + backward under
+  ``F.cross_entropy`` (``benchmarks/maxsim_anchors.py``), where importable (the GPU bundle carries their wheels);
+- ``stock``: ``CachedMultiVectorMultipleNegativesRankingLoss(mini_batch_size=32).calculate_loss(...,
+  with_backward=True)``, as in ``benchmarks/multivector_loss_stage.py`` (the CPU version of this benchmark).
+
+Per case (shape, dtype, B): the gpu.py timer (``triton.testing.do_bench`` median and 20 / 80 % quantiles; the first,
+untimed call, Triton's compilation and autotuning included, timed on its own), ``max_memory_allocated`` above the
+inputs, and a check that every contender's loss at the full dim (``chunked4dims``: its dim-128 term) equals the
+reference's (stock's where it ran, else ``chunked``'s) within ``LOSS_RTOL`` x max(1, |loss|): 2e-3 for fp32 inputs
+(flash-maxsim computes in fp16, late-interaction-kernels' fp32 dots in TF32) and 2e-2 for bf16 (stock's token
+similarities are bf16). Writes ``multivector_loss_stage.csv`` (metrics prefixed by the shape, e.g.
+``Ld128_pairs/seconds_median``) and one PNG per dtype; ``summary_lines`` gives summary.md's table.
+
+Budget (device time): B doubles from 512; each contender and dtype stops at the first B where measuring it (~11
+calls plus do_bench's 200 ms, from its median at the previous B times the growth of B x M x Ld) would take the step
+past its share: 90 s (``--quick``: 20 s, Ld 128 only, B <= 2048). The first size (B = 512, Ld 128) always runs, all
+contenders and both dtypes; a kernel compiled anew at a larger B (flash-maxsim's backward takes B as a compile-time
+constant) may overrun the share by its compilation. Estimates for one H100 (nothing here has run on a GPU yet; from
+the CPU run of ``multivector_loss_stage --sizes 256 512`` -- stock 6.4x the floor, chunked 2.4x, 4 dims 4.2x at
+B = 256 -- and the H100's fp32 GEMM ~50 TFLOP/s, bf16 ~600, HBM 3.35 TB/s, ~10 us per kernel launch from Python):
+at B = 1024, Ld 128 the floor takes ~25 ms (fp32) / ~5 ms (bf16); stock ~0.1 s / ~0.03 s (three GEMMs and ~5 passes
+over its (32, M, Lq, Ld) similarity tensors, memory-bound); ``chunked`` ~0.15 s and 4 dims ~0.5 s in either dtype
+(launch-bound: it computes in fp32, 64 queries per tile against 8 documents per GEMM, ~5 launches per dim and block);
+the fused Triton kernels a few ms. All grow with B^2 x Ld. So: the first size ~30-60 s (mostly Triton compiling and
+autotuning both libraries' kernels per dtype), then ours to B = 1024, stock to ~2048, the floor, ``lik`` and
+``flash_maxsim`` to 4096-8192, Ld 256 at the smaller sizes: the step ends at about its 90 s.
+
+    python -m benchmarks.gpu --steps multivector --out /tmp/mv   # this step alone (CUDA; --dry-run on a CPU)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import gpu, maxsim_anchors, report
+from benchmarks.multivector_loss_stage import _stock, matmul_floor, shape_name
+from benchmarks.profiling import peak_tensor_bytes
+
+NAME = "multivector_loss_stage"
+CONTENDERS = ("matmul", "chunked", "chunked4dims", "lik", "flash_maxsim", "stock")  # cheapest first
+LOSS_RTOL = {"fp32": 2e-3, "bf16": 2e-2}
+ECHO_NOISE = 2.0  # a positive's token: its query's token plus noise of this norm, normalised (cosine ~0.45)
+STOCK_MINI_BATCH = 32  # stock's default mini_batch_size (and score_mini_batch_size)
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str
+    sizes: tuple[int, ...]
+    doc_tokens: tuple[int, ...]
+    seconds: float  # the step's share of the run's device time
+    query_tokens: int = 32
+    dim: int = 128
+    dims: tuple[int, ...] = (128, 96, 64, 32)
+    floor_block: int = 8192
+
+
+def plan(mode: str) -> Plan:
+    """``full``, ``quick`` (CUDA) or ``tiny`` (the dry run: CPU, a few dozen tokens, no time limit)."""
+    if mode == "tiny":
+        return Plan("cpu", (8,), (16, 32), math.inf, query_tokens=8, dim=32, dims=(32, 24, 16, 8), floor_block=64)
+    if mode == "quick":
+        return Plan("cuda", (512, 1024, 2048), (128,), 20.0)
+    if mode == "full":
+        return Plan("cuda", (512, 1024, 2048, 4096, 8192), (128, 256), 90.0)
+    raise ValueError(f"mode must be 'full', 'quick' or 'tiny', got {mode!r}.")
+
+
+def problem(plan: Plan, batch: int, doc_tokens: int, dtype: torch.dtype):
+    """(queries (B, Lq, D), documents (B, Ld, D), query mask, document mask) in ``dtype`` on the plan's device: unit
+    token vectors; document i's token u echoes query i's token u mod Lq (see ``ECHO_NOISE``); every other document
+    has its last quarter of tokens masked."""
+    device = plan.device
+    g = torch.Generator(device=device).manual_seed(batch * 1000 + doc_tokens)
+    queries = F.normalize(torch.randn(batch, plan.query_tokens, plan.dim, generator=g, device=device), dim=-1)
+    echoes = queries.repeat(1, -(-doc_tokens // plan.query_tokens), 1)[:, :doc_tokens]
+    noise = torch.randn(batch, doc_tokens, plan.dim, generator=g, device=device) * (ECHO_NOISE / plan.dim**0.5)
+    documents = F.normalize(echoes + noise, dim=-1)
+    query_mask = torch.ones(batch, plan.query_tokens, dtype=torch.bool, device=device)
+    document_mask = torch.ones(batch, doc_tokens, dtype=torch.bool, device=device)
+    document_mask[::2, doc_tokens - doc_tokens // 4 :] = False
+    return queries.to(dtype), documents.to(dtype), query_mask, document_mask
+
+
+def _ours(queries, documents, query_mask, document_mask, dims):
+    """maxsim_infonce forward + backward; returns the full dim's loss (dims[0] is D)."""
+    from st_cached_losses import maxsim_infonce
+
+    def run():
+        leaves = queries.detach().requires_grad_(), documents.detach().requires_grad_()
+        out = maxsim_infonce(*leaves, query_mask=query_mask, document_mask=document_mask, dims=list(dims))
+        out.loss.backward()
+        return out.per_dim[0].detach()
+
+    return run
+
+
+def contender(plan: Plan, name: str, inputs) -> object:
+    """A zero-argument callable (forward + backward; returns the full-dim loss, or None for the floor), or a str:
+    why ``name`` cannot run here."""
+    queries, documents = inputs[:2]
+    if name == "matmul":
+        return matmul_floor(queries, documents, plan.floor_block)
+    if name in ("chunked", "chunked4dims"):
+        return _ours(*inputs, plan.dims if name == "chunked4dims" else (plan.dim,))
+    if name == "stock":
+        run = _stock(*inputs, queries.shape[0], STOCK_MINI_BATCH)
+        return lambda: run().detach()
+    reason = maxsim_anchors.unavailable(name, plan.device)
+    return reason or maxsim_anchors.infonce_step(name, *inputs)
+
+
+@dataclass
+class Budget:
+    """The step's device-time share, and each (contender, dtype)'s last median and work, to predict the next."""
+
+    seconds: float
+    start: float = field(default_factory=time.perf_counter)
+    last: dict = field(default_factory=dict)  # (name, dtype) -> (work, median seconds)
+
+    def spent(self) -> float:
+        return time.perf_counter() - self.start
+
+    def predicted(self, key, work: float) -> float | None:
+        """Seconds that measuring ``key`` at ``work`` would take (None before its first measurement): its calls
+        (ours, gpu._bench's two, do_bench's 1 + 5 + 1 and its repeats over max(200 ms, 5 medians), the peak's)."""
+        if key not in self.last:
+            return None
+        previous, median = self.last[key]
+        median *= work / previous
+        return 11 * median + max(5 * median, 0.2)
+
+    def allows(self, key, work: float) -> bool:
+        predicted = self.predicted(key, work)
+        return predicted is None or self.spent() + predicted <= self.seconds
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(fn, device: str) -> tuple[float, dict, int, torch.Tensor | None]:
+    """(first call's seconds, gpu._bench's median / q20 / q80 seconds, peak bytes above what was live, the loss)."""
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    first = time.perf_counter() - start
+    stats = gpu._bench(fn, device)
+    loss, peak = peak_tensor_bytes(fn, device)
+    return first, stats, peak, loss
+
+
+@dataclass
+class _Run:
+    """One run's plan, budget, rows, notes (what did not run, and why) and the (contender, dtype)s dropped."""
+
+    plan: Plan
+    budget: Budget
+    rows: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    dropped: set = field(default_factory=set)
+
+
+def run(plan: Plan) -> tuple[list[tuple], list[str]]:
+    """Rows (contender_dtype, B, shape/metric, value) of every case, and notes (what did not run, and why)."""
+    state = _Run(plan, Budget(plan.seconds))
+    for batch in plan.sizes:
+        for doc_tokens in plan.doc_tokens:
+            for dtype_name in gpu.LOSS_STAGE_DTYPES:
+                _case(state, batch, doc_tokens, dtype_name)
+    state.rows += [("step", 0, "seconds", state.budget.spent()), ("step", 0, "budget_seconds", plan.seconds)]
+    return state.rows, state.notes
+
+
+def _case(state: _Run, batch: int, doc_tokens: int, dtype_name: str) -> None:
+    """Every contender at one (B, Ld, dtype), then the loss check against the reference."""
+    inputs = problem(state.plan, batch, doc_tokens, gpu.LOSS_STAGE_DTYPES[dtype_name])
+    shape, work, losses = shape_name(doc_tokens, 0), batch * batch * doc_tokens, {}
+    input_bytes = sum(x.numel() * x.element_size() for x in inputs)
+    state.rows.append((f"inputs_{dtype_name}", batch, f"{shape}/input_bytes", input_bytes))
+    for name in CONTENDERS:
+        key, label = (name, dtype_name), f"{name}_{dtype_name}"
+        if key in state.dropped:
+            continue
+        where = f"  {shape} {label:>20} B={batch:>5}:"
+        if not state.budget.allows(key, work):
+            predicted = state.budget.predicted(key, work)
+            state.dropped.add(key)  # the work only grows from here, and so does the time spent
+            state.rows.append((label, batch, f"{shape}/over_budget", predicted))
+            print(f"{where} not run (measuring it would take ~{predicted:.0f} s)", flush=True)
+            continue
+        fn = contender(state.plan, name, inputs)
+        if isinstance(fn, str):
+            state.dropped.add(key)
+            state.notes.append(f"not run: {name}: {fn}")
+            print(f"{where} skipped, {fn}", flush=True)
+            continue
+        try:
+            first, stats, peak, loss = measure(fn, state.plan.device)
+        except Exception as error:  # out of memory, or another library's kernel failing here: the run goes on
+            state.dropped.add(key)
+            oom = isinstance(error, torch.OutOfMemoryError)
+            state.rows.append((label, batch, f"{shape}/{'out_of_memory' if oom else 'raised'}", 1))
+            if not oom:
+                state.notes.append(f"{label} at B = {batch}, {shape}: raised {type(error).__name__}: {error}")
+            print(f"{where} {'out of memory' if oom else f'raised {type(error).__name__}: {error}'}", flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
+        state.budget.last[key] = (work, stats["median"])
+        state.rows += [(label, batch, f"{shape}/seconds_{k}", v) for k, v in stats.items()]
+        state.rows += [
+            (label, batch, f"{shape}/first_call_seconds", first),
+            (label, batch, f"{shape}/peak_bytes", peak),
+        ]
+        if loss is not None:
+            losses[name] = float(loss)
+            state.rows.append((label, batch, f"{shape}/loss", float(loss)))
+        print(
+            f"{where} {stats['median'] * 1e3:10.2f} ms ({stats['q20'] * 1e3:.2f}-{stats['q80'] * 1e3:.2f}), first call "
+            f"{first:6.2f} s, {peak / 2**20:9.1f} MiB above the inputs [{state.budget.spent():.0f} s]",
+            flush=True,
+        )
+    state.rows += _loss_checks(losses, batch, shape, dtype_name)
+
+
+def _loss_checks(losses: dict, batch: int, shape: str, dtype_name: str) -> list[tuple]:
+    """Per contender: |loss - reference| / max(1, |reference|) and whether it is within LOSS_RTOL."""
+    reference = next((losses[name] for name in ("stock", "chunked") if name in losses), None)
+    if reference is None:
+        return []
+    rows = []
+    for name, loss in losses.items():
+        error = abs(loss - reference) / max(1.0, abs(reference))
+        rows += [
+            (f"{name}_{dtype_name}", batch, f"{shape}/loss_error", error),
+            (f"{name}_{dtype_name}", batch, f"{shape}/loss_ok", float(error <= LOSS_RTOL[dtype_name])),
+        ]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ outputs
+
+
+def write(rows: list[tuple], out: Path) -> list[dict]:
+    """``multivector_loss_stage.csv`` and one PNG per dtype (time and memory vs B, a panel per shape)."""
+    path = out / f"{NAME}.csv"
+    report.write_csv(rows, path)
+    records = report.read_csv(path)
+    shapes = sorted({r["metric"].split("/")[0] for r in records if "/" in r["metric"]})
+    for dtype_name in gpu.LOSS_STAGE_DTYPES:
+        subset = [
+            {**r, "contender": r["contender"].removesuffix(f"_{dtype_name}")}
+            for r in records
+            if r["contender"].endswith(f"_{dtype_name}")
+        ]
+        report.plot(
+            subset,
+            out / f"{NAME}_{dtype_name}.png",
+            f"Multi-vector loss stage (fwd + bwd), {dtype_name} inputs, pairs",
+            panels=[(f"{s}/seconds_median", f"{s}: seconds", 1) for s in shapes]
+            + [(f"{s}/peak_bytes", f"{s}: MiB above the inputs", 2**20) for s in shapes],
+        )
+    return records
+
+
+def summary_lines(records: list[dict], notes: list[str], plan: Plan) -> list[str]:
+    """summary.md's section: a table per case and contender, then what did not run and the loss check's rule."""
+    value = report.values(records)
+    lines = [
+        (
+            f"**Multi-vector loss stage** (MaxSim InfoNCE fwd + bwd, Lq {plan.query_tokens}, D {plan.dim}, pairs; "
+            f"`chunked4dims`: dims {', '.join(map(str, plan.dims))}; `matmul`: the forward GEMM floor)"
+        ),
+        "",
+        (
+            "| shape | dtype | B | contender | ms median (q20-q80) | first call s | MiB above inputs | x floor "
+            "| vs stock | loss check |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    cases = sorted({(r["metric"].split("/")[0], r["B"]) for r in records if "/" in r["metric"]})
+    for shape, batch in cases:
+        for dtype_name in gpu.LOSS_STAGE_DTYPES:
+            case = {
+                (r["contender"].removesuffix(f"_{dtype_name}"), r["metric"].split("/")[1]): r["value"]
+                for r in records
+                if r["B"] == batch and r["metric"].startswith(f"{shape}/") and r["contender"].endswith(dtype_name)
+            }
+            rows = (_row(case, name, f"| {shape} | {dtype_name} | {batch} | {name} |") for name in CONTENDERS)
+            lines += [row for row in rows if row]
+    spent, share = value.get(("step", 0, "seconds"), math.nan), value.get(("step", 0, "budget_seconds"), math.nan)
+    lines += [
+        "",
+        (
+            f"Loss check: each contender's full-dim loss against stock's (else chunked's) within "
+            f"{LOSS_RTOL['fp32']:g} (fp32) / {LOSS_RTOL['bf16']:g} (bf16) x max(1, |loss|). "
+            f"Step time {spent:.0f} s" + (f" of a {share:g} s share." if math.isfinite(share) else " (no time limit).")
+        ),
+        *[f"- {note}" for note in dict.fromkeys(notes)],
+    ]
+    return lines
+
+
+def _row(case: dict, name: str, prefix: str) -> str:
+    """One table row of ``name`` in a case's {(contender, metric): value}; "" if it has nothing to show."""
+    median, stock, floor = (case.get((n, "seconds_median")) for n in (name, "stock", "matmul"))
+    if median is None:
+        if (name, "over_budget") in case:
+            return f"{prefix} not run: measuring it would take ~{case[(name, 'over_budget')]:.0f} s | | | | | |"
+        if (name, "raised") in case:
+            return f"{prefix} raised (see below) | | | | | |"
+        return f"{prefix} out of memory | | | | | |" if (name, "out_of_memory") in case else ""
+    error = case.get((name, "loss_error"))
+    check = "" if error is None else f"{'ok' if case[(name, 'loss_ok')] else 'MISMATCH'} ({error:.1e})"
+    low, high = case[(name, "seconds_q20")], case[(name, "seconds_q80")]
+    return (
+        f"{prefix} {median * 1e3:.2f} ({low * 1e3:.2f}-{high * 1e3:.2f}) | {case[(name, 'first_call_seconds')]:.2f} | "
+        f"{case[(name, 'peak_bytes')] / 2**20:.1f} | {f'{median / floor:.1f}x' if floor else ''} | "
+        f"{f'{stock / median:.1f}x' if stock else ''} | {check} |"
+    )
+
+
+def main(mode: str, out: Path) -> list[str]:
+    """Run the step at ``mode``'s plan, write its CSV and PNGs under ``out``; summary.md's lines."""
+    chosen = plan(mode)
+    rows, notes = run(chosen)
+    lines = summary_lines(write(rows, out), notes, chosen)
+    print("\n".join(lines), flush=True)
+    return lines

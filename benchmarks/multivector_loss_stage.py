@@ -1,0 +1,225 @@
+"""Multi-vector (late-interaction) loss stage benchmark: maxsim_infonce vs stock's CachedMultiVectorMNRL.
+
+Times forward + backward of the loss over fixed random unit token vectors (GradCache step 2, between the two
+embedding passes) and measures the exact peak of tensor bytes it allocates, side by side in one run, per batch size
+and document shape: stock ``CachedMultiVectorMultipleNegativesRankingLoss(mini_batch_size=32).calculate_loss(...,
+with_backward=True)`` (ColBERT MaxSim, its default), ``maxsim_infonce`` at the full dim ("chunked") and with four
+Matryoshka token dims ("chunked4dims": ``--dims``, 128 96 64 32), and the floor: the token dot products of every query
+against every document, in blocks of 1024 x 1024 tokens (one GEMM's work, nothing else; "matmul").
+
+    python -m benchmarks.multivector_loss_stage            # B in 256 512 1024 4096, Ld 128 and 256, pairs and one
+                                                           # hard negative, 2 threads; stock up to B = 1024
+    python -m benchmarks.multivector_loss_stage --quick --sizes 256 --doc-tokens 128 --negatives 0   # side by side
+
+One CSV (contender, B, metric, value, ...; metrics prefixed by the shape, e.g. ``Ld128_pairs/seconds_median``) and
+one PNG per shape under benchmarks/results/. Stock is skipped at a B where its predicted time (its last measured
+time times the growth of B x M) exceeds ``--stock-budget`` seconds; the profiler's exact peak, which replays every
+allocation, is skipped above ``--peak-max-batch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.profiling import peak_tensor_bytes, summarize, time_call
+from benchmarks.report import RESULTS, plot, read_csv, values, write_csv
+from st_cached_losses import maxsim_infonce
+from st_cached_losses.ops.maxsim.chunked import DEFAULT_TILE_BYTES
+
+
+def _tokens(rows: int, tokens: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """Unit token vectors (a Normalize module's output), as a ColBERT model gives them."""
+    return F.normalize(torch.randn(rows, tokens, dim, generator=generator), dim=-1)
+
+
+def problem(batch: int, query_tokens: int, doc_tokens: int, dim: int, negatives: int, seed: int = 0):
+    """(queries (B, Lq, D), documents (B (1 + negatives), Ld, D) laid out [positives | negatives], their masks): every
+    token scored but the last quarter of every other document's (padding)."""
+    generator = torch.Generator().manual_seed(seed)
+    queries = _tokens(batch, query_tokens, dim, generator)
+    documents = _tokens(batch * (1 + negatives), doc_tokens, dim, generator)
+    query_mask = torch.ones(batch, query_tokens, dtype=torch.bool)
+    document_mask = torch.ones(documents.shape[:2], dtype=torch.bool)
+    document_mask[::2, doc_tokens - doc_tokens // 4 :] = False
+    return queries, documents, query_mask, document_mask
+
+
+def _stock(queries, documents, query_mask, document_mask, batch: int, mini_batch_size: int):
+    """Stock's loss stage, forward + backward once, on the columns [anchors, positives, negatives...]."""
+    from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
+
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    loss = CachedMultiVectorMultipleNegativesRankingLoss(None, mini_batch_size=mini_batch_size)  # model unread here
+    columns = [queries, *documents.split(batch)]
+    masks = [query_mask, *document_mask.split(batch)]
+
+    def run():
+        reps = [[m.detach().requires_grad_() for m in column.split(mini_batch_size)] for column in columns]
+        chunks = [list(mask.split(mini_batch_size)) for mask in masks]
+        return loss.calculate_loss(reps, chunks, with_backward=True)
+
+    return run
+
+
+def _ours(queries, documents, query_mask, document_mask, dims):
+    def run():
+        leaves = [queries.detach().requires_grad_(), documents.detach().requires_grad_()]
+        out = maxsim_infonce(*leaves, query_mask=query_mask, document_mask=document_mask, dims=list(dims))
+        out.loss.backward()
+        return out.loss
+
+    return run
+
+
+def matmul_floor(queries, documents, block: int = 1024):
+    """The token dot products of every query against every document, in blocks of ``block`` x ``block`` tokens."""
+    q, c = queries.reshape(-1, queries.shape[-1]), documents.reshape(-1, documents.shape[-1])
+    buffer = q.new_empty(block, block)
+
+    def run():
+        for i in range(0, q.shape[0], block):
+            for j in range(0, c.shape[0], block):
+                rows, cols = q[i : i + block], c[j : j + block]
+                torch.mm(rows, cols.T, out=buffer[: rows.shape[0], : cols.shape[0]])
+
+    return run
+
+
+def _time(fn, repeats: int, warmup: int) -> tuple[list[float], list[float]]:
+    """(wall seconds, CPU seconds of this process) of each timed call."""
+    cpu = []
+
+    def timed():
+        start = time.process_time()
+        fn()
+        cpu.append(time.process_time() - start)
+
+    wall = time_call(timed, repeats=repeats, warmup=warmup)
+    return wall, cpu[warmup:]
+
+
+def shape_name(doc_tokens: int, negatives: int) -> str:
+    return f"Ld{doc_tokens}_" + ("pairs" if negatives == 0 else f"{negatives}hn")
+
+
+def run(args) -> list[tuple]:
+    """Rows of (contender, B, metric, value) for every shape, size and contender."""
+    rows = []
+    for doc_tokens in args.doc_tokens:
+        for negatives in args.negatives:
+            shape = shape_name(doc_tokens, negatives)
+            stock_seconds = None  # (B x M, seconds) of stock's last run: predicts the next one
+            for batch in args.sizes:
+                inputs = problem(batch, args.query_tokens, doc_tokens, args.dim, negatives)
+                queries, documents = inputs[:2]
+                pairs = batch * documents.shape[0]
+                rows.append(("inputs", batch, f"{shape}/embedding_bytes", (queries.numel() + documents.numel()) * 4))
+                rows.append(("inputs", batch, f"{shape}/tile_budget_bytes", DEFAULT_TILE_BYTES))
+                contenders = {
+                    "chunked": _ours(*inputs, [args.dim]),
+                    "chunked4dims": _ours(*inputs, args.dims),
+                    "matmul": matmul_floor(queries, documents),
+                }
+                predicted = None if stock_seconds is None else stock_seconds[1] * pairs / stock_seconds[0]
+                if batch <= args.stock_max_batch and (predicted is None or predicted <= args.stock_budget):
+                    contenders = {"stock": _stock(*inputs, batch, args.mini_batch_size), **contenders}
+                else:
+                    print(f"{shape} B={batch:>5}    stock: not run (predicted {predicted or 0:.0f} s)", flush=True)
+                for name, fn in contenders.items():
+                    is_stock = name == "stock"
+                    repeats = 1 if (is_stock or args.quick) else args.repeats
+                    wall, cpu = _time(fn, repeats, 0 if is_stock else 1)
+                    stats = summarize(wall)
+                    if is_stock:
+                        stock_seconds = (pairs, stats["median"])
+                    rows += [(name, batch, f"{shape}/seconds_{key}", value) for key, value in stats.items()]
+                    rows.append((name, batch, f"{shape}/cpu_seconds_median", summarize(cpu)["median"]))
+                    peak = float("nan")
+                    if name != "matmul" and batch <= args.peak_max_batch:
+                        peak = peak_tensor_bytes(fn)[1]
+                        rows.append((name, batch, f"{shape}/peak_bytes", peak))
+                    rows.append((name, batch, f"{shape}/load_average_1min", os.getloadavg()[0]))
+                    cpu_median = summarize(cpu)["median"]
+                    print(
+                        f"{shape} B={batch:>5} {name:>12}: {stats['median']:8.3f} s wall, {cpu_median:8.3f} s CPU, "
+                        f"peak {peak / 2**20:8.1f} MiB, load {os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
+    return rows
+
+
+def summary_table(records: list[dict]) -> str:
+    """Markdown table per shape and B: times, ratios to stock and to one dim, the 4-dim peak beyond the input
+    gradients (as many bytes as the inputs)."""
+    value = values(records)
+    lines = [
+        (
+            "| shape | B | stock s | chunked s | 4 dims s | matmul s | stock / chunked | stock / matmul | "
+            "4 dims / 1 dim | 4-dim peak − input gradients MiB |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for shape in sorted({r["metric"].split("/")[0] for r in records}):
+        for batch in sorted({r["B"] for r in records if r["metric"].startswith(shape)}):
+            stock, one, four, floor, peak, inputs = (
+                value.get((name, batch, f"{shape}/{metric}"), float("nan"))
+                for name, metric in (
+                    ("stock", "seconds_median"),
+                    ("chunked", "seconds_median"),
+                    ("chunked4dims", "seconds_median"),
+                    ("matmul", "seconds_median"),
+                    ("chunked4dims", "peak_bytes"),
+                    ("inputs", "embedding_bytes"),
+                )
+            )
+            lines.append(
+                f"| {shape} | {batch} | {stock:.2f} | {one:.2f} | {four:.2f} | {floor:.2f} | {stock / one:.2f}x | "
+                f"{stock / floor:.2f}x | {four / one:.2f}x | {(peak - inputs) / 2**20:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024, 4096])
+    parser.add_argument("--doc-tokens", type=int, nargs="+", default=[128, 256], help="Ld, document token positions")
+    parser.add_argument("--query-tokens", type=int, default=32, help="Lq, query token positions")
+    parser.add_argument("--dim", type=int, default=128, help="D, token vector dimension")
+    parser.add_argument("--dims", type=int, nargs="+", default=[128, 96, 64, 32], help="the Matryoshka token dims")
+    parser.add_argument("--negatives", type=int, nargs="+", default=[0, 1], help="hard-negative columns (0: pairs)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls of ours and the floor (stock: 1)")
+    parser.add_argument("--quick", action="store_true", help="one timed call of each contender")
+    parser.add_argument("--mini-batch-size", type=int, default=32, help="stock's mini_batch_size")
+    parser.add_argument("--stock-max-batch", type=int, default=1024)
+    parser.add_argument("--stock-budget", type=float, default=600.0, help="seconds stock may take (predicted)")
+    parser.add_argument("--peak-max-batch", type=int, default=1024, help="largest B whose exact peak is measured")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", default="multivector_loss_stage", help="file stem of the CSV and PNGs")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if max(args.dims) > args.dim:
+        parser.error(f"--dims {args.dims} must not exceed --dim {args.dim}")
+    rows = run(args)
+    path = args.out / f"{args.name}.csv"
+    write_csv(rows, path)
+    records = read_csv(path)
+    for shape in sorted({r["metric"].split("/")[0] for r in records}):
+        plot(
+            records,
+            args.out / f"{args.name}_{shape}.png",
+            title=f"Multi-vector loss stage (fwd + bwd), {shape}, Lq {args.query_tokens}, D {args.dim}",
+            panels=((f"{shape}/seconds_median", "seconds", 1), (f"{shape}/peak_bytes", "peak MiB", 2**20)),
+        )
+    print(summary_table(records))
+
+
+if __name__ == "__main__":
+    main()

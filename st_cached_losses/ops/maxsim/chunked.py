@@ -1,0 +1,242 @@
+"""Row-tiled MaxSim InfoNCE: every Matryoshka dim in one sweep, on any device.
+
+A tile of queries (their unmasked tokens only: R query tokens) meets every document in blocks. For each block the
+token dot products of all dims come from one GEMM's worth of work, smallest dim first in prefix bands
+[d_{k+1}, d_k): S_K = C[:, :d_K] Q[:, :d_K]^T, S_k = S_{k+1} + C[:, band_k] Q[:, band_k]^T (document tokens as
+rows; ``_Sweep._block_dots``). Cosine similarity scales the document tokens by their prefix norms (S_k then holds
+<q, ĉ>; the query's norm is a positive factor of its row, taken out of the max and applied to the maxima); a masked
+document token's -inf comes in through the smallest band (a bias column), so it leaves every dim's max. Each dim
+takes its own max over each document's tokens with its argmax (a channels-last ``adaptive_max_pool2d``: vectorised
+across query tokens, where ``max(dim)`` is not); the maxima go at once into the tile's (K, queries, M) scores, the
+argmaxes are kept per (dim, query token, document) in the narrowest integer dtype. No B x M x Lq x Ld tensor, and of
+B x M x Lq only the tile's argmaxes. The tile's LSEs and logit gradients follow (``_Sweep.tile``), and at once its
+gradients (``gradients.py``): gathers and scatter-adds of token vectors at the argmaxes, never a GEMM over Ld.
+
+Memory beyond the inputs and their gradients (budgets, logged with the tile): per tile K x R x M argmaxes (uint8 up
+to 256 document tokens) and two K x (queries) x M fp32 buffers, within ``DEFAULT_TILE_BYTES`` (64 MiB) and at most
+``MAX_TILE_TOKENS`` query tokens; one block of token dot products (``FORWARD_BLOCK_BYTES``, 8 MiB); the backward's
+per-block buffers (``gradients.BACKWARD_BLOCK_BYTES``, 8 MiB); per-token prefix norms (K x (B Lq + 2 M Ld) floats).
+
+References: ColBERT (arXiv 2004.12832), Matryoshka (arXiv 2205.13147), jina-colbert-v2 (arXiv 2408.16672),
+GradCache (arXiv 2101.06983), Liger-Kernel's fused linear cross-entropy (forward and backward of a row tile at once).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..duplicates import DuplicateMask
+from ..result import InfoNCEResult
+from ..spec import NORM_EPS
+from .gradients import TileGradients
+from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
+
+DEFAULT_TILE_BYTES = 64 * 2**20
+MAX_TILE_TOKENS = 2048
+FORWARD_BLOCK_BYTES = 8 * 2**20
+
+# Per (dim, query token, document) a tile keeps the argmax (uint8 up to 256 document tokens); per (dim, query,
+# document) its scores and then their gradients (fp32).
+_BYTES_PER_QUERY_ENTRY = 4
+
+
+def default_tile_queries(spec: MaxSimSpec, query_tokens: int, doc_tokens: int, tile_bytes: int = DEFAULT_TILE_BYTES):
+    """Queries per tile: their per-(dim, query token, document) argmaxes and per-(dim, query, document) scores fit in
+    ``tile_bytes``, and they hold at most ``MAX_TILE_TOKENS`` token positions (more would only grow the blocks of
+    token dot products; fewer would read and write every document gradient more often: once per tile)."""
+    entry = _index_dtype(doc_tokens).itemsize
+    per_query = len(spec.dims) * spec.num_docs * (query_tokens * entry + _BYTES_PER_QUERY_ENTRY)
+    return max(1, min(spec.batch_size, tile_bytes // per_query, MAX_TILE_TOKENS // query_tokens))
+
+
+def _index_dtype(doc_tokens: int) -> torch.dtype:
+    """The narrowest integer dtype holding a token index in [0, doc_tokens): the tile's argmaxes."""
+    if doc_tokens <= 256:
+        return torch.uint8
+    return torch.int16 if doc_tokens <= torch.iinfo(torch.int16).max else torch.int32
+
+
+def forward(
+    queries: Tensor,
+    documents: Tensor,
+    query_mask: Tensor,
+    document_mask: Tensor,
+    spec: MaxSimSpec,
+    need_grad: bool,
+    tile_queries: int | None = None,
+    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+) -> InfoNCEResult:
+    """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients of
+    ``sum_k w_k L_k`` wrt. queries (B, Lq, D) and documents (M, Ld, D), in their dtype; computes in fp32 (fp64 for
+    fp64 inputs). ``tile_queries``: queries per tile (default: ``default_tile_queries``); ``duplicates``: the text ids
+    (query_ids, doc_ids, world_query_ids or None) of ``spec.mask_duplicates``."""
+    sweep = _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, duplicates)
+    rows = min(tile_queries or default_tile_queries(spec, queries.shape[1], documents.shape[1]), spec.batch_size)
+    for begin in range(0, spec.batch_size, rows):
+        sweep.tile(begin, min(begin + rows, spec.batch_size))
+    return sweep.result()._replace(tile=_describe(rows, queries.shape[1], documents.shape[1], tile_queries is None))
+
+
+def _describe(rows: int, query_tokens: int, doc_tokens: int, automatic: bool) -> str:
+    """The tiling, for the log: queries per tile and documents per block of token dot products, with their budgets."""
+    block = max(1, FORWARD_BLOCK_BYTES // (4 * doc_tokens * rows * query_tokens))
+    budget = f" (budget {DEFAULT_TILE_BYTES / 2**20:g} MiB, at most {MAX_TILE_TOKENS} tokens)" if automatic else ""
+    return (
+        f"{rows} queries{budget}; documents in blocks of at least {block} "
+        f"({FORWARD_BLOCK_BYTES / 2**20:g} MiB of token dot products)"
+    )
+
+
+class _Sweep:
+    """One forward sweep's inputs, token bookkeeping, prefix norms and accumulators."""
+
+    def __init__(self, queries, documents, query_mask, document_mask, spec: MaxSimSpec, need_grad: bool, duplicates):
+        dtype = torch.promote_types(queries.dtype, torch.float32)
+        self.spec, self.need_grad, self.input_dtype = spec, need_grad, queries.dtype
+        self.doc_tokens, self.shapes = documents.shape[1], (queries.shape, documents.shape)
+        self.queries = queries.to(dtype).reshape(-1, queries.shape[2])  # (B * Lq, D) token vectors
+        self.docs = documents.to(dtype).reshape(-1, documents.shape[2])  # (M * Ld, D)
+        device = self.queries.device
+        # The unmasked query tokens, query by query: a tile's rows of the GEMM (padding costs nothing).
+        self.tokens = query_mask.reshape(-1).nonzero().squeeze(1)
+        counts = query_mask.sum(dim=1)
+        self.token_counts = counts
+        self.token_starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).tolist()
+        self.denominator = (
+            counts.clamp(min=1).to(dtype) if spec.length_normalize else torch.ones(spec.batch_size, dtype=dtype)
+        ).to(device)
+        self.is_empty = ~document_mask.any(dim=1)  # documents without a scored token
+        self.empty = self.is_empty.nonzero().squeeze(1)
+        self.doc_bias = None  # (M * Ld,): 0, or -inf for a masked document token (out of every max)
+        if not bool(document_mask.all()):
+            self.doc_bias = torch.zeros(document_mask.numel(), dtype=dtype, device=device)
+            self.doc_bias.masked_fill_(~document_mask.reshape(-1), float("-inf"))
+        self.query_inv = _inverse_prefix_norms(self.queries, spec)  # (K, B * Lq) or None ("dot")
+        self.doc_inv = _inverse_prefix_norms(self.docs, spec)  # (K, M * Ld) or None
+        # inv_k / inv_{k+1}: turns the dots of dim k + 1 scaled by its norms into those scaled by dim k's.
+        self.doc_inv_ratio = None if self.doc_inv is None else self.doc_inv[:-1] / self.doc_inv[1:]
+        self.duplicates = None if duplicates is None else DuplicateMask.build(spec.infonce_spec(), *duplicates)
+        self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
+        self.lse = torch.empty(len(spec.dims), 1, spec.batch_size, dtype=dtype, device=device)
+        self.grads = (torch.zeros_like(self.queries), torch.zeros_like(self.docs)) if need_grad else None
+
+    def tile(self, begin: int, end: int) -> None:
+        """Queries [begin, end) against every document: scores, LSEs, loss and (with gradients) their gradients."""
+        spec, count = self.spec, end - begin
+        tokens = self.tokens[self.token_starts[begin] : self.token_starts[end]]  # (R,)
+        owner = torch.repeat_interleave(
+            torch.arange(count, device=tokens.device), self.token_counts[begin:end], output_size=tokens.shape[0]
+        )  # each token's query in the tile
+        rows = self.queries[tokens]  # (R, D)
+        argmax = torch.empty(
+            len(spec.dims), tokens.shape[0], spec.num_docs, dtype=_index_dtype(self.doc_tokens), device=rows.device
+        )
+        scores = rows.new_zeros(len(spec.dims), count, spec.num_docs)
+        if tokens.shape[0]:
+            self._scores(rows, self._token_weights(tokens, owner, begin, end), scores, argmax)
+        logits = self._logits(scores, begin, end)  # (K, count, M)
+        lse = torch.logsumexp(logits, dim=2)
+        local = torch.arange(count, device=logits.device)
+        positive = logits[:, local, spec.offset + begin + local]
+        self.lse[:, 0, begin:end] = lse
+        self.per_dim_sum += (lse - positive).sum(dim=1)
+        if not self.need_grad or not tokens.shape[0]:
+            return
+        # d(w_k L_k) / d(score): the softmax less the label, exactly 0 for a row whose only candidate is its
+        # positive (exp(0) = 1) and for an empty document (its score is a constant).
+        grad = logits.sub_(lse[:, :, None]).exp_()
+        grad[:, local, spec.offset + begin + local] -= 1.0
+        factors = torch.tensor(spec.weights, dtype=grad.dtype, device=grad.device) * (spec.scale / spec.batch_size)
+        grad.mul_(factors[:, None, None]).div_(self.denominator[begin:end][None, :, None])
+        grad[:, :, self.empty] = 0.0
+        TileGradients(self, tokens, rows).run(grad, owner, argmax)
+
+    def _token_weights(self, tokens: Tensor, owner: Tensor, begin: int, end: int) -> Tensor:
+        """(K, count, R): d score_i / d(maximum of token t), i.e. [t in query i] (1 / ||q_t[:d_k]||) / denominator_i."""
+        spec = self.spec
+        weights = self.queries.new_zeros(len(spec.dims), end - begin, tokens.shape[0])
+        scale = self.denominator[begin:end][owner].reciprocal()
+        if self.query_inv is not None:
+            scale = self.query_inv[:, tokens] * scale
+        weights[:, owner, torch.arange(tokens.shape[0], device=tokens.device)] = scale
+        return weights
+
+    def _scores(self, rows: Tensor, weights: Tensor, scores: Tensor, argmax: Tensor) -> None:
+        """scores[k, i, j] = sum over query i's tokens t of weights[k, i, t] * max_u <q_t, ĉ_ju> over document j's
+        unmasked tokens (cosine: ĉ the prefix-normalised token, q_t raw; dot: both raw) in dim k, and argmax[k, t, j]
+        that u; in document blocks of one GEMM's worth of work each, every dim in the same block."""
+        spec, width = self.spec, self.doc_tokens
+        block = max(1, FORWARD_BLOCK_BYTES // (4 * width * rows.shape[0]))
+        buffer = rows.new_empty(min(block, spec.num_docs) * width, rows.shape[0])
+        smallest = spec.dims[-1]
+        if self.doc_bias is not None:  # a column of ones meets each document token's bias (0, or -inf if masked)
+            rows = torch.cat([rows[:, :smallest], rows.new_ones(rows.shape[0], 1), rows[:, smallest:]], dim=1)
+        for first in range(0, spec.num_docs, block):
+            last = min(first + block, spec.num_docs)
+            span = slice(first * width, last * width)
+            empty = self.is_empty[first:last, None] if self.empty.numel() else None
+            for k, current in self._block_dots(rows, span, buffer[: span.stop - span.start]):
+                values, indices = _max_over_tokens(current, last - first, width)
+                argmax[k, :, first:last] = indices.T
+                if empty is not None:  # its -inf would poison the product (0 * -inf); its score is filled later
+                    values.masked_fill_(empty, 0.0)
+                torch.mm(weights[k], values.T, out=scores[k, :, first:last])
+
+    def _block_dots(self, rows: Tensor, span: slice, out: Tensor):
+        """Yield (k, S_k) for k = K-1 .. 0: the (document tokens ``span``, query tokens) dot products of dim k in
+        ``out``, accumulated band by band (the matmul work of the largest dim); cosine: the document tokens scaled by
+        their inverse prefix norm of dim k (S_k = S_{k+1} * (inv_k / inv_{k+1}) + band_k, in place). The smallest
+        band carries the masked tokens' -inf (``rows`` then has a column of ones after it): no pass of its own."""
+        dims, docs = self.spec.dims, self.docs[span]
+        for k in range(len(dims) - 1, -1, -1):
+            lo, hi = (dims[k + 1] if k + 1 < len(dims) else 0), dims[k]
+            band = docs[:, lo:hi]
+            if self.doc_inv is not None:
+                band = band * self.doc_inv[k, span, None]
+                if k + 1 < len(dims):
+                    out.mul_(self.doc_inv_ratio[k, span, None])
+            if lo == 0:
+                if self.doc_bias is not None:
+                    band = torch.cat([band, self.doc_bias[span, None]], dim=1)
+                    hi += 1
+                torch.mm(band, rows[:, :hi].T, out=out)
+            else:
+                shift = 0 if self.doc_bias is None else 1
+                out.addmm_(band, rows[:, lo + shift : hi + shift].T)
+            yield k, out
+
+    def _logits(self, scores: Tensor, begin: int, end: int) -> Tensor:
+        """In place: (K, count, M) scale * MaxSim scores of queries [begin, end), the removed duplicates at -inf."""
+        scores[:, :, self.empty] = (EMPTY_DOCUMENT_SCORE / self.denominator[begin:end])[None, :, None]
+        scores.mul_(self.spec.scale)
+        if self.duplicates is not None:
+            removed_rows, removed_cols = self.duplicates.tile("query_to_doc", begin, end)
+            scores[:, removed_rows, removed_cols] = float("-inf")
+        return scores
+
+    def result(self) -> InfoNCEResult:
+        per_dim = self.per_dim_sum / self.spec.batch_size
+        share = None if self.duplicates is None else self.duplicates.share()
+        grads = None
+        if self.grads is not None:
+            dq, dc = self.grads
+            grads = (dq.to(self.input_dtype).view(self.shapes[0]), dc.to(self.input_dtype).view(self.shapes[1]), None)
+        return InfoNCEResult(per_dim, self.lse, grads, masked_share=share)
+
+
+def _max_over_tokens(dots: Tensor, docs: int, width: int) -> tuple[Tensor, Tensor]:
+    """(docs, R) max over each document's ``width`` token rows of ``dots`` (docs * width, R), and its argmax."""
+    # As a channels-last (N=docs, C=R, H=width, W=1) image: the pool runs across the R contiguous query tokens.
+    image = dots.view(docs, width, 1, dots.shape[1]).permute(0, 3, 1, 2)
+    values, indices = F.adaptive_max_pool2d(image, 1, return_indices=True)
+    return values.reshape(docs, -1), indices.reshape(docs, -1)
+
+
+def _inverse_prefix_norms(x: Tensor, spec: MaxSimSpec) -> Tensor | None:
+    """(K, rows) 1 / max(||x[:, :d_k]||, eps), as F.normalize divides; None for dot similarity."""
+    if not spec.cosine:
+        return None
+    norms = torch.stack([torch.linalg.vector_norm(x[:, :dim], dim=1) for dim in spec.dims])
+    return norms.clamp_min(NORM_EPS).reciprocal()

@@ -1,0 +1,96 @@
+"""Dense MaxSim InfoNCE: materialises every (B, M, Lq, Ld) token similarity tensor, differentiated by autograd.
+
+The test oracle of the chunked backend, sharing none of its scoring or masking code: sentence-transformers'
+``colbert_scores`` (``util.similarity.maxsim``) once per Matryoshka dim on each token vector's normalised prefix,
+then the cross-entropy of ``CachedMultiVectorMultipleNegativesRankingLoss``. Memory: O(B * M * Lq * Ld) per dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..result import InfoNCEResult
+from ..spec import NORM_EPS
+from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
+
+
+def forward(
+    queries: Tensor,
+    documents: Tensor,
+    query_mask: Tensor,
+    document_mask: Tensor,
+    spec: MaxSimSpec,
+    need_grad: bool,
+    tile_queries: int | None = None,
+    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+) -> InfoNCEResult:
+    """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients of
+    ``sum_k w_k L_k`` wrt. queries and documents, in their dtype. Computes in fp32 (fp64 for fp64 inputs).
+    ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) of ``spec.mask_duplicates``.
+    ``tile_queries`` is unused (the backends' common signature)."""
+    dtype = torch.promote_types(queries.dtype, torch.float32)
+    leaves = [t.detach().to(dtype).requires_grad_(need_grad) for t in (queries, documents)]
+    removed = None if duplicates is None else removed_candidates(spec, *duplicates)
+    with torch.enable_grad() if need_grad else torch.no_grad():
+        losses, lses = zip(*(_one_dim(*leaves, query_mask, document_mask, spec, dim, removed) for dim in spec.dims))
+        per_dim = torch.stack(losses)
+        grads = None
+        if need_grad:
+            total = sum(w * loss for w, loss in zip(spec.weights, losses))
+            grads = tuple(g.to(t.dtype) for g, t in zip(torch.autograd.grad(total, leaves), (queries, documents)))
+            grads = (*grads, None)
+    share = None
+    if removed is not None:
+        share = torch.tensor(
+            int(removed.sum()) / max(spec.batch_size * (spec.num_docs - 1), 1), dtype=torch.float32
+        ).to(queries.device)
+    lse = torch.stack(lses)[:, None, :].detach()
+    return InfoNCEResult(per_dim.detach(), lse, grads, tile="dense", masked_share=share)
+
+
+def scores(q: Tensor, c: Tensor, query_mask: Tensor, document_mask: Tensor, length_normalize: bool) -> Tensor:
+    """(B, M) MaxSim scores of token vectors q (B, Lq, d) against c (M, Ld, d), as stock's ``maxsim``: masked
+    document tokens leave the max, masked query tokens the sum; an empty document scores EMPTY_DOCUMENT_SCORE; with
+    ``length_normalize`` every score is divided by its query's unmasked token count, at least 1."""
+    tokens = torch.einsum("bsh,mth->bmst", q, c)  # (B, M, Lq, Ld)
+    tokens = tokens.masked_fill(~document_mask[None, :, None, :], float("-inf"))
+    best = tokens.max(dim=-1).values  # (B, M, Lq): -inf for an empty document
+    best = torch.where(query_mask[:, None, :], best, torch.zeros_like(best))
+    total = best.sum(dim=-1)
+    empty = ~document_mask.any(dim=-1)
+    total = torch.where(empty[None, :], torch.full_like(total, EMPTY_DOCUMENT_SCORE), total)
+    if length_normalize:
+        total = total / query_mask.sum(dim=-1).clamp(min=1)[:, None].to(total.dtype)
+    return total
+
+
+def _one_dim(q, c, query_mask, document_mask, spec: MaxSimSpec, dim: int, removed: Tensor | None):
+    q, c = q[..., :dim], c[..., :dim]
+    if spec.cosine:
+        q, c = F.normalize(q, dim=-1, eps=NORM_EPS), F.normalize(c, dim=-1, eps=NORM_EPS)
+    logits = spec.scale * scores(q, c, query_mask, document_mask, spec.length_normalize)
+    if removed is not None:
+        logits = logits.masked_fill(removed, float("-inf"))
+    rows = torch.arange(spec.batch_size, device=q.device)
+    lse = torch.logsumexp(logits, dim=1)
+    return (lse - logits[rows, spec.offset + rows]).mean(), lse
+
+
+def removed_candidates(
+    spec: MaxSimSpec, query_ids: Tensor, doc_ids: Tensor, world_query_ids: Tensor | None = None
+) -> Tensor:
+    """(B, M) bool: the candidates the duplicate mask removes (direction query_to_doc). Row i (world row
+    offset + i) owns its query's text a and targets its positive's; it does not score a document whose text is a, or
+    the positive text p_k of any world row k whose query text is a (its own positive among them), except its own
+    positive column offset + i."""
+    world = query_ids if world_query_ids is None else world_query_ids
+    own = world[spec.offset + torch.arange(spec.batch_size, device=world.device)]  # (B,)
+    positives = doc_ids[: spec.world_batch_size]  # (Bw,) p_k
+    same_query = (world[None, :] == own[:, None]).to(torch.float64)  # (B, Bw): rows k sharing row i's query text
+    copies = (positives[:, None] == doc_ids[None, :]).to(torch.float64)  # (Bw, M): column j holds p_k's text
+    removed = (doc_ids[None, :] == own[:, None]) | (same_query @ copies > 0)
+    rows = torch.arange(spec.batch_size, device=world.device)
+    removed[rows, spec.offset + rows] = False
+    return removed
