@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
 import platform
 import statistics
 import sys
@@ -55,6 +56,7 @@ import torch
 
 from benchmarks import cuda_checks, report
 from benchmarks.loss_stage import _stock_loss
+from st_cached_losses.testing import TOKENIZER_ENV
 
 RESULTS = report.RESULTS / "gpu"
 DIM, DIMS = 768, (768, 512, 256, 128, 64)
@@ -576,6 +578,8 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("benchmarks.gpu: error: needs a CUDA GPU (--dry-run runs every step on the CPU)", file=sys.stderr)
         return 2
+    if Path(args.model).is_dir():  # offline: the tiny stand-ins take their tokenizer from the carried copy
+        os.environ.setdefault(TOKENIZER_ENV, str(Path(args.model).resolve()))
     out = args.out or (Path(tempfile.mkdtemp(prefix="gpu-dry-run-")) if args.dry_run else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     plan, env = _plan(args), environment()

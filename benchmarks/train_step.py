@@ -147,6 +147,12 @@ def build_model(name: str, max_seq_length: int, device: str = "cpu"):
     return model
 
 
+def _model_name(name: str) -> str:
+    if name in ("minilm", "tiny") or Path(name).is_dir():
+        return name
+    raise argparse.ArgumentTypeError(f"'minilm', 'tiny' or a local model directory, got {name!r}")
+
+
 def autocast_model(model, dtype_name: str | None) -> None:
     """Run ``model.forward`` under autocast with fp32 outputs, as accelerate does for the trainer's bf16/fp16
     (so the re-embedding in GradCache's backward runs under autocast too)."""
@@ -516,7 +522,12 @@ def parse_args(argv=None):
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, help="at every B (default: PLAN per B)")
     parser.add_argument("--dims", type=int, nargs="+", default=list(DEFAULT_DIMS))
-    parser.add_argument("--model", default="minilm", choices=("minilm", "tiny"))
+    parser.add_argument(
+        "--model",
+        default="minilm",
+        type=_model_name,
+        help="'minilm' (the packaged all-MiniLM-L6-v2), 'tiny' or a local model directory (default: minilm)",
+    )
     parser.add_argument("--max-seq-length", type=int, default=128)
     parser.add_argument("--mini-batch-size", type=int, default=32)
     parser.add_argument("--rows", type=int, default=None, help="use only this many pairs of the data (cycled)")

@@ -15,6 +15,15 @@ from typing import TYPE_CHECKING
 # tokenizer of the tiny models below.
 from .cli.options import default_model_path as minilm_path
 
+TOKENIZER_ENV = "ST_CACHED_LOSSES_TOKENIZER"
+
+
+def tokenizer_path() -> str:
+    """The tiny models' tokenizer: the local model directory in ``$ST_CACHED_LOSSES_TOKENIZER`` where set (an offline
+    GPU machine carries a copy of MiniLM, not its package), else the packaged MiniLM's."""
+    return os.environ.get(TOKENIZER_ENV) or minilm_path()
+
+
 # The builders import Hugging Face's libraries when called (local_rank_setup runs before them), SentenceTransformer
 # from its own module: a test may patch the package's name to build these models in its place.
 if TYPE_CHECKING:
@@ -31,7 +40,7 @@ def tiny_sentence_transformer(
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path())
     config = BertConfig(
         vocab_size=tokenizer.vocab_size,
         hidden_size=hidden_size,
@@ -61,7 +70,7 @@ def tiny_decoder_sentence_transformer(
     from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
 
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path(), padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(), padding_side="left")
     config = Qwen3Config(
         vocab_size=tokenizer.vocab_size,
         hidden_size=hidden_size,
@@ -104,7 +113,7 @@ def tiny_clip_sentence_transformer(
     from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
 
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path())
     tower = dict(
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -154,7 +163,7 @@ def tiny_multi_vector_encoder(
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path())
     config = BertConfig(
         vocab_size=tokenizer.vocab_size,
         hidden_size=hidden_size,

@@ -229,3 +229,19 @@ def test_flash_maxsim_step_gives_maxsim_infonce_loss_and_gradients(interpreted_a
     F.cross_entropy(scorer("flash_maxsim", *problem[2:])(queries, documents), torch.arange(5)).backward()
     torch.testing.assert_close(queries.grad, d_queries, rtol=2e-3, atol=2e-4)
     torch.testing.assert_close(documents.grad, d_docs, rtol=2e-3, atol=2e-4)
+
+
+def test_an_offline_machine_passes_a_model_directory(tmp_path, monkeypatch, capsys):
+    """The GPU machine has no MiniLM package, only a carried copy: the training step takes its folder, and the tiny
+    stand-ins of the loss stage take their tokenizer from it (the first GPU run failed on both)."""
+    from benchmarks import train_step
+    from st_cached_losses import testing
+
+    assert train_step.parse_args(["--model", str(tmp_path)]).model == str(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        train_step.parse_args(["--model", str(tmp_path / "missing")])
+    assert refused.value.code == 2 and "local model directory" in capsys.readouterr().err
+    monkeypatch.setenv(testing.TOKENIZER_ENV, str(tmp_path))
+    assert testing.tokenizer_path() == str(tmp_path)
+    monkeypatch.delenv(testing.TOKENIZER_ENV)
+    assert testing.tokenizer_path() == testing.minilm_path()
