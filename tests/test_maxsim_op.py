@@ -497,3 +497,16 @@ def test_chunked_peak_is_a_fraction_of_dense_and_holds_no_batch_by_documents_by_
     assert _peak(32, 32, "chunked", 4, 16, 16, 16) * 5 < _peak(32, 32, "dense", None, 16, 16, 16)
     small, large = _peak(32, 32, "chunked", chunk_size=4), _peak(64, 64, "chunked", chunk_size=4)
     assert large < 2.5 * small
+
+
+@pytest.mark.parametrize("pool", [True, False])
+def test_max_over_tokens_both_ways(pool):
+    """The CPU's pooled max and CUDA's max(dim) (forced here on the CPU) find each document's best token."""
+    docs, width, rows = 5, 7, 3
+    dots = torch.randn(docs * width, rows, generator=torch.Generator().manual_seed(0))
+    values, indices = chunked._max_over_tokens(dots, docs, width, pool=pool)
+    for doc in range(docs):
+        for row in range(rows):
+            column = [float(dots[doc * width + token, row]) for token in range(width)]
+            assert float(values[doc, row]) == max(column)
+            assert int(indices[doc, row]) == column.index(max(column))
