@@ -381,6 +381,8 @@ def train_step(plan: dict, out: Path, dry_run: bool) -> list[dict]:
         "stock_cmnrl",
         "--repeats",
         str(plan["repeats"]),
+        "--jobs",  # one GPU: contenders' fresh processes one at a time (the CPU default runs them all at once)
+        "1",
         "--out",
         str(out),
         "--name",
