@@ -18,6 +18,7 @@ STYLES = {
     "ours": ("tab:blue", "o"),
     "ours_unsorted": ("tab:cyan", "v"),
     "ours_kept": ("tab:purple", "D"),
+    "ours_one_dim": ("tab:cyan", "v"),
     "stock": ("tab:red", "s"),
     "stock_cmnrl": ("tab:orange", "^"),
     "mnrl": ("tab:gray", "x"),

@@ -274,6 +274,12 @@ def time_in_process(model, pairs, features, batch: int, contenders: list[str], r
         name: build_loss(name, model, args.dims, args.mini_batch_size, args.activation_budget) for name in contenders
     }
     warmup = tokenize(model, batch_of(pairs, min(batch, 2 * args.mini_batch_size)))
+    return time_losses(model, losses, features, warmup, batch, repeats)
+
+
+def time_losses(model, losses: dict, features: list[dict], warmup: list[dict], batch: int, repeats: int):
+    """(phase times of every loss over ``repeats`` rounds in this process, each after one untimed step on ``warmup``;
+    the kept-share rows at ``batch`` of the losses with an activation budget, their last timed step)."""
     for loss in losses.values():
         Step(model, loss, warmup)()
     times = time_steps(
@@ -314,9 +320,16 @@ def measure_one(
     model = build_model(model_name, max_seq_length)
     features = tokenize(model, batch_of(pairs, batch))
     loss = build_loss(contender, model, dims, mini_batch_size, activation_budget)
+    warmup = tokenize(model, batch_of(pairs, min(batch, 2 * mini_batch_size)))
+    return measure_step(model, loss, features, warmup, tensor_peak)
+
+
+def measure_step(model, loss, features: list[dict], warmup: list[dict], tensor_peak: bool = True) -> dict[str, float]:
+    """In this (fresh) process, after one step on ``warmup``: RSS before and peak RSS over one step on ``features``
+    (and that step's times, ``first_*``), then the exact tensor peak of a second step (``peak_bytes``)."""
     # Warm-up on two mini-batches' worth of rows: one-time initialisation (lazy imports, thread pools, first-call
     # dispatch) stays out of the measured step, at a memory cost far below the step's.
-    Step(model, loss, tokenize(model, batch_of(pairs, min(batch, 2 * mini_batch_size))))()
+    Step(model, loss, warmup)()
     step = Step(model, loss, features)
     gc.collect()
     result: dict[str, float] = {"rss_base_bytes": rss_bytes(), "padded_tokens": padded_tokens(features)}
@@ -450,7 +463,7 @@ def run(args, pairs: list[tuple[str, str]], on_size: Callable[[list[tuple]], Non
                 rows += kept
             rows += timing_rows(batch, times, args.baseline)
             rows += [(name, batch, "timed_in_fresh_process", int(fresh)) for name in times]
-            _print_medians(batch, times)
+            print_medians(batch, times)
             if on_size is not None:
                 on_size(rows)  # the sizes so far, written as they complete
     return rows
@@ -489,13 +502,13 @@ def run_in_process(
             if torch.device(args.device).type == "cuda":
                 torch.cuda.empty_cache()
         rows += timing_rows(batch, times, args.baseline)
-        _print_medians(batch, times)
+        print_medians(batch, times)
         if on_size is not None:
             on_size(rows)
     return rows
 
 
-def _print_medians(batch: int, times: dict) -> None:
+def print_medians(batch: int, times: dict) -> None:
     for name, runs in times.items():
         median = {key: statistics.median(run[key] for run in runs) for key in ("step", *PHASES)}
         print(
@@ -508,7 +521,7 @@ def _print_medians(batch: int, times: dict) -> None:
 # --------------------------------------------------------------------------------------------- command line
 
 
-def _budget(text: str) -> int | str:
+def budget_arg(text: str) -> int | str:
     """--activation-budget: "auto" or a positive number of bytes."""
     if text == "auto":
         return text
@@ -548,7 +561,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--activation-budget",
-        type=_budget,
+        type=budget_arg,
         default=DEFAULT_ACTIVATION_BUDGET,
         metavar="BYTES",
         help="ours_kept's activation_budget: bytes, or 'auto' (default: 8 GiB)",
