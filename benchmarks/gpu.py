@@ -1,7 +1,7 @@
 """One offline command for a CUDA machine: the kernels' correctness, the loss stages, whole training steps.
 
-    python -m benchmarks.gpu --model .gpu/minilm        # est. 8 minutes on one H100 -> benchmarks/results/gpu/
-    python -m benchmarks.gpu --quick --model .gpu/minilm  # est. 2 minutes: fewer cases and sizes
+    python -m benchmarks.gpu --model .gpu/minilm        # over 10 minutes on one H100 -> benchmarks/results/gpu/
+    python -m benchmarks.gpu --quick --model .gpu/minilm  # about 10 minutes: fewer cases and sizes
     python -m benchmarks.gpu --dry-run --out /tmp/gpu   # any machine: every step at tiny sizes on the CPU, the
                                                         # chunked backend standing in for Triton (run in CI)
 
@@ -30,10 +30,10 @@ Steps, in order; each writes long-format CSV + PNG under --out, and summary.md g
    data (cycled), bf16 autocast, dims [384, 256, 128, 64, 32], mini-batch 256: ``ours`` vs ``stock``
    (MatryoshkaLoss(CachedMNRL)) vs ``stock_cmnrl``, B in {1024, 8192, 65536}; CUDA events per phase, tensor peak.
 
-Device time (estimates: no GPU has run this yet): correctness ~2 min (mostly Triton compiling each case's kernels),
-loss stage ~1 min plus the largest-B search's 60 s, the multi-vector step its 90 s share (its first size always runs,
-Triton autotuning included), training steps ~2 min: about 8 minutes. ``--quick``: ~40 s, ~40 s (search 20 s),
-20 s and ~30 s.
+Device time, measured on one H100 with ``--quick`` (2026-11-26, benchmarks/results/gpu/summary.md): correctness
+291 s (Triton compiling each case's kernels; the full list adds fp16, TF32 and the int64-offset case), loss stage
+161 s, multi-vector step 66 s (its first size always runs, Triton autotuning of the anchors included), training
+steps about 90 s: about 10 minutes, the full sizes more. Within a short lease, run ``--steps`` a part at a time.
 
 The machine may have no network: ``--model PATH`` takes a local copy of the model (an fp16 copy is cast to fp32;
 bf16 is autocast's job, as in the trainer).
@@ -558,7 +558,7 @@ def parse_args(argv=None):
         help="'minilm' (the packaged all-MiniLM-L6-v2) or a local model "
         "directory, e.g. an offline copy (default: minilm)",
     )
-    parser.add_argument("--quick", action="store_true", help="fewer cases and sizes: est. 2 minutes on one H100")
+    parser.add_argument("--quick", action="store_true", help="fewer cases and sizes: about 10 minutes on one H100")
     parser.add_argument(
         "--dry-run",
         action="store_true",

@@ -99,7 +99,8 @@ BACKENDS = ("auto", *REGISTRY)
 
 # CUDA compute capabilities on which the Triton kernels passed the CUDA suite (tests/test_cuda.py via
 # ``python -m benchmarks.gpu``) with results committed under benchmarks/results/gpu/. "auto" picks Triton only
-# there. Empty: the kernels have only run in Triton's CPU interpreter so far.
+# there. Empty: one H100 (9, 0) passed the quick suite (fp32, bf16; 2026-11-26, benchmarks/results/gpu/), not yet
+# the full one (fp16, TF32, the int64-offset case).
 VERIFIED_TRITON_CAPABILITIES: frozenset[tuple[int, int]] = frozenset()
 
 
