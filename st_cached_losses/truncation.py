@@ -84,9 +84,13 @@ def truncate_token_dim(model: MultiVectorEncoder, dim: int) -> MultiVectorEncode
         model: a MultiVectorEncoder (its ``get_embedding_dimension()``: the token dim).
         dim: the token dim to keep, in [1, the model's token dim].
 
+    Returns:
+        A new MultiVectorEncoder (``model`` is untouched) whose token vectors are (tokens, dim), in the model's dtype
+        and on its device.
+
     Raises:
         TypeError: ``model`` is no MultiVectorEncoder.
-        ValueError: ``dim`` out of range, or a model that does not say its token dim.
+        ValueError: ``dim`` not an int in [1, the model's token dim], or a model that does not say its token dim.
     """
     from sentence_transformers.base.modules import Dense, Normalize
     from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
@@ -98,14 +102,22 @@ def truncate_token_dim(model: MultiVectorEncoder, dim: int) -> MultiVectorEncode
         raise ValueError("truncate_token_dim needs a model that says its token dim (get_embedding_dimension()).")
     if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= full:
         raise ValueError(f"dim must be an int in [1, {full}] (the model's token dim), got {dim!r}.")
-    normalizes = any(
-        isinstance(module, Normalize) and module.module_output_name == "token_embeddings" for module in model
-    )
+    normalizes = normalizes_token_vectors(model)
     keep = Dense(full, dim, bias=False, activation_function=nn.Identity(), module_input_name="token_embeddings")
     with torch.no_grad():
         keep.linear.weight.copy_(torch.eye(full)[:dim])
     truncated = copy.deepcopy(model)
-    truncated.append(keep.to(model.device))
+    truncated.append(keep.to(device=model.device, dtype=model.dtype))
     if normalizes:
         truncated.append(Normalize(module_input_name="token_embeddings"))
     return truncated
+
+
+def normalizes_token_vectors(model: nn.Module) -> bool:
+    """Whether a ``Normalize`` module anywhere in ``model`` (a Router's routes included) normalises its token vectors:
+    then the loss takes the cosine of prefixes and ``truncate_token_dim`` re-normalises them (one rule for both)."""
+    from sentence_transformers.base.modules.normalize import Normalize
+
+    return any(
+        isinstance(module, Normalize) and module.module_output_name == "token_embeddings" for module in model.modules()
+    )

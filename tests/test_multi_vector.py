@@ -293,3 +293,13 @@ def test_truncate_token_dim_serves_the_first_coordinates_re_normalised(model, tm
     for bad in (0, TOKEN_DIM + 1, 2.0):
         with pytest.raises(ValueError, match=r"dim must be an int in \[1, 32\]"):
             truncate_token_dim(model, bad)
+
+
+def test_truncate_token_dim_serves_a_bf16_model_in_bf16():
+    """The appended slice takes the model's dtype: a bf16 model's truncated copy encodes (fp32 weights would not)."""
+    half = tiny_multi_vector_encoder(token_dim=TOKEN_DIM, seed=5).to(torch.bfloat16)
+    sentences = texts(2, 4)
+    served = truncate_token_dim(half, 8).encode_document(sentences)
+    full = half.encode_document(sentences)
+    assert served[0].dtype == torch.bfloat16
+    torch.testing.assert_close(served[0], torch.nn.functional.normalize(full[0][:, :8].float(), dim=-1).bfloat16())

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from sentence_transformers.base.modules.normalize import Normalize
 from sentence_transformers.multi_vector_encoder.losses import (
     CachedMultiVectorMultipleNegativesRankingLoss,
     MultiVectorMultipleNegativesRankingLoss,
@@ -36,6 +35,7 @@ from ..gradcache.precision import nonfinite_policy
 from ..gradcache.step import Encoded, LayerDraw, Step, require_step
 from ..gradcache.steps import GradCacheSteps
 from ..ops import maxsim_infonce
+from ..truncation import normalizes_token_vectors
 from . import card, citations
 
 MULTI_VECTOR_LOSSES = (MultiVectorMultipleNegativesRankingLoss, CachedMultiVectorMultipleNegativesRankingLoss)
@@ -95,13 +95,14 @@ class CachedMultiVectorMatryoshkaLoss(GradCacheSteps):
             loss: a MultiVectorMultipleNegativesRankingLoss or CachedMultiVectorMultipleNegativesRankingLoss holding
                 the hyperparameters (it is not called): ``scale``, ``similarity_fct`` (``colbert_scores``, MaxSim, or
                 ``mean_colbert_scores``, MeanMaxSim), ``gather_across_devices`` (every rank's documents, as stock),
-                and the cached one's ``mini_batch_size`` / ``mini_batch_num_tokens`` when not given here.
+                and its ``mini_batch_size`` (the cached one's, or a non-cached one's where set) and the cached one's
+                ``mini_batch_num_tokens`` when not given here.
             matryoshka_dims: token dims to train, e.g. [128, 96, 64, 32]; each in [1, token dim], no duplicates.
             matryoshka_weights: one weight per dim (default 1 each).
             n_dims_per_step: if > 0, sample that many dims per step with ``random.sample``, as MatryoshkaLoss does;
                 -1: every dim.
             mini_batch_size: rows per embedding mini-batch, or "auto" (the largest whose activations fit
-                ``activation_budget``, measured at the first training step).
+                ``activation_budget``, measured at the first training step); None: the base loss's (above), else 32.
             mini_batch_num_tokens: pack mini-batches by non-padding tokens instead.
             sort_by_length: cut each column into mini-batches in length order (restored for the loss).
             backend: the op's backend: "auto", "chunked" or "dense".
@@ -112,7 +113,8 @@ class CachedMultiVectorMatryoshkaLoss(GradCacheSteps):
                 twice, or "auto"; None: plain GradCache.
             fsdp_sync: under FSDP2, "per_backward" (FSDP's own) or "per_step".
             mask_duplicates: exact duplicates are not negatives: a query does not score a document with the same
-                token ids as its positive, or another positive of the same query (across processes when gathered).
+                token ids as its positive or as the query itself, or another positive of the same query (across
+                processes when gathered).
             memory_size, memory_warmup_steps, memory_max_age, dual_memory: refused (0, 0, None, False only): a bank
                 of token vectors would hold (documents x tokens x D) floats and score them at every step; use
                 :class:`CachedMatryoshkaLoss` for negatives beyond the batch.
@@ -204,7 +206,7 @@ class CachedMultiVectorMatryoshkaLoss(GradCacheSteps):
     def similarity(self) -> str:
         """The op's token similarity: "cosine" where the model normalises its token vectors (each Matryoshka prefix
         is then re-normalised), else "dot" (plain prefixes); at the full dim both are stock's scores."""
-        return "cosine" if _normalizes_tokens(unwrapped(self.model)) else "dot"
+        return "cosine" if normalizes_token_vectors(unwrapped(self.model)) else "dot"
 
     @property
     def gather_across_devices(self) -> bool:
@@ -338,10 +340,3 @@ def _check_model(model: Any, backend: str) -> None:
         raise ValueError(
             f"backend must be one of {MAXSIM_BACKENDS} (maxsim_infonce has no Triton kernels yet), got {backend!r}."
         )
-
-
-def _normalizes_tokens(model: nn.Module) -> bool:
-    """Whether a Normalize module normalises the token vectors (the last such module: after the projection)."""
-    return any(
-        isinstance(module, Normalize) and module.module_output_name == "token_embeddings" for module in model.modules()
-    )
