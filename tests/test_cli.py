@@ -95,6 +95,7 @@ def test_results_record_the_loss_stage_backend(run):
     _, results, stdout = run
     assert results["loss_stage"] == [
         {
+            "op": "matryoshka_infonce",
             "backend": "chunked",
             "device": "cpu",
             "reason": "auto: the Triton kernels run on CUDA GPUs only, not cpu",

@@ -296,7 +296,7 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(
             "loss stage: "
             + "; ".join(
-                f"{c['backend']} backend on {c['device']} ({c['reason']}), tile {c['tile']}"
+                f"{c['op']}: {c['backend']} backend on {c['device']} ({c['reason']}), tile {c['tile']}"
                 for c in results["loss_stage"]
             )
         )

@@ -204,7 +204,7 @@ _RECORDERS: list[dict[tuple, dict]] = []  # open ``recorded_choices`` blocks
 def note_choice(backend: str, device: torch.device, reason: str, tile: str, op: str = "matryoshka_infonce") -> None:
     """Log a backend choice of ``op`` once at INFO (each distinct op, backend, device, reason and tile) and keep it."""
     key = (op, backend, str(device), reason, tile)
-    choice = {"backend": backend, "device": str(device), "reason": reason, "tile": tile}
+    choice = {"op": op, "backend": backend, "device": str(device), "reason": reason, "tile": tile}
     for recorder in _RECORDERS:
         recorder.setdefault(key, choice)
     if key in _CHOICES:
