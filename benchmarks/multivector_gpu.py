@@ -25,15 +25,9 @@ Budget (device time): B doubles from 512; each contender and dtype stops at the 
 calls plus do_bench's 200 ms, from its median at the previous B times the growth of B x M x Ld) would take the step
 past its share: 90 s (``--quick``: 20 s, Ld 128 only, B <= 2048). The first size (B = 512, Ld 128) always runs, all
 contenders and both dtypes; a kernel compiled anew at a larger B (flash-maxsim's backward takes B as a compile-time
-constant) may overrun the share by its compilation. Estimates for one H100 (nothing here has run on a GPU yet; from
-the CPU run of ``multivector_loss_stage --sizes 256 512`` -- stock 6.4x the floor, chunked 2.4x, 4 dims 4.2x at
-B = 256 -- and the H100's fp32 GEMM ~50 TFLOP/s, bf16 ~600, HBM 3.35 TB/s, ~10 us per kernel launch from Python):
-at B = 1024, Ld 128 the floor takes ~25 ms (fp32) / ~5 ms (bf16); stock ~0.1 s / ~0.03 s (three GEMMs and ~5 passes
-over its (32, M, Lq, Ld) similarity tensors, memory-bound); ``chunked`` ~0.15 s and 4 dims ~0.5 s in either dtype
-(launch-bound: it computes in fp32, 64 queries per tile against 8 documents per GEMM, ~5 launches per dim and block);
-the fused Triton kernels a few ms. All grow with B^2 x Ld. So: the first size ~30-60 s (mostly Triton compiling and
-autotuning both libraries' kernels per dtype), then ours to B = 1024, stock to ~2048, the floor, ``lik`` and
-``flash_maxsim`` to 4096-8192, Ld 256 at the smaller sizes: the step ends at about its 90 s.
+constant) may overrun the share by its compilation. Measured on one H100 (``--quick``, 2026-11-26:
+benchmarks/results/gpu/summary.md): at B = 512, Ld 128 the whole step took 66 s, most of it the two libraries' Triton
+compiling; ``chunked`` was launch-bound (106 ms in bf16 against stock's 37 ms and late-interaction-kernels' 3 ms).
 
     python -m benchmarks.gpu --steps multivector --out /tmp/mv   # this step alone (CUDA; --dry-run on a CPU)
 """

@@ -39,8 +39,8 @@ MAX_TILE_TOKENS = 2048
 FORWARD_BLOCK_BYTES = 8 * 2**20
 
 # Per (dim, query token, document) a tile keeps the argmax (uint8 up to 256 document tokens); per (dim, query,
-# document) its scores and then their gradients (fp32).
-_BYTES_PER_QUERY_ENTRY = 4
+# document) two fp32 buffers at once: its scores, and their logits (then the logits' gradients).
+_BYTES_PER_QUERY_ENTRY = 8
 
 
 def default_tile_queries(spec: MaxSimSpec, query_tokens: int, doc_tokens: int, tile_bytes: int = DEFAULT_TILE_BYTES):

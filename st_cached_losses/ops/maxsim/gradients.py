@@ -7,9 +7,9 @@ and x̂ the prefix of x of dim k, normalised for cosine similarity (x itself for
     d / d ĉ_ju = sum_{t: u*(k, t, j) = u} w[k, t, j] q̂_t   a scatter-add: the (t, j) pairs sorted by (j, u*) into
                                                              bags, ``embedding_bag`` over the query tokens
 
-that is Lq * Ld * D times fewer multiply-adds than the dense einsum backward (B * M * Lq * d each). For cosine
-similarity each dim's normalisation passes its gradient on as d / dx = (g - <g, x̂> x̂) / ||x[:d_k]||: per block
-of documents for the documents, once per tile for the queries. The documents are taken in blocks whose prefix
+that is Ld times fewer multiply-adds than the dense einsum backward (B * M * Lq * Ld * d against B * M * Lq * d).
+For cosine similarity each dim's normalisation passes its gradient on as d / dx = (g - <g, x̂> x̂) / ||x[:d_k]||: per
+block of documents for the documents, once per tile for the queries. The documents are taken in blocks whose prefix
 copies and bags fit ``BACKWARD_BLOCK_BYTES``. Indices into the inputs (token rows, B * Lq and M * Ld of them) are
 int64; only a block's own keys (fewer than K * block * Ld) are int32.
 """

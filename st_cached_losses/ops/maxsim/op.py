@@ -91,15 +91,16 @@ def maxsim_infonce(
     exactly 0. Ties in a max (exact equality only) send the gradient to one token, as stock's ``max`` does.
 
     Returns:
-        :class:`~st_cached_losses.ops.result.InfoNCEOutput`: ``loss`` (0-dim, fp32; fp64 for fp64 inputs; the one
-        field with a gradient), ``per_dim`` (K,) the unweighted loss per dim in the order of ``dims``, ``lse``
-        (K, 1, B) each query's logsumexp per dim, ``masked_share`` (the share of the B x (M - 1) candidates the
-        duplicate mask removed; None without ids).
+        :class:`~st_cached_losses.ops.result.InfoNCEOutput`, every field on the queries' device in fp32 (fp64 for
+        fp64 inputs): ``loss`` (0-dim; the one field with a gradient), ``per_dim`` (K,) the unweighted loss per dim
+        in the order of ``dims``, ``lse`` (K, 1, B) each query's logsumexp per dim, ``masked_share`` (0-dim fp32: the
+        share of the B x (M - 1) candidates the duplicate mask removed; None without ids).
 
     Raises:
         ValueError / TypeError: bad shapes, masks, dtypes, devices, an empty batch, bad dims, weights, scale,
             similarity, offset, ids, chunk_size or backend, NaN/Inf inputs (see ``nonfinite``), naming the argument
             and the fix, before any work.
+        RuntimeError: a second backward through the same result (the gradients are handed over once).
 
     References:
         - ColBERT (late interaction, MaxSim): https://arxiv.org/abs/2004.12832
