@@ -2,20 +2,32 @@
 
 python -m benchmarks                          # everything committed: train_step (default, GISTEmbed, 2D), then
                                               # loss_stage (1 and 2 threads, GISTEmbed, mask_duplicates),
-                                              # compile_step, integrations, scale_out, memory_bank
+                                              # compile_step, integrations, scale_out, memory_bank,
+                                              # multivector_loss_stage, multivector_train_step
 python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
 python -m benchmarks loss_stage [FLAGS...]
 python -m benchmarks compile_step [FLAGS...]  # torch.compile against eager (inductor: C++ compiles, minutes)
 python -m benchmarks integrations             # LoRA, image-text, gradient checkpointing: errors against stock
 python -m benchmarks scale_out [FLAGS...]     # DDP, FSDP2, DeepSpeed ZeRO on 2 gloo processes
 python -m benchmarks memory_bank PARTS...      # the memory bank: loss stage, a training step, NDCG@10 (slow)
+python -m benchmarks multivector_loss_stage [FLAGS...]   # late interaction: maxsim_infonce against stock's
+python -m benchmarks multivector_train_step [FLAGS...]   # late interaction: a MultiVectorEncoder's training step
 """
 
 from __future__ import annotations
 
 import sys
 
-from benchmarks import compile_step, integrations, loss_stage, memory_bank, scale_out, train_step
+from benchmarks import (
+    compile_step,
+    integrations,
+    loss_stage,
+    memory_bank,
+    multivector_loss_stage,
+    multivector_train_step,
+    scale_out,
+    train_step,
+)
 
 BENCHMARKS = {
     "train_step": train_step.main,
@@ -24,6 +36,8 @@ BENCHMARKS = {
     "integrations": integrations.main,
     "scale_out": scale_out.main,
     "memory_bank": memory_bank.main,
+    "multivector_loss_stage": multivector_loss_stage.main,
+    "multivector_train_step": multivector_train_step.main,
 }
 # What `python -m benchmarks` runs: the committed results, each under its own file name.
 EVERYTHING = (
@@ -66,6 +80,8 @@ EVERYTHING = (
     ("loss_stage", ["--mask-duplicates", "--sizes", "8192", "--threads", "1", "--name", "loss_stage_mask_duplicates"]),
     ("scale_out", []),
     ("memory_bank", ["loss-stage", "step", "ndcg"]),
+    ("multivector_loss_stage", ["--sizes", "256", "512", "1024", "--stock-budget", "120"]),
+    ("multivector_train_step", ["--contenders", "ours", "ours_kept", "stock", "--repeats", "2"]),
 )
 
 
