@@ -77,17 +77,14 @@ def forward(
     rows = min(tile_queries or default_tile_queries(spec, queries.shape[1], documents.shape[1]), spec.batch_size)
     for begin in range(0, spec.batch_size, rows):
         sweep.tile(begin, min(begin + rows, spec.batch_size))
-    return sweep.result()._replace(tile=_describe(rows, queries.shape[1], documents.shape[1], tile_queries is None))
+    return sweep.result()._replace(tile=_describe(rows, tile_queries is None))
 
 
-def _describe(rows: int, query_tokens: int, doc_tokens: int, automatic: bool) -> str:
-    """The tiling, for the log: queries per tile and documents per block of token dot products, with their budgets."""
-    block = max(1, FORWARD_BLOCK_BYTES // (4 * doc_tokens * rows * query_tokens))
+def _describe(rows: int, automatic: bool) -> str:
+    """The tiling, for the log: queries per tile and the budgets of tiles and blocks. Not the documents per block,
+    which follow each batch's document length: the choice is logged (and recorded) once, not once per length."""
     budget = f" (budget {DEFAULT_TILE_BYTES / 2**20:g} MiB, at most {MAX_TILE_TOKENS} tokens)" if automatic else ""
-    return (
-        f"{rows} queries{budget}; documents in blocks of at least {block} "
-        f"({FORWARD_BLOCK_BYTES / 2**20:g} MiB of token dot products)"
-    )
+    return f"{rows} queries{budget}; documents in blocks of {FORWARD_BLOCK_BYTES / 2**20:g} MiB of token dot products"
 
 
 class _Sweep:
