@@ -337,18 +337,19 @@ def largest_batch(plan: dict, dry_run: bool) -> list[tuple]:
     return rows
 
 
+def of_dtype(records: list[dict], dtype_name: str) -> list[dict]:
+    """The records of contenders named ``<name>_<dtype_name>``, renamed ``<name>`` (one plot per dtype)."""
+    suffix = f"_{dtype_name}"
+    return [{**r, "contender": r["contender"].removesuffix(suffix)} for r in records if r["contender"].endswith(suffix)]
+
+
 def write_loss_stage(rows: list[tuple], out: Path) -> list[dict]:
     """loss_stage.csv, and loss_stage.png: time and memory vs B, one panel pair per dtype."""
     report.write_csv(rows, out / "loss_stage.csv")
     records = report.read_csv(out / "loss_stage.csv")
     for dtype_name in LOSS_STAGE_DTYPES:
-        subset = [
-            {**r, "contender": r["contender"].removesuffix(f"_{dtype_name}")}
-            for r in records
-            if r["contender"].endswith(f"_{dtype_name}")
-        ]
         report.plot(
-            subset,
+            of_dtype(records, dtype_name),
             out / f"loss_stage_{dtype_name}.png",
             f"Loss stage on the GPU, {dtype_name} (D = {DIM}, dims {DIMS[0]}..{DIMS[-1]})",
             panels=(("seconds_median", "fwd + bwd seconds", 1), ("peak_bytes", "MiB above the inputs", 2**20)),

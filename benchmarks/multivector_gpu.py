@@ -260,13 +260,8 @@ def write(rows: list[tuple], out: Path) -> list[dict]:
     records = report.read_csv(path)
     shapes = sorted({r["metric"].split("/")[0] for r in records if "/" in r["metric"]})
     for dtype_name in gpu.LOSS_STAGE_DTYPES:
-        subset = [
-            {**r, "contender": r["contender"].removesuffix(f"_{dtype_name}")}
-            for r in records
-            if r["contender"].endswith(f"_{dtype_name}")
-        ]
         report.plot(
-            subset,
+            gpu.of_dtype(records, dtype_name),
             out / f"{NAME}_{dtype_name}.png",
             f"Multi-vector loss stage (fwd + bwd), {dtype_name} inputs, pairs",
             panels=[(f"{s}/seconds_median", f"{s}: seconds", 1) for s in shapes]

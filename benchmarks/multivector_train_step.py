@@ -50,10 +50,10 @@ from benchmarks.train_step import (
     batch_of,
     budget_arg,
     input_rows,
+    load_pairs,
     measure_step,
     print_medians,
     time_losses,
-    training_pairs,
 )
 from benchmarks.train_step_report import summary_table, write_outputs
 
@@ -224,10 +224,7 @@ def main(argv=None) -> list[dict] | None:
     if args.one:
         print(json.dumps(measure_one(args.one[0], int(args.one[1]), args.pairs, args)))
         return None
-    if args.data:
-        pairs = [tuple(pair) for pair in json.loads(args.data.read_text())][: args.rows]
-    else:
-        pairs = training_pairs(args.rows)
+    pairs = load_pairs(args.data, args.rows)
     title = (
         f"Multi-vector training step (forward + backward, {args.model}, token dims {args.dims[0]}..{args.dims[-1]}, "
         f"mini-batch {args.mini_batch_size})"

@@ -147,6 +147,13 @@ def build_model(name: str, max_seq_length: int, device: str = "cpu"):
     return model
 
 
+def load_pairs(data: Path | None, rows: int | None) -> list[tuple[str, str]]:
+    """The first ``rows`` (query, document) pairs of ``data`` (a JSON list of pairs), else of the built-in data."""
+    if data:
+        return [tuple(pair) for pair in json.loads(data.read_text())][:rows]
+    return training_pairs(rows)
+
+
 def _model_name(name: str) -> str:
     if name in ("minilm", "tiny") or Path(name).is_dir():
         return name
@@ -630,10 +637,7 @@ def main(argv=None) -> list[dict] | None:
         )
         print(json.dumps(result))
         return None
-    if args.data:
-        pairs = [tuple(pair) for pair in json.loads(args.data.read_text())][: args.rows]
-    else:
-        pairs = training_pairs(args.rows)
+    pairs = load_pairs(args.data, args.rows)
     runner = run_in_process if in_process else run
     title = (
         f"Training step (forward + backward, {Path(args.model).name}, dims {args.dims[0]}..{args.dims[-1]}, "

@@ -12,6 +12,18 @@ __all__ = ["METRICS", "build_evaluate", "build_multi_vector_evaluate", "evaluate
 METRICS = ("ndcg@10", "mrr@10", "recall@10")
 
 
+# Both kinds of evaluator (dense and MaxSim retrieval) report the same metrics at 10, in batches of 64, no CSV.
+_EVALUATOR_SETTINGS = dict(
+    mrr_at_k=[10],
+    ndcg_at_k=[10],
+    accuracy_at_k=[10],
+    precision_recall_at_k=[10],
+    map_at_k=[10],
+    batch_size=64,
+    write_csv=False,
+)
+
+
 def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[str, float]]]:
     """An ``evaluate(model) -> {"<dim>": {"ndcg@10", "mrr@10", "recall@10"}}`` over the held-out pairs ``test``
     (a ``datasets.Dataset`` with the columns anchor, positive and optionally negatives).
@@ -119,14 +131,8 @@ def _shared_encoding_evaluator(queries, corpus, relevant, dim: int, cache: dict[
         queries,
         corpus,
         relevant,
-        mrr_at_k=[10],
-        ndcg_at_k=[10],
-        accuracy_at_k=[10],
-        precision_recall_at_k=[10],
-        map_at_k=[10],
-        batch_size=64,
         name=f"dim_{dim}",
-        write_csv=False,
+        **_EVALUATOR_SETTINGS,
         truncate_dim=dim,
         show_progress_bar=True,  # only the first dim encodes (the rest reuse it): two bars per call
     )
@@ -154,14 +160,8 @@ def _multi_vector_evaluator(queries, corpus, relevant, dim: int, full_model, sha
         queries,
         corpus,
         relevant,
-        mrr_at_k=[10],
-        ndcg_at_k=[10],
-        accuracy_at_k=[10],
-        precision_recall_at_k=[10],
-        map_at_k=[10],
-        batch_size=64,
         name=f"dim_{dim}",
-        write_csv=False,
+        **_EVALUATOR_SETTINGS,
         show_progress_bar=True,  # only the first dim encodes (the rest reuse it): two bars per call
     )
 
