@@ -21,11 +21,10 @@ from sentence_transformers.sentence_transformer.losses import (
     MultipleNegativesRankingLoss,
 )
 from transformers import TrainerCallback, TrainerControl, TrainerState
-from transformers.trainer_utils import HPSearchBackend
 
 from st_cached_losses import CachedLossCallback, CachedMatryoshkaLoss
 from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank
-from st_cached_losses.losses.callback import MEMORY_FILE, TrainCall, trainer_run_folder
+from st_cached_losses.losses.callback import MEMORY_FILE, TrainCall
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.helpers import texts
 
@@ -155,9 +154,6 @@ def test_attach_serves_every_cached_loss_of_a_dict_once_and_hears_train(tmp_path
         CachedLossCallback.attach(trainer)
     with pytest.raises(TypeError, match=r"needs a loss of st_cached_losses, got MultipleNegativesRankingLoss"):
         CachedLossCallback({"c": losses["c"]})
-    # The checkpoints' folder is the trainer's own: a trial's folder under a hyperparameter search.
-    trainer.hp_search_backend = HPSearchBackend.OPTUNA
-    assert trainer_run_folder(trainer, SimpleNamespace(number=4)) == str(tmp_path / "run-4")
 
 
 # --------------------------------------------------------------------------------------------- end to end

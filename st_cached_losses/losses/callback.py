@@ -19,6 +19,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from . import _transformers_compat
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MEMORY_FILE", "CachedLossCallback"]
@@ -42,14 +44,6 @@ class TrainCall:
         if self.resume_from_checkpoint is True:
             return get_last_checkpoint(output_dir)
         return os.fspath(self.resume_from_checkpoint)
-
-
-def trainer_run_folder(trainer: Any, trial: Any) -> str:
-    """The folder ``trainer`` writes this run's ``checkpoint-<step>`` folders in: ``args.output_dir``, or a trial's
-    own folder under a hyperparameter search. transformers has no public name for it; ``Trainer._save_checkpoint``
-    asks its private ``_get_output_dir(trial)`` (transformers 4.x and 5.x), so this asks the same (tested in
-    tests/test_memory_bank_trainer.py)."""
-    return trainer._get_output_dir(trial=trial)
 
 
 class CachedLossCallback(TrainerCallback):
@@ -99,17 +93,21 @@ class CachedLossCallback(TrainerCallback):
 
         Raises:
             TypeError: ``trainer.loss`` holds no loss of this package.
-            ValueError: a CachedLossCallback is attached to ``trainer`` already.
+            ValueError: a CachedLossCallback is attached to ``trainer`` already; with a memory bank, the installed
+                transformers is outside the range whose private Trainer names the bank's checkpoints use
+                (:mod:`._transformers_compat`).
         """
         if any(isinstance(callback, cls) for callback in trainer.callback_handler.callbacks):
             raise ValueError("A CachedLossCallback is attached to this trainer already: it serves every cached loss.")
         callback = cls(trainer.loss)
+        if callback.banks():
+            _transformers_compat.check_trainer(trainer)  # before training: the banks' checkpoints need its internals
         trainer.callback_handler.callbacks.insert(1, callback)
         train = trainer.train
 
         @functools.wraps(train)
         def train_heard(resume_from_checkpoint=None, trial=None, *args, **kwargs):
-            callback.train_call = TrainCall(resume_from_checkpoint, trainer_run_folder(trainer, trial))
+            callback.train_call = TrainCall(resume_from_checkpoint, _transformers_compat.run_folder(trainer, trial))
             return train(resume_from_checkpoint, trial, *args, **kwargs)
 
         trainer.train = train_heard
