@@ -2,11 +2,12 @@
 under gradient accumulation), is saved with each checkpoint the trainer writes and restored by
 ``trainer.train(resume_from_checkpoint=...)`` (True, or a folder anywhere: a resumed run ends where the uninterrupted
 one does), every cached loss of a dict of losses is served under its name, and the fill, age and masked share reach
-the trainer's own log. Fast tests drive the callback's hooks with stand-in losses and trainer state; the slow ones
-train end to end."""
+the trainer's own log. Fast tests drive the callback's hooks with real losses (their training forwards stood in)
+and trainer state; the slow ones train end to end."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import shutil
@@ -16,16 +17,17 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
 from sentence_transformers.sentence_transformer.losses import (
     CachedMultipleNegativesRankingLoss,
     MultipleNegativesRankingLoss,
 )
 from transformers import TrainerCallback, TrainerControl, TrainerState
 
-from st_cached_losses import CachedLossCallback, CachedMatryoshkaLoss
+from st_cached_losses import CachedLossCallback, CachedMatryoshkaLoss, CachedMultiVectorMatryoshkaLoss
 from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank
 from st_cached_losses.losses.callback import MEMORY_FILE, TrainCall
-from st_cached_losses.testing import tiny_sentence_transformer
+from st_cached_losses.testing import tiny_multi_vector_encoder, tiny_sentence_transformer
 from tests.helpers import texts
 
 STEPS, SAVE_AT = 6, 3
@@ -34,9 +36,17 @@ BANK_LOGGER = "st_cached_losses.gradcache.memory_bank"
 # --------------------------------------------------------------------------------------------- the hooks, fast
 
 
-def _stand_in(memory_size: int = 100, **options) -> SimpleNamespace:
-    """What CachedLossCallback uses of a cached loss: its bank, its masked share and its model's device."""
-    return SimpleNamespace(memory=MemoryBank(memory_size, **options), masked_share=0.25, model=torch.nn.Linear(1, 1))
+@functools.cache
+def _model():
+    return tiny_sentence_transformer(seed=5)
+
+
+def _stand_in(memory_size: int = 100, **options):
+    """A cached loss whose bank and masked share the callback serves; its training forwards are :func:`_forward`'s
+    (never run). ``options``: the loss's memory options."""
+    loss = _loss(_model(), memory_size, **options)
+    loss.masked_share = 0.25
+    return loss
 
 
 def _forward(loss, value: float, rows: int = 2) -> None:
@@ -93,7 +103,7 @@ def test_the_callback_makes_the_bank_count_optimizer_steps(tmp_path, caplog):
 def test_every_bank_of_a_dict_of_losses_is_saved_and_restored_under_its_name(tmp_path):
     """From the last checkpoint in output_dir (True) and from a folder outside it, into fresh banks: the exact banks;
     the reports carry the losses' names."""
-    losses = {"a": _stand_in(20), "b": _stand_in(12, max_age=5)}
+    losses = {"a": _stand_in(20), "b": _stand_in(12, memory_max_age=5)}
     callback = CachedLossCallback(losses)
     hooks = _hooks(callback, tmp_path)
     for step in range(3):
@@ -107,7 +117,7 @@ def test_every_bank_of_a_dict_of_losses_is_saved_and_restored_under_its_name(tmp
     outside = tmp_path / "elsewhere" / "kept"
     shutil.copytree(checkpoint, outside)
     for resume, output_dir in ((True, tmp_path / "run"), (str(outside), tmp_path / "fresh")):
-        restored = {"a": _stand_in(20), "b": _stand_in(12, max_age=5)}
+        restored = {"a": _stand_in(20), "b": _stand_in(12, memory_max_age=5)}
         _hooks(CachedLossCallback(restored), tmp_path, resume, output_dir)
         for name in "ab":
             _assert_same_bank(restored[name].memory, losses[name].memory)
@@ -154,6 +164,23 @@ def test_attach_serves_every_cached_loss_of_a_dict_once_and_hears_train(tmp_path
         CachedLossCallback.attach(trainer)
     with pytest.raises(TypeError, match=r"needs a loss of st_cached_losses, got MultipleNegativesRankingLoss"):
         CachedLossCallback({"c": losses["c"]})
+
+
+def test_the_losses_served_are_this_packages_whatever_their_attributes():
+    """A loss of this package is a GradCacheSteps: one without a ``memory`` attribute (the multi-vector loss) is
+    served, its reports without a bank's; a look-alike with ``memory`` and ``masked_share`` is not."""
+    multi_vector = tiny_multi_vector_encoder()
+    ours = CachedMultiVectorMatryoshkaLoss(
+        multi_vector, CachedMultiVectorMultipleNegativesRankingLoss(multi_vector), [32], mini_batch_size=4
+    )
+    vars(ours).pop("memory", None)  # it has no bank, and need not say so
+    ours.masked_share = 0.5
+    look_alike = SimpleNamespace(memory=MemoryBank(8), masked_share=0.25, model=torch.nn.Linear(1, 1))
+    callback = CachedLossCallback({"ours": ours, "look_alike": look_alike})
+    assert list(callback.losses) == ["ours"] and callback.banks() == {}
+    assert callback.reports() == {"ours_masked_share": 0.5}
+    with pytest.raises(TypeError, match=r"needs a loss of st_cached_losses, got SimpleNamespace"):
+        CachedLossCallback(look_alike)
 
 
 # --------------------------------------------------------------------------------------------- end to end

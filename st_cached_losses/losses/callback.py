@@ -19,6 +19,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ..gradcache.steps import GradCacheSteps
 from . import _transformers_compat
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,9 @@ class CachedLossCallback(TrainerCallback):
     ``memory_age`` count them, whatever ``gradient_accumulation_steps``.
 
     Args:
-        losses: the trainer's loss, or its dict of losses (name -> loss); every loss of this package in it (any
-            object with ``masked_share`` and ``memory``) is served.
+        losses: the trainer's loss, or its dict of losses (name -> loss); every loss of this package in it (a
+            :class:`~st_cached_losses.gradcache.steps.GradCacheSteps`, the engine every cached loss here subclasses)
+            is served; the others are left to the trainer.
 
     Raises:
         TypeError: no loss of this package among ``losses``.
@@ -79,7 +81,7 @@ class CachedLossCallback(TrainerCallback):
 
     def __init__(self, losses: Any) -> None:
         named = losses.items() if isinstance(losses, dict) else [("", losses)]
-        self.losses = {name: loss for name, loss in named if hasattr(loss, "memory")}
+        self.losses = {name: loss for name, loss in named if isinstance(loss, GradCacheSteps)}
         if not self.losses:
             got = [type(loss).__name__ for _, loss in named]
             raise TypeError(f"CachedLossCallback needs a loss of st_cached_losses, got {', '.join(got) or 'none'}.")
@@ -115,18 +117,19 @@ class CachedLossCallback(TrainerCallback):
 
     def banks(self) -> dict[str, Any]:
         """The served losses' memory banks by name (losses without one left out)."""
-        return {name: loss.memory for name, loss in self.losses.items() if loss.memory is not None}
+        banks = {name: getattr(loss, "memory", None) for name, loss in self.losses.items()}  # not every loss has one
+        return {name: bank for name, bank in banks.items() if bank is not None}
 
     def reports(self) -> dict[str, float]:
         """The values this callback logs now."""
-        values = {}
+        values, banks = {}, self.banks()
         for name, loss in self.losses.items():
             prefix = f"{name}_" if name else ""
             if getattr(loss, "masked_share", None) is not None:
                 values[f"{prefix}masked_share"] = float(loss.masked_share)
-            if loss.memory is not None:
-                values[f"{prefix}memory_fill"] = loss.memory.fill
-                age = loss.memory.oldest_age
+            if name in banks:
+                values[f"{prefix}memory_fill"] = banks[name].fill
+                age = banks[name].oldest_age
                 values[f"{prefix}memory_age"] = float("nan") if age is None else float(age)
         return values
 
