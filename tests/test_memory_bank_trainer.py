@@ -142,28 +142,68 @@ def test_a_checkpoint_without_a_loss_bank_says_which_starts_empty(tmp_path, capl
 def test_a_callback_that_heard_no_train_call_refuses_to_begin(tmp_path):
     callback = CachedLossCallback(_stand_in())
     args = SentenceTransformerTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
-    with pytest.raises(ValueError, match=r"not attached with CachedLossCallback.attach\(trainer\)"):
+    with pytest.raises(
+        ValueError, match=r"did not hear this trainer.train call.*instead of adding the callback yourself"
+    ):
         callback.on_train_begin(args, TrainerState(), TrainerControl())
 
 
-def test_attach_serves_every_cached_loss_of_a_dict_once_and_hears_train(tmp_path):
+def _dict_trainer(output_dir, sizes=(20, 12)) -> SentenceTransformerTrainer:
+    """A trainer of a dict of losses: cached ones with banks of ``sizes`` ("a", "b"), and a stock one ("c")."""
     model = tiny_sentence_transformer(seed=5)
-    losses = {name: _loss(model, memory_size=size) for name, size in (("a", 20), ("b", 12))}
+    losses = {name: _loss(model, memory_size=size) for name, size in zip("ab", sizes)}
     losses["c"] = MultipleNegativesRankingLoss(model)  # stock: not served
     data = _dataset(8)
-    args = SentenceTransformerTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
-    trainer = SentenceTransformerTrainer(
-        model=model, args=args, train_dataset=DatasetDict(a=data, b=data, c=data), loss=losses
-    )
-    trainer.train = lambda resume_from_checkpoint=None, trial=None: ("trained", resume_from_checkpoint)  # no training
+    args = SentenceTransformerTrainingArguments(output_dir=str(output_dir), report_to="none", use_cpu=True)
+    datasets = DatasetDict(dict.fromkeys(losses, data))
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=datasets, loss=losses)
+
+
+def test_attach_serves_every_cached_loss_of_a_dict_once_and_hears_one_train_call(tmp_path, monkeypatch):
+    """The call's resume_from_checkpoint and run folder, heard while it runs; then the trainer's own ``train`` is
+    back (no wrapper on the trainer), whether the call returned or raised; another call is heard once attached again.
+    """
+    trainer = _dict_trainer(tmp_path)
+    heard = []
+
+    def train(self, resume_from_checkpoint=None, trial=None, fail=False):  # the trainer's own, without training
+        heard.append(callback.train_call)
+        if fail:
+            raise RuntimeError("diverged")
+        return "trained"
+
+    monkeypatch.setattr(SentenceTransformerTrainer, "train", train)
     callback = CachedLossCallback.attach(trainer)
     assert trainer.callback_handler.callbacks[1] is callback and sorted(callback.losses) == ["a", "b"]
-    assert trainer.train("/somewhere/checkpoint-7") == ("trained", "/somewhere/checkpoint-7")
-    assert callback.train_call == TrainCall("/somewhere/checkpoint-7", str(tmp_path))
+    with pytest.raises(ValueError, match=r"attached to this trainer already"):
+        CachedLossCallback.attach(trainer)  # before its call: attached once
+    assert trainer.train("/somewhere/checkpoint-7") == "trained"
+    assert heard == [TrainCall("/somewhere/checkpoint-7", str(tmp_path))] and callback.train_call is None
+    assert "train" not in vars(trainer) and trainer.train.__func__ is train
+    with pytest.raises(ValueError, match=r"did not hear this trainer.train call.*attach\(trainer\) before each"):
+        callback.on_train_begin(trainer.args, TrainerState(), TrainerControl())  # a call not heard: refused
+    assert CachedLossCallback.attach(trainer) is callback  # re-armed, not added twice
+    assert sum(isinstance(c, CachedLossCallback) for c in trainer.callback_handler.callbacks) == 1
+    with pytest.raises(RuntimeError, match="diverged"):
+        trainer.train(resume_from_checkpoint=True, fail=True)
+    assert heard[-1] == TrainCall(True, str(tmp_path)) and "train" not in vars(trainer)
+    own = trainer.train = lambda resume_from_checkpoint=None, trial=None: "own"  # an instance's own train
+    CachedLossCallback.attach(trainer)
+    assert trainer.train() == "own" and trainer.train is own
+    with pytest.raises(TypeError, match=r"needs a loss of st_cached_losses, got MultipleNegativesRankingLoss"):
+        CachedLossCallback({"c": trainer.loss["c"]})
+
+
+def test_without_a_bank_attach_leaves_train_alone(tmp_path):
+    """The reports need no train call: nothing wrapped, and the callback begins without one."""
+    trainer = _dict_trainer(tmp_path, sizes=(0, 0))
+    train = trainer.train
+    callback = CachedLossCallback.attach(trainer)
+    assert sorted(callback.losses) == ["a", "b"] and callback.banks() == {}
+    assert "train" not in vars(trainer) and trainer.train == train
+    callback.on_train_begin(trainer.args, TrainerState(), TrainerControl())
     with pytest.raises(ValueError, match=r"attached to this trainer already"):
         CachedLossCallback.attach(trainer)
-    with pytest.raises(TypeError, match=r"needs a loss of st_cached_losses, got MultipleNegativesRankingLoss"):
-        CachedLossCallback({"c": losses["c"]})
 
 
 def test_the_losses_served_are_this_packages_whatever_their_attributes():

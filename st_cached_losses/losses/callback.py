@@ -77,6 +77,7 @@ class CachedLossCallback(TrainerCallback):
             trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
             CachedLossCallback.attach(trainer)  # before the logging callbacks, so they see its values
             trainer.train()  # or trainer.train(resume_from_checkpoint=True / "path/to/checkpoint-500")
+            CachedLossCallback.attach(trainer)  # with a bank: again before another trainer.train(...) call
     """
 
     def __init__(self, losses: Any) -> None:
@@ -85,34 +86,31 @@ class CachedLossCallback(TrainerCallback):
         if not self.losses:
             got = [type(loss).__name__ for _, loss in named]
             raise TypeError(f"CachedLossCallback needs a loss of st_cached_losses, got {', '.join(got) or 'none'}.")
-        self.train_call: TrainCall | None = None  # the running trainer.train call's, heard by attach's wrapper
+        self.train_call: TrainCall | None = None  # the running trainer.train call's, heard by _HearTrain
 
     @classmethod
     def attach(cls, trainer: Any) -> CachedLossCallback:
         """A callback for every cached loss of ``trainer.loss`` (a loss or a dict of losses), inserted right after
-        the trainer's flow callback, before the logging integrations and the progress bar. It wraps this trainer's
-        ``train`` to hear its ``resume_from_checkpoint`` and trial, which transformers tells no callback.
+        the trainer's flow callback, before the logging integrations and the progress bar. With a memory bank it also
+        hears the next ``trainer.train(...)`` call's ``resume_from_checkpoint`` and trial, which transformers tells no
+        callback: that call runs through a wrapper that puts the trainer's own ``train`` back when it returns or
+        raises. Attach again (the same callback, re-armed) before another ``train`` call of the same trainer.
 
         Raises:
             TypeError: ``trainer.loss`` holds no loss of this package.
-            ValueError: a CachedLossCallback is attached to ``trainer`` already; with a memory bank, the installed
-                transformers is outside the range whose private Trainer names the bank's checkpoints use
-                (:mod:`._transformers_compat`).
+            ValueError: a CachedLossCallback is attached to ``trainer`` already (one that serves a bank is attached
+                again once the call it heard has run); with a memory bank, the installed transformers is outside the
+                range whose private Trainer names the bank's checkpoints use (:mod:`._transformers_compat`).
         """
-        if any(isinstance(callback, cls) for callback in trainer.callback_handler.callbacks):
+        attached = [callback for callback in trainer.callback_handler.callbacks if isinstance(callback, cls)]
+        callback = attached[0] if attached else cls(trainer.loss)
+        if attached and (not callback.banks() or isinstance(vars(trainer).get("train"), _HearTrain)):
             raise ValueError("A CachedLossCallback is attached to this trainer already: it serves every cached loss.")
-        callback = cls(trainer.loss)
         if callback.banks():
             _transformers_compat.check_trainer(trainer)  # before training: the banks' checkpoints need its internals
-        trainer.callback_handler.callbacks.insert(1, callback)
-        train = trainer.train
-
-        @functools.wraps(train)
-        def train_heard(resume_from_checkpoint=None, trial=None, *args, **kwargs):
-            callback.train_call = TrainCall(resume_from_checkpoint, _transformers_compat.run_folder(trainer, trial))
-            return train(resume_from_checkpoint, trial, *args, **kwargs)
-
-        trainer.train = train_heard
+            _HearTrain.install(trainer, callback)
+        if not attached:
+            trainer.callback_handler.callbacks.insert(1, callback)
         return callback
 
     def banks(self) -> dict[str, Any]:
@@ -139,8 +137,9 @@ class CachedLossCallback(TrainerCallback):
             return
         if self.train_call is None:
             raise ValueError(
-                "CachedLossCallback was not attached with CachedLossCallback.attach(trainer): it needs to hear "
-                "trainer.train's resume_from_checkpoint to restore the memory bank. Attach it that way instead."
+                "CachedLossCallback did not hear this trainer.train call: with a memory bank it needs the call's "
+                "resume_from_checkpoint to restore the bank. Call CachedLossCallback.attach(trainer) before each "
+                "trainer.train(...) instead of adding the callback yourself."
             )
         for bank in banks.values():
             bank.count_optimizer_steps()
@@ -185,3 +184,31 @@ class CachedLossCallback(TrainerCallback):
                 ", ".join(repr(name) if name else "the loss" for name in empty),
                 f"{path} holds {sorted(saved)}" if saved else f"no {path}",
             )
+
+
+class _HearTrain:
+    """A trainer's ``train`` for one call: tells the callback the call's ``resume_from_checkpoint`` and run folder,
+    runs the trainer's own ``train``, and when it returns or raises, puts that back (the class's method, or the
+    instance's own ``train`` if it had one) and forgets the call."""
+
+    def __init__(self, trainer: Any, callback: CachedLossCallback) -> None:
+        self.trainer, self.callback = trainer, callback
+        self.own = vars(trainer).get("train")  # None: the class's method
+        self.train = trainer.train
+        functools.update_wrapper(self, self.train)
+
+    @classmethod
+    def install(cls, trainer: Any, callback: CachedLossCallback) -> None:
+        trainer.train = cls(trainer, callback)
+
+    def __call__(self, resume_from_checkpoint=None, trial=None, *args, **kwargs):
+        try:
+            run_folder = _transformers_compat.run_folder(self.trainer, trial)
+            self.callback.train_call = TrainCall(resume_from_checkpoint, run_folder)
+            return self.train(resume_from_checkpoint, trial, *args, **kwargs)
+        finally:
+            self.callback.train_call = None
+            if self.own is None:
+                del self.trainer.train
+            else:
+                self.trainer.train = self.own
