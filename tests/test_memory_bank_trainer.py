@@ -25,7 +25,7 @@ from sentence_transformers.sentence_transformer.losses import (
 from transformers import TrainerCallback, TrainerControl, TrainerState
 
 from st_cached_losses import CachedLossCallback, CachedMatryoshkaLoss, CachedMultiVectorMatryoshkaLoss
-from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank
+from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank, end_training_forward
 from st_cached_losses.losses.callback import MEMORY_FILE, TrainCall
 from st_cached_losses.testing import tiny_multi_vector_encoder, tiny_sentence_transformer
 from tests.helpers import texts
@@ -52,7 +52,7 @@ def _stand_in(memory_size: int = 100, **options):
 def _forward(loss, value: float, rows: int = 2) -> None:
     """A training forward's end, as the loss ends it: ``rows`` pairs of one document, every entry ``value``."""
     ids = torch.zeros(rows, 1, dtype=torch.int64), torch.arange(rows) + int(value) * 100
-    loss.memory.end_step(BankedPairs(torch.full((rows, 1, 4), float(value)), *ids))
+    end_training_forward(loss.memory, BankedPairs(torch.full((rows, 1, 4), float(value)), *ids))
 
 
 def _hooks(callback, tmp_path, resume=None, output_dir=None):
@@ -87,7 +87,7 @@ def _assert_same_bank(bank: MemoryBank, other: MemoryBank) -> None:
 
 def test_the_callback_makes_the_bank_count_optimizer_steps(tmp_path, caplog):
     """Gradient accumulation of 2: both micro-batches of an optimizer step bank at the same step, the logged age is
-    in optimizer steps, and a bank the callback serves never warns."""
+    in optimizer steps, and a bank the callback serves never warns; when training ends, the callback lets it go."""
     loss = _stand_in()
     callback = CachedLossCallback(loss)
     with caplog.at_level(logging.WARNING, logger=BANK_LOGGER):
@@ -98,6 +98,9 @@ def test_the_callback_makes_the_bank_count_optimizer_steps(tmp_path, caplog):
     assert logs[0]["masked_share"] == 0.25 and loss.memory.step == 2
     assert loss.memory.steps[:4].tolist() == [0, 0, 0, 0] and loss.memory.steps[4:8].tolist() == [1, 1, 1, 1]
     assert caplog.records == []
+    assert loss.memory.driver == "CachedLossCallback"
+    callback.on_train_end(*hooks)
+    assert loss.memory.driver is None and loss.memory.step == 2  # handed back to the loss's training forwards
 
 
 def test_every_bank_of_a_dict_of_losses_is_saved_and_restored_under_its_name(tmp_path):

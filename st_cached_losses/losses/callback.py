@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["MEMORY_FILE", "CachedLossCallback"]
 
 MEMORY_FILE = "st_cached_losses_memory_rank{rank}.pt"  # in each checkpoint folder, one per process
+DRIVER = "CachedLossCallback"  # the banks' driver while the trainer trains (MemoryBank.set_step)
 
 
 @dataclass(frozen=True)
@@ -141,15 +142,19 @@ class CachedLossCallback(TrainerCallback):
                 "resume_from_checkpoint to restore the bank. Call CachedLossCallback.attach(trainer) before each "
                 "trainer.train(...) instead of adding the callback yourself."
             )
-        for bank in banks.values():
-            bank.count_optimizer_steps()
         checkpoint = self.train_call.checkpoint(args.output_dir)
         if checkpoint is not None:
             self._restore(banks, checkpoint, args.process_index, state.global_step)
+        for bank in banks.values():  # from now on the trainer's optimizer steps are the banks' steps
+            bank.set_step(bank.step, driver=DRIVER)
 
     def on_step_end(self, args, state, control, **kwargs):
         for bank in self.banks().values():
-            bank.end_optimizer_step()
+            bank.set_step(bank.step + 1, driver=DRIVER)  # an optimizer step ended: the pairs banked are a step older
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for bank in self.banks().values():  # no caller drives it now: its loss's training forwards would count
+            bank.set_step(bank.step, driver=None)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs:  # evaluation logs and the run's summary carry no step reports
