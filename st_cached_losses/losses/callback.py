@@ -50,7 +50,7 @@ class TrainCall:
 
 class CachedLossCallback(TrainerCallback):
     """Puts every cached loss's step reports into the trainer's log, its memory bank into the trainer's checkpoints,
-    and makes the bank count the trainer's optimizer steps. Create it with :meth:`attach`.
+    and gives the bank the trainer's optimizer steps as its steps. Create it with :meth:`attach`.
 
     Logged next to ``loss_dim_*`` (training logs only; the values of the logged step): ``masked_share`` (the share of
     candidates the false-negative filter, the duplicate mask or the own-pair mask removed) and, with a memory bank,
