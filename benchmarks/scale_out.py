@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.profiling import peak_tensor_bytes
 from benchmarks.report import RESULTS, write_csv
-from st_cached_losses.testing import local_rank_setup, rendezvous_store
+from st_cached_losses.testing import deepspeed_on_gloo_only, local_rank_setup, rendezvous_store
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_per_step", "zero1", "zero2", "zero3", "stock_zero2", "stock_zero3")
 WORLD_SIZE = 2
@@ -137,6 +137,7 @@ def _worker(rank: int, port: int, strategy: str, args, out: str) -> None:
     if strategy.startswith(("zero", "stock_zero")):
         import deepspeed
 
+        deepspeed_on_gloo_only()
         deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
     else:
         dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=TIMEOUT)

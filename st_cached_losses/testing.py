@@ -241,3 +241,14 @@ def local_rank_setup(rank: int, world_size: int, port: int) -> None:
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
     )
+
+
+def deepspeed_on_gloo_only() -> None:
+    """Keep DeepSpeed's CPU collectives on gloo: mark its shared-memory op (``deepspeed_shm_comm``) unavailable, so
+    that ``deepspeed.init_distributed`` does not JIT-compile it. That compile runs g++ for minutes on a 2-core machine
+    under a file lock in ``~/.cache/torch_extensions``; a process killed during it leaves the lock behind and every
+    later run on that machine waits on it forever. Call it in each spawned process before DeepSpeed's process group.
+    (DeepSpeed documents the probed ``deepspeed.ops.__compatible_ops__`` as one dict whose edits persist.)"""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

@@ -16,6 +16,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from st_cached_losses.testing import deepspeed_on_gloo_only
 from tests.distributed_helpers import DIMS, MINI_BATCH_SIZE, ROWS, WORLD_SIZE, child_setup, local_rows, spawn
 from tests.helpers import assert_grads_close, loss_and_grads, texts
 
@@ -67,6 +68,7 @@ def _engine_worker(rank, port, out_dir):
     from st_cached_losses.testing import tiny_sentence_transformer
 
     models = {case: tiny_sentence_transformer() for case in [*CASES, "zero2_accumulate"]}
+    deepspeed_on_gloo_only()
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=30))
     local = local_rows(rank)
     results = {}
@@ -166,6 +168,7 @@ def _trainer_worker(rank, port, out_dir, stage):
     # On a CPU-only machine accelerate would run DeepSpeed at world size 1 (or, with use_cpu=True, plain DDP): a gloo
     # process group created first for DeepSpeed, and the trainer told to use it, runs the real thing.
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    deepspeed_on_gloo_only()
     PartialState(backend="gloo", timeout=timedelta(seconds=60))
     config = {
         "zero_optimization": {"stage": stage},
