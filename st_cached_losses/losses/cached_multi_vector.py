@@ -35,8 +35,8 @@ from ..gradcache.precision import nonfinite_policy
 from ..gradcache.step import Encoded, LayerDraw, Step, require_step
 from ..gradcache.steps import GradCacheSteps
 from ..ops import maxsim_infonce
-from ..truncation import normalizes_token_vectors
 from . import card, citations
+from .token_vectors import SIDES, TokenRoutes, token_routes
 
 MULTI_VECTOR_LOSSES = (MultiVectorMultipleNegativesRankingLoss, CachedMultiVectorMultipleNegativesRankingLoss)
 # The base loss's similarity_fct -> maxsim_infonce's length_normalize (MeanMaxSim divides by the query's tokens).
@@ -160,6 +160,7 @@ class CachedMultiVectorMatryoshkaLoss(GradCacheSteps):
         """
         _check_base_loss(loss)
         _check_model(model, backend)
+        routes = token_routes(unwrapped(model), type(self).__name__)
         if false_negative_margin is not None or false_negative_strategy != "absolute":
             raise ValueError(
                 f"{type(self).__name__} does not take false_negative_margin / false_negative_strategy: the MaxSim op "
@@ -194,7 +195,9 @@ class CachedMultiVectorMatryoshkaLoss(GradCacheSteps):
             fsdp_sync=check_fsdp_sync(fsdp_sync),
         )
         self.loss = loss
-        self.matryoshka_dims, self.matryoshka_weights = sorted_dims(model, matryoshka_dims, matryoshka_weights)
+        self.matryoshka_dims, self.matryoshka_weights = sorted_dims(
+            model, matryoshka_dims, matryoshka_weights, embedding_dim=routes.dim
+        )
         self.n_dims_per_step = n_dims_per_step
         self.backend = backend
         self.activation_budget = activation_budget
@@ -203,10 +206,30 @@ class CachedMultiVectorMatryoshkaLoss(GradCacheSteps):
         self.memory = None  # no bank (CachedLossCallback serves the losses that have one)
 
     @property
-    def similarity(self) -> str:
-        """The op's token similarity: "cosine" where the model normalises its token vectors (each Matryoshka prefix
-        is then re-normalised), else "dot" (plain prefixes); at the full dim both are stock's scores."""
-        return "cosine" if normalizes_token_vectors(unwrapped(self.model)) else "dot"
+    def similarity(self) -> str | tuple[str, str]:
+        """The op's token similarity of the queries' and the documents' routes (:mod:`.token_vectors`): "cosine" for a
+        side whose last module writing its token vectors normalises them (each Matryoshka prefix re-normalised), else
+        "dot" (raw prefixes); one name where both sides agree, else (query's, document's). At the full dim both are
+        stock's scores."""
+        return self.token_routes().similarity
+
+    def token_routes(self, step: Step | None = None) -> TokenRoutes:
+        """Both sides' :class:`~.token_vectors.TokenRoute`, for the tasks of ``step``'s columns (the query column's,
+        the document columns'), by default "query" and "document".
+
+        Raises:
+            ValueError: what :func:`~.token_vectors.token_routes` refuses, or document columns of different tasks
+                whose routes score differently.
+        """
+        tasks = [feature.get("task") for feature in step.features] if step is not None else list(SIDES)
+        owner = type(self).__name__
+        routes = {task: token_routes(unwrapped(self.model), owner, tasks[0], task) for task in dict.fromkeys(tasks[1:])}
+        if len({(r.document.similarity, r.document.dim) for r in routes.values()}) > 1:
+            raise ValueError(
+                f"{owner} scores every document column alike, but their tasks {sorted(routes)} take routes whose token "
+                "vectors differ in similarity or dim: give the document columns one task."
+            )
+        return next(iter(routes.values()))
 
     @property
     def gather_across_devices(self) -> bool:
@@ -258,7 +281,7 @@ class CachedMultiVectorMatryoshkaLoss(GradCacheSteps):
             dims=step.dims,
             weights=weights,
             scale=self.loss.scale,
-            similarity=self.similarity,
+            similarity=self.token_routes(step).similarity,
             length_normalize=_length_normalize(self.loss.similarity_fct),
             backend=self.backend,
             nonfinite=nonfinite_policy(step.encoder_dtypes),
