@@ -93,6 +93,16 @@ def test_unnormalised_token_vectors_are_plain_prefixes():
     assert ours.similarity == "dot"
 
 
+def test_a_left_padded_bert_keeps_its_leading_padding_and_stock_s_loss():
+    """BERT's absolute positions count from the first column: its left-padded mini-batches are not trimmed at the
+    start (which would shift every token), so the loss and every gradient are stock's."""
+    model = tiny_multi_vector_encoder(token_dim=TOKEN_DIM, seed=9)
+    model.tokenizer.padding_side = "left"
+    features = _features(model)
+    assert bool((features[0]["attention_mask"][:, 0] == 0).any())  # left padding
+    _assert_stocks(model, features)
+
+
 def test_prompts_and_a_router_s_task_routing():
     from sentence_transformers.base.modules import Dense, Normalize, Router, Transformer
     from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
