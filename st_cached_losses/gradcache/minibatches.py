@@ -19,19 +19,22 @@ from ._st_compat import get_batch_size
 _UNSORTABLE_KEY_PARTS = ("cu_seq_lens", "seq_idx", "pixel", "image", "video", "audio")
 
 
-def check_columns(sentence_features: list[dict[str, Any]], mini_batch_num_tokens: int | None = None) -> None:
-    """Raises ValueError unless there are >= 2 columns (anchor, positive[, negatives...]) of equal row counts, and,
-    with ``mini_batch_num_tokens``, each has tokens to count (an attention mask or flattened sequences)."""
+def check_columns(
+    sentence_features: list[dict[str, Any]], mini_batch_num_tokens: int | None = None, owner: str = "The loss"
+) -> None:
+    """Raises ValueError, naming ``owner`` (the loss class in use), unless there are >= 2 columns (anchor,
+    positive[, negatives...]) of equal row counts, and, with ``mini_batch_num_tokens``, each has tokens to count (an
+    attention mask or flattened sequences)."""
     if len(sentence_features) < 2:
         raise ValueError(
-            f"CachedMatryoshkaLoss expects at least 2 input columns (anchor, positive[, negatives...]), got "
+            f"{owner} expects at least 2 input columns (anchor, positive[, negatives...]), got "
             f"{len(sentence_features)}."
         )
     sizes = [get_batch_size(feature) for feature in sentence_features]
     if len(set(sizes)) != 1:
         raise ValueError(
-            f"Every input column must have one row per anchor, got column sizes {sizes}: drop incomplete rows "
-            "from the dataset."
+            f"{owner}: every input column must have one row per anchor, got column sizes {sizes}: drop incomplete "
+            "rows from the dataset."
         )
     if mini_batch_num_tokens is None:
         return
@@ -40,9 +43,9 @@ def check_columns(sentence_features: list[dict[str, Any]], mini_batch_num_tokens
         if "cu_seq_lens_q" not in feature and not (isinstance(mask, Tensor) and mask.ndim == 2):
             name = ("anchor", "positive")[index] if index < 2 else f"negative_{index - 1}"
             raise ValueError(
-                f"mini_batch_num_tokens={mini_batch_num_tokens} packs mini-batches by their tokens, but input column "
-                f"{index} (the {name} column) holds {column_modality(feature)} inputs without tokens to count (no "
-                f"attention mask; keys {sorted(feature)}): use mini_batch_size (rows per mini-batch) instead, e.g. "
+                f"{owner}: mini_batch_num_tokens={mini_batch_num_tokens} packs mini-batches by their tokens, but input "
+                f"column {index} (the {name} column) holds {column_modality(feature)} inputs without tokens to count "
+                f"(no attention mask; keys {sorted(feature)}): use mini_batch_size (rows per mini-batch) instead, e.g. "
                 "mini_batch_num_tokens=None, mini_batch_size=32."
             )
 
