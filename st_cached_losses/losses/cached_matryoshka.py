@@ -91,8 +91,8 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             matryoshka_dims: embedding dims to train, e.g. [768, 512, 256, 128, 64]; each in [1, embedding dim],
                 no duplicates; sorted in descending order, as in MatryoshkaLoss.
             matryoshka_weights: one weight per dim (default 1 each).
-            n_dims_per_step: if > 0, sample that many dims per step with ``random.sample``, as MatryoshkaLoss does (a
-                seed picks the same dims); -1: every dim.
+            n_dims_per_step: 1 to the number of dims: sample that many dims per step with ``random.sample``, as
+                MatryoshkaLoss does (a seed picks the same dims); -1: every dim.
             mini_batch_size: rows per embedding mini-batch (the memory knob; default the cached base loss's, else
                 32), or "auto": the largest whose activations fit ``activation_budget`` (or the free memory),
                 measured at the first training step.
@@ -129,12 +129,14 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
                 not with ``gather_across_devices``.
 
         Raises:
+            Every error names the class in use; Python and numpy integers are taken alike.
+
             TypeError: ``loss`` of an unsupported type; a ``mask_duplicates`` that is not a bool.
-            ValueError: a StaticEmbedding model; bad dims or weights; an unsupported ``similarity_fct``,
-                ``mini_batch_size``, ``mini_batch_num_tokens``, ``activation_budget``, ``fsdp_sync``,
-                ``false_negative_margin`` (also next to a GISTEmbed base loss, which has its own) or strategy; an
-                unknown ``backend`` or one that cannot run on the model's device. ``forward`` raises ValueError for
-                fewer than two columns or columns of different lengths, uneven rows across processes with
+            ValueError: a StaticEmbedding model; bad dims or weights, ``n_dims_per_step``; an unsupported
+                ``similarity_fct``, ``mini_batch_size``, ``mini_batch_num_tokens``, ``activation_budget``,
+                ``fsdp_sync``, ``false_negative_margin`` (also next to a GISTEmbed base loss, which has its own) or
+                strategy; an unknown ``backend`` or one that cannot run on the model's device. ``forward`` raises
+                ValueError for fewer than two columns or columns of different lengths, uneven rows across processes with
                 ``gather_across_devices``, FSDP1, DeepSpeed without ZeRO and ZeRO-2 with gradient accumulation;
                 with a bank, a batch of other columns or a model of another embedding dimension than it holds.
             TypeError / ValueError: a negative or non-integer ``memory_size``, ``memory_warmup_steps`` or
@@ -165,7 +167,8 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             ::
 
                 from datasets import Dataset
-                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, losses
+                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+                from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
                 from st_cached_losses import CachedMatryoshkaLoss
 
                 model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
@@ -173,7 +176,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
                     "anchor": ["It's nice weather outside today.", "He drove to work."],
                     "positive": ["It's so sunny.", "He took the car to the office."],
                 })
-                base = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
+                base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
                 loss = CachedMatryoshkaLoss(model, base, [384, 256, 128, 64, 32])
 
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)

@@ -99,8 +99,8 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             matryoshka_dims: embedding dims to train, each in [1, model embedding dim], no duplicates.
             matryoshka_weights: one weight per dim (default 1 each).
             n_layers_per_step: prior layers per step, drawn with ``random.sample`` as stock does; -1 for all.
-            n_dims_per_step: dims per layer and step, drawn as stock's MatryoshkaLoss; -1 for all (a seed draws
-                stock's layers and dims).
+            n_dims_per_step: dims per layer and step (1 to the number of dims), drawn as stock's MatryoshkaLoss; -1
+                for all (a seed draws stock's layers and dims).
             last_layer_weight: weight of the final layer's loss.
             prior_layers_weight: weight of the prior layers' losses (averaged over the drawn layers).
             kl_div_weight: weight of the KL term.
@@ -146,11 +146,17 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         Example:
             ::
 
-                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, losses
+                from datasets import Dataset
+                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+                from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
                 from st_cached_losses import CachedMatryoshka2dLoss, truncate_layers
 
                 model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
-                base = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
+                train_dataset = Dataset.from_dict({
+                    "anchor": ["It's nice weather outside today.", "He drove to work."],
+                    "positive": ["It's so sunny.", "He took the car to the office."],
+                })
+                base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
                 loss = CachedMatryoshka2dLoss(model, base, [384, 192, 96, 48], n_layers_per_step=-1)
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()

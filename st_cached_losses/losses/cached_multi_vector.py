@@ -66,11 +66,15 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         queries x documents score matrix beyond one tile, caching d loss / d token vectors, (3) the backward
         re-embeds each mini-batch with gradients (the same dropout) and back-propagates the cached gradient.
 
-        For each dim d each token vector keeps its first d coordinates, re-normalised where the model's token
-        vectors are unit length (a ``Normalize`` module after the projection, the default ``MultiVectorEncoder``)
-        and as they are otherwise; serve a truncated model with :func:`st_cached_losses.truncate_token_dim`. The
-        scoring masks are the model's own (``MultiVectorMask``: skiplist, query expansion), the columns' tasks as
-        stock stamps them (the first column "query", the others "document", unless a column carries its own).
+        For each dim d each token vector keeps its first d coordinates, re-normalised on a side (queries, documents)
+        whose route normalises its token vectors, as they are on the other: the last module on each route that
+        writes them decides (a ``Normalize`` of the token embeddings, as the default ``MultiVectorEncoder`` ends, or a
+        normalising ``HierarchicalTokenPooling``: "cosine"; a ``Dense``, merged cluster means: "dot";
+        :mod:`st_cached_losses.losses.token_vectors`). At the full dim the token vectors are scored as the model gives
+        them, stock's scores. Serve a truncated model with :func:`st_cached_losses.truncate_token_dim` (the same
+        rule). The scoring masks are the model's own (``MultiVectorMask``: skiplist, query expansion), the columns'
+        tasks as stock stamps them (the first column "query", the others "document", unless a column carries its
+        own).
 
         ``forward`` returns ``{"loss_dim_<d>": weight_d * loss_d}`` (dims descending, 0 for dims not sampled this
         step): the trainer logs each entry and back-propagates their sum, the loss.
@@ -84,8 +88,8 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
                 ``mini_batch_num_tokens`` when not given here.
             matryoshka_dims: token dims to train, e.g. [128, 96, 64, 32]; each in [1, token dim], no duplicates.
             matryoshka_weights: one weight per dim (default 1 each).
-            n_dims_per_step: if > 0, sample that many dims per step with ``random.sample``, as MatryoshkaLoss does;
-                -1: every dim.
+            n_dims_per_step: 1 to the number of dims: sample that many dims per step with ``random.sample``, as
+                MatryoshkaLoss does; -1: every dim.
             mini_batch_size: rows per embedding mini-batch, or "auto" (the largest whose activations fit
                 ``activation_budget``, measured at the first training step); None: the base loss's (above), else 32.
             mini_batch_num_tokens: pack mini-batches by non-padding tokens instead.
@@ -105,10 +109,15 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
                 :class:`CachedMatryoshkaLoss` for negatives beyond the batch.
 
         Raises:
+            Every error names the class in use; Python and numpy integers are taken alike.
+
             TypeError: ``model`` that is no MultiVectorEncoder, ``loss`` of another type, a non-bool
                 ``mask_duplicates``.
             ValueError: a ``similarity_fct`` other than colbert_scores / mean_colbert_scores (XTR scores only the
-                top-k retrieved tokens, not a MaxSim over every token), bad dims or weights, ``mini_batch_size``,
+                top-k retrieved tokens, not a MaxSim over every token); a model whose routes end in token vectors of
+                different dims, or whose similarity on a side cannot be decided (a module of unknown effect after the
+                last one known to write the token vectors); bad dims or weights, ``n_dims_per_step``,
+                ``mini_batch_size``,
                 ``mini_batch_num_tokens``, ``activation_budget``, ``fsdp_sync``, an unknown ``backend``, and the
                 refused options; ``forward``: fewer than two columns or columns of different lengths, uneven rows
                 across processes with ``gather_across_devices``.
@@ -131,17 +140,23 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         Example:
             ::
 
+                from datasets import Dataset
                 from sentence_transformers import MultiVectorEncoder, MultiVectorEncoderTrainer
                 from sentence_transformers.multi_vector_encoder.losses import (
                     CachedMultiVectorMultipleNegativesRankingLoss,
                 )
-                from st_cached_losses import CachedMultiVectorMatryoshkaLoss
+                from st_cached_losses import CachedMultiVectorMatryoshkaLoss, truncate_token_dim
 
-                model = MultiVectorEncoder("answerdotai/ModernBERT-base")
+                model = MultiVectorEncoder("answerdotai/ModernBERT-base")  # 128-dim token vectors
+                train_dataset = Dataset.from_dict({
+                    "query": ["What is the weather like today?", "How did he get to work?"],
+                    "positive": ["It's so sunny outside.", "He took the car to the office."],
+                })
                 base = CachedMultiVectorMultipleNegativesRankingLoss(model, mini_batch_size=32)
                 loss = CachedMultiVectorMatryoshkaLoss(model, base, [128, 96, 64, 32])
                 trainer = MultiVectorEncoderTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
+                small = truncate_token_dim(model, 64)  # 64-dim token vectors, as the loss trained them
         """
         owner = type(self).__name__
         with naming_errors(owner):
