@@ -25,7 +25,8 @@ from ..gradcache.memory_inputs import step_inputs
 from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
 from ..gradcache.step import Step, require_step
-from ..ops import check_backend, matryoshka_infonce
+from ..ops import matryoshka_infonce
+from ..ops.backend import check_backend
 from . import base_losses, card, citations
 from .base_losses import check_base_loss, check_self_guided_filter, guide_model, mini_batch_defaults
 from .cached_loss import CachedLossBase, integer, naming_errors
@@ -337,6 +338,6 @@ def _check_model(model: Any, backend: str, owner: str) -> None:
         )
     device = getattr(model, "device", None)
     if device is not None:
-        check_backend(backend, device)
+        check_backend(backend, device, op="matryoshka_infonce")
     elif backend != "triton":  # the name alone; the first step runs "triton" where the embeddings are, or raises
-        check_backend(backend, "cpu")
+        check_backend(backend, "cpu", op="matryoshka_infonce")

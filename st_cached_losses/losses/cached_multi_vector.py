@@ -21,7 +21,7 @@ from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
 from ..gradcache.step import Encoded, Step, require_step
 from ..ops import maxsim_infonce
-from ..ops.maxsim.op import BACKENDS
+from ..ops.backend import check_backend
 from . import card, citations
 from .base_losses import check_multi_vector_base_loss, length_normalize, mini_batch_defaults
 from .cached_loss import CachedLossBase, naming_errors
@@ -94,7 +94,8 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
                 ``activation_budget``, measured at the first training step); None: the base loss's (above), else 32.
             mini_batch_num_tokens: pack mini-batches by non-padding tokens instead.
             sort_by_length: cut each column into mini-batches in length order (restored for the loss).
-            backend: the op's backend: "auto", "chunked" or "dense".
+            backend: the op's backend: "auto" or a name of ``st_cached_losses.ops.backend.backends("maxsim_infonce")``
+                ("chunked", "dense").
             show_progress_bar: a progress bar over the embedding mini-batches.
             false_negative_margin, false_negative_strategy: refused (None and "absolute" only): the MaxSim op has no
                 false-negative filter.
@@ -287,7 +288,5 @@ def _check_model(model: Any, backend: str, owner: str) -> None:
             f"{owner} needs a MultiVectorEncoder, got {type(model).__name__}: for a SentenceTransformer use "
             "CachedMatryoshkaLoss."
         )
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"backend must be one of {BACKENDS} (maxsim_infonce has no Triton kernels yet), got {backend!r}."
-        )
+    device = getattr(model, "device", None)
+    check_backend(backend, "cpu" if device is None else device, op="maxsim_infonce")
