@@ -7,6 +7,7 @@ emit the first ``d`` coordinates of each token vector, which is what
 from __future__ import annotations
 
 import copy
+import numbers
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,18 +72,22 @@ def num_layers(model: SentenceTransformer) -> int:
 
 
 def truncate_token_dim(model: MultiVectorEncoder, dim: int) -> MultiVectorEncoder:
-    """A copy of ``model`` whose token vectors are the first ``dim`` coordinates of the model's, re-normalised where
-    the model normalises its token vectors (as :class:`~st_cached_losses.CachedMultiVectorMatryoshkaLoss` trains
-    token dim ``dim``); ``model`` is left as is. ``encode``, ``encode_query`` / ``encode_document`` and the
+    """A copy of ``model`` whose token vectors are the first ``dim`` coordinates of the model's, re-normalised on each
+    side (queries, documents) whose route normalises its token vectors, as is on the other
+    (:mod:`st_cached_losses.losses.token_vectors`: the rule :class:`~st_cached_losses.CachedMultiVectorMatryoshkaLoss`
+    trains token dim ``dim`` by); ``model`` is left as is. ``encode``, ``encode_query`` / ``encode_document`` and the
     multi-vector evaluators then serve ``dim``-dim tokens.
 
-    The copy appends sentence-transformers' own modules: a ``Dense`` that keeps the first ``dim`` coordinates (the
-    first rows of an identity matrix, no bias) and, for a normalising model, a ``Normalize`` of the token vectors; it
-    saves and loads as any MultiVectorEncoder, without this package.
+    The copy appends sentence-transformers' own modules after the model's last: a ``Dense`` that keeps the first
+    ``dim`` coordinates (the first rows of an identity matrix, no bias) and, where both sides normalise, a
+    ``Normalize`` of the token vectors; where one side does, a ``HierarchicalTokenPooling(pool_factor=1,
+    normalize_embeddings=True, tasks=[that side's task])``, which normalises that task's token vectors and merges
+    none. At the model's own token dim nothing is appended (a copy that serves what the model serves). It saves and
+    loads as any MultiVectorEncoder, without this package.
 
     Args:
         model: a MultiVectorEncoder (its ``get_embedding_dimension()``: the token dim).
-        dim: the token dim to keep, in [1, the model's token dim].
+        dim: the token dim to keep, in [1, the model's token dim] (a Python or numpy integer).
 
     Returns:
         A new MultiVectorEncoder (``model`` is untouched) whose token vectors are (tokens, dim), in the model's dtype
@@ -90,34 +95,37 @@ def truncate_token_dim(model: MultiVectorEncoder, dim: int) -> MultiVectorEncode
 
     Raises:
         TypeError: ``model`` is no MultiVectorEncoder.
-        ValueError: ``dim`` not an int in [1, the model's token dim], or a model that does not say its token dim.
+        ValueError: ``dim`` not an int in [1, the model's token dim], a model that does not say its token dim, or
+            one whose sides' similarity or token dims the rule cannot decide (the reason in the message).
     """
     from sentence_transformers.base.modules import Dense, Normalize
     from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
+    from sentence_transformers.multi_vector_encoder.modules import HierarchicalTokenPooling
+
+    from .losses.token_vectors import SIDES, token_routes
 
     if not isinstance(model, MultiVectorEncoder):
         raise TypeError(f"truncate_token_dim needs a MultiVectorEncoder, got {type(model).__name__}.")
-    full = model.get_embedding_dimension()
+    routes = token_routes(model, "truncate_token_dim")
+    full = routes.dim if routes.dim is not None else model.get_embedding_dimension()
     if full is None:
         raise ValueError("truncate_token_dim needs a model that says its token dim (get_embedding_dimension()).")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= full:
+    if isinstance(dim, numbers.Integral) and not isinstance(dim, bool):
+        dim = int(dim)
+    if not isinstance(dim, int) or isinstance(dim, bool) or not 1 <= dim <= full:
         raise ValueError(f"dim must be an int in [1, {full}] (the model's token dim), got {dim!r}.")
-    normalizes = normalizes_token_vectors(model)
+    truncated = copy.deepcopy(model)
+    if dim == full:
+        return truncated
     keep = Dense(full, dim, bias=False, activation_function=nn.Identity(), module_input_name="token_embeddings")
     with torch.no_grad():
         keep.linear.weight.copy_(torch.eye(full)[:dim])
-    truncated = copy.deepcopy(model)
-    truncated.append(keep.to(device=model.device, dtype=model.dtype))
-    if normalizes:
-        truncated.append(Normalize(module_input_name="token_embeddings"))
+    appended = [keep]
+    cosine = [task for task, route in zip(SIDES, (routes.query, routes.document)) if route.similarity == "cosine"]
+    if len(cosine) == len(SIDES):
+        appended.append(Normalize(module_input_name="token_embeddings"))
+    elif cosine:
+        appended.append(HierarchicalTokenPooling(1.0, num_protected_tokens=0, normalize_embeddings=True, tasks=cosine))
+    for module in appended:
+        truncated.append(module.to(device=model.device, dtype=model.dtype))
     return truncated
-
-
-def normalizes_token_vectors(model: nn.Module) -> bool:
-    """Whether a ``Normalize`` module anywhere in ``model`` (a Router's routes included) normalises its token vectors:
-    then the loss takes the cosine of prefixes and ``truncate_token_dim`` re-normalises them (one rule for both)."""
-    from sentence_transformers.base.modules.normalize import Normalize
-
-    return any(
-        isinstance(module, Normalize) and module.module_output_name == "token_embeddings" for module in model.modules()
-    )

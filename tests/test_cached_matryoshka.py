@@ -20,7 +20,7 @@ from st_cached_losses import CachedMatryoshkaLoss
 from st_cached_losses.gradcache import steps as gradcache_steps
 from st_cached_losses.gradcache.minibatches import length_order as _length_order
 from st_cached_losses.losses import cached_matryoshka
-from st_cached_losses.testing import tiny_decoder_sentence_transformer
+from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
 from tests.helpers import (
     ALL_DIRECTIONS,
     DIMS,
@@ -29,6 +29,7 @@ from tests.helpers import (
     loss_and_grads,
     parameter_grads,
     text_features,
+    texts,
 )
 
 # Also run against the oldest supported sentence-transformers (.ci/run: python -m pytest -m oldest_st).
@@ -335,6 +336,46 @@ def test_left_padded_decoder_matches_stock(decoder_model, config, sort_by_length
     )
     stock_loss, stock_grads = loss_and_grads(decoder_model, stock, features)
     loss, grads = loss_and_grads(decoder_model, ours, features)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    assert_grads_close(grads, stock_grads)
+
+
+def test_a_left_padded_bert_keeps_its_padding_and_stock_s_loss():
+    """BERT's positions are absolute, counted from the first column: trimming a mini-batch's leading padding would
+    shift them. Its mini-batches keep the column's width, as stock's, and the loss and every gradient are stock's."""
+    model = tiny_sentence_transformer(seed=11)
+    model.tokenizer.padding_side = "left"
+    features = text_features(model, rows=10, negatives=1, seed=37)
+    assert bool((features[0]["attention_mask"][:, 0] == 0).any())  # left padding
+    ours = CachedMatryoshkaLoss(model, MultipleNegativesRankingLoss(model), DIMS, WEIGHTS, mini_batch_size=3)
+    stock = MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), DIMS, WEIGHTS)
+    stock_loss, stock_grads = loss_and_grads(model, stock, features)
+    loss, grads = loss_and_grads(model, ours, features)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    assert_grads_close(grads, stock_grads)
+    widths = {width for _, width in _embedded_shapes(model, ours, features[:2])}
+    assert widths == {features[0]["attention_mask"].shape[1], features[1]["attention_mask"].shape[1]}
+
+
+def test_position_ids_in_the_features_let_leading_padding_go(tiny_model):
+    """Positions given in the features are trimmed with the tokens: the leading padding goes, stock's loss and
+    gradients stay."""
+    tokenizer = tiny_model.tokenizer
+    features = [tiny_model.preprocess(texts(8, seed)) for seed in (3, 4)]
+    for feature in features:
+        mask = feature["attention_mask"]
+        flipped = {key: value.flip(1) for key, value in feature.items() if isinstance(value, torch.Tensor)}
+        flipped["position_ids"] = (mask.flip(1).cumsum(1) - 1).clamp(min=0)
+        feature.update(flipped)
+    assert tokenizer.padding_side == "right" and bool((features[0]["attention_mask"][:, 0] == 0).any())
+    ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS, mini_batch_size=4)
+    shapes = _embedded_shapes(tiny_model, ours, features)
+    for column, feature in zip((shapes[:2], shapes[2:4]), features):
+        lengths = feature["attention_mask"].sum(dim=1).sort(descending=True).values
+        assert [width for _, width in column] == [int(lengths[i]) for i in range(0, 8, 4)]
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS)
+    stock_loss, stock_grads = loss_and_grads(tiny_model, stock, features)
+    loss, grads = loss_and_grads(tiny_model, ours, features)
     assert loss == pytest.approx(stock_loss, rel=1e-4)
     assert_grads_close(grads, stock_grads)
 

@@ -1,7 +1,8 @@
 """``mask_duplicates`` in the losses: CachedMatryoshkaLoss against the loss written from the rule
 (tests/duplicates_reference.py) on a tiny model's embeddings (loss and every parameter gradient, texts told apart by
 their strings), with a GISTEmbed guide and the self-guided filter, without duplicates against stock, the 2D losses,
-the text ids, 2 gloo processes with duplicates on the other process, and the bad input."""
+the multi-vector loss against the rule's MaxSim loss, the text ids, 2 gloo processes with duplicates on the other
+process, and the bad input."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
 from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
     CachedMultipleNegativesRankingLoss,
@@ -20,9 +22,18 @@ from sentence_transformers.sentence_transformer.losses import (
     MultipleNegativesRankingLoss,
 )
 
-from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss, CachedMatryoshkaLoss
+from st_cached_losses import (
+    CachedAdaptiveLayerLoss,
+    CachedMatryoshka2dLoss,
+    CachedMatryoshkaLoss,
+    CachedMultiVectorMatryoshkaLoss,
+)
 from st_cached_losses.gradcache.text_ids import text_ids
-from st_cached_losses.testing import tiny_decoder_sentence_transformer, tiny_sentence_transformer
+from st_cached_losses.testing import (
+    tiny_decoder_sentence_transformer,
+    tiny_multi_vector_encoder,
+    tiny_sentence_transformer,
+)
 from tests import duplicates_reference as reference
 from tests.distributed_helpers import WORLD_SIZE, child_setup, init_process_group, spawn
 from tests.helpers import ALL_DIRECTIONS, assert_grads_close, loss_and_grads, parameter_grads, texts
@@ -196,6 +207,62 @@ def test_2d_losses(model):
             > 1e-3
         )
         assert masked.masked_share > 0
+
+
+# ------------------------------------------------------------------------------------------ late interaction
+
+
+def _maxsim_reference_loss_and_grads(model, columns, dims, weights, scale):
+    """The multi-vector loss written from its definition on the model's token vectors (one forward with gradients
+    per column, each with its task): per dim each token's prefix re-normalised (the tiny model's routes normalise),
+    MaxSim over the scored tokens (the model's own masks), the candidates the rule removes (query_to_doc) left out
+    of each row's softmax, InfoNCE; and its parameter gradients."""
+    model.zero_grad(set_to_none=True)
+    outputs = [
+        model(model.preprocess(column, task=task), task=task)
+        for column, task in zip(columns, ["query"] + ["document"] * (len(columns) - 1))
+    ]
+    (queries, query_mask), *docs = [(out["token_embeddings"], out["attention_mask"].bool()) for out in outputs]
+    width = max(tokens.shape[1] for tokens, _ in docs)
+    documents = torch.cat([torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[1])) for t, _ in docs])
+    document_mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for _, m in docs])
+    anchor_ids, doc_ids = _ids(columns)
+    removed = reference.masks(anchor_ids, doc_ids, len(anchor_ids), 0, ("query_to_doc",))[0]["query_to_doc"]
+    rows = torch.arange(len(anchor_ids))
+    total = 0.0
+    for dim, weight in zip(dims, weights):
+        q = torch.nn.functional.normalize(queries[..., :dim], dim=-1)
+        c = torch.nn.functional.normalize(documents[..., :dim], dim=-1)
+        tokens = torch.einsum("itd,jud->ijtu", q, c).masked_fill(~document_mask[None, :, None, :], -torch.inf)
+        scores = (tokens.max(dim=-1).values * query_mask[:, None, :]).sum(dim=-1)
+        logits = (scale * scores).masked_fill(removed, -torch.inf)
+        total = total + weight * (torch.logsumexp(logits, dim=1) - logits[rows, rows]).mean()
+    total.backward()
+    grads = parameter_grads(model)
+    model.zero_grad(set_to_none=True)
+    return float(total.detach()), grads
+
+
+@pytest.mark.parametrize("negatives", [0, 1], ids=["pairs", "hard_negatives"])
+def test_the_multi_vector_loss_matches_the_rule(negatives):
+    """CachedMultiVectorMatryoshkaLoss(mask_duplicates=True) against the rule's MaxSim loss, at two token dims: the
+    loss and every gradient; the mask changes the loss (duplicates present) and its share is reported."""
+    multi_vector = tiny_multi_vector_encoder(token_dim=32, seed=6)
+    columns = _columns(negatives)
+    dims, weights, scale = [32, 8], [1.0, 0.5], 5.0
+    base = CachedMultiVectorMultipleNegativesRankingLoss(multi_vector, scale=scale, mini_batch_size=4)
+    ours = CachedMultiVectorMatryoshkaLoss(multi_vector, base, dims, weights, mini_batch_size=4, mask_duplicates=True)
+    features = [
+        multi_vector.preprocess(column, task="query" if index == 0 else "document")
+        for index, column in enumerate(columns)
+    ]
+    loss, grads = loss_and_grads(multi_vector, ours, features)
+    want, want_grads = _maxsim_reference_loss_and_grads(multi_vector, columns, dims, weights, scale)
+    assert loss == pytest.approx(want, rel=1e-4)
+    assert_grads_close(grads, want_grads)
+    assert 0 < ours.masked_share < 1
+    plain = CachedMultiVectorMatryoshkaLoss(multi_vector, base, dims, weights, mini_batch_size=4)
+    assert abs(loss_and_grads(multi_vector, plain, features)[0] - loss) > 1e-3
 
 
 # ------------------------------------------------------------------------------------------ the text ids

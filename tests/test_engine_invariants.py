@@ -3,7 +3,7 @@ pin the invariants of its engine: RNG replay, per-forward cache isolation, ``gra
 ``no_grad`` and autocast, the unused-column error, token-budget boundaries, the features' mask left as it was, the hook
 state released with the loss, and the ``uses_gradient_cache`` capability. The project's losses run steps (1) and (2)
 themselves and sentence-transformers' step (3) (docs/design.md: where the engine differs and why): each invariant is
-checked here on each of them."""
+checked here on every loss the package exports (tests/every_loss.py: one without a builder there fails)."""
 
 from __future__ import annotations
 
@@ -12,36 +12,34 @@ import weakref
 
 import pytest
 import torch
+from sentence_transformers.base.modules import Dense
 from sentence_transformers.sentence_transformer.losses import (
     AdaptiveLayerLoss,
     MatryoshkaLoss,
     MultipleNegativesRankingLoss,
 )
-from sentence_transformers.sentence_transformer.modules import Dense
 from torch import Tensor
 
-from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss, CachedMatryoshkaLoss
+from st_cached_losses import CachedMatryoshkaLoss
 from st_cached_losses.gradcache.steps import GradCacheSteps
 from st_cached_losses.testing import tiny_sentence_transformer
+from tests.every_loss import LossCase, Models, case, exported_losses, tiny_model
 from tests.helpers import assert_grads_close, loss_and_grads, texts
 
 DIMS = [48, 16]
-LOSSES = {
-    "matryoshka": lambda m, **kw: CachedMatryoshkaLoss(m, MultipleNegativesRankingLoss(m), DIMS, **kw),
-    "2d": lambda m, **kw: CachedMatryoshka2dLoss(
-        m, MultipleNegativesRankingLoss(m), DIMS, n_layers_per_step=-1, n_dims_per_step=-1, **kw
-    ),
-    "adaptive": lambda m, **kw: CachedAdaptiveLayerLoss(m, MultipleNegativesRankingLoss(m), -1, **kw),
-}
+LOSSES = exported_losses()  # every loss the package exports: one without a builder in tests/every_loss.py fails
 MINI_BATCHING = {"rows": {"mini_batch_size": 2}, "tokens": {"mini_batch_num_tokens": 16}}
 
 
 @pytest.fixture(scope="module")
-def model():
-    """A tiny BERT with dropout on (so replays are not vacuous)."""
-    model = tiny_sentence_transformer(num_layers=2, dropout=0.1, seed=5)
-    model.train()
-    return model
+def models():
+    """Tiny models with dropout on (so replays are not vacuous), in training mode, one per family."""
+    return Models(dropout=0.1, seed=5)
+
+
+def _setup(name: str, models: Models) -> tuple[LossCase, torch.nn.Module]:
+    loss_case = case(name)
+    return loss_case, models[loss_case.family]
 
 
 def _features(model, rows: int = 6, seed: int = 0) -> list[dict]:
@@ -65,11 +63,12 @@ def _spy(loss) -> list[list[Tensor]]:
 
 @pytest.mark.parametrize("minibatching", MINI_BATCHING.values(), ids=MINI_BATCHING.keys())
 @pytest.mark.parametrize("name", LOSSES)
-def test_the_backward_replays_every_mini_batch_bitwise(model, name, minibatching):
+def test_the_backward_replays_every_mini_batch_bitwise(models, name, minibatching):
     """Step (3) re-embeds exactly what step (1) embedded, dropout included, with the same (uneven) boundaries."""
-    loss_fn = LOSSES[name](model, **minibatching)
+    loss_case, model = _setup(name, models)
+    loss_fn = loss_case.build(model, **minibatching)
     forward, backward = _spy(loss_fn)
-    total = sum(loss_fn(_features(model), None).values())
+    total = sum(loss_fn(loss_case.features(model), None).values())
     total.backward()
     assert len(forward) == len(backward) > 2
     for index, (first, again) in enumerate(zip(forward, backward)):
@@ -78,13 +77,14 @@ def test_the_backward_replays_every_mini_batch_bitwise(model, name, minibatching
 
 @pytest.mark.parametrize("minibatching", MINI_BATCHING.values(), ids=MINI_BATCHING.keys())
 @pytest.mark.parametrize("name", LOSSES)
-def test_two_forwards_before_one_backward_equal_two_loss_objects(model, name, minibatching):
+def test_two_forwards_before_one_backward_equal_two_loss_objects(models, name, minibatching):
     """Each forward hands its own cache and boundaries to its own backward hook."""
-    first, second = _features(model, 4, seed=1), _features(model, 5, seed=7)
+    loss_case, model = _setup(name, models)
+    first, second = loss_case.features(model, 4, seed=1), loss_case.features(model, 5, seed=7)
 
     def grads(shared: bool) -> dict[str, Tensor]:
-        one = LOSSES[name](model, **minibatching)
-        two = one if shared else LOSSES[name](model, **minibatching)
+        one = loss_case.build(model, **minibatching)
+        two = one if shared else loss_case.build(model, **minibatching)
         model.zero_grad(set_to_none=True)
         torch.manual_seed(0)
         total = sum(one(first, None).values()) + sum(two(second, None).values())
@@ -95,41 +95,53 @@ def test_two_forwards_before_one_backward_equal_two_loss_objects(model, name, mi
 
 
 @pytest.mark.parametrize("name", LOSSES)
-def test_scaling_the_loss_scales_every_gradient(model, name):
+def test_scaling_the_loss_scales_every_gradient(models, name):
     """``grad_output`` (gradient accumulation's division, the fp16 loss scale) reaches every mini-batch."""
-    features = _features(model)
+    loss_case, model = _setup(name, models)
+    features = loss_case.features(model)
     torch.manual_seed(0)
-    _, whole = loss_and_grads(model, LOSSES[name](model, mini_batch_size=2), features)
+    _, whole = loss_and_grads(model, loss_case.build(model, mini_batch_size=2), features)
     torch.manual_seed(0)
-    _, quarter = loss_and_grads(model, LOSSES[name](model, mini_batch_size=2), features, grad_scale=0.25)
+    _, quarter = loss_and_grads(model, loss_case.build(model, mini_batch_size=2), features, grad_scale=0.25)
     assert_grads_close(quarter, {key: grad / 4 for key, grad in whole.items()})
 
 
+@pytest.fixture(scope="module")
+def quiet_models():
+    """Tiny models with dropout off, one per family."""
+    return Models(dropout=0.0, seed=6)
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train_mode", "eval_mode"])
-def test_the_loss_under_no_grad_is_stocks(tiny_model, training):
+@pytest.mark.parametrize("name", LOSSES)
+def test_the_loss_under_no_grad_is_stocks(quiet_models, name, training):
     """The trainer's evaluation loss: computed under ``no_grad`` in either mode, stock's value (dropout off)."""
-    features = _features(tiny_model)
-    tiny_model.train(training)
+    loss_case, model = _setup(name, quiet_models)
+    features = loss_case.features(model, columns=3)
+    model.train(training)
     try:
         with torch.no_grad():
-            ours = sum(LOSSES["matryoshka"](tiny_model, mini_batch_size=2)(features, None).values())
-            stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), DIMS)(features, None)
+            ours = sum(loss_case.build(model, mini_batch_size=2)(features, None).values())
+            stock = loss_case.stock(model)(features, None)
     finally:
-        tiny_model.train()
+        model.train()
     assert float(ours) == pytest.approx(float(stock), rel=1e-4)
 
 
 @pytest.mark.parametrize("name", LOSSES)
 def test_bf16_autocast_embeddings_train(name):
     """Under autocast the cached gradients are bf16 while step (3)'s re-embedding is not: the surrogate bridges them.
-    A final Dense module makes the embeddings bf16 (a LayerNorm-final model would leave autocast in fp32)."""
-    model = tiny_sentence_transformer(num_layers=2, seed=6)
-    model.append(Dense(48, 48, activation_function=torch.nn.Tanh()))
-    loss_fn = LOSSES[name](model, mini_batch_size=2)
+    A final Dense module makes the embeddings (token vectors) bf16 (a LayerNorm-final model would leave autocast in
+    fp32)."""
+    loss_case = case(name)
+    model = tiny_model(loss_case.family, seed=6)
+    key = "token_embeddings" if loss_case.family == "multi_vector" else "sentence_embedding"
+    model.append(Dense(48, 48, activation_function=torch.nn.Tanh(), module_input_name=key))
+    loss_fn = loss_case.build(model, mini_batch_size=2)
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        features = _features(model)
-        assert model(dict(features[0]))["sentence_embedding"].dtype == torch.bfloat16, "the premise: bf16 embeddings"
+        features = loss_case.features(model)
+        assert loss_case.embeddings(model, features[0]).dtype == torch.bfloat16, "the premise: bf16 embeddings"
         total = sum(loss_fn(features, None).values())
     assert torch.isfinite(total)
     total.backward()
@@ -139,13 +151,14 @@ def test_bf16_autocast_embeddings_train(name):
 
 
 @pytest.mark.parametrize("name", LOSSES)
-def test_adaptive_layer_loss_sees_a_gradient_cached_loss(model, name):
+def test_adaptive_layer_loss_sees_a_gradient_cached_loss(models, name):
     """``uses_gradient_cache``: stock's AdaptiveLayerLoss warns that it cannot wrap a gradient-cached loss."""
+    loss_case, model = _setup(name, models)
     with pytest.warns(UserWarning, match="AdaptiveLayerLoss is not compatible"):
-        AdaptiveLayerLoss(model, LOSSES[name](model))
+        AdaptiveLayerLoss(model, loss_case.build(model))
 
 
-def test_an_unused_column_is_named_at_forward_time(model):
+def test_an_unused_column_is_named_at_forward_time(models):
     """A ``calculate_loss`` that ignores a column: a pointed error in the forward, not a crash in the backward."""
 
     class FirstColumnOnly(GradCacheSteps):
@@ -156,6 +169,7 @@ def test_an_unused_column_is_named_at_forward_time(model):
                 loss = loss.detach()
             return loss
 
+    model = models["dense"]
     loss_fn = FirstColumnOnly(
         model,
         mini_batch_size=2,
@@ -187,7 +201,7 @@ def test_prompt_exclusion_replays_and_leaves_the_mask_as_it_was(minibatching):
 
     batch = features()
     pristine = batch[0]["attention_mask"].clone()
-    loss_fn = LOSSES["matryoshka"](model, **minibatching)
+    loss_fn = CachedMatryoshkaLoss(model, MultipleNegativesRankingLoss(model), DIMS, **minibatching)
     forward, backward = _spy(loss_fn)
     loss, grads = loss_and_grads(model, loss_fn, batch)
     assert torch.equal(batch[0]["attention_mask"], pristine)
@@ -200,11 +214,12 @@ def test_prompt_exclusion_replays_and_leaves_the_mask_as_it_was(minibatching):
 
 
 @pytest.mark.parametrize("name", LOSSES)
-def test_dropping_the_loss_releases_the_hook_state(model, name):
+def test_dropping_the_loss_releases_the_hook_state(models, name):
     """The backward hook holds the forward's features and cache until the loss tensor is dropped, then lets go."""
-    features = _features(model, 4)
+    loss_case, model = _setup(name, models)
+    features = loss_case.features(model, 4)
     refs = [weakref.ref(value) for column in features for value in column.values() if isinstance(value, Tensor)]
-    total = sum(LOSSES[name](model, mini_batch_size=3)(features, None).values())
+    total = sum(loss_case.build(model, mini_batch_size=3)(features, None).values())
     total.backward()
     del features
     gc.collect()

@@ -1,46 +1,67 @@
-"""The losses' contract with sentence-transformers and their users: stock's positional parameters and the rest
-keyword-only; the mixin's hooks called as its engine calls them (a keyword-only wrapper of ``embed_minibatch`` works);
-one forward's state travels in its step, never on the loss; every GradCache option on every cached loss, or a clear
-refusal."""
+"""The losses' contract with sentence-transformers and their users, on every loss the package exports
+(tests/every_loss.py: one without a builder there fails): stock's positional parameters and the rest keyword-only;
+the mixin's hooks called as its engine calls them (a keyword-only wrapper of ``embed_minibatch`` works); one forward's
+state travels in its step, never on the loss; every GradCache option taken or refused with a reason that names it;
+bad options refused when the loss is built, the error naming the class in use; numpy integers taken as ints."""
 
 from __future__ import annotations
 
 import inspect
+import random
 
+import numpy as np
 import pytest
 import torch
 from sentence_transformers.sentence_transformer.losses import (
     AdaptiveLayerLoss,
     Matryoshka2dLoss,
-    MatryoshkaLoss,
     MultipleNegativesRankingLoss,
 )
 
-from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss, CachedMatryoshkaLoss
+import st_cached_losses
+from st_cached_losses import CachedMatryoshkaLoss
+from st_cached_losses.losses.refusals import refusals
 from st_cached_losses.testing import tiny_sentence_transformer
+from tests.every_loss import Models, case, exported_losses
 from tests.helpers import assert_grads_close, loss_and_grads, text_features
 
-PAIRS = [  # (ours, stock): ours' positional parameters are stock's
-    (CachedMatryoshkaLoss, MatryoshkaLoss),
-    (CachedMatryoshka2dLoss, Matryoshka2dLoss),
-    (CachedAdaptiveLayerLoss, AdaptiveLayerLoss),
-]
-LOSSES = {
-    "matryoshka": lambda m: CachedMatryoshkaLoss(m, MultipleNegativesRankingLoss(m), [48, 16], mini_batch_size=3),
-    "2d": lambda m: CachedMatryoshka2dLoss(
-        m, MultipleNegativesRankingLoss(m), [48, 16], n_layers_per_step=-1, n_dims_per_step=-1, mini_batch_size=3
-    ),
-    "adaptive": lambda m: CachedAdaptiveLayerLoss(m, MultipleNegativesRankingLoss(m), -1, mini_batch_size=3),
+LOSSES = exported_losses()
+# A value other than the default for each of CachedMatryoshkaLoss's options, and what it needs beside it.
+TAKEN = {
+    "mini_batch_size": 2,
+    "mini_batch_num_tokens": 64,
+    "sort_by_length": False,
+    "backend": "chunked",
+    "show_progress_bar": True,
+    "false_negative_margin": 0.1,
+    "false_negative_strategy": "relative",
+    "activation_budget": 2**30,
+    "fsdp_sync": "per_step",
+    "mask_duplicates": True,
+    "memory_size": 8,
+    "memory_warmup_steps": 1,
+    "memory_max_age": 3,
+    "dual_memory": True,
+}
+NEEDS = {
+    "memory_warmup_steps": {"memory_size": 8},
+    "memory_max_age": {"memory_size": 8},
+    "dual_memory": {"memory_size": 8},
 }
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_sentence_transformer(num_layers=2, dropout=0.1, seed=3)
+def models():
+    return Models(dropout=0.1, seed=3)
 
 
-def _features(model):
-    return text_features(model, rows=7, negatives=1, seed=1)
+@pytest.fixture(scope="module")
+def model(models):
+    return models["dense"]
+
+
+def _features(loss_case, model):
+    return loss_case.features(model, rows=7, columns=3, seed=1)
 
 
 def _step(model, loss_fn, features, seed=0):
@@ -49,8 +70,19 @@ def _step(model, loss_fn, features, seed=0):
     return loss_and_grads(model, loss_fn, features)
 
 
-@pytest.mark.parametrize(("ours", "stock"), PAIRS, ids=[ours.__name__ for ours, _ in PAIRS])
-def test_positional_parameters_are_stocks_and_the_rest_keyword_only(ours, stock):
+def _options() -> list[str]:
+    """CachedMatryoshkaLoss's keyword-only options: every cached loss's."""
+    parameters = inspect.signature(CachedMatryoshkaLoss.__init__).parameters.values()
+    return [p.name for p in parameters if p.kind is p.KEYWORD_ONLY]
+
+
+def test_every_option_has_a_value_to_try():
+    assert sorted(TAKEN) == sorted(_options())
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_positional_parameters_are_stocks_and_the_rest_keyword_only(name):
+    ours, stock = getattr(st_cached_losses, name), case(name).positional
     theirs = list(inspect.signature(stock.__init__).parameters.values())[1:]
     mine = list(inspect.signature(ours.__init__).parameters.values())[1:]
     positional = [p for p in mine if p.kind is p.POSITIONAL_OR_KEYWORD]
@@ -58,30 +90,34 @@ def test_positional_parameters_are_stocks_and_the_rest_keyword_only(ours, stock)
     assert all(p.kind is p.KEYWORD_ONLY for p in mine[len(positional) :])
 
 
+@pytest.mark.parametrize("option", _options())
 @pytest.mark.parametrize("name", LOSSES)
-def test_every_gradcache_option_is_taken_or_refused_with_a_reason(model, name):
-    """The options of CachedMatryoshkaLoss's constructor are every cached loss's."""
-    options = set(inspect.signature(CachedMatryoshkaLoss.__init__).parameters) - {"self", "model", "loss"}
-    options -= {"matryoshka_dims", "matryoshka_weights", "n_dims_per_step"}
-    assert options <= set(inspect.signature(type(LOSSES[name](model)).__init__).parameters)
-    if name != "matryoshka":
-        with pytest.raises(ValueError, match=r"does not take false_negative_margin.*CachedMatryoshkaLoss"):
-            type(LOSSES[name](model))(
-                model, MultipleNegativesRankingLoss(model), **_dims(name), false_negative_margin=0.1
-            )
-
-
-def _dims(name):
-    return {} if name == "adaptive" else {"matryoshka_dims": [48, 16]}
+def test_every_gradcache_option_is_taken_or_refused_with_a_reason(models, name, option):
+    """Each option of CachedMatryoshkaLoss's constructor is every cached loss's: set to another value than its
+    default, the loss takes it, or refuses it (:mod:`st_cached_losses.losses.refusals`) in a ValueError naming the
+    loss, the option and the loss to use instead."""
+    loss_case = case(name)
+    model = models[loss_case.family]
+    assert option in inspect.signature(getattr(st_cached_losses, name).__init__).parameters
+    options = {**NEEDS.get(option, {}), option: TAKEN[option]}
+    refused = [refusal for refusal in refusals(name) if option in refusal.off]
+    if not refused:
+        loss = loss_case.build(model, **options)
+        assert loss.get_config_dict().get(option, getattr(loss, option, None)) == TAKEN[option]
+        return
+    with pytest.raises(ValueError, match=rf"^{name} does not take .*\(given: .*{option}.*\): .*CachedMatryoshkaLoss"):
+        loss_case.build(model, **options)
 
 
 @pytest.mark.parametrize("name", LOSSES)
-def test_a_keyword_only_wrapper_of_embed_minibatch_sees_every_call(model, name):
+def test_a_keyword_only_wrapper_of_embed_minibatch_sees_every_call(models, name):
     """sentence-transformers' engine calls ``embed_minibatch(**kwargs)``; a wrapper written for it works here, and
     the step is unchanged (steps (1) and (3), same dropout)."""
-    features = _features(model)
-    expected = _step(model, LOSSES[name](model), features)
-    loss_fn, calls = LOSSES[name](model), []
+    loss_case = case(name)
+    model = models[loss_case.family]
+    features = _features(loss_case, model)
+    expected = _step(model, loss_case.build(model, mini_batch_size=3), features)
+    loss_fn, calls = loss_case.build(model, mini_batch_size=3), []
     original = loss_fn.embed_minibatch
 
     def spy(**kwargs):
@@ -97,10 +133,13 @@ def test_a_keyword_only_wrapper_of_embed_minibatch_sees_every_call(model, name):
         torch.testing.assert_close(grad, expected[1][key], rtol=0, atol=0)
 
 
-def test_a_stock_shaped_wrapper_of_calculate_loss_is_called(model):
+@pytest.mark.parametrize("name", LOSSES)
+def test_a_stock_shaped_wrapper_of_calculate_loss_is_called(models, name):
     """Stock's engine calls ``calculate_loss(reps, labels, with_backward=...)``: a wrapper of that shape sees the
     step (2) of every forward, the step among its keywords."""
-    loss_fn, seen = LOSSES["matryoshka"](model), []
+    loss_case = case(name)
+    model = models[loss_case.family]
+    loss_fn, seen = loss_case.build(model, mini_batch_size=3), []
     original = loss_fn.calculate_loss
 
     def spy(reps, labels=None, **kwargs):
@@ -108,32 +147,106 @@ def test_a_stock_shaped_wrapper_of_calculate_loss_is_called(model):
         return original(reps, labels, **kwargs)
 
     loss_fn.calculate_loss = spy
-    _step(model, loss_fn, _features(model))
+    _step(model, loss_fn, _features(loss_case, model))
     with torch.no_grad():
-        loss_fn(_features(model), None)
+        loss_fn(_features(loss_case, model), None)
     assert seen == [["step", "with_backward"], ["step"]]
 
 
-def test_calculate_loss_without_its_step_says_what_to_call(model):
-    loss_fn = LOSSES["matryoshka"](model)
-    with pytest.raises(ValueError, match=r"needs that forward's step: call the loss itself"):
+@pytest.mark.parametrize("name", LOSSES)
+def test_calculate_loss_without_its_step_says_what_to_call(models, name):
+    loss_case = case(name)
+    loss_fn = loss_case.build(models[loss_case.family])
+    with pytest.raises(ValueError, match=rf"^{name}.calculate_loss .* needs that forward's step: call the loss itself"):
         loss_fn.calculate_loss([[torch.zeros(2, 48)], [torch.zeros(2, 48)]], None)
 
 
 @pytest.mark.parametrize("name", LOSSES)
-def test_a_step_leaves_no_state_on_the_loss(model, name):
+def test_a_step_leaves_no_state_on_the_loss(models, name):
     """Everything one forward needs travels in its step: a training step (forward and backward) and an evaluation
     forward leave the loss's attributes as they were (the last step's reports aside)."""
-    loss_fn = LOSSES[name](model)
+    loss_case = case(name)
+    model = models[loss_case.family]
+    loss_fn = loss_case.build(model, mini_batch_size=3, mask_duplicates=True)
     before = {key: value for key, value in vars(loss_fn).items() if key not in ("_modules", "masked_share")}
-    _step(model, loss_fn, _features(model))
+    _step(model, loss_fn, _features(loss_case, model))
     with torch.no_grad():
-        loss_fn(_features(model), None)
+        loss_fn(_features(loss_case, model), None)
     after = {key: value for key, value in vars(loss_fn).items() if key not in ("_modules", "masked_share")}
     assert after.keys() == before.keys()
     assert all(after[key] is before[key] or after[key] == before[key] for key in before)
 
 
+# ------------------------------------------------------------------------------------------ bad options
+
+
+def _bad_options(loss_case) -> dict[str, tuple[dict, str]]:
+    """name: (options, what the message says), refused when the loss is built."""
+    bad = {
+        "mini_batch_size": ({"mini_batch_size": 0}, "mini_batch_size must be a positive int"),
+        "mini_batch_num_tokens": ({"mini_batch_num_tokens": 1.5}, "mini_batch_num_tokens must be a positive int"),
+        "activation_budget": ({"activation_budget": -1}, "activation_budget must be None"),
+        "fsdp_sync": ({"fsdp_sync": "sometimes"}, "fsdp_sync must be"),
+        "backend": ({"backend": "cuda"}, "backend must be one of"),
+        "mask_duplicates": ({"mask_duplicates": "yes"}, "mask_duplicates must be True or False"),
+    }
+    if loss_case.takes_dims:
+        bad["n_dims_per_step_fraction"] = ({"n_dims_per_step": 1.5}, r"n_dims_per_step must be -1 \(every dim\)")
+        bad["n_dims_per_step_zero"] = ({"n_dims_per_step": 0}, r"n_dims_per_step must be -1 .* or an int in \[1, ")
+        bad["n_dims_per_step_too_many"] = ({"n_dims_per_step": 3}, r"an int in \[1, [12]\] \(the number of")
+    return bad
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_bad_options_are_refused_when_the_loss_is_built_naming_the_class(models, name):
+    loss_case = case(name)
+    model = models[loss_case.family]
+    for label, (options, match) in _bad_options(loss_case).items():
+        with pytest.raises((ValueError, TypeError), match=rf"^{name}\b.*{match}") as error:
+            loss_case.build(model, **options)
+        assert error.type is ValueError or label == "mask_duplicates", label
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_a_batch_of_one_column_is_refused_naming_the_class(models, name):
+    loss_case = case(name)
+    model = models[loss_case.family]
+    with pytest.raises(ValueError, match=rf"^{name} expects at least 2 input columns"):
+        loss_case.build(model)(loss_case.features(model, columns=1), None)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_numpy_integers_are_taken_as_ints(models, name):
+    """Options computed with numpy (np.int64 sizes, dims) work as the same Python ints do."""
+    loss_case = case(name)
+    model = models[loss_case.family]
+    given = {
+        "mini_batch_size": np.int64(3),
+        "mini_batch_num_tokens": np.int32(40),
+        "activation_budget": np.int64(2**30),
+    }
+    if loss_case.takes_dims:
+        given["n_dims_per_step"] = np.int64(1)
+    ints = {key: int(value) for key, value in given.items()}
+    numpy_loss, int_loss = loss_case.build(model, **given), loss_case.build(model, **ints)
+    assert numpy_loss.get_config_dict() == int_loss.get_config_dict()
+    assert all(type(getattr(numpy_loss, key)) is int for key in given)
+    features = _features(loss_case, model)
+    random.seed(0)  # n_dims_per_step=1 draws a dim
+    numpy_value = _step(model, numpy_loss, features)[0]
+    random.seed(0)
+    assert numpy_value == pytest.approx(_step(model, int_loss, features)[0], rel=1e-6)
+
+
+def test_numpy_dims_are_taken_as_ints(model):
+    dims = [np.int64(48), np.int32(16)]
+    loss = CachedMatryoshkaLoss(model, MultipleNegativesRankingLoss(model), dims, n_dims_per_step=np.int64(-1))
+    assert loss.matryoshka_dims == (48, 16) and all(type(dim) is int for dim in loss.matryoshka_dims)
+
+
+# ------------------------------------------------------------------------------------------ the layer-wise losses
+
+LAYER_LOSSES = {"2d": st_cached_losses.CachedMatryoshka2dLoss, "adaptive": st_cached_losses.CachedAdaptiveLayerLoss}
 STOCK = {
     "2d": lambda m: Matryoshka2dLoss(
         m, MultipleNegativesRankingLoss(m), [48, 16], n_layers_per_step=-1, n_dims_per_step=-1
@@ -147,10 +260,10 @@ def test_layer_losses_match_stock_within_an_activation_budget(name):
     """The activation budget on the layer-wise losses: a budget that keeps some mini-batches (every layer's graph
     kept from step (1)) gives stock's loss and every gradient, and keeps within the budget."""
     model = tiny_sentence_transformer(num_layers=2, seed=4)  # dropout off: stock embeds the batch at once
-    features = _features(model)
+    features = text_features(model, rows=7, negatives=1, seed=1)
     expected = _step(model, STOCK[name](model), features)
     base = MultipleNegativesRankingLoss(model)
-    cls = type(LOSSES[name](model))
+    cls = LAYER_LOSSES[name]
     everything = cls(model, base, **_dims(name), **_all(name), mini_batch_size=3, activation_budget=2**40)
     _step(model, everything, features)
     budget = sum(everything.activation_report.measured_bytes.values()) // 2
@@ -167,12 +280,17 @@ def test_layer_losses_match_stock_within_an_activation_budget(name):
 def test_layer_losses_choose_the_mini_batch_size(model, name):
     """``mini_batch_size="auto"`` on the layer-wise losses: measured at the first training step (with every layer
     the step draws), kept from then on and on the model card."""
-    cls = type(LOSSES[name](model))
+    cls = LAYER_LOSSES[name]
     auto = cls(model, MultipleNegativesRankingLoss(model), **_dims(name), **_all(name), mini_batch_size="auto")
-    _step(model, auto, _features(model))
+    features = text_features(model, rows=7, negatives=1, seed=1)
+    _step(model, auto, features)
     chosen = auto.mini_batch_size
-    _step(model, auto, _features(model))
+    _step(model, auto, features)
     assert chosen == auto.mini_batch_size > 3 and auto.get_config_dict()["auto_mini_batch_size"] == chosen
+
+
+def _dims(name):
+    return {} if name == "adaptive" else {"matryoshka_dims": [48, 16]}
 
 
 def _all(name):

@@ -93,6 +93,16 @@ def test_unnormalised_token_vectors_are_plain_prefixes():
     assert ours.similarity == "dot"
 
 
+def test_a_left_padded_bert_keeps_its_leading_padding_and_stock_s_loss():
+    """BERT's absolute positions count from the first column: its left-padded mini-batches are not trimmed at the
+    start (which would shift every token), so the loss and every gradient are stock's."""
+    model = tiny_multi_vector_encoder(token_dim=TOKEN_DIM, seed=9)
+    model.tokenizer.padding_side = "left"
+    features = _features(model)
+    assert bool((features[0]["attention_mask"][:, 0] == 0).any())  # left padding
+    _assert_stocks(model, features)
+
+
 def test_prompts_and_a_router_s_task_routing():
     from sentence_transformers.base.modules import Dense, Normalize, Router, Transformer
     from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
@@ -214,7 +224,7 @@ BAD = {
     "dims": (lambda m: (m, _stock(m), [TOKEN_DIM + 1]), {}, ValueError, "larger than the embedding"),
     "bank": (lambda m: (m, _stock(m), [8]), {"memory_size": 64}, ValueError, "does not take a memory bank"),
     "filter": (lambda m: (m, _stock(m), [8]), {"false_negative_margin": 0.1}, ValueError, "no false-negative"),
-    "triton": (lambda m: (m, _stock(m), [8]), {"backend": "triton"}, ValueError, "no Triton kernels"),
+    "triton": (lambda m: (m, _stock(m), [8]), {"backend": "triton"}, ValueError, "must be one of .* maxsim"),
     "budget": (lambda m: (m, _stock(m), [8]), {"activation_budget": -1}, ValueError, "activation_budget"),
     "duplicates": (lambda m: (m, _stock(m), [8]), {"mask_duplicates": "yes"}, TypeError, "mask_duplicates"),
 }

@@ -14,13 +14,19 @@ logger = logging.getLogger(__name__)
 
 
 def sorted_dims(
-    model: SentenceTransformer, dims: Sequence[int], weights: Sequence[float] | None
+    model: SentenceTransformer,
+    dims: Sequence[int],
+    weights: Sequence[float] | None,
+    *,
+    embedding_dim: int | None = None,
 ) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """The dims and weights sorted by descending dim, as MatryoshkaLoss does (``ops.spec.check_dims``'s rule), the
     weights as the user gave them (default 1 each, as stock), warning as stock does when the model's own dimension is
     not trained. A model whose embedding dimension is unknown (``get_embedding_dimension()`` None) bounds no dim, as
-    in stock."""
-    embedding_dim = model.get_embedding_dimension()
+    in stock. ``embedding_dim``: the dimension to check against where the loss knows it better than the model's
+    ``get_embedding_dimension()`` (a multi-vector model's token dim, read from its routes)."""
+    if embedding_dim is None:
+        embedding_dim = model.get_embedding_dimension()
     dims, _, order = check_dims(dims, weights, embedding_dim, "matryoshka_dims", "matryoshka_weights")
     weights = (1,) * len(dims) if weights is None else tuple(weights[i] for i in order)
     if embedding_dim is not None and embedding_dim not in dims:

@@ -1,7 +1,7 @@
 """How a batch's columns are cut into mini-batches: one row per anchor in every column, rows in length order
 (so each mini-batch pads only to its own longest row), and mini-batches without the padding columns all their
 rows share (trailing padding is trimmed by sentence-transformers' own ``embed_minibatch``; leading padding, of
-left-padded decoder models, here).
+left-padded decoder models, here, where the model's positions do not depend on it).
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from transformers import PretrainedConfig, PreTrainedModel
 
 from ._st_compat import get_batch_size
 
@@ -18,19 +19,22 @@ from ._st_compat import get_batch_size
 _UNSORTABLE_KEY_PARTS = ("cu_seq_lens", "seq_idx", "pixel", "image", "video", "audio")
 
 
-def check_columns(sentence_features: list[dict[str, Any]], mini_batch_num_tokens: int | None = None) -> None:
-    """Raises ValueError unless there are >= 2 columns (anchor, positive[, negatives...]) of equal row counts, and,
-    with ``mini_batch_num_tokens``, each has tokens to count (an attention mask or flattened sequences)."""
+def check_columns(
+    sentence_features: list[dict[str, Any]], mini_batch_num_tokens: int | None = None, owner: str = "The loss"
+) -> None:
+    """Raises ValueError, naming ``owner`` (the loss class in use), unless there are >= 2 columns (anchor,
+    positive[, negatives...]) of equal row counts, and, with ``mini_batch_num_tokens``, each has tokens to count (an
+    attention mask or flattened sequences)."""
     if len(sentence_features) < 2:
         raise ValueError(
-            f"CachedMatryoshkaLoss expects at least 2 input columns (anchor, positive[, negatives...]), got "
+            f"{owner} expects at least 2 input columns (anchor, positive[, negatives...]), got "
             f"{len(sentence_features)}."
         )
     sizes = [get_batch_size(feature) for feature in sentence_features]
     if len(set(sizes)) != 1:
         raise ValueError(
-            f"Every input column must have one row per anchor, got column sizes {sizes}: drop incomplete rows "
-            "from the dataset."
+            f"{owner}: every input column must have one row per anchor, got column sizes {sizes}: drop incomplete "
+            "rows from the dataset."
         )
     if mini_batch_num_tokens is None:
         return
@@ -39,9 +43,9 @@ def check_columns(sentence_features: list[dict[str, Any]], mini_batch_num_tokens
         if "cu_seq_lens_q" not in feature and not (isinstance(mask, Tensor) and mask.ndim == 2):
             name = ("anchor", "positive")[index] if index < 2 else f"negative_{index - 1}"
             raise ValueError(
-                f"mini_batch_num_tokens={mini_batch_num_tokens} packs mini-batches by their tokens, but input column "
-                f"{index} (the {name} column) holds {column_modality(feature)} inputs without tokens to count (no "
-                f"attention mask; keys {sorted(feature)}): use mini_batch_size (rows per mini-batch) instead, e.g. "
+                f"{owner}: mini_batch_num_tokens={mini_batch_num_tokens} packs mini-batches by their tokens, but input "
+                f"column {index} (the {name} column) holds {column_modality(feature)} inputs without tokens to count "
+                f"(no attention mask; keys {sorted(feature)}): use mini_batch_size (rows per mini-batch) instead, e.g. "
                 "mini_batch_num_tokens=None, mini_batch_size=32."
             )
 
@@ -84,16 +88,21 @@ def length_order(feature: dict[str, Any]) -> Tensor | None:
     return order
 
 
-def without_leading_padding(feature: dict[str, Any], begin: int, end: int) -> tuple[dict[str, Any], int, int]:
+def without_leading_padding(
+    feature: dict[str, Any], begin: int, end: int, positions_relative: bool
+) -> tuple[dict[str, Any], int, int]:
     """Rows ``begin:end`` of a left-padded column without the padding columns that all of them start with (as
-    ``(feature, 0, end - begin)``), else the arguments unchanged.
+    ``(feature, 0, end - begin)``), where that leaves the embeddings as they are; else the arguments unchanged
+    (stock's behaviour: it trims nothing at the start).
 
-    Decoder embedding models pad on the left (Qwen3-Embedding, e5-mistral), where stock trims nothing. Every
-    per-token tensor (``input_ids``, ``attention_mask``, ``token_type_ids``, ``position_ids``, ...) loses the same
-    columns. The embeddings stay the same for models whose positions are rotary (relative: Qwen, Mistral, Llama),
-    follow the attention mask (RoBERTa) or come in ``position_ids``; a model with absolute positions counted from
-    the first column (BERT, if given left padding) sees its tokens shifted by the trimmed columns.
+    Decoder embedding models pad on the left (Qwen3-Embedding, e5-mistral). Every per-token tensor (``input_ids``,
+    ``attention_mask``, ``token_type_ids``, ``position_ids``, ...) loses the same columns, which changes no
+    embedding where the model's positions are relative (``positions_relative``: rotary or relative position
+    embeddings, :func:`positions_are_relative`) or come in the features' ``position_ids``. A model with absolute
+    positions counted from the first column (BERT given left padding) would see its tokens shifted: not trimmed.
     """
+    if not (positions_relative or "position_ids" in feature):
+        return feature, begin, end
     if not rows_are_texts(feature) or "query_expansion_positions" in feature:  # ColBERT scores masked positions
         return feature, begin, end
     mask = feature["attention_mask"]
@@ -107,6 +116,32 @@ def without_leading_padding(feature: dict[str, Any], begin: int, end: int) -> tu
         if isinstance(value, Tensor)
     }
     return {**feature, **trimmed}, 0, end - begin
+
+
+# Config keys that make positions relative: rotary embeddings (transformers 5's rope_parameters, earlier releases'
+# rope_theta / rope_scaling, GPT-NeoX-style rotary_emb_base) and BERT-style relative position types.
+_ROTARY_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_emb_base")
+_RELATIVE_TYPES = ("relative_key", "relative_key_query", "rotary")
+
+
+def positions_are_relative(model: nn.Module) -> bool:
+    """Whether every Hugging Face model inside ``model`` places its tokens by relative positions (rotary, or a
+    ``position_embedding_type`` of relative keys), read from its config: then trimming leading padding changes no
+    embedding. False without any (nothing is known about the positions of a custom module) and for absolute or
+    unknown position embeddings (BERT, RoBERTa, GPT-2, CLIP)."""
+    configs = [
+        module.config
+        for module in model.modules()
+        if isinstance(module, PreTrainedModel) and isinstance(getattr(module, "config", None), PretrainedConfig)
+    ]
+    return bool(configs) and all(_relative(config) for config in configs)
+
+
+def _relative(config: PretrainedConfig) -> bool:
+    kind = getattr(config, "position_embedding_type", None)
+    if kind is not None:
+        return kind in _RELATIVE_TYPES
+    return any(getattr(config, key, None) is not None for key in _ROTARY_KEYS)
 
 
 class LengthSorted(dict):

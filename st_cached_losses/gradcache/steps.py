@@ -9,7 +9,8 @@ re-embed each mini-batch with gradients (the same dropout) and back-propagate th
 :class:`GradCacheSteps` adds to plain GradCache:
 
 - rows grouped by length before they are cut into mini-batches (:mod:`.minibatches`), and each mini-batch cut to its
-  own longest row (trailing and leading padding); step (2) gets every column back in the batch's order;
+  own longest row (trailing padding; leading padding where positions are relative); step (2) gets every column back
+  in the batch's order;
 - the activation budget (:mod:`.activation_budget`): step (1) embeds the mini-batches that fit with gradients and
   keeps their graphs, which step (3) back-propagates without a second forward; ``mini_batch_size="auto"``;
 - one plan across ranks under DDP, FSDP2 or DeepSpeed (:mod:`.parallel`, :mod:`.agreement`): every rank embeds the
@@ -38,9 +39,17 @@ from .activation_budget import AUTO, ActivationBudget, probe_minibatch
 from .activation_memory import measured_forward
 from .agreement import agree_counts, agree_kept
 from .compiled import compile_friendly
+from .distributed import unwrapped
 from .guide_model import GuideModel
 from .kept_minibatches import KeptGraph
-from .minibatches import LengthSorted, length_order, length_sorted, reorder, without_leading_padding
+from .minibatches import (
+    LengthSorted,
+    length_order,
+    length_sorted,
+    positions_are_relative,
+    reorder,
+    without_leading_padding,
+)
 from .parallel import Parallelism
 from .precision import encoder_autocast_dtypes
 from .step import Encoded, LayerDraw, Step
@@ -92,6 +101,9 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         self.guide = guide
         self.take_text_ids = take_text_ids
         self.fsdp_sync = fsdp_sync
+        # Leading padding is trimmed only where it moves no token's position (minibatches.without_leading_padding).
+        inner = unwrapped(model)
+        self.trims_leading_padding = isinstance(inner, nn.Module) and positions_are_relative(inner)
 
     def run_steps(
         self, sentence_features: list[dict[str, Any]], labels: Tensor | None, draw: tuple[LayerDraw, ...], gather: bool
@@ -220,11 +232,11 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
     def minibatch_features(self, sentence_feature: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
         """Rows ``begin:end`` of a column (rows ``order[begin:end]`` of a length-sorted one) without the padding
         columns they all share: at the end (stock's ``_create_minibatch``) and at the start of a left-padded
-        mini-batch (:func:`minibatches.without_leading_padding`); contiguous, its shapes marked dynamic for a
-        ``torch.compile``'d model (:func:`compiled.compile_friendly`)."""
+        mini-batch where the model's positions are relative (:func:`minibatches.without_leading_padding`);
+        contiguous, its shapes marked dynamic for a ``torch.compile``'d model (:func:`compiled.compile_friendly`)."""
         if isinstance(sentence_feature, LengthSorted):
             sentence_feature, begin, end = reorder(sentence_feature, sentence_feature.order[begin:end]), 0, end - begin
-        sentence_feature, begin, end = without_leading_padding(sentence_feature, begin, end)
+        sentence_feature, begin, end = without_leading_padding(sentence_feature, begin, end, self.trims_leading_padding)
         return compile_friendly(create_minibatch(sentence_feature, begin, end))
 
     def encode(self, features: dict[str, Any], step: Step | None = None) -> Encoded:

@@ -5,7 +5,12 @@
 - ``cached_adaptive_layer.py``: ``CachedAdaptiveLayerLoss`` for ``AdaptiveLayerLoss(model, MNRL)``;
 - ``cached_multi_vector.py``: ``CachedMultiVectorMatryoshkaLoss`` for a ``MultiVectorEncoder``'s
   ``CachedMultiVectorMultipleNegativesRankingLoss``, with Matryoshka token dims (``maxsim_infonce``);
-- ``base_losses.py``: which base losses are accepted and what their hyperparameters mean for the op; the guide;
+- ``cached_loss.py``: ``CachedLossBase``, what every loss shares (mini-batch settings, dims, weights, the dims' draw,
+  the per-dim entries, the card's settings, the activation report, option checks naming the class);
+- ``refusals.py``: the one table of the options each loss refuses, with the reason;
+- ``token_vectors.py``: a MultiVectorEncoder's similarity and token dim per side (query route, document route);
+- ``base_losses.py``: which base losses (of both families) are accepted and what their hyperparameters mean for the
+  op; the guide;
 - ``callback.py``: ``CachedLossCallback``, the losses' step reports in the trainer's log, the bank in its checkpoints;
 - ``card.py``: what the model card shows (``get_config_dict()`` in JSON values, the public class path);
 - ``citations.py``: BibTeX for the model card.

@@ -8,12 +8,21 @@ A base loss is not called: it holds the InfoNCE hyperparameters, read at every s
 - ``GISTEmbedLoss`` / ``CachedGISTEmbedLoss`` (GISTEmbed, arXiv 2402.16829): the guide model, temperature
   (scale = 1 / temperature), margin_strategy, margin, contrast_anchors, contrast_positives,
   gather_across_devices; cosine similarity; one joint softmax.
+- ``MultiVectorMultipleNegativesRankingLoss`` / ``CachedMultiVectorMultipleNegativesRankingLoss`` (a
+  MultiVectorEncoder's, for :class:`~st_cached_losses.CachedMultiVectorMatryoshkaLoss`): scale, similarity_fct
+  (``colbert_scores``: MaxSim, or ``mean_colbert_scores``: MeanMaxSim, ``maxsim_infonce``'s ``length_normalize``),
+  gather_across_devices (every rank's documents), and the mini-batch settings.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from sentence_transformers.multi_vector_encoder.losses import (
+    CachedMultiVectorMultipleNegativesRankingLoss,
+    MultiVectorMultipleNegativesRankingLoss,
+)
+from sentence_transformers.multi_vector_encoder.scoring import colbert_scores, mean_colbert_scores
 from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
     CachedMultipleNegativesRankingLoss,
@@ -30,10 +39,14 @@ MNRL_LOSSES = (MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss)
 GIST_LOSSES = (GISTEmbedLoss, CachedGISTEmbedLoss)
 SUPPORTED_LOSSES = MNRL_LOSSES + GIST_LOSSES
 CACHED_LOSSES = (CachedMultipleNegativesRankingLoss, CachedGISTEmbedLoss)  # they carry mini-batch settings
+MULTI_VECTOR_LOSSES = (MultiVectorMultipleNegativesRankingLoss, CachedMultiVectorMultipleNegativesRankingLoss)
 
 # Stock MatryoshkaLoss re-normalises every truncated prefix (``shrink``), so on top of it both cos_sim
 # and dot_score score the prefixes by cosine similarity.
 _PREFIX_SIMILARITY = {cos_sim: "cosine", dot_score: "cosine"}
+# A multi-vector base loss's similarity_fct -> maxsim_infonce's length_normalize (MeanMaxSim divides by the query's
+# scored tokens).
+_LENGTH_NORMALIZE = {colbert_scores: False, mean_colbert_scores: True}
 
 
 def check_base_loss(
@@ -89,10 +102,37 @@ def op_options(loss: nn.Module) -> dict[str, Any]:
 
 
 def mini_batch_defaults(loss: nn.Module, default_size: int) -> tuple[int, int | None]:
-    """(mini_batch_size, mini_batch_num_tokens) a cached base loss carries, else (``default_size``, None)."""
-    if isinstance(loss, CACHED_LOSSES):
+    """(mini_batch_size, mini_batch_num_tokens) a cached base loss carries (a non-cached multi-vector one: its
+    mini_batch_size where set), else (``default_size``, None)."""
+    if isinstance(loss, (*CACHED_LOSSES, CachedMultiVectorMultipleNegativesRankingLoss)):
         return loss.mini_batch_size, loss.mini_batch_num_tokens
+    if isinstance(loss, MultiVectorMultipleNegativesRankingLoss) and loss.mini_batch_size:
+        return loss.mini_batch_size, None
     return default_size, None
+
+
+def check_multi_vector_base_loss(loss: nn.Module, owner: str) -> None:
+    """The multi-vector loss's check of its base loss: TypeError for another type, ValueError for a similarity_fct
+    the MaxSim op does not compute."""
+    if not isinstance(loss, MULTI_VECTOR_LOSSES):
+        names = ", ".join(cls.__name__ for cls in MULTI_VECTOR_LOSSES)
+        raise TypeError(
+            f"{owner} supports loss={names}, got {type(loss).__name__}: for a SentenceTransformer use "
+            "CachedMatryoshkaLoss."
+        )
+    length_normalize(loss.similarity_fct, owner)
+
+
+def length_normalize(similarity_fct, owner: str = "CachedMultiVectorMatryoshkaLoss") -> bool:
+    """maxsim_infonce's ``length_normalize`` for a multi-vector base loss's similarity_fct, or a ValueError."""
+    if similarity_fct in _LENGTH_NORMALIZE:
+        return _LENGTH_NORMALIZE[similarity_fct]
+    name = getattr(similarity_fct, "__name__", type(similarity_fct).__name__)
+    raise ValueError(
+        f"{owner} supports similarity_fct=colbert_scores (MaxSim) or mean_colbert_scores (MeanMaxSim) on the base "
+        f"loss, got {name}: the op computes a MaxSim over every token (XTR scores only the top-k retrieved tokens). "
+        "Use the stock loss for other scores."
+    )
 
 
 def guide_model(loss: nn.Module) -> GuideModel | None:

@@ -97,11 +97,17 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         Example:
             ::
 
-                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, losses
+                from datasets import Dataset
+                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+                from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
                 from st_cached_losses import CachedAdaptiveLayerLoss
 
                 model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
-                base = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
+                train_dataset = Dataset.from_dict({
+                    "anchor": ["It's nice weather outside today.", "He drove to work."],
+                    "positive": ["It's so sunny.", "He took the car to the office."],
+                })
+                base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
                 loss = CachedAdaptiveLayerLoss(model, base, n_layers_per_step=-1)
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()

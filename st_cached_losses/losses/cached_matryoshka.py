@@ -10,7 +10,6 @@ loss's hyperparameters (:mod:`.base_losses`).
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -18,24 +17,20 @@ import torch
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from torch import Tensor, nn
 
-from ..gradcache._st_compat import has_static_embedding_input, validate_mini_batch_num_tokens
-from ..gradcache.activation_budget import AUTO, ActivationBudget, check_activation_budget, check_mini_batch_size
+from ..gradcache._st_compat import has_static_embedding_input
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
-from ..gradcache.dims import sorted_dims
 from ..gradcache.distributed import unwrapped
-from ..gradcache.kept_minibatches import StepPlan
-from ..gradcache.loss_components import loss_components
 from ..gradcache.memory_bank import MemoryBank, check_memory_options
 from ..gradcache.memory_inputs import step_inputs
 from ..gradcache.minibatches import check_columns
-from ..gradcache.parallel import check_fsdp_sync
 from ..gradcache.precision import nonfinite_policy
-from ..gradcache.step import LayerDraw, Step, require_step
-from ..gradcache.steps import GradCacheSteps
+from ..gradcache.step import Step, require_step
 from ..ops import matryoshka_infonce
 from ..ops.backend import check_backend
 from . import base_losses, card, citations
 from .base_losses import check_base_loss, check_self_guided_filter, guide_model, mini_batch_defaults
+from .cached_loss import CachedLossBase, integer, naming_errors
+from .refusals import check_refusals
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +38,7 @@ SUPPORTED_LOSSES = base_losses.SUPPORTED_LOSSES
 
 
 @card.public_class
-class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
+class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
     def __init__(
         self,
         model: SentenceTransformer,
@@ -97,8 +92,8 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
             matryoshka_dims: embedding dims to train, e.g. [768, 512, 256, 128, 64]; each in [1, embedding dim],
                 no duplicates; sorted in descending order, as in MatryoshkaLoss.
             matryoshka_weights: one weight per dim (default 1 each).
-            n_dims_per_step: if > 0, sample that many dims per step with ``random.sample``, as MatryoshkaLoss does (a
-                seed picks the same dims); -1: every dim.
+            n_dims_per_step: 1 to the number of dims: sample that many dims per step with ``random.sample``, as
+                MatryoshkaLoss does (a seed picks the same dims); -1: every dim.
             mini_batch_size: rows per embedding mini-batch (the memory knob; default the cached base loss's, else
                 32), or "auto": the largest whose activations fit ``activation_budget`` (or the free memory),
                 measured at the first training step.
@@ -135,12 +130,14 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
                 not with ``gather_across_devices``.
 
         Raises:
+            Every error names the class in use; Python and numpy integers are taken alike.
+
             TypeError: ``loss`` of an unsupported type; a ``mask_duplicates`` that is not a bool.
-            ValueError: a StaticEmbedding model; bad dims or weights; an unsupported ``similarity_fct``,
-                ``mini_batch_size``, ``mini_batch_num_tokens``, ``activation_budget``, ``fsdp_sync``,
-                ``false_negative_margin`` (also next to a GISTEmbed base loss, which has its own) or strategy; an
-                unknown ``backend`` or one that cannot run on the model's device. ``forward`` raises ValueError for
-                fewer than two columns or columns of different lengths, uneven rows across processes with
+            ValueError: a StaticEmbedding model; bad dims or weights, ``n_dims_per_step``; an unsupported
+                ``similarity_fct``, ``mini_batch_size``, ``mini_batch_num_tokens``, ``activation_budget``,
+                ``fsdp_sync``, ``false_negative_margin`` (also next to a GISTEmbed base loss, which has its own) or
+                strategy; an unknown ``backend`` or one that cannot run on the model's device. ``forward`` raises
+                ValueError for fewer than two columns or columns of different lengths, uneven rows across processes with
                 ``gather_across_devices``, FSDP1, DeepSpeed without ZeRO and ZeRO-2 with gradient accumulation;
                 with a bank, a batch of other columns or a model of another embedding dimension than it holds.
             TypeError / ValueError: a negative or non-integer ``memory_size``, ``memory_warmup_steps`` or
@@ -171,7 +168,8 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
             ::
 
                 from datasets import Dataset
-                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, losses
+                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+                from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
                 from st_cached_losses import CachedMatryoshkaLoss
 
                 model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
@@ -179,50 +177,59 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
                     "anchor": ["It's nice weather outside today.", "He drove to work."],
                     "positive": ["It's so sunny.", "He took the car to the office."],
                 })
-                base = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
+                base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
                 loss = CachedMatryoshkaLoss(model, base, [384, 256, 128, 64, 32])
 
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
         """
-        check_base_loss(loss, type(self).__name__)
-        default_size, default_tokens = mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE)
-        mini_batch_size = check_mini_batch_size(default_size if mini_batch_size is None else mini_batch_size)
-        mini_batch_num_tokens = default_tokens if mini_batch_num_tokens is None else mini_batch_num_tokens
-        activation_budget = check_activation_budget(activation_budget)
-        validate_mini_batch_num_tokens(mini_batch_num_tokens)
-        _check_model(model, backend)
-        check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
-        if not isinstance(mask_duplicates, bool):
-            raise TypeError(f"mask_duplicates must be True or False, got {mask_duplicates!r}.")
-        check_memory_options(memory_size, memory_warmup_steps, memory_max_age, dual_memory, loss.gather_across_devices)
-        budgeted = activation_budget is not None or mini_batch_size == AUTO
+        owner = type(self).__name__
+        memory = {
+            "memory_size": integer(memory_size),
+            "memory_warmup_steps": integer(memory_warmup_steps),
+            "memory_max_age": integer(memory_max_age),
+            "dual_memory": dual_memory,
+        }
+        with naming_errors(owner):
+            check_base_loss(loss, owner)
+            check_refusals(
+                type(self),
+                false_negative_margin=false_negative_margin,
+                false_negative_strategy=false_negative_strategy,
+                **memory,
+            )
+            _check_model(model, backend, owner)
+            check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
+            check_memory_options(*memory.values(), loss.gather_across_devices)
         super().__init__(
             model,
+            loss,
+            matryoshka_dims,
+            matryoshka_weights,
+            n_dims_per_step,
+            embedding_dim=None,
+            default_mini_batch=mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE),
             mini_batch_size=mini_batch_size,
-            default_mini_batch_size=DEFAULT_MINI_BATCH_SIZE,
             mini_batch_num_tokens=mini_batch_num_tokens,
             sort_by_length=sort_by_length,
+            backend=backend,
             show_progress_bar=show_progress_bar,
-            budget=ActivationBudget(activation_budget) if budgeted else None,
+            activation_budget=activation_budget,
+            fsdp_sync=fsdp_sync,
+            mask_duplicates=mask_duplicates,
             guide=guide_model(loss),
-            take_text_ids=mask_duplicates or memory_size > 0,
-            fsdp_sync=check_fsdp_sync(fsdp_sync),
+            take_text_ids=memory["memory_size"] > 0,
         )
-        self.loss = loss
-        self.matryoshka_dims, self.matryoshka_weights = sorted_dims(model, matryoshka_dims, matryoshka_weights)
-        self.n_dims_per_step = n_dims_per_step
-        self.backend = backend
         self.false_negative_margin = false_negative_margin
         self.false_negative_strategy = false_negative_strategy
-        self.activation_budget = activation_budget
-        self.mask_duplicates = mask_duplicates
+        size = memory["memory_size"]
         self.memory = (
-            MemoryBank(memory_size, warmup_steps=memory_warmup_steps, max_age=memory_max_age, dual=dual_memory)
-            if memory_size
+            MemoryBank(
+                size, warmup_steps=memory["memory_warmup_steps"], max_age=memory["memory_max_age"], dual=dual_memory
+            )
+            if size
             else None
         )
-        self.masked_share: float | None = None  # the last step's share of candidates the masks removed
 
     def forward(
         self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None
@@ -231,23 +238,14 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         losses ``{name: 0-dim tensor}`` of :meth:`component_names`; their sum is the loss, and only that sum can be
         back-propagated (:func:`st_cached_losses.gradcache.loss_components.loss_components`). ``labels`` are unused."""
         sentence_features = list(sentence_features)
-        check_columns(sentence_features, self.mini_batch_num_tokens)
+        check_columns(sentence_features, self.mini_batch_num_tokens, type(self).__name__)
         if self.memory is not None and torch.is_grad_enabled():
             self.memory.check(len(sentence_features) - 1, self.model_embedding_dimension(), self.gather_across_devices)
         draw = self.draw_step()
         total, step = self.run_steps(sentence_features, labels, draw, self.gather_across_devices)
         if self.memory is not None and step.training:
             self.memory.end_step(step.to_bank)  # after the loss: a failing step banks nothing
-        zero = torch.zeros_like(total.detach())
-        return loss_components(total, {name: step.components.get(name, zero) for name in self.component_names()})
-
-    def draw_step(self) -> tuple[LayerDraw, ...]:
-        """This step's dims, drawn with the same ``random.sample`` call as MatryoshkaLoss (a seed draws stock's)."""
-        return (LayerDraw(None, self._sample_dims()),)
-
-    def component_names(self) -> list[str]:
-        """The entries ``forward`` returns, in order: ``loss_dim_<d>`` per dim, descending."""
-        return [f"loss_dim_{dim}" for dim in self.matryoshka_dims]
+        return self.entries(total, step)
 
     def calculate_loss(
         self,
@@ -267,12 +265,11 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         """
         step = require_step(step, type(self).__name__)
         columns = step.columns(reps)
-        weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in step.dims]
+        weights = self.dim_weights(step.dims)
         queries, docs, placement = step.gathered(columns[0], columns[1:])
         inputs = step_inputs(step, queries, docs, placement, self.memory, self.mask_duplicates)
         out = matryoshka_infonce(dims=step.dims, weights=weights, **inputs, **self.op_options(step))
-        for dim, weight, value in zip(step.dims, weights, out.per_dim):
-            step.components[f"loss_dim_{dim}"] = (weight * value).detach()
+        self.record_dims(step, step.dims, weights, out.per_dim)
         self.note_masked_share(step, out.masked_share)
         loss = out.loss
         if with_backward:
@@ -308,47 +305,16 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
             )
         return {**options, "backend": self.backend, "nonfinite": nonfinite_policy(step.encoder_dtypes)}
 
-    def _sample_dims(self) -> tuple[int, ...]:
-        # The same random.sample call as MatryoshkaLoss, so a seed picks the same dims as stock.
-        dim_indices = range(len(self.matryoshka_dims))
-        if 0 < self.n_dims_per_step < len(dim_indices):
-            dim_indices = sorted(random.sample(dim_indices, self.n_dims_per_step))
-        return tuple(self.matryoshka_dims[i] for i in dim_indices)
-
-    def get_config_dict(self) -> dict[str, Any]:
-        """The loss's settings for the model card, JSON values: stock ``MatryoshkaLoss``'s keys and value types (the
-        base loss by class name, the dims and weights as given), the base loss's own settings as stock
-        ``Matryoshka2dLoss`` lists them (a GISTEmbed guide by name or path), then this loss's own (the mini-batch
-        settings in effect)."""
+    def filter_settings(self) -> dict[str, Any]:
+        if self.false_negative_margin is None:
+            return {}
         return {
-            "loss": type(self.loss).__name__,
-            "matryoshka_dims": self.matryoshka_dims,
-            "matryoshka_weights": self.matryoshka_weights,
-            "n_dims_per_step": self.n_dims_per_step,
-            **card.base_loss_settings(self.loss),
-            "mini_batch_size": AUTO if self.auto_mini_batch else self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            "sort_by_length": self.sort_by_length,
-            "backend": self.backend,
-            **(
-                {
-                    "false_negative_margin": self.false_negative_margin,
-                    "false_negative_strategy": self.false_negative_strategy,
-                }
-                if self.false_negative_margin is not None
-                else {}
-            ),
-            "activation_budget": self.activation_budget,
-            **({"fsdp_sync": self.fsdp_sync} if self.fsdp_sync != "per_backward" else {}),
-            **({"mask_duplicates": True} if self.mask_duplicates else {}),
-            **(self.memory.settings() if self.memory is not None else {}),
-            **(self.budget.chosen if self.budget is not None else {}),
+            "false_negative_margin": self.false_negative_margin,
+            "false_negative_strategy": self.false_negative_strategy,
         }
 
-    @property
-    def activation_report(self) -> StepPlan | None:
-        """The last training step's kept mini-batches and their bytes (:class:`StepPlan`); None without a budget."""
-        return None if self.budget is None else self.budget.report
+    def bank_settings(self) -> dict[str, Any]:
+        return self.memory.settings() if self.memory is not None else {}
 
     @property
     def citation(self) -> str:
@@ -359,19 +325,19 @@ class CachedMatryoshkaLoss(GradCacheSteps, base_losses.BaseLossHyperparameters):
         return citations.GRADCACHE + citations.MATRYOSHKA + (citations.GISTEMBED if filtered else "") + memory
 
 
-def _check_model(model: Any, backend: str) -> None:
+def _check_model(model: Any, backend: str, owner: str) -> None:
     """ValueError for a StaticEmbedding model, or a backend that cannot run on the model's device ("triton" on CPU:
     now, not after the first batch). A stand-in that is no module list, or has no device, is not checked for what it
     does not say (as stock MatryoshkaLoss skips its dims check for a model of unknown embedding dimension)."""
     modules = getattr(model, "_orig_mod", model)
     if isinstance(modules, nn.Sequential) and len(modules) and has_static_embedding_input(model):
         raise ValueError(
-            "CachedMatryoshkaLoss is not compatible with a SentenceTransformer model based on a StaticEmbedding, whose "
-            "inputs cannot be split into mini-batches. Use MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), "
-            "dims) instead."
+            f"{owner} is not compatible with a SentenceTransformer model based on a StaticEmbedding, whose inputs "
+            "cannot be split into mini-batches. Use MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), dims) "
+            "instead."
         )
     device = getattr(model, "device", None)
     if device is not None:
-        check_backend(backend, device)
+        check_backend(backend, device, op="matryoshka_infonce")
     elif backend != "triton":  # the name alone; the first step runs "triton" where the embeddings are, or raises
-        check_backend(backend, "cpu")
+        check_backend(backend, "cpu", op="matryoshka_infonce")

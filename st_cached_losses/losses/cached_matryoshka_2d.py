@@ -32,6 +32,7 @@ from ..gradcache.step import Encoded, LayerDraw, Step, require_step
 from ..ops import matryoshka_infonce
 from . import card, citations
 from .base_losses import MNRL_LOSSES, check_base_loss
+from .cached_loss import integer, naming_errors
 from .cached_matryoshka import CachedMatryoshkaLoss
 
 SUPPORTED_LOSSES = MNRL_LOSSES  # (Cached)MultipleNegativesRankingLoss, as stock's layer-wise losses take
@@ -98,8 +99,8 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             matryoshka_dims: embedding dims to train, each in [1, model embedding dim], no duplicates.
             matryoshka_weights: one weight per dim (default 1 each).
             n_layers_per_step: prior layers per step, drawn with ``random.sample`` as stock does; -1 for all.
-            n_dims_per_step: dims per layer and step, drawn as stock's MatryoshkaLoss; -1 for all (a seed draws
-                stock's layers and dims).
+            n_dims_per_step: dims per layer and step (1 to the number of dims), drawn as stock's MatryoshkaLoss; -1
+                for all (a seed draws stock's layers and dims).
             last_layer_weight: weight of the final layer's loss.
             prior_layers_weight: weight of the prior layers' losses (averaged over the drawn layers).
             kl_div_weight: weight of the KL term.
@@ -145,40 +146,36 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         Example:
             ::
 
-                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, losses
+                from datasets import Dataset
+                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+                from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
                 from st_cached_losses import CachedMatryoshka2dLoss, truncate_layers
 
                 model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
-                base = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
+                train_dataset = Dataset.from_dict({
+                    "anchor": ["It's nice weather outside today.", "He drove to work."],
+                    "positive": ["It's so sunny.", "He took the car to the office."],
+                })
+                base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
                 loss = CachedMatryoshka2dLoss(model, base, [384, 192, 96, 48], n_layers_per_step=-1)
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
                 small = truncate_layers(model, 3)  # embeds with the first 3 layers, as the loss trained them
         """
-        check_base_loss(loss, type(self).__name__, SUPPORTED_LOSSES, "Matryoshka2dLoss / AdaptiveLayerLoss")
-        num_layers = _check_layer_options(
-            model,
-            n_layers_per_step,
-            n_dims_per_step,
-            kl_temperature,
-            layer_weighting,
-            last_layer_weight=last_layer_weight,
-            prior_layers_weight=prior_layers_weight,
-            kl_div_weight=kl_div_weight,
-        )
-        if memory_size or memory_warmup_steps or memory_max_age is not None or dual_memory:
-            raise ValueError(
-                f"{type(self).__name__} does not take a memory bank (memory_size and its options): a bank holds one "
-                "embedding per text, and this loss scores every layer's. Use CachedMatryoshkaLoss for negatives "
-                "beyond the batch."
+        owner = type(self).__name__
+        with naming_errors(owner):
+            check_base_loss(loss, owner, SUPPORTED_LOSSES, "Matryoshka2dLoss / AdaptiveLayerLoss")
+            n_layers_per_step = integer(n_layers_per_step)
+            num_layers = _check_layer_options(
+                model,
+                n_layers_per_step,
+                kl_temperature,
+                layer_weighting,
+                last_layer_weight=last_layer_weight,
+                prior_layers_weight=prior_layers_weight,
+                kl_div_weight=kl_div_weight,
             )
-        if false_negative_margin is not None or false_negative_strategy != "absolute":
-            raise ValueError(
-                f"{type(self).__name__} does not take false_negative_margin / false_negative_strategy: the "
-                "self-guided filter drops candidates by the model's own similarity, and a loss over several layers has "
-                "no one guide (stock Matryoshka2dLoss has no such filter). Filter with CachedMatryoshkaLoss instead."
-            )
-        super().__init__(
+        super().__init__(  # checks what CachedMatryoshkaLoss takes, and refuses (.refusals) the filter and a bank
             model=model,
             loss=loss,
             matryoshka_dims=matryoshka_dims,
@@ -189,9 +186,15 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             sort_by_length=sort_by_length,
             backend=backend,
             show_progress_bar=show_progress_bar,
+            false_negative_margin=false_negative_margin,
+            false_negative_strategy=false_negative_strategy,
             activation_budget=activation_budget,
             fsdp_sync=fsdp_sync,
             mask_duplicates=mask_duplicates,
+            memory_size=memory_size,
+            memory_warmup_steps=memory_warmup_steps,
+            memory_max_age=memory_max_age,
+            dual_memory=dual_memory,
         )
         self.num_layers = num_layers  # transformer layers L: hidden states 0..L, the final layer is L
         self.n_layers_per_step = n_layers_per_step
@@ -282,7 +285,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             layer_placement = {  # the rest: offset
                 key: value[:, part] if key == "world_queries" else value for key, value in placement.items()
             }
-            weights = [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in draw.dims]
+            weights = self.dim_weights(draw.dims)
             out = matryoshka_infonce(
                 queries[:, part], docs[:, part], dims=draw.dims, weights=weights, **layer_placement, **options
             )
@@ -333,14 +336,16 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         return citations.MATRYOSHKA_2D + citations.GRADCACHE + citations.MATRYOSHKA
 
 
-def _check_layer_options(model, n_layers_per_step, n_dims_per_step, kl_temperature, layer_weighting, **weights) -> int:
-    """The model's number of layers, after checking the layer options; TypeError / ValueError naming the fix."""
+def _check_layer_options(model, n_layers_per_step, kl_temperature, layer_weighting, **weights) -> int:
+    """The model's number of layers, after checking the layer options; TypeError / ValueError naming the fix (the
+    options every loss takes, ``n_dims_per_step`` among them, are :class:`CachedMatryoshkaLoss`'s to check)."""
     num_layers = num_hidden_layers(model[0] if isinstance(model, SentenceTransformer) and len(model) else model)
-    for option, value in (("n_layers_per_step", n_layers_per_step), ("n_dims_per_step", n_dims_per_step)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{option} must be an int (-1 for all), got {value!r}.")
-        if value == 0 or value < -1:
-            raise ValueError(f"{option} must be -1 (all) or a positive number to sample per step, got {value}.")
+    if isinstance(n_layers_per_step, bool) or not isinstance(n_layers_per_step, int):
+        raise TypeError(f"n_layers_per_step must be an int (-1 for all), got {n_layers_per_step!r}.")
+    if n_layers_per_step == 0 or n_layers_per_step < -1:
+        raise ValueError(
+            f"n_layers_per_step must be -1 (all) or a positive number to sample per step, got {n_layers_per_step}."
+        )
     for option, value in {**weights, "kl_temperature": kl_temperature}.items():
         if isinstance(value, bool) or not isinstance(value, Real):
             raise TypeError(f"{option} must be a number, got {value!r}.")

@@ -1,0 +1,212 @@
+"""What every cached loss of this package shares on top of the GradCache engine (:class:`GradCacheSteps`): the
+mini-batch settings and their defaults, the Matryoshka dims and weights, the ``n_dims_per_step`` draw (stock
+MatryoshkaLoss's ``random.sample`` call), the per-dim entries ``forward`` returns, the model card's settings, the
+activation report, and the checks of the options every loss takes (numpy integers taken as ints, every error naming
+the class in use, the refused options from :mod:`.refusals`).
+
+Each loss adds its base losses (:mod:`.base_losses`), what it embeds (``encode``) and step (2) (``calculate_loss``).
+"""
+
+from __future__ import annotations
+
+import numbers
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..gradcache._st_compat import validate_mini_batch_num_tokens
+from ..gradcache.activation_budget import AUTO, ActivationBudget, check_activation_budget, check_mini_batch_size
+from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
+from ..gradcache.dims import sorted_dims
+from ..gradcache.guide_model import GuideModel
+from ..gradcache.kept_minibatches import StepPlan
+from ..gradcache.loss_components import loss_components
+from ..gradcache.parallel import check_fsdp_sync
+from ..gradcache.step import LayerDraw, Step
+from ..gradcache.steps import GradCacheSteps
+from . import card
+
+__all__ = ["CachedLossBase", "integer", "naming_errors"]
+
+
+def integer(value: Any) -> Any:
+    """A Python or numpy integer as an int (a bool stays a bool); anything else as given, for its check to refuse."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
+
+
+@contextmanager
+def naming_errors(owner: str) -> Iterator[None]:
+    """A ValueError or TypeError raised inside (the checks of a loss's options, some of them shared) names ``owner``,
+    the class in use: "<owner>: <message>" where the message does not name it already."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        if type(error) not in (ValueError, TypeError) or owner in str(error):
+            raise
+        raise type(error)(f"{owner}: {error}") from error
+
+
+def check_n_dims_per_step(value: Any, num_dims: int) -> int:
+    """``n_dims_per_step`` as accepted: -1 (every dim) or an int in [1, number of dims]."""
+    value = integer(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or 1 <= value <= num_dims):
+        raise ValueError(
+            f"n_dims_per_step must be -1 (every dim) or an int in [1, {num_dims}] (the number of matryoshka_dims), "
+            f"got {value!r}."
+        )
+    return value
+
+
+class CachedLossBase(GradCacheSteps):
+    """The shared part of the cached losses (see the module's docstring); ``self.loss`` is the base loss holding the
+    InfoNCE hyperparameters.
+
+    Args:
+        model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step: as the losses take them.
+        embedding_dim: the dims' bound where the loss knows it (a multi-vector model's token dim), else None for the
+            model's ``get_embedding_dimension()``.
+        default_mini_batch: (mini_batch_size, mini_batch_num_tokens) the base loss implies
+            (:func:`.base_losses.mini_batch_defaults`).
+        mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar, activation_budget,
+            fsdp_sync, mask_duplicates: the options every loss takes.
+        guide: a GISTEmbed guide embedding step (1)'s mini-batches, or None.
+        take_text_ids: take each row's text id (the duplicate mask, a memory bank).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: nn.Module,
+        matryoshka_dims: Sequence[int],
+        matryoshka_weights: Sequence[float] | None,
+        n_dims_per_step: int,
+        *,
+        embedding_dim: int | None,
+        default_mini_batch: tuple[int, int | None],
+        mini_batch_size: int | str | None,
+        mini_batch_num_tokens: int | None,
+        sort_by_length: bool,
+        backend: str,
+        show_progress_bar: bool,
+        activation_budget: int | str | None,
+        fsdp_sync: str,
+        mask_duplicates: bool,
+        guide: GuideModel | None = None,
+        take_text_ids: bool = False,
+    ) -> None:
+        with naming_errors(type(self).__name__):
+            default_size, default_tokens = default_mini_batch
+            mini_batch_size = check_mini_batch_size(
+                default_size if mini_batch_size is None else integer(mini_batch_size)
+            )
+            mini_batch_num_tokens = default_tokens if mini_batch_num_tokens is None else integer(mini_batch_num_tokens)
+            if mini_batch_num_tokens is not None and (
+                isinstance(mini_batch_num_tokens, bool) or not isinstance(mini_batch_num_tokens, int)
+            ):
+                raise ValueError(
+                    f"mini_batch_num_tokens must be a positive int or None, got {mini_batch_num_tokens!r}."
+                )
+            validate_mini_batch_num_tokens(mini_batch_num_tokens)
+            activation_budget = check_activation_budget(integer(activation_budget))
+            if not isinstance(mask_duplicates, bool):
+                raise TypeError(f"mask_duplicates must be True or False, got {mask_duplicates!r}.")
+            dims, weights = sorted_dims(model, matryoshka_dims, matryoshka_weights, embedding_dim=embedding_dim)
+            n_dims_per_step = check_n_dims_per_step(n_dims_per_step, len(dims))
+            budgeted = activation_budget is not None or mini_batch_size == AUTO
+            super().__init__(
+                model,
+                mini_batch_size=mini_batch_size,
+                default_mini_batch_size=DEFAULT_MINI_BATCH_SIZE,
+                mini_batch_num_tokens=mini_batch_num_tokens,
+                sort_by_length=sort_by_length,
+                show_progress_bar=show_progress_bar,
+                budget=ActivationBudget(activation_budget) if budgeted else None,
+                guide=guide,
+                take_text_ids=take_text_ids or mask_duplicates,
+                fsdp_sync=check_fsdp_sync(fsdp_sync),
+            )
+        self.loss = loss
+        self.matryoshka_dims, self.matryoshka_weights = dims, weights
+        self.n_dims_per_step = n_dims_per_step
+        self.backend = backend
+        self.activation_budget = activation_budget
+        self.mask_duplicates = mask_duplicates
+        self.masked_share: float | None = None  # the last step's share of candidates the masks removed
+
+    # ------------------------------------------------------------------------------------------ the step's dims
+
+    def draw_step(self) -> tuple[LayerDraw, ...]:
+        """This step's dims, drawn with the same ``random.sample`` call as MatryoshkaLoss (a seed draws stock's)."""
+        return (LayerDraw(None, self._sample_dims()),)
+
+    def _sample_dims(self) -> tuple[int, ...]:
+        # The same random.sample call as MatryoshkaLoss, so a seed picks the same dims as stock.
+        dim_indices = range(len(self.matryoshka_dims))
+        if 0 < self.n_dims_per_step < len(dim_indices):
+            dim_indices = sorted(random.sample(dim_indices, self.n_dims_per_step))
+        return tuple(self.matryoshka_dims[i] for i in dim_indices)
+
+    def dim_weights(self, dims: Sequence[int]) -> list[float]:
+        """The weight of each of ``dims``."""
+        return [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in dims]
+
+    # ------------------------------------------------------------------------------------------ the entries
+
+    def component_names(self) -> list[str]:
+        """The entries ``forward`` returns, in order: ``loss_dim_<d>`` per dim, descending."""
+        return [f"loss_dim_{dim}" for dim in self.matryoshka_dims]
+
+    def record_dims(
+        self, step: Step, dims: Sequence[int], weights: Sequence[float], per_dim: Tensor, prefix: str = "loss_dim_"
+    ) -> None:
+        """Step (2): each dim's weighted loss into ``step.components`` as ``<prefix><d>``, detached."""
+        for dim, weight, value in zip(dims, weights, per_dim):
+            step.components[f"{prefix}{dim}"] = (weight * value).detach()
+
+    def entries(self, total: Tensor, step: Step) -> dict[str, Tensor]:
+        """``forward``'s return: the entries of :meth:`component_names` (0 for what this step did not draw), whose
+        sum carries the gradient of ``total`` (:func:`~st_cached_losses.gradcache.loss_components.loss_components`)."""
+        zero = total.detach().new_zeros(())
+        return loss_components(total, {name: step.components.get(name, zero) for name in self.component_names()})
+
+    # ------------------------------------------------------------------------------------------ reports
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """The loss's settings for the model card, JSON values: stock ``MatryoshkaLoss``'s keys and value types (the
+        base loss by class name, the dims and weights), the base loss's own settings as stock ``Matryoshka2dLoss``
+        lists them, then this loss's own (the mini-batch settings in effect)."""
+        return {
+            "loss": type(self.loss).__name__,
+            "matryoshka_dims": self.matryoshka_dims,
+            "matryoshka_weights": self.matryoshka_weights,
+            "n_dims_per_step": self.n_dims_per_step,
+            **card.base_loss_settings(self.loss),
+            "mini_batch_size": AUTO if self.auto_mini_batch else self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "sort_by_length": self.sort_by_length,
+            "backend": self.backend,
+            **self.filter_settings(),
+            "activation_budget": self.activation_budget,
+            **({"fsdp_sync": self.fsdp_sync} if self.fsdp_sync != "per_backward" else {}),
+            **({"mask_duplicates": True} if self.mask_duplicates else {}),
+            **self.bank_settings(),
+            **(self.budget.chosen if self.budget is not None else {}),
+        }
+
+    def filter_settings(self) -> dict[str, Any]:
+        """The card's false-negative filter settings, where the loss has one."""
+        return {}
+
+    def bank_settings(self) -> dict[str, Any]:
+        """The card's memory bank settings, where the loss has one."""
+        return {}
+
+    @property
+    def activation_report(self) -> StepPlan | None:
+        """The last training step's kept mini-batches and their bytes (:class:`StepPlan`); None without a budget."""
+        return None if self.budget is None else self.budget.report
