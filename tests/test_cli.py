@@ -350,6 +350,10 @@ BAD_INPUTS = {
         "--batch-size 4 is smaller than --mini-batch-size 8",
     ),
     "previous run": (_previous_run, "holds a previous run; pass --overwrite to replace it"),
+    "the loss's own refusal": (  # CachedMatryoshkaLoss's message, its argument names as flags
+        lambda tmp: ["--memory-max-age", "3"],
+        "--memory-warmup-steps, --memory-max-age and --dual-memory configure the memory bank: set --memory-size > 0",
+    ),
     "not a run, even with --overwrite": (_not_a_run, "holds no previous run"),
     "results.json but not a run, even with --overwrite": (_results_json_without_marker, "holds no previous run"),
 }
@@ -369,11 +373,48 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_dir, tmp_path, capsys):
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == inputs
 
 
-def test_argparse_errors_exit_2(capsys):
+ARGPARSE_ERRORS = {  # argparse's own errors: the flag and what it must be, one line (not the usage block)
+    "--dims 0": "--dims must be a positive integer, got 0",
+    "--batch-size abc": "--batch-size must be a positive integer, got 'abc'",
+    "--epochs nan": "--epochs must be a positive number, got nan",
+    "--mini-batch-size some": "--mini-batch-size must be a positive integer or auto, got 'some'",
+    "--memory-size -1": "--memory-size must be an integer >= 0, got -1",
+    "--seed 1.5": "--seed must be an integer, got '1.5'",
+    "--false-negative-margin inf": "--false-negative-margin must be a finite number, got inf",
+    "--backend cuda": "--backend: invalid choice: 'cuda' (choose from ",
+    "--bf16 --fp16": "--fp16: not allowed with argument --bf16",
+    "--batch-sise 8": "unrecognized arguments: --batch-sise 8 (see st-cached-losses --help)",
+}
+
+
+@pytest.mark.parametrize("args", list(ARGPARSE_ERRORS))
+def test_argparse_errors_are_one_line_and_exit_2(args, tmp_path, capsys):
     with pytest.raises(SystemExit) as raised:
-        main(["train", "--output-dir", "x", "--batch-size", "0"])
+        main(["train", "--output-dir", str(tmp_path / "out"), *args.split()])
+    err = capsys.readouterr().err
     assert raised.value.code == 2
-    assert "must be a positive integer" in capsys.readouterr().err
+    assert err.count("\n") == 1 and ARGPARSE_ERRORS[args] in err, err
+    assert err.startswith(("st-cached-losses train: error: ", "st-cached-losses: error: ")), err
+    assert "_positive" not in err and "usage:" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_required_flag_points_to_help(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["train"])
+    assert raised.value.code == 2
+    assert capsys.readouterr().err == (
+        "st-cached-losses train: error: the following arguments are required: --output-dir "
+        "(see st-cached-losses train --help)\n"
+    )
+
+
+def test_help_is_argparse_s(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert raised.value.code == 0
+    assert out.startswith("usage: st-cached-losses train [-h]") and "--multi-vector" in out
 
 
 @pytest.mark.slow  # a fresh interpreter
@@ -549,13 +590,6 @@ def test_fp16_maps_to_the_trainer_argument(tmp_path):
     assert (training_args.fp16, training_args.bf16) == (True, False)
 
 
-def test_bf16_and_fp16_are_mutually_exclusive(capsys):
-    with pytest.raises(SystemExit) as raised:
-        main(["train", "--output-dir", "x", "--bf16", "--fp16"])
-    assert raised.value.code == 2
-    assert "argument --fp16: not allowed with argument --bf16" in capsys.readouterr().err
-
-
 def _fake_training(monkeypatch, seconds: dict[str, float], peaks_mib: list[int], block_only: bool = True):
     """train_once takes ``seconds[name]`` without training; measure_peak_memory reports ``peaks_mib`` in turn.
     Returns the list of the losses trained, in order."""
@@ -658,11 +692,34 @@ def test_the_command_line_defaults_are_the_options_defaults():
             assert getattr(args, field.name) == field.default, field.name
 
 
+def test_a_loss_error_names_flags_and_the_options_that_chose_the_loss():
+    """loss_usage_error: one line, the losses' argument names as flags (a plain word only where it is the argument),
+    after the flags that chose the loss."""
+    from st_cached_losses.cli.options import loss_usage_error
+
+    error = ValueError(
+        "backend='triton' cannot run here: no GPU.\nUse backend='chunked' (the chunked backend); memory_size must be "
+        "0 without memory_size_x or auto_mini_batch_size."
+    )
+    usage = loss_usage_error(error, TrainOptions(output_dir="x", layers=[1], guide="g"))
+    assert str(usage) == (
+        "--layers --guide: --backend 'triton' cannot run here: no GPU. Use --backend 'chunked' (the chunked backend); "
+        "--memory-size must be 0 without memory_size_x or auto_mini_batch_size"
+    )
+    assert str(loss_usage_error(TypeError("backend must be one of ('auto',)."), TrainOptions(output_dir="x"))) == (
+        "--backend must be one of ('auto',)"
+    )
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
         ({"batch_size": 0}, "--batch-size must be a positive integer, got 0"),
         ({"epochs": -1.0}, "--epochs must be a positive number, got -1"),
+        ({"seed": "12"}, "--seed must be an integer, got '12'"),
+        ({"memory_warmup_steps": -2}, "--memory-warmup-steps must be an integer >= 0, got -2"),
+        ({"false_negative_margin": float("nan")}, "--false-negative-margin must be a finite number, got nan"),
+        ({"multi_vector": True, "layers": [1]}, "--multi-vector (CachedMultiVectorMatryoshkaLoss) and --layers"),
         ({"max_steps": 2.5}, "--max-steps must be a positive integer, got 2.5"),
         ({"bf16": True, "fp16": True}, "--bf16 and --fp16 exclude each other"),
     ],
@@ -703,7 +760,6 @@ def test_false_negative_margin_alone_is_self_guided(tiny_dir, tmp_path, monkeypa
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--false-negative-margin", "nan"], "--false-negative-margin: false_negative_margin must be a finite number"),
         (["--false-negative-margin", "0.1", "--compare-stock"], "stock has no self-guided filter"),
         (["--guide", "./no/such/guide"], "--guide './no/such/guide': no such directory"),
     ],
