@@ -530,16 +530,34 @@ def test_single_pair_batches():
     assert data.single_pair_batches(shared, 4, seed=0) == (5, 5)
 
 
+TRITON_ON_CPU = f"{ERROR_PREFIX}--backend 'triton' cannot run here: "  # the loss's check, the registry's rule
+
+
 def test_triton_backend_on_cpu_is_refused_before_anything_runs(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Refused by the loss when the job builds it, before any evaluation or training."""
     from st_cached_losses.ops.triton import kernels as triton_kernels
 
     monkeypatch.setattr(triton_kernels, "INTERPRETED", False)  # the tests run Triton's CPU interpreter; a user does not
-    monkeypatch.setattr(job, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
+    monkeypatch.setattr(job, "build_evaluate", lambda *args: pytest.fail("the evaluation was built"))
     code = train_cli(tiny_dir, tmp_path / "out", "--backend", "triton")
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith(f"{ERROR_PREFIX}--backend triton: backend='triton' cannot run here: "), err
+    assert err.startswith(TRITON_ON_CPU) and err.endswith(". Use --backend 'chunked' or 'auto'\n"), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_backend_choices_are_both_ops_names_and_each_loss_checks_its_own(tiny_dir, tmp_path, capsys):
+    from st_cached_losses.ops import backends
+
+    names = set(backends("matryoshka_infonce")) | set(backends("maxsim_infonce"))
+    assert set(command.BACKEND_CHOICES) == names and set(backends("maxsim_infonce")) < names
+    for name in names:  # the parser takes each (an unknown name: ARGPARSE_ERRORS)
+        assert command.build_parser().parse_args(["train", "--output-dir", "x", "--backend", name]).backend == name
+    missing = next(name for name in backends("matryoshka_infonce") if name not in backends("maxsim_infonce"))
+    assert train_cli(tiny_dir, tmp_path / "out", "--multi-vector", "--backend", missing) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{ERROR_PREFIX}--multi-vector: --backend must be one of ") and err.count("\n") == 1, err
+    assert f"got {missing!r}" in err and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow  # a fresh interpreter
@@ -555,10 +573,7 @@ def test_triton_backend_on_cpu_in_a_fresh_process(tmp_path):
         env=env,
     )
     assert proc.returncode == 2
-    assert (
-        proc.stderr.startswith(f"{ERROR_PREFIX}--backend triton: backend='triton' cannot run here")
-        and proc.stderr.count("\n") == 1
-    ), proc.stderr
+    assert proc.stderr.startswith(TRITON_ON_CPU) and proc.stderr.count("\n") == 1, proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 

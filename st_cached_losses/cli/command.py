@@ -82,6 +82,12 @@ POSITIVE_INT, POSITIVE_NUMBER = number("a positive integer"), number("a positive
 POSITIVE_INT_OR_AUTO = number("a positive integer", auto=True)
 
 
+# --backend: the names of both ops' registries (ops.backend.backends), the loss checks its own op's.
+_OPS = {"matryoshka_infonce": "CachedMatryoshkaLoss, --layers", "maxsim_infonce": "--multi-vector"}
+BACKEND_CHOICES = tuple(dict.fromkeys(name for op in _OPS for name in backends(op)))
+BACKENDS_BY_OP = "; ".join(f"{op} ({losses}): {', '.join(backends(op))}" for op, losses in _OPS.items())
+
+
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``train`` and its options: one flag per field of :class:`~st_cached_losses.cli.options.TrainOptions`."""
     p = subparsers.add_parser(
@@ -167,10 +173,10 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --output-dir")
     p.add_argument(
         "--backend",
-        choices=backends("matryoshka_infonce"),
+        choices=BACKEND_CHOICES,
         default="auto",
-        help="loss-stage kernel of CachedMatryoshkaLoss (with --multi-vector, of maxsim_infonce: no triton; default: "
-        "auto)",
+        help="the loss stage's backend, by op (the loss refuses a name its op lacks or that cannot run on the "
+        f"device): {BACKENDS_BY_OP} (default: auto)",
     )
     precision = p.add_mutually_exclusive_group()
     precision.add_argument(

@@ -45,7 +45,7 @@ from .options import (
     MIN_DEFAULT_TOKEN_DIM,
     TrainOptions,
     check_batch_sizes,
-    check_device,
+    check_fp16,
     check_layers,
     default_model_path,
     loss_usage_error,
@@ -131,14 +131,14 @@ def prepare(options: TrainOptions) -> Prepared:
 
     Raises:
         UsageError: see :func:`~st_cached_losses.cli.run_dir.check_output_dir`, :func:`check_batch_sizes`,
-            :func:`check_device`, :func:`default_model_path`, :func:`~st_cached_losses.cli.data.load_pairs`,
+            :func:`check_fp16`, :func:`default_model_path`, :func:`~st_cached_losses.cli.data.load_pairs`,
             :func:`load_model`, :func:`resolve_dims` and :func:`check_layers`; the loss's own ValueError / TypeError
             on the options, as :func:`~st_cached_losses.cli.options.loss_usage_error` words it.
     """
     check_output_dir(options.output_dir, options.overwrite)
     if options.mini_batch_size != "auto":
         check_batch_sizes(options.batch_size, options.mini_batch_size)
-    check_device(options.backend, options.fp16, model_device())
+    check_fp16(options.fp16, model_device())
     model_spec = options.model or default_model_path()
     with quiet_loading(), _held_warnings(data_logger) as release:  # bad input below stays one line
         train, test = load_pairs(options.dataset, options.seed, options.max_train_samples, options.max_eval_samples)

@@ -27,7 +27,7 @@ __all__ = [
     "MIN_DEFAULT_TOKEN_DIM",
     "TrainOptions",
     "check_batch_sizes",
-    "check_device",
+    "check_fp16",
     "check_layers",
     "check_number",
     "default_model_path",
@@ -269,15 +269,9 @@ def model_device() -> str:
     return get_device_name()
 
 
-def check_device(backend: str, fp16: bool, device: str) -> None:
-    """Raises UsageError if ``backend`` cannot run on ``device`` (e.g. "triton" on a CPU; the rule is
-    :func:`st_cached_losses.ops.check_backend`'s), or for ``fp16`` on a CPU, where the trainer has no fp16."""
-    from ..ops.backend import check_backend
-
-    try:
-        check_backend(backend, device)
-    except ValueError as error:
-        raise UsageError(f"--backend {backend}: {error}") from error
+def check_fp16(fp16: bool, device: str) -> None:
+    """Raises UsageError for ``fp16`` on a CPU, where the trainer has no fp16. (Whether ``--backend`` runs on the
+    device is the loss's rule, the op's registry's: :func:`st_cached_losses.ops.backend.check_backend`.)"""
     if fp16 and device == "cpu":
         raise UsageError(
             "--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); use --bf16 on a CPU"
