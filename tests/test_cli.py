@@ -100,6 +100,7 @@ def test_results_record_the_loss_stage_backend(run):
             "device": "cpu",
             "reason": "auto: the Triton kernels run on CUDA GPUs only, not cpu",
             "tile": "16 rows",
+            "precision": "ieee",  # fp32 scores on a CPU
         }
     ]
     summary = [line for line in stdout.splitlines() if line.startswith("loss stage: ")]
