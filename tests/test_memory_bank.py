@@ -3,14 +3,17 @@ parameter gradient over several training steps whose parameters move between ste
 embeddings of earlier steps. Pairs and hard negatives, FIFO eviction, warm-up and maximum age, an evaluation forward
 that banks nothing, the own-pair rule without the duplicate mask, the duplicate mask and a GISTEmbed guide across the
 bank, the dual memory (against stock MultipleNegativesRankingLoss on the batch and the banked pairs), the errors, and
-the steps the bank counts (optimizer steps once counted, else training forwards, with one warning). 2 gloo processes:
+the bank's steps (given by a caller, else one per training forward, with one warning; one writer). 2 gloo processes:
 tests/test_memory_bank_distributed.py; checkpoints, gradient accumulation: tests/test_memory_bank_trainer.py."""
 
 from __future__ import annotations
 
+import ast
 import copy
+import inspect
 import logging
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +23,8 @@ from sentence_transformers.sentence_transformer.losses import (
 )
 
 from st_cached_losses import CachedAdaptiveLayerLoss, CachedMatryoshka2dLoss, CachedMatryoshkaLoss
-from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank
+from st_cached_losses.gradcache import memory_bank
+from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank, end_training_forward
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.helpers import assert_grads_close, parameter_grads, texts
 
@@ -359,16 +363,16 @@ def test_the_scored_pairs_are_views_of_the_ring_unless_an_age_limit_wraps_them()
         return bank.candidates().docs.untyped_storage().data_ptr() == bank.docs.untyped_storage().data_ptr()
 
     bank = MemoryBank(10, max_age=2)  # 10 slots of one document
-    bank.end_step(pairs(0))
+    end_training_forward(bank, pairs(0))
     assert shares(bank) and bank.size == 3  # filling: slots 0..2
     for step in range(1, 4):
-        bank.end_step(pairs(step))
+        end_training_forward(bank, pairs(step))
     assert bank.size == 6 and bank.oldest_age == 2  # steps 2 and 3 (slots 6..8 and 9, 0, 1): wrapped
     assert not shares(bank)
     assert sorted(bank.candidates().docs.flatten().unique().tolist()) == [2.0, 3.0]
     full = MemoryBank(6)
     for step in range(3):
-        full.end_step(pairs(step))
+        end_training_forward(full, pairs(step))
     assert full.size == 6 and shares(full)
 
 
@@ -377,8 +381,8 @@ def test_a_step_whose_embeddings_are_not_finite_banks_nothing():
     would make every later step NaN."""
     bank, docs = MemoryBank(8), torch.zeros(2, 1, 4)
     ids = torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
-    bank.end_step(BankedPairs(docs, *ids))
-    bank.end_step(BankedPairs(docs.clone().fill_(float("nan")), *ids))
+    end_training_forward(bank, BankedPairs(docs, *ids))
+    end_training_forward(bank, BankedPairs(docs.clone().fill_(float("nan")), *ids))
     assert bank.step == 2 and bank.size == 2 and torch.isfinite(bank.candidates().docs).all()
 
 
@@ -407,19 +411,19 @@ def _banked_values(bank: MemoryBank) -> list[float]:
     return [] if candidates is None else sorted(candidates.docs[:, 0, 0].unique().tolist())
 
 
-def test_a_bank_that_counts_optimizer_steps_ages_its_pairs_by_them():
-    """Gradient accumulation of 2 micro-batches, warm-up 1 and maximum age 2, in optimizer steps: nothing banked in
-    optimizer step 0; in step 1 the second micro-batch scores the first's pairs (age 0); a pair of step s leaves
-    after step s + 2; both micro-batches' pairs of a step have the same age. Micro-batch m of step s banks the value
-    10 s + m."""
+def test_a_bank_its_caller_gives_optimizer_steps_ages_its_pairs_by_them():
+    """Gradient accumulation of 2 micro-batches, warm-up 1 and maximum age 2, in optimizer steps given by the loop:
+    nothing banked in optimizer step 0; in step 1 the second micro-batch scores the first's pairs (age 0); a pair of
+    step s leaves after step s + 2; both micro-batches' pairs of a step have the same age. Micro-batch m of step s
+    banks the value 10 s + m."""
     bank = MemoryBank(100, warmup_steps=1, max_age=2)
-    bank.count_optimizer_steps()
     scored = []
     for optimizer_step in range(5):
+        bank.set_step(optimizer_step, driver="my loop")
         for micro in range(2):
             scored.append(_banked_values(bank))
-            bank.end_step(_pairs(10 * optimizer_step + micro))
-        bank.end_optimizer_step()
+            end_training_forward(bank, _pairs(10 * optimizer_step + micro))
+    bank.set_step(5, driver="my loop")
     assert scored == [
         [],
         [],  # warm-up
@@ -437,15 +441,52 @@ def test_a_bank_that_counts_optimizer_steps_ages_its_pairs_by_them():
     assert bank.step == 5 and bank.oldest_age == 2
 
 
-def test_a_bank_that_counts_nothing_counts_training_forwards():
-    """A loop of its own that does not count optimizer steps: each training forward is a step (warm-up 1: the first
-    forward banks nothing, the second does and is counted too)."""
+def test_a_bank_no_caller_drives_counts_training_forwards():
+    """A loop of its own that gives no steps: each training forward is a step (warm-up 1: the first forward banks
+    nothing, the second does and is counted too). Once a caller drives the bank, forwards give no step; handed back
+    (driver None), they count again."""
     bank = MemoryBank(100, warmup_steps=1, max_age=1)
     for forward in range(3):
-        bank.end_step(_pairs(forward))
+        end_training_forward(bank, _pairs(forward))
     assert bank.step == 3 and _banked_values(bank) == [2.0] and bank.oldest_age == 1
-    with pytest.raises(RuntimeError, match=r"counts training forwards .* call loss.memory.count_optimizer_steps\(\)"):
-        bank.end_optimizer_step()
+    bank.set_step(3, driver="my loop")
+    end_training_forward(bank, _pairs(3))
+    assert bank.step == 3 and bank.driver == "my loop" and _banked_values(bank) == [2.0, 3.0]
+    bank.set_step(3, driver=None)
+    end_training_forward(bank, _pairs(4))
+    assert bank.step == 4 and _banked_values(bank) == [3.0, 4.0]
+
+
+def test_a_step_is_an_int_that_never_goes_back_before_a_banked_pair():
+    bank = MemoryBank(100)
+    for step in (1.5, True, "2", torch.tensor(2.0)):
+        with pytest.raises(TypeError, match=r"step must be an int"):
+            bank.set_step(step, driver="my loop")
+    with pytest.raises(TypeError, match=r"driver must be a name \(str\) or None"):
+        bank.set_step(1, driver=1)
+    with pytest.raises(ValueError, match=r"step must be >= 0, got -1"):
+        bank.set_step(-1, driver="my loop")
+    bank.set_step(np.int64(4), driver="my loop")  # numpy integers are steps too
+    bank.set_step(2, driver="my loop")  # back, while nothing is banked
+    bank.add(_pairs(1.0))
+    with pytest.raises(ValueError, match=r"step=1 is before step 2, at which the bank holds pairs"):
+        bank.set_step(1, driver="my loop")
+    assert bank.step == 2 and type(bank.step) is int
+
+
+def test_the_step_has_one_writer():
+    """``MemoryBank._step`` is assigned in ``set_step`` (and ``__init__``) alone; ``step`` cannot be assigned."""
+    source = inspect.getsource(memory_bank)
+    writers = {
+        function.name
+        for function in ast.walk(ast.parse(source))
+        if isinstance(function, ast.FunctionDef)
+        for node in ast.walk(function)
+        if isinstance(node, ast.Attribute) and node.attr == "_step" and isinstance(node.ctx, ast.Store)
+    }
+    assert writers == {"__init__", "set_step"}
+    with pytest.raises(AttributeError):
+        MemoryBank(4).step = 1
 
 
 def _bank_warnings(caplog) -> list[str]:
@@ -453,11 +494,11 @@ def _bank_warnings(caplog) -> list[str]:
 
 
 def test_a_bank_no_callback_serves_warns_once_at_its_first_training_forward(model, caplog):
-    """Not at an evaluation forward; once per loss, naming the fix; never for a bank that counts optimizer steps
-    (as CachedLossCallback makes it at the start of training)."""
+    """Not at an evaluation forward; once per loss, naming the fix; never for a bank that a caller drives (as
+    CachedLossCallback does while the trainer trains)."""
     features = [model.preprocess(column) for column in _batches(1, rows=3, negatives=0)[0]]
     unserved, other, served = (_loss(copy.deepcopy(model), 12) for _ in range(3))
-    served.memory.count_optimizer_steps()
+    served.memory.set_step(0, driver="my loop")
     with caplog.at_level(logging.WARNING, logger="st_cached_losses.gradcache.memory_bank"):
         with torch.no_grad():
             unserved(features, None)
@@ -467,19 +508,19 @@ def test_a_bank_no_callback_serves_warns_once_at_its_first_training_forward(mode
     warnings = _bank_warnings(caplog)
     assert len(warnings) == 2  # unserved's and other's, once each
     assert "CachedLossCallback.attach(trainer)" in warnings[0] and "not an optimizer step" in warnings[0]
-    assert "loss.memory.count_optimizer_steps()" in warnings[0]
+    assert 'loss.memory.set_step(step, driver="my loop")' in warnings[0]
 
 
 def test_a_banks_state_is_a_snapshot():
     """bank_state() does not change with later steps, and banks loaded from one state share nothing."""
     bank = MemoryBank(4)
-    bank.end_step(_pairs(1.0))
+    end_training_forward(bank, _pairs(1.0))
     state = bank.bank_state()
     copies = [MemoryBank(4), MemoryBank(4)]
     for copy_ in copies:
         copy_.load_bank_state(state)
     for source in (bank, copies[0]):
-        source.end_step(_pairs(2.0, rows=3))
+        end_training_forward(source, _pairs(2.0, rows=3))
     assert state["counters"] == {"step": 1, "next_slot": 2, "filled": 2}
     assert state["tensors"]["docs"][:2].unique().tolist() == [1.0]
     assert _banked_values(copies[1]) == [1.0] and _banked_values(copies[0]) == [1.0, 2.0]

@@ -2,11 +2,12 @@
 under gradient accumulation), is saved with each checkpoint the trainer writes and restored by
 ``trainer.train(resume_from_checkpoint=...)`` (True, or a folder anywhere: a resumed run ends where the uninterrupted
 one does), every cached loss of a dict of losses is served under its name, and the fill, age and masked share reach
-the trainer's own log. Fast tests drive the callback's hooks with stand-in losses and trainer state; the slow ones
-train end to end."""
+the trainer's own log. Fast tests drive the callback's hooks with real losses (their training forwards stood in)
+and trainer state; the slow ones train end to end."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import shutil
@@ -16,17 +17,17 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
 from sentence_transformers.sentence_transformer.losses import (
     CachedMultipleNegativesRankingLoss,
     MultipleNegativesRankingLoss,
 )
 from transformers import TrainerCallback, TrainerControl, TrainerState
-from transformers.trainer_utils import HPSearchBackend
 
-from st_cached_losses import CachedLossCallback, CachedMatryoshkaLoss
-from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank
-from st_cached_losses.losses.callback import MEMORY_FILE, TrainCall, trainer_run_folder
-from st_cached_losses.testing import tiny_sentence_transformer
+from st_cached_losses import CachedLossCallback, CachedMatryoshkaLoss, CachedMultiVectorMatryoshkaLoss
+from st_cached_losses.gradcache.memory_bank import BankedPairs, MemoryBank, end_training_forward
+from st_cached_losses.losses.callback import MEMORY_FILE, TrainCall
+from st_cached_losses.testing import tiny_multi_vector_encoder, tiny_sentence_transformer
 from tests.helpers import texts
 
 STEPS, SAVE_AT = 6, 3
@@ -35,15 +36,23 @@ BANK_LOGGER = "st_cached_losses.gradcache.memory_bank"
 # --------------------------------------------------------------------------------------------- the hooks, fast
 
 
-def _stand_in(memory_size: int = 100, **options) -> SimpleNamespace:
-    """What CachedLossCallback uses of a cached loss: its bank, its masked share and its model's device."""
-    return SimpleNamespace(memory=MemoryBank(memory_size, **options), masked_share=0.25, model=torch.nn.Linear(1, 1))
+@functools.cache
+def _model():
+    return tiny_sentence_transformer(seed=5)
+
+
+def _stand_in(memory_size: int = 100, **options):
+    """A cached loss whose bank and masked share the callback serves; its training forwards are :func:`_forward`'s
+    (never run). ``options``: the loss's memory options."""
+    loss = _loss(_model(), memory_size, **options)
+    loss.masked_share = 0.25
+    return loss
 
 
 def _forward(loss, value: float, rows: int = 2) -> None:
     """A training forward's end, as the loss ends it: ``rows`` pairs of one document, every entry ``value``."""
     ids = torch.zeros(rows, 1, dtype=torch.int64), torch.arange(rows) + int(value) * 100
-    loss.memory.end_step(BankedPairs(torch.full((rows, 1, 4), float(value)), *ids))
+    end_training_forward(loss.memory, BankedPairs(torch.full((rows, 1, 4), float(value)), *ids))
 
 
 def _hooks(callback, tmp_path, resume=None, output_dir=None):
@@ -78,7 +87,7 @@ def _assert_same_bank(bank: MemoryBank, other: MemoryBank) -> None:
 
 def test_the_callback_makes_the_bank_count_optimizer_steps(tmp_path, caplog):
     """Gradient accumulation of 2: both micro-batches of an optimizer step bank at the same step, the logged age is
-    in optimizer steps, and a bank the callback serves never warns."""
+    in optimizer steps, and a bank the callback serves never warns; when training ends, the callback lets it go."""
     loss = _stand_in()
     callback = CachedLossCallback(loss)
     with caplog.at_level(logging.WARNING, logger=BANK_LOGGER):
@@ -89,12 +98,15 @@ def test_the_callback_makes_the_bank_count_optimizer_steps(tmp_path, caplog):
     assert logs[0]["masked_share"] == 0.25 and loss.memory.step == 2
     assert loss.memory.steps[:4].tolist() == [0, 0, 0, 0] and loss.memory.steps[4:8].tolist() == [1, 1, 1, 1]
     assert caplog.records == []
+    assert loss.memory.driver == "CachedLossCallback"
+    callback.on_train_end(*hooks)
+    assert loss.memory.driver is None and loss.memory.step == 2  # handed back to the loss's training forwards
 
 
 def test_every_bank_of_a_dict_of_losses_is_saved_and_restored_under_its_name(tmp_path):
     """From the last checkpoint in output_dir (True) and from a folder outside it, into fresh banks: the exact banks;
     the reports carry the losses' names."""
-    losses = {"a": _stand_in(20), "b": _stand_in(12, max_age=5)}
+    losses = {"a": _stand_in(20), "b": _stand_in(12, memory_max_age=5)}
     callback = CachedLossCallback(losses)
     hooks = _hooks(callback, tmp_path)
     for step in range(3):
@@ -108,7 +120,7 @@ def test_every_bank_of_a_dict_of_losses_is_saved_and_restored_under_its_name(tmp
     outside = tmp_path / "elsewhere" / "kept"
     shutil.copytree(checkpoint, outside)
     for resume, output_dir in ((True, tmp_path / "run"), (str(outside), tmp_path / "fresh")):
-        restored = {"a": _stand_in(20), "b": _stand_in(12, max_age=5)}
+        restored = {"a": _stand_in(20), "b": _stand_in(12, memory_max_age=5)}
         _hooks(CachedLossCallback(restored), tmp_path, resume, output_dir)
         for name in "ab":
             _assert_same_bank(restored[name].memory, losses[name].memory)
@@ -133,31 +145,85 @@ def test_a_checkpoint_without_a_loss_bank_says_which_starts_empty(tmp_path, capl
 def test_a_callback_that_heard_no_train_call_refuses_to_begin(tmp_path):
     callback = CachedLossCallback(_stand_in())
     args = SentenceTransformerTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
-    with pytest.raises(ValueError, match=r"not attached with CachedLossCallback.attach\(trainer\)"):
+    with pytest.raises(
+        ValueError, match=r"did not hear this trainer.train call.*instead of adding the callback yourself"
+    ):
         callback.on_train_begin(args, TrainerState(), TrainerControl())
 
 
-def test_attach_serves_every_cached_loss_of_a_dict_once_and_hears_train(tmp_path):
+def _dict_trainer(output_dir, sizes=(20, 12)) -> SentenceTransformerTrainer:
+    """A trainer of a dict of losses: cached ones with banks of ``sizes`` ("a", "b"), and a stock one ("c")."""
     model = tiny_sentence_transformer(seed=5)
-    losses = {name: _loss(model, memory_size=size) for name, size in (("a", 20), ("b", 12))}
+    losses = {name: _loss(model, memory_size=size) for name, size in zip("ab", sizes)}
     losses["c"] = MultipleNegativesRankingLoss(model)  # stock: not served
     data = _dataset(8)
-    args = SentenceTransformerTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
-    trainer = SentenceTransformerTrainer(
-        model=model, args=args, train_dataset=DatasetDict(a=data, b=data, c=data), loss=losses
-    )
-    trainer.train = lambda resume_from_checkpoint=None, trial=None: ("trained", resume_from_checkpoint)  # no training
+    args = SentenceTransformerTrainingArguments(output_dir=str(output_dir), report_to="none", use_cpu=True)
+    datasets = DatasetDict(dict.fromkeys(losses, data))
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=datasets, loss=losses)
+
+
+def test_attach_serves_every_cached_loss_of_a_dict_once_and_hears_one_train_call(tmp_path, monkeypatch):
+    """The call's resume_from_checkpoint and run folder, heard while it runs; then the trainer's own ``train`` is
+    back (no wrapper on the trainer), whether the call returned or raised; another call is heard once attached again.
+    """
+    trainer = _dict_trainer(tmp_path)
+    heard = []
+
+    def train(self, resume_from_checkpoint=None, trial=None, fail=False):  # the trainer's own, without training
+        heard.append(callback.train_call)
+        if fail:
+            raise RuntimeError("diverged")
+        return "trained"
+
+    monkeypatch.setattr(SentenceTransformerTrainer, "train", train)
     callback = CachedLossCallback.attach(trainer)
     assert trainer.callback_handler.callbacks[1] is callback and sorted(callback.losses) == ["a", "b"]
-    assert trainer.train("/somewhere/checkpoint-7") == ("trained", "/somewhere/checkpoint-7")
-    assert callback.train_call == TrainCall("/somewhere/checkpoint-7", str(tmp_path))
+    with pytest.raises(ValueError, match=r"attached to this trainer already"):
+        CachedLossCallback.attach(trainer)  # before its call: attached once
+    assert trainer.train("/somewhere/checkpoint-7") == "trained"
+    assert heard == [TrainCall("/somewhere/checkpoint-7", str(tmp_path))] and callback.train_call is None
+    assert "train" not in vars(trainer) and trainer.train.__func__ is train
+    with pytest.raises(ValueError, match=r"did not hear this trainer.train call.*attach\(trainer\) before each"):
+        callback.on_train_begin(trainer.args, TrainerState(), TrainerControl())  # a call not heard: refused
+    assert CachedLossCallback.attach(trainer) is callback  # re-armed, not added twice
+    assert sum(isinstance(c, CachedLossCallback) for c in trainer.callback_handler.callbacks) == 1
+    with pytest.raises(RuntimeError, match="diverged"):
+        trainer.train(resume_from_checkpoint=True, fail=True)
+    assert heard[-1] == TrainCall(True, str(tmp_path)) and "train" not in vars(trainer)
+    own = trainer.train = lambda resume_from_checkpoint=None, trial=None: "own"  # an instance's own train
+    CachedLossCallback.attach(trainer)
+    assert trainer.train() == "own" and trainer.train is own
+    with pytest.raises(TypeError, match=r"needs a loss of st_cached_losses, got MultipleNegativesRankingLoss"):
+        CachedLossCallback({"c": trainer.loss["c"]})
+
+
+def test_without_a_bank_attach_leaves_train_alone(tmp_path):
+    """The reports need no train call: nothing wrapped, and the callback begins without one."""
+    trainer = _dict_trainer(tmp_path, sizes=(0, 0))
+    train = trainer.train
+    callback = CachedLossCallback.attach(trainer)
+    assert sorted(callback.losses) == ["a", "b"] and callback.banks() == {}
+    assert "train" not in vars(trainer) and trainer.train == train
+    callback.on_train_begin(trainer.args, TrainerState(), TrainerControl())
     with pytest.raises(ValueError, match=r"attached to this trainer already"):
         CachedLossCallback.attach(trainer)
-    with pytest.raises(TypeError, match=r"needs a loss of st_cached_losses, got MultipleNegativesRankingLoss"):
-        CachedLossCallback({"c": losses["c"]})
-    # The checkpoints' folder is the trainer's own: a trial's folder under a hyperparameter search.
-    trainer.hp_search_backend = HPSearchBackend.OPTUNA
-    assert trainer_run_folder(trainer, SimpleNamespace(number=4)) == str(tmp_path / "run-4")
+
+
+def test_the_losses_served_are_this_packages_whatever_their_attributes():
+    """A loss of this package is a GradCacheSteps: one without a ``memory`` attribute (the multi-vector loss) is
+    served, its reports without a bank's; a look-alike with ``memory`` and ``masked_share`` is not."""
+    multi_vector = tiny_multi_vector_encoder()
+    ours = CachedMultiVectorMatryoshkaLoss(
+        multi_vector, CachedMultiVectorMultipleNegativesRankingLoss(multi_vector), [32], mini_batch_size=4
+    )
+    vars(ours).pop("memory", None)  # it has no bank, and need not say so
+    ours.masked_share = 0.5
+    look_alike = SimpleNamespace(memory=MemoryBank(8), masked_share=0.25, model=torch.nn.Linear(1, 1))
+    callback = CachedLossCallback({"ours": ours, "look_alike": look_alike})
+    assert list(callback.losses) == ["ours"] and callback.banks() == {}
+    assert callback.reports() == {"ours_masked_share": 0.5}
+    with pytest.raises(TypeError, match=r"needs a loss of st_cached_losses, got SimpleNamespace"):
+        CachedLossCallback(look_alike)
 
 
 # --------------------------------------------------------------------------------------------- end to end

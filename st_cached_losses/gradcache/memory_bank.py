@@ -10,18 +10,20 @@ query embedding. Embeddings are detached, full-dim, in fp32 (fp64 for fp64 input
 - ``memory_size`` K counts banked documents: the ring holds K // (1 + hard negatives per row) pairs, oldest out
   first, and (``max_age``) a pair leaves once it is older than that many steps.
 - ``warmup_steps``: the bank is neither scored nor filled before that many steps (XBM's start iteration).
-- A step is an optimizer step once something counts them (:meth:`MemoryBank.count_optimizer_steps`; under
-  ``SentenceTransformerTrainer``, :class:`st_cached_losses.CachedLossCallback` does): the pairs that the micro-batches
-  of one optimizer step bank have the same age, and a later micro-batch of the step scores an earlier one's (age 0:
-  the same parameters embedded them). Otherwise (a loop of your own that does not count them) each training forward
-  is a step, a micro-batch under gradient accumulation, and the bank says so once, at its first training forward.
+- The bank's step is given by whoever drives it, through :meth:`MemoryBank.set_step` (its one writer): under
+  ``SentenceTransformerTrainer``, :class:`st_cached_losses.CachedLossCallback` gives the trainer's optimizer steps (the
+  pairs that the micro-batches of one optimizer step bank have the same age, and a later micro-batch of the step
+  scores an earlier one's: age 0, the same parameters embedded them); a loop of your own may give its own. While no
+  caller drives it, the loss's training forward gives it the next step after banking (:func:`end_training_forward`):
+  each training forward is a step, a micro-batch under gradient accumulation, and the bank says so once.
 - :meth:`MemoryBank.candidates` gives the op the valid slots as views of the ring (a copy only when an age limit
-  leaves them wrapped around its end); :meth:`MemoryBank.end_step` banks a training forward's pairs after its loss.
+  leaves them wrapped around its end); :meth:`MemoryBank.add` banks a training forward's pairs after its loss.
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +33,7 @@ from ..ops.core import all_finite
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BankedPairs", "MemoryBank", "check_memory_options"]
+__all__ = ["BankedPairs", "MemoryBank", "check_memory_options", "end_training_forward"]
 
 
 def check_memory_options(memory_size, memory_warmup_steps, memory_max_age, dual_memory, gather: bool = False) -> None:
@@ -84,11 +86,11 @@ class BankedPairs:
 class MemoryBank(nn.Module):
     """The memory bank of a cached loss (``loss.memory``): moves with ``.to(device)``; saved and restored by
     :class:`st_cached_losses.CachedLossCallback` with the trainer's checkpoints (:meth:`bank_state`,
-    :meth:`load_bank_state`), which also makes it count optimizer steps (:meth:`count_optimizer_steps`).
+    :meth:`load_bank_state`), which also gives it the trainer's optimizer steps (:meth:`set_step`).
 
-    A loop of your own counts optimizer steps with ``loss.memory.count_optimizer_steps()`` before its first step and
-    ``loss.memory.end_optimizer_step()`` after each ``optimizer.step()``, and saves ``loss.memory.bank_state()`` with
-    its checkpoints; without the first, each training forward is a step (a warning says so at the first one).
+    A loop of your own gives it its optimizer steps with ``loss.memory.set_step(step, driver="my loop")`` before each
+    optimizer step's training forwards (0 first), and saves ``loss.memory.bank_state()`` with its checkpoints; without
+    it, each training forward is a step (a warning says so at the first one).
 
     Args:
         memory_size: banked documents K (> 0).
@@ -102,8 +104,8 @@ class MemoryBank(nn.Module):
     def __init__(self, memory_size: int, *, warmup_steps: int = 0, max_age: int | None = None, dual: bool = False):
         super().__init__()
         self.memory_size, self.warmup_steps, self.max_age, self.dual = memory_size, warmup_steps, max_age, dual
-        self.step = 0  # steps counted: optimizer steps (counts_optimizer_steps), else training forwards
-        self.counts_optimizer_steps = False  # count_optimizer_steps() was called (by CachedLossCallback, or a loop)
+        self._step = 0  # written by set_step alone
+        self.driver: str | None = None  # who gives the steps (set_step's caller); None: the loss's training forwards
         self.said_what_it_counts = False  # the first training forward's warning, once
         self.next_slot = 0  # where the next pair goes
         self.filled = 0  # slots holding a pair
@@ -111,6 +113,11 @@ class MemoryBank(nn.Module):
             self.register_buffer(name, None)
 
     # ------------------------------------------------------------------------------------------ reports
+
+    @property
+    def step(self) -> int:
+        """The step the next training forward scores and banks at (given by :meth:`set_step`)."""
+        return self._step
 
     @property
     def slots(self) -> int:
@@ -210,38 +217,40 @@ class MemoryBank(nn.Module):
         fields = ("docs", "doc_ids", "query_ids", "guide_docs", "queries", "guide_queries")
         return BankedPairs(*(None if (t := getattr(self, name)) is None else t[index] for name in fields))
 
-    def end_step(self, pairs: BankedPairs | None) -> None:
-        """After a training forward's loss: bank its ``pairs`` (none during the warm-up, and none of a forward whose
-        embeddings are not finite: an fp16 step the gradient scaler skips must not poison the bank) at the current
-        step; unless the bank counts optimizer steps, the forward is a step (counted), and the first one warns."""
-        if not self.counts_optimizer_steps:
-            self._say_what_it_counts()
+    def add(self, pairs: BankedPairs | None) -> None:
+        """After a training forward's loss: bank its ``pairs`` at the current step (none during the warm-up, and none
+        of a forward whose embeddings are not finite: an fp16 step the gradient scaler skips must not poison the
+        bank). The step does not change: its driver gives the next (:meth:`set_step`)."""
         if pairs is not None and self.step >= self.warmup_steps and all_finite(pairs.docs):
             self._enqueue(pairs)
-        if not self.counts_optimizer_steps:
-            self.step += 1
 
-    def count_optimizer_steps(self) -> None:
-        """From now on a step is an optimizer step, counted by :meth:`end_optimizer_step` (training forwards no
-        longer count). :class:`st_cached_losses.CachedLossCallback` calls it when the trainer's training begins; a
-        loop of your own calls it before its first step."""
-        self.counts_optimizer_steps = True
-
-    def end_optimizer_step(self) -> None:
-        """After an optimizer step: one more step (the age of every banked pair grows by one).
+    def set_step(self, step: int, *, driver: str | None) -> None:
+        """Give the bank its step, the one the following training forwards score and bank at (a pair's age is the
+        step minus the one it was banked at), and who gives it: ``driver`` a caller's name (``"CachedLossCallback"``,
+        which gives the trainer's optimizer steps; ``"my loop"``), or None: the loss's training forwards, each one a
+        step (:func:`end_training_forward`). While a caller drives the bank, its forwards give it no step. The one
+        writer of the bank's step.
 
         Raises:
-            RuntimeError: the bank counts training forwards (call :meth:`count_optimizer_steps` first).
+            TypeError: ``step`` is not an int, or ``driver`` not a str or None.
+            ValueError: ``step`` < 0, or before a banked pair's step (its age would be negative).
         """
-        if not self.counts_optimizer_steps:
-            raise RuntimeError(
-                "This memory bank counts training forwards as its steps: call loss.memory.count_optimizer_steps() "
-                "before the first step to count optimizer steps with end_optimizer_step()."
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"step must be an int (a step number, 0 first), got {step!r}.")
+        if driver is not None and not isinstance(driver, str):
+            raise TypeError(f"driver must be a name (str) or None (the loss's training forwards), got {driver!r}.")
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}.")
+        if step < self._step and self.filled and step < (newest := int(self.steps.max())):  # only when going back
+            raise ValueError(
+                f"step={step} is before step {newest}, at which the bank holds pairs: a step never goes back "
+                "(load_bank_state() restores an earlier bank with its step)."
             )
-        self.step += 1
+        self._step, self.driver = step, driver
 
     def _say_what_it_counts(self) -> None:
-        """Once: nothing counts this bank's optimizer steps or keeps it in checkpoints (no CachedLossCallback)."""
+        """Once: nothing gives this bank its optimizer steps or keeps it in checkpoints (no CachedLossCallback)."""
         if self.said_what_it_counts:
             return
         self.said_what_it_counts = True
@@ -250,11 +259,14 @@ class MemoryBank(nn.Module):
             "step (memory_warmup_steps, memory_max_age; a micro-batch under gradient accumulation, not an optimizer "
             "step), and the trainer's checkpoints will not hold it (a run resumed from one starts with an empty "
             "bank). With SentenceTransformerTrainer: CachedLossCallback.attach(trainer) before trainer.train(). In a "
-            "loop of your own: loss.memory.count_optimizer_steps() before the first step, "
-            "loss.memory.end_optimizer_step() after each optimizer step, and loss.memory.bank_state() / "
-            "load_bank_state() with your checkpoints.",
+            'loop of your own: loss.memory.set_step(step, driver="my loop") before each optimizer step\'s forwards, '
+            "and loss.memory.bank_state() / load_bank_state() with your checkpoints.",
             self.memory_size,
         )
+
+    def end_step(self, pairs: BankedPairs | None) -> None:
+        """cached_matryoshka.py's call until it calls :func:`end_training_forward` itself (then remove this)."""
+        end_training_forward(self, pairs)
 
     def _enqueue(self, pairs: BankedPairs) -> None:
         if self.docs is None:
@@ -324,4 +336,16 @@ class MemoryBank(nn.Module):
         for name in self._TENSORS:
             tensor = state["tensors"].get(name)
             setattr(self, name, None if tensor is None else tensor.to(device, copy=True))  # not shared with ``state``
-        self.step, self.next_slot, self.filled = (state["counters"][key] for key in ("step", "next_slot", "filled"))
+        self.next_slot, self.filled = state["counters"]["next_slot"], state["counters"]["filled"]
+        self.set_step(state["counters"]["step"], driver=self.driver)
+
+
+def end_training_forward(bank: MemoryBank, pairs: BankedPairs | None) -> None:
+    """What a cached loss's training forward does with its bank, after its loss: bank its ``pairs``
+    (:meth:`MemoryBank.add`); when no caller drives the bank (:meth:`MemoryBank.set_step`), the forward is a step:
+    it gives the bank the next one, and the bank says so once."""
+    if bank.driver is None:
+        bank._say_what_it_counts()
+    bank.add(pairs)
+    if bank.driver is None:
+        bank.set_step(bank.step + 1, driver=None)

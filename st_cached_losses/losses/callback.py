@@ -19,11 +19,15 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ..gradcache.steps import GradCacheSteps
+from . import _transformers_compat
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MEMORY_FILE", "CachedLossCallback"]
 
 MEMORY_FILE = "st_cached_losses_memory_rank{rank}.pt"  # in each checkpoint folder, one per process
+DRIVER = "CachedLossCallback"  # the banks' driver while the trainer trains (MemoryBank.set_step)
 
 
 @dataclass(frozen=True)
@@ -44,17 +48,9 @@ class TrainCall:
         return os.fspath(self.resume_from_checkpoint)
 
 
-def trainer_run_folder(trainer: Any, trial: Any) -> str:
-    """The folder ``trainer`` writes this run's ``checkpoint-<step>`` folders in: ``args.output_dir``, or a trial's
-    own folder under a hyperparameter search. transformers has no public name for it; ``Trainer._save_checkpoint``
-    asks its private ``_get_output_dir(trial)`` (transformers 4.x and 5.x), so this asks the same (tested in
-    tests/test_memory_bank_trainer.py)."""
-    return trainer._get_output_dir(trial=trial)
-
-
 class CachedLossCallback(TrainerCallback):
     """Puts every cached loss's step reports into the trainer's log, its memory bank into the trainer's checkpoints,
-    and makes the bank count the trainer's optimizer steps. Create it with :meth:`attach`.
+    and gives the bank the trainer's optimizer steps as its steps. Create it with :meth:`attach`.
 
     Logged next to ``loss_dim_*`` (training logs only; the values of the logged step): ``masked_share`` (the share of
     candidates the false-negative filter, the duplicate mask or the own-pair mask removed) and, with a memory bank,
@@ -68,8 +64,9 @@ class CachedLossCallback(TrainerCallback):
     ``memory_age`` count them, whatever ``gradient_accumulation_steps``.
 
     Args:
-        losses: the trainer's loss, or its dict of losses (name -> loss); every loss of this package in it (any
-            object with ``masked_share`` and ``memory``) is served.
+        losses: the trainer's loss, or its dict of losses (name -> loss); every loss of this package in it (a
+            :class:`~st_cached_losses.gradcache.steps.GradCacheSteps`, the engine every cached loss here subclasses)
+            is served; the others are left to the trainer.
 
     Raises:
         TypeError: no loss of this package among ``losses``.
@@ -81,54 +78,57 @@ class CachedLossCallback(TrainerCallback):
             trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
             CachedLossCallback.attach(trainer)  # before the logging callbacks, so they see its values
             trainer.train()  # or trainer.train(resume_from_checkpoint=True / "path/to/checkpoint-500")
+            CachedLossCallback.attach(trainer)  # with a bank: again before another trainer.train(...) call
     """
 
     def __init__(self, losses: Any) -> None:
         named = losses.items() if isinstance(losses, dict) else [("", losses)]
-        self.losses = {name: loss for name, loss in named if hasattr(loss, "memory")}
+        self.losses = {name: loss for name, loss in named if isinstance(loss, GradCacheSteps)}
         if not self.losses:
             got = [type(loss).__name__ for _, loss in named]
             raise TypeError(f"CachedLossCallback needs a loss of st_cached_losses, got {', '.join(got) or 'none'}.")
-        self.train_call: TrainCall | None = None  # the running trainer.train call's, heard by attach's wrapper
+        self.train_call: TrainCall | None = None  # the running trainer.train call's, heard by _HearTrain
 
     @classmethod
     def attach(cls, trainer: Any) -> CachedLossCallback:
         """A callback for every cached loss of ``trainer.loss`` (a loss or a dict of losses), inserted right after
-        the trainer's flow callback, before the logging integrations and the progress bar. It wraps this trainer's
-        ``train`` to hear its ``resume_from_checkpoint`` and trial, which transformers tells no callback.
+        the trainer's flow callback, before the logging integrations and the progress bar. With a memory bank it also
+        hears the next ``trainer.train(...)`` call's ``resume_from_checkpoint`` and trial, which transformers tells no
+        callback: that call runs through a wrapper that puts the trainer's own ``train`` back when it returns or
+        raises. Attach again (the same callback, re-armed) before another ``train`` call of the same trainer.
 
         Raises:
             TypeError: ``trainer.loss`` holds no loss of this package.
-            ValueError: a CachedLossCallback is attached to ``trainer`` already.
+            ValueError: a CachedLossCallback is attached to ``trainer`` already (one that serves a bank is attached
+                again once the call it heard has run); with a memory bank, the installed transformers is outside the
+                range whose private Trainer names the bank's checkpoints use (:mod:`._transformers_compat`).
         """
-        if any(isinstance(callback, cls) for callback in trainer.callback_handler.callbacks):
+        attached = [callback for callback in trainer.callback_handler.callbacks if isinstance(callback, cls)]
+        callback = attached[0] if attached else cls(trainer.loss)
+        if attached and (not callback.banks() or isinstance(vars(trainer).get("train"), _HearTrain)):
             raise ValueError("A CachedLossCallback is attached to this trainer already: it serves every cached loss.")
-        callback = cls(trainer.loss)
-        trainer.callback_handler.callbacks.insert(1, callback)
-        train = trainer.train
-
-        @functools.wraps(train)
-        def train_heard(resume_from_checkpoint=None, trial=None, *args, **kwargs):
-            callback.train_call = TrainCall(resume_from_checkpoint, trainer_run_folder(trainer, trial))
-            return train(resume_from_checkpoint, trial, *args, **kwargs)
-
-        trainer.train = train_heard
+        if callback.banks():
+            _transformers_compat.check_trainer(trainer)  # before training: the banks' checkpoints need its internals
+            _HearTrain.install(trainer, callback)
+        if not attached:
+            trainer.callback_handler.callbacks.insert(1, callback)
         return callback
 
     def banks(self) -> dict[str, Any]:
         """The served losses' memory banks by name (losses without one left out)."""
-        return {name: loss.memory for name, loss in self.losses.items() if loss.memory is not None}
+        banks = {name: getattr(loss, "memory", None) for name, loss in self.losses.items()}  # not every loss has one
+        return {name: bank for name, bank in banks.items() if bank is not None}
 
     def reports(self) -> dict[str, float]:
         """The values this callback logs now."""
-        values = {}
+        values, banks = {}, self.banks()
         for name, loss in self.losses.items():
             prefix = f"{name}_" if name else ""
             if getattr(loss, "masked_share", None) is not None:
                 values[f"{prefix}masked_share"] = float(loss.masked_share)
-            if loss.memory is not None:
-                values[f"{prefix}memory_fill"] = loss.memory.fill
-                age = loss.memory.oldest_age
+            if name in banks:
+                values[f"{prefix}memory_fill"] = banks[name].fill
+                age = banks[name].oldest_age
                 values[f"{prefix}memory_age"] = float("nan") if age is None else float(age)
         return values
 
@@ -138,18 +138,23 @@ class CachedLossCallback(TrainerCallback):
             return
         if self.train_call is None:
             raise ValueError(
-                "CachedLossCallback was not attached with CachedLossCallback.attach(trainer): it needs to hear "
-                "trainer.train's resume_from_checkpoint to restore the memory bank. Attach it that way instead."
+                "CachedLossCallback did not hear this trainer.train call: with a memory bank it needs the call's "
+                "resume_from_checkpoint to restore the bank. Call CachedLossCallback.attach(trainer) before each "
+                "trainer.train(...) instead of adding the callback yourself."
             )
-        for bank in banks.values():
-            bank.count_optimizer_steps()
         checkpoint = self.train_call.checkpoint(args.output_dir)
         if checkpoint is not None:
             self._restore(banks, checkpoint, args.process_index, state.global_step)
+        for bank in banks.values():  # from now on the trainer's optimizer steps are the banks' steps
+            bank.set_step(bank.step, driver=DRIVER)
 
     def on_step_end(self, args, state, control, **kwargs):
         for bank in self.banks().values():
-            bank.end_optimizer_step()
+            bank.set_step(bank.step + 1, driver=DRIVER)  # an optimizer step ended: the pairs banked are a step older
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for bank in self.banks().values():  # no caller drives it now: its loss's training forwards would count
+            bank.set_step(bank.step, driver=None)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs:  # evaluation logs and the run's summary carry no step reports
@@ -184,3 +189,31 @@ class CachedLossCallback(TrainerCallback):
                 ", ".join(repr(name) if name else "the loss" for name in empty),
                 f"{path} holds {sorted(saved)}" if saved else f"no {path}",
             )
+
+
+class _HearTrain:
+    """A trainer's ``train`` for one call: tells the callback the call's ``resume_from_checkpoint`` and run folder,
+    runs the trainer's own ``train``, and when it returns or raises, puts that back (the class's method, or the
+    instance's own ``train`` if it had one) and forgets the call."""
+
+    def __init__(self, trainer: Any, callback: CachedLossCallback) -> None:
+        self.trainer, self.callback = trainer, callback
+        self.own = vars(trainer).get("train")  # None: the class's method
+        self.train = trainer.train
+        functools.update_wrapper(self, self.train)
+
+    @classmethod
+    def install(cls, trainer: Any, callback: CachedLossCallback) -> None:
+        trainer.train = cls(trainer, callback)
+
+    def __call__(self, resume_from_checkpoint=None, trial=None, *args, **kwargs):
+        try:
+            run_folder = _transformers_compat.run_folder(self.trainer, trial)
+            self.callback.train_call = TrainCall(resume_from_checkpoint, run_folder)
+            return self.train(resume_from_checkpoint, trial, *args, **kwargs)
+        finally:
+            self.callback.train_call = None
+            if self.own is None:
+                del self.trainer.train
+            else:
+                self.trainer.train = self.own
