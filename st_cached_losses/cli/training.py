@@ -241,13 +241,14 @@ def train_once(model, loss, train, options: TrainOptions) -> tuple[float, int]:
     else:
         from sentence_transformers import SentenceTransformerTrainer as Trainer
 
+    from ..gradcache.steps import GradCacheSteps  # every loss of this package
     from ..losses.callback import CachedLossCallback
 
     with tempfile.TemporaryDirectory(prefix="st-cached-losses-trainer-") as scratch:
         trainer = Trainer(
             model=model, args=_training_args(options, scratch, str(model.device)), train_dataset=train, loss=loss
         )
-        if hasattr(loss, "memory"):  # ours: the masked share and the bank's fill in the trainer's log
+        if isinstance(loss, GradCacheSteps):  # ours: the masked share and the bank's fill in the trainer's log
             CachedLossCallback.attach(trainer)
         start = time.perf_counter()
         trainer.train()
