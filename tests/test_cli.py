@@ -100,6 +100,7 @@ def test_results_record_the_loss_stage_backend(run):
             "device": "cpu",
             "reason": "auto: the Triton kernels run on CUDA GPUs only, not cpu",
             "tile": "16 rows",
+            "precision": "ieee",  # fp32 scores on a CPU
         }
     ]
     summary = [line for line in stdout.splitlines() if line.startswith("loss stage: ")]
@@ -350,6 +351,10 @@ BAD_INPUTS = {
         "--batch-size 4 is smaller than --mini-batch-size 8",
     ),
     "previous run": (_previous_run, "holds a previous run; pass --overwrite to replace it"),
+    "the loss's own refusal": (  # CachedMatryoshkaLoss's message, its argument names as flags
+        lambda tmp: ["--memory-max-age", "3"],
+        "--memory-warmup-steps, --memory-max-age and --dual-memory configure the memory bank: set --memory-size > 0",
+    ),
     "not a run, even with --overwrite": (_not_a_run, "holds no previous run"),
     "results.json but not a run, even with --overwrite": (_results_json_without_marker, "holds no previous run"),
 }
@@ -369,11 +374,48 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_dir, tmp_path, capsys):
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == inputs
 
 
-def test_argparse_errors_exit_2(capsys):
+ARGPARSE_ERRORS = {  # argparse's own errors: the flag and what it must be, one line (not the usage block)
+    "--dims 0": "--dims must be a positive integer, got 0",
+    "--batch-size abc": "--batch-size must be a positive integer, got 'abc'",
+    "--epochs nan": "--epochs must be a positive number, got nan",
+    "--mini-batch-size some": "--mini-batch-size must be a positive integer or auto, got 'some'",
+    "--memory-size -1": "--memory-size must be an integer >= 0, got -1",
+    "--seed 1.5": "--seed must be an integer, got '1.5'",
+    "--false-negative-margin inf": "--false-negative-margin must be a finite number, got inf",
+    "--backend cuda": "--backend: invalid choice: 'cuda' (choose from ",
+    "--bf16 --fp16": "--fp16: not allowed with argument --bf16",
+    "--batch-sise 8": "unrecognized arguments: --batch-sise 8 (see st-cached-losses --help)",
+}
+
+
+@pytest.mark.parametrize("args", list(ARGPARSE_ERRORS))
+def test_argparse_errors_are_one_line_and_exit_2(args, tmp_path, capsys):
     with pytest.raises(SystemExit) as raised:
-        main(["train", "--output-dir", "x", "--batch-size", "0"])
+        main(["train", "--output-dir", str(tmp_path / "out"), *args.split()])
+    err = capsys.readouterr().err
     assert raised.value.code == 2
-    assert "must be a positive integer" in capsys.readouterr().err
+    assert err.count("\n") == 1 and ARGPARSE_ERRORS[args] in err, err
+    assert err.startswith(("st-cached-losses train: error: ", "st-cached-losses: error: ")), err
+    assert "_positive" not in err and "usage:" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_required_flag_points_to_help(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["train"])
+    assert raised.value.code == 2
+    assert capsys.readouterr().err == (
+        "st-cached-losses train: error: the following arguments are required: --output-dir "
+        "(see st-cached-losses train --help)\n"
+    )
+
+
+def test_help_is_argparse_s(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert raised.value.code == 0
+    assert out.startswith("usage: st-cached-losses train [-h]") and "--multi-vector" in out
 
 
 @pytest.mark.slow  # a fresh interpreter
@@ -489,16 +531,34 @@ def test_single_pair_batches():
     assert data.single_pair_batches(shared, 4, seed=0) == (5, 5)
 
 
+TRITON_ON_CPU = f"{ERROR_PREFIX}--backend 'triton' cannot run here: "  # the loss's check, the registry's rule
+
+
 def test_triton_backend_on_cpu_is_refused_before_anything_runs(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Refused by the loss when the job builds it, before any evaluation or training."""
     from st_cached_losses.ops.triton import kernels as triton_kernels
 
     monkeypatch.setattr(triton_kernels, "INTERPRETED", False)  # the tests run Triton's CPU interpreter; a user does not
-    monkeypatch.setattr(job, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
+    monkeypatch.setattr(job, "build_evaluate", lambda *args: pytest.fail("the evaluation was built"))
     code = train_cli(tiny_dir, tmp_path / "out", "--backend", "triton")
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith(f"{ERROR_PREFIX}--backend triton: backend='triton' cannot run here: "), err
+    assert err.startswith(TRITON_ON_CPU) and err.endswith(". Use --backend 'chunked' or 'auto'\n"), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_backend_choices_are_both_ops_names_and_each_loss_checks_its_own(tiny_dir, tmp_path, capsys):
+    from st_cached_losses.ops import backends
+
+    names = set(backends("matryoshka_infonce")) | set(backends("maxsim_infonce"))
+    assert set(command.BACKEND_CHOICES) == names and set(backends("maxsim_infonce")) < names
+    for name in names:  # the parser takes each (an unknown name: ARGPARSE_ERRORS)
+        assert command.build_parser().parse_args(["train", "--output-dir", "x", "--backend", name]).backend == name
+    missing = next(name for name in backends("matryoshka_infonce") if name not in backends("maxsim_infonce"))
+    assert train_cli(tiny_dir, tmp_path / "out", "--multi-vector", "--backend", missing) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{ERROR_PREFIX}--multi-vector: --backend must be one of ") and err.count("\n") == 1, err
+    assert f"got {missing!r}" in err and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow  # a fresh interpreter
@@ -514,10 +574,7 @@ def test_triton_backend_on_cpu_in_a_fresh_process(tmp_path):
         env=env,
     )
     assert proc.returncode == 2
-    assert (
-        proc.stderr.startswith(f"{ERROR_PREFIX}--backend triton: backend='triton' cannot run here")
-        and proc.stderr.count("\n") == 1
-    ), proc.stderr
+    assert proc.stderr.startswith(TRITON_ON_CPU) and proc.stderr.count("\n") == 1, proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -547,13 +604,6 @@ def test_fp16_without_a_gpu_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, m
 def test_fp16_maps_to_the_trainer_argument(tmp_path):
     training_args = training._training_args(TrainOptions(output_dir="x", fp16=True), str(tmp_path), "cuda:0")
     assert (training_args.fp16, training_args.bf16) == (True, False)
-
-
-def test_bf16_and_fp16_are_mutually_exclusive(capsys):
-    with pytest.raises(SystemExit) as raised:
-        main(["train", "--output-dir", "x", "--bf16", "--fp16"])
-    assert raised.value.code == 2
-    assert "argument --fp16: not allowed with argument --bf16" in capsys.readouterr().err
 
 
 def _fake_training(monkeypatch, seconds: dict[str, float], peaks_mib: list[int], block_only: bool = True):
@@ -658,11 +708,34 @@ def test_the_command_line_defaults_are_the_options_defaults():
             assert getattr(args, field.name) == field.default, field.name
 
 
+def test_a_loss_error_names_flags_and_the_options_that_chose_the_loss():
+    """loss_usage_error: one line, the losses' argument names as flags (a plain word only where it is the argument),
+    after the flags that chose the loss."""
+    from st_cached_losses.cli.options import loss_usage_error
+
+    error = ValueError(
+        "backend='triton' cannot run here: no GPU.\nUse backend='chunked' (the chunked backend); memory_size must be "
+        "0 without memory_size_x or auto_mini_batch_size."
+    )
+    usage = loss_usage_error(error, TrainOptions(output_dir="x", layers=[1], guide="g"))
+    assert str(usage) == (
+        "--layers --guide: --backend 'triton' cannot run here: no GPU. Use --backend 'chunked' (the chunked backend); "
+        "--memory-size must be 0 without memory_size_x or auto_mini_batch_size"
+    )
+    assert str(loss_usage_error(TypeError("backend must be one of ('auto',)."), TrainOptions(output_dir="x"))) == (
+        "--backend must be one of ('auto',)"
+    )
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
         ({"batch_size": 0}, "--batch-size must be a positive integer, got 0"),
         ({"epochs": -1.0}, "--epochs must be a positive number, got -1"),
+        ({"seed": "12"}, "--seed must be an integer, got '12'"),
+        ({"memory_warmup_steps": -2}, "--memory-warmup-steps must be an integer >= 0, got -2"),
+        ({"false_negative_margin": float("nan")}, "--false-negative-margin must be a finite number, got nan"),
+        ({"multi_vector": True, "layers": [1]}, "--multi-vector (CachedMultiVectorMatryoshkaLoss) and --layers"),
         ({"max_steps": 2.5}, "--max-steps must be a positive integer, got 2.5"),
         ({"bf16": True, "fp16": True}, "--bf16 and --fp16 exclude each other"),
     ],
@@ -703,7 +776,6 @@ def test_false_negative_margin_alone_is_self_guided(tiny_dir, tmp_path, monkeypa
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--false-negative-margin", "nan"], "--false-negative-margin: false_negative_margin must be a finite number"),
         (["--false-negative-margin", "0.1", "--compare-stock"], "stock has no self-guided filter"),
         (["--guide", "./no/such/guide"], "--guide './no/such/guide': no such directory"),
     ],

@@ -1,7 +1,7 @@
 """`st-cached-losses train --multi-vector`: a MultiVectorEncoder (ColBERT-style MaxSim) built from the saved tiny BERT
 as ``MultiVectorEncoder(path)`` builds it, trained with CachedMultiVectorMatryoshkaLoss at every token dim and
 evaluated by MaxSim retrieval at each dim served by ``truncate_token_dim``; --compare-stock against stock
-CachedMultiVectorMNRL; the options it refuses (one line, exit code 2, nothing loaded or written)."""
+CachedMultiVectorMNRL; the options the loss refuses (one line, exit code 2, nothing written)."""
 
 from __future__ import annotations
 
@@ -51,58 +51,75 @@ def _initial_model(tiny_dir):
 
 # ------------------------------------------------------------------------------------------------- refusals
 
-REFUSED = {  # flags: the reason the message gives
-    "--guide": (["--guide", "GUIDE"], "the MaxSim op has no false-negative filter"),
-    "--false-negative-margin": (["--false-negative-margin", "0.1"], "the MaxSim op has no false-negative filter"),
-    "--memory-size": (["--memory-size", "8"], "a bank of token vectors would hold"),
-    "--memory-warmup-steps": (["--memory-warmup-steps", "1"], "a bank of token vectors would hold"),
-    "--memory-max-age": (["--memory-max-age", "2"], "a bank of token vectors would hold"),
-    "--dual-memory": (["--dual-memory"], "a bank of token vectors would hold"),
-    "--layers": (["--layers", "1"], "2D Matryoshka cuts a SentenceTransformer's layers"),
-    "--backend triton": (["--backend", "triton"], "maxsim_infonce has no Triton kernels: use auto, chunked or dense"),
+LOSS_REFUSES = {  # the options CachedMultiVectorMatryoshkaLoss refuses: its own message, its arguments as flags
+    "--false-negative-margin": (
+        ["--false-negative-margin", "0.1"],
+        (
+            "--multi-vector: CachedMultiVectorMatryoshkaLoss does not take --false-negative-margin / "
+            "false_negative_strategy: the MaxSim op has no false-negative filter"
+        ),
+    ),
+    "--memory-size": (["--memory-size", "8"], "--multi-vector: CachedMultiVectorMatryoshkaLoss does not take a memory"),
+    "--memory-warmup-steps": (["--memory-warmup-steps", "1"], "does not take a memory bank (--memory-size and its"),
+    "--memory-max-age": (["--memory-max-age", "2"], "does not take a memory bank (--memory-size and its"),
+    "--dual-memory": (["--dual-memory"], "does not take a memory bank (--memory-size and its options)"),
+    "--guide": (
+        ["--guide", "TINY"],  # TINY: the tiny model
+        (
+            "--multi-vector --guide: CachedMultiVectorMatryoshkaLoss supports "
+            "loss=MultiVectorMultipleNegativesRankingLoss, CachedMultiVectorMultipleNegativesRankingLoss, "
+            "got CachedGISTEmbedLoss"
+        ),
+    ),
+    "--backend triton": (["--backend", "triton"], "--multi-vector: --backend must be one of ('auto', 'chunked'"),
 }
 
 
-@pytest.fixture
-def nothing_loaded(monkeypatch):
-    """Fail the test if the main job loads the data or a model."""
-    monkeypatch.setattr(job, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
-    monkeypatch.setattr(job, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
-
-
-@pytest.mark.parametrize("flag", list(REFUSED))
-def test_options_that_do_not_apply_are_one_line_and_exit_2(flag, tiny_dir, tmp_path, capsys, nothing_loaded):
-    extra, reason = REFUSED[flag]
+@pytest.mark.parametrize("flag", list(LOSS_REFUSES))
+def test_options_the_loss_refuses_are_one_line_and_exit_2(flag, tiny_dir, tmp_path, capsys):
+    """Refused by the loss when the job builds it (after loading the model, before anything is evaluated or
+    written): its message, one line, exit code 2."""
+    extra, message = LOSS_REFUSES[flag]
+    extra = [str(tiny_dir) if arg == "TINY" else arg for arg in extra]
     assert train_cli(tiny_dir, tmp_path / "out", "--multi-vector", *extra) == 2
     err = capsys.readouterr().err
-    want = f"{ERROR_PREFIX}--multi-vector (CachedMultiVectorMatryoshkaLoss) does not take {flag} ({reason}"
-    assert err.startswith(want) and err.endswith("): drop it or --multi-vector\n") and err.count("\n") == 1, err
+    assert err.startswith(ERROR_PREFIX) and message in err and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == []
 
 
-def test_several_refused_options_are_named_in_one_line(tiny_dir, tmp_path, capsys, nothing_loaded):
-    assert train_cli(tiny_dir, tmp_path / "out", "--multi-vector", "--layers", "1", "--memory-size", "4") == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--memory-size (" in err and "--layers (" in err
-    assert err.endswith("drop them or --multi-vector\n")
+def test_layers_and_multi_vector_each_choose_the_loss(tiny_dir, tmp_path, capsys, monkeypatch):
+    """The command's own rule, before anything is loaded."""
+    monkeypatch.setattr(job, "load_pairs", lambda *args: pytest.fail("the data was loaded"))
+    assert train_cli(tiny_dir, tmp_path / "out", "--multi-vector", "--layers", "1") == 2
+    assert capsys.readouterr().err == (
+        f"{ERROR_PREFIX}--multi-vector (CachedMultiVectorMatryoshkaLoss) and --layers (CachedMatryoshka2dLoss) each "
+        "choose the loss: drop one of them\n"
+    )
+    with pytest.raises(UsageError, match="each choose the loss"):
+        TrainOptions(output_dir=tmp_path, multi_vector=True, layers=[1])
     assert list(tmp_path.iterdir()) == []
 
 
-def test_refusals_from_python_and_what_stays_allowed(tmp_path):
-    with pytest.raises(UsageError, match=r"does not take --backend triton \(maxsim_infonce has no Triton"):
-        TrainOptions(output_dir=tmp_path, multi_vector=True, backend="triton")
-    # the same options without --multi-vector, and the options that apply with it, pass
-    TrainOptions(output_dir=tmp_path, backend="triton", layers=[1])
+def test_the_options_it_takes_build_the_loss(tiny_dir, tmp_path):
+    """--mini-batch-size auto, --activation-budget, --mask-duplicates and the op's backends reach the loss."""
     for backend in ("auto", "chunked", "dense"):
-        TrainOptions(
-            output_dir=tmp_path,
+        options = TrainOptions(
+            model=str(tiny_dir),
+            output_dir=tmp_path / "out",
             multi_vector=True,
             backend=backend,
             mini_batch_size="auto",
             activation_budget="auto",
             mask_duplicates=True,
-            bf16=True,
+            max_train_samples=48,
+            max_eval_samples=24,
         )
+        loss = job.prepare(options).loss
+        assert type(loss) is CachedMultiVectorMatryoshkaLoss and loss.backend == backend
+        assert loss.auto_mini_batch and loss.activation_budget == "auto" and loss.mask_duplicates
+        assert type(loss.loss) is CachedMultiVectorMultipleNegativesRankingLoss
+        assert loss.loss.scale == training.MULTI_VECTOR_SCALE
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_token_dims_larger_than_the_projection_are_one_line(tiny_dir, tmp_path, capsys):

@@ -5,7 +5,8 @@
 
 Subcommands are registered in :data:`SUBCOMMANDS`: each is a function that adds its parser to the
 subparsers and sets ``func`` (``args -> exit code``). Bad input raises :class:`UsageError`, which
-:func:`main` turns into one line on stderr and exit code 2.
+:func:`main` turns into one line on stderr and exit code 2; argparse's own errors (a value of the wrong type, an
+unknown flag) are one line and exit code 2 as well (:class:`ArgumentParser`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
 from ..ops import backends
 from .job import run
@@ -28,43 +31,61 @@ from .options import (
     DEFAULT_MINI_BATCH_SIZE,
     DEFAULT_SEED,
     TrainOptions,
-    check_positive,
+    check_number,
 )
 from .training import MULTI_VECTOR_SCALE
 from .usage import PROG, UsageError
 
-__all__ = ["EXIT_USAGE", "UsageError", "build_parser", "main"]
+__all__ = ["EXIT_USAGE", "ArgumentParser", "UsageError", "build_parser", "main", "number"]
 
 EXIT_USAGE = 2  # the exit code of argparse's own usage errors
 
 
-def _positive_int(text: str) -> int:
-    return _checked(int(text), integer=True)
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line, as the main job's own: "st-cached-losses train: error: --dims
+    must be a positive integer, got 0" and exit code 2 (argparse prints its whole usage block first); ``--help`` is
+    argparse's. Its subcommands' parsers are of this class too (argparse makes them of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        flag = re.match(r"argument ([^:]+): (.*)", message)
+        if flag is None:  # e.g. "the following arguments are required: --output-dir": the usage says what is
+            message = f"{message} (see {self.prog} --help)"
+        else:
+            message = f"{flag[1]} {flag[2]}" if flag[2].startswith("must be") else f"{flag[1]}: {flag[2]}"
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
+def number(kind: str, parse: Callable[[str], Any] = int, auto: bool = False) -> Callable[[str], Any]:
+    """The argument type of an option whose value is ``kind`` (:data:`~st_cached_losses.cli.options.KINDS`, the rule
+    :class:`~st_cached_losses.cli.options.TrainOptions` applies too), parsed by ``parse``; with ``auto``, "auto" too.
+    Bad values give "must be a positive integer, got 'abc'" (the parser prefixes the flag)."""
+
+    def convert(text: str) -> Any:
+        if auto and text == "auto":
+            return text
+        try:
+            value = parse(text)
+        except ValueError:
+            value = text
+        try:
+            check_number(value, kind)
+        except ValueError as error:
+            message = str(error).replace(f"must be {kind}", f"must be {kind} or auto") if auto else str(error)
+            raise argparse.ArgumentTypeError(message) from None
+        return value
+
+    convert.__name__ = kind + (" or auto" if auto else "")  # what argparse would print for the type
+    return convert
 
 
-def _positive_float(text: str) -> float:
-    return _checked(float(text), integer=False)
+POSITIVE_INT, POSITIVE_NUMBER = number("a positive integer"), number("a positive number", float)
+POSITIVE_INT_OR_AUTO = number("a positive integer", auto=True)
 
 
-def _positive_int_or_auto(text: str) -> int | str:
-    return text if text == "auto" else _positive_int(text)
-
-
-def _checked(value, integer: bool):
-    """``value`` if it passes the options' rule (:func:`~st_cached_losses.cli.options.check_positive`), else an
-    argparse error (usage line, exit code 2) with the rule's message."""
-    try:
-        check_positive(value, integer)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from error
-    return value
+# --backend: the names of both ops' registries (ops.backend.backends), the loss checks its own op's.
+_OPS = {"matryoshka_infonce": "CachedMatryoshkaLoss, --layers", "maxsim_infonce": "--multi-vector"}
+BACKEND_CHOICES = tuple(dict.fromkeys(name for op in _OPS for name in backends(op)))
+BACKENDS_BY_OP = "; ".join(f"{op} ({losses}): {', '.join(backends(op))}" for op, losses in _OPS.items())
 
 
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -91,7 +112,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--dims",
-        type=_positive_int,
+        type=POSITIVE_INT,
         nargs="+",
         default=None,
         metavar="DIM",
@@ -100,13 +121,13 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=POSITIVE_INT,
         default=DEFAULT_BATCH_SIZE,
         help=f"pairs per step, i.e. the in-batch negatives batch (default: {DEFAULT_BATCH_SIZE})",
     )
     p.add_argument(
         "--mini-batch-size",
-        type=_positive_int_or_auto,
+        type=POSITIVE_INT_OR_AUTO,
         default=DEFAULT_MINI_BATCH_SIZE,
         help="rows embedded at a time: the memory knob, or 'auto': the largest whose activations fit "
         f"--activation-budget (or the free memory), measured at the first step (default: "
@@ -114,7 +135,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--activation-budget",
-        type=_positive_int_or_auto,
+        type=POSITIVE_INT_OR_AUTO,
         default=None,
         metavar="BYTES|auto",
         help="bytes of activations GradCache may keep from its first pass, so that those mini-batches "
@@ -123,37 +144,39 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--epochs",
-        type=_positive_float,
+        type=POSITIVE_NUMBER,
         default=DEFAULT_EPOCHS,
         help=f"passes over the training pairs (default: {DEFAULT_EPOCHS:g})",
     )
     p.add_argument(
         "--max-steps",
-        type=_positive_int,
+        type=POSITIVE_INT,
         default=None,
         help="stop after this many optimizer steps; overrides --epochs (default: none)",
     )
     p.add_argument(
         "--max-seq-length",
-        type=_positive_int,
+        type=POSITIVE_INT,
         default=DEFAULT_MAX_SEQ_LENGTH,
         help=f"tokens per text, for training and evaluation (default: {DEFAULT_MAX_SEQ_LENGTH})",
     )
     p.add_argument(
         "--learning-rate",
-        type=_positive_float,
+        type=POSITIVE_NUMBER,
         default=DEFAULT_LEARNING_RATE,
         help=f"initial learning rate, decaying linearly to 0 (default: {DEFAULT_LEARNING_RATE:g})",
     )
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default: {DEFAULT_SEED})")
+    p.add_argument(
+        "--seed", type=number("an integer"), default=DEFAULT_SEED, help=f"random seed (default: {DEFAULT_SEED})"
+    )
     p.add_argument("--output-dir", required=True, help="where model/ and results.json are written")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --output-dir")
     p.add_argument(
         "--backend",
-        choices=backends("matryoshka_infonce"),
+        choices=BACKEND_CHOICES,
         default="auto",
-        help="loss-stage kernel of CachedMatryoshkaLoss (with --multi-vector, of maxsim_infonce: no triton; default: "
-        "auto)",
+        help="the loss stage's backend, by op (the loss refuses a name its op lacks or that cannot run on the "
+        f"device): {BACKENDS_BY_OP} (default: auto)",
     )
     precision = p.add_mutually_exclusive_group()
     precision.add_argument(
@@ -180,7 +203,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--false-negative-margin",
-        type=float,
+        type=number("a finite number", float),
         default=None,
         metavar="M",
         help="with --guide, its margin (default 0); alone, the self-guided filter: drop in-batch candidates "
@@ -204,7 +227,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--memory-size",
-        type=_non_negative_int,
+        type=number("an integer >= 0"),
         default=0,
         metavar="K",
         help="negatives beyond the batch: also score the K newest document embeddings of earlier steps (a memory "
@@ -212,14 +235,14 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--memory-warmup-steps",
-        type=_non_negative_int,
+        type=number("an integer >= 0"),
         default=0,
         metavar="N",
         help="with --memory-size, training steps before the bank is filled and scored (default: 0)",
     )
     p.add_argument(
         "--memory-max-age",
-        type=_positive_int,
+        type=POSITIVE_INT,
         default=None,
         metavar="N",
         help="with --memory-size, training steps a banked pair stays at most (default: until the bank evicts it)",
@@ -231,12 +254,13 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--layers",
-        type=_positive_int,
+        type=POSITIVE_INT,
         nargs="+",
         default=None,
         metavar="N",
-        help="2D Matryoshka: train every layer and dim with CachedMatryoshka2dLoss, and also evaluate the "
-        "model truncated to its first N layers (one table row per layers and dim; default: off)",
+        help="2D Matryoshka: train every layer and dim with CachedMatryoshka2dLoss (with the options it takes), "
+        "and also evaluate the model truncated to its first N layers (one table row per layers and dim; default: "
+        "off)",
     )
     p.add_argument(
         "--multi-vector",
@@ -245,18 +269,19 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         "128-dim token projection initialised with --seed, MultiVectorMask, Normalize; a saved MultiVectorEncoder "
         "as it is), train it with CachedMultiVectorMatryoshkaLoss around CachedMultiVectorMNRL (MaxSim, scale "
         f"{MULTI_VECTOR_SCALE:g}) at every token dim, and evaluate MaxSim retrieval at each dim served by "
-        "truncate_token_dim; --compare-stock runs stock CachedMultiVectorMNRL (full token dim only). Refuses "
-        "--guide, --false-negative-margin, --memory-size and its options, --layers, --backend triton (default: off)",
+        "truncate_token_dim; --compare-stock runs stock CachedMultiVectorMNRL (full token dim only). The options "
+        "that loss does not take (--false-negative-margin, a memory bank, ...) are refused with its reason "
+        "(default: off)",
     )
     p.add_argument(
         "--max-train-samples",
-        type=_positive_int,
+        type=POSITIVE_INT,
         default=None,
         help="use at most this many training pairs, a seeded random subset (default: all)",
     )
     p.add_argument(
         "--max-eval-samples",
-        type=_positive_int,
+        type=POSITIVE_INT,
         default=None,
         help="use at most this many held-out pairs, a seeded random subset (default: all)",
     )
@@ -273,7 +298,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_train_par
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="GradCache Matryoshka InfoNCE for sentence-transformers.")
+    parser = ArgumentParser(prog=PROG, description="GradCache Matryoshka InfoNCE for sentence-transformers.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(subparsers)
@@ -281,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0, or 2 for bad input). argparse errors exit with 2."""
+    """Run the command line; returns the exit code (0, or 2 for bad input). argparse's errors raise SystemExit(2)
+    after their one line, as argparse's do; ``--help`` prints the usage and raises SystemExit(0)."""
     args = build_parser().parse_args(argv)
     with _info_logs():
         try:

@@ -4,8 +4,12 @@ first layers too; with --multi-vector, MaxSim retrieval at every token dim (:fun
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = ["METRICS", "build_evaluate", "build_multi_vector_evaluate", "evaluate_truncated"]
 
@@ -29,26 +33,21 @@ def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[
     (a ``datasets.Dataset`` with the columns anchor, positive and optionally negatives).
 
     Queries are the unique anchors; the corpus is every unique positive and negative text; an anchor's
-    relevant documents are its positives. One ``InformationRetrievalEvaluator`` per dim (``truncate_dim``),
-    all sharing one encoding of the queries and corpus per call: truncating the full embeddings is exactly
-    what ``encode(truncate_dim=d)`` does, and it saves (len(dims) - 1) encodings of the whole split.
+    relevant documents are its positives. One ``InformationRetrievalEvaluator`` per call encodes the queries and the
+    corpus once at the full dim, with one score function per dim (its public ``score_functions``): the model's
+    ``similarity`` on the first ``dim`` coordinates, which is what ``encode(truncate_dim=dim)`` and an evaluator at
+    ``truncate_dim=dim`` score, without (len(dims) - 1) more encodings of the split.
     ``evaluate.num_queries`` and ``evaluate.num_corpus`` say how many queries and documents there are.
     """
-    queries, corpus, relevant = _retrieval_task(test)
-    cache: dict[tuple, Any] = {}
-    evaluators = {dim: _shared_encoding_evaluator(queries, corpus, relevant, dim, cache) for dim in dims}
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+    task = _retrieval_task(test)
 
     def evaluate(model) -> dict[str, dict[str, float]]:
-        cache.clear()  # a fresh encoding per call: the model changes between calls
-        results = {}
-        for dim, evaluator in evaluators.items():
-            scores = evaluator(model)
-            prefix = f"dim_{dim}_{model.similarity_fn_name}_"
-            results[str(dim)] = {metric: float(scores[prefix + metric]) for metric in METRICS}
-        cache.clear()
-        return results
+        scores = {dim: functools.partial(_prefix_scores, similarity=model.similarity, dim=dim) for dim in dims}
+        return _evaluate_dims(InformationRetrievalEvaluator, model, task, scores)
 
-    evaluate.num_queries, evaluate.num_corpus = len(queries), len(corpus)
+    evaluate.num_queries, evaluate.num_corpus = len(task[0]), len(task[1])
     return evaluate
 
 
@@ -111,31 +110,22 @@ def _retrieval_task(test) -> tuple[dict[str, str], dict[str, str], dict[str, set
     return queries, corpus, relevant
 
 
-def _shared_encoding_evaluator(queries, corpus, relevant, dim: int, cache: dict[tuple, Any]):
-    """An ``InformationRetrievalEvaluator`` at ``truncate_dim=dim`` that encodes at the full dim into ``cache``
-    (shared by the evaluators of every dim) and truncates from there."""
-    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
-
-    class SharedEncodingEvaluator(InformationRetrievalEvaluator):
-        def embed_inputs(self, model, sentences, encode_fn_name=None, **kwargs):
-            key = (encode_fn_name, tuple(sentences))
-            if key not in cache:
-                truncate_dim, self.truncate_dim = self.truncate_dim, None
-                try:
-                    cache[key] = super().embed_inputs(model, sentences, encode_fn_name, **kwargs)
-                finally:
-                    self.truncate_dim = truncate_dim
-            return cache[key][..., : self.truncate_dim]
-
-    return SharedEncodingEvaluator(
-        queries,
-        corpus,
-        relevant,
-        name=f"dim_{dim}",
+def _evaluate_dims(evaluator_class, model, task, scores: dict[int, Callable]) -> dict[str, dict[str, float]]:
+    """``evaluator_class`` (a stock retrieval evaluator) on ``task`` = (queries, corpus, relevant) with the score
+    function ``scores[dim]`` of each dim, named ``dim_<dim>``: one encoding of the queries and corpus for all dims."""
+    evaluator = evaluator_class(
+        *task,
+        score_functions={f"dim_{dim}": score for dim, score in scores.items()},
         **_EVALUATOR_SETTINGS,
-        truncate_dim=dim,
-        show_progress_bar=True,  # only the first dim encodes (the rest reuse it): two bars per call
+        show_progress_bar=True,  # two bars per call: the queries, the corpus
     )
+    metrics = evaluator(model)
+    return {str(dim): {metric: float(metrics[f"dim_{dim}_{metric}"]) for metric in METRICS} for dim in scores}
+
+
+def _prefix_scores(queries: Tensor, documents: Tensor, similarity: Callable, dim: int) -> Tensor:
+    """``similarity`` of the first ``dim`` coordinates of the embeddings, as at ``encode(truncate_dim=dim)``."""
+    return similarity(queries[..., :dim], documents[..., :dim])
 
 
 def _multi_vector_evaluator(queries, corpus, relevant, dim: int, full_model, shared: dict[tuple, Any]):

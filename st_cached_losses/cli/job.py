@@ -45,9 +45,10 @@ from .options import (
     MIN_DEFAULT_TOKEN_DIM,
     TrainOptions,
     check_batch_sizes,
-    check_device,
+    check_fp16,
     check_layers,
     default_model_path,
+    loss_usage_error,
     model_device,
     resolve_dims,
 )
@@ -120,22 +121,24 @@ class Prepared(NamedTuple):
     dims: list[int]
     train: Any  # datasets.Dataset of [anchor, positive, negative*]
     evaluate: Any  # build_evaluate's evaluate(model) over the held-out split
+    loss: Any  # make_loss's loss of the options, on model
     guide: Any = None  # the --guide model
 
 
 def prepare(options: TrainOptions) -> Prepared:
-    """Check every input before anything is written or trained, and load the data and the model.
+    """Check every input before anything is written or trained: load the data and the model, and build the loss
+    (:func:`~st_cached_losses.cli.training.make_loss`), which checks what it takes.
 
     Raises:
         UsageError: see :func:`~st_cached_losses.cli.run_dir.check_output_dir`, :func:`check_batch_sizes`,
-            :func:`check_device`,
-            :func:`default_model_path`, :func:`~st_cached_losses.cli.data.load_pairs`, :func:`load_model` and
-            :func:`resolve_dims`.
+            :func:`check_fp16`, :func:`default_model_path`, :func:`~st_cached_losses.cli.data.load_pairs`,
+            :func:`load_model`, :func:`resolve_dims` and :func:`check_layers`; the loss's own ValueError / TypeError
+            on the options, as :func:`~st_cached_losses.cli.options.loss_usage_error` words it.
     """
     check_output_dir(options.output_dir, options.overwrite)
     if options.mini_batch_size != "auto":
         check_batch_sizes(options.batch_size, options.mini_batch_size)
-    check_device(options.backend, options.fp16, model_device())
+    check_fp16(options.fp16, model_device())
     model_spec = options.model or default_model_path()
     with quiet_loading(), _held_warnings(data_logger) as release:  # bad input below stays one line
         train, test = load_pairs(options.dataset, options.seed, options.max_train_samples, options.max_eval_samples)
@@ -144,10 +147,14 @@ def prepare(options: TrainOptions) -> Prepared:
         min_dim = MIN_DEFAULT_TOKEN_DIM if options.multi_vector else MIN_DEFAULT_DIM
         dims = resolve_dims(options.dims, model.get_embedding_dimension(), min_dim)
         check_layers(options.layers, model)
+        try:
+            loss = make_loss(model, dims, options, guide=guide)
+        except (TypeError, ValueError) as error:
+            raise loss_usage_error(error, options) from error
         release()
     evaluate = (build_multi_vector_evaluate if options.multi_vector else build_evaluate)(test, dims)
     warn_degenerate(train, test, options.batch_size, options.seed, options.sampler)
-    return Prepared(model, model_spec, dims, train, evaluate, guide)
+    return Prepared(model, model_spec, dims, train, evaluate, loss, guide)
 
 
 @contextlib.contextmanager
@@ -204,7 +211,7 @@ def run(options: TrainOptions) -> dict[str, Any]:
 
     print("evaluating before training", flush=True)
     before, before_layers = job.evaluate(model), evaluate_truncated(job.evaluate, model, options.layers)
-    loss = make_loss(model, job.dims, options, guide=job.guide)
+    loss = job.loss
     with recorded_choices() as loss_stage:
         ours = train_measured(model, loss, job.train, options)
     print("evaluating after training", flush=True)

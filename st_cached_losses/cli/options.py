@@ -1,18 +1,24 @@
 """The main job's options: :class:`TrainOptions` (one field per flag of ``st-cached-losses train``, the same defaults),
-the rules every option follows (:func:`check_positive`, ...), the Matryoshka dims by default and the packaged default
-model. Checked before anything is loaded, written or trained; bad input raises
-:class:`~st_cached_losses.cli.usage.UsageError`, whose messages name the options by their flags."""
+the rules of the options themselves (types, ranges, paths, the combinations the job cannot run), the Matryoshka dims
+by default and the packaged default model. Bad input raises :class:`~st_cached_losses.cli.usage.UsageError`, whose
+messages name the options by their flags, before anything is written or trained.
+
+What a loss takes is the loss's rule, not restated here: the job builds the loss from the options before anything is
+written (:func:`st_cached_losses.cli.training.make_loss`) and turns the loss's own ValueError / TypeError into a
+usage error (:func:`loss_usage_error`, which names the flags for the loss's argument names, :data:`LOSS_FLAGS`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
-from ..ops.spec import check_dims, check_false_negative_rule
+from ..ops.spec import check_dims
 from .usage import UsageError
 
 __all__ = [
@@ -21,10 +27,11 @@ __all__ = [
     "MIN_DEFAULT_TOKEN_DIM",
     "TrainOptions",
     "check_batch_sizes",
-    "check_device",
+    "check_fp16",
     "check_layers",
-    "check_positive",
+    "check_number",
     "default_model_path",
+    "loss_usage_error",
     "model_device",
     "resolve_dims",
 ]
@@ -40,17 +47,45 @@ MIN_DEFAULT_DIM = 32
 # --multi-vector: the token dim halved while >= 16, so MultiVectorEncoder's 128-dim projection trains 128 64 32 16
 # (jina-colbert-v2 serves 128, 96 and 64; token vectors are many, so the small dims are the ones that save storage).
 MIN_DEFAULT_TOKEN_DIM = 16
-# Options that must be positive (the command line's argument types apply the same rule, check_positive).
-POSITIVE_INTS = (
-    "batch_size",
-    "mini_batch_size",
+# The type of each numeric option (one of KINDS); the command line's argument types apply the same rules.
+NUMBER_KINDS = {
+    "batch_size": "a positive integer",
+    "mini_batch_size": "a positive integer",  # or "auto" (AUTO_ALLOWED)
+    "activation_budget": "a positive integer",  # bytes, or "auto"
+    "max_steps": "a positive integer",
+    "max_seq_length": "a positive integer",
+    "max_train_samples": "a positive integer",
+    "max_eval_samples": "a positive integer",
+    "memory_max_age": "a positive integer",
+    "memory_size": "an integer >= 0",
+    "memory_warmup_steps": "an integer >= 0",
+    "seed": "an integer",
+    "epochs": "a positive number",
+    "learning_rate": "a positive number",
+    "false_negative_margin": "a finite number",
+}
+AUTO_ALLOWED = ("mini_batch_size", "activation_budget")
+OPTIONAL = (  # None: no limit, or off
     "max_steps",
-    "max_seq_length",
     "max_train_samples",
     "max_eval_samples",
+    "memory_max_age",
+    "activation_budget",
+    "false_negative_margin",
 )
-POSITIVE_NUMBERS = ("epochs", "learning_rate")
-OPTIONAL = ("max_steps", "max_train_samples", "max_eval_samples")  # None: no limit
+# The losses' argument names -> the flags that set them, so that a loss's own error reads as a usage error.
+LOSS_FLAGS = {
+    "matryoshka_dims": "--dims",
+    "mini_batch_size": "--mini-batch-size",
+    "activation_budget": "--activation-budget",
+    "backend": "--backend",
+    "false_negative_margin": "--false-negative-margin",
+    "mask_duplicates": "--mask-duplicates",
+    "memory_size": "--memory-size",
+    "memory_warmup_steps": "--memory-warmup-steps",
+    "memory_max_age": "--memory-max-age",
+    "dual_memory": "--dual-memory",
+}
 # sentence-transformers' BatchSamplers the main job offers: rows sharing a text never in one batch, or plain batches.
 BATCH_SAMPLERS = ("no_duplicates", "batch_sampler")
 
@@ -61,9 +96,10 @@ class TrainOptions:
     ``batch_size``), with the same defaults; ``st-cached-losses train --help`` describes each.
 
     Raises:
-        UsageError: a size or count that is not positive, or both ``bf16`` and ``fp16``; with ``multi_vector``,
-            an option CachedMultiVectorMatryoshkaLoss does not take (``guide``, ``false_negative_margin``, the memory
-            bank's, ``layers``, ``backend="triton"``); combinations the rules below refuse.
+        UsageError: a number that is not of its kind (:data:`NUMBER_KINDS`: e.g. a size that is not a positive
+            integer), both ``bf16`` and ``fp16``, both ``multi_vector`` and ``layers`` (each chooses the loss),
+            ``mask_duplicates`` with the ``no_duplicates`` sampler, or ``compare_stock`` with an option stock's loss
+            has no counterpart of. What the loss takes is checked by the loss itself, when the job builds it.
     """
 
     model: str | None = None  # None: the packaged all-MiniLM-L6-v2 (default_model_path)
@@ -98,41 +134,21 @@ class TrainOptions:
 
     def __post_init__(self):
         self.output_dir = Path(self.output_dir)
-        for name in POSITIVE_INTS + POSITIVE_NUMBERS:
+        for name, kind in NUMBER_KINDS.items():
             value = getattr(self, name)
-            if (value is None and name in OPTIONAL) or (name == "mini_batch_size" and value == "auto"):
-                continue
-            try:
-                check_positive(value, integer=name in POSITIVE_INTS)
-            except ValueError as error:
-                raise UsageError(f"--{name.replace('_', '-')} {error}") from error
+            if not ((value is None and name in OPTIONAL) or (value == "auto" and name in AUTO_ALLOWED)):
+                _check_option(f"--{name.replace('_', '-')}", value, kind)
+        for value in self.layers or ():
+            _check_option("--layers", value, "a positive integer")
         if self.bf16 and self.fp16:
             raise UsageError("--bf16 and --fp16 exclude each other: choose one")
-        self._check_multi_vector()
-        if self.false_negative_margin is not None:
-            try:
-                check_false_negative_rule(self.false_negative_margin, "absolute")
-            except ValueError as error:
-                raise UsageError(f"--false-negative-margin: {error}") from error
-            if self.compare_stock and self.guide is None:
-                raise UsageError(
-                    "--compare-stock compares the same loss, and stock has no self-guided filter: pass "
-                    "--guide too (stock's CachedGISTEmbedLoss), or drop --compare-stock"
-                )
-        from ..gradcache.activation_budget import check_activation_budget  # imports sentence-transformers: only here
-
-        try:
-            check_activation_budget(self.activation_budget)
-        except ValueError as error:
-            raise UsageError(f"--activation-budget: {error}") from error
-        if self.mini_batch_size == "auto" and self.compare_stock:
+        if self.multi_vector and self.layers is not None:
             raise UsageError(
-                "--compare-stock needs a fixed --mini-batch-size (stock has no 'auto'): pass the size "
-                "that --mini-batch-size auto chose (results.json's activation.chosen)"
+                "--multi-vector (CachedMultiVectorMatryoshkaLoss) and --layers (CachedMatryoshka2dLoss) each choose "
+                "the loss: drop one of them"
             )
-        self._check_layers()
         self._check_duplicates()
-        self._check_memory()
+        self._check_compare_stock()
 
     @property
     def sampler(self) -> str:
@@ -148,91 +164,66 @@ class TrainOptions:
                 "--mask-duplicates removes duplicates inside the loss, and --batch-sampler no_duplicates "
                 "keeps them out of the batches, leaving the mask nothing to do: drop one of them"
             )
-        if self.mask_duplicates and self.compare_stock:
-            raise UsageError(
-                "--compare-stock compares the same loss, and stock has no duplicate mask: drop "
-                "--mask-duplicates or --compare-stock"
-            )
 
-    def _check_memory(self) -> None:
-        """--memory-size and its options: the loss's rules (one line each), and no stock comparison (stock has no
-        bank) nor 2D Matryoshka (it refuses a bank)."""
-        from ..gradcache.memory_bank import check_memory_options
-
-        try:
-            check_memory_options(self.memory_size, self.memory_warmup_steps, self.memory_max_age, self.dual_memory)
-        except (TypeError, ValueError) as error:
-            message = str(error)
-            for name in ("memory_warmup_steps", "memory_max_age", "memory_size", "dual_memory"):
-                message = message.replace(name, "--" + name.replace("_", "-"))
-            raise UsageError(message.rstrip(".")) from error
-        if self.memory_size and (self.compare_stock or self.layers is not None):
-            raise UsageError(
-                "--memory-size is CachedMatryoshkaLoss's: drop --compare-stock (stock has no memory bank) and --layers "
-                "(the 2D loss takes no bank)"
-            )
-
-    def _check_multi_vector(self) -> None:
-        """--multi-vector: refuse the options CachedMultiVectorMatryoshkaLoss does not take, each with its reason."""
-        if not self.multi_vector:
+    def _check_compare_stock(self) -> None:
+        """--compare-stock trains stock's loss on the same steps: refuse what stock's loss has no counterpart of."""
+        if not self.compare_stock:
             return
-        no_filter = "the MaxSim op has no false-negative filter"
-        no_bank = "a bank of token vectors would hold documents x tokens x dim floats"
-        refused = {
-            "--guide": (self.guide is not None, no_filter),
-            "--false-negative-margin": (self.false_negative_margin is not None, no_filter),
-            "--memory-size": (bool(self.memory_size), no_bank),
-            "--memory-warmup-steps": (bool(self.memory_warmup_steps), no_bank),
-            "--memory-max-age": (self.memory_max_age is not None, no_bank),
-            "--dual-memory": (self.dual_memory, no_bank),
-            "--layers": (self.layers is not None, "2D Matryoshka cuts a SentenceTransformer's layers"),
-            "--backend triton": (
-                self.backend == "triton",
-                "maxsim_infonce has no Triton kernels: use auto, chunked or dense",
+        if self.mini_batch_size == "auto":
+            raise UsageError(
+                "--compare-stock needs a fixed --mini-batch-size (stock has no 'auto'): pass the size "
+                "that --mini-batch-size auto chose (results.json's activation.chosen)"
+            )
+        stock_lacks = {
+            "--false-negative-margin without --guide": (
+                self.false_negative_margin is not None and self.guide is None,
+                "self-guided filter (pass --guide too: stock's CachedGISTEmbedLoss)",
             ),
+            "--mask-duplicates": (self.mask_duplicates, "duplicate mask"),
+            "--memory-size": (bool(self.memory_size), "memory bank"),
+            "--layers": (self.layers is not None, "loss that trains every layer at every step"),
         }
-        clash = [f"{flag} ({reason})" for flag, (given, reason) in refused.items() if given]
-        if clash:
-            raise UsageError(
-                f"--multi-vector (CachedMultiVectorMatryoshkaLoss) does not take {'; '.join(clash)}: drop "
-                f"{'it' if len(clash) == 1 else 'them'} or --multi-vector"
-            )
-
-    def _check_layers(self) -> None:
-        """--layers: positive, and only with the options CachedMatryoshka2dLoss takes."""
-        if self.layers is None:
-            return
-        for value in self.layers:
-            try:
-                check_positive(value, integer=True)
-            except ValueError as error:
-                raise UsageError(f"--layers {error}") from error
-        others = {
-            "--guide": self.guide is not None,
-            "--false-negative-margin": self.false_negative_margin is not None,
-            "--activation-budget": self.activation_budget is not None,
-            "--mini-batch-size auto": self.mini_batch_size == "auto",
-            "--compare-stock": self.compare_stock,
-        }
-        clash = [flag for flag, given in others.items() if given]
-        if clash:
-            raise UsageError(
-                f"--layers (CachedMatryoshka2dLoss) does not take {', '.join(clash)}: drop "
-                f"{'it' if len(clash) == 1 else 'them'} or --layers"
-            )
+        for flag, (given, what) in stock_lacks.items():
+            if given:
+                raise UsageError(
+                    f"--compare-stock compares the same loss, and stock has no {what}: drop {flag.split()[0]} or "
+                    "--compare-stock"
+                )
 
 
-def check_positive(value: Any, integer: bool = True) -> None:
-    """The rule of every size and count option: a positive int, or with ``integer=False`` a positive finite number.
+KINDS = {  # what each kind of number option must be, e.g. NUMBER_KINDS["batch_size"]
+    "a positive integer": lambda value: _is_int(value) and value > 0,
+    "an integer >= 0": lambda value: _is_int(value) and value >= 0,
+    "an integer": lambda value: _is_int(value),
+    "a positive number": lambda value: _is_real(value) and value > 0 and math.isfinite(value),
+    "a finite number": lambda value: _is_real(value) and math.isfinite(value),
+}
+
+
+def check_number(value: Any, kind: str) -> None:
+    """The rule of a number option: ``value`` is of ``kind``, one of :data:`KINDS` ("a positive integer", ...).
 
     Raises:
         ValueError: e.g. "must be a positive integer, got 0".
     """
-    if integer and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise ValueError(f"must be a positive integer, got {value}")
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not integer and not (number and value > 0 and math.isfinite(value)):
-        raise ValueError(f"must be a positive number, got {value:g}" if number else f"must be a number, got {value!r}")
+    if not KINDS[kind](value):
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)
+        raise ValueError(f"must be {kind}, got {shown}")
+
+
+def _check_option(flag: str, value: Any, kind: str) -> None:
+    try:
+        check_number(value, kind)
+    except ValueError as error:
+        raise UsageError(f"{flag} {error}") from error
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # ---------------------------------------------------------------------------------------------------- checks
@@ -247,6 +238,30 @@ def check_batch_sizes(batch_size: int, mini_batch_size: int) -> None:
         )
 
 
+def loss_usage_error(error: Exception, options: TrainOptions) -> UsageError:
+    """The usage error for a loss's own ValueError / TypeError on the options (see :func:`~.training.make_loss`):
+    its message on one line with the loss's argument names as flags (:data:`LOSS_FLAGS`, e.g. ``memory_size`` ->
+    ``--memory-size``), after the flags that chose the loss and its base loss (``--multi-vector``, ``--layers``,
+    ``--guide``), e.g. "--layers: CachedMatryoshka2dLoss does not take a memory bank (--memory-size and its
+    options): ..."."""
+    message = _ARGUMENT_NAME.sub(_flag, " ".join(str(error).split())).rstrip(".")
+    chosen = {"--multi-vector": options.multi_vector, "--layers": options.layers is not None, "--guide": options.guide}
+    flags = " ".join(flag for flag, value in chosen.items() if value)
+    return UsageError(f"{flags}: {message}" if flags else message)
+
+
+# An argument name of LOSS_FLAGS in a message; "name=value" becomes "--flag value". A name without an underscore is
+# also a word ("the chunked backend"): it is an argument only as "name=" or "name must".
+_ARGUMENT_NAME = re.compile(r"(?<![\w-])(" + "|".join(LOSS_FLAGS) + r")(=|(?= must)|(?![\w-]))")
+
+
+def _flag(match: re.Match) -> str:
+    name, equals = match[1], match[2]
+    if "_" not in name and not equals and not match.string.startswith(" must", match.end()):
+        return match[0]
+    return LOSS_FLAGS[name] + (" " if equals else "")
+
+
 def model_device() -> str:
     """The device a model is loaded on: SentenceTransformer's default ("cuda:0", "mps", ..., or "cpu")."""
     from sentence_transformers.util import get_device_name
@@ -254,15 +269,9 @@ def model_device() -> str:
     return get_device_name()
 
 
-def check_device(backend: str, fp16: bool, device: str) -> None:
-    """Raises UsageError if ``backend`` cannot run on ``device`` (e.g. "triton" on a CPU; the rule is
-    :func:`st_cached_losses.ops.check_backend`'s), or for ``fp16`` on a CPU, where the trainer has no fp16."""
-    from ..ops.backend import check_backend
-
-    try:
-        check_backend(backend, device)
-    except ValueError as error:
-        raise UsageError(f"--backend {backend}: {error}") from error
+def check_fp16(fp16: bool, device: str) -> None:
+    """Raises UsageError for ``fp16`` on a CPU, where the trainer has no fp16. (Whether ``--backend`` runs on the
+    device is the loss's rule, the op's registry's: :func:`st_cached_losses.ops.backend.check_backend`.)"""
     if fp16 and device == "cpu":
         raise UsageError(
             "--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); use --bf16 on a CPU"

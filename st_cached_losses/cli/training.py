@@ -38,7 +38,7 @@ __all__ = [
 # --compare-stock's runs; the first is the run whose model is saved. Alternated, so that neither loss always runs
 # on warm caches or later in a drift.
 COMPARE_ORDER = ("ours", "stock", "stock", "ours")
-# --multi-vector's InfoNCE scale (1 / temperature) on MaxSim scores of unit token vectors: see _multi_vector_loss.
+# --multi-vector's InfoNCE scale (1 / temperature) on MaxSim scores of unit token vectors: see _base_loss.
 MULTI_VECTOR_SCALE = 3.0
 
 
@@ -50,53 +50,48 @@ def loss_names(multi_vector: bool, guide: bool) -> tuple[str, str]:
 
 
 def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = False, guide=None):
-    """``CachedMatryoshkaLoss`` around ``CachedMNRL(model, mini_batch_size)`` (with ``options.false_negative_margin``:
-    self-guided), or around ``CachedGISTEmbedLoss(model, guide, margin=...)`` with a ``guide``; with
-    ``options.layers``, ``CachedMatryoshka2dLoss`` around CachedMNRL, every layer and dim at every step; or, when
-    ``stock``, stock ``MatryoshkaLoss`` around the same base loss. ``options.mini_batch_size``,
-    ``options.activation_budget`` and ``options.mask_duplicates`` go to ours ("auto" included); the base loss embeds
-    with the default size then. With ``options.multi_vector``: :func:`_multi_vector_loss`."""
-    if options.multi_vector:
-        return _multi_vector_loss(model, dims, options, stock)
-    from sentence_transformers.sentence_transformer.losses import (
-        CachedGISTEmbedLoss,
-        CachedMultipleNegativesRankingLoss,
-        MatryoshkaLoss,
-    )
+    """The loss the options describe, built with every option as given, so that the loss itself refuses what it
+    does not take (its ValueError / TypeError; :func:`~.options.loss_usage_error` makes it a usage error).
 
-    size = options.mini_batch_size
-    base_size = DEFAULT_MINI_BATCH_SIZE if size == "auto" else size
-    margin = options.false_negative_margin
-    if guide is not None:
-        base = CachedGISTEmbedLoss(model, guide, mini_batch_size=base_size, margin=margin or 0.0)
-    else:
-        base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=base_size)
+    The base loss: ``CachedGISTEmbedLoss(model, guide, margin=options.false_negative_margin or 0)`` with a ``guide``,
+    else ``CachedMNRL(model)`` (``CachedMultiVectorMNRL(model, scale=MULTI_VECTOR_SCALE)`` with
+    ``options.multi_vector``), at ``options.mini_batch_size`` (the default size for "auto"). Ours around it:
+    ``CachedMultiVectorMatryoshkaLoss`` with ``options.multi_vector``, ``CachedMatryoshka2dLoss`` with
+    ``options.layers`` (every layer and dim at every step), else ``CachedMatryoshkaLoss``, with the options
+    ``mini_batch_size`` ("auto" included), ``backend``, ``false_negative_margin`` (self-guided: without a guide),
+    ``activation_budget``, ``mask_duplicates`` and the memory bank's. With ``stock``: stock ``MatryoshkaLoss`` around
+    the base loss, or the multi-vector base loss alone (stock has no Matryoshka loss for token vectors: it trains the
+    full token dim).
+    """
+    base = _base_loss(model, options, guide)
     if stock:
+        if options.multi_vector:
+            return base
+        from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
+
         return MatryoshkaLoss(model, base, list(dims))
-    if options.layers is not None:
-        from ..losses.cached_matryoshka_2d import CachedMatryoshka2dLoss
+    if options.multi_vector:
+        from ..losses.cached_multi_vector import CachedMultiVectorMatryoshkaLoss as Loss
+
+        per_step = {}
+    elif options.layers is not None:
+        from ..losses.cached_matryoshka_2d import CachedMatryoshka2dLoss as Loss
 
         # GradCache makes the extra layers cheap (a pooling and a loss-stage call each, no transformer run), so
         # every layer and dim is trained at every step rather than stock's one sampled layer and dim.
-        return CachedMatryoshka2dLoss(
-            model,
-            base,
-            list(dims),
-            n_layers_per_step=-1,
-            n_dims_per_step=-1,
-            mini_batch_size=size,
-            backend=options.backend,
-            mask_duplicates=options.mask_duplicates,
-        )
-    from ..losses.cached_matryoshka import CachedMatryoshkaLoss
+        per_step = dict(n_layers_per_step=-1, n_dims_per_step=-1)
+    else:
+        from ..losses.cached_matryoshka import CachedMatryoshkaLoss as Loss
 
-    return CachedMatryoshkaLoss(
+        per_step = {}
+    return Loss(
         model,
         base,
         list(dims),
-        mini_batch_size=size,
+        **per_step,
+        mini_batch_size=options.mini_batch_size,
         backend=options.backend,
-        false_negative_margin=None if guide is not None else margin,
+        false_negative_margin=None if guide is not None else options.false_negative_margin,
         activation_budget=options.activation_budget,
         mask_duplicates=options.mask_duplicates,
         memory_size=options.memory_size,
@@ -106,37 +101,31 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
     )
 
 
-def _multi_vector_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool):
-    """``CachedMultiVectorMatryoshkaLoss`` around ``CachedMultiVectorMultipleNegativesRankingLoss(model,
-    scale=MULTI_VECTOR_SCALE, mini_batch_size)`` (MaxSim, in-batch negatives) at every token dim of ``dims``, with
-    the options ours takes as :func:`make_loss` passes them; or, when ``stock``, that base loss alone (stock has no
-    Matryoshka loss for token vectors: it trains the full token dim).
+def _base_loss(model, options: TrainOptions, guide):
+    """The base loss of :func:`make_loss`, embedding ``options.mini_batch_size`` rows at a time (the default size for
+    "auto", which only ours takes).
 
-    The scale, :data:`MULTI_VECTOR_SCALE` = 3 (stock's default is 1): a MaxSim score sums one cosine per query token,
-    so scale 1 on it is a scale of about the query's length (~18 tokens on the built-in data) on the mean, close to
-    the dense loss's 20; but the max over document tokens compresses the gap between the positive and the negatives
-    (every document has some token near each query token), which a larger scale sharpens again. Measured on the
-    built-in data (packaged MiniLM, 4 steps of 256 pairs, 795 held-out queries), held-out NDCG@10 after training was
-    0.578 / 0.592 / 0.576 at token dim 128 and 0.414 / 0.441 / 0.425 at 16 for scales 1 / 3 / 10.
+    ``--multi-vector``'s scale, :data:`MULTI_VECTOR_SCALE` = 3 (stock's default is 1): a MaxSim score sums one cosine
+    per query token, so scale 1 on it is a scale of about the query's length (~18 tokens on the built-in data) on the
+    mean, close to the dense loss's 20; but the max over document tokens compresses the gap between the positive and
+    the negatives (every document has some token near each query token), which a larger scale sharpens again.
+    Measured on the built-in data (packaged MiniLM, 4 steps of 256 pairs, 795 held-out queries), held-out NDCG@10
+    after training was 0.578 / 0.592 / 0.576 at token dim 128 and 0.414 / 0.441 / 0.425 at 16 for scales 1 / 3 / 10.
     """
-    from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
-
-    from ..losses.cached_multi_vector import CachedMultiVectorMatryoshkaLoss
+    from sentence_transformers.sentence_transformer.losses import (
+        CachedGISTEmbedLoss,
+        CachedMultipleNegativesRankingLoss,
+    )
 
     size = options.mini_batch_size
-    base_size = DEFAULT_MINI_BATCH_SIZE if size == "auto" else size
-    base = CachedMultiVectorMultipleNegativesRankingLoss(model, scale=MULTI_VECTOR_SCALE, mini_batch_size=base_size)
-    if stock:
-        return base
-    return CachedMultiVectorMatryoshkaLoss(
-        model,
-        base,
-        list(dims),
-        mini_batch_size=size,
-        backend=options.backend,
-        activation_budget=options.activation_budget,
-        mask_duplicates=options.mask_duplicates,
-    )
+    size = DEFAULT_MINI_BATCH_SIZE if size == "auto" else size
+    if guide is not None:
+        return CachedGISTEmbedLoss(model, guide, mini_batch_size=size, margin=options.false_negative_margin or 0.0)
+    if options.multi_vector:
+        from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
+
+        return CachedMultiVectorMultipleNegativesRankingLoss(model, scale=MULTI_VECTOR_SCALE, mini_batch_size=size)
+    return CachedMultipleNegativesRankingLoss(model, mini_batch_size=size)
 
 
 def multi_vector_summary(model, loss) -> dict[str, Any]:
@@ -252,13 +241,14 @@ def train_once(model, loss, train, options: TrainOptions) -> tuple[float, int]:
     else:
         from sentence_transformers import SentenceTransformerTrainer as Trainer
 
+    from ..gradcache.steps import GradCacheSteps  # every loss of this package
     from ..losses.callback import CachedLossCallback
 
     with tempfile.TemporaryDirectory(prefix="st-cached-losses-trainer-") as scratch:
         trainer = Trainer(
             model=model, args=_training_args(options, scratch, str(model.device)), train_dataset=train, loss=loss
         )
-        if hasattr(loss, "memory"):  # ours: the masked share and the bank's fill in the trainer's log
+        if isinstance(loss, GradCacheSteps):  # ours: the masked share and the bank's fill in the trainer's log
             CachedLossCallback.attach(trainer)
         start = time.perf_counter()
         trainer.train()
