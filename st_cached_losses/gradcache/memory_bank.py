@@ -264,10 +264,6 @@ class MemoryBank(nn.Module):
             self.memory_size,
         )
 
-    def end_step(self, pairs: BankedPairs | None) -> None:
-        """cached_matryoshka.py's call until it calls :func:`end_training_forward` itself (then remove this)."""
-        end_training_forward(self, pairs)
-
     def _enqueue(self, pairs: BankedPairs) -> None:
         if self.docs is None:
             self._allocate(pairs)

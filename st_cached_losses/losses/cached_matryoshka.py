@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..gradcache._st_compat import has_static_embedding_input
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..gradcache.distributed import unwrapped
-from ..gradcache.memory_bank import MemoryBank, check_memory_options
+from ..gradcache.memory_bank import MemoryBank, check_memory_options, end_training_forward
 from ..gradcache.memory_inputs import step_inputs
 from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
@@ -121,8 +121,8 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
                 0 (default): no bank, exactly the loss without one. The bank: ``loss.memory``; checkpoints and the
                 trainer's log: :class:`st_cached_losses.CachedLossCallback`; when it helps: ``docs/benchmarks.md``.
             memory_warmup_steps: optimizer steps before the bank is filled and scored (XBM's warm-up; counted by
-                :class:`st_cached_losses.CachedLossCallback`; in a loop of your own without
-                ``loss.memory.count_optimizer_steps()``, training forwards).
+                :class:`st_cached_losses.CachedLossCallback`; in a loop of your own that gives no steps
+                (``loss.memory.set_step``), training forwards).
             memory_max_age: optimizer steps after which a banked pair leaves, even before the bank is full; None: no
                 limit.
             dual_memory: also bank the queries (ContAccum's dual memory): banked pairs join the batch as rows, each
@@ -244,7 +244,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
         draw = self.draw_step()
         total, step = self.run_steps(sentence_features, labels, draw, self.gather_across_devices)
         if self.memory is not None and step.training:
-            self.memory.end_step(step.to_bank)  # after the loss: a failing step banks nothing
+            end_training_forward(self.memory, step.to_bank)  # after the loss: a failing step banks nothing
         return self.entries(total, step)
 
     def calculate_loss(
