@@ -14,6 +14,7 @@ import torch
 from sentence_transformers import MultiVectorEncoder
 from sentence_transformers.multi_vector_encoder.evaluation import MultiVectorInformationRetrievalEvaluator
 from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
+from sentence_transformers.multi_vector_encoder.modules import HierarchicalTokenPooling
 
 from st_cached_losses import CachedMultiVectorMatryoshkaLoss, truncate_token_dim
 from st_cached_losses.cli import job, training
@@ -140,6 +141,17 @@ def test_shared_encoding_is_stock_s_evaluator_on_each_cut_model():
     _, test = load_pairs("stdlib", seed=0, max_eval=20)
     shared = build_multi_vector_evaluate(test, [32, 8])(model)
     assert list(shared) == ["32", "8"] and shared["32"] != shared["8"]
+    for dim in (32, 8):
+        assert shared[str(dim)] == pytest.approx(_maxsim_metrics(model, test, dim), abs=1e-6)
+
+
+def test_shared_encoding_re_normalises_only_the_side_that_normalises():
+    """A model whose queries only are normalised (a pooling for the query task): each dim's shared encoding is still
+    stock's evaluator on the cut model, which re-normalises the queries' prefixes and leaves the documents'."""
+    model = tiny_multi_vector_encoder(token_dim=32, seed=5, normalize=False)
+    model.append(HierarchicalTokenPooling(1.0, num_protected_tokens=0, normalize_embeddings=True, tasks=["query"]))
+    _, test = load_pairs("stdlib", seed=0, max_eval=20)
+    shared = build_multi_vector_evaluate(test, [32, 8])(model)
     for dim in (32, 8):
         assert shared[str(dim)] == pytest.approx(_maxsim_metrics(model, test, dim), abs=1e-6)
 

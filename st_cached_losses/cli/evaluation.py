@@ -143,8 +143,8 @@ def _multi_vector_evaluator(queries, corpus, relevant, dim: int, full_model, sha
             appended = [model[index] for index in range(len(full_model), len(model))]
             with torch.no_grad():
                 if torch.is_tensor(shared[key]):  # queries: padded (queries, tokens, dim), zero rows stay zero
-                    return _run(appended, shared[key])
-                return [_run(appended, tokens) for tokens in shared[key]]  # documents: (tokens, dim) each
+                    return _run(appended, shared[key], encode_fn_name)
+                return [_run(appended, tokens, encode_fn_name) for tokens in shared[key]]  # documents: (tokens, dim)
 
     return SharedEncodingEvaluator(
         queries,
@@ -156,9 +156,12 @@ def _multi_vector_evaluator(queries, corpus, relevant, dim: int, full_model, sha
     )
 
 
-def _run(modules, token_embeddings):
-    """``token_embeddings`` through sentence-transformers modules that read and write ``token_embeddings``."""
+def _run(modules, token_embeddings, task: str | None):
+    """``token_embeddings`` through sentence-transformers modules that read and write ``token_embeddings``, each
+    given ``task`` ("query", "document") where it takes one (its ``forward_kwargs``), as the model's forward does: a
+    one-sided normalisation applies to its side only."""
     features = {"token_embeddings": token_embeddings}
     for module in modules:
-        features = module(features)
+        takes_task = "task" in getattr(module, "forward_kwargs", ())
+        features = module(features, task=task) if takes_task else module(features)
     return features["token_embeddings"]
