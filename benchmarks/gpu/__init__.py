@@ -1,10 +1,13 @@
-"""One prepared command for a CUDA machine.
+"""One prepared command for a CUDA machine, and the compile report that needs none.
 
     python -m benchmarks.gpu --model .gpu/minilm          # one H100, offline, about 8 minutes: results/gpu/
     python -m benchmarks.gpu --quick --model .gpu/minilm  # fewer sizes: about 4 minutes
     python -m benchmarks.gpu --steps loss_stage train_step --model .gpu/minilm   # some steps, in the usual order
     python -m benchmarks.gpu --dry-run --out /tmp/gpu     # any machine: every step at tiny sizes on the CPU, the
                                                           # chunked backend standing in for Triton (run in CI)
+    python -m benchmarks.gpu --compile-report --out DIR   # a CPU: every registered Triton kernel compiled for sm_90
+                                                          # -> DIR/compile_report.csv (registers, spills, smem, the
+                                                          # hot loop's instructions, occupancy, launches per call)
 
 Steps, in order (``--steps`` picks some); each writes long-format CSV + PNG under --out, ``summary.md`` gets every
 table and the issues' targets (met, missed, not measured), and a short table (each step's seconds and headline) is
@@ -25,10 +28,11 @@ printed last:
 5. ``multivector_train_step`` (``benchmarks.multivector_train_step``, ``multivector_train_step.csv``): the same for
    the MultiVectorEncoder, ours against stock's cached multi-vector loss, B in {512, 4096}.
 
-Device time (one H100, estimated from the first run's figures, benchmarks/results/gpu/summary.md): correctness about 60
-s with the compiled kernels not yet in Triton's cache, loss stage 120 s plus the largest-B search's 30 s, multi-vector
-loss stage 60 s, training steps about 90 s dense and 90 s multi-vector: about 8 minutes. Every row names the device, the
-torch / triton / sentence-transformers versions and the date.
+Device time (one H100, estimated from the first run's figures, benchmarks/results/gpu/summary.md): correctness about
+60 s with the compiled kernels not yet in Triton's cache (the compile report run with the card's Triton version fills
+it ahead of time), loss stage 120 s plus the largest-B search's 30 s, multi-vector loss stage 60 s, training steps
+about 90 s dense and 90 s multi-vector: about 8 minutes. Every row names the device, the torch / triton /
+sentence-transformers versions and the date.
 
 The machine may have no network: ``--model PATH`` takes a local copy of the model (an fp16 copy is cast to fp32;
 bf16 is autocast's job, as in the trainer).

@@ -47,12 +47,28 @@ def parse_args(argv=None):
         help="step 1's list: short (default) or full (every case and tile config, as python -m pytest -m cuda)",
     )
     parser.add_argument("--backend", default="auto", help="ours' loss-stage backend in the training steps")
+    parser.add_argument(
+        "--compile-report",
+        action="store_true",
+        help="no GPU needed: compile every registered Triton kernel and default config for --arch with Triton's "
+        "bundled ptxas and write compile_report.csv under --out (benchmarks/gpu/compile_report.py)",
+    )
+    parser.add_argument("--arch", type=int, default=90, help="the compute capability the compile report targets")
+    parser.add_argument(
+        "--no-launch-count",
+        action="store_true",
+        help="compile report: leave launches_per_call empty (skips the op calls in Triton's interpreter)",
+    )
     parser.add_argument("--out", type=Path, help=f"results folder (default: {RESULTS}; a temporary one for --dry-run)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compile_report:
+        from benchmarks.gpu import compile_report
+
+        return compile_report.main(args.out or RESULTS, args.arch, count_launches=not args.no_launch_count)
     if not args.dry_run and not torch.cuda.is_available():
         print("benchmarks.gpu: error: needs a CUDA GPU (--dry-run runs every step on the CPU)", file=sys.stderr)
         return 2
