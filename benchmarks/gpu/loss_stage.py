@@ -74,8 +74,8 @@ def run(plan: Plan) -> list[tuple]:
     peak_flops = matmul_peak(plan.device)
     rows, budget = [("device", 0, "matmul_flops_per_second", peak_flops)], Budget(plan.seconds)
     print(f"  torch.mm peak: {peak_flops / 1e12:.1f} TFLOP/s", flush=True)
-    for dtype_name, dtype in DTYPES.items():
-        for batch in plan.sizes:
+    for batch in plan.sizes:  # every dtype at a B before the next B: the share runs out at the largest sizes
+        for dtype_name, dtype in DTYPES.items():
             q, c = embeddings(batch, plan.dim, plan.device, dtype, seed=batch, correlated=True)
             rows.append((f"inputs_{dtype_name}", batch, "input_bytes", (q.numel() + c.numel()) * q.element_size()))
             for name in CONTENDERS:
