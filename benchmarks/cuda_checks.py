@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from st_cached_losses.ops import InfoNCESpec, reference, run_backend
+from st_cached_losses.ops import reference
+from st_cached_losses.ops.infonce import run_backend
+from st_cached_losses.ops.spec import InfoNCESpec
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 

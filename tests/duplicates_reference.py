@@ -176,7 +176,7 @@ def run_op(queries, docs, world, anchor_ids, doc_ids, offset=0, ids=True, **opti
     id_options = {}
     if ids:
         world_ids = torch.tensor(anchor_ids)
-        id_options = dict(query_ids=world_ids[offset : offset + batch], doc_ids=torch.tensor(doc_ids))
+        id_options = dict(query_ids=world_ids[offset : offset + batch], document_ids=torch.tensor(doc_ids))
         id_options.update(world_query_ids=world_ids if gathered else None)
     out = matryoshka_infonce(
         leaves[0],

@@ -11,7 +11,8 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from st_cached_losses import matryoshka_infonce
-from st_cached_losses.ops import TritonUnavailableError, backend, check_backend
+from st_cached_losses.ops import TritonUnavailableError, backend
+from st_cached_losses.ops.backend import check_backend
 from st_cached_losses.ops.triton import host as triton_backend
 from st_cached_losses.ops.triton import kernels as triton_kernels
 
@@ -29,6 +30,11 @@ def _op_loss_and_grads(queries, docs, **options):
     loss = matryoshka_infonce(q, c, **{"dims": [queries.shape[1], 4], **options}).loss
     loss.backward()
     return loss.detach(), q.grad, c.grad
+
+
+def _verify_triton(monkeypatch, verified: bool) -> None:
+    """Stand in for a GPU on which the Triton backend is (or is not) verified."""
+    monkeypatch.setattr(backend.Backend, "verified_on", lambda self, device: verified and self.name == "triton")
 
 
 @pytest.fixture
@@ -52,13 +58,13 @@ def test_auto_is_chunked_on_cpu_and_says_why(fresh_choices, caplog):
 
 
 def test_auto_on_an_unverified_gpu_is_chunked(monkeypatch):
-    monkeypatch.setattr(backend, "triton_verified", lambda device: False)
+    _verify_triton(monkeypatch, False)
     name, reason = backend.select_backend(torch.device("cuda", 0), "auto")
     assert name == "chunked" and "not verified on this GPU" in reason and "backend='triton'" in reason
 
 
 def test_auto_on_a_verified_gpu_is_triton(monkeypatch, fresh_choices):
-    monkeypatch.setattr(backend, "triton_verified", lambda device: True)
+    _verify_triton(monkeypatch, True)
     assert backend.select_backend(torch.device("cuda", 0), "auto") == ("triton", "auto: verified on this GPU")
 
 
@@ -98,7 +104,7 @@ def _launch_fails(monkeypatch):
 
 def test_auto_falls_back_to_chunked_once_when_triton_cannot_launch(monkeypatch, fresh_choices):
     # The CPU interpreter stands in for a verified GPU whose kernels then fail to launch.
-    monkeypatch.setattr(backend, "triton_verified", lambda device: True)
+    _verify_triton(monkeypatch, True)
     _launch_fails(monkeypatch)
     queries, docs = _pairs()
     want = _op_loss_and_grads(queries, docs, backend="chunked")
@@ -168,7 +174,7 @@ def test_nonfinite_embeddings_raise_outside_fp16(dtype):
     queries, docs = _pairs(dtype=dtype)
     with pytest.raises(ValueError, match="queries contains NaN or Inf: the run diverged"):
         matryoshka_infonce(_with_nan(queries), docs, dims=[8, 4])
-    with pytest.raises(ValueError, match="docs contains NaN or Inf"), torch.autocast("cpu", dtype=torch.bfloat16):
+    with pytest.raises(ValueError, match="documents contains NaN or Inf"), torch.autocast("cpu", dtype=torch.bfloat16):
         matryoshka_infonce(queries, _with_nan(docs), dims=[8, 4])
 
 

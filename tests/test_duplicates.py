@@ -117,7 +117,7 @@ def test_combines_with_the_false_negative_filter(guided, backend):
         g = torch.Generator().manual_seed(3)
         guide_q, guide_c = queries + 0.5 * torch.randn(queries.shape, generator=g), docs.clone()
         guide_c[:8] = guide_q + 0.8 * torch.randn(guide_q.shape, generator=g)
-        guide = dict(guide_queries=guide_q, guide_docs=guide_c)
+        guide = dict(guide_queries=guide_q, guide_documents=guide_c)
     else:  # the model's own full-dim embeddings, MNRL's directions
         directions, margin, guide = ALL_DIRECTIONS, 0.1, {}
         guide_q, guide_c = queries, docs
@@ -146,15 +146,23 @@ def test_combines_with_the_false_negative_filter(guided, backend):
 
 
 BAD = {
-    "only_query_ids": (dict(query_ids=torch.arange(6)), ValueError, "pass both query_ids and doc_ids"),
-    "int32": (dict(query_ids=torch.arange(6, dtype=torch.int32), doc_ids=torch.arange(6)), TypeError, "int64"),
-    "floats": (dict(query_ids=torch.arange(6.0), doc_ids=torch.arange(6)), TypeError, "int64"),
-    "two_d": (dict(query_ids=torch.arange(6)[:, None], doc_ids=torch.arange(6)), TypeError, "1-D"),
-    "length": (dict(query_ids=torch.arange(5), doc_ids=torch.arange(6)), ValueError, "query_ids has 5 ids"),
-    "doc_length": (dict(query_ids=torch.arange(6), doc_ids=torch.arange(12)), ValueError, "doc_ids has 12 ids"),
-    "device": (dict(query_ids=torch.arange(6, device="meta"), doc_ids=torch.arange(6)), ValueError, "move the ids"),
+    "only_query_ids": (dict(query_ids=torch.arange(6)), ValueError, "pass both query_ids and document_ids"),
+    "int32": (dict(query_ids=torch.arange(6, dtype=torch.int32), document_ids=torch.arange(6)), TypeError, "int64"),
+    "floats": (dict(query_ids=torch.arange(6.0), document_ids=torch.arange(6)), TypeError, "int64"),
+    "two_d": (dict(query_ids=torch.arange(6)[:, None], document_ids=torch.arange(6)), TypeError, "1-D"),
+    "length": (dict(query_ids=torch.arange(5), document_ids=torch.arange(6)), ValueError, "query_ids has 5 ids"),
+    "doc_length": (
+        dict(query_ids=torch.arange(6), document_ids=torch.arange(12)),
+        ValueError,
+        "document_ids has 12 ids",
+    ),
+    "device": (
+        dict(query_ids=torch.arange(6, device="meta"), document_ids=torch.arange(6)),
+        ValueError,
+        "move the ids",
+    ),
     "world_ids_without_world": (
-        dict(query_ids=torch.arange(6), doc_ids=torch.arange(6), world_query_ids=torch.arange(6)),
+        dict(query_ids=torch.arange(6), document_ids=torch.arange(6), world_query_ids=torch.arange(6)),
         ValueError,
         "go with world_queries",
     ),
@@ -171,7 +179,7 @@ def test_bad_input(options, error, message):
 def test_bad_gathered_ids():
     world, docs = torch.randn(8, 8), torch.randn(8, 8)
     queries, ids = world[4:], torch.arange(8)
-    options = dict(dims=[8], offset=4, world_queries=world, doc_ids=ids)
+    options = dict(dims=[8], offset=4, world_queries=world, document_ids=ids)
     with pytest.raises(ValueError, match="go with world_queries"):
         matryoshka_infonce(queries, docs, query_ids=ids[4:], **options)
     with pytest.raises(ValueError, match=r"world_query_ids\[offset:offset \+ B\]"):

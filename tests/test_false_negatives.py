@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
 
 from st_cached_losses import matryoshka_infonce
-from st_cached_losses.ops import InfoNCESpec, run_backend
+from st_cached_losses.ops.infonce import run_backend
+from st_cached_losses.ops.spec import InfoNCESpec
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.helpers import ALL_DIRECTIONS
 
@@ -307,7 +308,7 @@ def test_guided_matches_stock_matryoshka_cached_gist(gist_models, case, mini_bat
         scale=1 / temperature,
         directions=directions,
         guide_queries=guided[0],
-        guide_docs=torch.cat(guided[1:]),
+        guide_documents=torch.cat(guided[1:]),
         false_negative_margin=case["margin"],
         false_negative_strategy=case["margin_strategy"],
     )
@@ -352,15 +353,19 @@ BAD = {
     "margin_inf": (dict(false_negative_margin=float("inf")), ValueError, "finite number"),
     "margin_string": (dict(false_negative_margin="0.1"), ValueError, "finite number"),
     "strategy": (dict(false_negative_margin=0.1, false_negative_strategy="percent"), ValueError, "must be one of"),
-    "one_guide_tensor": (dict(guide_queries=torch.randn(6, 4)), ValueError, "pass both guide_queries and guide_docs"),
-    "guide_rows": (dict(guide_queries=torch.randn(5, 4), guide_docs=torch.randn(6, 4)), ValueError, "has 5 rows"),
-    "guide_widths": (dict(guide_queries=torch.randn(6, 4), guide_docs=torch.randn(6, 3)), ValueError, "D=4"),
+    "one_guide_tensor": (
+        dict(guide_queries=torch.randn(6, 4)),
+        ValueError,
+        "pass both guide_queries and guide_documents",
+    ),
+    "guide_rows": (dict(guide_queries=torch.randn(5, 4), guide_documents=torch.randn(6, 4)), ValueError, "has 5 rows"),
+    "guide_widths": (dict(guide_queries=torch.randn(6, 4), guide_documents=torch.randn(6, 3)), ValueError, "D=4"),
     "guide_device": (
-        dict(guide_queries=torch.randn(6, 4, device="meta"), guide_docs=torch.randn(6, 4, device="meta")),
+        dict(guide_queries=torch.randn(6, 4, device="meta"), guide_documents=torch.randn(6, 4, device="meta")),
         ValueError,
         "move the guide",
     ),
-    "guide_not_tensor": (dict(guide_queries=[[0.0] * 4] * 6, guide_docs=torch.randn(6, 4)), TypeError, "2-D"),
+    "guide_not_tensor": (dict(guide_queries=[[0.0] * 4] * 6, guide_documents=torch.randn(6, 4)), TypeError, "2-D"),
     "gist_per_direction": (
         dict(directions=("query_to_doc", "anchor_to_anchor"), partition_mode="per_direction"),
         ValueError,

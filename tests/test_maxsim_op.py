@@ -18,12 +18,15 @@ from st_cached_losses.ops.maxsim import chunked, gradients, reference
 DIMS, WEIGHTS = [13, 9, 4], [1.0, 0.3, 2.0]
 
 
-def _inputs(batch, num_docs, query_tokens, doc_tokens, dim, seed=0, dtype=torch.float64):
-    """Random token vectors and masks: a fifth of the tokens masked, document 2 without a scored token, query 1 with
-    its first two tokens masked."""
+def _inputs(batch, num_docs, query_tokens, doc_tokens, dim, seed=0, dtype=torch.float64, unit=True):
+    """Random token vectors (``unit``: of length 1, as a model ending in Normalize gives them) and masks: a fifth of the
+    tokens masked, document 2 without a scored token, query 1 with its first two tokens masked."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, query_tokens, dim, generator=g, dtype=torch.float64).to(dtype)
-    c = torch.randn(num_docs, doc_tokens, dim, generator=g, dtype=torch.float64).to(dtype)
+    q = torch.randn(batch, query_tokens, dim, generator=g, dtype=torch.float64)
+    c = torch.randn(num_docs, doc_tokens, dim, generator=g, dtype=torch.float64)
+    if unit:
+        q, c = F.normalize(q, dim=-1), F.normalize(c, dim=-1)
+    q, c = q.to(dtype), c.to(dtype)
     query_mask = torch.rand(batch, query_tokens, generator=g) > 0.2
     document_mask = torch.rand(num_docs, doc_tokens, generator=g) > 0.2
     query_mask[:, -1] = True
@@ -36,13 +39,17 @@ def _inputs(batch, num_docs, query_tokens, doc_tokens, dim, seed=0, dtype=torch.
 
 def _definition(q, c, query_mask, document_mask, dims, weights, scale, similarity, length_normalize, offset, removed):
     """(loss, per_dim, lse (K, B)) from the definition: per (query, document) pair the unmasked tokens' similarity
-    matrix, its max per query token, their sum (÷ the query's token count); an empty document scores -1e9."""
+    matrix, its max per query token, their sum (÷ the query's token count); an empty document scores -1e9. A "cosine"
+    side's prefix is divided by its norm below the full dim; the full dim is the vectors as given."""
     batch, num_docs = q.shape[0], c.shape[0]
+    query_side, document_side = (similarity, similarity) if isinstance(similarity, str) else similarity
     per_dim, lses = [], []
     for dim in dims:
         qd, cd = q[..., :dim], c[..., :dim]
-        if similarity == "cosine":
-            qd, cd = qd / qd.norm(dim=-1, keepdim=True), cd / cd.norm(dim=-1, keepdim=True)
+        if query_side == "cosine" and dim < q.shape[-1]:
+            qd = qd / qd.norm(dim=-1, keepdim=True)
+        if document_side == "cosine" and dim < c.shape[-1]:
+            cd = cd / cd.norm(dim=-1, keepdim=True)
         rows = []
         for i in range(batch):
             tokens = qd[i][query_mask[i]]
@@ -130,6 +137,8 @@ CASES = {
     "dot_mean_maxsim": {"similarity": "dot", "length_normalize": True},
     "one_dim": {"dims": [13], "weights": [0.7]},
     "dims_in_any_order": {"dims": [4, 13, 9], "weights": [2.0, 1.0, 0.3]},
+    "cosine_queries_dot_documents": {"similarity": ("cosine", "dot"), "scale": 0.5},
+    "dot_queries_cosine_documents": {"similarity": ("dot", "cosine"), "length_normalize": True},
 }
 
 
@@ -137,6 +146,12 @@ CASES = {
 def test_backends_match_the_definition(options):
     """Ragged shapes: B=5 in tiles of 2, Lq=6, Ld=7, odd D=13; masked query tokens, an empty document."""
     _compare(*_inputs(5, 5, 6, 7, 13), **options)
+
+
+def test_cosine_scores_the_full_dim_as_given():
+    """Token vectors that are not unit vectors: a "cosine" side re-normalises the dims below the full one only (the
+    full dim is the model's own output, scored as stock scores it)."""
+    _compare(*_inputs(5, 5, 6, 7, 13, unit=False), similarity=("cosine", "cosine"))
 
 
 def test_a_query_without_a_scored_token():
@@ -186,7 +201,7 @@ def test_duplicate_mask():
         offset=3,
         runs=(("dense", None), ("chunked", 3)),
         query_ids=world[3:7],
-        doc_ids=doc_ids,
+        document_ids=doc_ids,
         world_query_ids=world,
     )
     for out in outputs:
@@ -206,7 +221,7 @@ def test_a_row_whose_only_candidate_is_its_positive_is_exactly_zero(backend):
         dims=[8, 3],
         backend=backend,
         query_ids=ids,
-        doc_ids=torch.tensor([1, 2, 3]),
+        document_ids=torch.tensor([1, 2, 3]),
     )
     out.loss.backward()
     assert out.loss.item() == 0.0 and out.per_dim.eq(0).all() and out.masked_share.item() == 1.0
@@ -270,12 +285,6 @@ def _stock(columns, masks, scale, length_normalize, mini_batch_size=4):
     return loss, [torch.cat([chunk.grad for chunk in column]) for column in reps]
 
 
-def _tangential(grad, x):
-    """The part of a token vector's gradient orthogonal to the (unit) token vector: what reaches the model through
-    its Normalize module."""
-    return grad - (grad * x).sum(dim=-1, keepdim=True) * x
-
-
 @pytest.mark.parametrize("negatives", [0, 1], ids=["pairs", "hard_negative"])
 @pytest.mark.parametrize(
     "similarity, length_normalize, scale", [("cosine", False, 1.0), ("cosine", True, 5.0), ("dot", False, 0.2)]
@@ -283,14 +292,13 @@ def _tangential(grad, x):
 def test_full_dim_equals_stock(negatives, similarity, length_normalize, scale):
     """fp32, the full dim: the loss and both inputs' gradients of stock's multi-vector CachedMNRL (query-major score
     columns, the positive at i * N) with masked tokens and an empty hard negative; "cosine" on unit token vectors
-    (gradients compared on their tangential part), "dot" on any."""
+    (the full dim scores them as given: stock's gradients exactly), "dot" on any."""
     batch, dim = 10, 16
-    q, c, query_mask, document_mask = _inputs(batch, batch * (1 + negatives), 6, 7, dim, seed=6, dtype=torch.float32)
+    unit = similarity == "cosine"
+    q, c, query_mask, document_mask = _inputs(batch, batch * (1 + negatives), 6, 7, dim, 6, torch.float32, unit)
     document_mask[2] = True
     if negatives:
         document_mask[batch + 4] = False
-    if similarity == "cosine":
-        q, c = F.normalize(q, dim=-1), F.normalize(c, dim=-1)
     columns = [q, *c.split(batch)]
     want_loss, want_grads = _stock(columns, [query_mask, *document_mask.split(batch)], scale, length_normalize)
     leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]
@@ -306,16 +314,13 @@ def test_full_dim_equals_stock(negatives, similarity, length_normalize, scale):
     out.loss.backward()
     torch.testing.assert_close(out.loss, want_loss.float(), rtol=1e-4, atol=0)
     got_grads = [leaves[0].grad, *leaves[1].grad.split(batch)]
-    for got, want, x in zip(got_grads, want_grads, columns):
-        if similarity == "cosine":
-            want = _tangential(want, x)
+    for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
 def test_an_empty_positive_scores_as_in_stock():
     """Stock's fill for a document without a scored token, divided by the query's token count under MeanMaxSim."""
     q, c, query_mask, document_mask = _inputs(4, 4, 5, 6, 8, seed=7, dtype=torch.float32)
-    q, c = F.normalize(q, dim=-1), F.normalize(c, dim=-1)
     want, _ = _stock([q, c], [query_mask, document_mask], 3.0, True)
     got = maxsim_infonce(
         q, c, query_mask=query_mask, document_mask=document_mask, dims=[8], scale=3.0, length_normalize=True
@@ -366,31 +371,35 @@ BAD = {
     "weights_length": (dict(weights=[1.0]), ValueError, "one weight per dim"),
     "scale_zero": (dict(scale=0.0), ValueError, "scale must be a finite number > 0"),
     "scale_nan": (dict(scale=float("nan")), ValueError, "scale must be a finite number > 0"),
-    "similarity": (dict(similarity="l2"), ValueError, "similarity must be 'cosine' or 'dot'"),
+    "similarity": (dict(similarity="l2"), ValueError, "similarity must be one of"),
+    "similarity_pair": (dict(similarity=("cosine",)), ValueError, r"a \(query, document\) pair"),
+    "scale_bool": (dict(scale=True), ValueError, "scale must be a finite number > 0"),
+    "chunk_size_bool": (dict(chunk_size=True), ValueError, "chunk_size must be a positive int"),
+    "precision": (dict(precision="fp8"), ValueError, "precision must be one of"),
     "length_normalize": (dict(length_normalize="yes"), TypeError, "length_normalize must be True"),
     "offset": (dict(offset=5), ValueError, r"offset \+ B <= M"),
-    "backend": (dict(backend="triton"), ValueError, "no Triton kernels"),
+    "backend": (dict(backend="fast"), ValueError, "backend must be one of .* for maxsim_infonce"),
     "chunk_size": (dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
     "nonfinite": (dict(nonfinite="ignore"), ValueError, "nonfinite must be one of"),
-    "one_id_tensor": (dict(query_ids=torch.arange(4)), ValueError, "pass both query_ids and doc_ids"),
+    "one_id_tensor": (dict(query_ids=torch.arange(4)), ValueError, "pass both query_ids and document_ids"),
     "int32_ids": (
-        dict(query_ids=torch.arange(4, dtype=torch.int32), doc_ids=torch.arange(8)),
+        dict(query_ids=torch.arange(4, dtype=torch.int32), document_ids=torch.arange(8)),
         TypeError,
         "1-D torch.int64",
     ),
-    "ids_length": (dict(query_ids=torch.arange(3), doc_ids=torch.arange(8)), ValueError, "one id per row"),
+    "ids_length": (dict(query_ids=torch.arange(3), document_ids=torch.arange(8)), ValueError, "one id per row"),
     "offset_without_world_ids": (
-        dict(offset=2, query_ids=torch.arange(4), doc_ids=torch.arange(8)),
+        dict(offset=2, query_ids=torch.arange(4), document_ids=torch.arange(8)),
         ValueError,
         "pass world_query_ids",
     ),
     "documents_not_blocks": (
-        dict(query_ids=torch.arange(4), doc_ids=torch.arange(8), world_query_ids=torch.arange(5)),
+        dict(query_ids=torch.arange(4), document_ids=torch.arange(8), world_query_ids=torch.arange(5)),
         ValueError,
         "blocks of Bw=5",
     ),
     "world_ids_disagree": (
-        dict(query_ids=torch.arange(4), doc_ids=torch.arange(8), world_query_ids=torch.arange(1, 9)),
+        dict(query_ids=torch.arange(4), document_ids=torch.arange(8), world_query_ids=torch.arange(1, 9)),
         ValueError,
         "query_ids must equal world_query_ids",
     ),
@@ -461,7 +470,8 @@ def test_auto_is_chunked_and_logged_once(monkeypatch, caplog):
         _call()
     messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("maxsim_infonce:")]
     (message,) = messages
-    assert message.startswith("maxsim_infonce: chunked backend on cpu (auto: the default on every device); tile: 4 ")
+    assert message.startswith("maxsim_infonce: chunked backend on cpu (auto: the default on every device")
+    assert "; tile: 4 " in message and message.endswith("; precision: ieee")
     assert "budget 64 MiB" in message and "MiB of token dot products" in message
 
 

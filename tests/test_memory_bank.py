@@ -331,19 +331,19 @@ def test_the_op_checks_its_memory_arguments_and_the_triton_kernels_refuse_a_bank
     from st_cached_losses import matryoshka_infonce
 
     q, c, m = torch.randn(4, 16), torch.randn(4, 16), torch.randn(6, 16)
-    with pytest.raises(ValueError, match=r"memory_docs is torch.float64 of D=16 but queries are torch.float32"):
-        matryoshka_infonce(q, c, dims=[16], memory_docs=m.double())
-    with pytest.raises(ValueError, match=r"memory_doc_ids.*describe memory_docs: pass memory_docs too"):
-        matryoshka_infonce(q, c, dims=[16], memory_doc_ids=torch.zeros(6, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"memory_documents is torch.float64 of D=16 but queries are torch.float32"):
+        matryoshka_infonce(q, c, dims=[16], memory_documents=m.double())
+    with pytest.raises(ValueError, match=r"memory_document_ids.*describe memory_documents: pass memory_documents too"):
+        matryoshka_infonce(q, c, dims=[16], memory_document_ids=torch.zeros(6, dtype=torch.int64))
     ids = torch.arange(4)
-    with pytest.raises(ValueError, match=r"with the duplicate mask .* pass memory_doc_ids"):
-        matryoshka_infonce(q, c, dims=[16], memory_docs=m, query_ids=ids, doc_ids=ids)
-    memory = dict(memory_docs=m, memory_doc_ids=torch.arange(6), memory_pair_ids=torch.arange(6))
+    with pytest.raises(ValueError, match=r"with the duplicate mask .* pass memory_document_ids"):
+        matryoshka_infonce(q, c, dims=[16], memory_documents=m, query_ids=ids, document_ids=ids)
+    memory = dict(memory_documents=m, memory_document_ids=torch.arange(6), memory_pair_ids=torch.arange(6))
     with pytest.raises(TypeError, match=r"memory_pair_ids must be a torch.int64 tensor of shape \(Kp, 2\)"):
-        matryoshka_infonce(q, c, dims=[16], query_ids=ids, doc_ids=ids, **memory)
+        matryoshka_infonce(q, c, dims=[16], query_ids=ids, document_ids=ids, **memory)
     with pytest.raises(NotImplementedError, match=r"no memory bank"):
-        matryoshka_infonce(q, c, dims=[16], memory_docs=m, backend="triton")
-    assert torch.isfinite(matryoshka_infonce(q, c, dims=[16], memory_docs=m, backend="auto").loss)  # auto: chunked
+        matryoshka_infonce(q, c, dims=[16], memory_documents=m, backend="triton")
+    assert torch.isfinite(matryoshka_infonce(q, c, dims=[16], memory_documents=m, backend="auto").loss)  # auto: chunked
 
 
 def test_the_scored_pairs_are_views_of_the_ring_unless_an_age_limit_wraps_them():

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from st_cached_losses import matryoshka_infonce
-from st_cached_losses.ops import InfoNCESpec, run_backend
 from st_cached_losses.ops.chunked import default_tile_rows as tile_rows
+from st_cached_losses.ops.infonce import run_backend
 from st_cached_losses.ops.memory import Memory
+from st_cached_losses.ops.spec import InfoNCESpec
 from tests.helpers import ALL_DIRECTIONS
 
 OPTIONS = {
@@ -200,7 +201,7 @@ def test_chunked_matches_reference_with_masks(options, memory_rows):
     if guided:
         guide_emb = _embed(ids, 32, seed=3, spread=1.0)
         guide = (guide_emb["queries"][local], guide_emb["docs"])
-        options.update(guide_queries=guide[0], guide_docs=guide[1])
+        options.update(guide_queries=guide[0], guide_documents=guide[1])
     spec = _spec(queries, docs, world_q, [123, 100, 48, 7], [1.0, 0.3, 2.0, 0.5], offset, **options)
     duplicates = (ids["queries"][local], ids["docs"], ids["queries"]) if spec.mask_duplicates else None
     memory = None
@@ -349,9 +350,9 @@ def test_the_default_tile_holds_its_temporaries_within_the_byte_budget():
 
 def _call(**overrides):
     world_q, docs = _inputs(6, 6, 12, 8)
-    kwargs = dict(queries=world_q, docs=docs, dims=[8, 4])
+    kwargs = dict(queries=world_q, documents=docs, dims=[8, 4])
     kwargs.update(overrides)
-    queries, docs = kwargs.pop("queries"), kwargs.pop("docs")
+    queries, docs = kwargs.pop("queries"), kwargs.pop("documents")
     return matryoshka_infonce(queries, docs, **kwargs)
 
 
@@ -363,15 +364,15 @@ BAD_INPUTS = {
     "dims_duplicated": (dict(dims=[8, 4, 4]), ValueError, "duplicates"),
     "weights_length": (dict(weights=[1.0]), ValueError, "one weight per dim"),
     "weights_nan": (dict(weights=[1.0, float("nan")]), ValueError, "weights must be finite"),
-    "different_d": (dict(docs=torch.randn(12, 7)), ValueError, "docs has D=7 but queries has D=8"),
-    "different_dtype": (dict(docs=torch.randn(12, 8, dtype=torch.float64)), ValueError, "cast them to one dtype"),
-    "integer_tensor": (dict(docs=torch.ones(12, 8, dtype=torch.long)), TypeError, "floating-point"),
-    "not_a_tensor": (dict(docs=[[1.0] * 8] * 12), TypeError, "docs must be a torch.Tensor"),
+    "different_d": (dict(documents=torch.randn(12, 7)), ValueError, "documents has D=7 but queries has D=8"),
+    "different_dtype": (dict(documents=torch.randn(12, 8, dtype=torch.float64)), ValueError, "cast them to one"),
+    "integer_tensor": (dict(documents=torch.ones(12, 8, dtype=torch.long)), TypeError, "floating-point"),
+    "not_a_tensor": (dict(documents=[[1.0] * 8] * 12), TypeError, "documents must be a torch.Tensor"),
     "one_dimensional": (dict(queries=torch.randn(8)), ValueError, "must be 2-D"),
-    "docs_not_multiple": (dict(docs=torch.randn(13, 8)), ValueError, "not a multiple of the 6 query rows"),
+    "docs_not_multiple": (dict(documents=torch.randn(13, 8)), ValueError, "not a multiple of the 6 query rows"),
     "nan_queries": (dict(queries=torch.full((6, 8), float("nan"))), ValueError, "queries contains NaN or Inf"),
-    "inf_docs": (dict(docs=torch.full((12, 8), float("inf"))), ValueError, "docs contains NaN or Inf"),
-    "empty_batch": (dict(queries=torch.randn(0, 8), docs=torch.randn(0, 8)), ValueError, "empty"),
+    "inf_docs": (dict(documents=torch.full((12, 8), float("inf"))), ValueError, "documents contains NaN or Inf"),
+    "empty_batch": (dict(queries=torch.randn(0, 8), documents=torch.randn(0, 8)), ValueError, "empty"),
     "similarity": (dict(similarity="euclidean"), ValueError, "similarity must be one of"),
     "direction_unknown": (dict(directions=("query_to_doc", "doc_to_everything")), ValueError, "Unknown directions"),
     "direction_missing_q2d": (dict(directions=("doc_to_query",)), ValueError, "must include 'query_to_doc'"),
@@ -385,6 +386,18 @@ BAD_INPUTS = {
     "hardness_mode": (dict(hardness_mode="hardest"), ValueError, "hardness_mode must be one of"),
     "hardness_strength": (dict(hardness_mode="hard_negatives", hardness_strength=-1.0), ValueError, ">= 0"),
     "scale": (dict(scale=0.0), ValueError, "scale must be a finite number > 0"),
+    "scale_bool": (dict(scale=True), ValueError, "scale must be a finite number > 0"),
+    "chunk_size_bool": (dict(chunk_size=True), ValueError, "chunk_size must be a positive int"),
+    "precision": (dict(precision="fp8"), ValueError, "precision must be one of"),
+    "precision_bf16_fp64": (
+        dict(
+            queries=torch.randn(6, 8, dtype=torch.float64),
+            documents=torch.randn(12, 8, dtype=torch.float64),
+            precision="bf16",
+        ),
+        ValueError,
+        "needs fp32, bf16 or fp16 inputs, not fp64",
+    ),
     "backend": (dict(backend="cuda"), ValueError, "backend must be one of"),
     "chunk_size": (dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
     "offset_without_world": (dict(offset=2), ValueError, "pass world_queries"),
@@ -397,6 +410,33 @@ BAD_INPUTS = {
 def test_bad_input_raises_clear_error(overrides, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         _call(**overrides)
+
+
+def test_numpy_dims_and_the_old_keyword_names():
+    """Numpy integers are dims like ints; the keyword names before the rename (docs=, doc_ids=, ...) give the same
+    result with a DeprecationWarning naming the new one."""
+    import numpy as np
+
+    queries, docs = _inputs(6, 6, 12, 8)
+    ids = torch.arange(6)
+    want = matryoshka_infonce(queries, docs, dims=[8, 4], query_ids=ids, document_ids=torch.arange(12))
+    got = matryoshka_infonce(
+        queries, docs, dims=np.array([8, 4]).tolist(), query_ids=ids, document_ids=torch.arange(12)
+    )
+    assert torch.equal(got.per_dim, want.per_dim)
+    got = matryoshka_infonce(
+        queries, docs, dims=[np.int64(8), np.int32(4)], query_ids=ids, document_ids=torch.arange(12)
+    )
+    assert torch.equal(got.per_dim, want.per_dim)
+    with pytest.warns(DeprecationWarning, match="is deprecated: pass") as warned:
+        got = matryoshka_infonce(queries, docs=docs, dims=[8, 4], query_ids=ids, doc_ids=torch.arange(12))
+    assert {str(w.message) for w in warned} == {
+        "matryoshka_infonce(docs=...) is deprecated: pass documents=... instead.",
+        "matryoshka_infonce(doc_ids=...) is deprecated: pass document_ids=... instead.",
+    }
+    assert torch.equal(got.per_dim, want.per_dim)
+    with pytest.raises(TypeError, match="got both docs= and documents="):
+        matryoshka_infonce(queries, docs=docs, documents=docs, dims=[8, 4])
 
 
 def _float64_truth_by_row_blocks(queries, docs, dims, block):

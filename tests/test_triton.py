@@ -24,7 +24,8 @@ pytest.importorskip("triton")
 
 from benchmarks import triton_tools
 from st_cached_losses import matryoshka_infonce
-from st_cached_losses.ops import InfoNCESpec, run_backend
+from st_cached_losses.ops.infonce import run_backend
+from st_cached_losses.ops.spec import InfoNCESpec
 from st_cached_losses.ops.triton import host as triton_backend
 from st_cached_losses.ops.triton import kernels as triton_kernels
 from st_cached_losses.ops.triton import tiles as triton_tiles
@@ -292,7 +293,8 @@ def test_cpu_without_interpreter_raises_clear_error():
     result = _run_python("""
         import torch
         from st_cached_losses import matryoshka_infonce
-        from st_cached_losses.ops import InfoNCESpec, run_backend
+        from st_cached_losses.ops.infonce import run_backend
+        from st_cached_losses.ops.spec import InfoNCESpec
         q, c = torch.randn(4, 8), torch.randn(4, 8)
         for call in (
             lambda: matryoshka_infonce(q, c, dims=[8], backend="triton"),

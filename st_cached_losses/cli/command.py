@@ -17,7 +17,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
-from ..ops import BACKENDS
+from ..ops import backends
 from .job import run
 from .options import (
     BATCH_SAMPLERS,
@@ -150,7 +150,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --output-dir")
     p.add_argument(
         "--backend",
-        choices=BACKENDS,
+        choices=backends("matryoshka_infonce"),
         default="auto",
         help="loss-stage kernel of CachedMatryoshkaLoss (with --multi-vector, of maxsim_infonce: no triton; default: "
         "auto)",

@@ -257,7 +257,7 @@ def model_device() -> str:
 def check_device(backend: str, fp16: bool, device: str) -> None:
     """Raises UsageError if ``backend`` cannot run on ``device`` (e.g. "triton" on a CPU; the rule is
     :func:`st_cached_losses.ops.check_backend`'s), or for ``fp16`` on a CPU, where the trainer has no fp16."""
-    from ..ops import check_backend
+    from ..ops.backend import check_backend
 
     try:
         check_backend(backend, device)

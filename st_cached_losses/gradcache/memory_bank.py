@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..ops.infonce import all_finite
+from ..ops.core import all_finite
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """How one step of a cached loss uses its memory bank (:mod:`.memory_bank`): the op's inputs with the banked pairs,
 the ids that keep a stale copy of a row's own pair out of its softmax, and the pairs the step banks.
 
-- Documents only (the default): the banked documents are extra candidate columns of the op (``memory_docs``): no
+- Documents only (the default): the banked documents are extra candidate columns of the op (``memory_documents``): no
   gradient, no copy, one tile at a time.
 - Dual memory (ContAccum): the banked pairs join the batch as rows (their queries, with their banked positives as
   targets) and columns (their documents; their queries, in directions that score queries); the op's loss is the mean
@@ -43,7 +43,7 @@ def step_inputs(
     the bank's pairs when it is scored; in training, the pairs the step banks go to ``step.to_bank``."""
     ids, guide = step.duplicate_inputs(placement), step.guide_inputs()
     if memory is None:
-        return {"queries": queries, "docs": docs, **placement, **guide, **ids}
+        return {"queries": queries, "documents": docs, **placement, **guide, **ids}
     world_batch = placement["world_queries"].shape[0] if "world_queries" in placement else queries.shape[0]
     if not mask_duplicates:  # without the mask, ids that catch a copy of a row's own pair, and no more
         ids = pair_mode_ids(ids, world_batch, placement.get("offset", 0))
@@ -52,23 +52,26 @@ def step_inputs(
         world_queries = placement.get("world_queries", queries) if memory.dual else None
         step.to_bank = banked_pairs(docs, ids, guide, world_batch, world_queries)
     if banked is None:
-        return {"queries": queries, "docs": docs, **placement, **guide, **ids}
+        return {"queries": queries, "documents": docs, **placement, **guide, **ids}
     if memory.dual:
         queries, docs, ids, guide = dual_inputs(queries, docs, ids, guide, banked)
-        return {"queries": queries, "docs": docs, **guide, **ids}
-    return {"queries": queries, "docs": docs, **placement, **guide, **ids, **memory_inputs(banked, queries.dtype)}
+        return {"queries": queries, "documents": docs, **guide, **ids}
+    return {"queries": queries, "documents": docs, **placement, **guide, **ids, **memory_inputs(banked, queries.dtype)}
 
 
 def pair_mode_ids(ids: dict[str, Tensor], world_batch: int, offset: int) -> dict[str, Tensor]:
-    """The op's ids (``query_ids``, ``doc_ids``, maybe ``world_query_ids``: text ids) turned into pair ids: each row's
-    query and positive the id of their (query, positive) pair, each hard negative an id of its own text."""
+    """The op's ids (``query_ids``, ``document_ids``, maybe ``world_query_ids``: text ids) turned into pair ids: each
+    row's query and positive the id of their (query, positive) pair, each hard negative an id of its own text."""
     world = ids.get("world_query_ids", ids["query_ids"])
-    docs = ids["doc_ids"]
+    docs = ids["document_ids"]
     pairs = combine_ids(world, docs[:world_batch])
     negatives = docs[world_batch:]
     if negatives.numel():
         negatives = combine_ids(negatives, torch.full_like(negatives, _NEGATIVE))
-    out = {"query_ids": pairs[offset : offset + ids["query_ids"].shape[0]], "doc_ids": torch.cat([pairs, negatives])}
+    out = {
+        "query_ids": pairs[offset : offset + ids["query_ids"].shape[0]],
+        "document_ids": torch.cat([pairs, negatives]),
+    }
     if "world_query_ids" in ids:
         out["world_query_ids"] = pairs
     return out
@@ -83,16 +86,16 @@ def banked_pairs(
 ) -> BankedPairs:
     """This step's pairs as the bank keeps them, from the op's inputs: ``docs`` (M, D) laid out ``[positives (Bw) |
     negatives_1 (Bw) | ...]``, their ids (the op's, in the loss's mode), the guide's embeddings (``guide_queries``,
-    ``guide_docs``, or {}), and the ``queries`` (Bw, D) for the dual memory."""
+    ``guide_documents``, or {}), and the ``queries`` (Bw, D) for the dual memory."""
     columns = docs.shape[0] // world_batch
 
     def by_pair(x: Tensor) -> Tensor:  # (columns x Bw, ...) -> (Bw, columns, ...)
         return x.detach().reshape(columns, world_batch, *x.shape[1:]).transpose(0, 1)
 
-    guide_docs = guide.get("guide_docs")
+    guide_docs = guide.get("guide_documents")
     return BankedPairs(
         docs=by_pair(docs),
-        doc_ids=by_pair(ids["doc_ids"]),
+        doc_ids=by_pair(ids["document_ids"]),
         query_ids=ids.get("world_query_ids", ids["query_ids"]),
         guide_docs=None if guide_docs is None else by_pair(guide_docs),
         queries=None if queries is None else queries.detach(),
@@ -105,12 +108,12 @@ def memory_inputs(banked: BankedPairs, dtype: torch.dtype) -> dict[str, Tensor]:
     the queries' ``dtype`` when it is not the bank's): their embeddings, ids and pairs, and the guide's embeddings."""
     dim = banked.docs.shape[-1]
     inputs = {
-        "memory_docs": banked.docs.reshape(-1, dim).to(dtype),
-        "memory_doc_ids": banked.doc_ids.reshape(-1),
+        "memory_documents": banked.docs.reshape(-1, dim).to(dtype),
+        "memory_document_ids": banked.doc_ids.reshape(-1),
         "memory_pair_ids": torch.stack([banked.query_ids, banked.doc_ids[:, 0]], dim=1),
     }
     if banked.guide_docs is not None:
-        inputs["memory_guide_docs"] = banked.guide_docs.reshape(-1, banked.guide_docs.shape[-1])
+        inputs["memory_guide_documents"] = banked.guide_docs.reshape(-1, banked.guide_docs.shape[-1])
     return inputs
 
 
@@ -131,11 +134,11 @@ def dual_inputs(
     if ids:
         ids = {
             "query_ids": torch.cat([ids["query_ids"], banked.query_ids]),
-            "doc_ids": blocks(ids["doc_ids"], banked.doc_ids),
+            "document_ids": blocks(ids["document_ids"], banked.doc_ids),
         }
     if guide:
         guide = {
             "guide_queries": torch.cat([guide["guide_queries"], banked.guide_queries]),
-            "guide_docs": blocks(guide["guide_docs"], banked.guide_docs),
+            "guide_documents": blocks(guide["guide_documents"], banked.guide_docs),
         }
     return queries, docs, ids, guide

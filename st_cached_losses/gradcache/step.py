@@ -181,14 +181,16 @@ class Step:
             inputs["offset"] = get_rank() * queries.shape[0]
         if self.text_ids is not None:
             query_ids, *doc_ids = self.text_ids
-            inputs.update(query_ids=query_ids, doc_ids=torch.cat([all_gather(i) if gathered else i for i in doc_ids]))
+            inputs.update(
+                query_ids=query_ids, document_ids=torch.cat([all_gather(i) if gathered else i for i in doc_ids])
+            )
             if gathered:
                 inputs["world_query_ids"] = all_gather(query_ids)
         return inputs
 
     def guide_inputs(self) -> dict[str, Tensor]:
         """The guide model's embeddings for the op (a GISTEmbed base loss): ``guide_queries`` (this rank's) and
-        ``guide_docs`` (every rank's, gathered as the model's docs are), rows in the batch's order; {} without."""
+        ``guide_documents`` (every rank's, gathered as the model's docs are), rows in the batch's order; {} without."""
         if self.guide is None:
             return {}
         columns = [
@@ -196,19 +198,19 @@ class Step:
             for feature, order in zip(self.features, self.orders)
         ]
         docs = torch.cat([all_gather(doc) if self.gather else doc for doc in columns[1:]])
-        return {"guide_queries": columns[0], "guide_docs": docs}
+        return {"guide_queries": columns[0], "guide_documents": docs}
 
     def duplicate_inputs(self, placement: dict[str, Any]) -> dict[str, Tensor]:
-        """The text ids for the op's duplicate mask (``query_ids``, ``doc_ids`` and, where :meth:`gathered` placed
+        """The text ids for the op's duplicate mask (``query_ids``, ``document_ids`` and, where :meth:`gathered` placed
         this rank's rows in a gathered batch, ``world_query_ids``), gathered as the embeddings are; {} without."""
         if self.text_ids is None:
             return {}
         queries, *docs = self.text_ids
         if "world_queries" not in placement:  # not gathered, or a world of one process
-            return {"query_ids": queries, "doc_ids": torch.cat(docs)}
+            return {"query_ids": queries, "document_ids": torch.cat(docs)}
         return {
             "query_ids": queries,
-            "doc_ids": torch.cat([all_gather(doc) for doc in docs]),
+            "document_ids": torch.cat([all_gather(doc) for doc in docs]),
             "world_query_ids": all_gather(queries),
         }
 

@@ -3,7 +3,7 @@
 Two rows are the same text when their token ids are identical, whatever padding their batch gave them. Whether an
 in-batch candidate duplicates a positive cannot be told from the embeddings (with dropout a duplicate's similarity
 is not exactly that of the positive), so it is decided from the inputs, before step (1) embeds them: the op
-(:func:`st_cached_losses.matryoshka_infonce`'s ``query_ids`` / ``doc_ids`` / ``world_query_ids``) removes them.
+(:func:`st_cached_losses.matryoshka_infonce`'s ``query_ids`` / ``document_ids`` / ``world_query_ids``) removes them.
 
 The hash is BLAKE2b (``hashlib``, 8-byte digest) of the ids as little-endian int64: the same in every process and
 on every machine (Python's ``hash`` is salted per process), about a microsecond per row of 64 tokens. Two different

@@ -32,7 +32,8 @@ from ..gradcache.parallel import check_fsdp_sync
 from ..gradcache.precision import nonfinite_policy
 from ..gradcache.step import LayerDraw, Step, require_step
 from ..gradcache.steps import GradCacheSteps
-from ..ops import check_backend, matryoshka_infonce
+from ..ops import matryoshka_infonce
+from ..ops.backend import check_backend
 from . import base_losses, card, citations
 from .base_losses import check_base_loss, check_self_guided_filter, guide_model, mini_batch_defaults
 

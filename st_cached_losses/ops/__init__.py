@@ -1,47 +1,38 @@
-"""The loss stage: ``matryoshka_infonce``, the in-batch InfoNCE loss of every Matryoshka dim in one sweep, and
-its backends. Never imports sentence_transformers.
+"""The loss stage: ``matryoshka_infonce`` (the in-batch InfoNCE loss of every Matryoshka dim in one sweep) and
+``maxsim_infonce`` (its late-interaction counterpart), and their backends. Never imports sentence_transformers.
 
-- ``infonce.py``: the op and its ``torch.autograd.Function``;
-- ``spec.py``: the validated problem (dims, directions, hardness, false-negative rule); ``result.py``: what the op
-  returns (``InfoNCEOutput``) and what a backend returns to it (``InfoNCEResult``); ``errors.py``: the op's exception;
-- ``backend.py``: the one registry of backends, ``"auto"``, the Triton fallback and the log of choices;
-- ``reference.py`` (dense, the test oracle: every rule computed on its own), ``chunked.py`` (row tiles, any device),
-  ``triton/`` (GPU kernels);
+- ``core.py``: what both ops share: the arguments' rules, the NaN and precision policies, the autograd Function;
+- ``backend.py``: the one registry of backends, keyed by op, ``"auto"``, the Triton fallback and the log of choices;
+- ``infonce.py``: ``matryoshka_infonce``; ``spec.py``: its validated problem (dims, directions, hardness,
+  false-negative rule); ``result.py``: what both ops return (``InfoNCEOutput``) and what a backend returns to them
+  (``InfoNCEResult``); ``errors.py``: the ops' exception;
+- its backends: ``reference.py`` (dense, the test oracle: every rule computed on its own), ``chunked.py`` (row
+  tiles, any device), ``triton/`` (GPU kernels);
 - the rules the tiled backends share: ``false_negatives.py`` (GISTEmbed's per-tile mask of dropped candidates),
-  ``duplicates.py`` (the duplicate mask from text ids), ``memory.py`` (banked documents as extra columns);
+  ``duplicates.py`` (the duplicate mask from text ids, and its arguments' one check), ``memory.py`` (banked
+  documents as extra columns);
 - ``maxsim/``: ``maxsim_infonce``, the late-interaction (ColBERT MaxSim) loss over Matryoshka token dims.
+
+The public names are below; everything else is reached through its module (``ops.backend.REGISTRY``, ...).
 """
 
 from __future__ import annotations
 
-from .backend import (
-    BACKENDS,
-    REGISTRY,
-    check_backend,
-    choices,
-    recorded_choices,
-    run_backend,
-    select_backend,
-)
+from .backend import backends, choices, recorded_choices
+from .core import NONFINITE_POLICIES, PRECISIONS
 from .errors import TritonUnavailableError
-from .infonce import NONFINITE_POLICIES, matryoshka_infonce
+from .infonce import matryoshka_infonce
 from .maxsim import maxsim_infonce
-from .result import InfoNCEOutput, InfoNCEResult
-from .spec import InfoNCESpec
+from .result import InfoNCEOutput
 
 __all__ = [
-    "BACKENDS",
     "NONFINITE_POLICIES",
-    "REGISTRY",
+    "PRECISIONS",
     "InfoNCEOutput",
-    "InfoNCEResult",
-    "InfoNCESpec",
     "TritonUnavailableError",
-    "check_backend",
+    "backends",
     "choices",
     "matryoshka_infonce",
     "maxsim_infonce",
     "recorded_choices",
-    "run_backend",
-    "select_backend",
 ]

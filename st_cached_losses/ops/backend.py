@@ -1,14 +1,15 @@
-"""Which loss-stage backend runs: the one registry of backends, the usability checks, ``"auto"`` and its fallback.
+"""Which backend runs each loss op: the one registry of backends, keyed by op, the usability checks, ``"auto"``
+and its fallback.
 
-One definition of each rule, imported by the op, the loss and the command line:
+One definition of each rule, read by both ops (``core.run_op``), the losses and the command line:
 
-- :data:`REGISTRY` — every backend by name, with the module whose ``forward`` computes it (:func:`run_backend`);
-  a new backend is one entry here;
-- :func:`check_backend` — a known name that can run on the given device (raises ValueError before any work);
-- :func:`triton_unusable_reason` — why the Triton kernels cannot run on a device, or None (``triton/probe.py``);
-- :func:`select_backend` — what ``"auto"`` resolves to: Triton only on a GPU whose compute capability is in
-  :data:`VERIFIED_TRITON_CAPABILITIES` (the CUDA suite, ``python -m benchmarks.gpu``, passed there and its
-  results are committed), else the chunked backend on the same device;
+- :data:`REGISTRY` — ``REGISTRY[op][name]``: every backend of ``matryoshka_infonce`` and ``maxsim_infonce`` with the
+  module whose ``forward`` computes it (and, optionally, ``unsupported(spec)``: what of a problem it does not take);
+  a new backend is one entry here; :func:`backends` lists an op's names for its ``backend=`` argument;
+- :func:`check_backend` — a known name of that op that can run on the given device (ValueError before any work);
+- :func:`select_backend` — what ``"auto"`` resolves to: a Triton backend only on a GPU whose compute capability is
+  in its ``verified`` set (the CUDA suite, ``python -m benchmarks.gpu``, passed there and its results are
+  committed), else the chunked backend on the same device;
 - :func:`note_choice` / :func:`choices` / :func:`recorded_choices` — each choice is logged once at INFO and kept
   for reports (``st-cached-losses train`` writes those of its training run to results.json).
 
@@ -24,197 +25,179 @@ import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import Tensor
 
 from .errors import TritonUnavailableError
-from .memory import Memory
-from .result import InfoNCEResult
-from .spec import InfoNCESpec
 from .triton.probe import unusable_reason as triton_unusable_reason
 
 __all__ = [
-    "BACKENDS",
+    "OPS",
     "REGISTRY",
-    "VERIFIED_TRITON_CAPABILITIES",
+    "Backend",
     "TritonUnavailableError",
+    "backends",
     "check_backend",
     "choices",
     "note_choice",
     "recorded_choices",
-    "run_backend",
     "select_backend",
-    "triton_unusable_reason",
 ]
 
 logger = logging.getLogger(__name__)
 
+OPS = ("matryoshka_infonce", "maxsim_infonce")
+
 
 @dataclass(frozen=True)
 class Backend:
-    """One loss-stage backend: ``module`` (relative to ``st_cached_losses.ops``) defines ``forward(queries, docs,
-    world_queries, spec, need_grad, tile_rows=None, guide=None, duplicates=None, memory=None) -> InfoNCEResult``;
-    imported at its first use, so Triton is imported only where it runs."""
+    """One backend of one op. ``module`` (relative to ``st_cached_losses.ops``) defines ``forward(...)`` with its
+    op's backend signature and may define ``unsupported(spec) -> str | None``; it is imported at its first use, so
+    Triton is imported only where it runs. ``kernels``: the Triton module whose import is the usability check
+    (None: plain PyTorch, any device). ``verified``: the CUDA compute capabilities where ``"auto"`` picks it."""
 
+    op: str
     name: str
     module: str
     summary: str
+    kernels: str | None = None
+    verified: frozenset[tuple[int, int]] = frozenset()
 
-    def forward(
-        self,
-        queries: Tensor,
-        docs: Tensor,
-        world_queries: Tensor,
-        spec: InfoNCESpec,
-        need_grad: bool,
-        tile_rows: int | None = None,
-        guide: tuple[Tensor, Tensor] | None = None,
-        duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
-        memory: Memory | None = None,
-    ) -> InfoNCEResult:
-        module = importlib.import_module(self.module, __package__)
-        return module.forward(
-            queries,
-            docs,
-            world_queries,
-            spec,
-            need_grad,
-            tile_rows=tile_rows,
-            guide=guide,
-            duplicates=duplicates,
-            memory=memory,
+    def load(self) -> Any:
+        return importlib.import_module(self.module, __package__)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.load().forward(*args, **kwargs)
+
+    def unusable_reason(self, device: torch.device) -> str | None:
+        """Why this backend cannot run on ``device``, or None."""
+        return None if self.kernels is None else triton_unusable_reason(device, self.kernels)
+
+    def unsupported(self, spec: Any) -> str | None:
+        """What of ``spec`` this backend does not take, or None."""
+        check = getattr(self.load(), "unsupported", None)
+        return None if check is None else check(spec)
+
+    def verified_on(self, device: torch.device) -> bool:
+        """Whether "auto" may pick it on ``device``: a CUDA GPU of a verified compute capability where it can run."""
+        return (
+            device.type == "cuda"
+            and torch.version.cuda is not None
+            and torch.cuda.get_device_capability(device) in self.verified
+            and self.unusable_reason(device) is None
         )
 
 
-REGISTRY: dict[str, Backend] = {
-    backend.name: backend
-    for backend in (
-        Backend("triton", ".triton.host", "Triton kernels: a tiled online logsumexp (CUDA; CPU in the interpreter)"),
-        Backend("chunked", ".chunked", "row tiles against all columns in PyTorch (any device)"),
-        Backend("dense", ".reference", "the whole score matrix in PyTorch: the test oracle"),
-    )
-}
-BACKENDS = ("auto", *REGISTRY)
-
-# CUDA compute capabilities on which the Triton kernels passed the CUDA suite (tests/test_cuda.py via
-# ``python -m benchmarks.gpu``) with results committed under benchmarks/results/gpu/. "auto" picks Triton only
-# there. Empty: one H100 (9, 0) passed the quick suite (fp32, bf16; 2026-11-26, benchmarks/results/gpu/), not yet
-# the full one (fp16, TF32, the int64-offset case).
-VERIFIED_TRITON_CAPABILITIES: frozenset[tuple[int, int]] = frozenset()
+def _registry(*entries: Backend) -> dict[str, dict[str, Backend]]:
+    registry: dict[str, dict[str, Backend]] = {op: {} for op in OPS}
+    for entry in entries:
+        registry[entry.op][entry.name] = entry
+    return registry
 
 
-def check_backend(backend: str, device: torch.device | str) -> None:
-    """Check that ``backend`` names a backend that can run on ``device``.
+# Verified sets: the CUDA compute capabilities on which a Triton backend passed the CUDA suite (tests/test_cuda.py via
+# ``python -m benchmarks.gpu``) with results committed under benchmarks/results/gpu/; "auto" picks it only there.
+# matryoshka_infonce's Triton kernels: one H100 (9, 0) passed the quick suite (fp32, bf16; 2026-11-26), not yet the
+# full one (fp16, TF32, the int64-offset case): empty.
+REGISTRY: dict[str, dict[str, Backend]] = _registry(
+    Backend(
+        "matryoshka_infonce",
+        "triton",
+        ".triton.host",
+        "Triton kernels: a tiled online logsumexp (CUDA; CPU in the interpreter)",
+        kernels=".triton.kernels",
+    ),
+    Backend("matryoshka_infonce", "chunked", ".chunked", "row tiles against all columns in PyTorch (any device)"),
+    Backend("matryoshka_infonce", "dense", ".reference", "the whole score matrix in PyTorch: the test oracle"),
+    Backend("maxsim_infonce", "chunked", ".maxsim.chunked", "query tiles against document blocks in PyTorch"),
+    Backend("maxsim_infonce", "dense", ".maxsim.reference", "every token similarity in PyTorch: the test oracle"),
+)
+
+
+def backends(op: str = "matryoshka_infonce") -> tuple[str, ...]:
+    """The names ``op``'s ``backend=`` argument takes: "auto" and its registry's backends."""
+    return ("auto", *_entries(op))
+
+
+def _entries(op: str) -> dict[str, Backend]:
+    if op not in REGISTRY:
+        raise ValueError(f"Unknown op {op!r}: choose from {OPS}.")
+    return REGISTRY[op]
+
+
+def check_backend(backend: str, device: torch.device | str, op: str = "matryoshka_infonce") -> None:
+    """Check that ``backend`` names a backend of ``op`` that can run on ``device``.
 
     Args:
-        backend: "auto", "triton", "chunked" or "dense".
+        backend: "auto" or a name of ``REGISTRY[op]`` (:func:`backends`).
         device: where the embeddings live (a model's device).
+        op: "matryoshka_infonce" or "maxsim_infonce".
 
     Raises:
-        ValueError: an unknown name, or "triton" where :func:`triton_unusable_reason` gives a reason.
+        ValueError: an unknown op or name, or a backend that cannot run on ``device`` (the reason named).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
-    if backend == "triton":
-        reason = triton_unusable_reason(torch.device(device))
-        if reason is not None:
-            raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
+    names = backends(op)
+    if backend not in names:
+        raise ValueError(f"backend must be one of {names} for {op}, got {backend!r}.")
+    if backend == "auto":
+        return
+    reason = REGISTRY[op][backend].unusable_reason(torch.device(device))
+    if reason is not None:
+        raise ValueError(f"backend={backend!r} cannot run here: {reason}. Use backend='chunked' or 'auto'.")
 
 
-def run_backend(
-    name: str,
-    queries: Tensor,
-    docs: Tensor,
-    world_queries: Tensor,
-    spec: InfoNCESpec,
-    need_grad: bool,
-    chunk_size: int | None = None,
-    guide: tuple[Tensor, Tensor] | None = None,
-    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
-    memory: Memory | None = None,
-) -> InfoNCEResult:
-    """One backend's forward by name (no "auto", no fallback; the tests compare them on the same inputs):
-    ``chunk_size`` as in ``matryoshka_infonce``, ``guide`` the guide model's (queries, docs) embeddings,
-    ``duplicates`` the text ids ``(query_ids, doc_ids, world_query_ids or None)`` of ``spec.mask_duplicates``,
-    ``memory`` the banked documents (``spec.num_memory`` of them).
+def select_backend(device: torch.device, backend: str, op: str = "matryoshka_infonce") -> tuple[str, str]:
+    """Resolve ``backend`` of ``op`` for tensors on ``device`` to ``(name, reason)``.
 
-    Raises:
-        ValueError: an unknown name; ids without ``spec.mask_duplicates`` or the reverse.
-    """
-    if name not in REGISTRY:
-        raise ValueError(f"Unknown backend {name!r}: choose from {tuple(REGISTRY)}.")
-    if spec.mask_duplicates != (duplicates is not None):
-        raise ValueError("pass duplicates=(query_ids, doc_ids, world_query_ids) exactly when spec.mask_duplicates.")
-    if spec.num_memory != (0 if memory is None else memory.size):
-        raise ValueError("pass memory (its spec.num_memory banked documents) exactly when spec.num_memory > 0.")
-    return REGISTRY[name].forward(
-        queries,
-        docs,
-        world_queries,
-        spec,
-        need_grad,
-        tile_rows=chunk_size,
-        guide=guide,
-        duplicates=duplicates,
-        memory=memory,
-    )
-
-
-def triton_verified(device: torch.device) -> bool:
-    """Whether "auto" may pick Triton on ``device``: a CUDA GPU of a verified compute capability."""
-    return (
-        device.type == "cuda"
-        and torch.version.cuda is not None
-        and torch.cuda.get_device_capability(device) in VERIFIED_TRITON_CAPABILITIES
-        and triton_unusable_reason(device) is None
-    )
-
-
-def select_backend(device: torch.device, backend: str) -> tuple[str, str]:
-    """Resolve ``backend`` for tensors on ``device`` to ``(name, reason)``.
-
-    ``"auto"``: "triton" on a verified GPU (see :data:`VERIFIED_TRITON_CAPABILITIES`) unless the kernels failed
-    there earlier in this process, else "chunked" (faster than the dense reference at every size measured, down
-    to B = 4: benchmarks/results/crossover.csv). An explicit name is checked by :func:`check_backend`.
+    ``"auto"``: a backend verified on this GPU (see :class:`Backend`'s ``verified``) unless it failed here earlier in
+    this process, else "chunked" (faster than the dense reference at every size measured, down to B = 4:
+    benchmarks/results/crossover.csv). An explicit name is checked by :func:`check_backend`.
 
     Raises:
         ValueError: see :func:`check_backend`.
     """
-    check_backend(backend, device)
+    check_backend(backend, device, op)
     if backend != "auto":
         return backend, "requested"
-    if str(device) in _FAILED:
-        return "chunked", f"auto: the Triton kernels failed here ({_FAILED[str(device)]})"
-    if triton_verified(device):
-        return "triton", "auto: verified on this GPU"
+    if (op, str(device)) in _FAILED:
+        return "chunked", f"auto: the Triton kernels failed here ({_FAILED[op, str(device)]})"
+    verified = [entry.name for entry in REGISTRY[op].values() if entry.verified_on(device)]
+    if verified:
+        return verified[0], "auto: verified on this GPU"
+    triton = [name for name, entry in REGISTRY[op].items() if entry.kernels is not None]
+    if not triton:
+        return "chunked", f"auto: the default on every device ({op} has no Triton kernels)"
     if device.type != "cuda":
         return "chunked", f"auto: the Triton kernels run on CUDA GPUs only, not {device.type}"
     return "chunked", (
-        "auto: the Triton kernels are not verified on this GPU yet (python -m benchmarks.gpu); "
-        "pass backend='triton' to opt in"
+        f"auto: the {triton[0]} backend is not verified on this GPU yet (python -m benchmarks.gpu); "
+        f"pass backend={triton[0]!r} to opt in"
     )
 
 
 _CHOICES: dict[tuple, dict] = {}
-_FAILED: dict[str, str] = {}  # device -> why the Triton kernels failed there (auto stops trying them)
+_FAILED: dict[tuple[str, str], str] = {}  # (op, device) -> why its Triton kernels failed there (auto stops trying)
 _RECORDERS: list[dict[tuple, dict]] = []  # open ``recorded_choices`` blocks
 
 
-def note_choice(backend: str, device: torch.device, reason: str, tile: str, op: str = "matryoshka_infonce") -> None:
-    """Log a backend choice of ``op`` once at INFO (each distinct op, backend, device, reason and tile) and keep it."""
-    key = (op, backend, str(device), reason, tile)
-    choice = {"op": op, "backend": backend, "device": str(device), "reason": reason, "tile": tile}
+def note_choice(
+    backend: str, device: torch.device, reason: str, tile: str, op: str = "matryoshka_infonce", precision: str = "ieee"
+) -> None:
+    """Log a backend choice of ``op`` once at INFO (each distinct op, backend, device, reason, tile and precision)
+    and keep it."""
+    key = (op, backend, str(device), reason, tile, precision)
+    choice = dict(op=op, backend=backend, device=str(device), reason=reason, tile=tile, precision=precision)
     for recorder in _RECORDERS:
         recorder.setdefault(key, choice)
     if key in _CHOICES:
         return
     _CHOICES[key] = choice
-    logger.info("%s: %s backend on %s (%s); tile: %s", op, backend, device, reason, tile)
+    logger.info("%s: %s backend on %s (%s); tile: %s; precision: %s", op, backend, device, reason, tile, precision)
 
 
 def choices() -> list[dict]:
-    """The backend choices made in this process so far: dicts with backend, device, reason and tile."""
+    """The backend choices made in this process so far: dicts with op, backend, device, reason, tile and precision."""
     return list(_CHOICES.values())
 
 
@@ -231,15 +214,14 @@ def recorded_choices() -> Iterator[list[dict]]:
         made.extend(recorder.values())
 
 
-def fall_back(device: torch.device, error: TritonUnavailableError) -> None:
-    """Record that the Triton kernels failed on ``device`` ("auto" uses chunked there from now on) and warn once."""
+def fall_back(op: str, device: torch.device, error: TritonUnavailableError) -> None:
+    """Record that ``op``'s Triton kernels failed on ``device`` ("auto" uses chunked there from now on), warn once."""
     reason = str(error)
-    if str(device) in _FAILED:
+    if (op, str(device)) in _FAILED:
         return
-    _FAILED[str(device)] = reason
+    _FAILED[op, str(device)] = reason
     warnings.warn(
-        f"matryoshka_infonce: the Triton kernels cannot run here ({reason}); backend='auto' uses the chunked "
-        "backend instead.",
+        f"{op}: the Triton kernels cannot run here ({reason}); backend='auto' uses the chunked backend instead.",
         RuntimeWarning,
         stacklevel=3,
     )

@@ -40,46 +40,72 @@ from .spec import DIRECTIONS, InfoNCESpec
 __all__ = ["DuplicateMask", "check_ids"]
 
 
+_ABSENT = object()
+
+
 def check_ids(
-    queries: Tensor, docs: Tensor, world_queries: Tensor | None, offset: int, query_ids, doc_ids, world_query_ids
+    queries: Tensor,
+    documents: Tensor,
+    offset: int,
+    query_ids,
+    document_ids,
+    world_query_ids,
+    *,
+    world_queries=_ABSENT,
 ) -> bool:
-    """Whether the duplicate mask is on (ids given), after checking them against the embeddings.
+    """Whether the duplicate mask is on (ids given), after checking them against the embeddings: the one rule of
+    both ops. ``queries`` and ``documents`` are (B, ...) and (M, ...) of either op; ``world_queries``: the dense op's
+    gathered queries (None when not gathered), absent for the MaxSim op, whose documents alone are gathered.
 
     Raises:
-        ValueError / TypeError: only one of query_ids / doc_ids; world_query_ids without them, missing with
-            ``world_queries`` or given without it; an id tensor that is not 1-D int64 on the queries' device with
-            one id per row; ``world_query_ids[offset:offset + B]`` other than ``query_ids``.
+        ValueError / TypeError: only one of query_ids / document_ids; world_query_ids missing where the queries are
+            a slice of a gathered batch (``world_queries`` given, or ``offset`` > 0), or given with ``world_queries``
+            None; an id tensor that is not 1-D int64 on the queries' device with one id per row; documents that are
+            not blocks of Bw rows with offset + B <= Bw; ``world_query_ids[offset:offset + B]`` other than
+            ``query_ids``.
     """
-    if query_ids is None and doc_ids is None and world_query_ids is None:
+    if query_ids is None and document_ids is None and world_query_ids is None:
         return False
-    if query_ids is None or doc_ids is None:
+    if query_ids is None or document_ids is None:
         raise ValueError(
-            "pass both query_ids and doc_ids (int64 ids of the texts: equal ids, equal texts) to mask "
+            "pass both query_ids and document_ids (int64 ids of the texts: equal ids, equal texts) to mask "
             "duplicates, or neither."
         )
-    if (world_queries is None) != (world_query_ids is None):
+    if world_queries is not _ABSENT and (world_queries is None) != (world_query_ids is None):
         raise ValueError(
             "world_query_ids (the gathered queries' ids, shape (Bw,)) go with world_queries: pass both or neither."
         )
-    named = {"query_ids": (query_ids, queries), "doc_ids": (doc_ids, docs)}
-    if world_queries is not None:
-        named["world_query_ids"] = (world_query_ids, world_queries)
-    for name, (ids, rows) in named.items():
+    if world_query_ids is None and offset != 0:
+        raise ValueError(
+            f"offset={offset} places this rank's queries in a gathered world batch: pass world_query_ids (the ids "
+            "of every rank's queries, shape (Bw,)) for the duplicate mask."
+        )
+    batch = queries.shape[0]
+    named = {
+        "query_ids": (query_ids, batch, "queries"),
+        "document_ids": (document_ids, documents.shape[0], "documents"),
+    }
+    if world_query_ids is not None:
+        rows = None if world_queries in (None, _ABSENT) else world_queries.shape[0]
+        named["world_query_ids"] = (world_query_ids, rows, "world_queries")
+    for name, (ids, rows, what) in named.items():
         if not isinstance(ids, Tensor) or ids.dtype != torch.int64 or ids.ndim != 1:
             raise TypeError(
-                f"{name} must be a 1-D torch.int64 tensor (one text id per row), got "
+                f"{name} must be a 1-D torch.int64 tensor (one text id per row of {what}), got "
                 f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {tuple(getattr(ids, 'shape', ()))}."
             )
-        if ids.shape[0] != rows.shape[0]:
-            raise ValueError(
-                f"{name} has {ids.shape[0]} ids but its embeddings have {rows.shape[0]} rows: one id per row."
-            )
+        if rows is not None and ids.shape[0] != rows:
+            raise ValueError(f"{name} has {ids.shape[0]} ids but {what} has {rows} rows: one id per row.")
         if ids.device != queries.device:
             raise ValueError(f"{name} is on {ids.device} but queries is on {queries.device}: move the ids there.")
-    if world_query_ids is not None and not torch.equal(world_query_ids[offset : offset + queries.shape[0]], query_ids):
+    world = batch if world_query_ids is None else world_query_ids.shape[0]
+    if offset + batch > world or documents.shape[0] % world != 0:
         raise ValueError(
-            "query_ids must equal world_query_ids[offset:offset + B] (this rank's rows of the gathered ids)."
+            f"with the duplicate mask the documents are blocks of Bw={world} rows ([positives | negatives_1 | ...]) "
+            f"and offset + B <= Bw; got M={documents.shape[0]}, B={batch}, offset={offset}."
         )
+    if world_query_ids is not None and not torch.equal(world_query_ids[offset : offset + batch], query_ids):
+        raise ValueError("query_ids must equal world_query_ids[offset:offset + B] (this rank's rows of the world's).")
     return True
 
 

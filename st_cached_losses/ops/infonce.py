@@ -1,34 +1,41 @@
 """Matryoshka InfoNCE: in-batch cross-entropy over several Matryoshka dims in one sweep.
 
-``matryoshka_infonce`` is the public entry point: one ``torch.autograd.Function`` whose forward asks a
-backend (``backend.REGISTRY``: dense reference, row-tiled PyTorch, or Triton) for the per-dim losses and, in
-the same sweep, the gradients of the weighted loss wrt. its inputs; backward only scales those by
-``grad_output``.
+``matryoshka_infonce`` is the public entry point: it validates the problem (``spec.py``) and hands it to the op core
+(``core.run_op``), which asks a backend (``backend.REGISTRY["matryoshka_infonce"]``: dense reference, row-tiled
+PyTorch, or Triton) for the per-dim losses and, in the same sweep, the gradients of the weighted loss wrt. its inputs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from .backend import TritonUnavailableError, fall_back, note_choice, run_backend, select_backend
+from .backend import REGISTRY
+from .core import check_chunk_size, check_policies, renamed_keywords, resolve_precision, run_op
 from .duplicates import check_ids
-from .memory import check_memory
+from .memory import Memory, check_memory
 from .result import InfoNCEOutput, InfoNCEResult
 from .spec import InfoNCESpec
 
-__all__ = ["NONFINITE_POLICIES", "all_finite", "matryoshka_infonce"]
+__all__ = ["matryoshka_infonce", "run_backend"]
 
-NONFINITE_POLICIES = ("auto", "raise", "propagate")
+OP = "matryoshka_infonce"
 
 
+@renamed_keywords(
+    docs="documents",
+    doc_ids="document_ids",
+    guide_docs="guide_documents",
+    memory_docs="memory_documents",
+    memory_doc_ids="memory_document_ids",
+    memory_guide_docs="memory_guide_documents",
+)
 def matryoshka_infonce(
     queries: Tensor,
-    docs: Tensor,
+    documents: Tensor,
     *,
     dims: Sequence[int],
     weights: Sequence[float] | None = None,
@@ -43,17 +50,18 @@ def matryoshka_infonce(
     chunk_size: int | None = None,
     world_queries: Tensor | None = None,
     nonfinite: str = "auto",
+    precision: str = "auto",
     false_negative_margin: float | None = None,
     false_negative_strategy: str = "absolute",
     guide_queries: Tensor | None = None,
-    guide_docs: Tensor | None = None,
+    guide_documents: Tensor | None = None,
     query_ids: Tensor | None = None,
-    doc_ids: Tensor | None = None,
+    document_ids: Tensor | None = None,
     world_query_ids: Tensor | None = None,
-    memory_docs: Tensor | None = None,
-    memory_doc_ids: Tensor | None = None,
+    memory_documents: Tensor | None = None,
+    memory_document_ids: Tensor | None = None,
     memory_pair_ids: Tensor | None = None,
-    memory_guide_docs: Tensor | None = None,
+    memory_guide_documents: Tensor | None = None,
 ) -> InfoNCEOutput:
     """In-batch InfoNCE (multiple negatives ranking) loss, summed over Matryoshka dims with weights.
 
@@ -65,13 +73,15 @@ def matryoshka_infonce(
 
     Args:
         queries: (B, D) float tensor (fp32, bf16, fp16 or fp64), this rank's query (anchor) embeddings.
-        docs: (M, D) document embeddings laid out as ``[positives | negatives_1 | ... ]``, each block
-            with Bw rows; row ``i``'s positive is ``docs[offset + i]``. Same dtype and device as queries.
+        documents: (M, D) document embeddings laid out as ``[positives | negatives_1 | ... ]``, each block
+            with Bw rows; row ``i``'s positive is ``documents[offset + i]``. Same dtype and device as queries.
         dims: Matryoshka dims, each in [1, D], no duplicates, in any order.
         weights: one weight per dim (default 1 each).
-        scale: logit scale (= 1 / temperature), > 0.
+        scale: logit scale (= 1 / temperature), a finite number > 0; default 20.0, stock
+            ``MultipleNegativesRankingLoss``'s.
         similarity: "cosine" (each dim's prefix re-normalised) or "dot" (raw prefix dot product).
-        offset: index of this rank's first query in the gathered batch; needs ``world_queries``.
+        offset: this rank's first query in the gathered batch (its positive's column); needs ``world_queries``;
+            0 <= offset, offset + B <= Bw.
         directions: any of "query_to_doc" (required), "query_to_query", "doc_to_query", "doc_to_doc",
             as in sentence-transformers' MultipleNegativesRankingLoss, and GISTEmbed's blocks "anchor_to_anchor"
             (this rank's queries against themselves, no self mask) and "positive_to_positive" (positives
@@ -80,31 +90,35 @@ def matryoshka_infonce(
         hardness_mode: None, "in_batch_negatives", "hard_negatives" or "all_negatives": adds
             ``hardness_strength * stop_grad(similarity)`` to those negatives' logits.
         hardness_strength: >= 0.
-        backend: "auto", "triton", "chunked" or "dense". "auto" runs the Triton kernels only on a GPU where
-            they have been verified (``ops.backend.VERIFIED_TRITON_CAPABILITIES``), else the chunked backend on
-            the same device, and falls back to chunked (warning once) if Triton cannot compile or launch; the
-            choice is logged once at INFO (``ops.choices()`` lists them).
-        chunk_size: rows per row tile of the tiled backends (chunked: as given, default from a 64 MiB byte
-            budget; Triton: rounded down to a power of two in [16, 256], default tuned).
+        backend: "auto" or a name of ``ops.backends("matryoshka_infonce")``: "triton", "chunked", "dense". "auto"
+            runs the Triton kernels only on a GPU where they have been verified (``ops.backend.REGISTRY``'s
+            ``verified``), else the chunked backend on the same device, and falls back to chunked (warning once) if
+            Triton cannot compile or launch; the choice is logged once at INFO (``ops.choices()`` lists them).
+        chunk_size: query rows per tile of the tiled backends, a positive int (chunked: as given, default from a
+            64 MiB byte budget; Triton: rounded down to a power of two in [16, 256], default tuned); None: automatic.
         world_queries: (Bw, D) all queries of the gathered batch when ``queries`` are rows
             ``[offset, offset + B)`` of it (``gather_across_devices``); default ``queries``.
         nonfinite: what NaN or Inf in the embeddings do. "raise": a ValueError (in fp32 or bf16 training a
             non-finite embedding means the run diverged). "propagate": the loss and every gradient are NaN,
             so that fp16 mixed precision's gradient scaler skips the step, as it does with stock losses.
             "auto" (default): "propagate" under fp16 autocast or for fp16 inputs, else "raise".
+        precision: the score GEMMs' operands on CUDA (``core.resolve_precision``): "bf16" (fp32 accumulation and
+            LSEs), "tf32" or "ieee" (fp32; fp64 for fp64 inputs); "auto" (default): "bf16" under bf16 autocast or for
+            bf16 inputs, else "tf32" where ``torch.backends.cuda.matmul.allow_tf32`` allows it, else "ieee"; always
+            "ieee" off CUDA. Logged at INFO with the backend.
         false_negative_margin: turns GISTEmbed's false-negative filter on (any finite number; with a guide the
             default is 0): row i scores no candidate but its partner whose guide similarity exceeds
             ``s_i - margin`` (``s_i - |s_i| * margin`` with false_negative_strategy="relative"), s_i the guide
             similarity of its positive pair. Without a guide the model is its own guide: its full-dim
             similarity, detached (Qwen3-Embedding masks above s_i + 0.1: margin -0.1).
         false_negative_strategy: "absolute" or "relative".
-        guide_queries, guide_docs: (B, Dg) and (M, Dg) embeddings of the same texts by a guide model, scored by
+        guide_queries, guide_documents: (B, Dg) and (M, Dg) embeddings of the same texts by a guide model, scored by
             cosine similarity (CachedGISTEmbedLoss's guide); the filter never holds a B x M matrix of them.
-        query_ids, doc_ids, world_query_ids: turn the duplicate mask on (exact duplicates are not negatives). Each
+        query_ids, document_ids, world_query_ids: turn the duplicate mask on (exact duplicates are not negatives). Each
             is a 1-D ``torch.int64`` tensor of text ids on the queries' device, one per embedding row, equal ids
             meaning the same text (the losses hash each row's token ids): ``query_ids`` (B,) of ``queries``;
-            ``doc_ids`` (M,) of ``docs``, in their layout ``[positives | negatives_1 | ...]`` (each block Bw ids,
-            the world's when gathered); ``world_query_ids`` (Bw,) of ``world_queries``, exactly when those are
+            ``document_ids`` (M,) of ``documents``, in their layout ``[positives | negatives_1 | ...]`` (each block
+            Bw ids, the world's when gathered); ``world_query_ids`` (Bw,) of ``world_queries``, exactly when those are
             passed (``query_ids`` must be its rows ``[offset, offset + B)``). In each direction a row has an own
             text and a target text: rows over queries (query_to_doc, query_to_query, anchor_to_anchor) own a_i and
             target their positive p_i; rows over positives (doc_to_query, doc_to_doc, positive_to_positive) own p_i
@@ -114,20 +128,22 @@ def matryoshka_infonce(
             doc_to_query), which is never removed. The mask is built per tile from the ids (no B x M matrix), is
             the same for every Matryoshka dim, and combines with the false-negative filter (a candidate either
             removes is removed). See ``ops/duplicates.py``.
-        memory_docs: (Km, D) banked document embeddings of earlier steps (a cross-batch memory: XBM, MoCo's queue),
+        memory_documents: (Km, D) banked document embeddings of earlier steps (a cross-batch memory: XBM, MoCo's queue),
             scored as extra candidates of the directions that score documents (query_to_doc, doc_to_doc), after the
-            docs' columns, with the same dims, similarity and hardness penalty; detached: they get no gradient, and
+            documents' columns, with the same dims, similarity and hardness penalty; detached: they get no gradient, and
             the tiled backends never copy them nor hold a B x Km matrix (one tile of rows at a time). Same dtype,
             D and device as ``queries``. Not supported by the Triton kernels ("auto" runs chunked).
-        memory_doc_ids: (Km,) int64 text ids of ``memory_docs``, with the duplicate mask (required then).
+        memory_document_ids: (Km,) int64 text ids of ``memory_documents``, with the duplicate mask (required then).
         memory_pair_ids: (Kp, 2) int64 (query id, positive id) of every banked pair, with the duplicate mask: its
             rule (3) then covers the bank (a banked positive of the same query is another positive).
-        memory_guide_docs: (Km, Dg) the guide model's embeddings of the banked texts, with ``guide_queries``
+        memory_guide_documents: (Km, Dg) the guide model's embeddings of the banked texts, with ``guide_queries``
             (required then); the self-guided filter scores the banked embeddings themselves.
 
-    The op computes in fp32 (fp64 for fp64 inputs) whatever autocast is active; gradients come back in the
-    inputs' dtype. A row whose only candidate is its positive (a batch of one pair, or a row whose other
-    candidates the filter or the duplicate mask removed) has loss and gradient exactly 0.
+    The op accumulates in fp32 (fp64 for fp64 inputs) whatever autocast is active, its GEMM operands as ``precision``
+    says; gradients come back in the inputs' dtype. The old keyword names ``docs``, ``doc_ids``, ``guide_docs``,
+    ``memory_docs``, ``memory_doc_ids`` and ``memory_guide_docs`` still work, with a DeprecationWarning. A row whose
+    only candidate is its positive (a batch of one pair, or a row whose other candidates the filter or the duplicate
+    mask removed) has loss and gradient exactly 0.
 
     Returns:
         :class:`~st_cached_losses.ops.result.InfoNCEOutput`: ``loss`` (0-dim, fp32; fp64 for fp64 inputs; the one
@@ -159,11 +175,10 @@ def matryoshka_infonce(
             out.loss.backward()
             out.per_dim  # (5,) the loss of each dim, in the order of dims
     """
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
+    check_policies(nonfinite, precision)
     spec = InfoNCESpec.build(
         queries,
-        docs,
+        documents,
         world_queries,
         dims=dims,
         weights=weights,
@@ -177,167 +192,88 @@ def matryoshka_infonce(
         false_negative_margin=false_negative_margin,
         false_negative_strategy=false_negative_strategy,
         guide_queries=guide_queries,
-        guide_docs=guide_docs,
-        mask_duplicates=check_ids(queries, docs, world_queries, offset, query_ids, doc_ids, world_query_ids),
+        guide_documents=guide_documents,
+        mask_duplicates=check_ids(
+            queries, documents, offset, query_ids, document_ids, world_query_ids, world_queries=world_queries
+        ),
     )
     memory = check_memory(
-        memory_docs,
-        memory_doc_ids,
+        memory_documents,
+        memory_document_ids,
         memory_pair_ids,
-        memory_guide_docs,
+        memory_guide_documents,
         queries,
         mask_duplicates=spec.mask_duplicates,
         guided=spec.false_negatives is not None and spec.false_negatives.guided,
     )
-    if memory is not None:
-        spec = dataclasses.replace(spec, num_memory=memory.size)
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"chunk_size must be a positive int or None (automatic), got {chunk_size!r}.")
-    name, reason = select_backend(queries.device, backend)
-    if name == "triton" and backend == "auto" and not _triton_host().supports(spec):
-        name, reason = "chunked", "auto: the Triton kernels do not support these options"
-    nonfinite_input = _first_nonfinite(queries=queries, docs=docs, world_queries=world_queries, memory_docs=memory_docs)
-    if nonfinite_input is not None:
-        if not _propagates_nonfinite(nonfinite, queries):
-            raise ValueError(
-                f"{nonfinite_input} contains NaN or Inf: the run diverged (lower the learning rate, or use bf16/fp32 "
-                "instead of fp16); under fp16 mixed precision pass nonfinite='propagate' so that the gradient "
-                "scaler skips the step."
-            )
-        name, reason = "nonfinite", f"NaN or Inf in {nonfinite_input}"
-    guide = None if guide_queries is None else (guide_queries, guide_docs)
-    duplicates = (query_ids, doc_ids, world_query_ids) if spec.mask_duplicates else None
-    with _autocast_off(queries.device):
-        loss, per_dim, lse, masked_share = _MatryoshkaInfoNCE.apply(
-            queries,
-            docs,
-            world_queries,
-            spec,
-            name,
-            reason,
-            chunk_size,
-            guide,
-            duplicates,
-            memory,
-            torch.is_grad_enabled(),
-        )
-    masked = spec.false_negatives is not None or spec.mask_duplicates
-    return InfoNCEOutput(loss, per_dim, lse, masked_share if masked else None)
+    chunk_size = check_chunk_size(chunk_size)
+    spec = dataclasses.replace(
+        spec, num_memory=0 if memory is None else memory.size, precision=resolve_precision(precision, queries)
+    )
+    guide = None if guide_queries is None else (guide_queries, guide_documents)
+    duplicates = (query_ids, document_ids, world_query_ids) if spec.mask_duplicates else None
 
-
-def _run(
-    name, reason, queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates, memory
-) -> InfoNCEResult:
-    """The chosen backend's result, falling back from Triton to chunked on the auto path; exact zeros
-    where every row's only candidate is its positive (the backends' rounding would leave ~1e-7 there,
-    which AdamW turns into weight updates)."""
-    if name == "nonfinite":
-        return _nan_result(queries, docs, world_queries, spec, need_grad)
-    try:
-        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates, memory)
-    except TritonUnavailableError as error:
-        if reason == "requested":
-            raise
-        fall_back(queries.device, error)
-        name, reason = select_backend(queries.device, "auto")
-        result = run_backend(name, queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates, memory)
-    note_choice(name, queries.device, reason, result.tile)
-    if spec.single_candidate:
-        result = result._replace(
-            per_dim=torch.zeros_like(result.per_dim),
-            grads=None
-            if result.grads is None
-            else tuple(None if g is None else torch.zeros_like(g) for g in result.grads),
-        )
-    return result
-
-
-class _MatryoshkaInfoNCE(torch.autograd.Function):
-    """Gradients are computed in the forward sweep (saving a recompute of every score tile) and kept
-    only when an input needs them and gradients are enabled where the op is called (inside ``forward`` they never
-    are); backward scales them by grad_output (accumulation, AMP scaler)."""
-
-    @staticmethod
-    def forward(
-        ctx, queries, docs, world_queries, spec, name, reason, chunk_size, guide, duplicates, memory, grad_mode
-    ):
-        need_grad = grad_mode and any(ctx.needs_input_grad[:3])
+    def forward(name: str, need_grad: bool) -> InfoNCEResult:
         world = queries if world_queries is None else world_queries
-        result = _run(name, reason, queries, docs, world, spec, need_grad, chunk_size, guide, duplicates, memory)
-        weights = torch.tensor(spec.weights, dtype=result.per_dim.dtype, device=result.per_dim.device)
-        loss = (weights * result.per_dim).sum()
-        per_dim, lse = torch.empty_like(result.per_dim), torch.empty_like(result.lse)
-        per_dim[list(spec.order)], lse[list(spec.order)] = result.per_dim, result.lse  # the caller's dims order
-        masked_share = result.per_dim.new_zeros(()) if result.masked_share is None else result.masked_share
-        ctx.mark_non_differentiable(per_dim, lse, masked_share)
-        if need_grad:
-            d_queries, d_docs, d_world = result.grads
-            if world_queries is None:
-                d_queries = d_queries if d_world is None else d_queries + d_world
-                d_world = None
-            elif d_world is None:
-                d_world = torch.zeros_like(world_queries)
-            # Held as plain attributes (not saved tensors) and handed over in backward, so autograd can
-            # adopt them as .grad without a copy: peak memory stays at one set of gradients.
-            ctx.grads = (d_queries, d_docs, d_world)
-        return loss, per_dim, lse, masked_share
+        result = run_backend(name, queries, documents, world, spec, need_grad, chunk_size, guide, duplicates, memory)
+        return result if result.grads is None else result._replace(grads=_world_gradient(result.grads, world_queries))
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_per_dim, _grad_lse, _grad_masked_share):
-        grads, ctx.grads = getattr(ctx, "grads", None), None
-        if grads is None:
-            raise RuntimeError(
-                "matryoshka_infonce computes its gradients in the forward pass and hands them over once: "
-                "call the op again instead of backpropagating twice (retain_graph=True)."
-            )
-        return (*[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads], *[None] * 8)
-
-
-def _triton_host():
-    from .triton import host  # imports Triton: only where "auto" resolved to it
-
-    return host
-
-
-def _first_nonfinite(**tensors: Tensor | None) -> str | None:
-    """The name of the first tensor holding NaN or Inf, or None. By its max and min (both propagate NaN): two
-    reductions, where ``isfinite`` would allocate an absolute value and masks of the tensor's size (a memory bank's
-    rows are many)."""
-    return next((name for name, t in tensors.items() if t is not None and not all_finite(t)), None)
-
-
-def all_finite(t: Tensor) -> bool:
-    """No NaN or Inf in ``t``, by its max and min (both propagate NaN): no temporaries of its size."""
-    return t.numel() == 0 or bool(torch.isfinite(t.amax()) & torch.isfinite(t.amin()))
-
-
-def _propagates_nonfinite(policy: str, queries: Tensor) -> bool:
-    if policy != "auto":
-        return policy == "propagate"
-    device = queries.device.type
-    fp16_autocast = (
-        torch.amp.is_autocast_available(device)
-        and torch.is_autocast_enabled(device)
-        and torch.get_autocast_dtype(device) == torch.float16
+    return run_op(
+        OP,
+        spec,
+        {"queries": queries, "documents": documents, "world_queries": world_queries},
+        forward,
+        backend=backend,
+        nonfinite=nonfinite,
+        num_directions=len(spec.directions),
+        checked={"memory_documents": memory_documents},
+        supports=lambda name: REGISTRY[OP][name].unsupported(spec) is None,
     )
-    return fp16_autocast or queries.dtype == torch.float16
 
 
-def _autocast_off(device: torch.device):
-    """Autocast would run the score matmuls in bf16/fp16 (``mm`` and ``mv`` are on its lower-precision lists)."""
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+def run_backend(
+    name: str,
+    queries: Tensor,
+    docs: Tensor,
+    world_queries: Tensor,
+    spec: InfoNCESpec,
+    need_grad: bool,
+    chunk_size: int | None = None,
+    guide: tuple[Tensor, Tensor] | None = None,
+    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    memory: Memory | None = None,
+) -> InfoNCEResult:
+    """One backend's forward by name (no "auto", no fallback; the tests compare them on the same inputs):
+    ``chunk_size`` as in ``matryoshka_infonce``, ``guide`` the guide model's (queries, docs) embeddings,
+    ``duplicates`` the text ids ``(query_ids, doc_ids, world_query_ids or None)`` of ``spec.mask_duplicates``,
+    ``memory`` the banked documents (``spec.num_memory`` of them).
 
-
-def _nan_result(queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool) -> InfoNCEResult:
-    """NaN losses and gradients: what stock losses give for a non-finite embedding, so a gradient scaler
-    (fp16 mixed precision) detects it and skips the step."""
-    dtype = torch.promote_types(queries.dtype, torch.float32)
-    per_dim = torch.full((len(spec.dims),), float("nan"), dtype=dtype, device=queries.device)
-    lse = torch.full(
-        (len(spec.dims), len(spec.directions), spec.batch_size), float("nan"), dtype=dtype, device=queries.device
+    Raises:
+        ValueError: an unknown name; ids without ``spec.mask_duplicates`` or the reverse.
+    """
+    if name not in REGISTRY[OP]:
+        raise ValueError(f"Unknown backend {name!r}: choose from {tuple(REGISTRY[OP])}.")
+    if spec.mask_duplicates != (duplicates is not None):
+        raise ValueError("pass duplicates=(query_ids, doc_ids, world_query_ids) exactly when spec.mask_duplicates.")
+    if spec.num_memory != (0 if memory is None else memory.size):
+        raise ValueError("pass memory (its spec.num_memory banked documents) exactly when spec.num_memory > 0.")
+    return REGISTRY[OP][name].forward(
+        queries,
+        docs,
+        world_queries,
+        spec,
+        need_grad,
+        tile_rows=chunk_size,
+        guide=guide,
+        duplicates=duplicates,
+        memory=memory,
     )
-    grads = tuple(torch.full_like(t, float("nan")) for t in (queries, docs, world_queries)) if need_grad else None
-    return InfoNCEResult(per_dim, lse, grads, tile="none")
+
+
+def _world_gradient(grads: tuple, world_queries: Tensor | None) -> tuple:
+    """The backend's (d queries, d docs, d world) for the op's inputs: without ``world_queries`` the world is the
+    queries, so their gradients add up; with it, an absent d world is zeros."""
+    d_queries, d_docs, d_world = grads
+    if world_queries is None:
+        return (d_queries if d_world is None else d_queries + d_world), d_docs, None
+    return d_queries, d_docs, torch.zeros_like(world_queries) if d_world is None else d_world

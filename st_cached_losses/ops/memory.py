@@ -42,62 +42,70 @@ class Memory(NamedTuple):
 
 
 def check_memory(
-    memory_docs: Tensor | None,
-    memory_doc_ids: Tensor | None,
+    memory_documents: Tensor | None,
+    memory_document_ids: Tensor | None,
     memory_pair_ids: Tensor | None,
-    memory_guide_docs: Tensor | None,
+    memory_guide_documents: Tensor | None,
     queries: Tensor,
     *,
     mask_duplicates: bool,
     guided: bool,
 ) -> Memory | None:
-    """The op's memory arguments as a :class:`Memory` (None without ``memory_docs``), after checking them.
+    """The op's memory arguments as a :class:`Memory` (None without ``memory_documents``), after checking them.
 
     Raises:
-        TypeError / ValueError: naming the argument: a ``memory_docs`` that is not a 2-D tensor of the queries' D,
+        TypeError / ValueError: naming the argument: a ``memory_documents`` that is not a 2-D tensor of the queries' D,
             dtype and device; memory ids given without the duplicate mask's ids or missing with them, of another
-            shape, dtype or device; ``memory_guide_docs`` missing with a guide, given without one, or of another
+            shape, dtype or device; ``memory_guide_documents`` missing with a guide, given without one, or of another
             row count or device.
     """
     extras = {
-        "memory_doc_ids": memory_doc_ids,
+        "memory_document_ids": memory_document_ids,
         "memory_pair_ids": memory_pair_ids,
-        "memory_guide_docs": memory_guide_docs,
+        "memory_guide_documents": memory_guide_documents,
     }
-    if memory_docs is None:
+    if memory_documents is None:
         given = [name for name, value in extras.items() if value is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} describe memory_docs: pass memory_docs too, or neither.")
+            raise ValueError(f"{', '.join(given)} describe memory_documents: pass memory_documents too, or neither.")
         return None
-    if not isinstance(memory_docs, Tensor) or memory_docs.ndim != 2 or not memory_docs.is_floating_point():
-        raise TypeError(f"memory_docs must be a 2-D floating-point tensor (Km, D), got {memory_docs!r:.80}.")
-    if memory_docs.shape[1] != queries.shape[1] or memory_docs.dtype != queries.dtype:
+    if (
+        not isinstance(memory_documents, Tensor)
+        or memory_documents.ndim != 2
+        or not memory_documents.is_floating_point()
+    ):
+        raise TypeError(f"memory_documents must be a 2-D floating-point tensor (Km, D), got {memory_documents!r:.80}.")
+    if memory_documents.shape[1] != queries.shape[1] or memory_documents.dtype != queries.dtype:
         raise ValueError(
-            f"memory_docs is {memory_docs.dtype} of D={memory_docs.shape[1]} but queries are {queries.dtype} of "
-            f"D={queries.shape[1]}: bank the full-dim embeddings in the queries' dtype."
+            f"memory_documents is {memory_documents.dtype} of D={memory_documents.shape[1]} but queries are "
+            f"{queries.dtype} of D={queries.shape[1]}: bank the full-dim embeddings in the queries' dtype."
         )
-    if memory_docs.device != queries.device:
-        raise ValueError(f"memory_docs is on {memory_docs.device} but queries are on {queries.device}: move the bank.")
-    if mask_duplicates != (memory_doc_ids is not None and memory_pair_ids is not None):
+    if memory_documents.device != queries.device:
         raise ValueError(
-            "with the duplicate mask (query_ids, doc_ids) pass memory_doc_ids (Km,) and memory_pair_ids (Kp, 2) "
-            "for the banked texts, and without it neither."
+            f"memory_documents is on {memory_documents.device} but queries are on {queries.device}: move the bank."
+        )
+    if mask_duplicates != (memory_document_ids is not None and memory_pair_ids is not None):
+        raise ValueError(
+            "with the duplicate mask (query_ids, document_ids) pass memory_document_ids (Km,) and memory_pair_ids "
+            "(Kp, 2) for the banked texts, and without it neither."
         )
     if mask_duplicates:
-        _check_ids("memory_doc_ids", memory_doc_ids, 1, memory_docs.shape[0], queries.device)
+        _check_ids("memory_document_ids", memory_document_ids, 1, memory_documents.shape[0], queries.device)
         _check_ids("memory_pair_ids", memory_pair_ids, 2, None, queries.device)
-    if guided != (memory_guide_docs is not None):
+    if guided != (memory_guide_documents is not None):
         raise ValueError(
-            "with a guide (guide_queries, guide_docs) pass memory_guide_docs, the guide's embeddings of the banked "
-            "texts, and without one do not."
+            "with a guide (guide_queries, guide_documents) pass memory_guide_documents, the guide's embeddings of the "
+            "banked texts, and without one do not."
         )
-    if guided and (memory_guide_docs.shape[0] != memory_docs.shape[0] or memory_guide_docs.device != queries.device):
+    if guided and (
+        memory_guide_documents.shape[0] != memory_documents.shape[0] or memory_guide_documents.device != queries.device
+    ):
         raise ValueError(
-            f"memory_guide_docs must hold one row per banked document ({memory_docs.shape[0]}) on {queries.device}, "
-            f"got {tuple(memory_guide_docs.shape)} on {memory_guide_docs.device}."
+            f"memory_guide_documents must hold one row per banked document ({memory_documents.shape[0]}) on "
+            f"{queries.device}, got {tuple(memory_guide_documents.shape)} on {memory_guide_documents.device}."
         )
-    detached = memory_guide_docs.detach() if guided else None
-    return Memory(memory_docs.detach(), memory_doc_ids, memory_pair_ids, detached)
+    detached = memory_guide_documents.detach() if guided else None
+    return Memory(memory_documents.detach(), memory_document_ids, memory_pair_ids, detached)
 
 
 def _check_ids(name: str, ids: Tensor, ndim: int, rows: int | None, device: torch.device) -> None:

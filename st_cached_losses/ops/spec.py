@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from .core import check_dims, check_offset, check_scale
+
+__all__ = ["DIRECTIONS", "InfoNCESpec", "check_dims", "check_false_negative_rule"]
+
 
 @dataclass(frozen=True)
 class Direction:
@@ -118,6 +122,7 @@ class InfoNCESpec:
     false_negatives: FalseNegativeFilter | None = None
     mask_duplicates: bool = False  # exact duplicates leave the softmax (``duplicates.py``; the ids go to the backend)
     num_memory: int = 0  # Km: banked documents scored after the docs' columns, without gradient (``memory.py``)
+    precision: str = "ieee"  # the score GEMMs' operands: "bf16", "tf32" or "ieee" (``core.resolve_precision``)
 
     @property
     def num_docs(self) -> int:
@@ -127,6 +132,11 @@ class InfoNCESpec:
     def num_doc_columns(self) -> int:
         """Columns of the directions that score documents: the docs, then the banked ones."""
         return self.num_docs + self.num_memory
+
+    @property
+    def masks(self) -> bool:
+        """Whether candidates are removed beyond the directions' own masks (the op then reports ``masked_share``)."""
+        return self.false_negatives is not None or self.mask_duplicates
 
     @property
     def hardness(self) -> bool:
@@ -172,7 +182,7 @@ class InfoNCESpec:
         false_negative_margin: float | None = None,
         false_negative_strategy: str = "absolute",
         guide_queries: Tensor | None = None,
-        guide_docs: Tensor | None = None,
+        guide_documents: Tensor | None = None,
         mask_duplicates: bool = False,
     ) -> InfoNCESpec:
         _check_tensors(queries, docs, world_queries)
@@ -183,21 +193,18 @@ class InfoNCESpec:
                 f"offset={offset} selects rows of a gathered batch, so pass world_queries (the gathered "
                 "queries, shape (Bw, D)); without it offset must be 0."
             )
-        if not isinstance(offset, int) or offset < 0 or offset + batch_size > world_batch_size:
-            raise ValueError(
-                f"offset must be an int with 0 <= offset and offset + B <= Bw, got offset={offset!r}, "
-                f"B={batch_size}, Bw={world_batch_size}."
-            )
+        offset = check_offset(offset, batch_size, world_batch_size, "Bw")
         if docs.shape[0] % world_batch_size != 0:
             raise ValueError(
-                f"docs has {docs.shape[0]} rows, not a multiple of the {world_batch_size} query rows: lay docs out "
-                "as [positives | negatives_1 | ...], each column with one row per query."
+                f"documents has {docs.shape[0]} rows, not a multiple of the {world_batch_size} query rows: lay them "
+                "out as [positives | negatives_1 | ...], each column with one row per query."
             )
         sorted_dims, sorted_weights, order = check_dims(dims, weights, dim)
         _check_choices(similarity, directions, partition_mode, hardness_mode)
-        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be a finite number > 0 (scale = 1 / temperature), got {scale!r}.")
-        if not (isinstance(hardness_strength, (int, float)) and math.isfinite(hardness_strength)):
+        scale = check_scale(scale)
+        if isinstance(hardness_strength, bool) or not (
+            isinstance(hardness_strength, (int, float)) and math.isfinite(hardness_strength)
+        ):
             raise ValueError(f"hardness_strength must be a finite number, got {hardness_strength!r}.")
         if hardness_strength < 0:
             raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}.")
@@ -205,7 +212,7 @@ class InfoNCESpec:
             false_negative_margin,
             false_negative_strategy,
             guide_queries,
-            guide_docs,
+            guide_documents,
             queries,
             docs,
             world_queries,
@@ -215,7 +222,7 @@ class InfoNCESpec:
             dims=sorted_dims,
             weights=sorted_weights,
             order=order,
-            scale=float(scale),
+            scale=scale,
             cosine=similarity == "cosine",
             offset=offset,
             batch_size=batch_size,
@@ -230,18 +237,18 @@ class InfoNCESpec:
         )
 
 
-def _false_negative_filter(margin, strategy, guide_queries, guide_docs, queries, docs, world_queries, directions):
+def _false_negative_filter(margin, strategy, guide_queries, guide_documents, queries, docs, world_queries, directions):
     """The filter the arguments ask for, or None: a guide (both guide tensors) filters with margin 0 by default;
     without one, a margin alone turns the self-guided filter on."""
-    if (guide_queries is None) != (guide_docs is None):
-        raise ValueError("pass both guide_queries and guide_docs (the guide model's embeddings), or neither.")
+    if (guide_queries is None) != (guide_documents is None):
+        raise ValueError("pass both guide_queries and guide_documents (the guide model's embeddings), or neither.")
     guided = guide_queries is not None
     if margin is None and not guided:
         return None
     margin = 0.0 if margin is None else margin
     check_false_negative_rule(margin, strategy)
     if guided:
-        _check_guide(guide_queries, guide_docs, queries, docs, world_queries, directions)
+        _check_guide(guide_queries, guide_documents, queries, docs, world_queries, directions)
     return FalseNegativeFilter(float(margin), strategy, guided)
 
 
@@ -253,8 +260,8 @@ def check_false_negative_rule(margin: float, strategy: str) -> None:
         raise ValueError(f"false_negative_strategy must be one of {FALSE_NEGATIVE_STRATEGIES}, got {strategy!r}.")
 
 
-def _check_guide(guide_queries, guide_docs, queries, docs, world_queries, directions) -> None:
-    for name, guide, partner in (("guide_queries", guide_queries, queries), ("guide_docs", guide_docs, docs)):
+def _check_guide(guide_queries, guide_documents, queries, docs, world_queries, directions) -> None:
+    for name, guide, partner in (("guide_queries", guide_queries, queries), ("guide_documents", guide_documents, docs)):
         if not isinstance(guide, Tensor) or guide.ndim != 2 or not guide.is_floating_point():
             raise TypeError(f"{name} must be a 2-D floating-point torch.Tensor (rows, guide D), got {guide!r:.80}.")
         if guide.shape[0] != partner.shape[0]:
@@ -267,8 +274,10 @@ def _check_guide(guide_queries, guide_docs, queries, docs, world_queries, direct
                 f"{name} is on {guide.device} but queries is on {queries.device}: move the guide's "
                 "embeddings (or the guide model) to the model's device."
             )
-    if guide_queries.shape[1] != guide_docs.shape[1]:
-        raise ValueError(f"guide_queries has D={guide_queries.shape[1]} but guide_docs has D={guide_docs.shape[1]}.")
+    if guide_queries.shape[1] != guide_documents.shape[1]:
+        raise ValueError(
+            f"guide_queries has D={guide_queries.shape[1]} but guide_documents has D={guide_documents.shape[1]}."
+        )
     if world_queries is not None and {"query_to_query", "doc_to_query"} & set(directions):
         raise ValueError(
             "a guide filters query_to_query and doc_to_query only without gathering (the guide's "
@@ -277,7 +286,7 @@ def _check_guide(guide_queries, guide_docs, queries, docs, world_queries, direct
 
 
 def _check_tensors(queries: Tensor, docs: Tensor, world_queries: Tensor | None) -> None:
-    named = {"queries": queries, "docs": docs}
+    named = {"queries": queries, "documents": docs}
     if world_queries is not None:
         named["world_queries"] = world_queries
     for name, tensor in named.items():
@@ -298,48 +307,6 @@ def _check_tensors(queries: Tensor, docs: Tensor, world_queries: Tensor | None) 
             raise ValueError(f"{name} is {tensor.dtype} but queries is {queries.dtype}: cast them to one dtype.")
         if tensor.device != queries.device:
             raise ValueError(f"{name} is on {tensor.device} but queries is on {queries.device}: move them together.")
-
-
-def check_dims(
-    dims: Sequence[int],
-    weights: Sequence[float] | None,
-    dim: int | None,
-    name: str = "dims",
-    weights_name: str = "weights",
-) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]:
-    """Validate Matryoshka dims and their weights against the embedding dimension ``dim`` (None: unknown, no
-    bound) — the one rule the op, the losses and the command line share; ``name`` and ``weights_name`` are the
-    caller's argument names.
-
-    Returns:
-        (dims in descending order, their weights (default 1.0 each), ``order``: each sorted dim's index in ``dims``)
-
-    Raises:
-        ValueError: empty or not a sequence, a dim that is not a positive int or exceeds ``dim``, duplicates,
-            weights of another length or not finite.
-    """
-    if isinstance(dims, (int, str)) or not isinstance(dims, Sequence) or len(dims) == 0:
-        example = dim or 768
-        raise ValueError(f"{name} must be a non-empty list of ints such as [{example}, {example // 2}], got {dims!r}.")
-    bad = [d for d in dims if not isinstance(d, int) or isinstance(d, bool) or d <= 0]
-    if bad:
-        raise ValueError(f"{name} must hold positive ints, got {bad[0]!r} in {list(dims)}.")
-    too_large = [d for d in dims if dim is not None and d > dim]
-    if too_large:
-        verb = "is" if len(too_large) == 1 else "are"
-        raise ValueError(f"{name} {too_large} {verb} larger than the embedding dimension {dim}: use dims <= {dim}.")
-    if len(set(dims)) != len(dims):
-        raise ValueError(f"{name} holds duplicates: {list(dims)}; list each Matryoshka dim once.")
-    if weights is None:
-        weights = [1.0] * len(dims)
-    if isinstance(weights, (int, float, str)) or len(weights) != len(dims):
-        count = "one number" if isinstance(weights, (int, float, str)) else f"{len(weights)} entries"
-        raise ValueError(f"{weights_name} has {count} but {name} has {len(dims)}: give one weight per dim.")
-    for w in weights:
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ValueError(f"{weights_name} must be finite numbers, got {list(weights)}.")
-    order = tuple(sorted(range(len(dims)), key=lambda i: -dims[i]))
-    return tuple(dims[i] for i in order), tuple(float(weights[i]) for i in order), order
 
 
 def _check_choices(similarity: str, directions: Sequence[str], partition_mode: str, hardness_mode: str | None) -> None:

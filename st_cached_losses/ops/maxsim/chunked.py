@@ -3,8 +3,9 @@
 A tile of queries (their unmasked tokens only: R query tokens) meets every document in blocks. For each block the
 token dot products of all dims come from one GEMM's worth of work, smallest dim first in prefix bands
 [d_{k+1}, d_k): S_K = C[:, :d_K] Q[:, :d_K]^T, S_k = S_{k+1} + C[:, band_k] Q[:, band_k]^T (document tokens as
-rows; ``_Sweep._block_dots``). Cosine similarity scales the document tokens by their prefix norms (S_k then holds
-<q, ĉ>; the query's norm is a positive factor of its row, taken out of the max and applied to the maxima); a masked
+rows; ``_Sweep._block_dots``). A cosine document side scales the document tokens by their inverse prefix norms below
+the full dim (S_k then holds <q, ĉ>); a cosine query side's norm is a positive factor of its row, taken out of the max
+and applied to the maxima; the full dim scores the token vectors as given (``MaxSimSpec.normalized``); a masked
 document token's -inf comes in through the smallest band (a bias column), so it leaves every dim's max. Each dim
 takes its own max over each document's tokens with its argmax (``_max_over_tokens``: a channels-last
 ``adaptive_max_pool2d`` on the CPU, ``max(dim)`` on CUDA); the maxima go at once into the tile's (K, queries, M)
@@ -111,8 +112,9 @@ class _Sweep:
         if not bool(document_mask.all()):
             self.doc_bias = torch.zeros(document_mask.numel(), dtype=dtype, device=device)
             self.doc_bias.masked_fill_(~document_mask.reshape(-1), float("-inf"))
-        self.query_inv = _inverse_prefix_norms(self.queries, spec)  # (K, B * Lq) or None ("dot")
-        self.doc_inv = _inverse_prefix_norms(self.docs, spec)  # (K, M * Ld) or None
+        self.query_normalized, self.doc_normalized = spec.normalized("query"), spec.normalized("document")
+        self.query_inv = _inverse_prefix_norms(self.queries, spec.dims, self.query_normalized)  # (K, B * Lq) or None
+        self.doc_inv = _inverse_prefix_norms(self.docs, spec.dims, self.doc_normalized)  # (K, M * Ld) or None
         # inv_k / inv_{k+1}: turns the dots of dim k + 1 scaled by its norms into those scaled by dim k's.
         self.doc_inv_ratio = None if self.doc_inv is None else self.doc_inv[:-1] / self.doc_inv[1:]
         self.duplicates = None if duplicates is None else DuplicateMask.build(spec.infonce_spec(), *duplicates)
@@ -238,9 +240,11 @@ def _max_over_tokens(dots: Tensor, docs: int, width: int, pool: bool | None = No
     return values.reshape(docs, -1), indices.reshape(docs, -1)
 
 
-def _inverse_prefix_norms(x: Tensor, spec: MaxSimSpec) -> Tensor | None:
-    """(K, rows) 1 / max(||x[:, :d_k]||, eps), as F.normalize divides; None for dot similarity."""
-    if not spec.cosine:
+def _inverse_prefix_norms(x: Tensor, dims: tuple[int, ...], normalized: tuple[bool, ...]) -> Tensor | None:
+    """(K, rows) 1 / max(||x[:, :d_k]||, eps) where dim k re-normalises (as F.normalize divides), 1 where it does not;
+    None where no dim does."""
+    if not any(normalized):
         return None
-    norms = torch.stack([torch.linalg.vector_norm(x[:, :dim], dim=1) for dim in spec.dims])
-    return norms.clamp_min(NORM_EPS).reciprocal()
+    ones = x.new_ones(x.shape[0])
+    norms = [torch.linalg.vector_norm(x[:, :dim], dim=1) if on else ones for dim, on in zip(dims, normalized)]
+    return torch.stack(norms).clamp_min(NORM_EPS).reciprocal()

@@ -8,10 +8,10 @@ and x̂ the prefix of x of dim k, normalised for cosine similarity (x itself for
                                                              bags, ``embedding_bag`` over the query tokens
 
 that is Ld times fewer multiply-adds than the dense einsum backward (B * M * Lq * Ld * d against B * M * Lq * d).
-For cosine similarity each dim's normalisation passes its gradient on as d / dx = (g - <g, x̂> x̂) / ||x[:d_k]||: per
-block of documents for the documents, once per tile for the queries. The documents are taken in blocks whose prefix
-copies and bags fit ``BACKWARD_BLOCK_BYTES``. Indices into the inputs (token rows, B * Lq and M * Ld of them) are
-int64; only a block's own keys (fewer than K * block * Ld) are int32.
+Where a side re-normalises dim k's prefixes (``MaxSimSpec.normalized``), the normalisation passes its gradient on as
+d / dx = (g - <g, x̂> x̂) / ||x[:d_k]||: per block of documents for the documents, once per tile for the queries. The
+documents are taken in blocks whose prefix copies and bags fit ``BACKWARD_BLOCK_BYTES``. Indices into the inputs
+(token rows, B * Lq and M * Ld of them) are int64; only a block's own keys (fewer than K * block * Ld) are int32.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class TileGradients:
                 per_sample_weights=weights[k].view(-1)[taken],
                 mode="sum",
             )  # (count * Ld, d_k): d loss / d ĉ
-            if inv is None:
+            if inv is None or not sweep.doc_normalized[k]:
                 doc_grad[:, :dim] += bags
             else:  # (bags - <bags, ĉ> ĉ) / ||c[:d_k]||, added in two passes
                 along = torch.linalg.vecdot(bags, unit_docs).mul_(inv)
@@ -94,7 +94,7 @@ class TileGradients:
         total = self.rows.new_zeros(self.rows.shape)
         for k, dim in enumerate(self.sweep.spec.dims):
             grad = self.row_grads[k]
-            if self.query_inv is not None:
+            if self.sweep.query_normalized[k]:
                 _project(grad, self.unit_rows[k], self.query_inv[k])
             total[:, :dim] += grad
         self.sweep.grads[0].index_add_(0, self.tokens, total)

@@ -1,8 +1,10 @@
 """Dense MaxSim InfoNCE: materialises every (B, M, Lq, Ld) token similarity tensor, differentiated by autograd.
 
-The test oracle of the chunked backend, sharing none of its scoring or masking code: sentence-transformers'
-``colbert_scores`` (``util.similarity.maxsim``) once per Matryoshka dim on each token vector's normalised prefix,
-then the cross-entropy of ``CachedMultiVectorMultipleNegativesRankingLoss``. Memory: O(B * M * Lq * Ld) per dim.
+The test oracle of the chunked backend, sharing none of its scoring or masking code: an einsum of every query token
+with every document token once per Matryoshka dim (on each side's prefix, re-normalised below the full dim where that
+side is "cosine"), the max and sum that stock's ``colbert_scores`` computes (``ops/`` never imports
+sentence_transformers: the tests compare the two), then the cross-entropy of
+``CachedMultiVectorMultipleNegativesRankingLoss``. Memory: O(B * M * Lq * Ld) per dim.
 """
 
 from __future__ import annotations
@@ -68,8 +70,10 @@ def scores(q: Tensor, c: Tensor, query_mask: Tensor, document_mask: Tensor, leng
 
 def _one_dim(q, c, query_mask, document_mask, spec: MaxSimSpec, dim: int, removed: Tensor | None):
     q, c = q[..., :dim], c[..., :dim]
-    if spec.cosine:
-        q, c = F.normalize(q, dim=-1, eps=NORM_EPS), F.normalize(c, dim=-1, eps=NORM_EPS)
+    if spec.query_cosine and dim < spec.embedding_dim:
+        q = F.normalize(q, dim=-1, eps=NORM_EPS)
+    if spec.document_cosine and dim < spec.embedding_dim:
+        c = F.normalize(c, dim=-1, eps=NORM_EPS)
     logits = spec.scale * scores(q, c, query_mask, document_mask, spec.length_normalize)
     if removed is not None:
         logits = logits.masked_fill(removed, float("-inf"))

@@ -6,21 +6,23 @@ the argument and the fix), and returns the masks as booleans, so the backends ca
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..spec import InfoNCESpec, check_dims
+from ..core import check_dims, check_offset, check_scale
+from ..duplicates import check_ids
+from ..spec import InfoNCESpec
 
-__all__ = ["EMPTY_DOCUMENT_SCORE", "MaxSimSpec"]
+__all__ = ["EMPTY_DOCUMENT_SCORE", "SIMILARITIES", "MaxSimSpec"]
 
 # sentence-transformers' score of a document without an unmasked token (util.similarity._EMPTY_DOCUMENT_SCORE), before
 # MeanMaxSim's division; it takes no gradient. ops/ never imports sentence_transformers: the tests compare the two.
 EMPTY_DOCUMENT_SCORE = -1e9
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+SIMILARITIES = ("cosine", "dot")
 
 
 @dataclass(frozen=True)
@@ -28,30 +30,54 @@ class MaxSimSpec:
     """Everything a backend needs besides the tensors.
 
     ``dims`` are sorted in descending order, ``weights`` follow them and ``order`` maps each sorted dim back to its
-    position in the caller's ``dims``. ``world_batch_size`` (Bw, the rows of each document block) is known, and only
-    needed, with the duplicate mask: ``len(world_query_ids)``, else B.
+    position in the caller's ``dims``. ``query_cosine`` / ``document_cosine``: that side's token vectors are unit
+    vectors at the full dim ``embedding_dim`` and each smaller dim re-normalises their prefix (:meth:`normalized`).
+    ``world_batch_size`` (Bw, the rows of each document block) is only known with the duplicate mask
+    (``len(world_query_ids)``, which the mask needs); None without it.
     """
 
     dims: tuple[int, ...]
     weights: tuple[float, ...]
     order: tuple[int, ...]
     scale: float
-    cosine: bool
+    query_cosine: bool
+    document_cosine: bool
+    embedding_dim: int  # D, the token vectors' full dim
     length_normalize: bool
     offset: int
     batch_size: int  # B: this rank's queries
     num_docs: int  # M: every document, positives first
-    world_batch_size: int
+    world_batch_size: int | None = None
     mask_duplicates: bool = False
+    precision: str = "ieee"  # the token GEMMs' operands: "bf16", "tf32" or "ieee" (``core.resolve_precision``)
+
+    def normalized(self, side: str) -> tuple[bool, ...]:
+        """Per dim (descending), whether ``side`` ("query" or "document") re-normalises its token prefixes there:
+        a cosine side at every dim below the full one; never at the full dim, whose vectors are scored as given."""
+        cosine = self.query_cosine if side == "query" else self.document_cosine
+        return tuple(cosine and dim < self.embedding_dim for dim in self.dims)
+
+    @property
+    def single_candidate(self) -> bool:
+        """Whether every query's only candidate is its positive (one document): loss and gradient exactly 0."""
+        return self.num_docs == 1
+
+    @property
+    def masks(self) -> bool:
+        """Whether the duplicate mask removes candidates (the op then reports ``masked_share``)."""
+        return self.mask_duplicates
 
     def infonce_spec(self) -> InfoNCESpec:
-        """The single-vector query_to_doc problem with the same layout: what ``ops.duplicates.DuplicateMask`` reads."""
+        """The single-vector query_to_doc problem with the same layout: what ``ops.duplicates.DuplicateMask`` reads
+        (with the duplicate mask only: its ids give the world batch)."""
+        if self.world_batch_size is None:
+            raise ValueError("MaxSimSpec.infonce_spec needs the world batch size, known with the duplicate mask only.")
         return InfoNCESpec(
             dims=self.dims,
             weights=self.weights,
             order=self.order,
             scale=self.scale,
-            cosine=self.cosine,
+            cosine=self.query_cosine,
             offset=self.offset,
             batch_size=self.batch_size,
             world_batch_size=self.world_batch_size,
@@ -74,11 +100,11 @@ class MaxSimSpec:
         dims,
         weights,
         scale,
-        similarity: str,
+        similarity,
         length_normalize: bool,
         offset,
         query_ids=None,
-        doc_ids=None,
+        document_ids=None,
         world_query_ids=None,
     ) -> tuple[MaxSimSpec, Tensor, Tensor]:
         """The spec and the boolean (query_mask, document_mask).
@@ -91,25 +117,20 @@ class MaxSimSpec:
         document_mask = _check_mask("document_mask", document_mask, documents, "(M, Ld)")
         batch, num_docs, dim = queries.shape[0], documents.shape[0], queries.shape[2]
         sorted_dims, sorted_weights, order = check_dims(dims, weights, dim)
-        if similarity not in ("cosine", "dot"):
-            raise ValueError(f"similarity must be 'cosine' or 'dot', got {similarity!r}.")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale must be a finite number > 0 (scale = 1 / temperature), got {scale!r}.")
+        query_similarity, document_similarity = _check_similarity(similarity)
         if not isinstance(length_normalize, bool):
             raise TypeError(f"length_normalize must be True (MeanMaxSim) or False (MaxSim), got {length_normalize!r}.")
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset + batch > num_docs:
-            raise ValueError(
-                f"offset must be an int with 0 <= offset and offset + B <= M (row i's positive is documents[offset + "
-                f"i]), got offset={offset!r}, B={batch}, M={num_docs}."
-            )
-        mask_duplicates = _check_ids(queries, documents, offset, query_ids, doc_ids, world_query_ids)
-        world = batch if world_query_ids is None else world_query_ids.shape[0]
+        offset = check_offset(offset, batch, num_docs, "M")
+        mask_duplicates = check_ids(queries, documents, offset, query_ids, document_ids, world_query_ids)
+        world = (batch if world_query_ids is None else world_query_ids.shape[0]) if mask_duplicates else None
         spec = cls(
             dims=sorted_dims,
             weights=sorted_weights,
             order=order,
-            scale=float(scale),
-            cosine=similarity == "cosine",
+            scale=check_scale(scale),
+            query_cosine=query_similarity == "cosine",
+            document_cosine=document_similarity == "cosine",
+            embedding_dim=dim,
             length_normalize=length_normalize,
             offset=offset,
             batch_size=batch,
@@ -118,6 +139,16 @@ class MaxSimSpec:
             mask_duplicates=mask_duplicates,
         )
         return spec, query_mask, document_mask
+
+
+def _check_similarity(similarity) -> tuple[str, str]:
+    """(query side, document side) from one similarity for both or a pair."""
+    pair = (similarity, similarity) if isinstance(similarity, str) else similarity
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or any(s not in SIMILARITIES for s in pair):
+        raise ValueError(
+            f"similarity must be one of {SIMILARITIES} or a (query, document) pair of them, got {similarity!r}."
+        )
+    return pair[0], pair[1]
 
 
 def _check_embeddings(queries: Tensor, documents: Tensor) -> None:
@@ -159,42 +190,3 @@ def _check_mask(name: str, mask, tokens: Tensor, shape: str) -> Tensor:
     if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError(f"{name} must hold 0/1 (or bool) entries: 1 for a token that is scored, 0 for padding.")
     return mask.bool()
-
-
-def _check_ids(queries, documents, offset: int, query_ids, doc_ids, world_query_ids) -> bool:
-    """Whether the duplicate mask is on (ids given), after checking the ids against the embeddings."""
-    if query_ids is None and doc_ids is None and world_query_ids is None:
-        return False
-    if query_ids is None or doc_ids is None:
-        raise ValueError(
-            "pass both query_ids and doc_ids (int64 ids of the texts: equal ids, equal texts) to mask duplicates, "
-            "or neither."
-        )
-    batch, num_docs = queries.shape[0], documents.shape[0]
-    named = {"query_ids": (query_ids, batch, "queries"), "doc_ids": (doc_ids, num_docs, "documents")}
-    if world_query_ids is not None:
-        named["world_query_ids"] = (world_query_ids, None, "the world batch's queries")
-    for name, (ids, rows, what) in named.items():
-        if not isinstance(ids, Tensor) or ids.dtype != torch.int64 or ids.ndim != 1:
-            raise TypeError(
-                f"{name} must be a 1-D torch.int64 tensor (one text id per row of {what}), got "
-                f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {tuple(getattr(ids, 'shape', ()))}."
-            )
-        if rows is not None and ids.shape[0] != rows:
-            raise ValueError(f"{name} has {ids.shape[0]} ids but {what} has {rows} rows: one id per row.")
-        if ids.device != queries.device:
-            raise ValueError(f"{name} is on {ids.device} but queries is on {queries.device}: move the ids there.")
-    world = batch if world_query_ids is None else world_query_ids.shape[0]
-    if world_query_ids is None and offset != 0:
-        raise ValueError(
-            f"offset={offset} places this rank's queries in a gathered world batch: pass world_query_ids (the ids "
-            "of every rank's queries, shape (Bw,)) for the duplicate mask."
-        )
-    if offset + batch > world or num_docs % world != 0:
-        raise ValueError(
-            f"with the duplicate mask the documents are {num_docs // max(world, 1)} blocks of Bw={world} rows "
-            f"([positives | negatives_1 | ...]) and offset + B <= Bw; got M={num_docs}, B={batch}, offset={offset}."
-        )
-    if world_query_ids is not None and not torch.equal(world_query_ids[offset : offset + batch], query_ids):
-        raise ValueError("query_ids must equal world_query_ids[offset:offset + B] (this rank's rows of the world's).")
-    return True

@@ -5,6 +5,7 @@ Imports nothing of Triton at module level, so the dispatcher (``ops/backend.py``
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import torch
@@ -15,8 +16,9 @@ __all__ = ["MIN_CAPABILITY", "unusable_reason"]
 MIN_CAPABILITY = (8, 0)
 
 
-def unusable_reason(device: torch.device) -> str | None:
-    """Why the Triton kernels cannot run on ``device``, or None when they can be tried.
+def unusable_reason(device: torch.device, kernels_module: str = ".triton.kernels") -> str | None:
+    """Why the Triton kernels of ``kernels_module`` (a module path relative to ``st_cached_losses.ops``) cannot run
+    on ``device``, or None when they can be tried.
 
     CPU tensors run them only in Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported);
     CUDA tensors need an NVIDIA GPU of compute capability 8.0 or newer.
@@ -32,8 +34,9 @@ def unusable_reason(device: torch.device) -> str | None:
             )
     elif device.type != "cpu":
         return f"the kernels are written for NVIDIA GPUs, got {device}"
-    try:
-        from . import kernels  # importing them is the check: an old Triton may lack what they use
+    try:  # importing them is the check: an old Triton may lack what they use
+        importlib.import_module(kernels_module, __package__.rpartition(".")[0])
+        from . import kernels  # INTERPRETED: the process's Triton mode, the same for every kernel module
     except Exception as error:
         return f"the Triton kernels cannot be imported ({type(error).__name__}: {error})"
     if device.type == "cpu" and not kernels.INTERPRETED:
