@@ -15,10 +15,10 @@ run, for each batch size. Also times the three B x M x D matmuls that any exact 
 
 With --gist both sides filter false negatives with a guide's embeddings (random, D like the model's): stock
 ``MatryoshkaLoss(CachedGISTEmbedLoss(model, guide))``'s ``calculate_loss`` (temperature 0.01, margin 0, anchor and
-positive contrast) against ``matryoshka_infonce`` with ``guide_queries`` / ``guide_docs`` and GISTEmbed's
+positive contrast) against ``matryoshka_infonce`` with ``guide_queries`` / ``guide_documents`` and GISTEmbed's
 directions; the CSV and PNG are loss_stage_gist.*.
 
-With --mask-duplicates ours runs with and without ``mask_duplicates`` (``query_ids`` / ``doc_ids``: every 50th
+With --mask-duplicates ours runs with and without ``mask_duplicates`` (``query_ids`` / ``document_ids``: every 50th
 row repeats the previous row's query and the row after it the previous row's positive), the two timed
 alternately, round by round; the CSV and PNG are loss_stage_mask_duplicates.*.
 
@@ -54,7 +54,7 @@ def contenders(q, c, dims, mini_batch_size: int, device: str, guide=None) -> dic
 
 
 def duplicate_ids(batch: int, device: str, every: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query_ids, doc_ids) int64 of a batch with duplicates: every ``every``-th row repeats the previous row's
+    """(query_ids, document_ids) int64 of a batch with duplicates: every ``every``-th row repeats the previous row's
     query (two positives of one query) and the row after it the previous row's positive."""
     anchors, positives = torch.arange(batch), torch.arange(batch, 2 * batch)
     repeated = torch.arange(every, batch, every)
@@ -71,7 +71,7 @@ def mask_contest(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=5, device
     for batch in sizes:
         q, c = embeddings(batch, dim, device)
         query_ids, doc_ids = duplicate_ids(batch, device)
-        ids = dict(query_ids=query_ids, doc_ids=doc_ids)
+        ids = dict(query_ids=query_ids, document_ids=doc_ids)
         rows.append(("inputs", batch, "embedding_bytes", (q.numel() + c.numel()) * q.element_size()))
         rows.append(("inputs", batch, "id_bytes", (query_ids.numel() + doc_ids.numel()) * query_ids.element_size()))
         runs = {}
@@ -246,13 +246,13 @@ def main(argv=None) -> None:
         "--gist",
         action="store_true",
         help="both filter false negatives with a guide: stock "
-        "MatryoshkaLoss(CachedGISTEmbedLoss) vs matryoshka_infonce(guide_queries=..., guide_docs=...)",
+        "MatryoshkaLoss(CachedGISTEmbedLoss) vs matryoshka_infonce(guide_queries=..., guide_documents=...)",
     )
     parser.add_argument(
         "--mask-duplicates",
         action="store_true",
         help="ours with and without mask_duplicates "
-        "(query_ids / doc_ids with a few duplicates), timed alternately; no stock",
+        "(query_ids / document_ids with a few duplicates), timed alternately; no stock",
     )
     parser.add_argument(
         "--threads",

@@ -51,7 +51,7 @@ def _unit(rows: int, seed: int) -> torch.Tensor:
 def _ours(q, c, bank):
     def run():
         qq, cc = q.clone().requires_grad_(), c.clone().requires_grad_()
-        memory = {} if bank is None else {"memory_docs": bank}
+        memory = {} if bank is None else {"memory_documents": bank}
         matryoshka_infonce(qq, cc, dims=list(DIMS), backend="chunked", **memory).loss.backward()
 
     return run

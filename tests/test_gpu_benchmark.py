@@ -26,7 +26,8 @@ def test_dry_run_writes_every_result(dry_run):
     assert code == 0
     for name in ("correctness", "loss_stage", "multivector_loss_stage", "train_step", "multivector_train_step"):
         assert (out / f"{name}.csv").stat().st_size > 0
-    pngs = ("loss_stage_bf16", "loss_stage_fp32", "multivector_loss_stage_bf16", "multivector_loss_stage_fp32")
+    pngs = ("loss_stage_bf16", "loss_stage_tf32", "loss_stage_fp32")
+    pngs += ("multivector_loss_stage_bf16", "multivector_loss_stage_fp32")
     steps = ("train_step", "train_step_phases", "multivector_train_step", "multivector_train_step_phases")
     for name in ("correctness", *pngs, *steps):
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -60,9 +61,10 @@ def test_dry_run_measures_every_contender(dry_run):
     _, out = dry_run
     stage = {(r["contender"], r["metric"]) for r in read_csv(out / "loss_stage.csv")}
     for name in ("auto", "triton", "chunked", "stock"):
-        for dtype in ("bf16", "fp32"):
+        for dtype in ("bf16", "tf32", "fp32"):
             assert {(f"{name}_{dtype}", "seconds_median"), (f"{name}_{dtype}", "peak_bytes")} <= stage
-    assert ("auto_bf16", "loss_backend_chunked") in stage  # what "auto" resolved to on the CPU
+    # what "auto" resolved to on the CPU: the chunked backend, IEEE fp32 (the precision policy is CUDA's)
+    assert {("auto_bf16", "loss_backend_chunked"), ("auto_tf32", "loss_precision_ieee")} <= stage
     multivector = {(r["contender"], r["metric"]): r["value"] for r in read_csv(out / "multivector_loss_stage.csv")}
     for shape in ("Ld16_pairs", "Ld32_pairs"):
         for dtype in ("bf16", "fp32"):

@@ -250,7 +250,7 @@ def _stage_ours(backend: str):
                 scale=1 / GIST_TEMPERATURE,
                 directions=GIST_DIRECTIONS,
                 guide_queries=guide[0],
-                guide_docs=guide[1],
+                guide_documents=guide[1],
                 false_negative_margin=0.0,
             )
 

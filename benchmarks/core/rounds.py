@@ -8,8 +8,9 @@
 - :func:`measure_on_device` (CUDA, and ``--in-process`` on any device): one process; each contender on its own copy of
   the model; two untimed steps each on the exact batch to be timed (allocation, shapes, autotuning); then rounds
   interleaved across contenders (round r starts at the r-th), each phase timed by the one timer (CUDA events on a
-  GPU, perf_counter on the CPU); then each one's tensor peak; the loss-stage backend each contender's steps resolved
-  is recorded (``loss_backend_<name>`` = 1; "stock" for stock's own loss code).
+  GPU, perf_counter on the CPU); then each one's tensor peak; the loss-stage backend and precision each contender's
+  steps resolved are recorded (``loss_backend_<name>`` / ``loss_precision_<mode>`` = 1; "stock" for stock's own loss
+  code).
 
 Rows are long-format (contender, B, metric, value) with ``timing_rows``' medians and min-max spread.
 """
@@ -29,6 +30,7 @@ from benchmarks.core.phases import PHASES, TimedStep, time_steps
 
 __all__ = [
     "DEVICE_WARMUP_STEPS",
+    "choice_rows",
     "input_rows",
     "kept_share",
     "measure_fresh",
@@ -104,14 +106,23 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _resolved_backends(step: TimedStep) -> list[str]:
-    """Warm-up steps of ``step``; the loss-stage backends they resolved ("stock" where no op of ours ran)."""
-    from st_cached_losses.ops.backend import recorded_choices
+def choice_rows(name: str, batch: int, made: list[dict]) -> list[tuple]:
+    """Rows of the op choices ``made`` (``st_cached_losses.ops.recorded_choices``): ``loss_backend_<backend>`` and
+    ``loss_precision_<mode>`` = 1 for each one resolved; ``loss_backend_stock`` where no op of ours ran."""
+    backends = sorted({choice["backend"] for choice in made}) or ["stock"]
+    precisions = sorted({choice["precision"] for choice in made if "precision" in choice})
+    rows = [(name, batch, f"loss_backend_{backend}", 1) for backend in backends]
+    return rows + [(name, batch, f"loss_precision_{precision}", 1) for precision in precisions]
+
+
+def _warm_up(step: TimedStep, name: str, batch: int) -> list[tuple]:
+    """``DEVICE_WARMUP_STEPS`` untimed steps; the op choices they made, as rows."""
+    from st_cached_losses.ops import recorded_choices
 
     with recorded_choices() as made:
         for _ in range(DEVICE_WARMUP_STEPS):
             step()
-    return sorted({choice["backend"] for choice in made}) or ["stock"]
+    return choice_rows(name, batch, made)
 
 
 def measure_on_device(
@@ -138,7 +149,7 @@ def measure_on_device(
             autocast_model(copied, autocast)
             losses[name] = build_loss(name, copied)
             steps[name] = TimedStep(copied, losses[name], features)
-            backends = _resolved_backends(steps[name])
+            chosen = _warm_up(steps[name], name, batch)
         except torch.OutOfMemoryError:
             rows.append((name, batch, "out_of_memory", 1))
             print(f"B={batch:>6} {name:>13}: out of memory in its warm-up", flush=True)
@@ -146,8 +157,8 @@ def measure_on_device(
             losses.pop(name, None)
             _release(device)
             continue
-        rows += [(name, batch, f"loss_backend_{backend}", 1) for backend in backends]
-        print(f"B={batch:>6} {name:>13}: loss stage on {', '.join(backends)}", flush=True)
+        rows += chosen
+        print(f"B={batch:>6} {name:>13}: loss stage {', '.join(r[2][5:] for r in chosen)}", flush=True)
     try:
         times = time_steps(steps, rounds, warmup=0, log=True, rotate=True)
     except torch.OutOfMemoryError:  # a contender that fits alone after warm-up but not beside the others' copies

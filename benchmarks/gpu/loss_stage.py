@@ -1,16 +1,17 @@
 """The dense loss stage on the GPU: step 2 of ``python -m benchmarks.gpu``.
 
-Forward + backward of ``matryoshka_infonce`` (``auto``: the backend a user gets there, recorded as
-``loss_backend_<name>``; ``triton``; ``chunked``) and of stock
-``MatryoshkaLoss(CachedMultipleNegativesRankingLoss)``'s ``calculate_loss`` (the registry's "loss_stage" contenders) on
-random embeddings (positives correlated with their queries), D = 768, dims [768, 512, 256, 128, 64], bf16 and fp32
-inputs, B in {4096, 16384, 65536}: ``benchmarks.core.timing.bench`` (CUDA events; median and 20 / 80 % quantiles, the
-first call untimed), ``max_memory_allocated`` above the inputs, effective TFLOP/s (6 B M d_max over the median)
-against a measured bf16 ``torch.mm``. Each (contender, dtype) stops at the first B whose predicted time would take the
-step past its share of the run (``benchmarks.core.timing.Budget``; ``over_budget`` rows say so). Then B doubles from
-the largest size (bf16, Triton) until out of memory or out of its own time (each doubling takes 4x as long), the
-largest B that memory allows extrapolated from the measured bytes per row. Writes ``loss_stage.csv`` and one PNG per
-dtype.
+Forward + backward of ``matryoshka_infonce`` (``auto``: the backend a user gets there; ``triton``; ``chunked``) and of
+stock ``MatryoshkaLoss(CachedMultipleNegativesRankingLoss)``'s ``calculate_loss`` (the registry's "loss_stage"
+contenders) on random embeddings (positives correlated with their queries), D = 768, dims [768, 512, 256, 128, 64],
+B in {4096, 16384, 65536}, in each precision mode of the op (``INPUTS``: bf16 inputs; fp32 inputs with TF32 matmuls
+allowed; fp32 inputs in IEEE fp32; stock under the same setting; the backend and mode ours resolved are
+``loss_backend_<name>`` / ``loss_precision_<mode>`` rows): ``benchmarks.core.timing.bench`` (CUDA events; median
+and 20 / 80 % quantiles, the first call untimed), ``max_memory_allocated`` above the inputs, effective TFLOP/s
+(6 B M d_max over the median) against a measured bf16 ``torch.mm``. Each (contender, inputs) stops at the first B
+whose predicted time would take the step past its share of the run (``benchmarks.core.timing.Budget``;
+``over_budget`` rows say so). Then B doubles from the largest size (bf16, Triton) until out of memory or out of its
+own time (each doubling takes 4x as long), the largest B that memory allows extrapolated from the measured bytes per
+row. Writes ``loss_stage.csv`` and one PNG per inputs' name (``loss_stage_bf16.png``, ``_tf32``, ``_fp32``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,16 @@ from benchmarks.core import contenders as registry
 from benchmarks.core import report
 from benchmarks.core.data import embeddings
 from benchmarks.core.memory import peak_tensor_bytes
+from benchmarks.core.rounds import choice_rows
 from benchmarks.core.timing import Budget, Timer, bench
-from st_cached_losses.ops.backend import recorded_choices
+from benchmarks.cuda_checks import matmul_precision
+from st_cached_losses.ops import recorded_choices
 
-__all__ = ["DTYPES", "Plan", "matmul_peak", "plan", "run", "summary_lines", "write"]
+__all__ = ["INPUTS", "Plan", "matmul_peak", "plan", "run", "summary_lines", "write"]
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# The inputs' name -> (dtype, fp32 matmuls in TF32): one per precision mode of the op's "auto" (bf16 operands for
+# bf16 inputs, TF32 where torch allows it, else IEEE fp32); stock's matmuls run under the same setting.
+INPUTS = {"bf16": (torch.bfloat16, False), "tf32": (torch.float32, True), "fp32": (torch.float32, False)}
 CONTENDERS = ("auto", "triton", "chunked", "stock")
 
 
@@ -44,12 +49,13 @@ class Plan:
     dims: tuple[int, ...] = (768, 512, 256, 128, 64)
     mini_batch: int = 256  # stock's mini-batch size
     stand_in: bool = False  # the dry run: the chunked backend runs under the name "triton"
+    calls: int = 5  # timed calls at least (``bench``)
 
 
 def plan(mode: str) -> Plan:
     """``full``, ``quick`` (CUDA) or ``tiny`` (the dry run: CPU, a few dozen rows, the chunked backend for Triton)."""
     if mode == "tiny":
-        return Plan("cpu", (64, 128), math.inf, 2.0, dim=32, dims=(32, 16, 8), mini_batch=8, stand_in=True)
+        return Plan("cpu", (32, 64), math.inf, 2.0, dim=32, dims=(32, 16, 8), mini_batch=16, stand_in=True, calls=2)
     if mode == "quick":
         return Plan("cuda", (4096, 16384), 60.0, 20.0)
     if mode == "full":
@@ -75,11 +81,12 @@ def run(plan: Plan) -> list[tuple]:
     rows, budget = [("device", 0, "matmul_flops_per_second", peak_flops)], Budget(plan.seconds)
     print(f"  torch.mm peak: {peak_flops / 1e12:.1f} TFLOP/s", flush=True)
     for batch in plan.sizes:  # every dtype at a B before the next B: the share runs out at the largest sizes
-        for dtype_name, dtype in DTYPES.items():
+        for dtype_name, (dtype, tf32) in INPUTS.items():
             q, c = embeddings(batch, plan.dim, plan.device, dtype, seed=batch, correlated=True)
             rows.append((f"inputs_{dtype_name}", batch, "input_bytes", (q.numel() + c.numel()) * q.element_size()))
-            for name in CONTENDERS:
-                rows += _measure(plan, budget, name, dtype_name, q, c)
+            with matmul_precision(tf32):
+                for name in CONTENDERS:
+                    rows += _measure(plan, budget, name, dtype_name, q, c)
             del q, c
     rows += largest_batch(plan)
     return rows
@@ -95,7 +102,7 @@ def _measure(plan: Plan, budget: Budget, name: str, dtype_name: str, q, c) -> li
     try:
         fn = _contender(plan, name, q, c)
         with recorded_choices() as made:
-            stats = bench(fn, plan.device)
+            stats = bench(fn, plan.device, calls=plan.calls)
         _, peak = peak_tensor_bytes(fn, plan.device)
     except torch.OutOfMemoryError:
         print(f"  {label:>14} B={batch:>7}: out of memory", flush=True)
@@ -109,7 +116,7 @@ def _measure(plan: Plan, budget: Budget, name: str, dtype_name: str, q, c) -> li
         flush=True,
     )
     rows = [(label, batch, f"seconds_{k}", stats[k]) for k in ("median", "q20", "q80")]
-    rows += [(label, batch, f"loss_backend_{b}", 1) for b in sorted({choice["backend"] for choice in made})]
+    rows += choice_rows(label, batch, made) if name != "stock" else []
     rows += [(label, batch, "peak_bytes", peak), (label, batch, "tflops", flops / stats["median"] / 1e12)]
     return rows
 
@@ -148,7 +155,7 @@ def write(rows: list[tuple], out: Path, plan: Plan) -> list[dict]:
     """loss_stage.csv, and loss_stage_<dtype>.png: time and memory vs B per dtype."""
     report.write_csv(rows, out / "loss_stage.csv")
     records = report.read_csv(out / "loss_stage.csv")
-    for dtype_name in DTYPES:
+    for dtype_name in INPUTS:
         report.plot(
             report.of_dtype(records, dtype_name),
             out / f"loss_stage_{dtype_name}.png",
@@ -168,7 +175,7 @@ def summary_lines(records: list[dict]) -> list[str]:
         "| dtype | B | contender | ms median (q20-q80) | MiB above inputs | TFLOP/s | of torch.mm | vs stock |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for dtype_name in DTYPES:
+    for dtype_name in INPUTS:
         for batch in sorted({r["B"] for r in records if r["contender"].endswith(dtype_name) and r["B"]}):
             stock = value.get((f"stock_{dtype_name}", batch, "seconds_median"))
             for name in CONTENDERS:

@@ -47,10 +47,10 @@ from benchmarks.core import report
 from benchmarks.core.memory import peak_tensor_bytes
 from benchmarks.core.timing import Budget, bench
 from benchmarks.gpu import anchors
-from benchmarks.gpu.loss_stage import DTYPES
 from benchmarks.multivector_loss_stage import shape_name
 
 NAME = "multivector_loss_stage"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # the inputs' dtype (the op's precision "auto")
 CONTENDERS = ("matmul", "chunked", "chunked4dims", "lik", "flash_maxsim", "stock")  # cheapest first
 LOSS_RTOL = {"fp32": 2e-3, "bf16": 2e-2}
 ECHO_NOISE = 2.0  # a positive's token: its query's token plus noise of this norm, normalised (cosine ~0.45)

@@ -64,6 +64,14 @@ def targets(stage: list[dict], steps: list[dict], late_steps: list[dict]) -> lis
     value = report.values(stage)
     step, late = report.values(steps), report.values(late_steps)
     ours_16k, ours_64k = (value.get(("auto_bf16", b, "seconds_median")) for b in (16384, 65536))
+    tf32_16k = value.get(("auto_tf32", 16384, "seconds_median"))
+    # the peak above the inputs against 2 x the inputs + 256 MiB, the worst B (bf16, auto)
+    over = [
+        value[("auto_bf16", b, "peak_bytes")] / (2 * value[("inputs_bf16", b, "input_bytes")] + 256 * 2**20)
+        for (c, b, m) in value
+        if c == "auto_bf16" and m == "peak_bytes" and ("inputs_bf16", b, "input_bytes") in value
+    ]
+    memory = max(over, default=None)
     train = [step.get((name, 8192, "seconds_median")) for name in ("ours", "stock", "stock_cmnrl")]
     late_train = [late.get((name, 4096, "seconds_median")) for name in ("ours", "stock")]
 
@@ -80,6 +88,17 @@ def targets(stage: list[dict], steps: list[dict], late_steps: list[dict]) -> lis
         "",
         _verdict(ours_16k, (ours_16k or math.inf) <= 0.006, "loss stage B = 16384 bf16 <= 6 ms" + _ms(ours_16k)),
         _verdict(ours_64k, (ours_64k or math.inf) <= 0.100, "loss stage B = 65536 bf16 <= 100 ms" + _ms(ours_64k)),
+        _verdict(
+            memory,
+            (memory or math.inf) <= 1.0,
+            "loss stage peak above the inputs <= 2 x the inputs + 256 MiB at every B (bf16)"
+            + ("" if memory is None else f": {memory:.2f} of it at the worst B"),
+        ),
+        _verdict(
+            tf32_16k and ours_16k,
+            bool(tf32_16k and ours_16k) and tf32_16k <= 2 * ours_16k,
+            "loss stage B = 16384, fp32 inputs under TF32 <= 2x the bf16 time" + _x(ratio(tf32_16k, ours_16k)),
+        ),
         _verdict(
             speedup,
             (speedup or 0) >= 2.0,
