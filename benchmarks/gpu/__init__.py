@@ -17,8 +17,8 @@ printed last:
    truth on ``benchmarks/cuda_checks.py``'s cases (those of ``python -m pytest -m cuda``); short by default (three
    cases, fp32 and bf16), ``--correctness full`` for every case, precision and tile config.
 2. ``loss_stage`` (``gpu/loss_stage.py``, ``loss_stage.csv``): ``matryoshka_infonce`` (auto, triton, chunked) against
-   stock ``MatryoshkaLoss(CachedMNRL)``'s ``calculate_loss``, D = 768, dims 768..64, bf16 and fp32, B in {4096, 16384,
-   65536} within a 120 s share, then the largest B.
+   stock ``MatryoshkaLoss(CachedMNRL)``'s ``calculate_loss``, D = 768, dims 768..64, bf16 inputs, fp32 under TF32 and
+   IEEE fp32, B in {4096, 16384, 65536} within a 120 s share, then the largest B.
 3. ``multivector`` (``gpu/multivector.py``, ``multivector_loss_stage.csv``): the MaxSim InfoNCE against stock's,
    late-interaction-kernels and flash-maxsim where installed, and the GEMM floor, within a 60 s share.
 4. ``train_step`` (``gpu/train_steps.py`` -> ``benchmarks.train_step``, ``train_step.csv``): ours, stock
