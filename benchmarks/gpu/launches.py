@@ -57,10 +57,14 @@ def _maxsim_call(batch: int, backend: str) -> Callable[[], None]:
     generator = torch.Generator().manual_seed(batch)
     queries = torch.nn.functional.normalize(torch.randn(batch, 8, DIMS[0], generator=generator), dim=-1)
     documents = torch.nn.functional.normalize(torch.randn(batch, 24, DIMS[0], generator=generator), dim=-1)
+    query_mask = torch.ones(batch, 8, dtype=torch.bool)
+    document_mask = torch.ones(batch, 24, dtype=torch.bool)
+    document_mask[::2, 18:] = False  # padding at the end of every other document
 
     def call() -> None:
         leaves = queries.clone().requires_grad_(), documents.clone().requires_grad_()
-        maxsim_infonce(*leaves, dims=list(DIMS[:4]), backend=backend).loss.backward()
+        masks = dict(query_mask=query_mask, document_mask=document_mask)
+        maxsim_infonce(*leaves, **masks, dims=list(DIMS[:4]), backend=backend).loss.backward()
 
     return call
 
