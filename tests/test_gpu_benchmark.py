@@ -97,9 +97,7 @@ def test_dry_run_measures_every_contender(dry_run):
 @pytest.mark.slow
 def test_a_failing_case_fails_the_run(monkeypatch, tmp_path):
     """The exit code says whether every check passed (here a backend whose d_docs is off by 1%)."""
-    from st_cached_losses import ops
-
-    real = ops.run_backend
+    real = cuda_checks.run_backend
 
     def off_by_one_percent(name, queries, *args, **kwargs):
         result = real(name, queries, *args, **kwargs)
