@@ -36,10 +36,10 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import time
 from pathlib import Path
 
-from benchmarks.report import RESULTS, plot, read_csv, values, write_csv
+from benchmarks.core.report import RESULTS, plot, read_csv, values, write_csv
+from benchmarks.core.timing import Timer
 
 CONTENDERS = ("eager", "compiled", "compiled_unmarked")
 
@@ -65,14 +65,16 @@ class _Contender:
         original = self._steps.compile_friendly
         self._steps.compile_friendly = self.prepare
         try:
-            start = time.perf_counter()
-            total = sum(self.loss(features, None).values())
-            total.backward()
-            seconds = time.perf_counter() - start
+            total, seconds, _ = Timer(self.model.device).call(lambda: self._forward_backward(features))
         finally:
             self._steps.compile_friendly = original
         self.last = (float(total), {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None})
         return seconds
+
+    def _forward_backward(self, features):
+        total = sum(self.loss(features, None).values())
+        total.backward()
+        return total
 
 
 def differences(ours: tuple, eager: tuple) -> tuple[float, float]:
@@ -106,7 +108,7 @@ def run_size(batch: int, args, pairs, contender_names) -> list[tuple]:
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
     from torch._dynamo.utils import counters
 
-    from benchmarks.train_step import build_model, tokenize
+    from benchmarks.core.data import build_model, tokenize
     from st_cached_losses import CachedMatryoshkaLoss
 
     torch._dynamo.reset()  # a fresh start for each B's compiled copy
@@ -128,10 +130,8 @@ def run_size(batch: int, args, pairs, contender_names) -> list[tuple]:
         for contender in contenders:  # warm-up alone: its compiles are its own
             counters.clear()
             hits.count = 0
-            start = time.perf_counter()
-            for i in range(args.warmup):
-                contender.step(batches[i % len(batches)])
-            seconds, graphs = time.perf_counter() - start, counters["stats"]["unique_graphs"]
+            warmup = lambda c=contender: [c.step(batches[i % len(batches)]) for i in range(args.warmup)]  # noqa: E731
+            seconds, graphs = Timer().call(warmup)[1], counters["stats"]["unique_graphs"]
             rows += [
                 (contender.name, batch, "warmup_seconds", seconds),
                 (contender.name, batch, "graphs", graphs),
@@ -224,7 +224,7 @@ def pair(args) -> list[tuple]:
     """``--pair CONTENDER``: eager and CONTENDER side by side in this process, every B; the rows."""
     import torch
 
-    from benchmarks.train_step import training_pairs
+    from benchmarks.core.data import training_pairs
 
     torch.set_num_threads(args.threads)
     if args.backend == "inductor":
@@ -240,7 +240,7 @@ def main(argv=None) -> list[dict]:
     import json
     import sys
 
-    from benchmarks.processes import run_json_processes
+    from benchmarks.core.processes import run_json_processes
 
     args = parse_args(argv)
     if args.pair:

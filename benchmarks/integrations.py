@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.report import RESULTS, read_csv, write_csv
+from benchmarks.core.report import RESULTS, read_csv, write_csv
 
 ROWS, MINI_BATCH, HALF = 10, 3, "half"  # HALF: half the saved bytes of the whole batch (keeps some mini-batches)
 

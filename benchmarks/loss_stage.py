@@ -15,111 +15,46 @@ run, for each batch size. Also times the three B x M x D matmuls that any exact 
 
 With --gist both sides filter false negatives with a guide's embeddings (random, D like the model's): stock
 ``MatryoshkaLoss(CachedGISTEmbedLoss(model, guide))``'s ``calculate_loss`` (temperature 0.01, margin 0, anchor and
-positive contrast) against ``matryoshka_infonce`` with ``guide_queries`` / ``guide_docs`` and GISTEmbed's
+positive contrast) against ``matryoshka_infonce`` with ``guide_queries`` / ``guide_documents`` and GISTEmbed's
 directions; the CSV and PNG are loss_stage_gist.*.
 
-With --mask-duplicates ours runs with and without ``mask_duplicates`` (``query_ids`` / ``doc_ids``: every 50th
+With --mask-duplicates ours runs with and without ``mask_duplicates`` (``query_ids`` / ``document_ids``: every 50th
 row repeats the previous row's query and the row after it the previous row's positive), the two timed
 alternately, round by round; the CSV and PNG are loss_stage_mask_duplicates.*.
 
-On a CUDA machine the Triton backend joins (timed with triton.testing.do_bench, memory with
-torch.cuda.max_memory_allocated).
+On a CUDA machine the Triton backend joins (timed by CUDA events, memory with torch.cuda.max_memory_allocated);
+``python -m benchmarks.gpu`` is the GPU benchmark. The contenders are the registry's "loss_stage" family
+(``benchmarks/core/contenders.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.profiling import peak_tensor_bytes, summarize, time_call
-from benchmarks.report import RESULTS, plot, read_csv, values, write_csv
+from benchmarks.core import contenders as registry
+from benchmarks.core.data import embeddings
+from benchmarks.core.memory import peak_tensor_bytes
+from benchmarks.core.report import RESULTS, plot, read_csv, values, write_csv
+from benchmarks.core.timing import Timings, spread, time_calls
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops.chunked import DEFAULT_TILE_BYTES
 
-
-def _embeddings(batch: int, dim: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, dim, generator=generator).to(device)
-    c = torch.randn(batch, dim, generator=generator).to(device)
-    return q, c
-
-
-def _stock_loss(dim: int, dims: list[int], mini_batch_size: int):
-    """Stock MatryoshkaLoss(CachedMNRL(mini_batch_size))'s decorated calculate_loss (step 2 of GradCache)."""
-    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss, MatryoshkaLoss
-
-    from st_cached_losses.testing import tiny_sentence_transformer
-
-    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
-    model = tiny_sentence_transformer(hidden_size=dim, num_layers=1)  # only read for its embedding dim
-    base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch_size)
-    return MatryoshkaLoss(model, base, dims).loss.calculate_loss
-
-
-GIST_TEMPERATURE = 0.01  # CachedGISTEmbedLoss's default
-GIST_DIRECTIONS = ("query_to_doc", "anchor_to_anchor", "positive_to_positive")
-
-
-def _stock_gist_loss(dim: int, dims: list[int], mini_batch_size: int):
-    """Stock MatryoshkaLoss(CachedGISTEmbedLoss(model, guide, mini_batch_size))'s decorated calculate_loss."""
-    from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
-
-    from st_cached_losses.testing import tiny_sentence_transformer
-
-    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
-    model, guide = (tiny_sentence_transformer(hidden_size=dim, num_layers=1, seed=seed) for seed in (0, 1))
-    base = CachedGISTEmbedLoss(model, guide, temperature=GIST_TEMPERATURE, mini_batch_size=mini_batch_size)
-    return MatryoshkaLoss(model, base, dims).loss.calculate_loss
-
-
-def _ours(q, c, dims, backend: str, options: dict):
-    """Ours, forward + backward once: one op call for all dims over the batch's embeddings (leaves sharing q's and
-    c's storage), with the op's keyword ``options``."""
-
-    def run():
-        queries, docs = q.detach().requires_grad_(), c.detach().requires_grad_()
-        loss = matryoshka_infonce(queries, docs, dims=dims, backend=backend, **options).loss
-        loss.backward()
-        return loss
-
-    return run
+__all__ = ["contenders", "crossover", "duplicate_ids", "main", "mask_contest", "mask_table", "run", "summary_table"]
 
 
 def contenders(q, c, dims, mini_batch_size: int, device: str, guide=None) -> dict:
-    """name -> zero-argument callable running the loss stage forward + backward once; ``guide``: a guide's
-    (query, doc) embeddings for the GISTEmbed contest."""
-    split = lambda x: x.split(mini_batch_size)  # noqa: E731
-    if guide is None:
-        stock_calculate = _stock_loss(q.shape[1], dims, mini_batch_size)
-        options, stock_args = {}, (None,)
-    else:
-        stock_calculate = _stock_gist_loss(q.shape[1], dims, mini_batch_size)
-        options = dict(
-            scale=1 / GIST_TEMPERATURE,
-            directions=GIST_DIRECTIONS,
-            guide_queries=guide[0],
-            guide_docs=guide[1],
-            false_negative_margin=0.0,
-        )
-        stock_args = ([list(split(x)) for x in guide],)
-
-    def stock():
-        reps = [[m.detach().requires_grad_() for m in split(x)] for x in (q, c)]
-        return stock_calculate(reps, *stock_args, with_backward=True)
-
-    runs = {"stock": stock, "chunked": _ours(q, c, dims, "chunked", options)}
-    if device == "cuda" and guide is None:
-        runs["triton"] = _ours(q, c, dims, "triton", options)
-    return runs
+    """name -> zero-argument callable running the loss stage forward + backward once (the registry's "loss_stage"
+    contenders); ``guide``: a guide's (query, doc) embeddings for the GISTEmbed contest (no Triton there)."""
+    names = ["stock", "chunked"] + (["triton"] if device == "cuda" and guide is None else [])
+    return {name: registry.build("loss_stage", name, q, c, dims, mini_batch_size, guide) for name in names}
 
 
 def duplicate_ids(batch: int, device: str, every: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query_ids, doc_ids) int64 of a batch with duplicates: every ``every``-th row repeats the previous row's
+    """(query_ids, document_ids) int64 of a batch with duplicates: every ``every``-th row repeats the previous row's
     query (two positives of one query) and the row after it the previous row's positive."""
     anchors, positives = torch.arange(batch), torch.arange(batch, 2 * batch)
     repeated = torch.arange(every, batch, every)
@@ -134,27 +69,27 @@ def mask_contest(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=5, device
     untimed call each first), then each one's exact tensor peak and the share of candidates the mask removed."""
     dims, rows = list(dims), []
     for batch in sizes:
-        q, c = _embeddings(batch, dim, device)
+        q, c = embeddings(batch, dim, device)
         query_ids, doc_ids = duplicate_ids(batch, device)
-        ids = dict(query_ids=query_ids, doc_ids=doc_ids)
+        ids = dict(query_ids=query_ids, document_ids=doc_ids)
         rows.append(("inputs", batch, "embedding_bytes", (q.numel() + c.numel()) * q.element_size()))
         rows.append(("inputs", batch, "id_bytes", (query_ids.numel() + doc_ids.numel()) * query_ids.element_size()))
         runs = {}
         for backend in ("chunked", "triton") if device == "cuda" else ("chunked",):
-            runs[backend] = _ours(q, c, dims, backend, {})
-            runs[f"{backend}_mask_duplicates"] = _ours(q, c, dims, backend, ids)
-        timings = {name: ([], []) for name in runs}
+            runs[backend] = registry.build("loss_stage", backend, q, c, dims, 0)
+            runs[f"{backend}_mask_duplicates"] = registry.build("loss_stage", backend, q, c, dims, 0, options=ids)
+        timings = {name: Timings() for name in runs}
         for fn in runs.values():
             fn()
         for _ in range(repeats):
             for name, fn in runs.items():
-                wall, cpu = _time(fn, 1, 0, device)
-                timings[name][0].extend(wall)
-                timings[name][1].extend(cpu)
+                timed = time_calls(fn, 1, 0, device)
+                timings[name].wall.extend(timed.wall)
+                timings[name].cpu.extend(timed.cpu)
         for name, fn in runs.items():
-            stats, peak = summarize(timings[name][0]), peak_tensor_bytes(fn, device)[1]
+            stats, peak = spread(timings[name].wall), peak_tensor_bytes(fn, device)[1]
             rows += [(name, batch, f"seconds_{key}", value) for key, value in stats.items()]
-            rows.append((name, batch, "cpu_seconds_median", summarize(timings[name][1])["median"]))
+            rows.append((name, batch, "cpu_seconds_median", spread(timings[name].cpu)["median"]))
             rows += [(name, batch, "peak_bytes", peak), (name, batch, "load_average_1min", os.getloadavg()[0])]
             print(
                 f"B={batch:>6} {name:>24}: {stats['median']:8.3f} s wall (median of {repeats}), peak "
@@ -193,35 +128,6 @@ def mask_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def matmul_floor(q: torch.Tensor, c: torch.Tensor) -> callable:
-    """The three B x M x D matmuls of an exact fwd + bwd, on full matrices (torch.mm)."""
-
-    def run():
-        scores = torch.mm(q, c.T)
-        torch.mm(scores, c)
-        torch.mm(scores.T, q)
-
-    return run
-
-
-def _time(fn, repeats: int, warmup: int, device: str) -> tuple[list[float], list[float]]:
-    """(wall seconds, CPU seconds of this process) of each timed call; on CUDA, do_bench's median twice."""
-    if device == "cuda":
-        import triton.testing
-
-        seconds = [triton.testing.do_bench(fn, rep=max(100, 100 * repeats)) / 1000.0]
-        return seconds, seconds
-    cpu = []
-
-    def timed():
-        start = time.process_time()
-        fn()
-        cpu.append(time.process_time() - start)
-
-    wall = time_call(timed, repeats=repeats, warmup=warmup)
-    return wall, cpu[warmup:]
-
-
 def run(
     sizes,
     dim=384,
@@ -242,8 +148,8 @@ def run(
     dims = list(dims)
     rows = []
     for batch in sizes:
-        q, c = _embeddings(batch, dim, device)
-        guide = _embeddings(batch, dim, device, seed=1) if gist else None
+        q, c = embeddings(batch, dim, device)
+        guide = embeddings(batch, dim, device, seed=1) if gist else None
         embedding_bytes = (q.numel() + c.numel()) * q.element_size()
         rows.append(("inputs", batch, "embedding_bytes", embedding_bytes))
         rows.append(("inputs", batch, "tile_budget_bytes", DEFAULT_TILE_BYTES))
@@ -254,12 +160,12 @@ def run(
                 print(f"B={batch:>6}    stock: not run (--stock-max-batch {stock_max_batch})", flush=True)
                 continue
             is_stock = name == "stock"
-            seconds, cpu_seconds = _time(fn, stock_repeats if is_stock else repeats, 0 if is_stock else 1, device)
-            stats = summarize(seconds)
+            timed = time_calls(fn, stock_repeats if is_stock else repeats, 0 if is_stock else 1, device)
+            stats = spread(timed.wall)
             skip_peak = is_stock and device == "cpu" and batch > stock_peak_max_batch
             peak = float("nan") if skip_peak else peak_tensor_bytes(fn, device)[1]
             rows += [(name, batch, f"seconds_{key}", value) for key, value in stats.items()]
-            cpu_median = summarize(cpu_seconds)["median"]
+            cpu_median = spread(timed.cpu)["median"]
             rows.append((name, batch, "cpu_seconds_median", cpu_median))
             if not skip_peak:
                 rows.append((name, batch, "peak_bytes", peak))
@@ -269,10 +175,10 @@ def run(
                 f"peak {peak / 2**20:8.1f} MiB, load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
-        wall, cpu_seconds = _time(matmul_floor(q, c), repeats, 1, device)
-        floor = summarize(wall)
+        timed = time_calls(registry.build("loss_stage", "matmul", q, c, dims, mini_batch_size), repeats, 1, device)
+        floor = spread(timed.wall)
         rows.append(("matmul", batch, "seconds_median", floor["median"]))
-        rows.append(("matmul", batch, "cpu_seconds_median", summarize(cpu_seconds)["median"]))
+        rows.append(("matmul", batch, "cpu_seconds_median", spread(timed.cpu)["median"]))
         print(f"B={batch:>6}   matmul: {floor['median']:8.3f} s (3 x B x M x D, torch.mm)", flush=True)
     return rows
 
@@ -281,14 +187,10 @@ def crossover(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=15):
     """Rows comparing dense vs chunked fwd + bwd time per B, to place ops.DENSE_MAX_LOGITS."""
     rows = []
     for batch in sizes:
-        q, c = _embeddings(batch, dim, "cpu")
+        q, c = embeddings(batch, dim, "cpu")
         for backend in ("dense", "chunked"):
-
-            def fn(backend=backend, q=q, c=c):
-                qq, cc = q.clone().requires_grad_(), c.clone().requires_grad_()
-                matryoshka_infonce(qq, cc, dims=list(dims), backend=backend).loss.backward()
-
-            median = summarize(time_call(fn, repeats=repeats, warmup=2))["median"]
+            fn = registry.build("loss_stage", backend, q, c, dims, 0)
+            median = spread(time_calls(fn, repeats=repeats, warmup=2).wall)["median"]
             rows.append((backend, batch, "seconds_median", median))
             print(f"B={batch:>6} {backend:>8}: {median * 1e3:8.2f} ms  logits {batch * batch * len(dims)}", flush=True)
     return rows
@@ -344,13 +246,13 @@ def main(argv=None) -> None:
         "--gist",
         action="store_true",
         help="both filter false negatives with a guide: stock "
-        "MatryoshkaLoss(CachedGISTEmbedLoss) vs matryoshka_infonce(guide_queries=..., guide_docs=...)",
+        "MatryoshkaLoss(CachedGISTEmbedLoss) vs matryoshka_infonce(guide_queries=..., guide_documents=...)",
     )
     parser.add_argument(
         "--mask-duplicates",
         action="store_true",
         help="ours with and without mask_duplicates "
-        "(query_ids / doc_ids with a few duplicates), timed alternately; no stock",
+        "(query_ids / document_ids with a few duplicates), timed alternately; no stock",
     )
     parser.add_argument(
         "--threads",

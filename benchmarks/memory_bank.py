@@ -23,14 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.profiling import peak_tensor_bytes, summarize, time_call
-from benchmarks.report import RESULTS, read_csv, style, values, write_csv
+from benchmarks.core.data import build_model, training_pairs
+from benchmarks.core.memory import peak_tensor_bytes
+from benchmarks.core.report import RESULTS, read_csv, style, values, write_csv
+from benchmarks.core.timing import Timer, spread, time_calls
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops.chunked import DEFAULT_TILE_BYTES
 
@@ -50,7 +51,7 @@ def _unit(rows: int, seed: int) -> torch.Tensor:
 def _ours(q, c, bank):
     def run():
         qq, cc = q.clone().requires_grad_(), c.clone().requires_grad_()
-        memory = {} if bank is None else {"memory_docs": bank}
+        memory = {} if bank is None else {"memory_documents": bank}
         matryoshka_infonce(qq, cc, dims=list(DIMS), backend="chunked", **memory).loss.backward()
 
     return run
@@ -83,7 +84,7 @@ def loss_stage(sizes, banks, repeats: int, dense_max_bytes: float) -> list[tuple
             if 3 * len(DIMS) * batch * (batch + k) * 4 <= dense_max_bytes:
                 contenders["dense"] = _dense(q, c, bank)
             for name, fn in contenders.items():
-                stats = summarize(time_call(fn, repeats=repeats, warmup=1))
+                stats = spread(time_calls(fn, repeats=repeats, warmup=1).wall)
                 peak = peak_tensor_bytes(fn)[1]
                 rows += [
                     (f"{name}_K{k}", batch, "seconds_median", stats["median"]),
@@ -159,7 +160,6 @@ def step(batch: int, bank: int, rounds: int, model_name: str = "minilm") -> list
     """One training step with and without a bank, alternated (``rounds`` timings of each)."""
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
-    from benchmarks.train_step import build_model, training_pairs
     from st_cached_losses import CachedMatryoshkaLoss
 
     model = build_model(model_name, max_seq_length=128)
@@ -178,13 +178,11 @@ def step(batch: int, bank: int, rounds: int, model_name: str = "minilm") -> list
 
     for index in range(bank // batch + 1):  # fill the bank
         train(losses[bank], index)
-    seconds = {0: [], bank: []}
+    seconds, timer = {0: [], bank: []}, Timer(model.device)
     for index in range(rounds):
         for k in (0, bank) if index % 2 == 0 else (bank, 0):
-            start = time.perf_counter()
-            train(losses[k], index)
-            seconds[k].append(time.perf_counter() - start)
-    rows = [(f"ours_K{k}", batch, "seconds_median", summarize(times)["median"]) for k, times in seconds.items()]
+            seconds[k].append(timer.call(lambda k=k, index=index: train(losses[k], index))[1])
+    rows = [(f"ours_K{k}", batch, "seconds_median", spread(times)["median"]) for k, times in seconds.items()]
     rows.append(("bank", batch, "fill", losses[bank].memory.fill))
     print(*rows, sep="\n", flush=True)
     return rows

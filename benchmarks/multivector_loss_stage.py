@@ -5,7 +5,8 @@ embedding passes) and measures the exact peak of tensor bytes it allocates, side
 and document shape: stock ``CachedMultiVectorMultipleNegativesRankingLoss(mini_batch_size=32).calculate_loss(...,
 with_backward=True)`` (ColBERT MaxSim, its default), ``maxsim_infonce`` at the full dim ("chunked") and with four
 Matryoshka token dims ("chunked4dims": ``--dims``, 128 96 64 32), and the floor: the token dot products of every query
-against every document, in blocks of 1024 x 1024 tokens (one GEMM's work, nothing else; "matmul").
+against every document, in blocks of 1024 x 1024 tokens (one GEMM's work, nothing else; "matmul"): the registry's
+"multivector_loss_stage" contenders (``benchmarks/core/contenders.py``).
 
     python -m benchmarks.multivector_loss_stage            # B in 256 512 1024 4096, Ld 128 and 256, pairs and one
                                                            # hard negative, 2 threads; stock up to B = 1024
@@ -20,18 +21,19 @@ allocation, is skipped above ``--peak-max-batch``.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.profiling import peak_tensor_bytes, summarize, time_call
-from benchmarks.report import RESULTS, plot, read_csv, values, write_csv
-from st_cached_losses import maxsim_infonce
+from benchmarks.core import contenders as registry
+from benchmarks.core.memory import peak_tensor_bytes
+from benchmarks.core.report import RESULTS, plot, read_csv, values, write_csv
+from benchmarks.core.timing import spread, time_calls
 from st_cached_losses.ops.maxsim.chunked import DEFAULT_TILE_BYTES
+
+FLOOR_BLOCK = 1024  # tokens per side of one floor GEMM
 
 
 def _tokens(rows: int, tokens: int, dim: int, generator: torch.Generator) -> torch.Tensor:
@@ -51,60 +53,6 @@ def problem(batch: int, query_tokens: int, doc_tokens: int, dim: int, negatives:
     return queries, documents, query_mask, document_mask
 
 
-def _stock(queries, documents, query_mask, document_mask, batch: int, mini_batch_size: int):
-    """Stock's loss stage, forward + backward once, on the columns [anchors, positives, negatives...]."""
-    from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
-
-    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
-    loss = CachedMultiVectorMultipleNegativesRankingLoss(None, mini_batch_size=mini_batch_size)  # model unread here
-    columns = [queries, *documents.split(batch)]
-    masks = [query_mask, *document_mask.split(batch)]
-
-    def run():
-        reps = [[m.detach().requires_grad_() for m in column.split(mini_batch_size)] for column in columns]
-        chunks = [list(mask.split(mini_batch_size)) for mask in masks]
-        return loss.calculate_loss(reps, chunks, with_backward=True)
-
-    return run
-
-
-def _ours(queries, documents, query_mask, document_mask, dims):
-    def run():
-        leaves = [queries.detach().requires_grad_(), documents.detach().requires_grad_()]
-        out = maxsim_infonce(*leaves, query_mask=query_mask, document_mask=document_mask, dims=list(dims))
-        out.loss.backward()
-        return out.loss
-
-    return run
-
-
-def matmul_floor(queries, documents, block: int = 1024):
-    """The token dot products of every query against every document, in blocks of ``block`` x ``block`` tokens."""
-    q, c = queries.reshape(-1, queries.shape[-1]), documents.reshape(-1, documents.shape[-1])
-    buffer = q.new_empty(block, block)
-
-    def run():
-        for i in range(0, q.shape[0], block):
-            for j in range(0, c.shape[0], block):
-                rows, cols = q[i : i + block], c[j : j + block]
-                torch.mm(rows, cols.T, out=buffer[: rows.shape[0], : cols.shape[0]])
-
-    return run
-
-
-def _time(fn, repeats: int, warmup: int) -> tuple[list[float], list[float]]:
-    """(wall seconds, CPU seconds of this process) of each timed call."""
-    cpu = []
-
-    def timed():
-        start = time.process_time()
-        fn()
-        cpu.append(time.process_time() - start)
-
-    wall = time_call(timed, repeats=repeats, warmup=warmup)
-    return wall, cpu[warmup:]
-
-
 def shape_name(doc_tokens: int, negatives: int) -> str:
     return f"Ld{doc_tokens}_" + ("pairs" if negatives == 0 else f"{negatives}hn")
 
@@ -122,31 +70,30 @@ def run(args) -> list[tuple]:
                 pairs = batch * documents.shape[0]
                 rows.append(("inputs", batch, f"{shape}/embedding_bytes", (queries.numel() + documents.numel()) * 4))
                 rows.append(("inputs", batch, f"{shape}/tile_budget_bytes", DEFAULT_TILE_BYTES))
-                contenders = {
-                    "chunked": _ours(*inputs, [args.dim]),
-                    "chunked4dims": _ours(*inputs, args.dims),
-                    "matmul": matmul_floor(queries, documents),
-                }
+                names = ["chunked", "chunked4dims", "matmul"]
                 predicted = None if stock_seconds is None else stock_seconds[1] * pairs / stock_seconds[0]
                 if batch <= args.stock_max_batch and (predicted is None or predicted <= args.stock_budget):
-                    contenders = {"stock": _stock(*inputs, batch, args.mini_batch_size), **contenders}
+                    names.insert(0, "stock")
                 else:
                     print(f"{shape} B={batch:>5}    stock: not run (predicted {predicted or 0:.0f} s)", flush=True)
-                for name, fn in contenders.items():
+                for name in names:
+                    fn = registry.build(
+                        "multivector_loss_stage", name, inputs, args.dims, args.mini_batch_size, FLOOR_BLOCK
+                    )
                     is_stock = name == "stock"
                     repeats = 1 if (is_stock or args.quick) else args.repeats
-                    wall, cpu = _time(fn, repeats, 0 if is_stock else 1)
-                    stats = summarize(wall)
+                    timed = time_calls(fn, repeats, 0 if is_stock else 1)
+                    stats = spread(timed.wall)
                     if is_stock:
                         stock_seconds = (pairs, stats["median"])
                     rows += [(name, batch, f"{shape}/seconds_{key}", value) for key, value in stats.items()]
-                    rows.append((name, batch, f"{shape}/cpu_seconds_median", summarize(cpu)["median"]))
+                    rows.append((name, batch, f"{shape}/cpu_seconds_median", spread(timed.cpu)["median"]))
                     peak = float("nan")
                     if name != "matmul" and batch <= args.peak_max_batch:
                         peak = peak_tensor_bytes(fn)[1]
                         rows.append((name, batch, f"{shape}/peak_bytes", peak))
                     rows.append((name, batch, f"{shape}/load_average_1min", os.getloadavg()[0]))
-                    cpu_median = summarize(cpu)["median"]
+                    cpu_median = spread(timed.cpu)["median"]
                     print(
                         f"{shape} B={batch:>5} {name:>12}: {stats['median']:8.3f} s wall, {cpu_median:8.3f} s CPU, "
                         f"peak {peak / 2**20:8.1f} MiB, load {os.getloadavg()[0]:.1f}",

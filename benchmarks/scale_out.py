@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.profiling import peak_tensor_bytes
-from benchmarks.report import RESULTS, write_csv
+from benchmarks.core.memory import peak_tensor_bytes
+from benchmarks.core.report import RESULTS, write_csv
+from benchmarks.core.timing import Timer
 from st_cached_losses.testing import deepspeed_on_gloo_only, local_rank_setup, rendezvous_store
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_per_step", "zero1", "zero2", "zero3", "stock_zero2", "stock_zero3")
@@ -161,12 +162,10 @@ def _worker(rank: int, port: int, strategy: str, args, out: str) -> None:
         Path(out, f"{strategy}_rank{rank}.json").write_text(json.dumps(result))
         return  # no barrier: the process group may be broken
     train_step(batches[0])  # warm-up
-    seconds = []
+    seconds, timer = [], Timer()
     for texts in batches[1 : 1 + args.steps]:
         dist.barrier()
-        start = time.perf_counter()
-        train_step(texts)
-        seconds.append(time.perf_counter() - start)
+        seconds.append(timer.call(lambda texts=texts: train_step(texts))[1])
     result["seconds_median"] = statistics.median(seconds)
     result.update(_collectives(lambda: train_step(batches[-2])))
     gc.collect()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.report import STYLES, plot, read_csv, style, values, write_csv
-from benchmarks.step import BASELINE, PHASES, baseline_of
+from benchmarks.core.phases import BASELINE, PHASES, baseline_of
+from benchmarks.core.report import STYLES, plot, read_csv, style, values, write_csv
 
 
 def summary_table(records: list[dict], baseline: str = BASELINE) -> str:
     """Markdown table per (B, contender): step time with spread, phases, ratios to the baseline (stock's by
-    default, stock_gist's for the GISTEmbed contenders: :func:`benchmarks.step.baseline_of`), peaks."""
+    default, stock_gist's for the GISTEmbed contenders: :func:`benchmarks.core.phases.baseline_of`), peaks."""
     value = values(records)
     lines = [
         (

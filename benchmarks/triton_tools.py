@@ -1,18 +1,18 @@
-"""Tools around the Triton kernels that need no GPU to run: the ahead-of-time compilation check, the
-H100 cost model, and a side-by-side GPU timing of the backends (``python -m benchmarks.gpu`` is the full
-benchmark)."""
+"""Tools around the dense Triton kernels: the ahead-of-time compilation check and the H100 cost model, which need no
+GPU, and a side-by-side GPU timing of the backends (``python -m benchmarks.gpu`` is the full benchmark; its
+``--compile-report`` compiles every registered kernel)."""
 
 from __future__ import annotations
 
 import torch
-import triton
 
-from st_cached_losses.ops.triton.kernels import INTERPRETED, MASK_CODES, _col_grad_kernel, _lse_kernel, _row_grad_kernel
-from st_cached_losses.ops.triton.launches import types_for
-from st_cached_losses.ops.triton.tiles import CANDIDATES, TileConfig, default_config
+from benchmarks.gpu.kernels import KERNELS, compile_variant, dense_variant
+from st_cached_losses.ops.triton.kernels import INTERPRETED
+from st_cached_losses.ops.triton.tiles import CANDIDATES, TileConfig
 
 __all__ = ["H100_SXM", "benchmark", "compile_kernels", "cost_model"]
 
+_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
@@ -22,16 +22,18 @@ def compile_kernels(
     config: TileConfig | None = None,
     arch: int = 90,
     cosine: bool = True,
-    mask: int = MASK_CODES["own_docs"],
+    mask: str | None = "own_docs",
     hardness: int = 1,
     duplicates: bool = True,
 ) -> dict:
-    """Compile the three kernels for an NVIDIA GPU of compute capability ``arch`` (90: H100/H200)
-    without a GPU, with Triton's LLVM and bundled ptxas.
+    """Compile the three dense kernels for an NVIDIA GPU of compute capability ``arch`` (90: H100/H200) without a
+    GPU, with Triton's LLVM and bundled ptxas, through the kernel registry (``benchmarks/gpu/kernels.py``; the
+    compile report, ``python -m benchmarks.gpu --compile-report``, reads every registered kernel the same way).
 
-    The interpreter runs programs the compiler rejects (and says nothing of registers), so CI calls
-    this in a process without TRITON_INTERPRET. ``ptxas -v`` on ``kernel.asm["ptx"]`` reports spills.
-    ``duplicates``: with the duplicate mask (DUP, a partner direction), the kernels' widest variant.
+    The interpreter runs programs the compiler rejects (and says nothing of registers), so CI calls this in a process
+    without TRITON_INTERPRET. ``dtype`` fp32 compiles TF32 or IEEE dot products as torch's matmul precision says.
+    ``mask``: a ``MASK_CODES`` key; ``hardness``: the HARD bit flags; ``duplicates``: with the duplicate mask (DUP, a
+    partner direction): with the defaults, the kernels' widest variant.
 
     Returns:
         {kernel name: triton CompiledKernel} (``.asm`` holds "ttgir", "ptx", "cubin").
@@ -41,42 +43,13 @@ def compile_kernels(
     """
     if INTERPRETED:
         raise RuntimeError("compile_kernels needs the compiler: import this module without TRITON_INTERPRET=1.")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    config = config or default_config(dtype)
-    types = types_for(dtype)
-    emb, acc = _TRITON_DTYPES[dtype], _TRITON_DTYPES[types.acc]
-    pointers = {"X": emb, "Y": emb, "DIMS": "i64", "ROW_IDS": "i32", "COL_IDS": "i32"}
-    pointers.update(dict.fromkeys(("INVX", "INVY", "LSE", "DX", "DY", "RX", "RY", "NRM2", "W"), acc))
-    consts = dict(
-        K=num_dims,
-        KP=triton.next_power_of_2(num_dims),
-        COSINE=cosine,
-        MASK=mask,
-        HARD=hardness,
-        DUP=duplicates,
-        PARTNER=duplicates,
-        BM=config.block_rows,
-        BN=config.block_cols,
-        BD=config.block_d,
-        **types.consts,
-    )
-    compiled = {}
-    for kernel in (_lse_kernel, _row_grad_kernel, _col_grad_kernel):
-        kernel_consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
-        signature = {}
-        for name in kernel.arg_names:
-            if name in kernel_consts:
-                signature[name] = "constexpr"
-            elif name in pointers:
-                signature[name] = "*" + pointers[name]
-            else:
-                signature[name] = "fp32" if name in ("scale2", "strength2") else "i32"
-        source = ASTSource(fn=kernel, signature=signature, constexprs=kernel_consts)
-        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-        compiled[kernel.__name__] = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    return compiled
+    if dtype == torch.float32:
+        precision = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    else:
+        precision = _PRECISION[dtype]
+    variant = dense_variant(precision, num_dims, config, cosine, mask, hardness, duplicates)
+    dense = [entry for entry in KERNELS if entry.name.startswith("dense/")]
+    return {entry.kernel_name: compile_variant(entry, variant, arch) for entry in dense}
 
 
 # H100 SXM5 peaks (NVIDIA datasheet, dense): tensor cores per input dtype, FLOP/s; HBM3 bytes/s; exp2 on

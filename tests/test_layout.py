@@ -1,8 +1,10 @@
 """The package's layering, read from its source (every import statement, module level or inside a function):
 no import circle; the library (losses, gradcache, ops) never imports the command line; gradcache never imports the
 losses; ops never imports sentence-transformers; the losses never import triton (the op chooses its backend);
-sentence-transformers' and DeepSpeed's internals each come through one module; no module over 400 lines. And the
-tests': a test module shares code through the helper modules only, never by importing another test module."""
+sentence-transformers' and DeepSpeed's internals each come through one module; no module over 400 lines. The
+benchmarks' (``benchmarks/``): no import circle, no module over 400 lines, no module importing another's private
+(underscore) name, and the shared core (``benchmarks/core/``) never importing a suite. And the tests': a test module
+shares code through the helper modules only, never by importing another test module."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "st_cached_losses"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
 TESTS = Path(__file__).resolve().parent
 LIBRARY = ("st_cached_losses.losses", "st_cached_losses.gradcache", "st_cached_losses.ops")
 ST_COMPAT = "st_cached_losses.gradcache._st_compat"
@@ -50,37 +53,53 @@ def _ancestor(package: str, name: str) -> bool:
     return name.startswith(package + ".")
 
 
+def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ``modules`` it imports. A module's own ancestor packages are left out: importing any
+    submodule runs its parents' __init__ first, so that edge holds for every module and closes no circle of its own
+    making."""
+    return {
+        name: {m for m in _imports(path) if m in modules and m != name and not _ancestor(m, name)}
+        for name, path in modules.items()
+    }
+
+
 MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
-# Module -> the package modules it imports. A module's own ancestor packages are left out: importing any submodule
-# runs its parents' __init__ first, so that edge holds for every module and closes no circle of its own making.
-GRAPH = {
-    name: {m for m in _imports(path) if m in MODULES and m != name and not _ancestor(m, name)}
-    for name, path in MODULES.items()
-}
+GRAPH = _graph(MODULES)
+BENCHMARK_MODULES = {_module_name(path): path for path in sorted(BENCHMARKS.rglob("*.py"))}
+BENCHMARK_GRAPH = _graph(BENCHMARK_MODULES)
 
 
 def _within(name: str, packages) -> bool:
     return any(name == p or name.startswith(p + ".") for p in packages)
 
 
-def test_the_import_graph_has_no_circle():
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Depth-first search over module-to-module imports (a package's ``__init__`` counts as a module)."""
     state: dict[str, str] = {}
     circles = []
 
     def visit(name: str, path: list[str]) -> None:
         state[name] = "open"
-        for target in sorted(GRAPH[name]):
+        for target in sorted(graph[name]):
             if state.get(target) == "open":
                 circles.append([*path[path.index(target) :], target])
             elif target not in state:
                 visit(target, [*path, target])
         state[name] = "done"
 
-    for name in GRAPH:
+    for name in graph:
         if name not in state:
             visit(name, [name])
-    assert not circles, circles
+    return circles
+
+
+@pytest.mark.parametrize("graph", [GRAPH, BENCHMARK_GRAPH], ids=["package", "benchmarks"])
+def test_the_import_graph_has_no_circle(graph):
+    assert not _circles(graph)
+
+
+def test_the_circle_search_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 
 
 def test_the_library_never_imports_the_command_line():
@@ -164,9 +183,67 @@ def test_sentence_transformers_internals_come_through_one_module():
     assert not offenders
 
 
-@pytest.mark.parametrize("name", sorted(MODULES))
-def test_no_module_over_400_lines(name):
-    assert len(MODULES[name].read_text().splitlines()) <= MAX_LINES
+@pytest.mark.parametrize("path", [*MODULES.values(), *BENCHMARK_MODULES.values()], ids=[*MODULES, *BENCHMARK_MODULES])
+def test_no_module_over_400_lines(path):
+    assert len(path.read_text().splitlines()) <= MAX_LINES
+
+
+def _private_names_borrowed(own: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """Private (one leading underscore) names module ``own`` (at ``path``) takes from another module of ``modules``:
+    imported by name
+    (``from benchmarks.x import _y``, ``import benchmarks._x``) or read as an attribute of an imported module
+    (``from benchmarks import x`` then ``x._y``)."""
+    private = lambda name: name.startswith("_") and not name.startswith("__")  # noqa: E731
+    aliases, found = {}, []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules and alias.name != own:
+                    found += [alias.name] if any(map(private, alias.name.split("."))) else []
+                    aliases[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == BENCHMARKS.name:
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                if target in modules:
+                    aliases[alias.asname or alias.name] = target
+                if node.module != own and (private(alias.name) or any(map(private, node.module.split(".")))):
+                    found.append(target)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            base = node.value.id if isinstance(node.value, ast.Name) else None
+            if base in aliases and aliases[base] != own:
+                found.append(f"{aliases[base]}.{node.attr}")
+    return found
+
+
+def test_benchmark_modules_take_no_private_name_of_another():
+    offenders = {
+        name: borrowed
+        for name, path in BENCHMARK_MODULES.items()
+        if (borrowed := _private_names_borrowed(name, path, BENCHMARK_MODULES))
+    }
+    assert not offenders
+
+
+def test_the_private_name_check_sees_both_ways_of_borrowing(tmp_path):
+    source = tmp_path / "benchmarks" / "suite.py"
+    source.parent.mkdir()
+    source.write_text("from benchmarks.core.timing import _mark\nfrom benchmarks import gpu\ngpu._bench()\n")
+    modules = {"benchmarks.core.timing": source, "benchmarks.gpu": source}
+    assert _private_names_borrowed("benchmarks.suite", source, modules) == [
+        "benchmarks.core.timing._mark",
+        "benchmarks.gpu._bench",
+    ]
+
+
+def test_the_benchmarks_core_imports_no_suite():
+    """``benchmarks/core/`` is what the suites share: it imports no module outside it (the package aside)."""
+    offenders = {
+        name: sorted(m for m in targets if not _within(m, ["benchmarks.core"]))
+        for name, targets in BENCHMARK_GRAPH.items()
+        if _within(name, ["benchmarks.core"])
+    }
+    assert not {name: found for name, found in offenders.items() if found}
 
 
 def _test_imports(path: Path) -> list[tuple[str, str]]:

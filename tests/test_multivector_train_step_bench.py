@@ -9,8 +9,8 @@ import json
 import pytest
 
 from benchmarks import multivector_train_step
-from benchmarks.report import FIELDS
-from benchmarks.step import PHASES
+from benchmarks.core.phases import PHASES
+from benchmarks.core.report import FIELDS
 from benchmarks.train_step_report import summary_table
 
 PAIRS = [
@@ -60,10 +60,12 @@ def test_loss_contenders_are_the_documented_losses():
     base loss itself."""
     from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
 
+    from benchmarks.core import contenders
+    from benchmarks.core.data import build_model
     from st_cached_losses import CachedMultiVectorMatryoshkaLoss
 
-    model = multivector_train_step.build_model("tiny", 16)
-    build = lambda name: multivector_train_step.build_loss(name, model, [32, 16], 4, 2**20)  # noqa: E731
+    model = build_model("tiny", 16, multi_vector=True)
+    build = lambda name: contenders.build("multivector_train_step", name, model, [32, 16], 4, 2**20)  # noqa: E731
     assert type(build("stock")) is CachedMultiVectorMultipleNegativesRankingLoss
     ours, one, kept = build("ours"), build("ours_one_dim"), build("ours_kept")
     assert all(isinstance(loss, CachedMultiVectorMatryoshkaLoss) for loss in (ours, one, kept))

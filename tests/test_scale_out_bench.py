@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks import scale_out
-from benchmarks.report import read_csv
+from benchmarks.core.report import read_csv
 
 pytestmark = pytest.mark.slow  # a benchmark's smoke run: 2 spawned gloo processes per strategy
 

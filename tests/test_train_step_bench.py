@@ -1,4 +1,5 @@
-"""Smoke run of the training-step benchmark at tiny sizes: it runs, and what it writes is well-formed."""
+"""The training-step benchmark: smoke runs at tiny sizes (it runs, and what it writes is well-formed), and the device
+method's rules (a model copy per contender, two warm-up steps on the timed batch, interleaved rounds)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import csv
 import json
 
 import pytest
+import torch
 
 from benchmarks import train_step
-from benchmarks.report import FIELDS
-from benchmarks.step import PHASES
+from benchmarks.core.phases import PHASES, time_steps
+from benchmarks.core.report import FIELDS
+from benchmarks.core.rounds import DEVICE_WARMUP_STEPS, measure_on_device
 from benchmarks.train_step_report import summary_table
-
-pytestmark = pytest.mark.slow  # a benchmark's smoke runs: each contender in its own process
 
 PAIRS = [
     (f"return the {w} of the {v} list", f"mod.{w}_{v}(items, key=None)")
@@ -21,6 +22,7 @@ PAIRS = [
 ]
 
 
+@pytest.mark.slow  # a benchmark's smoke run: each contender in its own process
 def test_train_step_smoke(tmp_path):
     pairs = tmp_path / "pairs.json"
     pairs.write_text(json.dumps(PAIRS))
@@ -91,6 +93,7 @@ def test_train_step_smoke(tmp_path):
     assert "| 8 | ours_kept (kept 100% of mini-batches) |" in table
 
 
+@pytest.mark.slow
 def test_memory_only_merge_replaces_just_the_measured_rows(tmp_path):
     pairs = tmp_path / "pairs.json"
     pairs.write_text(json.dumps(PAIRS))
@@ -124,6 +127,7 @@ def test_memory_only_merge_replaces_just_the_measured_rows(tmp_path):
     assert unchanged and all(after[key] == before[key] for key in unchanged)
 
 
+@pytest.mark.slow
 def test_2d_contenders_with_ours_as_the_baseline(tmp_path):
     """ours_2d / stock_2d (every layer and dim) run, their ratios are taken to --baseline ours, and stock_2d, not
     cached, is skipped where its peak extrapolated from a smaller B exceeds --mnrl-max-bytes."""
@@ -174,3 +178,69 @@ def test_2d_contenders_with_ours_as_the_baseline(tmp_path):
     table = summary_table(records, "ours")
     assert "time / ours (min-max)" in table and "| 8 | ours_2d |" in table and "| 24 | stock_2d | not run" in table
     assert (tmp_path / "results" / "train_step_2d_phases.png").read_bytes()[:4] == b"\x89PNG"
+
+
+class _Recorded:
+    """A stand-in step: records its calls in a shared log and times nothing."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log, self.last = name, log, {}
+
+    def __call__(self) -> None:
+        self.log.append(self.name)
+        self.last = {"step": 1.0}
+
+
+@pytest.fixture
+def no_gc(monkeypatch):
+    """The rounds collect garbage after every step (seconds in a process that imported sentence-transformers): off."""
+    import gc
+
+    monkeypatch.setattr(gc, "collect", lambda *args: 0)
+
+
+def test_rounds_rotate_so_that_no_contender_always_runs_first(no_gc):
+    log: list[str] = []
+    steps = {name: _Recorded(name, log) for name in "abc"}
+    times = time_steps(steps, repeats=3, warmup=0, rotate=True)
+    assert log == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert all(len(runs) == 3 for runs in times.values())
+
+
+class _SpyLoss(torch.nn.Module):
+    """Not cached: embeds the first column and sums it, noting which model and which features each call saw."""
+
+    def __init__(self, model, calls: list) -> None:
+        super().__init__()
+        self.model, self.calls = model, calls
+
+    def forward(self, features, labels):
+        self.calls.append((self.model, features))
+        return self.model(dict(features[0]))["sentence_embedding"].sum()
+
+
+def test_the_device_method_gives_each_contender_a_model_copy_and_warms_up_on_the_timed_batch(no_gc):
+    """On the CPU (perf_counter standing in for CUDA events): each contender's loss is built on its own copy of the
+    model (autocast per copy, so that no copy's forward runs another's), runs two untimed steps and the timed rounds
+    on the exact batch timed, and its loss-stage backend is recorded."""
+    from benchmarks.core.data import build_model, tokenize
+
+    model = build_model("tiny", 16)
+    features = tokenize(model, PAIRS[:6])
+    calls, models = {"ours": [], "stock": []}, {}
+
+    def build(name, copy):
+        models[name] = copy
+        return _SpyLoss(copy, calls[name])
+
+    times, rows = measure_on_device(model, build, ["ours", "stock"], features, 6, rounds=2, autocast="bf16")
+    assert models["ours"] is not models["stock"] and model not in models.values()
+    for name, seen in calls.items():
+        assert len(seen) == DEVICE_WARMUP_STEPS + 2 + 1  # warm-up, the rounds, the tensor peak's step
+        assert all(copy is models[name] and batch is features for copy, batch in seen)
+        assert len(times[name]) == 2 and all(run["step"] > 0 for run in times[name])
+    # Had a copy's autocast forward been the original model's, the original would hold gradients now.
+    assert all(parameter.grad is None for parameter in model.parameters())
+    value = {(name, metric): v for name, _, metric, v in rows}
+    assert value[("ours", "loss_backend_stock")] == value[("stock", "loss_backend_stock")] == 1  # no op of ours ran
+    assert value[("ours", "peak_bytes")] > 0 and value[("stock", "peak_bytes")] > 0

@@ -11,15 +11,16 @@ first, so every step allocates the parameter gradients as in a trainer). Phases,
                     loss     = forward time - embed (the losses' forward)
                     backward = backward time        (the losses' and the encoder's backward; no re-embed)
 
-Each is recorded as wall time (CUDA events on a GPU) and as the process's CPU time (``cpu_``, all threads).
+Each is recorded as wall time (CUDA events on a GPU: ``benchmarks.core.timing.Timer``) and as the process's CPU time
+(``cpu_``, all threads).
 """
 
 from __future__ import annotations
 
 import gc
-import statistics
-import time
 from collections.abc import Callable
+
+from benchmarks.core.timing import Timer, spread
 
 PHASES = ("embed", "loss", "backward")
 BASELINE = "stock"
@@ -31,32 +32,9 @@ def baseline_of(contender: str, baseline: str = BASELINE) -> str:
     return "stock_gist" if baseline == BASELINE and contender.endswith("_gist") else baseline
 
 
-class _Clock:
-    """Time marks: (wall, CPU) seconds of this process; on CUDA the wall time comes from CUDA events, read
-    once the step has synchronised."""
-
-    def __init__(self, device) -> None:
-        import torch
-
-        self.cuda = torch.device(device).type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            import torch
-
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event, time.process_time()
-        return time.perf_counter(), time.process_time()
-
-    def seconds(self, start, end) -> tuple[float, float]:
-        """(wall, CPU) seconds from ``start`` to ``end`` (after a synchronisation on CUDA)."""
-        wall = start[0].elapsed_time(end[0]) / 1e3 if self.cuda else end[0] - start[0]
-        return wall, end[1] - start[1]
-
-
-class Step:
-    """One training step (forward + backward) of ``loss`` on ``features``; ``last`` holds its phase times (s)."""
+class TimedStep:
+    """One training step (forward + backward) of ``loss`` on ``features``; ``last`` holds its phase times (s). (Not
+    the package's ``gradcache.step.Step``, the state one forward of a cached loss passes along.)"""
 
     def __init__(self, model, loss, features: list[dict]) -> None:
         from sentence_transformers.base.losses.gradcache import uses_gradient_cache
@@ -65,16 +43,16 @@ class Step:
         self.cached = uses_gradient_cache(loss)
         # The object whose calculate_loss CachedLossMixin.forward_cached calls (stock Matryoshka decorates its base's).
         self.stage_owner = getattr(loss, "loss", loss) if type(loss).__name__ == "MatryoshkaLoss" else loss
-        self.clock = _Clock(model.device)
+        self.timer = Timer(model.device)
         self.last: dict[str, float] = {}
 
     def _timed(self, fn: Callable, spans: list) -> Callable:
         def wrapper(*args, **kwargs):
-            start = self.clock.mark()
+            start = self.timer.mark()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spans.append((start, self.clock.mark()))
+                spans.append((start, self.timer.mark()))
 
         return wrapper
 
@@ -86,23 +64,20 @@ class Step:
         original = getattr(owner, attribute)
         setattr(owner, attribute, self._timed(original, spans))
         try:
-            marks = [self.clock.mark()]
+            marks = [self.timer.mark()]
             out = self.loss(self.features, None)
             total = sum(out.values()) if isinstance(out, dict) else out
-            marks.append(self.clock.mark())
+            marks.append(self.timer.mark())
             total.backward()
-            marks.append(self.clock.mark())
+            marks.append(self.timer.mark())
         finally:
             if had_own:
                 setattr(owner, attribute, original)
             else:
                 delattr(owner, attribute)
-        if self.clock.cuda:
-            import torch
-
-            torch.cuda.synchronize()
-        forward, backward = self.clock.seconds(marks[0], marks[1]), self.clock.seconds(marks[1], marks[2])
-        inner = [sum(self.clock.seconds(a, b)[i] for a, b in spans) for i in (0, 1)]
+        self.timer.sync()
+        forward, backward = self.timer.seconds(marks[0], marks[1]), self.timer.seconds(marks[1], marks[2])
+        inner = [sum(self.timer.seconds(a, b)[i] for a, b in spans) for i in (0, 1)]
         self.last = {}
         for i, prefix in ((0, ""), (1, "cpu_")):
             embed, loss = (forward[i] - inner[i], inner[i]) if self.cached else (inner[i], forward[i] - inner[i])
@@ -120,12 +95,16 @@ class Step:
 
 
 def time_steps(
-    steps: dict[str, Step], repeats: int, warmup: int = 1, log: bool = False
+    steps: dict[str, TimedStep], repeats: int, warmup: int = 1, log: bool = False, rotate: bool = False
 ) -> dict[str, list[dict[str, float]]]:
-    """Phase times of ``repeats`` rounds; each round (and each warm-up round) runs every contender once, in order."""
+    """Phase times of ``repeats`` rounds; each round (and each warm-up round) runs every contender once, in order
+    (``rotate``: round r starts at the r-th contender, so that none always runs first or after the same one)."""
     times: dict[str, list[dict[str, float]]] = {name: [] for name in steps}
+    names = list(steps)
     for round_ in range(-warmup, repeats):
-        for name, step in steps.items():
+        shift = round_ % len(names) if rotate and names else 0
+        for name in names[shift:] + names[:shift]:
+            step = steps[name]
             step()
             gc.collect()
             if round_ >= 0:
@@ -144,21 +123,13 @@ def timing_rows(batch: int, times: dict[str, list[dict[str, float]]], baseline: 
     for name, runs in times.items():
         for prefix in ("", "cpu_"):
             for key in ("step", *PHASES):
-                values = [run[prefix + key] for run in runs]
+                stats = spread([run[prefix + key] for run in runs])
                 metric = f"{prefix}seconds" if key == "step" else f"{prefix}seconds_{key}"
-                rows += [
-                    (name, batch, f"{metric}_median", statistics.median(values)),
-                    (name, batch, f"{metric}_min", min(values)),
-                    (name, batch, f"{metric}_max", max(values)),
-                ]
+                rows += [(name, batch, f"{metric}_{k}", stats[k]) for k in ("median", "min", "max")]
             base_runs = times.get(baseline_of(name, baseline))
             if base_runs is not None and len(base_runs) == len(runs):
-                ratios = [run[prefix + "step"] / base[prefix + "step"] for run, base in zip(runs, base_runs)]
+                stats = spread([run[prefix + "step"] / base[prefix + "step"] for run, base in zip(runs, base_runs)])
                 metric = f"{'time' if prefix == '' else 'cpu'}_ratio_to_{baseline}"
-                rows += [
-                    (name, batch, f"{metric}_median", statistics.median(ratios)),
-                    (name, batch, f"{metric}_min", min(ratios)),
-                    (name, batch, f"{metric}_max", max(ratios)),
-                ]
+                rows += [(name, batch, f"{metric}_{k}", stats[k]) for k in ("median", "min", "max")]
         rows.append((name, batch, "repeats", len(runs)))
     return rows

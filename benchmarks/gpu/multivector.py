@@ -9,21 +9,22 @@ about 0.45), so that the loss depends on which document is whose. Contenders, in
   tokens (one GEMM's work, nothing else: no max, no loss, no backward);
 - ``chunked``: ``maxsim_infonce`` (chunked backend) at the full dim; ``chunked4dims``: at dims [128, 96, 64, 32];
 - ``lik`` / ``flash_maxsim``: late-interaction-kernels' and flash-maxsim's fused MaxSim forward + backward under
-  ``F.cross_entropy`` (``benchmarks/maxsim_anchors.py``), where importable (the GPU bundle carries their wheels);
+  ``F.cross_entropy`` (``benchmarks/gpu/anchors.py``), where importable (the GPU bundle carries their wheels);
 - ``stock``: ``CachedMultiVectorMultipleNegativesRankingLoss(mini_batch_size=32).calculate_loss(...,
   with_backward=True)``, as in ``benchmarks/multivector_loss_stage.py`` (the CPU version of this benchmark).
 
-Per case (shape, dtype, B): the gpu.py timer (``triton.testing.do_bench`` median and 20 / 80 % quantiles; the first,
-untimed call, Triton's compilation and autotuning included, timed on its own), ``max_memory_allocated`` above the
-inputs, and a check that every contender's loss at the full dim (``chunked4dims``: its dim-128 term) equals the
-reference's (stock's where it ran, else ``chunked``'s) within ``LOSS_RTOL`` x max(1, |loss|): 2e-3 for fp32 inputs
-(flash-maxsim computes in fp16, late-interaction-kernels' fp32 dots in TF32) and 2e-2 for bf16 (stock's token
-similarities are bf16). Writes ``multivector_loss_stage.csv`` (metrics prefixed by the shape, e.g.
+The matmul / chunked / stock contenders are the registry's "multivector_loss_stage" family
+(``benchmarks/core/contenders.py``). Per case (shape, dtype, B): ``benchmarks.core.timing.bench`` (CUDA events: median
+and 20 / 80 % quantiles; the first, untimed call, Triton's compilation and autotuning included, timed on its own),
+``max_memory_allocated`` above the inputs, and a check that every contender's loss at the full dim (``chunked4dims``:
+its dim-128 term) equals the reference's (stock's where it ran, else ``chunked``'s) within ``LOSS_RTOL`` x max(1,
+|loss|): 2e-3 for fp32 inputs (flash-maxsim computes in fp16, late-interaction-kernels' fp32 dots in TF32) and 2e-2 for
+bf16 (stock's token similarities are bf16). Writes ``multivector_loss_stage.csv`` (metrics prefixed by the shape, e.g.
 ``Ld128_pairs/seconds_median``) and one PNG per dtype; ``summary_lines`` gives summary.md's table.
 
-Budget (device time): B doubles from 512; each contender and dtype stops at the first B where measuring it (~11
-calls plus do_bench's 200 ms, from its median at the previous B times the growth of B x M x Ld) would take the step
-past its share: 90 s (``--quick``: 20 s, Ld 128 only, B <= 2048). The first size (B = 512, Ld 128) always runs, all
+Budget (device time, ``benchmarks.core.timing.Budget``): B doubles from 512; each contender and dtype stops at the
+first B where measuring it (predicted from its median at the previous B times the growth of B x M x Ld) would take the
+step past its share: 60 s (``--quick``: 20 s, Ld 128 only, B <= 2048). The first size (B = 512, Ld 128) always runs, all
 contenders and both dtypes; a kernel compiled anew at a larger B (flash-maxsim's backward takes B as a compile-time
 constant) may overrun the share by its compilation. Measured on one H100 (``--quick``, 2026-11-26:
 benchmarks/results/gpu/summary.md): at B = 512, Ld 128 the whole step took 66 s, most of it the two libraries' Triton
@@ -35,18 +36,21 @@ compiling; ``chunked`` was launch-bound (106 ms in bf16 against stock's 37 ms an
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks import gpu, maxsim_anchors, report
-from benchmarks.multivector_loss_stage import _stock, matmul_floor, shape_name
-from benchmarks.profiling import peak_tensor_bytes
+from benchmarks.core import contenders as registry
+from benchmarks.core import report
+from benchmarks.core.memory import peak_tensor_bytes
+from benchmarks.core.timing import Budget, bench
+from benchmarks.gpu import anchors
+from benchmarks.multivector_loss_stage import shape_name
 
 NAME = "multivector_loss_stage"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # the inputs' dtype (the op's precision "auto")
 CONTENDERS = ("matmul", "chunked", "chunked4dims", "lik", "flash_maxsim", "stock")  # cheapest first
 LOSS_RTOL = {"fp32": 2e-3, "bf16": 2e-2}
 ECHO_NOISE = 2.0  # a positive's token: its query's token plus noise of this norm, normalised (cosine ~0.45)
@@ -72,7 +76,7 @@ def plan(mode: str) -> Plan:
     if mode == "quick":
         return Plan("cuda", (512, 1024, 2048), (128,), 20.0)
     if mode == "full":
-        return Plan("cuda", (512, 1024, 2048, 4096, 8192), (128, 256), 90.0)
+        return Plan("cuda", (512, 1024, 2048, 4096, 8192), (128, 256), 60.0)
     raise ValueError(f"mode must be 'full', 'quick' or 'tiny', got {mode!r}.")
 
 
@@ -92,73 +96,20 @@ def problem(plan: Plan, batch: int, doc_tokens: int, dtype: torch.dtype):
     return queries.to(dtype), documents.to(dtype), query_mask, document_mask
 
 
-def _ours(queries, documents, query_mask, document_mask, dims):
-    """maxsim_infonce forward + backward; returns the full dim's loss (dims[0] is D)."""
-    from st_cached_losses import maxsim_infonce
-
-    def run():
-        leaves = queries.detach().requires_grad_(), documents.detach().requires_grad_()
-        out = maxsim_infonce(*leaves, query_mask=query_mask, document_mask=document_mask, dims=list(dims))
-        out.loss.backward()
-        return out.per_dim[0].detach()
-
-    return run
-
-
 def contender(plan: Plan, name: str, inputs) -> object:
     """A zero-argument callable (forward + backward; returns the full-dim loss, or None for the floor), or a str:
     why ``name`` cannot run here."""
-    queries, documents = inputs[:2]
-    if name == "matmul":
-        return matmul_floor(queries, documents, plan.floor_block)
-    if name in ("chunked", "chunked4dims"):
-        return _ours(*inputs, plan.dims if name == "chunked4dims" else (plan.dim,))
-    if name == "stock":
-        run = _stock(*inputs, queries.shape[0], STOCK_MINI_BATCH)
-        return lambda: run().detach()
-    reason = maxsim_anchors.unavailable(name, plan.device)
-    return reason or maxsim_anchors.infonce_step(name, *inputs)
-
-
-@dataclass
-class Budget:
-    """The step's device-time share, and each (contender, dtype)'s last median and work, to predict the next."""
-
-    seconds: float
-    start: float = field(default_factory=time.perf_counter)
-    last: dict = field(default_factory=dict)  # (name, dtype) -> (work, median seconds)
-
-    def spent(self) -> float:
-        return time.perf_counter() - self.start
-
-    def predicted(self, key, work: float) -> float | None:
-        """Seconds that measuring ``key`` at ``work`` would take (None before its first measurement): its calls
-        (ours, gpu._bench's two, do_bench's 1 + 5 + 1 and its repeats over max(200 ms, 5 medians), the peak's)."""
-        if key not in self.last:
-            return None
-        previous, median = self.last[key]
-        median *= work / previous
-        return 11 * median + max(5 * median, 0.2)
-
-    def allows(self, key, work: float) -> bool:
-        predicted = self.predicted(key, work)
-        return predicted is None or self.spent() + predicted <= self.seconds
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    if name in registry.names("multivector_loss_stage"):
+        return registry.build("multivector_loss_stage", name, inputs, plan.dims, STOCK_MINI_BATCH, plan.floor_block)
+    reason = anchors.unavailable(name, plan.device)
+    return reason or anchors.infonce_step(name, *inputs)
 
 
 def measure(fn, device: str) -> tuple[float, dict, int, torch.Tensor | None]:
-    """(first call's seconds, gpu._bench's median / q20 / q80 seconds, peak bytes above what was live, the loss)."""
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    first = time.perf_counter() - start
-    stats = gpu._bench(fn, device)
+    """(first call's seconds, ``bench``'s median / q20 / q80 seconds, peak bytes above what was live, the loss)."""
+    stats = bench(fn, device)
     loss, peak = peak_tensor_bytes(fn, device)
-    return first, stats, peak, loss
+    return stats["first"], {k: stats[k] for k in ("median", "q20", "q80")}, peak, loss
 
 
 @dataclass
@@ -177,7 +128,7 @@ def run(plan: Plan) -> tuple[list[tuple], list[str]]:
     state = _Run(plan, Budget(plan.seconds))
     for batch in plan.sizes:
         for doc_tokens in plan.doc_tokens:
-            for dtype_name in gpu.LOSS_STAGE_DTYPES:
+            for dtype_name in DTYPES:
                 _case(state, batch, doc_tokens, dtype_name)
     state.rows += [("step", 0, "seconds", state.budget.spent()), ("step", 0, "budget_seconds", plan.seconds)]
     return state.rows, state.notes
@@ -185,7 +136,7 @@ def run(plan: Plan) -> tuple[list[tuple], list[str]]:
 
 def _case(state: _Run, batch: int, doc_tokens: int, dtype_name: str) -> None:
     """Every contender at one (B, Ld, dtype), then the loss check against the reference."""
-    inputs = problem(state.plan, batch, doc_tokens, gpu.LOSS_STAGE_DTYPES[dtype_name])
+    inputs = problem(state.plan, batch, doc_tokens, DTYPES[dtype_name])
     shape, work, losses = shape_name(doc_tokens, 0), batch * batch * doc_tokens, {}
     input_bytes = sum(x.numel() * x.element_size() for x in inputs)
     state.rows.append((f"inputs_{dtype_name}", batch, f"{shape}/input_bytes", input_bytes))
@@ -259,9 +210,9 @@ def write(rows: list[tuple], out: Path) -> list[dict]:
     report.write_csv(rows, path)
     records = report.read_csv(path)
     shapes = sorted({r["metric"].split("/")[0] for r in records if "/" in r["metric"]})
-    for dtype_name in gpu.LOSS_STAGE_DTYPES:
+    for dtype_name in DTYPES:
         report.plot(
-            gpu.of_dtype(records, dtype_name),
+            report.of_dtype(records, dtype_name),
             out / f"{NAME}_{dtype_name}.png",
             f"Multi-vector loss stage (fwd + bwd), {dtype_name} inputs, pairs",
             panels=[(f"{s}/seconds_median", f"{s}: seconds", 1) for s in shapes]
@@ -287,7 +238,7 @@ def summary_lines(records: list[dict], notes: list[str], plan: Plan) -> list[str
     ]
     cases = sorted({(r["metric"].split("/")[0], r["B"]) for r in records if "/" in r["metric"]})
     for shape, batch in cases:
-        for dtype_name in gpu.LOSS_STAGE_DTYPES:
+        for dtype_name in DTYPES:
             case = {
                 (r["contender"].removesuffix(f"_{dtype_name}"), r["metric"].split("/")[1]): r["value"]
                 for r in records

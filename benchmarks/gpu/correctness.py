@@ -1,0 +1,128 @@
+"""Correctness of the loss-stage backends against a float64 truth: step 1 of ``python -m benchmarks.gpu``.
+
+The cases are ``benchmarks/cuda_checks.py``'s (those of ``python -m pytest -m cuda``), each for the Triton and the
+chunked backend, under apple/ml-cross-entropy's rule (at most a stated margin above plain PyTorch's error in the same
+precision). Two lists:
+
+- ``short`` (the default, kept short: each Triton variant compiles its kernels on first use, and the first GPU run
+  spent 291 s compiling the full list): ``SHORT_CASES`` in fp32 and bf16, no tile-config sweep;
+- ``full``: every case in every precision of the plan, then every tile config the tuner may pick (forced one at a
+  time, tuning off), as the CUDA suite does: the run that lets ``backend="auto"`` trust a compute capability.
+
+Writes ``correctness.csv`` (one row per output checked) and ``correctness.png`` (each error against PyTorch's).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from pathlib import Path
+
+from benchmarks import cuda_checks
+from benchmarks.core import report
+
+__all__ = ["LISTS", "SHORT_CASES", "run", "write"]
+
+LISTS = ("short", "full")
+# One case on the training default's kernel variant (cosine, query_to_doc, no hardness) in a gathered, ragged batch,
+# and two that switch on the other directions, the hardness modes and hard negatives.
+SHORT_CASES = ("ragged_gathered", "all_directions_joint_in_batch_hardness", "per_direction_hard_negatives_hardness")
+SHORT_PRECISIONS = ("fp32", "bf16")
+
+
+def run(device: str, size: str, precisions, which: str = "short", skip=(), stand_in: str | None = None) -> list[dict]:
+    """Rows of ``cuda_checks.run_case`` for both backends over the ``which`` list of cases (``size``: "full" or
+    "tiny"), in ``precisions``; ``skip``: case names left out; ``stand_in``: a backend run under Triton's name (the
+    dry run's chunked)."""
+    from st_cached_losses.ops.triton import tiles as triton_tiles
+
+    if which not in LISTS:
+        raise ValueError(f"which must be one of {LISTS}, got {which!r}.")
+    chosen = [c for c in cuda_checks.cases(size) if c.name not in skip]
+    if which == "short":
+        chosen = [c for c in chosen if c.name in SHORT_CASES]
+        precisions = [p for p in precisions if p in SHORT_PRECISIONS]
+    rows, autotune = [], triton_tiles.AUTOTUNE
+    triton_tiles.AUTOTUNE = False  # each config is checked on its own; the loss stage tunes
+    try:
+        for case in chosen:
+            for precision in (p for p in case.precisions if p in precisions):
+                for backend in ("triton", "chunked"):
+                    rows += _checked(case, backend, precision, device, stand_in)
+        if which == "full":
+            tiles = cuda_checks.tile_case(size)
+            for tile in triton_tiles.CANDIDATES:
+                for precision in tiles.precisions:
+                    rows += _checked(tiles, "triton", precision, device, stand_in, tile)
+    finally:
+        triton_tiles.AUTOTUNE = autotune
+    return rows
+
+
+def _checked(case, backend, precision, device, stand_in, tile=None) -> list[dict]:
+    start = time.perf_counter()
+    try:
+        rows = cuda_checks.run_case(case, backend, precision, device, stand_in, tile)
+    except Exception as error:
+        label = case.name if tile is None else f"{case.name} {tile.label}"
+        print(f"  {label:<52} {backend:>8} {precision}: raised {type(error).__name__}: {error}", flush=True)
+        fields = dict(quantity="raised", error=math.inf, torch_error=math.nan, tolerance=0.0, passed=False)
+        return [{"case": label, "backend": backend, "precision": precision, **fields}]
+    worst = max(rows, key=lambda r: r["error"] - r["torch_error"])
+    verdict = "ok" if all(r["passed"] for r in rows) else "FAILED " + "; ".join(cuda_checks.failures(rows))
+    print(
+        f"  {rows[0]['case']:<52} {backend:>8} {precision}: worst {worst['quantity']} {worst['error']:.1e} "
+        f"(torch {worst['torch_error']:.1e}) {verdict} [{time.perf_counter() - start:.1f} s]",
+        flush=True,
+    )
+    return rows
+
+
+def write(rows: list[dict], out: Path) -> None:
+    fields = ["case", "backend", "precision", "quantity", "error", "torch_error", "tolerance", "passed"]
+    with (out / "correctness.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 5))
+    for backend in ("triton", "chunked"):
+        points = [
+            (r["torch_error"], r["error"])
+            for r in rows
+            if r["backend"] == backend and math.isfinite(r["error"]) and r["torch_error"] > 0
+        ]
+        if points:
+            ax.scatter(*zip(*points), s=12, alpha=0.6, label=backend, **report.style(backend))
+    limits = [1e-9, 1.0]
+    ax.plot(limits, limits, color="gray", lw=1, label="error = PyTorch's")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlim=limits,
+        ylim=limits,
+        xlabel="plain PyTorch's relative error",
+        ylabel="backend's relative error",
+        title="Correctness vs float64 (every case, precision, output)",
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "correctness.png", dpi=120)
+    plt.close(fig)
+
+
+def summary_lines(checks: list[dict]) -> list[str]:
+    """summary.md's line: runs, outputs checked, failures (each named)."""
+    failed = cuda_checks.failures([r for r in checks if r["quantity"] != "raised"])
+    raised = [f"{r['case']} {r['backend']} {r['precision']}: raised" for r in checks if r["quantity"] == "raised"]
+    runs = len({(r["case"], r["backend"], r["precision"]) for r in checks})
+    return [
+        f"**Correctness**: {runs} runs, {len(checks)} outputs checked, {len(failed) + len(raised)} failed.",
+        *[f"- {line}" for line in raised + failed],
+    ]
