@@ -14,6 +14,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import collections
 import dataclasses
 import importlib
 import json
@@ -377,3 +378,65 @@ def test_kernels_compile_for_hopper_without_spills_and_with_vector_loads():
         assert row["spills"] == 0 and row["registers"] <= 255, row
         if row["name"].startswith("dense/pass"):
             assert row["scalar16"] == 0 and row["vector"] >= row["dims"], row  # each plane's tile: vector loads
+
+
+# Ops that only make views or allocate: no kernel launch on a GPU.
+_NO_LAUNCH = {
+    "aten.alias.default", "aten.detach.default", "aten.empty.memory_format", "aten.empty_like.default",
+    "aten.permute.default", "aten.select.int", "aten.slice.Tensor", "aten.unsqueeze.default", "aten.t.default",
+    "aten.transpose.int", "aten.view.default", "aten.as_strided.default", "aten.expand.default",
+}  # fmt: skip
+_SYNCS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.nonzero.default", "aten.item.default"}
+
+
+def _launches(queries, docs, spec, rows, monkeypatch) -> tuple[int, collections.Counter]:
+    """Kernel launches of one op call (a warm one: the per-problem constants are cached): Triton launches plus the
+    torch ops that launch a kernel (counted by a dispatch mode; views and allocations are not launches)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops, paused = collections.Counter(), [False]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not paused[0]:
+                ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted(method):
+        def launch(*args, **kwargs):
+            ops[method.__name__] += 1
+            paused[0] = True  # the interpreter's own copies are not the GPU's launches
+            try:
+                return method(*args, **kwargs)
+            finally:
+                paused[0] = False
+
+        return launch
+
+    for name in ("run_pass", "run_rows", "run_finish"):
+        monkeypatch.setattr(passes.Launcher, name, counted(getattr(passes.Launcher, name)))
+    run_backend("triton", queries, docs, queries, spec, True, chunk_size=rows)
+    ops.clear()
+    with Count():
+        run_backend("triton", queries, docs, queries, spec, True, chunk_size=rows)
+    return sum(n for op, n in ops.items() if op not in _NO_LAUNCH), ops
+
+
+def test_launches_per_op_call(monkeypatch):
+    """One block costs K score GEMMs, 2K gradient GEMMs, four Triton launches (pass 1, rows, pass 2, finishing) and
+    three small torch ops (the column terms' sum and add, the row block's zeroing); a call adds its setup (prefix
+    norms, buffers) and the columns' finishing. At B = 16384 (bf16, D = 768, five dims, query_to_doc): about 300
+    launches in 12 blocks (blocks.py's docstring), where the chunked backend launches ~25,000 (~6,500 with its
+    CUDA-sized tiles). No host sync."""
+    queries, docs, _, spec, _ = _problem(batch=64, dim=32, dims=[32, 16, 8, 4, 2], negatives=0)
+    one, ops = _launches(queries, docs, spec, 64, monkeypatch)
+    two, _ = _launches(queries, docs, spec, 32, monkeypatch)
+    assert not _SYNCS & set(ops), ops
+    k = len(spec.dims)
+    per_block, per_call = two - one, 2 * one - two
+    assert per_block == 3 * k + 4 + 3, ops
+    assert per_call < 60, ops
+    q = torch.empty(16384, 768, dtype=torch.bfloat16, device="meta")
+    full = dataclasses.replace(spec, batch_size=16384, world_batch_size=16384, dims=(768, 512, 256, 128, 64))
+    blocks_16384 = -(-16384 // blocks.plan_rows(full, q.shape[1], torch.bfloat16))
+    assert per_call + blocks_16384 * per_block <= 310
