@@ -18,22 +18,31 @@ Loss and gradients come from one sweep (GradCache's step 2 wants both); a row's 
 so nothing is recomputed; no atomics (deterministic). R comes from :data:`BLOCK_BYTES`, so a block's planes and
 partials stay within 256 MiB whatever B.
 
-The estimate (H100 SXM: 782 TFLOP/s measured bf16 ``torch.mm``, 3.35 TB/s HBM3; B = M rows and columns,
-query_to_doc, D = 768, dims 768/512/256/128/64, K = 5, bf16):
+The estimate (H100 SXM: 782 TFLOP/s measured for bf16 ``torch.mm``, 3.35 TB/s HBM3; query_to_doc, M = B columns,
+D = 768, dims 768/512/256/128/64, K = 5; R from :func:`plan_rows`):
 
-- FLOP floor, scores + dQ + dC: 6 B^2 D = 1.24 TFLOP at B = 16384 (1.58 ms), 19.8 TFLOP at 65536 (25.3 ms).
-- Byte floor of this design: each band plane is written by its GEMM, read by both passes, rewritten as G and read
-  by both gradient GEMMs: 6 p K bytes per (row, column), p = 2 for bf16 planes: 16.1 GB at 16384 (4.8 ms), 258 GB
-  at 65536 (77 ms); fp32 planes (TF32, IEEE) twice that. The fp32 column accumulator is read and written once per
-  block: 8 M D B / R bytes, R = 1600 at 16384 (1.1 GB, 0.33 ms), R = 384 at 65536 (69 GB, 21 ms).
-- Predicted: bytes dominate (6 p K = 60 bytes per (row, column) against 6 D / 233 = 20 FLOP-equivalents at the
-  card's balance), so ~5.5 ms at B = 16384 (about 29% of the roofline; target <= 6 ms) and ~100 ms at 65536
-  (target <= 100 ms: at risk), TF32 about twice the bf16 time; bf16 planes round each band's product to bf16
-  (as stock's bf16 scores are) while the softmax, the LSE and the sums run in fp32. The next lever is pass 1 in a
-  Triton score GEMM's epilogue (-p K bytes per (row, column): about -0.8 ms at 16384).
-- Launches per block and direction: K score GEMMs, 2 pass kernels, 2K gradient GEMMs; per block one rows kernel,
-  one finishing kernel, 1 zeroing, and (cosine) 2 column-term reductions: 21 at K = 5, 11 blocks at B = 16384,
-  about 250 per op call with the per-call setup (``launch_count``).
+====================================  =====================  =====================
+bf16                                  B = 16384              B = 65536
+====================================  =====================  =====================
+FLOP floor 6 B^2 D (scores, dQ, dC)   1.24 TFLOP, 1.58 ms    19.8 TFLOP, 25.3 ms
+planes: 6 p K bytes per (row, col)    16.1 GB, 4.8 ms        258 GB, 77 ms
+fp32 dC accumulator, 8 M D per block  R = 1392: 1.2 GB, 0.4   R = 352: 75 GB, 22 ms
+predicted (bytes-bound)               ~5.5-6 ms (target 6)   ~100-110 ms (target 100)
+====================================  =====================  =====================
+
+Each band plane is written by its GEMM, read by both passes, rewritten as G and read by both gradient GEMMs: 6 p K
+= 60 bytes per (row, column) for bf16 planes (p = 2), against 6 D FLOPs = 20 bytes' worth at the card's balance
+(233 FLOP/byte): the design is bounded by bytes at about a quarter of the roofline (the issue's target). fp32 planes
+(TF32, IEEE; R halves) double the bytes: TF32 ~10-11 ms at 16384 (target <= 2x bf16); IEEE fp32 runs its GEMMs on
+the FMA units (~25 ms). bf16 planes round each band's product to bf16, as stock's bf16 scores are; the softmax,
+LSEs and sums run in fp32. Memory beyond the inputs: the planes and partials (<= 256 MiB), the fp32 column
+accumulator and the gradients: 2x the bf16 inputs + 256 MiB. The next levers: pass 1 in a Triton score GEMM's
+epilogue (-p K bytes per (row, column): -0.8 ms at 16384, -13 ms at 65536) and fewer, larger blocks for the
+accumulator at large B.
+
+Launches per block and direction: K score GEMMs, the pass kernel twice, 2K gradient GEMMs; per block the rows
+kernel, the finishing kernel and 3 small torch ops: 3K + 7 = 22 at K = 5. Per call 37 more (prefix norms, buffers,
+the columns' finishing): 301 at B = 16384 (12 blocks), counted by tests/test_triton.py; no host synchronisation.
 """
 
 from __future__ import annotations
