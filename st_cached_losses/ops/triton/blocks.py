@@ -139,7 +139,7 @@ def plan_rows(spec: InfoNCESpec, dim: int, plane_dtype: torch.dtype, tile_rows: 
         per_row += 5 * sum(columns)  # the guide's scores of a direction and the tile they drop
     per_row += 4 * k * max(columns) // bm  # the column terms
     rows = tile_rows or max(bm, BLOCK_BYTES // per_row // bm * bm)
-    return max(1, min(rows, spec.batch_size, _INT32 // (k * max(columns))))
+    return max(1, min(rows, spec.batch_size, _INT32 // (k * max(columns)) - bm))  # rows are padded to whole BM
 
 
 @functools.lru_cache(maxsize=16)
