@@ -13,6 +13,7 @@ from triton.runtime.errors import OutOfResources
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops import TritonUnavailableError, backend
 from st_cached_losses.ops.backend import check_backend
+from st_cached_losses.ops.triton import blocks as triton_blocks
 from st_cached_losses.ops.triton import host as triton_backend
 from st_cached_losses.ops.triton import kernels as triton_kernels
 
@@ -99,7 +100,7 @@ def _launch_fails(monkeypatch):
     def out_of_resources(*args, **kwargs):
         raise OutOfResources(required=300000, limit=232448, name="shared memory")
 
-    monkeypatch.setattr(triton_backend, "_forward", out_of_resources)
+    monkeypatch.setattr(triton_blocks._Sweep, "run", out_of_resources)
 
 
 def test_auto_falls_back_to_chunked_once_when_triton_cannot_launch(monkeypatch, fresh_choices):

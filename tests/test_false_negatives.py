@@ -320,9 +320,10 @@ def test_guided_matches_stock_matryoshka_cached_gist(gist_models, case, mini_bat
     torch.testing.assert_close(c.grad, torch.cat([x.grad for x in leaves[1:]]), rtol=1e-4, atol=1e-5)
 
 
-def test_gist_directions_and_the_filter_run_on_chunked_not_triton():
+def test_gist_directions_and_the_filter_run_on_triton_as_on_chunked():
+    """The Triton backend (its CPU interpreter here) takes GISTEmbed's directions and the filter: the same loss,
+    LSEs, gradients and masked share as the chunked backend."""
     from st_cached_losses.ops import backend as backend_module
-    from st_cached_losses.ops.triton import host as triton_backend
 
     queries, docs = _embeddings(6, 8)
     spec = InfoNCESpec.build(
@@ -340,9 +341,13 @@ def test_gist_directions_and_the_filter_run_on_chunked_not_triton():
         hardness_strength=0.0,
         false_negative_margin=0.1,
     )
-    assert not triton_backend.supports(spec)
-    with pytest.raises(NotImplementedError, match="no false-negative filter"):
-        run_backend("triton", queries, docs, queries, spec, need_grad=False)
+    assert backend_module.REGISTRY["matryoshka_infonce"]["triton"].unsupported(spec) is None
+    got = run_backend("triton", queries, docs, queries, spec, need_grad=True)
+    want = run_backend("chunked", queries, docs, queries, spec, need_grad=True)
+    torch.testing.assert_close(got.per_dim, want.per_dim, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.masked_share, want.masked_share)
+    for a, b in zip(got.grads, want.grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert backend_module.select_backend(torch.device("cpu"), "auto")[0] == "chunked"
 
 

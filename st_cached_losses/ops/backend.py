@@ -104,9 +104,9 @@ REGISTRY: dict[str, dict[str, Backend]] = _registry(
     Backend(
         "matryoshka_infonce",
         "triton",
-        ".triton.host",
-        "Triton kernels: a tiled online logsumexp (CUDA; CPU in the interpreter)",
-        kernels=".triton.kernels",
+        ".triton.blocks",
+        "row blocks against all columns: cuBLAS GEMMs and a fused Triton pass (CUDA; CPU in the interpreter)",
+        kernels=".triton.fused",
     ),
     Backend("matryoshka_infonce", "chunked", ".chunked", "row tiles against all columns in PyTorch (any device)"),
     Backend("matryoshka_infonce", "dense", ".reference", "the whole score matrix in PyTorch: the test oracle"),

@@ -26,11 +26,15 @@ from torch import Tensor
 
 from .duplicates import DuplicateMask
 from .false_negatives import Guide, num_candidates
+from .gemm import matmul_precision, rounded_operand
 from .memory import Memory
 from .result import InfoNCEResult
 from .spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
 
 DEFAULT_TILE_BYTES = 64 * 2**20
+# On a GPU a tile of 64 MiB is ~170 rows at B = 16384 (96 tiles of ~80 launches each): 256 MiB cuts the launches 4x
+# and stays within the op's memory target (2x the inputs + 256 MiB).
+CUDA_TILE_BYTES = 256 * 2**20
 
 # exp2 is ~2.5x faster than exp on CPU (both vectorised): logits are scaled to base 2 for it.
 _LOG2E = 1.4426950408889634
@@ -38,6 +42,11 @@ _LOG2E = 1.4426950408889634
 # Cosine logits lie in [-bound, bound]. Up to this bound they need no shift at all: exp(+-40) and
 # 2^40 columns times exp(40) are normal fp32 numbers. Above it each row's max is the shift.
 _MAX_UNSHIFTED_BOUND = 40.0
+
+
+def tile_budget(device: torch.device) -> int:
+    """The tile's byte budget on ``device``: :data:`CUDA_TILE_BYTES` on a GPU, else :data:`DEFAULT_TILE_BYTES`."""
+    return CUDA_TILE_BYTES if device.type == "cuda" else DEFAULT_TILE_BYTES
 
 
 def default_tile_rows(spec: InfoNCESpec, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
@@ -64,19 +73,23 @@ def forward(
     """Per-dim losses, per-row LSEs and (if ``need_grad``) gradients, one sweep over row tiles.
 
     Shapes: queries (B, D), docs (M, D), world_queries (Bw, D). Computes in fp32 (fp64 for fp64 inputs,
-    upcasting bf16/fp16 once); gradients come back in the inputs' dtype. Memory beyond the inputs:
-    their gradients, O((B + M) * K) scalars and one tile of ``chunk x columns x (K + 1)`` scores.
+    upcasting bf16/fp16 once); gradients come back in the inputs' dtype. GEMMs as ``spec.precision`` says
+    (``gemm.py``): "bf16" rounds the operands to bf16 once, held in fp32 and multiplied in TF32 on CUDA (exact for
+    such operands); "tf32"/"ieee" switch TF32 on/off on CUDA (IEEE on CPU). Memory beyond the inputs: their gradients,
+    O((B + M) * K) scalars and one tile of ``chunk x columns x (K + 1)`` scores, from a 64 MiB budget on CPU and
+    256 MiB on CUDA (``tile_budget``).
     ``guide``: a guide model's (queries, docs) embeddings for ``spec.false_negatives`` (whose mask each tile
     computes once, for all dims); ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) of
     ``spec.mask_duplicates``, whose removed candidates are listed sparsely and set to -inf in each tile;
     ``memory``: banked documents, scored as columns after the docs' in the same tiles, with no gradient computed for
     them (no column-gradient matmul, no copy next to the docs).
     """
-    sweep = _Sweep(queries, docs, world_queries, spec, need_grad, guide, duplicates, memory)
-    rows = tile_rows or default_tile_rows(spec)
-    for begin in range(0, spec.batch_size, rows):
-        sweep.tile(begin, min(begin + rows, spec.batch_size))
-    return sweep.result()._replace(tile=f"{min(rows, spec.batch_size)} rows")
+    rows = tile_rows or default_tile_rows(spec, tile_budget(queries.device))
+    with matmul_precision(spec.precision != "ieee", queries.device):
+        sweep = _Sweep(queries, docs, world_queries, spec, need_grad, guide, duplicates, memory)
+        for begin in range(0, spec.batch_size, rows):
+            sweep.tile(begin, min(begin + rows, spec.batch_size))
+        return sweep.result()._replace(tile=f"{min(rows, spec.batch_size)} rows")
 
 
 class _Sweep:
@@ -88,14 +101,15 @@ class _Sweep:
         dtype = torch.promote_types(queries.dtype, torch.float32)
         device, positives = queries.device, slice(0, spec.world_batch_size)
         self.spec, self.need_grad, self.input_dtype = spec, need_grad, queries.dtype
-        self.sources = {"q": queries.to(dtype), "c": docs.to(dtype), "w": world_queries.to(dtype)}
+        operands = {"q": queries, "c": docs, "w": world_queries}
+        self.sources = {key: rounded_operand(x, spec.precision) for key, x in operands.items()}
         self.directions = [DIRECTIONS[name] for name in spec.directions]
         # Inverse prefix norms per dim, (K, rows): the cosine row/column scale factors.
         self.inv_norms = {key: _inverse_prefix_norms(x, spec) for key, x in self.sources.items()}
         # "p", the positives, are the first Bw docs: views, so their gradients land in the docs'.
         self.sources["p"], self.inv_norms["p"] = self.sources["c"][positives], self.inv_norms["c"][:, positives]
         # Banked documents ("m") follow the docs in the columns of "c" directions; (K, columns) scale factors.
-        self.memory = None if memory is None else memory.docs.to(dtype)
+        self.memory = None if memory is None else rounded_operand(memory.docs, spec.precision)
         self.col_inv = dict(self.inv_norms)
         if self.memory is not None:
             self.col_inv["c"] = torch.cat([self.inv_norms["c"], _inverse_prefix_norms(self.memory, spec)], dim=1)
@@ -228,27 +242,10 @@ class _TileDirection:
     """
 
     def __init__(
-        self,
-        direction,
-        rows,
-        row_inv,
-        row_key,
-        row_slice,
-        cols,
-        buffers,
-        begin,
-        spec: InfoNCESpec,
-        dropped,
-        removed=None,
-        memory=None,
+        self, direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, dropped, removed, memory
     ):
-        self.direction, self.rows, self.row_inv, self.row_key, self.row_slice = (
-            direction,
-            rows,
-            row_inv,
-            row_key,
-            row_slice,
-        )
+        self.direction, self.rows, self.row_inv = direction, rows, row_inv
+        self.row_key, self.row_slice = row_key, row_slice
         # dropped: (rows, cols) bool tile of the filter (and duplicates);
         # removed: (rows, cols) index pairs of duplicates
         self.cols, self.buffers, self.spec, self.dropped, self.removed = cols, buffers, spec, dropped, removed

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..errors import TritonUnavailableError
 from .kernels import INTERPRETED
+from .launch_errors import describe_error, is_launch_error
 
 logger = logging.getLogger(__name__)
 
@@ -145,18 +146,3 @@ def forced_tile_config(config: TileConfig) -> Iterator[None]:
         yield
     finally:
         _FORCED_CONFIG = previous
-
-
-def is_launch_error(error: Exception) -> bool:
-    """A Triton compile or launch failure (the driver's errors reach Python as "Triton Error [CUDA]: ...")."""
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-
-    return isinstance(error, (CompilationError, OutOfResources)) or (
-        isinstance(error, RuntimeError) and str(error).startswith("Triton Error")
-    )
-
-
-def describe_error(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"

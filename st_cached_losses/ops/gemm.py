@@ -1,0 +1,93 @@
+"""The precision policy's matrix products: what ``spec.precision`` (``core.resolve_precision``: "bf16", "tf32" or
+"ieee") means for the GEMMs of the dense backends, in one place.
+
+- "bf16": bf16 operands, fp32 accumulation (cuBLAS's ``CUBLAS_COMPUTE_32F``), fp32 softmax and LSE;
+- "tf32": fp32 operands, TF32 tensor-core products (a 10-bit mantissa; fp16 values are exact in it);
+- "ieee": fp32 operands (fp64 for fp64 inputs), IEEE products.
+
+The TF32 switch is scoped to the op's own GEMMs (:func:`matmul_precision`), the caller's setting restored after.
+Off CUDA nothing is switched: CPU matmuls are IEEE, so "tf32" there computes "ieee" (at least as precise), and
+"bf16" is exact by emulation: bf16 operands upcast to fp32 multiply exactly and accumulate in fp32, as the GPU's
+tensor cores do (up to the order of the sums).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+__all__ = ["accumulate", "accumulation_dtype", "matmul_precision", "operand_dtype", "rounded_operand"]
+
+_HALF = (torch.bfloat16, torch.float16)
+# Whether torch.addmm(fp32 acc, bf16, bf16, out_dtype=fp32, out=acc) accumulates in place on this torch (its out_dtype
+# overload refused an fp32 addend in some releases): decided by the first call on CUDA, per process.
+_IN_PLACE_OUT_DTYPE: list[bool] = []
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs: the sums, the LSEs and the gradient accumulators."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def operand_dtype(precision: str, dtype: torch.dtype) -> torch.dtype:
+    """The GEMM operands' dtype for inputs of ``dtype``: bf16 under "bf16", else the accumulation dtype (fp16 inputs
+    are upcast exactly)."""
+    return torch.bfloat16 if precision == "bf16" else accumulation_dtype(dtype)
+
+
+def rounded_operand(x: Tensor, precision: str) -> Tensor:
+    """``x`` in the accumulation dtype, its values rounded to bf16 under "bf16": a backend computing in fp32 that
+    multiplies these gets the products of bf16 operands exactly (the chunked backend's "bf16")."""
+    dtype = accumulation_dtype(x.dtype)
+    if precision == "bf16" and x.dtype != torch.bfloat16:
+        return x.to(torch.bfloat16).to(dtype)
+    return x.to(dtype)
+
+
+@contextlib.contextmanager
+def matmul_precision(tf32: bool, device: torch.device) -> Iterator[None]:
+    """fp32 matmuls on ``device`` in TF32 (``tf32``) or IEEE inside the block, the caller's setting restored after.
+
+    On CUDA through ``torch.backends.cuda.matmul.fp32_precision`` (torch >= 2.9; readable whichever API the caller
+    set TF32 with), else ``allow_tf32``; nothing changes on other devices."""
+    if device.type != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    name = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"
+    previous = getattr(matmul, name)
+    setattr(matmul, name, ("tf32" if tf32 else "ieee") if name == "fp32_precision" else tf32)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, previous)
+
+
+def accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32/fp64 (any strides with a unit one), ``a`` and ``b`` in the operand dtype.
+
+    fp32/fp64 operands: one in-place ``addmm_`` (TF32 or IEEE as :func:`matmul_precision` says). bf16 on CUDA: one
+    cuBLAS call accumulating into the fp32 ``acc`` (``out_dtype``), or, where this torch refuses an fp32 addend
+    there, the product into a temporary and an add. bf16 elsewhere: the exact emulation (operands upcast).
+    """
+    if a.dtype not in _HALF:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        _accumulate_cuda(acc, a, b)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def _accumulate_cuda(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    if not _IN_PLACE_OUT_DTYPE or _IN_PLACE_OUT_DTYPE[0]:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        except (RuntimeError, TypeError):  # a check before any work: acc is untouched
+            _IN_PLACE_OUT_DTYPE[:] = [False]
+        else:
+            _IN_PLACE_OUT_DTYPE[:] = [True]
+            return
+    acc.add_(torch.mm(a, b, out_dtype=acc.dtype))

@@ -1,0 +1,388 @@
+"""The Triton backend of ``matryoshka_infonce``: blocks of R query rows against all columns, cuBLAS GEMMs for every
+matrix product, one fused Triton pass kernel for everything between them (``fused.py``).
+
+Per block and direction (rows X, columns Y, both in the GEMM operand dtype of ``spec.precision``, ``gemm.py``):
+
+1. K score GEMMs write the band planes S[k] = X[:, band_k] Y[:, band_k]^T (band_k = [d_{k+1}, d_k), dims
+   descending): one pass over D for all dims, in the operand dtype (bf16 planes under "bf16");
+2. the pass kernel, PASS 1, reads the planes once: every dim's logits with every mask and the hardness, each row's
+   per-tile maximum and sum of exp2 (the LSE's partials) and its positive's similarity;
+3. the rows kernel: each row's LSE per dim and direction, the partition's normaliser, the row's loss;
+4. the pass kernel, PASS 2, reads the planes again and writes in place G_k = A_1 + ... + A_k, the gradient of the
+   weighted loss wrt band k's dot products (A_k: dim k's), and the cosine normalisation's row / column scalars;
+5. 2K gradient GEMMs: dX[:, band_k] += G_k Y[:, band_k] and dY[:, band_k] += G_k^T X[:, band_k], fp32
+   accumulation (``gemm.accumulate``); the queries' rows are finished per block (``fused._finish_kernel``), the
+   columns' accumulators once at the end.
+
+Loss and gradients come from one sweep (GradCache's step 2 wants both); a row's LSE is complete within its block,
+so nothing is recomputed; no atomics (deterministic). R comes from :data:`BLOCK_BYTES`, so a block's planes and
+partials stay within 256 MiB whatever B.
+
+The estimate (H100 SXM: 782 TFLOP/s measured for bf16 ``torch.mm``, 3.35 TB/s HBM3; query_to_doc, M = B columns,
+D = 768, dims 768/512/256/128/64, K = 5; R from :func:`plan_rows`):
+
+====================================  =====================  =====================
+bf16                                  B = 16384              B = 65536
+====================================  =====================  =====================
+FLOP floor 6 B^2 D (scores, dQ, dC)   1.24 TFLOP, 1.58 ms    19.8 TFLOP, 25.3 ms
+planes: 6 p K bytes per (row, col)    16.1 GB, 4.8 ms        258 GB, 77 ms
+fp32 dC accumulator, 8 M D per block  R = 1392: 1.2 GB, 0.4   R = 352: 75 GB, 22 ms
+predicted (bytes-bound)               ~5.5-6 ms (target 6)   ~100-110 ms (target 100)
+====================================  =====================  =====================
+
+Each band plane is written by its GEMM, read by both passes, rewritten as G and read by both gradient GEMMs: 6 p K
+= 60 bytes per (row, column) for bf16 planes (p = 2), against 6 D FLOPs = 20 bytes' worth at the card's balance
+(233 FLOP/byte): the design is bounded by bytes at about a quarter of the roofline (the issue's target). fp32 planes
+(TF32, IEEE; R halves) double the bytes: TF32 ~10-11 ms at 16384 (target <= 2x bf16); IEEE fp32 runs its GEMMs on
+the FMA units (~25 ms). bf16 planes round each band's product to bf16, as stock's bf16 scores are; the softmax,
+LSEs and sums run in fp32. Memory beyond the inputs: the planes and partials (<= 256 MiB), the fp32 column
+accumulator and the gradients: 2x the bf16 inputs + 256 MiB. The next levers: pass 1 in a Triton score GEMM's
+epilogue (-p K bytes per (row, column): -0.8 ms at 16384, -13 ms at 65536) and fewer, larger blocks for the
+accumulator at large B.
+
+Launches per block and direction: K score GEMMs, the pass kernel twice, 2K gradient GEMMs; per block the rows
+kernel, the finishing kernel and 3 small torch ops: 3K + 7 = 22 at K = 5. Per call 37 more (prefix norms, buffers,
+the columns' finishing): 301 at B = 16384 (12 blocks), counted by tests/test_triton.py; no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..duplicates import DuplicateMask
+from ..errors import TritonUnavailableError
+from ..false_negatives import Guide, num_candidates
+from ..gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
+from ..result import InfoNCEResult
+from ..spec import DIRECTIONS, NORM_EPS, InfoNCESpec
+from .fused import MAX_DIMS
+from .launch_errors import describe_error, is_launch_error
+from .passes import Direction, Launcher, config, constants, padded
+from .probe import unusable_reason
+
+__all__ = ["BLOCK_BYTES", "MAX_DIMS", "forward", "plan_rows", "unsupported"]
+
+BLOCK_BYTES = 256 * 2**20
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INT32 = 2**31 - 1
+
+
+def unsupported(spec: InfoNCESpec) -> str | None:
+    """What of ``spec`` this backend does not take, or None: every direction, partition and hardness mode, hard
+    negatives, the GIST and self-guided filters, the duplicate mask, a memory bank and gathered world columns are
+    taken; more than :data:`MAX_DIMS` Matryoshka dims are not (the kernels unroll the dims)."""
+    if len(spec.dims) > MAX_DIMS:
+        return f"at most {MAX_DIMS} Matryoshka dims, got {len(spec.dims)}"
+    return None
+
+
+def forward(
+    queries: Tensor,
+    docs: Tensor,
+    world_queries: Tensor,
+    spec: InfoNCESpec,
+    need_grad: bool,
+    tile_rows: int | None = None,
+    guide: tuple[Tensor, Tensor] | None = None,
+    duplicates=None,
+    memory=None,
+) -> InfoNCEResult:
+    """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``, one sweep.
+
+    Args: as ``chunked.forward`` (queries (B, D), docs (M, D), world_queries (Bw, D); CUDA tensors, or CPU ones
+    under ``TRITON_INTERPRET=1``); ``tile_rows``: rows per block (default :func:`plan_rows`'s budget).
+
+    Returns:
+        ``InfoNCEResult``: per_dim (K,), lse (K, ndir, B) fp32 (fp64 for fp64 inputs); grads in the inputs' dtype.
+
+    Raises:
+        NotImplementedError: more than :data:`MAX_DIMS` dims, or an unsupported dtype.
+        ValueError: tensors the kernels cannot run on (``probe.unusable_reason``).
+        TritonUnavailableError: the kernels fail to compile or launch here (``backend="auto"`` falls back).
+    """
+    missing = unsupported(spec)
+    if missing is not None:
+        raise NotImplementedError(f"backend='triton' supports {missing}: use backend='chunked'.")
+    if queries.dtype not in _DTYPES:
+        raise NotImplementedError(f"backend='triton' takes fp32/bf16/fp16/fp64 embeddings, got {queries.dtype}.")
+    reason = unusable_reason(queries.device, ".triton.fused")
+    if reason is not None:
+        raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
+    try:
+        with matmul_precision(spec.precision == "tf32", queries.device):
+            sweep = _Sweep(queries, docs, world_queries, spec, need_grad, guide, duplicates, memory)
+            return sweep.run(plan_rows(spec, queries.shape[1], sweep.plane_dtype, tile_rows))
+    except Exception as error:
+        if not is_launch_error(error):
+            raise
+        raise TritonUnavailableError(describe_error(error)) from error
+
+
+def _columns(spec: InfoNCESpec, name: str) -> int:
+    sizes = {"c": spec.num_doc_columns, "p": spec.world_batch_size, "w": spec.world_batch_size, "q": spec.batch_size}
+    return sizes[DIRECTIONS[name].cols]
+
+
+def plan_rows(spec: InfoNCESpec, dim: int, plane_dtype: torch.dtype, tile_rows: int | None = None) -> int:
+    """Rows per block: ``tile_rows`` if given, else as many as keep a block's planes, partials and row buffers
+    within :data:`BLOCK_BYTES` (a multiple of the pass kernel's BM), at most B; either way few enough that the
+    kernels' int32 offsets into a block's planes cannot overflow."""
+    k, bm, bn = len(spec.dims), config("pass")["BM"], config("pass")["BN"]
+    columns = [padded(_columns(spec, name), "BN") for name in spec.directions]
+    plane = torch.finfo(plane_dtype).bits // 8
+    per_row = k * sum(columns) * plane + 8 * len(columns) * k * (-(-max(columns) // bn)) + 4 * (dim + 4 * k)
+    if spec.false_negatives is not None:
+        per_row += 5 * sum(columns)  # the guide's scores of a direction and the tile they drop
+    per_row += 4 * k * max(columns) // bm  # the column terms
+    rows = tile_rows or max(bm, BLOCK_BYTES // per_row // bm * bm)
+    return max(1, min(rows, spec.batch_size, _INT32 // (k * max(columns)) - bm))  # rows are padded to whole BM
+
+
+@functools.lru_cache(maxsize=16)
+def _constants(spec: InfoNCESpec, device: torch.device, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The dims (K,) int32, each dim's gradient coefficient w_k * scale / B (K,) and the kernels' scalars
+    (``passes.constants``): copied to the device once per problem, not once per call (a host-to-device copy per
+    mini-batch that stock does not make)."""
+    coef = [w * spec.scale / spec.batch_size for w in spec.weights]
+    dims = torch.tensor(spec.dims, dtype=torch.int32, device=device)
+    return dims, torch.tensor(coef, dtype=acc, device=device), torch.tensor(constants(spec), dtype=acc, device=device)
+
+
+@dataclass
+class _Operand:
+    """One embedding matrix: the input ``x``, its GEMM operand, inverse prefix norms (K, N) (cosine), and with
+    gradients its fp32 accumulator (N, D) and normalisation terms (K, N) (None where finished block by block)."""
+
+    x: Tensor
+    op: Tensor
+    inv: Tensor | None
+    acc: Tensor | None = None
+    terms: Tensor | None = None
+
+
+class _Sweep:
+    """One op call: operands, per-call buffers, and the blocks (:meth:`run`)."""
+
+    def __init__(self, queries, docs, world_queries, spec: InfoNCESpec, need_grad, guide, duplicates, memory):
+        self.spec, self.need_grad, self.device = spec, need_grad, queries.device
+        acc = self.acc = accumulation_dtype(queries.dtype)
+        self.plane_dtype = operand_dtype(spec.precision, queries.dtype)
+        guided = spec.false_negatives is not None
+        self.filter = Guide.build(queries, docs, world_queries, spec, guide, acc, memory) if guided else None
+        self.duplicates = None if duplicates is None else DuplicateMask.build(spec, *duplicates, memory=memory)
+        self.directions = [Direction.build(name, spec, guided, acc) for name in spec.directions]
+        self.operands = {"q": self._operand(queries), "c": self._operand(docs)}
+        if any(d.cols == "w" for d in self.directions):
+            q = self.operands["q"]  # not gathered: the world is the queries (one operand, gradients apart)
+            same = world_queries is queries
+            self.operands["w"] = _Operand(queries, q.op, q.inv) if same else self._operand(world_queries)
+        self.memory = None if memory is None else self._operand(memory.docs)
+        self.doc_inv = self.operands["c"].inv
+        if self.memory is not None and spec.cosine:  # banked columns follow the docs'
+            self.doc_inv = torch.cat([self.doc_inv, self.memory.inv], dim=1)
+        self.dims, self.coef, consts = _constants(spec, self.device, acc)
+        self.launcher = Launcher(spec, self.device, acc, consts)
+        bounds = (*spec.dims, 0)
+        self.bands = [(k, bounds[k + 1], bounds[k]) for k in range(len(spec.dims))]
+        self.row_finished = not any(d.cols == "q" for d in self.directions)  # no column gradient into the queries
+        if need_grad:
+            for key, operand in self.operands.items():
+                if key != "q" or not self.row_finished:
+                    operand.acc = torch.zeros(operand.x.shape, dtype=acc, device=self.device)
+                    operand.terms = torch.zeros(len(spec.dims), operand.x.shape[0], dtype=acc, device=self.device)
+        self.dropped, self.candidates = torch.zeros((), device=self.device), 0
+
+    def _operand(self, x: Tensor) -> _Operand:
+        inv = None
+        if self.spec.cosine:  # F.normalize's x / max(|x|, eps), per prefix
+            inv = torch.stack([torch.linalg.vector_norm(x[:, :d], dim=1, dtype=self.acc) for d in self.spec.dims])
+            inv = inv.clamp_min(NORM_EPS).reciprocal()
+        return _Operand(x, x.detach().to(self.plane_dtype), inv)
+
+    # ------------------------------------------------------------------------------------------ the call
+
+    def run(self, rows: int) -> InfoNCEResult:
+        spec, acc, device, k = self.spec, self.acc, self.device, len(self.spec.dims)
+        ndir, bm, bn = len(self.directions), config("pass")["BM"], config("pass")["BN"]
+        self.columns = [_columns(spec, d.name) for d in self.directions]
+        self.tiles = -(-max(self.columns) // bn)
+        widest, tall = padded(max(self.columns), "BN"), padded(rows, "BM")
+        self.planes = [
+            torch.zeros(k, tall, padded(n, "BN"), dtype=self.plane_dtype, device=device) for n in self.columns
+        ]
+        self.col_inv = [self._padded_inv(d, n) for d, n in zip(self.directions, self.columns)]
+        self.part_a = torch.full((ndir, k, rows, self.tiles), float("-inf"), dtype=acc, device=device)
+        self.part_b = torch.zeros(ndir, k, rows, self.tiles, dtype=acc, device=device)
+        self.pos = torch.zeros(k, rows, dtype=acc, device=device)
+        self.nrm2 = torch.empty(ndir, k, rows, dtype=acc, device=device)
+        self.lse = torch.empty(k, ndir, spec.batch_size, dtype=acc, device=device)
+        self.loss = torch.empty(k, spec.batch_size, dtype=acc, device=device)
+        if self.need_grad:
+            self.col_terms = torch.empty(k, tall // bm, widest, dtype=acc, device=device)
+            self.row_grad = torch.empty(rows, self.operands["q"].x.shape[1], dtype=acc, device=device)
+            self.d_queries = torch.empty_like(self.operands["q"].x)
+        self.masked = self.filter is not None or self.duplicates is not None
+        if not self.masked:  # every row scores the same candidates: one rule for all blocks
+            self.live = self._masks(0, rows)[1]
+        for begin in range(0, spec.batch_size, rows):
+            self._block(begin, min(begin + rows, spec.batch_size))
+        grads = self._finish() if self.need_grad else None
+        share = self.dropped.to(torch.float32) / max(self.candidates, 1) if self.masked else None
+        blocks = -(-spec.batch_size // rows)
+        tile = f"{min(rows, spec.batch_size)} rows x all columns, {blocks} blocks, {str(self.plane_dtype)[6:]} planes"
+        return InfoNCEResult(self.loss.sum(1) / spec.batch_size, self.lse, grads, tile=tile, masked_share=share)
+
+    def _block(self, begin: int, end: int) -> None:
+        drops, live = self._masks(begin, end) if self.masked else ([None] * len(self.directions), self.live)
+        for index, direction in enumerate(self.directions):
+            rows, row_inv, _, _ = self._rows(direction, begin, end)
+            cols, _, width = self._cols(direction)
+            col_inv = self.col_inv[index]
+            planes = self.planes[index][:, : end - begin, : self.columns[index]]
+            for k, lo, hi in self.bands:
+                torch.mm(rows[:, lo:hi], cols[:, lo:hi].T, out=planes[k, :, :width])
+                if width < self.columns[index]:
+                    torch.mm(rows[:, lo:hi], self.memory.op[:, lo:hi].T, out=planes[k, :, width:])
+            pos = self.pos if direction.consts["LABEL"] else None
+            masks = self._kernel_masks(direction, drops[index], begin, end)
+            world0 = self.spec.offset + begin
+            self.launcher.run_pass(
+                1, direction, planes, row_inv, col_inv, self.part_a[index], self.part_b[index], pos, masks=masks,
+                world0=world0,
+            )  # fmt: skip
+        self.launcher.run_rows(
+            self.part_a, self.part_b, self.tiles, self.pos, live, self.lse, self.nrm2, self.loss, end - begin, begin
+        )
+        if self.need_grad:
+            self._gradients(begin, end, drops)
+
+    def _gradients(self, begin: int, end: int, drops: list) -> None:
+        spec, count = self.spec, end - begin
+        bm, bn = config("pass")["BM"], config("pass")["BN"]
+        if self.row_finished:
+            self.row_grad[:count].zero_()
+        query_terms = []
+        for index, direction in enumerate(self.directions):
+            rows, row_inv, row_grad, row_terms = self._rows(direction, begin, end)
+            cols, _, width = self._cols(direction)
+            col_inv = self.col_inv[index]
+            planes = self.planes[index][:, :count, : self.columns[index]]
+            col_terms = self.col_terms if spec.cosine else None
+            self.launcher.run_pass(
+                2, direction, planes, row_inv, col_inv, self.part_a[index], nrm2=self.nrm2[index], coef=self.coef,
+                col_terms=col_terms, masks=self._kernel_masks(direction, drops[index], begin, end),
+                world0=spec.offset + begin,
+            )  # fmt: skip
+            col_grad, col_term_sums = self._col_targets(direction, width)
+            if spec.cosine:
+                col_term_sums.add_(col_terms[:, : -(-count // bm), :width].sum(1))
+                partial = self.part_a[index][:, :count, : -(-self.columns[index] // bn)]
+                if row_terms is None:
+                    query_terms.append(partial)
+                else:
+                    row_terms.add_(partial.sum(-1))
+            for k, lo, hi in self.bands:
+                accumulate(row_grad[:, lo:hi], planes[k, :, :width], cols[:, lo:hi])
+                if width < self.columns[index]:
+                    accumulate(row_grad[:, lo:hi], planes[k, :, width:], self.memory.op[:, lo:hi])
+                accumulate(col_grad[:, lo:hi], planes[k, :, :width].T, rows[:, lo:hi])
+        if self.row_finished:
+            queries = self.operands["q"]
+            terms = None
+            if spec.cosine:
+                single = len(query_terms) == 1
+                terms = query_terms[0] if single else sum(t.sum(-1) for t in query_terms)[:, :, None]
+            inv = None if queries.inv is None else queries.inv[:, begin:end]
+            grad, out = self.row_grad[:count], self.d_queries[begin:end]
+            self.launcher.run_finish(grad, queries.x[begin:end], inv, terms, self.dims, out)
+
+    def _finish(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The accumulated operands' gradients: the normalisation's share added, in the inputs' dtype."""
+        out = {"q": self.d_queries} if self.row_finished else {}
+        for key, operand in self.operands.items():
+            if operand.acc is not None:
+                out[key] = torch.empty_like(operand.x)
+                terms = operand.terms[:, :, None] if self.spec.cosine else None
+                self.launcher.run_finish(operand.acc, operand.x, operand.inv, terms, self.dims, out[key])
+        return out["q"], out["c"], out.get("w")
+
+    # ---------------------------------------------------------------------------------------- the operands
+
+    def _rows(self, direction: Direction, begin: int, end: int):
+        """(GEMM rows, their inverse norms, where their gradient and its terms accumulate (None: finished per block))
+        of a direction's block."""
+        local = slice(begin, end)
+        if direction.rows == "c":  # the local positives: docs [offset + begin, offset + end)
+            local = slice(self.spec.offset + begin, self.spec.offset + end)
+        operand = self.operands[direction.rows]
+        inv = None if operand.inv is None else operand.inv[:, local]
+        if operand.acc is None:
+            return operand.op[local], inv, self.row_grad[: end - begin] if self.need_grad else None, None
+        terms = None if operand.terms is None else operand.terms[:, local]
+        return operand.op[local], inv, operand.acc[local], terms
+
+    def _cols(self, direction: Direction) -> tuple[Tensor, Tensor | None, int]:
+        """(GEMM columns, the planes' columns' inverse norms, the number of them that take a gradient)."""
+        key = "c" if direction.cols == "p" else direction.cols
+        operand = self.operands[key]
+        width = {"p": self.spec.world_batch_size, "c": self.spec.num_docs}.get(direction.cols, operand.x.shape[0])
+        inv = operand.inv if operand.inv is None else operand.inv[:, :width]
+        if direction.cols == "c":
+            inv = self.doc_inv
+        return operand.op[:width], inv, width
+
+    def _padded_inv(self, direction: Direction, columns: int) -> Tensor | None:
+        """The planes' columns' inverse norms (K, padded columns), zeros beyond them (cosine; else None)."""
+        inv = self._cols(direction)[1]
+        if inv is None:
+            return None
+        out = inv.new_zeros(inv.shape[0], padded(columns, "BN"))
+        out[:, :columns] = inv
+        return out
+
+    def _col_targets(self, direction: Direction, width: int) -> tuple[Tensor, Tensor | None]:
+        operand = self.operands["c" if direction.cols == "p" else direction.cols]
+        return operand.acc[:width], None if operand.terms is None else operand.terms[:, :width]
+
+    # -------------------------------------------------------------------------------------------- the masks
+
+    def _masks(self, begin: int, end: int) -> tuple[list, Tensor]:
+        """Per direction the filter's dropped tile (duplicates folded in) or None, and the rows that take a loss
+        and a gradient (int8 (rows,)): not those left with one candidate (``chunked``'s rule)."""
+        spec, count = self.spec, end - begin
+        dropped = {} if self.filter is None else self.filter.dropped(spec, begin, end)
+        drops, candidates = [], []
+        for direction, width in zip(self.directions, self.columns):
+            rule, drop, lost = DIRECTIONS[direction.name], dropped.get(direction.name), None
+            if self.duplicates is not None:
+                if drop is not None:
+                    drop[self.duplicates.tile(direction.name, begin, end)] = True
+                else:
+                    lost = self.duplicates.removed_per_row(direction.name)[begin:end]
+            if drop is not None:
+                lost = drop.sum(1)
+            scored = num_candidates(rule, spec, 1, width) + rule.partner
+            if lost is not None:
+                self.dropped += lost.sum()
+                self.candidates += num_candidates(rule, spec, count, width)
+                scored = scored - lost
+            drops.append(drop)
+            if not isinstance(scored, Tensor):
+                scored = torch.full((count,), scored, device=self.device)
+            candidates.append(scored)
+        scored = torch.stack(candidates)
+        single = scored.sum(0) == 1 if spec.partition_mode == "joint" else scored.eq(1).all(0)
+        return drops, (~single).to(torch.int8)
+
+    def _kernel_masks(self, direction: Direction, drop: Tensor | None, begin: int, end: int) -> tuple:
+        if drop is not None:
+            return drop.view(torch.uint8), None, None, 1
+        if not direction.consts["DUP"]:
+            return None, None, None, 1
+        forbidden = self.duplicates.forbidden[DIRECTIONS[direction.name].rows][begin:end].to(torch.int32)
+        codes = self.duplicates.codes[direction.cols].to(torch.int32)
+        return None, forbidden.contiguous(), codes, forbidden.shape[1]

@@ -1,0 +1,250 @@
+"""The launches of the block sweep's Triton kernels (``fused.py``): their tile configs, compile-time constants and
+arguments. ``blocks.py`` drives them; :data:`CONFIGS` is what the compile report compiles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..spec import DIRECTIONS, InfoNCESpec
+from .fused import (
+    HARD_OTHERS,
+    HARD_OWN_HARD_NEGATIVES,
+    INTERPRETED,
+    LN2,
+    LOG2E,
+    MASK_CODES,
+    _finish_kernel,
+    _pass_kernel,
+    _rows_kernel,
+)
+
+__all__ = ["CONFIGS", "Direction", "Launcher", "config", "constants", "kernel_variants", "padded"]
+
+# (BM, BN) tiles of 8 warps: 8 elements per thread, one 16-byte load per bf16 plane (two for fp32). Checked with
+# ptxas for sm_90 (tests/test_triton.py): no spills at K = 8.
+CONFIGS = {
+    "pass": dict(BM=16, BN=128, num_warps=8, num_stages=1),
+    "rows": dict(BR=32, BT=32, num_warps=4, num_stages=1),
+    "finish": dict(BN=16, BD=128, num_warps=4, num_stages=1),
+}
+# The interpreter runs one numpy call per op and program: fewer, bigger programs (a test's B = 37 rows and 74
+# columns still span two row tiles and two column tiles).
+INTERPRETER_CONFIGS = {
+    "pass": dict(BM=32, BN=64, num_warps=4, num_stages=1),
+    "rows": dict(BR=64, BT=64, num_warps=4, num_stages=1),
+    "finish": dict(BN=64, BD=64, num_warps=4, num_stages=1),
+}
+_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+@dataclass(frozen=True)
+class Direction:
+    """One direction as the kernels see it: its name, row side ("q" or "c", whose rows offset + i are the local
+    positives), column operand ("c", "p", "w", "q"), and constexprs."""
+
+    name: str
+    rows: str
+    cols: str
+    consts: dict
+
+    @classmethod
+    def build(cls, name: str, spec: InfoNCESpec, filtered: bool, acc: torch.dtype) -> Direction:
+        direction, penalised = DIRECTIONS[name], spec.penalised
+        hardness = 0
+        if direction.label and penalised is not None:
+            hardness = HARD_OTHERS * penalised.others + HARD_OWN_HARD_NEGATIVES * penalised.own_hard_negatives
+        consts = dict(
+            K=len(spec.dims),
+            COSINE=spec.cosine,
+            MASK=MASK_CODES[direction.mask],
+            HARD=hardness,
+            LABEL=direction.label,
+            DUP=spec.mask_duplicates and not filtered,  # with a filter the duplicates join its dropped tile
+            PARTNER=spec.mask_duplicates and direction.partner,
+            FILTER=filtered,
+            ACC=_ACC[acc],
+        )
+        return cls(name, "q" if direction.rows == "q" else "c", direction.cols, consts)
+
+
+def padded(size: int, tile: str) -> int:
+    """``size`` rounded up to whole pass-kernel tiles: ``tile`` "BM" (rows) or "BN" (columns). The planes, the
+    columns' inverse norms and the column terms are allocated so (zeros beyond the data): no tile access is masked."""
+    step = config("pass")[tile]
+    return -(-size // step) * step
+
+
+def config(kind: str) -> dict:
+    """The launch config of kernel ``kind`` ("pass", "rows", "finish") in this process (compiled or interpreted)."""
+    return (INTERPRETER_CONFIGS if INTERPRETED else CONFIGS)[kind]
+
+
+def constants(spec: InfoNCESpec) -> list[float]:
+    """The kernels' CONST: scale and hardness strength in log2 units, scale, ln 2, log2(directions)."""
+    return [spec.scale * LOG2E, spec.hardness_strength * LOG2E, spec.scale, LN2, math.log2(len(spec.directions))]
+
+
+class Launcher:
+    """The kernels' launches for one op call: the problem's constants (``consts``, :func:`constants` on the device),
+    and placeholders for unused pointers."""
+
+    def __init__(self, spec: InfoNCESpec, device: torch.device, acc: torch.dtype, consts: Tensor):
+        self.spec, self.acc, self.consts = spec, acc, consts
+        self.placeholder = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def pass_grid(self, rows: int, cols: int) -> tuple[int, int]:
+        cfg = config("pass")
+        return triton.cdiv(rows, cfg["BM"]), triton.cdiv(cols, cfg["BN"])
+
+    def run_pass(
+        self,
+        which: int,
+        direction: Direction,
+        planes: Tensor,
+        row_inv: Tensor | None,
+        col_inv: Tensor | None,
+        part_a: Tensor,
+        part_b: Tensor | None = None,
+        pos: Tensor | None = None,
+        nrm2: Tensor | None = None,
+        coef: Tensor | None = None,
+        col_terms: Tensor | None = None,
+        masks: tuple = (None, None, None, 1),
+        world0: int = 0,
+    ) -> None:
+        """Pass ``which`` (1 or 2) over ``planes`` (K, rows, cols); see ``fused._pass_kernel``. ``masks``: (dropped
+        tile (rows, cols) uint8, the rows' forbidden codes (rows, n) int32, the columns' codes (cols,) int32, n)."""
+        spec, none = self.spec, self.placeholder
+        drop, row_ids, col_ids, n_forbid = masks
+        rows, cols = planes.shape[1], planes.shape[2]
+        cfg = config("pass")
+        _pass_kernel[self.pass_grid(rows, cols)](
+            planes, planes.stride(0), planes.stride(1),
+            none if row_inv is None else row_inv, 0 if row_inv is None else row_inv.stride(0),
+            none if col_inv is None else col_inv, 0 if col_inv is None else col_inv.stride(0),
+            none if nrm2 is None else nrm2, 0 if nrm2 is None else nrm2.stride(0),
+            none if coef is None else coef,
+            part_a, none if part_b is None else part_b, part_a.stride(0), part_a.stride(1),
+            none if pos is None else pos, 0 if pos is None else pos.stride(0),
+            none if col_terms is None else col_terms,
+            0 if col_terms is None else col_terms.stride(0), 0 if col_terms is None else col_terms.stride(1),
+            none if drop is None else drop, 0 if drop is None else drop.stride(0),
+            none if row_ids is None else row_ids, none if col_ids is None else col_ids, n_forbid,
+            rows, cols, spec.num_docs, world0, spec.world_batch_size, self.consts,
+            PASS=which, **direction.consts, **cfg,
+        )  # fmt: skip
+
+    def run_rows(
+        self,
+        part_a: Tensor,
+        part_b: Tensor,
+        n_tiles: int,
+        pos: Tensor,
+        live: Tensor,
+        lse: Tensor,
+        nrm2: Tensor,
+        loss: Tensor,
+        rows: int,
+        row0: int,
+    ) -> None:
+        """``fused._rows_kernel`` over ``rows`` rows of a block starting at batch row ``row0``: partials (NDIR, K,
+        rows, tiles), pos (K, rows), live (rows,) int8 -> lse (K, NDIR, B), nrm2 (NDIR, K, rows), loss (K, B)."""
+        spec, cfg = self.spec, config("rows")
+        ndir = len(spec.directions)
+        _rows_kernel[(triton.cdiv(rows, cfg["BR"]),)](
+            part_a, part_b, part_a.stride(0), part_a.stride(1), part_a.stride(2), n_tiles, pos, pos.stride(0), live,
+            lse, lse.stride(0), lse.stride(1), nrm2, nrm2.stride(0), nrm2.stride(1), loss, loss.stride(0),
+            rows, row0, self.consts,
+            K=len(spec.dims), NDIR=ndir, JOINT=spec.partition_mode == "joint", ACC=_ACC[self.acc], **cfg,
+        )  # fmt: skip
+
+    def run_finish(
+        self, grad: Tensor, x: Tensor, inv: Tensor | None, terms: Tensor | None, dims: Tensor, out: Tensor
+    ) -> None:
+        """``fused._finish_kernel``: out = grad minus the cosine normalisation's share (terms (K, rows, parts))."""
+        spec, cfg, none = self.spec, config("finish"), self.placeholder
+        n, d = grad.shape
+        grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(d, cfg["BD"]))
+        _finish_kernel[grid](
+            grad, grad.stride(0), x, x.stride(0),
+            none if inv is None else inv, 0 if inv is None else inv.stride(0),
+            none if terms is None else terms, 0 if terms is None else terms.stride(0),
+            0 if terms is None else terms.stride(1), 0 if terms is None else terms.shape[2],
+            dims, out, out.stride(0), n, d,
+            K=len(spec.dims), COSINE=spec.cosine, ACC=_ACC[self.acc], **cfg,
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ the compile report
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+# Pointer arguments of each kernel that hold the embeddings' dtype ("input"), the planes' ("plane"), or a fixed one.
+_POINTERS = {
+    "S": "plane", "X": "input", "OUT": "input", "DROP": "u8", "ROW_IDS": "i32", "COL_IDS": "i32", "DIMS": "i32",
+    "LIVE": "i8",
+}  # fmt: skip
+# What every launch guarantees (the planes, the columns' inverse norms and the column terms are allocations of their
+# own, padded to whole tiles: ``padded``): 16-byte aligned pointers and 16-element strides, as Triton's JIT
+# specialises them at run time; the finishing kernel's for D = 768 (other D specialise their own at run time).
+_ALIGNED = {
+    "dense/pass1": ("S", "stride_band", "stride_row", "COL_INV", "stride_col_inv"),
+    "dense/pass2": (
+        "S",
+        "stride_band",
+        "stride_row",
+        "COL_INV",
+        "stride_col_inv",
+        "COL_T",
+        "stride_col_t_k",
+        "stride_col_t_r",
+    ),
+    "dense/rows": (),
+    "dense/finish": ("G", "stride_g", "X", "stride_x", "OUT", "stride_out", "d"),
+}
+
+
+def kernel_variants(precision: str = "bf16", num_dims: int = 5, input_dtype: torch.dtype | None = None) -> list[dict]:
+    """The kernels one op call launches, as the compile report compiles them for sm_90 without a GPU: one dict per
+    kernel with its name, ``kernel`` (the @triton.jit function), ``signature`` ({arg: Triton type or "constexpr"}),
+    ``constexprs``, ``attrs`` ({(arg index,): [["tt.divisibility", 16]]}: what the launches guarantee), num_warps,
+    num_stages and ``tensor_cores`` (False: elementwise, no dot). The training default: cosine, query_to_doc, no
+    hardness or masks, ``num_dims`` dims; ``precision`` "bf16" (bf16 planes), "tf32"/"ieee" (fp32) or "fp64"."""
+    plane = {"bf16": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
+    acc = torch.float64 if plane == torch.float64 else torch.float32
+    inputs = input_dtype or (torch.float32 if plane != torch.bfloat16 else torch.bfloat16)
+    types = {"plane": _TYPES[plane], "input": _TYPES[inputs]}
+    problem = dict(K=num_dims, COSINE=True, ACC=_ACC[acc])
+    direction = dict(MASK=0, HARD=0, LABEL=True, DUP=False, PARTNER=False, FILTER=False)
+    kernels = [
+        ("dense/pass1", _pass_kernel, {**problem, **direction, "PASS": 1, **CONFIGS["pass"]}),
+        ("dense/pass2", _pass_kernel, {**problem, **direction, "PASS": 2, **CONFIGS["pass"]}),
+        ("dense/rows", _rows_kernel, {**problem, "NDIR": 1, "JOINT": True, **CONFIGS["rows"]}),
+        ("dense/finish", _finish_kernel, {**problem, **CONFIGS["finish"]}),
+    ]
+    variants = []
+    for name, kernel, options in kernels:
+        launch = {key: options.pop(key) for key in ("num_warps", "num_stages")}
+        constexprs = {key: value for key, value in options.items() if key in kernel.arg_names}
+        signature, attrs = {}, {}
+        for index, arg in enumerate(kernel.arg_names):
+            if arg in constexprs:
+                signature[arg] = "constexpr"
+            elif arg.isupper():  # a pointer
+                kind = _POINTERS.get(arg, _TYPES[acc])
+                signature[arg] = "*" + types.get(kind, kind)
+            else:
+                signature[arg] = "i32"
+            if arg in _ALIGNED[name]:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        variants.append(
+            dict(name=name, kernel=kernel, signature=signature, constexprs=constexprs, attrs=attrs, tensor_cores=False,
+                 label=f"{precision} K={num_dims}", **launch)
+        )  # fmt: skip
+    return variants

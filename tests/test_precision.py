@@ -1,0 +1,105 @@
+"""The precision policy's GEMMs (``ops/gemm.py``) and the chunked backend under it on a CPU: "auto" and "ieee" are
+today's IEEE fp32 bit for bit, "tf32" is IEEE (a CPU has no TF32), "bf16" multiplies bf16-rounded operands exactly;
+the TF32 switch is scoped to the op and restores the caller's setting; the chunked backend's CUDA-sized tiles.
+The Triton backend's modes are in tests/test_triton.py (interpreter) and tests/test_cuda.py (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from st_cached_losses import matryoshka_infonce
+from st_cached_losses.ops import chunked, gemm
+from st_cached_losses.ops.infonce import run_backend
+from st_cached_losses.ops.spec import InfoNCESpec
+from tests.helpers import ALL_DIRECTIONS, assert_close_to_scale
+
+
+def _inputs(batch=21, dim=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    queries = torch.randn(batch, dim, generator=g)
+    return queries, torch.randn(2 * batch, dim, generator=g) + torch.cat([queries, torch.zeros_like(queries)])
+
+
+def _op(queries, docs, **options):
+    """(loss, lse, d queries, d docs) of the public op on fresh leaves."""
+    q, c = queries.clone().requires_grad_(), docs.clone().requires_grad_()
+    out = matryoshka_infonce(q, c, dims=[40, 24, 8], directions=ALL_DIRECTIONS, chunk_size=8, **options)
+    out.loss.backward()
+    return out.loss.detach(), out.lse, q.grad, c.grad
+
+
+def test_cpu_auto_ieee_and_tf32_are_the_same_ieee_numbers():
+    queries, docs = _inputs()
+    auto = _op(queries, docs, backend="chunked")
+    for precision in ("ieee", "tf32"):
+        assert all(torch.equal(a, b) for a, b in zip(_op(queries, docs, backend="chunked", precision=precision), auto))
+
+
+def test_chunked_bf16_multiplies_bf16_rounded_operands_exactly():
+    """ "bf16" rounds the operands to bf16 once and multiplies them in fp32 (exact products, fp32 sums): the same
+    numbers as IEEE fp32 on inputs rounded beforehand, and the float64 truth on the rounded values within fp32's
+    accumulation error."""
+    queries, docs = _inputs()
+    got = _op(queries, docs, backend="chunked", precision="bf16")
+    rounded = [t.bfloat16().float() for t in (queries, docs)]
+    assert all(torch.equal(a, b) for a, b in zip(got, _op(*rounded, backend="chunked", precision="ieee")))
+    truth = _op(*(t.double() for t in rounded), backend="dense")
+    for name, a, b in zip(("loss", "lse", "d queries", "d docs"), got, truth):
+        assert_close_to_scale(a.double(), b, name, rtol=1e-5)
+    ieee = _op(queries, docs, backend="chunked")
+    assert (got[0] - ieee[0]).abs() > 0  # the rounding is real
+
+
+def test_matmul_precision_is_scoped_and_restores_the_callers_setting():
+    """The op's TF32 switch (flags only: no GPU needed) for each way a caller may have set TF32; a CPU is left
+    alone."""
+    matmul = torch.backends.cuda.matmul
+    cuda, before = torch.device("cuda"), matmul.allow_tf32
+    try:
+        for caller in (lambda: None, lambda: setattr(matmul, "allow_tf32", True),
+                       lambda: setattr(matmul, "fp32_precision", "tf32")):  # fmt: skip
+            caller()
+            previous = matmul.fp32_precision
+            for tf32, inside in ((True, "tf32"), (False, "ieee")):
+                with gemm.matmul_precision(tf32, cuda):
+                    assert matmul.fp32_precision == inside
+                assert matmul.fp32_precision == previous
+            with gemm.matmul_precision(True, torch.device("cpu")):
+                assert matmul.fp32_precision == previous
+            with pytest.raises(KeyError), gemm.matmul_precision(True, cuda):
+                raise KeyError("restored on errors too")
+            assert matmul.fp32_precision == previous
+    finally:  # the legacy flag last: torch refuses legacy reads after a new-API write otherwise
+        matmul.allow_tf32 = before
+
+
+def test_accumulate_bf16_products_in_fp32():
+    """``gemm.accumulate`` of bf16 operands on a CPU: the exact emulation of the tensor cores' bf16 products with fp32
+    accumulation, into a strided fp32 view (a band of a gradient)."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(33, 500, generator=g).bfloat16(), torch.randn(500, 24, generator=g).bfloat16()
+    acc = torch.randn(33, 64, generator=g)
+    want = acc.double()[:, 8:32] + a.double() @ b.double()
+    gemm.accumulate(acc[:, 8:32], a, b)
+    assert_close_to_scale(acc[:, 8:32].double(), want, "accumulate", rtol=1e-6)
+    assert gemm.operand_dtype("bf16", torch.float32) == torch.bfloat16
+    assert gemm.operand_dtype("tf32", torch.float16) == torch.float32
+    assert gemm.operand_dtype("ieee", torch.float64) == torch.float64
+
+
+def test_chunked_tiles_are_cuda_sized_on_a_gpu():
+    """256 MiB of tile temporaries on CUDA (4x the CPU's 64 MiB): at B = 16384, five dims, 682 rows instead of 170,
+    a quarter of the tiles and of their ~256 launches each."""
+    q = torch.empty(16384, 768, device="meta")
+    spec = InfoNCESpec.build(q, q, None, dims=[768, 512, 256, 128, 64], weights=None, scale=20.0, similarity="cosine",
+                             offset=0, directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
+                             hardness_strength=0.0)  # fmt: skip
+    cpu = chunked.default_tile_rows(spec, chunked.tile_budget(torch.device("cpu")))
+    cuda = chunked.default_tile_rows(spec, chunked.tile_budget(torch.device("cuda")))
+    assert (cpu, cuda) == (170, 682)
+    queries, docs = _inputs()
+    spec = InfoNCESpec.build(queries, docs, None, dims=[40], weights=None, scale=20.0, similarity="cosine", offset=0,
+                             directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
+                             hardness_strength=0.0)  # fmt: skip
+    assert run_backend("chunked", queries, docs, queries, spec, need_grad=False).tile == "21 rows"
