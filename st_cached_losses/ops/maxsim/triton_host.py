@@ -140,12 +140,11 @@ class _Sweep:
         self.plan = Plan.choose(spec, self.q.dtype, self.lq, self.ld, dim, need_grad, tile_queries)
         self.acc = torch.float64 if self.q.dtype == torch.float64 else torch.float32
         device = self.q.device
+        self.lse = torch.empty(len(spec.dims), 1, batch, dtype=self.acc, device=device)
         self.qinv = self._inverse_norms(self.q.view(-1, dim), spec.normalized("query"))
         self.cinv = self._inverse_norms(self.c.view(-1, dim), spec.normalized("document"))
-        self.lse = torch.empty(len(spec.dims), 1, batch, dtype=self.acc, device=device)
         self.losses = torch.empty(len(spec.dims), batch, dtype=self.acc, device=device)
         self.empty = torch.empty(num_docs, dtype=torch.int8, device=device)
-        self.weights = torch.tensor(spec.weights, dtype=self.acc, device=device)
         self.mask = None if ids is None else DuplicateMask.build(spec.infonce_spec(), *ids)
         self.dq = self.dc = self.scratch = None
         if need_grad:
@@ -156,9 +155,10 @@ class _Sweep:
                 self.scratch = torch.empty(self.c.shape, dtype=self.acc, device=device)
 
     def _inverse_norms(self, x: Tensor, normalized: tuple[bool, ...]) -> Tensor:
-        """(K, rows) 1 / max(||x[:, :d_k]||, eps) where ``normalized[k]`` (other rows unset), or a placeholder."""
+        """(K, rows) 1 / max(||x[:, :d_k]||, eps) where ``normalized[k]`` (other rows unset), or a placeholder that
+        the kernels never read (no allocation, no launch)."""
         if not any(normalized):
-            return torch.ones(1, dtype=self.acc, device=x.device)
+            return self.lse.view(-1)
         plan = self.plan
         inv = torch.empty(len(normalized), x.shape[0], dtype=self.acc, device=x.device)
         _inverse_norms_kernel[(math.ceil(x.shape[0] / plan.norm_rows),)](
@@ -195,9 +195,9 @@ class _Sweep:
             removed_rows, removed_cols = self.mask.tile("query_to_doc", begin, end)
             logits[:, removed_rows, removed_cols] = float("-inf")
         _infonce_kernel[(math.ceil(count / plan.infonce_rows), k)](
-            logits, self.lse[:, 0, begin:], self.losses[:, begin:], self.weights, self.empty, count, num_docs,
-            spec.offset + begin, self.losses.stride(0), spec.scale / spec.batch_size, NEED_GRAD=self.need_grad,
-            BR=plan.infonce_rows, BN=plan.infonce_cols, ACC=plan.acc,
+            logits, self.lse[:, 0, begin:], self.losses[:, begin:], self.empty, count, num_docs, spec.offset + begin,
+            self.losses.stride(0), spec.scale / spec.batch_size, WEIGHTS=spec.weights, K=k,
+            NEED_GRAD=self.need_grad, BR=plan.infonce_rows, BN=plan.infonce_cols, ACC=plan.acc,
         )  # fmt: skip
         if not self.need_grad:
             return

@@ -42,12 +42,18 @@ _EMPTY = tl.constexpr(EMPTY_DOCUMENT_SCORE)
 
 @triton.jit
 def _operand(x, DT: tl.constexpr, UPCAST: tl.constexpr):
-    """``x`` as a dot operand of dtype DT; under the interpreter bf16/fp16 values go on as fp32 (Triton's interpreter
-    multiplies bf16's raw bits; products of bf16/fp16 values are exact in fp32, so the GPU's numbers)."""
-    x = x.to(DT)
+    """``x`` as a dot operand of dtype DT; under the interpreter (UPCAST) bf16/fp16 values go on as fp32: Triton's
+    interpreter multiplies bf16's raw bits and rounds fp32 to bf16 otherwise than the GPU, so bf16 is rounded here to
+    nearest even by its bits; products of bf16/fp16 values are exact in fp32, so the GPU's numbers."""
     if UPCAST:
-        x = x.to(tl.float32)
-    return x
+        if DT == tl.bfloat16:  # noqa: SIM300 (DT is the constexpr)
+            if x.dtype != tl.bfloat16:
+                bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+                return bits.to(tl.float32, bitcast=True)
+            return x.to(tl.float32)
+        return x.to(DT).to(tl.float32)
+    return x.to(DT)
 
 
 @triton.jit
@@ -168,8 +174,9 @@ def _forward_kernel(
 
 @triton.jit
 def _infonce_kernel(
-    LOGITS, LSE, LOSS, WEIGHTS, EMPTY, count, num_docs, positive0, out_stride, grad_factor,
-    NEED_GRAD: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr,
+    LOGITS, LSE, LOSS, EMPTY, count, num_docs, positive0, out_stride, grad_factor,
+    WEIGHTS: tl.constexpr, K: tl.constexpr, NEED_GRAD: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+    ACC: tl.constexpr,
 ):  # fmt: skip
     """Per dim (axis 1) and rows: LSE[k, i], LOSS[k, i] = LSE - logit of the positive (column positive0 + i) and,
     with NEED_GRAD, LOGITS <- w_k * grad_factor * (softmax - label), 0 for an empty document."""
@@ -192,7 +199,10 @@ def _infonce_kernel(
     tl.store(LSE + k * out_stride + rows, lse, mask=ok)
     tl.store(LOSS + k * out_stride + rows, lse - positive, mask=ok)
     if NEED_GRAD:
-        factor = tl.load(WEIGHTS + k).to(ACC) * grad_factor
+        factor = tl.zeros((), ACC)
+        for i in tl.static_range(K):  # the dims' weights: compile-time constants (fixed in a training run)
+            factor = tl.where(k == i, WEIGHTS[i], factor)
+        factor = factor * grad_factor
         for n0 in range(0, num_docs, BN):
             n = n0 + cols
             inside = ok[:, None] & (n < num_docs)[None, :]

@@ -1,7 +1,7 @@
 """The Triton MaxSim backend's shapes: query tiles, each kernel's program shape, dtypes and compile-time constants.
 
 One :class:`Plan` per call (``Plan.choose``), read by ``triton_host.py``'s launches and by the compile report
-(``triton_compile.py``). The sizes are H100-minded guesses (see ``triton_host.py``'s prediction), not tuned: no GPU
+(``triton_report.py``). The sizes are H100-minded guesses (see ``triton_host.py``'s prediction), not tuned: no GPU
 has run them yet.
 """
 

@@ -1,10 +1,11 @@
-"""The Triton MaxSim kernels as the compile report sees them: each kernel's signature, constexprs and launch options
-for a problem, compiled ahead of time for an NVIDIA GPU without one (Triton's LLVM and bundled ptxas).
+"""Predictors of the Triton MaxSim backend that need no GPU: the kernels compiled ahead of time for an NVIDIA GPU
+(Triton's LLVM and ptxas), and the launches a call makes.
 
 ``kernel_specs`` lists every kernel a call launches (:class:`KernelSpec`: the ``@triton.jit`` function, its
 signature and constexprs from the same :class:`~.triton_plan.Plan` the host uses, num_warps / num_stages, and whether
 its hot loop must run on tensor cores); ``compile_kernels`` compiles them (in a process without TRITON_INTERPRET);
-``ptxas_report`` runs ``ptxas -v`` on each PTX for registers and spills.
+``ptxas_report`` runs ``ptxas -v`` on each PTX for registers and spills; ``count_launches`` counts what a call
+would launch on a GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .triton_kernels import (
 )
 from .triton_plan import Plan
 
-__all__ = ["KernelSpec", "compile_kernels", "kernel_specs", "ptxas_report"]
+__all__ = ["KernelSpec", "compile_kernels", "count_launches", "kernel_specs", "ptxas_report"]
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _MULTIPLES_OF_16 = {"num_docs", "Lq", "Ld", "q_stride", "c_stride", "inv_stride", "out_stride", "rows"}
@@ -93,8 +94,8 @@ def kernel_specs(
         ("inverse_norms", _inverse_norms_kernel, {**plan.bands, "NORM": plan.consts["CN"], "D": dim,
                                                    "BR": plan.norm_rows, "BD": plan.block_d, "ACC": plan.acc}, False),
         ("forward", _forward_kernel, {**plan.forward_consts, "STORE_ARGMAX": True}, True),
-        ("infonce", _infonce_kernel, {"NEED_GRAD": True, "BR": plan.infonce_rows, "BN": plan.infonce_cols,
-                                      "ACC": plan.acc}, False),
+        ("infonce", _infonce_kernel, {"WEIGHTS": spec.weights, "K": len(spec.dims), "NEED_GRAD": True,
+                                      "BR": plan.infonce_rows, "BN": plan.infonce_cols, "ACC": plan.acc}, False),
         ("query_grad", _query_grad_kernel, plan.query_consts, False),
         ("document_grad", _document_grad_kernel, {**plan.document_consts, "LOAD_PREV": True}, True),
     ]  # fmt: skip
@@ -180,3 +181,61 @@ def ptxas_report(compiled: dict, arch: int = 90) -> dict[str, dict]:
 def _number(pattern: str, text: str) -> int:
     found = re.search(pattern, text)
     return int(found.group(1)) if found else 0
+
+
+# aten ops that launch nothing on a GPU: views, shape and metadata queries, allocation without a fill.
+_NO_LAUNCH = {
+    "empty", "empty_like", "empty_strided", "view", "_unsafe_view", "reshape", "alias", "detach", "t", "transpose",
+    "permute", "expand", "slice", "select", "unsqueeze", "squeeze", "as_strided", "split", "split_with_sizes",
+    "unbind", "lift_fresh", "unfold", "diagonal", "narrow", "chunk", "_local_scalar_dense", "is_nonzero",
+}  # fmt: skip
+
+
+def count_launches(call, kernels_module=None) -> dict[str, int]:
+    """Run ``call()`` and count what it would launch on a GPU: {"triton": launches of the Triton kernels,
+    "torch": aten ops that launch a kernel (or a copy), "total": both}. Counted on any device (the CPU under the
+    interpreter): a Triton launch's own tensor traffic is not counted. ``kernels_module``: the module whose
+    ``_*_kernel`` attributes the host launches (default: ``triton_host``), patched for the count."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from . import triton_host
+
+    module = kernels_module or triton_host
+    counts = {"triton": 0, "torch": 0}
+    paused = [False]
+
+    class _Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not paused[0] and name not in _NO_LAUNCH:
+                counts["torch"] += 1
+            return func(*args, **(kwargs or {}))
+
+    originals = {name: getattr(module, name) for name in dir(module) if name.endswith("_kernel")}
+
+    def counted(kernel):
+        class _Grid:
+            def __getitem__(self, grid):
+                launch = kernel[grid]
+
+                def run(*args, **kwargs):
+                    counts["triton"] += 1
+                    paused[0] = True
+                    try:
+                        return launch(*args, **kwargs)
+                    finally:
+                        paused[0] = False
+
+                return run
+
+        return _Grid()
+
+    try:
+        for name, kernel in originals.items():
+            setattr(module, name, counted(kernel))
+        with _Ops():
+            call()
+    finally:
+        for name, kernel in originals.items():
+            setattr(module, name, kernel)
+    return {**counts, "total": counts["triton"] + counts["torch"]}
