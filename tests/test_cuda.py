@@ -45,5 +45,5 @@ def test_auto_picks_triton_exactly_on_verified_gpus():
     from st_cached_losses.ops import backend
 
     name, _ = backend.select_backend(torch.device("cuda"), "auto")
-    verified = torch.cuda.get_device_capability() in backend.VERIFIED_TRITON_CAPABILITIES
+    verified = torch.cuda.get_device_capability() in backend.REGISTRY["matryoshka_infonce"]["triton"].verified
     assert name == ("triton" if verified else "chunked")
