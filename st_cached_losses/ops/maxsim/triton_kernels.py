@@ -97,8 +97,12 @@ def _inverse_norms_kernel(
     f = tl.arange(0, BD)
     squares = tl.zeros((BR,), ACC)
     for b in tl.static_range(K):
-        for d0 in tl.static_range(BOUNDS[K - b], BOUNDS[K - 1 - b], BD):
-            x = _load_rows(X, r.to(tl.int64) * D, ok, d0 + f, BOUNDS[K - 1 - b], d0 + BD <= BOUNDS[K - 1 - b]).to(ACC)
+        # Triton 3.6 gives a tuple's items as plain ints, and a name assigned one as a tensor: wrapped where used
+        for d0 in tl.static_range(tl.constexpr(BOUNDS[K - b]), tl.constexpr(BOUNDS[K - 1 - b]), BD):
+            x = _load_rows(
+                X, r.to(tl.int64) * D, ok, d0 + f, tl.constexpr(BOUNDS[K - 1 - b]),
+                tl.constexpr(d0 + BD <= BOUNDS[K - 1 - b]),
+            ).to(ACC)  # fmt: skip
             squares += tl.sum(x * x, axis=1)
         if NORM[K - 1 - b]:
             inv = 1.0 / tl.maximum(tl.sqrt(squares), _EPS)
@@ -141,10 +145,14 @@ def _forward_kernel(
             bias = tl.where(kept, 0.0, float("-inf")).to(ACC)
             acc = tl.zeros((BQ * LQP, BC), ACC)
             for b in tl.static_range(K):  # smallest dim first: band K-1-b completes dim K-1-b
-                for d0 in tl.static_range(BOUNDS[K - b], BOUNDS[K - 1 - b], BD):
-                    whole = d0 + BD <= BOUNDS[K - 1 - b]
-                    q = _load_rows(Q, rows, ok, d0 + f, BOUNDS[K - 1 - b], whole)
-                    c = _load_rows(C, doc_tokens * D, inside, d0 + f, BOUNDS[K - 1 - b], whole)
+                for d0 in tl.static_range(tl.constexpr(BOUNDS[K - b]), tl.constexpr(BOUNDS[K - 1 - b]), BD):
+                    q = _load_rows(
+                        Q, rows, ok, d0 + f, tl.constexpr(BOUNDS[K - 1 - b]), tl.constexpr(d0 + BD <= BOUNDS[K - 1 - b])
+                    )
+                    c = _load_rows(
+                        C, doc_tokens * D, inside, d0 + f, tl.constexpr(BOUNDS[K - 1 - b]),
+                        tl.constexpr(d0 + BD <= BOUNDS[K - 1 - b]),
+                    )  # fmt: skip
                     acc = tl.dot(
                         _operand(q, OPD, UPCAST), tl.trans(_operand(c, OPD, UPCAST)), acc, input_precision=PREC
                     )
@@ -236,7 +244,7 @@ def _argmax_vectors(
     beta_k (1 where the document side is not normalised there)."""
     at = tl.load(ARGMAX + (k * num_docs + j).to(tl.int64) * tokens + token, mask=ok, other=0).to(tl.int64)
     best = tl.cast(j, tl.int64) * Ld + at
-    vectors = _load_rows(C, best * D, ok, f, BOUNDS[k], BOUNDS[k] >= DP).to(ACC)
+    vectors = _load_rows(C, best * D, ok, f, tl.constexpr(BOUNDS[k]), tl.constexpr(BOUNDS[k] >= DP)).to(ACC)
     beta = tl.full(at.shape, 1.0, ACC)
     if CN[k]:
         beta = tl.load(CINV + k * c_stride + best, mask=ok, other=0.0)
@@ -252,7 +260,7 @@ def _query_grad_kernel(
     ACC: tl.constexpr,
 ):  # fmt: skip
     """DQ of BQ whole queries of the tile: per document and dim, each token's argmax token vector gathered (fp32)."""
-    token, ok, _, weight, query = _tokens(QMASK, tl.program_id(0) * BQ, count, Lq, BQ, LQP, LENGTH_NORMALIZE, ACC)
+    token, ok, _scored, weight, query = _tokens(QMASK, tl.program_id(0) * BQ, count, Lq, BQ, LQP, LENGTH_NORMALIZE, ACC)
     f = tl.arange(0, DP)
     slot = tl.arange(0, KP)[None, :]
     rows = _load_rows(Q, token.to(tl.int64) * D, ok, f, D, D == DP).to(ACC)
@@ -261,7 +269,7 @@ def _query_grad_kernel(
     for j in range(num_docs):
         for k in tl.static_range(K):
             e = tl.load(G + (k * count + query) * num_docs + j, mask=ok, other=0.0) * weight
-            _, vectors, beta = _argmax_vectors(
+            _at, vectors, beta = _argmax_vectors(  # a name of its own: loop-carried types must agree
                 C, CINV, ARGMAX, j, k, token, ok, f, num_docs, count * Lq, Ld, c_stride, D, BOUNDS, CN, DP, ACC
             )
             coef = e * beta
@@ -324,7 +332,13 @@ def _document_grad_kernel(
         hits = u[None, :, None] == at.to(tl.int32)[:, None, :]  # (KB, BU, BQ * LQP)
         onehot = tl.cumsum(tl.where(hits, coef[:, None, :] * beta[:, :, None], 0.0), axis=0)  # band b: dims k <= b
         bands = tl.load(Q + token.to(tl.int64)[None, :, None] * D + band, mask=in_band & ok[None, :, None], other=0.0)
-        acc = tl.dot(_operand(onehot, GD, UPCAST), _operand(bands, GD, UPCAST), acc, input_precision=PREC)
+        onehot, bands = _operand(onehot, GD, UPCAST), _operand(bands, GD, UPCAST)
+        if KB == 1:  # one band: a plain 2-D product (Triton 3.6 spills a batch-of-one 3-D dot)
+            onehot, bands = tl.reshape(onehot, (BU, BQ * LQP)), tl.reshape(bands, (BQ * LQP, BW))
+            product = tl.dot(onehot, bands, input_precision=PREC)
+            acc += tl.reshape(product, (1, BU, BW))
+        else:
+            acc = tl.dot(onehot, bands, acc, input_precision=PREC)
         if ANY_CN:
             rows = _load_rows(Q, token.to(tl.int64) * D, ok, f, D, D == DP).to(ACC)
             for k in tl.static_range(K):

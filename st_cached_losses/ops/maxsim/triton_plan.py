@@ -25,7 +25,7 @@ TILE_BYTES = 64 * 2**20
 
 _FORWARD_ELEMENTS = 16384  # token rows x document tokens of the forward's accumulator (8 warps: 64 fp32 per thread)
 _CHUNK = 128  # the forward's document tokens per chunk (a running max over the chunks of a longer document)
-_ONE_HOT_ELEMENTS = 8192  # band slots x document tokens x query tokens of the document gradient's one-hot tile
+_ONE_HOT_ELEMENTS = 4096  # band slots x document tokens x band width of the document gradient's accumulator
 _IDX = {torch.uint8: tl.uint8, torch.int16: tl.int16, torch.int32: tl.int32}
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float64: tl.float64}
 
@@ -80,7 +80,7 @@ class Plan:
         # fp32 / fp64 operands and gathers: half the elements per program (registers: no spills on sm_90)
         wide = 2 if spec.precision != "bf16" and dtype.itemsize > 2 else 1
         slots, width = _pow2(k), _pow2(max(bounds[i] - bounds[i + 1] for i in range(k)), 16)
-        doc_tokens = max(16, min(64, ldp, _ONE_HOT_ELEMENTS // wide // (slots * width)))
+        doc_tokens = max(16, min(64, ldp, _ONE_HOT_ELEMENTS // (slots * width)))
         block_queries = max(least, min(max(1, 32 // lqp), cap))
         acc = tl.float64 if dtype == torch.float64 else tl.float32
         per_query = k * spec.num_docs * (torch.finfo(_torch(acc)).bits // 8 + need_grad * lq * index_dtype(ld).itemsize)
@@ -125,7 +125,7 @@ class Plan:
             KP=_pow2(self.consts["K"]),
             BJ=self.docs_per_program, IDX=_IDX[self.index],
             OPD=self.types["OPD"], PREC=self.types["PREC"], UPCAST=self.types["UPCAST"],
-            num_warps=max(4, rows * chunk // 2048), num_stages=2,
+            num_warps=max(4, rows * chunk // 2048), num_stages=3,
         )  # fmt: skip
 
     @property
