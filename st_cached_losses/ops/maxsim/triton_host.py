@@ -7,29 +7,38 @@ logits' gradient in place) and, with gradients, the query-gradient (row-owned) a
 kernels; once per call the inverse prefix norms of each normalised side and the per-dim mean. A row tile's forward and
 backward run together, so no B x M x Lq argmax nor B x M x Lq x Ld tensor exists. Deterministic: no atomics.
 
-Floors and prediction (H100 SXM; B = 512, Lq 32, Ld 128, D 128, M = 512 pairs; P = B M Lq Ld = 1.07e9 token pairs):
-- FLOPs on tensor cores: the forward product 2 P D = 2.75e11 and the document gradient's one-hot product (the same)
-  = 5.5e11: 0.70 ms at bf16 (torch.mm's 782 TFLOP/s measured), 1.4 ms at TF32, ~8-14 ms IEEE fp32 (CUDA cores).
-  The query gradient gathers K P D / Ld FMAs (2.1e9 FLOP per dim, CUDA cores, ~0.05 ms per dim).
-- CUDA-core epilogue per token pair and dim: ~4 ops in the forward (document norm, mask, max with argmax) and ~5 in the
-  one-hot tile (compare, select, scale, cumsum over the dims): ~1e10 ops per dim, ~0.3 ms per dim at 3.3e13 ops/s.
-- Bytes: Q 4 MiB + C 16 MiB read, their gradients written (bf16): 40 MiB, 0.013 ms at 3.35 TB/s; the argmaxes
-  8 MiB per dim written and read twice. FLOP-bound by ~50x.
-- Prediction, bf16: one dim ~1.6 ms (tensor products at ~60% of peak, the epilogue not overlapped; target <= 2 ms);
-  four dims [128, 96, 64, 32] ~2.9 ms = 1.8x one dim (target 1.5x: expected to miss by the per-dim epilogue and the
-  normalised dims' gathers). fp32 inputs run IEEE unless TF32 is allowed (``precision``): ~2.5 ms at TF32.
-- B = 4096 (64x the pairs): Ld 128 ~100 ms one dim / ~185 ms four dims, Ld 256 ~2x that. Peak above the input
-  gradients: the tile (<= 64 MiB), the norm tables (~10 MiB) and, for bf16/fp16 inputs split into several tiles, the
-  fp32 document-gradient accumulator (M Ld D 4 bytes: 256 MiB at Ld 128, 512 MiB at Ld 256), so ~+330 MiB at
-  Ld 128 (over the +256 MiB target by that accumulator; fp32 inputs ~+74 MiB).
-- Launches per call: at most 2 (norms) + tiles x (2 forward/InfoNCE + 2 gradients [+ 1 duplicate mask]) + 2; B = 512
-  with one tile: 8 (the chunked backend: ~5,400).
+Floors and prediction (H100 SXM; B = 512, Lq 32, Ld 128, D 128, M = 512 pairs, bf16; T = B Lq = 16384 query tokens,
+P = T M Ld = 1.07e9 token pairs):
+- FLOP floor: the forward product 2 P D = 2.75e11 and the document gradient's one-hot product (the same): 5.5e11 on
+  tensor cores, 0.70 ms at bf16 (torch.mm's 782 TFLOP/s measured there), ~1.4 ms at TF32 (IEEE fp32 runs on CUDA
+  cores: ~10 ms). The query gradient's gathers are K T M D FMAs (2.1e9 FLOP per dim) on CUDA cores.
+- Byte floor: Q 4 MiB + C 16 MiB read, their gradients written: 40 MiB, 0.013 ms at 3.35 TB/s (the argmaxes add
+  8 MiB per dim, written once, read twice). FLOP-bound by ~50x; what binds next is L2 -> SM traffic (~5.5 TB/s):
+  the forward reads every document once per 128-token query block (2.1 GB: 0.38 ms), the document gradient the
+  tile's queries once per program (M Ld / BU programs: 2.1 GB at one dim, 4.2 GB at four: 0.38 / 0.76 ms), the
+  query gradient one document token vector per (token, document, dim) (2.1 GB per dim, less what L1 catches when
+  the dims' argmaxes agree).
+- CUDA-core epilogue per token pair and dim: ~4 ops in the forward (document norm and mask, max with argmax, the
+  running max) and ~5 per band slot in the one-hot tile (compare, select, scale, cumsum): ~0.13 ms per dim in the
+  forward, ~0.16 ms per slot in the document gradient at 3.3e13 ops/s.
+- Prediction, bf16: one dim ~1.5 ms (forward ~0.6, query gradient ~0.35, document gradient ~0.5; target <= 2 ms);
+  four dims [128, 96, 64, 32] ~3.2 ms = ~2.2x one dim (forward ~1.0, query gradient ~1.0, document gradient ~1.2):
+  expected to MISS the 1.5x target, by the per-dim CUDA-core work and L2 traffic of the two gradients. fp32
+  inputs: IEEE unless TF32 is allowed (``precision``); ~2.5 ms one dim at TF32.
+- B = 4096 (64x the pairs): Ld 128 ~95 ms one dim (9 tiles) / ~200 ms four dims (37 tiles), Ld 256 ~2x. Peak above
+  the input gradients: the tile (<= 64 MiB), the inverse norms (~10 MiB) and, for bf16/fp16 inputs over several
+  tiles, the fp32 document-gradient accumulator (M Ld D floats: 256 MiB at Ld 128, 512 MiB at Ld 256): ~+330 MiB at
+  Ld 128, over the +256 MiB target by that accumulator (fp32 inputs: ~+74 MiB).
+- Launches per call (``triton_report.count_launches``): the inverse norms (one per normalised side), per tile the
+  forward, the InfoNCE rows and the two gradients (and the duplicate mask's index_put), the per-dim mean: 7 at
+  B = 512 in one tile with two cosine sides (the chunked backend: ~5,400 on the GPU profile).
 
-Tile choice (``triton_plan.Plan``): forward programs of BQ whole queries (128 token rows at Ld <= 128) x a whole
-document (LDP = Ld rounded up to a power of two), BD = the widest power of two <= 64 dividing every dim (32 for
-[128, 96, 64, 32]), 8 documents per program, the query blocks varying fastest so that a document block is read from
-L2 by every query block; gradient programs of 64 query tokens (dQ) and 64 document tokens x 32 query tokens x all band
-slots (dD).
+Tile choice (``triton_plan.Plan``): forward programs of BQ whole queries (128 token rows) x 8 documents, each swept in
+chunks of 128 tokens (a running per-dim max), the band chunk BD the widest power of two <= 64 dividing every dim (32
+for [128, 96, 64, 32]), 8 warps, 3 stages, the query blocks varying fastest so that a document block is read from L2
+by every query block at once; query-gradient programs of 64 token rows (32 for fp32 operands); document-gradient
+programs of 128 document tokens x steps of 32 query tokens at one band, 64 x 16 x all band slots at several. No
+spills on sm_90 with Triton 3.6 or 3.9 (``triton_report``); untuned: no GPU has run them yet.
 """
 
 from __future__ import annotations
@@ -145,6 +154,7 @@ class _Sweep:
         self.cinv = self._inverse_norms(self.c.view(-1, dim), spec.normalized("document"))
         self.losses = torch.empty(len(spec.dims), batch, dtype=self.acc, device=device)
         self.empty = torch.empty(num_docs, dtype=torch.int8, device=device)
+        self.inverse_den = torch.empty(batch, dtype=self.acc, device=device)  # each query's token weight
         self.mask = None if ids is None else DuplicateMask.build(spec.infonce_spec(), *ids)
         self.dq = self.dc = self.scratch = None
         if need_grad:
@@ -188,7 +198,8 @@ class _Sweep:
         q, query_mask, qinv = self.q[begin:end], self.query_mask[begin:end], self._rows(self.qinv, tokens)
         common = (count, num_docs, self.lq, self.ld, self.qinv.stride(0), self.cinv.stride(0))
         _forward_kernel[(math.ceil(count / plan.forward_queries), math.ceil(num_docs / plan.docs_per_program))](
-            q, self.c, query_mask, self.document_mask, qinv, self.cinv, logits, argmax, self.empty, *common,
+            q, self.c, query_mask, self.document_mask, qinv, self.cinv, logits, argmax, self.empty,
+            self.inverse_den[begin:], *common,
             spec.scale, **plan.forward_consts, STORE_ARGMAX=self.need_grad,
         )  # fmt: skip
         if self.mask is not None:
@@ -207,7 +218,7 @@ class _Sweep:
         previous = self.dc if self.scratch is None else self.scratch
         out = self.dc if last or self.scratch is None else self.scratch
         _document_grad_kernel[(num_docs, math.ceil(self.ld / plan.doc_tokens))](
-            q, self.c, query_mask, qinv, self.cinv, logits, argmax, previous, out, *common,
+            q, self.c, query_mask, self.inverse_den[begin:], qinv, self.cinv, logits, argmax, previous, out, *common,
             **plan.document_consts, LOAD_PREV=not first,
         )  # fmt: skip
 

@@ -111,7 +111,7 @@ def _inverse_norms_kernel(
 
 @triton.jit
 def _forward_kernel(
-    Q, C, QMASK, CMASK, QINV, CINV, LOGITS, ARGMAX, EMPTY,
+    Q, C, QMASK, CMASK, QINV, CINV, LOGITS, ARGMAX, EMPTY, INVDEN,
     count, num_docs, Lq, Ld, q_stride, c_stride, scale,
     D: tl.constexpr, BOUNDS: tl.constexpr, K: tl.constexpr, QN: tl.constexpr, CN: tl.constexpr,
     LENGTH_NORMALIZE: tl.constexpr, STORE_ARGMAX: tl.constexpr,
@@ -120,7 +120,8 @@ def _forward_kernel(
     IDX: tl.constexpr,
 ):  # fmt: skip
     """LOGITS[k, i, j] = scale * MaxSim score of query i (of the tile) and document j in dim k; ARGMAX[k, j, t] the
-    document token each query token t scores in dim k; EMPTY[j] whether document j has no scored token. A document's
+    document token each query token t scores in dim k; EMPTY[j] whether document j has no scored token; INVDEN[i] the
+    weight of query i's scored tokens (1 / its token count for MeanMaxSim, else 1). A document's
     tokens come in chunks of BC (LDP = Ld rounded up to a power of two), each dim's running max (an earlier chunk
     wins a tie, as the leftmost token wins one inside a chunk) kept per (row, dim)."""
     pid_q, pid_j = tl.program_id(0), tl.program_id(1)
@@ -130,9 +131,12 @@ def _forward_kernel(
     u = tl.arange(0, BC)
     f = tl.arange(0, BD)
     rows = token.to(tl.int64) * D
-    empty_fill = tl.full((BQ,), _EMPTY, ACC)  # stock's score of an empty document, ÷ the denominator
+    den = tl.full((BQ,), 1.0, ACC)
     if LENGTH_NORMALIZE:
-        empty_fill = empty_fill / tl.maximum(tl.sum(tl.reshape(scored.to(tl.int32), (BQ, LQP)), axis=1), 1).to(ACC)
+        den = tl.maximum(tl.sum(tl.reshape(scored.to(tl.int32), (BQ, LQP)), axis=1), 1).to(ACC)
+    empty_fill = _EMPTY / den  # stock's score of an empty document, ÷ the denominator
+    if pid_j == 0:
+        tl.store(INVDEN + queries, 1.0 / den, mask=queries < count)
     for j in range(pid_j * BJ, tl.minimum(pid_j * BJ + BJ, num_docs)):
         best = tl.full((BQ * LQP, KP), float("-inf"), ACC)
         best_at = tl.zeros((BQ * LQP, KP), tl.int32)
@@ -290,11 +294,10 @@ def _query_grad_kernel(
 
 @triton.jit
 def _document_grad_kernel(
-    Q, C, QMASK, QINV, CINV, G, ARGMAX, DC_PREV, DC_OUT,
+    Q, C, QMASK, INVDEN, QINV, CINV, G, ARGMAX, DC_PREV, DC_OUT,
     count, num_docs, Lq, Ld, q_stride, c_stride,
     D: tl.constexpr, BOUNDS: tl.constexpr, K: tl.constexpr, QN: tl.constexpr, CN: tl.constexpr, ANY_CN: tl.constexpr,
-    LENGTH_NORMALIZE: tl.constexpr, LOAD_PREV: tl.constexpr,
-    BQ: tl.constexpr, LQP: tl.constexpr, BU: tl.constexpr, BW: tl.constexpr, KB: tl.constexpr, DP: tl.constexpr,
+    LOAD_PREV: tl.constexpr, BT: tl.constexpr, BU: tl.constexpr, BW: tl.constexpr, KB: tl.constexpr, DP: tl.constexpr,
     GD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """DC of BU tokens of document j (axis 0) from the tile's queries: one-hot products per band, batched over the
@@ -319,9 +322,13 @@ def _document_grad_kernel(
     acc = tl.zeros((KB, BU, BW), ACC)
     along = tl.zeros((BU, KB), ACC)  # per dim: s_k(u) = sum of e * sim over the tokens whose argmax u is
     tokens = count * Lq
-    for first in range(0, count, BQ):
-        token, ok, _, weight, query = _tokens(QMASK, first, count, Lq, BQ, LQP, LENGTH_NORMALIZE, ACC)
-        live = (slot < K)[:, None] & ok[None, :]  # (KB, BQ * LQP)
+    for first in range(0, tokens, BT):  # BT query tokens at a time, queries split anywhere
+        token = first + tl.arange(0, BT)
+        ok = token < tokens
+        query = token // Lq
+        scored = tl.load(QMASK + token, mask=ok, other=0) != 0
+        weight = tl.where(scored, tl.load(INVDEN + query, mask=ok, other=0.0), 0.0)
+        live = (slot < K)[:, None] & ok[None, :]  # (KB, BT)
         at = tl.load(ARGMAX + (slot[:, None] * num_docs + j).to(tl.int64) * tokens + token[None, :], mask=live, other=0)
         e = tl.load(G + (slot[:, None] * count + query[None, :]) * num_docs + j, mask=live, other=0.0) * weight[None, :]
         coef = e
@@ -329,12 +336,12 @@ def _document_grad_kernel(
             if QN[k]:
                 alpha = tl.load(QINV + k * q_stride + token, mask=ok, other=0.0)
                 coef = tl.where(slot[:, None] == k, coef * alpha[None, :], coef)
-        hits = u[None, :, None] == at.to(tl.int32)[:, None, :]  # (KB, BU, BQ * LQP)
+        hits = u[None, :, None] == at.to(tl.int32)[:, None, :]  # (KB, BU, BT)
         onehot = tl.cumsum(tl.where(hits, coef[:, None, :] * beta[:, :, None], 0.0), axis=0)  # band b: dims k <= b
         bands = tl.load(Q + token.to(tl.int64)[None, :, None] * D + band, mask=in_band & ok[None, :, None], other=0.0)
         onehot, bands = _operand(onehot, GD, UPCAST), _operand(bands, GD, UPCAST)
         if KB == 1:  # one band: a plain 2-D product (Triton 3.6 spills a batch-of-one 3-D dot)
-            onehot, bands = tl.reshape(onehot, (BU, BQ * LQP)), tl.reshape(bands, (BQ * LQP, BW))
+            onehot, bands = tl.reshape(onehot, (BU, BT)), tl.reshape(bands, (BT, BW))
             product = tl.dot(onehot, bands, input_precision=PREC)
             acc += tl.reshape(product, (1, BU, BW))
         else:

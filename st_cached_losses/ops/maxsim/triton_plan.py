@@ -25,7 +25,9 @@ TILE_BYTES = 64 * 2**20
 
 _FORWARD_ELEMENTS = 16384  # token rows x document tokens of the forward's accumulator (8 warps: 64 fp32 per thread)
 _CHUNK = 128  # the forward's document tokens per chunk (a running max over the chunks of a longer document)
-_ONE_HOT_ELEMENTS = 4096  # band slots x document tokens x band width of the document gradient's accumulator
+# The document gradient's accumulator with several band slots (slots x document tokens x band width) in steps of 16
+# query tokens; with one band its (document tokens x D) accumulator takes the forward's budget.
+_BANDS_ELEMENTS = 8192
 _IDX = {torch.uint8: tl.uint8, torch.int16: tl.int16, torch.int32: tl.int32}
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float64: tl.float64}
 
@@ -57,7 +59,7 @@ class Plan:
     docs_per_program: int  # BJ
     grad_queries: int  # BQ of the query gradient
     doc_tokens: int  # BU: document tokens per document-gradient program
-    block_queries: int  # BQ of the document gradient's token blocks
+    block_tokens: int  # BT: query tokens per step of the document gradient (queries split anywhere)
     query_tokens: int  # LQP
     padded_doc_tokens: int  # LDP
     block_d: int  # BD
@@ -80,8 +82,10 @@ class Plan:
         # fp32 / fp64 operands and gathers: half the elements per program (registers: no spills on sm_90)
         wide = 2 if spec.precision != "bf16" and dtype.itemsize > 2 else 1
         slots, width = _pow2(k), _pow2(max(bounds[i] - bounds[i + 1] for i in range(k)), 16)
-        doc_tokens = max(16, min(64, ldp, _ONE_HOT_ELEMENTS // (slots * width)))
-        block_queries = max(least, min(max(1, 32 // lqp), cap))
+        if slots == 1:  # one band: the accumulator is the register budget
+            doc_tokens, block_tokens = max(16, min(128, ldp, _FORWARD_ELEMENTS // width)), 32
+        else:  # the one-hot tile (slots, document tokens, query tokens) too
+            doc_tokens, block_tokens = max(16, min(64, ldp, _BANDS_ELEMENTS // (slots * width))), 16
         acc = tl.float64 if dtype == torch.float64 else tl.float32
         per_query = k * spec.num_docs * (torch.finfo(_torch(acc)).bits // 8 + need_grad * lq * index_dtype(ld).itemsize)
         if tile_queries is None:
@@ -90,8 +94,7 @@ class Plan:
                 tile_queries -= tile_queries % forward_queries
         normalized = {side: tuple(map(int, spec.normalized(side))) for side in ("query", "document")}
         consts = dict(
-            D=dim, BOUNDS=bounds, K=k, QN=normalized["query"], CN=normalized["document"], LQP=lqp,
-            LENGTH_NORMALIZE=spec.length_normalize, ACC=acc,
+            D=dim, BOUNDS=bounds, K=k, QN=normalized["query"], CN=normalized["document"], ACC=acc,
         )  # fmt: skip
         return cls(
             spec=spec,
@@ -100,7 +103,7 @@ class Plan:
             docs_per_program=8,
             grad_queries=max(1, min(max(1, 64 // wide // lqp), cap)),
             doc_tokens=doc_tokens,
-            block_queries=block_queries,
+            block_tokens=block_tokens,
             query_tokens=lqp,
             padded_doc_tokens=ldp,
             block_d=_block_d(bounds),
@@ -121,7 +124,8 @@ class Plan:
     def forward_consts(self) -> dict:
         rows, chunk = self.forward_queries * self.query_tokens, min(self.padded_doc_tokens, _CHUNK)
         return dict(
-            **self.consts, BQ=self.forward_queries, LDP=self.padded_doc_tokens, BC=chunk, BD=self.block_d,
+            **self.consts, BQ=self.forward_queries, LQP=self.query_tokens, LDP=self.padded_doc_tokens, BC=chunk,
+            BD=self.block_d, LENGTH_NORMALIZE=self.spec.length_normalize,
             KP=_pow2(self.consts["K"]),
             BJ=self.docs_per_program, IDX=_IDX[self.index],
             OPD=self.types["OPD"], PREC=self.types["PREC"], UPCAST=self.types["UPCAST"],
@@ -132,7 +136,8 @@ class Plan:
     def query_consts(self) -> dict:
         k = self.consts["K"]
         return dict(
-            **self.consts, ANY_QN=any(self.consts["QN"]), BQ=self.grad_queries, DP=_pow2(self.consts["D"]),
+            **self.consts, ANY_QN=any(self.consts["QN"]), BQ=self.grad_queries, LQP=self.query_tokens,
+            LENGTH_NORMALIZE=self.spec.length_normalize, DP=_pow2(self.consts["D"]),
             KP=_pow2(k), num_warps=8,
         )  # fmt: skip
 
@@ -140,7 +145,7 @@ class Plan:
     def document_consts(self) -> dict:
         bounds, k = self.consts["BOUNDS"], self.consts["K"]
         return dict(
-            **self.consts, ANY_CN=any(self.consts["CN"]), BQ=self.block_queries, BU=self.doc_tokens,
+            **self.consts, ANY_CN=any(self.consts["CN"]), BT=self.block_tokens, BU=self.doc_tokens,
             BW=_pow2(max(bounds[i] - bounds[i + 1] for i in range(k)), 16), KB=_pow2(k), DP=_pow2(self.consts["D"]),
             GD=self.types["GD"], PREC=self.types["PREC_GRAD"], UPCAST=self.types["UPCAST_GRAD"], num_warps=8,
         )  # fmt: skip

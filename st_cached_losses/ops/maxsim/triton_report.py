@@ -86,7 +86,7 @@ def kernel_specs(
     types = {"Q": dtype, "C": dtype, "X": dtype, "DQ": dtype, "DC_OUT": dtype}
     pointers = {name: "*" + _NAMES[t] for name, t in types.items()}
     pointers.update(
-        dict.fromkeys(("QINV", "CINV", "INV", "LOGITS", "G", "LSE", "LOSS", "WEIGHTS", "DC_PREV"), "*" + acc)
+        dict.fromkeys(("QINV", "CINV", "INV", "LOGITS", "G", "LSE", "LOSS", "DC_PREV", "INVDEN"), "*" + acc)
     )
     pointers.update(QMASK="*i1", CMASK="*i1", EMPTY="*i8", ARGMAX="*" + _INDEX[plan.index])
     floats = {"scale", "grad_factor"}
