@@ -179,20 +179,25 @@ def test_more_dims_than_the_kernels_take():
 
 @pytest.mark.slow  # a fresh interpreter and Triton's ahead-of-time compile (about a minute)
 def test_kernels_compile_for_hopper_without_spills():
-    """The interpreter runs programs the compiler rejects: compile every kernel for sm_90 (no GPU needed), bf16 and
-    TF32, four dims and one, Ld 128 and 256; ptxas reports no spills, the forward and the one-hot product issue
-    tensor-core instructions, and the loads are 16 bytes wide."""
+    """The interpreter runs programs the compiler rejects: compile every kernel for sm_90 (no GPU needed), bf16, TF32,
+    IEEE fp32 and fp16, four dims and one, Ld 128 and 256; ptxas reports no spills, the forward and the one-hot
+    product issue tensor-core instructions (not IEEE fp32's: CUDA cores), and the loads are 16 bytes wide."""
     pytest.importorskip("triton.backends.nvidia")
     script = textwrap.dedent("""
         import torch
         from st_cached_losses.ops.maxsim import triton_report
-        for kw in ({}, {"dims": (128,)}, {"dtype": torch.float32, "precision": "tf32"}, {"ld": 256}):
+        configs = (
+            {}, {"dims": (128,)}, {"ld": 256}, {"dtype": torch.float32, "precision": "tf32"},
+            {"dtype": torch.float32, "precision": "ieee"}, {"dtype": torch.float16, "precision": "tf32"},
+        )
+        for kw in configs:
             specs = triton_report.kernel_specs(**kw)
             report = triton_report.ptxas_report(triton_report.compile_kernels(specs))
             for spec in specs:
                 row = report[spec.name]
                 assert row["spill_stores"] == 0 and row["spill_loads"] == 0, (kw, spec.name, row)
-                assert not spec.tensor_cores or row["wgmma"] + row["mma"] > 0, (kw, spec.name, row)
+                ieee = kw.get("precision") == "ieee"
+                assert ieee or not spec.tensor_cores or row["wgmma"] + row["mma"] > 0, (kw, spec.name, row)
             assert report["forward"]["vector_loads"] > 0 and report["query_grad"]["vector_loads"] > 0, report
         print("ok")
     """)

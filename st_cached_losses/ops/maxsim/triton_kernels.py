@@ -157,9 +157,8 @@ def _forward_kernel(
                         C, doc_tokens * D, inside, d0 + f, tl.constexpr(BOUNDS[K - 1 - b]),
                         tl.constexpr(d0 + BD <= BOUNDS[K - 1 - b]),
                     )  # fmt: skip
-                    acc = tl.dot(
-                        _operand(q, OPD, UPCAST), tl.trans(_operand(c, OPD, UPCAST)), acc, input_precision=PREC
-                    )
+                    q, c = _operand(q, OPD, UPCAST), tl.trans(_operand(c, OPD, UPCAST))
+                    acc = tl.dot(q, c, acc, input_precision=PREC, out_dtype=ACC)  # ACC: fp64 for fp64 (Triton 3.6)
                 sims = acc
                 if CN[K - 1 - b]:
                     sims = sims * tl.load(CINV + (K - 1 - b) * c_stride + doc_tokens, mask=inside, other=1.0)[None, :]
@@ -342,10 +341,10 @@ def _document_grad_kernel(
         onehot, bands = _operand(onehot, GD, UPCAST), _operand(bands, GD, UPCAST)
         if KB == 1:  # one band: a plain 2-D product (Triton 3.6 spills a batch-of-one 3-D dot)
             onehot, bands = tl.reshape(onehot, (BU, BT)), tl.reshape(bands, (BT, BW))
-            product = tl.dot(onehot, bands, input_precision=PREC)
+            product = tl.dot(onehot, bands, input_precision=PREC, out_dtype=ACC)
             acc += tl.reshape(product, (1, BU, BW))
         else:
-            acc = tl.dot(onehot, bands, acc, input_precision=PREC)
+            acc = tl.dot(onehot, bands, acc, input_precision=PREC, out_dtype=ACC)
         if ANY_CN:
             rows = _load_rows(Q, token.to(tl.int64) * D, ok, f, D, D == DP).to(ACC)
             for k in tl.static_range(K):

@@ -63,6 +63,8 @@ class Plan:
     query_tokens: int  # LQP
     padded_doc_tokens: int  # LDP
     block_d: int  # BD
+    forward_chunk: int  # BC: the forward's document tokens per chunk
+    forward_block_d: int  # the forward's BD
     acc: object  # tl.float32, or tl.float64 for fp64 inputs
     index: torch.dtype  # the argmaxes' (``index_dtype``)
     consts: dict = field(default_factory=dict)  # what every kernel shares
@@ -78,14 +80,20 @@ class Plan:
         lqp, ldp = _pow2(lq), _pow2(ld, 16)
         least = -(-16 // lqp)  # tl.dot needs >= 16 rows
         cap = _pow2(spec.batch_size)
-        forward_queries = max(least, min(max(1, min(128, _FORWARD_ELEMENTS // min(ldp, _CHUNK)) // lqp), cap))
+        types = _types(dtype, spec.precision)
+        # IEEE fp32 / fp64 dots run on FMA units with their operands in registers: a smaller forward tile
+        fma = types["PREC"] == "ieee" and types["OPD"] in (tl.float32, tl.float64)
+        chunk = min(ldp, 32 if fma else _CHUNK)
+        rows = 32 if fma else min(128, _FORWARD_ELEMENTS // chunk)
+        forward_queries = max(least, min(max(1, rows // lqp), cap))
         # fp32 / fp64 operands and gathers: half the elements per program (registers: no spills on sm_90)
         wide = 2 if spec.precision != "bf16" and dtype.itemsize > 2 else 1
         slots, width = _pow2(k), _pow2(max(bounds[i] - bounds[i + 1] for i in range(k)), 16)
+        words = 2 if dtype == torch.float64 else 1  # registers per accumulator element
         if slots == 1:  # one band: the accumulator is the register budget
-            doc_tokens, block_tokens = max(16, min(128, ldp, _FORWARD_ELEMENTS // width)), 32
+            doc_tokens, block_tokens = max(16, min(128, ldp, _FORWARD_ELEMENTS // words // width)), 32
         else:  # the one-hot tile (slots, document tokens, query tokens) too
-            doc_tokens, block_tokens = max(16, min(64, ldp, _BANDS_ELEMENTS // (slots * width))), 16
+            doc_tokens, block_tokens = max(16, min(64, ldp, _BANDS_ELEMENTS // words // (slots * width))), 16
         acc = tl.float64 if dtype == torch.float64 else tl.float32
         per_query = k * spec.num_docs * (torch.finfo(_torch(acc)).bits // 8 + need_grad * lq * index_dtype(ld).itemsize)
         if tile_queries is None:
@@ -107,10 +115,12 @@ class Plan:
             query_tokens=lqp,
             padded_doc_tokens=ldp,
             block_d=_block_d(bounds),
+            forward_chunk=chunk,
+            forward_block_d=min(16, _block_d(bounds)) if fma else _block_d(bounds),
             acc=acc,
             index=index_dtype(ld),
             consts=consts,
-            types=_types(dtype, spec.precision),
+            types=types,
         )
 
     def tiles(self, batch: int) -> int:
@@ -122,10 +132,10 @@ class Plan:
 
     @property
     def forward_consts(self) -> dict:
-        rows, chunk = self.forward_queries * self.query_tokens, min(self.padded_doc_tokens, _CHUNK)
+        rows, chunk = self.forward_queries * self.query_tokens, self.forward_chunk
         return dict(
             **self.consts, BQ=self.forward_queries, LQP=self.query_tokens, LDP=self.padded_doc_tokens, BC=chunk,
-            BD=self.block_d, LENGTH_NORMALIZE=self.spec.length_normalize,
+            BD=self.forward_block_d, LENGTH_NORMALIZE=self.spec.length_normalize,
             KP=_pow2(self.consts["K"]),
             BJ=self.docs_per_program, IDX=_IDX[self.index],
             OPD=self.types["OPD"], PREC=self.types["PREC"], UPCAST=self.types["UPCAST"],
