@@ -24,7 +24,8 @@ P = T M Ld = 1.07e9 token pairs):
 - Prediction, bf16: one dim ~1.5 ms (forward ~0.6, query gradient ~0.35, document gradient ~0.5; target <= 2 ms);
   four dims [128, 96, 64, 32] ~3.2 ms = ~2.2x one dim (forward ~1.0, query gradient ~1.0, document gradient ~1.2):
   expected to MISS the 1.5x target, by the per-dim CUDA-core work and L2 traffic of the two gradients. fp32
-  inputs: IEEE unless TF32 is allowed (``precision``); ~2.5 ms one dim at TF32.
+  inputs: IEEE unless TF32 is allowed (``precision``): ~2.5 ms one dim at TF32, ~10-20 ms IEEE (CUDA cores; Triton's
+  "tf32x3" would give near-IEEE results on tensor cores, not used: the policy says IEEE).
 - B = 4096 (64x the pairs): Ld 128 ~95 ms one dim (9 tiles) / ~200 ms four dims (37 tiles), Ld 256 ~2x. Peak above
   the input gradients: the tile (<= 64 MiB), the inverse norms (~10 MiB) and, for bf16/fp16 inputs over several
   tiles, the fp32 document-gradient accumulator (M Ld D floats: 256 MiB at Ld 128, 512 MiB at Ld 256): ~+330 MiB at
@@ -36,7 +37,8 @@ P = T M Ld = 1.07e9 token pairs):
 Tile choice (``triton_plan.Plan``): forward programs of BQ whole queries (128 token rows) x 8 documents, each swept in
 chunks of 128 tokens (a running per-dim max), the band chunk BD the widest power of two <= 64 dividing every dim (32
 for [128, 96, 64, 32]), 8 warps, 3 stages, the query blocks varying fastest so that a document block is read from L2
-by every query block at once; query-gradient programs of 64 token rows (32 for fp32 operands); document-gradient
+by every query block at once (IEEE fp32 / fp64 dots, on FMA units: 32 rows x 32-token chunks, BD 16, 4 warps);
+query-gradient programs of 64 token rows (32 for fp32 operands); document-gradient
 programs of 128 document tokens x steps of 32 query tokens at one band, 64 x 16 x all band slots at several. No
 spills on sm_90 with Triton 3.6 or 3.9 (``triton_report``); untuned: no GPU has run them yet.
 """
