@@ -204,3 +204,28 @@ def test_kernels_compile_for_hopper_without_spills():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+# This branch's loss still lists its own backends; the `losses` branch's checks the registry (check_backend(...,
+# op="maxsim_infonce")). Strict: the merge that lets the loss take "triton" turns this into a failure until the marker
+# goes (the test passes then: checked with the loss's list patched).
+@pytest.mark.xfail(raises=ValueError, strict=True, reason="the loss reads the registry once the losses branch lands")
+def test_the_multi_vector_loss_takes_the_triton_backend():
+    """CachedMultiVectorMatryoshkaLoss(backend="triton") on a tiny MultiVectorEncoder, in the interpreter: the loss and
+    every parameter gradient of backend="chunked" (fp32, two token dims, a hard-negative column)."""
+    from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
+
+    from st_cached_losses import CachedMultiVectorMatryoshkaLoss
+    from st_cached_losses.testing import tiny_multi_vector_encoder
+    from tests.helpers import assert_grads_close, loss_and_grads, texts
+
+    model = tiny_multi_vector_encoder(token_dim=16, seed=3)
+    tasks = ("query", "document", "document")
+    features = [model.preprocess(texts(4, 100 * column, 1, 6), task=task) for column, task in enumerate(tasks)]
+    results = {}
+    for backend in ("chunked", "triton"):
+        base = CachedMultiVectorMultipleNegativesRankingLoss(model, mini_batch_size=4)
+        loss = CachedMultiVectorMatryoshkaLoss(model, base, [16, 8], mini_batch_size=4, backend=backend)
+        results[backend] = loss_and_grads(model, loss, features)
+    assert results["triton"][0] == pytest.approx(results["chunked"][0], rel=1e-5)
+    assert_grads_close(results["triton"][1], results["chunked"][1], rtol=1e-4)
