@@ -1,7 +1,7 @@
-"""maxsim_infonce (issue 33, late interaction): both backends against a float64 reference written here from the
-definition (pair by pair, masked tokens dropped by selection, the duplicate rule from Python sets), against stock
-sentence-transformers' CachedMultiVectorMultipleNegativesRankingLoss at the full dim, bad inputs, the NaN policy,
-gradient hand-over, the backend log, and the chunked backend's memory."""
+"""maxsim_infonce (issue 33, late interaction): every backend (the Triton one in Triton's interpreter) against a
+float64 reference written here from the definition (pair by pair, masked tokens dropped by selection, the duplicate
+rule from Python sets), against stock sentence-transformers' CachedMultiVectorMultipleNegativesRankingLoss at the full
+dim, bad inputs, the NaN policy, gradient hand-over, the backend log, and the chunked backend's memory."""
 
 from __future__ import annotations
 
@@ -91,7 +91,14 @@ def _removed_by_rule(world_ids, doc_ids, offset, batch):
 
 
 def _compare(
-    q, c, query_mask, document_mask, removed=None, rtol=1e-9, runs=(("dense", None), ("chunked", 2)), **options
+    q,
+    c,
+    query_mask,
+    document_mask,
+    removed=None,
+    rtol=1e-9,
+    runs=(("dense", None), ("chunked", 2), ("triton", None)),
+    **options,
 ):
     """Each (backend, chunk_size) run's loss, per_dim, lse and both input gradients against the definition's."""
     options = {"dims": DIMS, "weights": WEIGHTS, "scale": 2.5, **options}
@@ -168,14 +175,14 @@ def test_a_query_without_a_scored_token():
             dims=[7, 3],
             weights=[1.0, 1.0],
             length_normalize=length_normalize,
-            runs=(("dense", None), ("chunked", 1), ("chunked", 3)),
+            runs=(("dense", None), ("chunked", 1), ("chunked", 3), ("triton", 1)),
         )
 
 
 def test_hard_negatives_in_a_gathered_world():
     """Rows [3, 7) of a 9-row world batch, a positive and a hard-negative block (M=18): tiles of 1 row, 3 rows (not
     dividing B) and from the byte budget."""
-    runs = (("dense", None), ("chunked", 1), ("chunked", 3), ("chunked", None))
+    runs = (("dense", None), ("chunked", 1), ("chunked", 3), ("chunked", None), ("triton", 3))
     _compare(*_inputs(4, 18, 5, 8, 11, seed=1), dims=[11, 6], weights=[1.0, 0.5], offset=3, runs=runs)
 
 
@@ -199,7 +206,7 @@ def test_duplicate_mask():
         dims=[9, 5],
         weights=[1.0, 1.0],
         offset=3,
-        runs=(("dense", None), ("chunked", 3)),
+        runs=(("dense", None), ("chunked", 3), ("triton", 3)),
         query_ids=world[3:7],
         document_ids=doc_ids,
         world_query_ids=world,
@@ -208,7 +215,7 @@ def test_duplicate_mask():
         assert out.masked_share.item() == pytest.approx(int(removed.sum()) / (4 * 17))
 
 
-@pytest.mark.parametrize("backend", ["dense", "chunked"])
+@pytest.mark.parametrize("backend", ["dense", "chunked", "triton"])
 def test_a_row_whose_only_candidate_is_its_positive_is_exactly_zero(backend):
     q, c, query_mask, document_mask = _inputs(3, 3, 4, 5, 8, seed=3)
     document_mask[2] = True
@@ -470,7 +477,7 @@ def test_auto_is_chunked_and_logged_once(monkeypatch, caplog):
         _call()
     messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("maxsim_infonce:")]
     (message,) = messages
-    assert message.startswith("maxsim_infonce: chunked backend on cpu (auto: the default on every device")
+    assert message.startswith("maxsim_infonce: chunked backend on cpu (auto: the Triton kernels run on CUDA GPUs only")
     assert "; tile: 4 " in message and message.endswith("; precision: ieee")
     assert "budget 64 MiB" in message and "MiB of token dot products" in message
 

@@ -110,6 +110,14 @@ REGISTRY: dict[str, dict[str, Backend]] = _registry(
     ),
     Backend("matryoshka_infonce", "chunked", ".chunked", "row tiles against all columns in PyTorch (any device)"),
     Backend("matryoshka_infonce", "dense", ".reference", "the whole score matrix in PyTorch: the test oracle"),
+    Backend(
+        "maxsim_infonce",
+        "triton",
+        ".maxsim.triton_host",
+        "Triton kernels: every token dim's MaxSim in one sweep, gradients from the argmaxes (CUDA; CPU in the "
+        "interpreter)",
+        kernels=".maxsim.triton_kernels",
+    ),
     Backend("maxsim_infonce", "chunked", ".maxsim.chunked", "query tiles against document blocks in PyTorch"),
     Backend("maxsim_infonce", "dense", ".maxsim.reference", "every token similarity in PyTorch: the test oracle"),
 )

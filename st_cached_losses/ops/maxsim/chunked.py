@@ -18,12 +18,15 @@ Memory beyond the inputs and their gradients (budgets, logged with the tile): pe
 to 256 document tokens) and two K x (queries) x M fp32 buffers, within ``DEFAULT_TILE_BYTES`` (64 MiB) and at most
 ``MAX_TILE_TOKENS`` query tokens; one block of token dot products (``FORWARD_BLOCK_BYTES``, 8 MiB); the backward's
 per-block buffers (``gradients.BACKWARD_BLOCK_BYTES``, 8 MiB); per-token prefix norms (K x (B Lq + 2 M Ld) floats).
+On CUDA larger sizes (``CUDA_BUDGETS``): the CPU's were launch-bound there.
 
 References: ColBERT (arXiv 2004.12832), Matryoshka (arXiv 2205.13147), jina-colbert-v2 (arXiv 2408.16672),
 GradCache (arXiv 2101.06983), Liger-Kernel's fused linear cross-entropy (forward and backward of a row tile at once).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,25 +35,54 @@ from torch import Tensor
 from ..duplicates import DuplicateMask
 from ..result import InfoNCEResult
 from ..spec import NORM_EPS
-from .gradients import TileGradients
+from .gradients import BACKWARD_BLOCK_BYTES, TileGradients
 from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
 
 DEFAULT_TILE_BYTES = 64 * 2**20
 MAX_TILE_TOKENS = 2048
 FORWARD_BLOCK_BYTES = 8 * 2**20
 
+
+@dataclass(frozen=True)
+class Budgets:
+    """A device's tile and block sizes: ``tile_bytes`` / ``tile_tokens`` bound a query tile, the block budgets one
+    block of token dot products (forward) and of the gradients' bags (``gradients.py``)."""
+
+    tile_bytes: int = DEFAULT_TILE_BYTES
+    tile_tokens: int = MAX_TILE_TOKENS
+    forward_block_bytes: int = FORWARD_BLOCK_BYTES
+    backward_block_bytes: int = BACKWARD_BLOCK_BYTES
+
+
+# The CPU's sizes fit its caches. On CUDA each block is a handful of kernel launches whatever its size, and the GPU
+# profile at B = 512 (Lq 32, Ld 128) showed the CPU's sizes launch-bound: ~5,400 small kernels per call, the GPU busy
+# 39 of 106 ms. CUDA's sizes take B = 512 in one tile and M = 512 documents in about 16 forward and 4 backward blocks,
+# a few hundred launches (up to ~0.6 GiB of tile and block buffers there: stock held 0.57 GiB at that size).
+CPU_BUDGETS = Budgets()
+CUDA_BUDGETS = Budgets(
+    tile_bytes=256 * 2**20, tile_tokens=32768, forward_block_bytes=128 * 2**20, backward_block_bytes=128 * 2**20
+)
+
+
+def budgets_for(device: torch.device) -> Budgets:
+    """CUDA's sizes on a GPU, the CPU's elsewhere (the CPU's results do not change)."""
+    return CUDA_BUDGETS if device.type == "cuda" else CPU_BUDGETS
+
+
 # Per (dim, query token, document) a tile keeps the argmax (uint8 up to 256 document tokens); per (dim, query,
 # document) two fp32 buffers at once: its scores, and their logits (then the logits' gradients).
 _BYTES_PER_QUERY_ENTRY = 8
 
 
-def default_tile_queries(spec: MaxSimSpec, query_tokens: int, doc_tokens: int, tile_bytes: int = DEFAULT_TILE_BYTES):
+def default_tile_queries(
+    spec: MaxSimSpec, query_tokens: int, doc_tokens: int, tile_bytes: int = DEFAULT_TILE_BYTES, budgets=CPU_BUDGETS
+):
     """Queries per tile: their per-(dim, query token, document) argmaxes and per-(dim, query, document) scores fit in
-    ``tile_bytes``, and they hold at most ``MAX_TILE_TOKENS`` token positions (more would only grow the blocks of
+    ``tile_bytes``, and they hold at most ``budgets.tile_tokens`` token positions (more would only grow the blocks of
     token dot products; fewer would read and write every document gradient more often: once per tile)."""
     entry = _index_dtype(doc_tokens).itemsize
     per_query = len(spec.dims) * spec.num_docs * (query_tokens * entry + _BYTES_PER_QUERY_ENTRY)
-    return max(1, min(spec.batch_size, tile_bytes // per_query, MAX_TILE_TOKENS // query_tokens))
+    return max(1, min(spec.batch_size, tile_bytes // per_query, budgets.tile_tokens // query_tokens))
 
 
 def _index_dtype(doc_tokens: int) -> torch.dtype:
@@ -74,26 +106,32 @@ def forward(
     ``sum_k w_k L_k`` wrt. queries (B, Lq, D) and documents (M, Ld, D), in their dtype; computes in fp32 (fp64 for
     fp64 inputs). ``tile_queries``: queries per tile (default: ``default_tile_queries``); ``duplicates``: the text ids
     (query_ids, doc_ids, world_query_ids or None) of ``spec.mask_duplicates``."""
-    sweep = _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, duplicates)
-    rows = min(tile_queries or default_tile_queries(spec, queries.shape[1], documents.shape[1]), spec.batch_size)
+    budgets = budgets_for(queries.device)
+    sweep = _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, duplicates, budgets)
+    automatic = default_tile_queries(spec, queries.shape[1], documents.shape[1], budgets.tile_bytes, budgets)
+    rows = min(tile_queries or automatic, spec.batch_size)
     for begin in range(0, spec.batch_size, rows):
         sweep.tile(begin, min(begin + rows, spec.batch_size))
-    return sweep.result()._replace(tile=_describe(rows, tile_queries is None))
+    return sweep.result()._replace(tile=_describe(rows, tile_queries is None, budgets))
 
 
-def _describe(rows: int, automatic: bool) -> str:
+def _describe(rows: int, automatic: bool, budgets: Budgets = CPU_BUDGETS) -> str:
     """The tiling, for the log: queries per tile and the budgets of tiles and blocks. Not the documents per block,
     which follow each batch's document length: the choice is logged (and recorded) once, not once per length."""
-    budget = f" (budget {DEFAULT_TILE_BYTES / 2**20:g} MiB, at most {MAX_TILE_TOKENS} tokens)" if automatic else ""
-    return f"{rows} queries{budget}; documents in blocks of {FORWARD_BLOCK_BYTES / 2**20:g} MiB of token dot products"
+    mib = 2**20
+    budget = f" (budget {budgets.tile_bytes / mib:g} MiB, at most {budgets.tile_tokens} tokens)" if automatic else ""
+    blocks = budgets.forward_block_bytes / mib
+    return f"{rows} queries{budget}; documents in blocks of {blocks:g} MiB of token dot products"
 
 
 class _Sweep:
     """One forward sweep's inputs, token bookkeeping, prefix norms and accumulators."""
 
-    def __init__(self, queries, documents, query_mask, document_mask, spec: MaxSimSpec, need_grad: bool, duplicates):
+    def __init__(
+        self, queries, documents, query_mask, document_mask, spec: MaxSimSpec, need_grad: bool, duplicates, budgets
+    ):
         dtype = torch.promote_types(queries.dtype, torch.float32)
-        self.spec, self.need_grad, self.input_dtype = spec, need_grad, queries.dtype
+        self.spec, self.need_grad, self.input_dtype, self.budgets = spec, need_grad, queries.dtype, budgets
         self.doc_tokens, self.shapes = documents.shape[1], (queries.shape, documents.shape)
         self.queries = queries.to(dtype).reshape(-1, queries.shape[2])  # (B * Lq, D) token vectors
         self.docs = documents.to(dtype).reshape(-1, documents.shape[2])  # (M * Ld, D)
@@ -168,7 +206,7 @@ class _Sweep:
         unmasked tokens (cosine: ĉ the prefix-normalised token, q_t raw; dot: both raw) in dim k, and argmax[k, t, j]
         that u; in document blocks of one GEMM's worth of work each, every dim in the same block."""
         spec, width = self.spec, self.doc_tokens
-        block = max(1, FORWARD_BLOCK_BYTES // (4 * width * rows.shape[0]))
+        block = max(1, self.budgets.forward_block_bytes // (4 * width * rows.shape[0]))
         buffer = rows.new_empty(min(block, spec.num_docs) * width, rows.shape[0])
         smallest = spec.dims[-1]
         if self.doc_bias is not None:  # a column of ones meets each document token's bias (0, or -inf if masked)

@@ -10,8 +10,9 @@ and x̂ the prefix of x of dim k, normalised for cosine similarity (x itself for
 that is Ld times fewer multiply-adds than the dense einsum backward (B * M * Lq * Ld * d against B * M * Lq * d).
 Where a side re-normalises dim k's prefixes (``MaxSimSpec.normalized``), the normalisation passes its gradient on as
 d / dx = (g - <g, x̂> x̂) / ||x[:d_k]||: per block of documents for the documents, once per tile for the queries. The
-documents are taken in blocks whose prefix copies and bags fit ``BACKWARD_BLOCK_BYTES``. Indices into the inputs
-(token rows, B * Lq and M * Ld of them) are int64; only a block's own keys (fewer than K * block * Ld) are int32.
+documents are taken in blocks whose prefix copies and bags fit the sweep's budget (``BACKWARD_BLOCK_BYTES`` on the
+CPU, ``chunked.CUDA_BUDGETS`` on a GPU). Indices into the inputs (token rows, B * Lq and M * Ld of them) are int64;
+only a block's own keys (fewer than K * block * Ld) are int32.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class TileGradients:
         w), ``owner``: (R,) each token's query, ``argmax``: (K, R, M) the argmaxes u* of the tile."""
         spec, width = self.sweep.spec, self.sweep.doc_tokens
         entries = len(spec.dims) * self.rows.shape[0] * _BYTES_PER_ENTRY + 2 * width * self.rows.shape[1] * 4
-        block = max(1, BACKWARD_BLOCK_BYTES // entries)
+        block = max(1, self.sweep.budgets.backward_block_bytes // entries)
         for first in range(0, spec.num_docs, block):
             last = min(first + block, spec.num_docs)
             weights = torch.index_select(grad[:, :, first:last], 1, owner)  # (K, R, count)

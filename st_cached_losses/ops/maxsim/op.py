@@ -1,8 +1,9 @@
 """MaxSim (late-interaction) InfoNCE over Matryoshka token dims: ``maxsim_infonce``.
 
 It validates the problem (``spec.py``) and hands it to the op core (``ops.core.run_op``), which asks a backend
-(``ops.backend.REGISTRY["maxsim_infonce"]``: "chunked", the default on every device, or "dense", the test oracle) for
-the per-dim losses and, in the same sweep, the gradients of the weighted loss wrt. both inputs.
+(``ops.backend.REGISTRY["maxsim_infonce"]``: "chunked", the default on every device, "triton" (CUDA; the CPU in
+Triton's interpreter), or "dense", the test oracle) for the per-dim losses and, in the same sweep, the gradients of
+the weighted loss wrt. both inputs.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def maxsim_infonce(
         length_normalize: MeanMaxSim (stock's ``mean_colbert_scores``) instead of MaxSim.
         offset: this rank's first query in the world batch (its positive's column); 0 <= offset, offset + B <= M.
         backend: "auto" or a name of ``ops.backends("maxsim_infonce")``: "chunked" (the default on every device;
-            the choice is logged once at INFO) or "dense" (materialises the (B, M, Lq, Ld) token similarities: the
-            test oracle).
+            the choice is logged once at INFO), "triton" (fused kernels on a CUDA GPU of compute capability >= 8.0,
+            at most 8 dims; "auto" picks it once verified on that GPU) or "dense" (materialises the (B, M, Lq, Ld)
+            token similarities: the test oracle).
         chunk_size: query rows per tile of the tiled backends, a positive int (default: within a 64 MiB byte budget
             for the tile's per-(dim, query token, document) argmaxes and per-(dim, query, document) scores, and at
             most 2048 query tokens: ``chunked.default_tile_queries``; the choice is in the log line); None: automatic.

@@ -1,0 +1,229 @@
+"""The Triton backend of ``maxsim_infonce``: fused MaxSim over every Matryoshka token dim in one sweep, the InfoNCE
+on the tile's scores, and the gradients from the argmaxes (kernels: ``triton_kernels.py``; shapes: ``triton_plan.py``).
+
+Per query tile (all of B when its buffers fit ``TILE_BYTES``) the launches are: the forward (scores of every dim and
+the (K, M, tokens) argmaxes), the duplicate mask's -inf (torch, only with ids), the InfoNCE rows (LSE, loss, the
+logits' gradient in place) and, with gradients, the query-gradient (row-owned) and document-gradient (column-owned)
+kernels; once per call the inverse prefix norms of each normalised side and the per-dim mean. A row tile's forward and
+backward run together, so no B x M x Lq argmax nor B x M x Lq x Ld tensor exists. Deterministic: no atomics.
+
+Floors and prediction (H100 SXM; B = 512, Lq 32, Ld 128, D 128, M = 512 pairs, bf16; T = B Lq = 16384 query tokens,
+P = T M Ld = 1.07e9 token pairs):
+- FLOP floor: the forward product 2 P D = 2.75e11 and the document gradient's one-hot product (the same): 5.5e11 on
+  tensor cores, 0.70 ms at bf16 (torch.mm's 782 TFLOP/s measured there), ~1.4 ms at TF32 (IEEE fp32 runs on CUDA
+  cores: ~10 ms). The query gradient's gathers are K T M D FMAs (2.1e9 FLOP per dim) on CUDA cores.
+- Byte floor: Q 4 MiB + C 16 MiB read, their gradients written: 40 MiB, 0.013 ms at 3.35 TB/s (the argmaxes add
+  8 MiB per dim, written once, read twice). FLOP-bound by ~50x; what binds next is L2 -> SM traffic (~5.5 TB/s):
+  the forward reads every document once per 128-token query block (2.1 GB: 0.38 ms), the document gradient the
+  tile's queries once per program (M Ld / BU programs: 2.1 GB at one dim, 4.2 GB at four: 0.38 / 0.76 ms), the
+  query gradient one document token vector per (token, document, dim) (2.1 GB per dim, less what L1 catches when
+  the dims' argmaxes agree).
+- CUDA-core epilogue per token pair and dim: ~4 ops in the forward (document norm and mask, max with argmax, the
+  running max) and ~5 per band slot in the one-hot tile (compare, select, scale, cumsum): ~0.13 ms per dim in the
+  forward, ~0.16 ms per slot in the document gradient at 3.3e13 ops/s.
+- Prediction, bf16: one dim ~1.5 ms (forward ~0.6, query gradient ~0.35, document gradient ~0.5; target <= 2 ms);
+  four dims [128, 96, 64, 32] ~3.2 ms = ~2.2x one dim (forward ~1.0, query gradient ~1.0, document gradient ~1.2):
+  expected to MISS the 1.5x target, by the per-dim CUDA-core work and L2 traffic of the two gradients. fp32
+  inputs: IEEE unless TF32 is allowed (``precision``): ~2.5 ms one dim at TF32, ~10-20 ms IEEE (CUDA cores; Triton's
+  "tf32x3" would give near-IEEE results on tensor cores, not used: the policy says IEEE).
+- B = 4096 (64x the pairs): Ld 128 ~95 ms one dim (9 tiles) / ~200 ms four dims (37 tiles), Ld 256 ~2x. Peak above
+  the input gradients: the tile (<= 64 MiB), the inverse norms (~10 MiB) and, for bf16/fp16 inputs over several
+  tiles, the fp32 document-gradient accumulator (M Ld D floats: 256 MiB at Ld 128, 512 MiB at Ld 256): ~+330 MiB at
+  Ld 128, over the +256 MiB target by that accumulator (fp32 inputs: ~+74 MiB).
+- Launches per call (``triton_report.count_launches``): the inverse norms (one per normalised side), per tile the
+  forward, the InfoNCE rows and the two gradients (and the duplicate mask's index_put), the per-dim mean: 7 at
+  B = 512 in one tile with two cosine sides (the chunked backend: ~5,400 on the GPU profile).
+
+Tile choice (``triton_plan.Plan``): forward programs of BQ whole queries (128 token rows) x 8 documents, each swept in
+chunks of 128 tokens (a running per-dim max), the band chunk BD the widest power of two <= 64 dividing every dim (32
+for [128, 96, 64, 32]), 8 warps, 3 stages, the query blocks varying fastest so that a document block is read from L2
+by every query block at once (IEEE fp32 / fp64 dots, on FMA units: 32 rows x 32-token chunks, BD 16, 4 warps);
+query-gradient programs of 64 token rows (32 for fp32 operands); document-gradient
+programs of 128 document tokens x steps of 32 query tokens at one band, 64 x 16 x all band slots at several. No
+spills on sm_90 with Triton 3.6 or 3.9 (``triton_report``); untuned: no GPU has run them yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..duplicates import DuplicateMask
+from ..errors import TritonUnavailableError
+from ..result import InfoNCEResult
+from .spec import MaxSimSpec
+from .triton_kernels import (
+    MAX_DIMS,
+    _document_grad_kernel,
+    _forward_kernel,
+    _infonce_kernel,
+    _inverse_norms_kernel,
+    _query_grad_kernel,
+)
+from .triton_plan import TILE_BYTES, Plan, index_dtype
+
+__all__ = ["TILE_BYTES", "forward", "unsupported"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def unsupported(spec: MaxSimSpec) -> str | None:
+    """What of ``spec`` the kernels do not take (``backend="auto"`` then runs chunked), or None."""
+    if len(spec.dims) > MAX_DIMS:
+        return f"at most {MAX_DIMS} Matryoshka token dims, got {len(spec.dims)}"
+    return None
+
+
+def forward(
+    queries: Tensor,
+    documents: Tensor,
+    query_mask: Tensor,
+    document_mask: Tensor,
+    spec: MaxSimSpec,
+    need_grad: bool,
+    tile_queries: int | None = None,
+    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+) -> InfoNCEResult:
+    """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients of
+    ``sum_k w_k L_k`` wrt. queries (B, Lq, D) and documents (M, Ld, D) in their dtype, as the chunked backend's.
+
+    Args:
+        queries, documents, query_mask, document_mask, spec: as ``maxsim_infonce`` validated them (boolean masks);
+            CUDA tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported).
+        need_grad: also compute the gradients (each tile's backward runs right after its forward).
+        tile_queries: queries per tile (default: as many as ``TILE_BYTES`` holds).
+        duplicates: the text ids (query_ids, document_ids, world_query_ids or None) of ``spec.mask_duplicates``.
+
+    Returns:
+        ``InfoNCEResult``; per_dim and lse in fp32 (fp64 for fp64 inputs), accumulated in that dtype, the token dot
+        products' operands as ``spec.precision`` says.
+
+    Raises:
+        NotImplementedError: more than ``MAX_DIMS`` dims, or an unsupported dtype.
+        ValueError: tensors the kernels cannot run on (``ops.triton.probe.unusable_reason``).
+        TritonUnavailableError: the kernels fail to compile or launch here (``backend="auto"`` falls back).
+    """
+    _check_inputs(queries, spec)
+    try:
+        return _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, tile_queries, duplicates).run()
+    except Exception as error:
+        if not _is_launch_error(error):
+            raise
+        lines = str(error).strip().splitlines()
+        raise TritonUnavailableError(f"{type(error).__name__}: {lines[0] if lines else ''}") from error
+
+
+def _check_inputs(queries: Tensor, spec: MaxSimSpec) -> None:
+    from ..triton.probe import unusable_reason
+
+    missing = unsupported(spec)
+    if missing is not None:
+        raise NotImplementedError(f"backend='triton' supports {missing}: use backend='chunked'.")
+    if queries.dtype not in _DTYPES:
+        raise NotImplementedError(
+            f"backend='triton' takes fp32, bf16, fp16 or fp64 token vectors, got {queries.dtype}."
+        )
+    reason = unusable_reason(queries.device, ".maxsim.triton_kernels")
+    if reason is not None:
+        raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
+
+
+def _is_launch_error(error: Exception) -> bool:
+    """A Triton compile or launch failure (the driver's errors reach Python as "Triton Error [CUDA]: ...")."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return isinstance(error, (CompilationError, OutOfResources)) or (
+        isinstance(error, RuntimeError) and str(error).startswith("Triton Error")
+    )
+
+
+class _Sweep:
+    """One call: the operands, the plan, the per-call tables and outputs, then the tiles."""
+
+    def __init__(self, queries, documents, query_mask, document_mask, spec: MaxSimSpec, need_grad, tile_queries, ids):
+        self.spec, self.need_grad = spec, need_grad
+        self.q, self.c = queries.detach().contiguous(), documents.detach().contiguous()
+        self.query_mask, self.document_mask = query_mask.contiguous(), document_mask.contiguous()
+        (batch, self.lq, dim), (num_docs, self.ld, _) = self.q.shape, self.c.shape
+        self.plan = Plan.choose(spec, self.q.dtype, self.lq, self.ld, dim, need_grad, tile_queries)
+        self.acc = torch.float64 if self.q.dtype == torch.float64 else torch.float32
+        device = self.q.device
+        self.lse = torch.empty(len(spec.dims), 1, batch, dtype=self.acc, device=device)
+        self.qinv = self._inverse_norms(self.q.view(-1, dim), spec.normalized("query"))
+        self.cinv = self._inverse_norms(self.c.view(-1, dim), spec.normalized("document"))
+        self.losses = torch.empty(len(spec.dims), batch, dtype=self.acc, device=device)
+        self.empty = torch.empty(num_docs, dtype=torch.int8, device=device)
+        self.inverse_den = torch.empty(batch, dtype=self.acc, device=device)  # each query's token weight
+        self.mask = None if ids is None else DuplicateMask.build(spec.infonce_spec(), *ids)
+        self.dq = self.dc = self.scratch = None
+        if need_grad:
+            self.dq = torch.empty_like(self.q)
+            zeros = spec.dims[0] < dim  # features past the largest dim: no band writes them
+            self.dc = torch.zeros_like(self.c) if zeros else torch.empty_like(self.c)
+            if self.plan.tiles(batch) > 1 and self.c.dtype != self.acc:  # tiles add up in fp32
+                self.scratch = torch.empty(self.c.shape, dtype=self.acc, device=device)
+
+    def _inverse_norms(self, x: Tensor, normalized: tuple[bool, ...]) -> Tensor:
+        """(K, rows) 1 / max(||x[:, :d_k]||, eps) where ``normalized[k]`` (other rows unset), or a placeholder that
+        the kernels never read (no allocation, no launch)."""
+        if not any(normalized):
+            return self.lse.view(-1)
+        plan = self.plan
+        inv = torch.empty(len(normalized), x.shape[0], dtype=self.acc, device=x.device)
+        _inverse_norms_kernel[(math.ceil(x.shape[0] / plan.norm_rows),)](
+            x, inv, x.shape[0], inv.stride(0), **plan.bands, NORM=tuple(map(int, normalized)), D=x.shape[1],
+            BR=plan.norm_rows, BD=plan.block_d, ACC=plan.acc,
+        )  # fmt: skip
+        return inv
+
+    def run(self) -> InfoNCEResult:
+        batch, rows = self.spec.batch_size, self.plan.tile_queries
+        for index, begin in enumerate(range(0, batch, rows)):
+            end = min(begin + rows, batch)
+            self._tile(begin, end, first=index == 0, last=end == batch)
+        grads = None if not self.need_grad else (self.dq, self.dc, None)
+        share = None if self.mask is None else self.mask.share()
+        return InfoNCEResult(
+            self.losses.mean(dim=1), self.lse, grads, tile=self.plan.describe(batch), masked_share=share
+        )
+
+    def _tile(self, begin: int, end: int, first: bool, last: bool) -> None:
+        spec, plan, count = self.spec, self.plan, end - begin
+        num_docs, device, k = spec.num_docs, self.q.device, len(spec.dims)
+        logits = torch.empty(k, count, num_docs, dtype=self.acc, device=device)
+        shape = (k, num_docs, count * self.lq) if self.need_grad else (1,)  # not written without gradients
+        argmax = torch.empty(shape, dtype=index_dtype(self.ld), device=device)
+        tokens = slice(begin * self.lq, end * self.lq)
+        q, query_mask, qinv = self.q[begin:end], self.query_mask[begin:end], self._rows(self.qinv, tokens)
+        common = (count, num_docs, self.lq, self.ld, self.qinv.stride(0), self.cinv.stride(0))
+        _forward_kernel[(math.ceil(count / plan.forward_queries), math.ceil(num_docs / plan.docs_per_program))](
+            q, self.c, query_mask, self.document_mask, qinv, self.cinv, logits, argmax, self.empty,
+            self.inverse_den[begin:], *common,
+            spec.scale, **plan.forward_consts, STORE_ARGMAX=self.need_grad,
+        )  # fmt: skip
+        if self.mask is not None:
+            removed_rows, removed_cols = self.mask.tile("query_to_doc", begin, end)
+            logits[:, removed_rows, removed_cols] = float("-inf")
+        _infonce_kernel[(math.ceil(count / plan.infonce_rows), k)](
+            logits, self.lse[:, 0, begin:], self.losses[:, begin:], self.empty, count, num_docs, spec.offset + begin,
+            self.losses.stride(0), spec.scale / spec.batch_size, WEIGHTS=spec.weights, K=k,
+            NEED_GRAD=self.need_grad, BR=plan.infonce_rows, BN=plan.infonce_cols, ACC=plan.acc,
+        )  # fmt: skip
+        if not self.need_grad:
+            return
+        _query_grad_kernel[(math.ceil(count / plan.grad_queries),)](
+            q, self.c, query_mask, qinv, self.cinv, logits, argmax, self.dq[begin:end], *common, **plan.query_consts
+        )
+        previous = self.dc if self.scratch is None else self.scratch
+        out = self.dc if last or self.scratch is None else self.scratch
+        _document_grad_kernel[(num_docs, math.ceil(self.ld / plan.doc_tokens))](
+            q, self.c, query_mask, self.inverse_den[begin:], qinv, self.cinv, logits, argmax, previous, out, *common,
+            **plan.document_consts, LOAD_PREV=not first,
+        )  # fmt: skip
+
+    @staticmethod
+    def _rows(inv: Tensor, tokens: slice) -> Tensor:
+        return inv if inv.dim() == 1 else inv[:, tokens]

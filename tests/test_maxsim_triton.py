@@ -1,0 +1,227 @@
+"""maxsim_infonce's Triton backend (issue 39) in Triton's CPU interpreter, beyond the cases tests/test_maxsim_op.py
+runs on every backend: ties in the max, the precision policy (bf16 operands emulated), bf16 / fp16 inputs, documents
+longer than one token chunk (int16 argmaxes), the launches per call, the refusals, the loss on a tiny model, and (slow)
+the kernels compiled for sm_90 with ptxas. The truth is a float64 definition written here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from st_cached_losses import maxsim_infonce
+from st_cached_losses.ops.maxsim import triton_plan, triton_report
+from st_cached_losses.ops.maxsim.op import run_backend
+from st_cached_losses.ops.maxsim.spec import MaxSimSpec
+
+
+def _inputs(batch, num_docs, query_tokens, doc_tokens, dim, seed=0, dtype=torch.float64):
+    """Unit token vectors, a fifth of the tokens masked, the last document (a hard negative) without a scored token."""
+    g = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(batch, query_tokens, dim, generator=g, dtype=torch.float64), dim=-1).to(dtype)
+    c = F.normalize(torch.randn(num_docs, doc_tokens, dim, generator=g, dtype=torch.float64), dim=-1).to(dtype)
+    query_mask = torch.rand(batch, query_tokens, generator=g) > 0.2
+    document_mask = torch.rand(num_docs, doc_tokens, generator=g) > 0.2
+    query_mask[:, 0] = True
+    document_mask[:, -1] = True
+    document_mask[-1] = False
+    return q, c, query_mask, document_mask
+
+
+def _definition(q, c, query_mask, document_mask, dims, weights, scale, cosine=True):
+    """The loss in float64 from the definition: per dim each token vector's prefix (both sides ``cosine``: divided by
+    its norm below the full dim); s_ij = sum over query i's scored tokens of the max over document j's scored tokens of
+    their dot products (-1e9 for a document without one); L = mean_i (logsumexp_j scale s_ij - scale s_ii)."""
+    total = 0.0
+    for dim, weight in zip(dims, weights):
+        qd, cd = q[..., :dim].double(), c[..., :dim].double()
+        if cosine and dim < q.shape[-1]:
+            qd, cd = qd / qd.norm(dim=-1, keepdim=True), cd / cd.norm(dim=-1, keepdim=True)
+        dots = torch.einsum("isd,jtd->ijst", qd, cd).masked_fill(~document_mask[None, :, None, :], float("-inf"))
+        best = dots.max(dim=-1).values.masked_fill(~query_mask[:, None, :], 0.0).sum(dim=-1)
+        scores = torch.where(document_mask.any(dim=1)[None, :], best, torch.full_like(best, -1e9))
+        logits = scale * scores
+        total = total + weight * (logits.logsumexp(dim=1) - logits.diagonal()).mean()
+    return total
+
+
+def _run(q, c, query_mask, document_mask, backend="triton", **options):
+    leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]
+    out = maxsim_infonce(*leaves, query_mask=query_mask, document_mask=document_mask, backend=backend, **options)
+    out.loss.backward()
+    return out.loss.detach(), leaves[0].grad, leaves[1].grad
+
+
+def _want(q, c, query_mask, document_mask, dims, weights=None, scale=1.0, similarity="cosine"):
+    weights = weights or [1.0] * len(dims)
+    leaves = [q.double().requires_grad_(), c.double().requires_grad_()]
+    loss = _definition(*leaves, query_mask, document_mask, dims, weights, scale, cosine=similarity == "cosine")
+    return (loss.detach(), *torch.autograd.grad(loss, leaves))
+
+
+def _close(got, want, rtol):
+    for g, w in zip(got, want):
+        g, w = g.double(), w.double()
+        torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * float(w.abs().max()))
+
+
+def test_ties_send_the_gradient_to_the_first_token():
+    """Equal token vectors tie in every dim's max: the gradient goes to the first of them, in every dim alike
+    (the forward's argmax, kept for the backward), and the sum over the tied pair is the definition's."""
+    q, c, query_mask, document_mask = _inputs(3, 4, 3, 6, 16, seed=1)
+    document_mask[:] = True
+    c[0, 2], c[3, 0] = q[0, 0], q[1, 0]  # each the best match of a scored query token
+    c[0, 4] = c[0, 2]  # document 0: tokens 2 and 4 equal
+    c[3, 1] = c[3, 0]  # document 3: tokens 0 and 1 equal
+    got = _run(q, c, query_mask, document_mask, dims=[16, 8], scale=3.0)
+    want = _want(q, c, query_mask, document_mask, [16, 8], scale=3.0)
+    assert got[2][0, 2].abs().sum() > 0 and got[2][3, 0].abs().sum() > 0
+    assert got[2][0, 4].eq(0).all() and got[2][3, 1].eq(0).all()
+    tied = [(0, 2, 4), (3, 0, 1)]
+    for doc, first, second in tied:  # the definition's autograd may pick either: compare the pair's sum
+        for grads in (got[2], want[2]):
+            grads[doc, first] += grads[doc, second]
+            grads[doc, second] = 0.0
+    _close(got, want, rtol=1e-9)
+
+
+def test_bf16_precision_rounds_the_operands():
+    """precision="bf16" on fp32 inputs: the forward's token dot products are those of bf16-rounded vectors with fp32
+    accumulation (the definition on rounded inputs, to fp32 rounding; dot similarity: the prefix norms are taken of
+    the unrounded vectors), unlike IEEE's; the gradients within bf16's error of the definition on the rounded inputs;
+    "tf32" is taken (the interpreter computes it in fp32)."""
+    q, c, query_mask, document_mask = _inputs(4, 6, 3, 5, 16, seed=2, dtype=torch.float32)
+    options = dict(dims=[16, 8], weights=[1.0, 0.5], scale=5.0, similarity="dot")
+    got = _run(q, c, query_mask, document_mask, precision="bf16", **options)
+    rounded = _want(q.bfloat16(), c.bfloat16(), query_mask, document_mask, **options)
+    ieee = _run(q, c, query_mask, document_mask, precision="ieee", **options)
+    torch.testing.assert_close(got[0].double(), rounded[0], rtol=1e-6, atol=0)
+    assert abs(float(ieee[0]) - float(rounded[0])) > 1e-5 * abs(float(rounded[0]))
+    _close(got[1:], rounded[1:], rtol=2e-2)
+    tf32 = _run(q, c, query_mask, document_mask, precision="tf32", **options)
+    _close(tf32, ieee, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)], ids=["bf16", "fp16"])
+def test_half_precision_inputs(dtype, rtol):
+    """bf16 / fp16 token vectors: fp32 loss, gradients in the inputs' dtype, the definition's on the same values."""
+    q, c, query_mask, document_mask = _inputs(4, 6, 3, 5, 16, seed=3, dtype=dtype)
+    got = _run(q, c, query_mask, document_mask, dims=[16, 8], scale=5.0, chunk_size=3)
+    assert got[0].dtype == torch.float32 and got[1].dtype == dtype and got[2].dtype == dtype
+    _close(got, _want(q, c, query_mask, document_mask, [16, 8], scale=5.0), rtol=rtol)
+
+
+def test_documents_longer_than_a_token_chunk():
+    """Ld = 300: the forward's running max over chunks of 128 tokens (a tie across chunks keeps the earlier token)
+    and int16 argmaxes; ties across chunks included."""
+    assert triton_plan.index_dtype(256) == torch.uint8 and triton_plan.index_dtype(257) == torch.int16
+    q, c, query_mask, document_mask = _inputs(2, 3, 2, 300, 16, seed=4)
+    document_mask[:] = True
+    c[2, 5] = q[0, 0]
+    c[2, 290] = c[2, 5]
+    got = _run(q, c, query_mask, document_mask, dims=[16, 4], scale=2.0)
+    want = _want(q, c, query_mask, document_mask, [16, 4], scale=2.0)
+    assert got[2][2, 290].eq(0).all()
+    for grads in (got[2], want[2]):
+        grads[2, 5] += grads[2, 290]
+        grads[2, 290] = 0.0
+    _close(got, want, rtol=1e-9)
+
+
+def _spec(q, c, query_mask, document_mask, dims):
+    spec, _, _ = MaxSimSpec.build(
+        q, c, query_mask, document_mask, dims=dims, weights=None, scale=1.0, similarity="cosine",
+        length_normalize=False, offset=0,
+    )  # fmt: skip
+    return spec
+
+
+def test_launches_per_call():
+    """What a call launches on a GPU, counted: one tile with gradients in single digits (the chunked backend:
+    ~5,400 at B = 512); each further tile four kernels (forward, InfoNCE rows, the two gradients); without
+    gradients two; the loss bit for bit the same either way."""
+    q, c, query_mask, document_mask = _inputs(4, 5, 3, 4, 8, seed=5)
+    spec = _spec(q, c, query_mask, document_mask, [8, 4])
+    results = {}
+
+    def count(need_grad, tile):
+        def call():
+            results[need_grad, tile] = run_backend(
+                "triton", q, c, query_mask, document_mask, spec, need_grad, tile, None
+            )
+
+        return triton_report.count_launches(call)
+
+    one_tile, two_tiles, forward_only = count(True, None), count(True, 2), count(False, None)
+    assert one_tile["total"] <= 9, one_tile
+    assert two_tiles["triton"] - one_tile["triton"] == 4
+    assert one_tile["triton"] - forward_only["triton"] == 2
+    assert torch.equal(results[True, None].per_dim, results[False, None].per_dim)
+
+
+def test_more_dims_than_the_kernels_take():
+    """Nine dims: an explicit backend="triton" says what is missing and what to use; "auto" runs chunked."""
+    from st_cached_losses.ops.backend import REGISTRY
+
+    q, c, query_mask, document_mask = _inputs(2, 2, 2, 3, 16, seed=6)
+    dims = list(range(16, 7, -1))
+    assert "at most 8" in REGISTRY["maxsim_infonce"]["triton"].unsupported(_spec(q, c, query_mask, document_mask, dims))
+    with pytest.raises(NotImplementedError, match=r"at most 8 Matryoshka token dims.*backend='chunked'"):
+        maxsim_infonce(q, c, query_mask=query_mask, document_mask=document_mask, dims=dims, backend="triton")
+
+
+@pytest.mark.slow  # a fresh interpreter and Triton's ahead-of-time compile (about a minute)
+def test_kernels_compile_for_hopper_without_spills():
+    """The interpreter runs programs the compiler rejects: compile every kernel for sm_90 (no GPU needed), bf16, TF32,
+    IEEE fp32 and fp16, four dims and one, Ld 128 and 256; ptxas reports no spills, the forward and the one-hot
+    product issue tensor-core instructions (not IEEE fp32's: CUDA cores), and the loads are 16 bytes wide."""
+    pytest.importorskip("triton.backends.nvidia")
+    script = textwrap.dedent("""
+        import torch
+        from st_cached_losses.ops.maxsim import triton_report
+        configs = (
+            {}, {"dims": (128,)}, {"ld": 256}, {"dtype": torch.float32, "precision": "tf32"},
+            {"dtype": torch.float32, "precision": "ieee"}, {"dtype": torch.float16, "precision": "tf32"},
+        )
+        for kw in configs:
+            specs = triton_report.kernel_specs(**kw)
+            report = triton_report.ptxas_report(triton_report.compile_kernels(specs))
+            for spec in specs:
+                row = report[spec.name]
+                assert row["spill_stores"] == 0 and row["spill_loads"] == 0, (kw, spec.name, row)
+                ieee = kw.get("precision") == "ieee"
+                assert ieee or not spec.tensor_cores or row["wgmma"] + row["mma"] > 0, (kw, spec.name, row)
+            assert report["forward"]["vector_loads"] > 0 and report["query_grad"]["vector_loads"] > 0, report
+        print("ok")
+    """)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_the_multi_vector_loss_takes_the_triton_backend():
+    """CachedMultiVectorMatryoshkaLoss(backend="triton") on a tiny MultiVectorEncoder, in the interpreter: the loss and
+    every parameter gradient of backend="chunked" (fp32, two token dims, a hard-negative column)."""
+    from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
+
+    from st_cached_losses import CachedMultiVectorMatryoshkaLoss
+    from st_cached_losses.testing import tiny_multi_vector_encoder
+    from tests.helpers import assert_grads_close, loss_and_grads, texts
+
+    model = tiny_multi_vector_encoder(token_dim=16, seed=3)
+    tasks = ("query", "document", "document")
+    features = [model.preprocess(texts(4, 100 * column, 1, 6), task=task) for column, task in enumerate(tasks)]
+    results = {}
+    for backend in ("chunked", "triton"):
+        base = CachedMultiVectorMultipleNegativesRankingLoss(model, mini_batch_size=4)
+        loss = CachedMultiVectorMatryoshkaLoss(model, base, [16, 8], mini_batch_size=4, backend=backend)
+        results[backend] = loss_and_grads(model, loss, features)
+    assert results["triton"][0] == pytest.approx(results["chunked"][0], rel=1e-5)
+    assert_grads_close(results["triton"][1], results["chunked"][1], rtol=1e-4)
