@@ -9,9 +9,11 @@ sentence-transformers path, or sits in a doc block neither run nor listed in ``N
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import re
 import textwrap
+import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,10 @@ NOT_RUN = {
         "a decoder's LoRA target modules: docs/integrations.md has each in full, run by tests/test_integration_docs.py"
     ),
     "features/beyond-one-gpu-ddp-fsdp2-deepspeed-zero": "a DeepSpeed config file and torchrun: docs/scale_out.md",
+    "features/the-main-job-st-cached-losses-train": (
+        "the main job on MiniLM and the built-in data (4.5 minutes on 2 CPU cores); tests/test_cli.py runs the same "
+        "call, job.run(TrainOptions(...)), on a tiny model"
+    ),
     "integrations/lora-adapters": "run by tests/test_integration_docs.py",
     "integrations/image-text-models-clip-style": "run by tests/test_integration_docs.py",
     "integrations/gradient-checkpointing": "run by tests/test_integration_docs.py",
@@ -180,8 +186,17 @@ def deprecated_imports(code: str) -> list[str]:
         if isinstance(node, ast.Import):
             imported += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            imported += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            imported.append(node.module)
+            if node.module.startswith("sentence_transformers") and node.module not in DEPRECATED_MODULE_PATHS:
+                # A name that is a submodule (``from sentence_transformers import SentenceTransformer``: the class).
+                module = importlib.import_module(node.module)
+                modules = [alias.name for alias in node.names if _is_module(getattr(module, alias.name, None))]
+                imported += [f"{node.module}.{name}" for name in modules]
     return [name for name in imported if name in DEPRECATED_MODULE_PATHS]
+
+
+def _is_module(attribute) -> bool:
+    return attribute is None or isinstance(attribute, types.ModuleType)
 
 
 class _LocalModels(ast.NodeTransformer):
@@ -218,6 +233,7 @@ def test_a_deprecated_import_is_caught():
     assert deprecated_imports("from sentence_transformers import losses") == ["sentence_transformers.losses"]
     assert deprecated_imports("from sentence_transformers.losses import CachedMultipleNegativesRankingLoss")
     assert not deprecated_imports("from sentence_transformers.sentence_transformer import losses")
+    assert not deprecated_imports("from sentence_transformers import SentenceTransformer")  # the class
 
 
 def test_an_unknown_model_fails():
@@ -227,7 +243,8 @@ def test_an_unknown_model_fails():
 
 @pytest.mark.parametrize("example", _params())
 def test_example_runs(example, tmp_path, monkeypatch):
-    assert not deprecated_imports(example.code), f"deprecated imports: {deprecated_imports(example.code)}"
+    deprecated = deprecated_imports(example.code)
+    assert not deprecated, f"the example imports deprecated sentence-transformers paths: {deprecated}"
     monkeypatch.chdir(tmp_path)  # the trainer's output directory, the main job's runs/
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     namespace = {"__name__": "__example__"}
