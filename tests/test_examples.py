@@ -120,7 +120,7 @@ def doc_blocks() -> list[Example]:
 
 
 def _public_objects():
-    """(qualified name, object) of every public function and class, and every method a class defines."""
+    """(qualified name, object) of every public function and class, and every method and property a class defines."""
     for package in (st_cached_losses, st_cached_losses.ops):
         for name in package.__all__:
             obj = getattr(package, name)
@@ -128,7 +128,7 @@ def _public_objects():
                 yield name, obj
             if inspect.isclass(obj):
                 for attr, member in vars(obj).items():
-                    function = getattr(member, "__func__", member)  # classmethod, staticmethod
+                    function = getattr(member, "fget", None) or getattr(member, "__func__", member)  # property, ...
                     if inspect.isfunction(function) and (attr == "__init__" or not attr.startswith("_")):
                         yield f"{name}.{attr}", function
 
