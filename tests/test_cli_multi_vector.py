@@ -57,7 +57,7 @@ LOSS_REFUSES = {  # the options CachedMultiVectorMatryoshkaLoss refuses: its own
         ["--false-negative-margin", "0.1"],
         (
             "--multi-vector: CachedMultiVectorMatryoshkaLoss does not take --false-negative-margin / "
-            "false_negative_strategy: the MaxSim op has no false-negative filter"
+            "false_negative_strategy (given: --false-negative-margin): the MaxSim op has no false-negative filter"
         ),
     ),
     "--memory-size": (["--memory-size", "8"], "--multi-vector: CachedMultiVectorMatryoshkaLoss does not take a memory"),
@@ -72,7 +72,6 @@ LOSS_REFUSES = {  # the options CachedMultiVectorMatryoshkaLoss refuses: its own
             "got CachedGISTEmbedLoss"
         ),
     ),
-    "--backend triton": (["--backend", "triton"], "--multi-vector: --backend must be one of ('auto', 'chunked'"),
 }
 
 
@@ -103,7 +102,7 @@ def test_layers_and_multi_vector_each_choose_the_loss(tiny_dir, tmp_path, capsys
 
 def test_the_options_it_takes_build_the_loss(tiny_dir, tmp_path):
     """--mini-batch-size auto, --activation-budget, --mask-duplicates and the op's backends reach the loss."""
-    for backend in ("auto", "chunked", "dense"):
+    for backend in ("auto", "chunked", "dense", "triton"):
         options = TrainOptions(
             model=str(tiny_dir),
             output_dir=tmp_path / "out",

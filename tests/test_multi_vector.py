@@ -224,7 +224,6 @@ BAD = {
     "dims": (lambda m: (m, _stock(m), [TOKEN_DIM + 1]), {}, ValueError, "larger than the embedding"),
     "bank": (lambda m: (m, _stock(m), [8]), {"memory_size": 64}, ValueError, "does not take a memory bank"),
     "filter": (lambda m: (m, _stock(m), [8]), {"false_negative_margin": 0.1}, ValueError, "no false-negative"),
-    "triton": (lambda m: (m, _stock(m), [8]), {"backend": "triton"}, ValueError, "must be one of .* maxsim"),
     "budget": (lambda m: (m, _stock(m), [8]), {"activation_budget": -1}, ValueError, "activation_budget"),
     "duplicates": (lambda m: (m, _stock(m), [8]), {"mask_duplicates": "yes"}, TypeError, "mask_duplicates"),
 }

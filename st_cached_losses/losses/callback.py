@@ -74,7 +74,18 @@ class CachedLossCallback(TrainerCallback):
     Example:
         ::
 
-            loss = CachedMatryoshkaLoss(model, base, dims, memory_size=4096)
+            from datasets import Dataset
+            from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+            from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+            from st_cached_losses import CachedLossCallback, CachedMatryoshkaLoss
+
+            model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
+            train_dataset = Dataset.from_dict({
+                "anchor": ["It's nice weather outside today.", "He drove to work."],
+                "positive": ["It's so sunny.", "He took the car to the office."],
+            })
+            base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
+            loss = CachedMatryoshkaLoss(model, base, [384, 256, 128, 64, 32], memory_size=4096)
             trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
             CachedLossCallback.attach(trainer)  # before the logging callbacks, so they see its values
             trainer.train()  # or trainer.train(resume_from_checkpoint=True / "path/to/checkpoint-500")

@@ -169,8 +169,11 @@ def matryoshka_infonce(
     Example:
         ::
 
-            q = torch.randn(4096, 384, requires_grad=True)
-            c = torch.randn(4096, 384, requires_grad=True)
+            import torch
+            from st_cached_losses import matryoshka_infonce
+
+            q = torch.randn(1024, 384, requires_grad=True)  # queries (anchors)
+            c = torch.randn(1024, 384, requires_grad=True)  # documents: their positives
             out = matryoshka_infonce(q, c, dims=[384, 256, 128, 64, 32])
             out.loss.backward()
             out.per_dim  # (5,) the loss of each dim, in the order of dims

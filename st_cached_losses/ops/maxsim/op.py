@@ -123,11 +123,15 @@ def maxsim_infonce(
     Example:
         ::
 
-            q = torch.nn.functional.normalize(torch.randn(256, 32, 128), dim=-1).requires_grad_()
-            c = torch.nn.functional.normalize(torch.randn(512, 128, 128), dim=-1).requires_grad_()
-            out = maxsim_infonce(q, c, query_mask=torch.ones(256, 32, dtype=torch.bool),
-                                 document_mask=torch.ones(512, 128, dtype=torch.bool), dims=[128, 96, 64, 32])
+            import torch
+            from st_cached_losses import maxsim_infonce
+
+            q = torch.nn.functional.normalize(torch.randn(64, 32, 128), dim=-1).requires_grad_()  # 32 tokens each
+            c = torch.nn.functional.normalize(torch.randn(128, 128, 128), dim=-1).requires_grad_()  # [pos | neg]
+            out = maxsim_infonce(q, c, query_mask=torch.ones(64, 32, dtype=torch.bool),
+                                 document_mask=torch.ones(128, 128, dtype=torch.bool), dims=[128, 96, 64, 32])
             out.loss.backward()
+            out.per_dim  # (4,) the loss of each token dim, in the order of dims
     """
     check_policies(nonfinite, precision)
     spec, query_mask, document_mask = MaxSimSpec.build(
