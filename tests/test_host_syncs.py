@@ -61,7 +61,9 @@ def _extra(model, rows: int, columns: int, mini_batch_size: int) -> collections.
     features = [model.preprocess(texts(rows, 10 * column, 2, 12)) for column in range(columns)]
     base = dict(model=model, mini_batch_size=mini_batch_size)
     stock = _step_syncs(MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(**base), DIMS), features)
-    ours = CachedMatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(**base), DIMS, mini_batch_size=mini_batch_size)
+    ours = CachedMatryoshkaLoss(
+        model, CachedMultipleNegativesRankingLoss(**base), DIMS, mini_batch_size=mini_batch_size
+    )
     counted = _step_syncs(ours, features)
     assert stock["aten._local_scalar_dense"] > 0  # the count sees stock's own (its mini-batches' padding trim)
     return counted - stock
