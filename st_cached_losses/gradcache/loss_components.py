@@ -39,7 +39,8 @@ class _Components(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        if any(grad is None for grad in grads) or any(not torch.equal(grad, grads[0]) for grad in grads[1:]):
+        # One host synchronisation for all entries (not one per entry).
+        if any(grad is None for grad in grads) or not bool(torch.stack(grads).eq(grads[0]).all()):
             raise RuntimeError(
                 "The per-dim losses carry the gradient only together: back-propagate their sum, "
                 "sum(out.values()).backward(), as SentenceTransformerTrainer does. One entry, or a sum weighting "

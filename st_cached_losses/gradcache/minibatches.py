@@ -76,16 +76,12 @@ def rows_are_texts(feature: dict[str, Any]) -> bool:
 
 
 def length_order(feature: dict[str, Any]) -> Tensor | None:
-    """Row order by descending token count (stable), or None to keep the original order: when it is already
-    sorted, or when the column cannot be permuted row by row safely (see :func:`rows_are_texts`)."""
+    """Row order by descending token count (stable: a column already in that order keeps it), on the mask's device,
+    or None to keep the original order where the column cannot be permuted row by row safely (see
+    :func:`rows_are_texts`). Never read on the host: no synchronisation with the GPU."""
     if not rows_are_texts(feature):
         return None
-    mask = feature["attention_mask"]
-    rows = mask.shape[0]
-    order = torch.sort(mask.sum(dim=1), descending=True, stable=True).indices
-    if bool((order == torch.arange(rows, device=order.device)).all()):
-        return None
-    return order
+    return torch.sort(feature["attention_mask"].sum(dim=1), descending=True, stable=True).indices
 
 
 def without_leading_padding(
@@ -107,9 +103,11 @@ def without_leading_padding(
         return feature, begin, end
     mask = feature["attention_mask"]
     active = mask[begin:end].bool().any(dim=0)
-    if bool(active[0]) or not bool(active.any()):
+    # The first column any row uses (0 when none does): one host synchronisation per mini-batch, where stock's
+    # trailing trim takes three.
+    first, width = int(active.int().argmax()), mask.shape[1]
+    if first == 0:
         return feature, begin, end
-    first, width = int(active.nonzero()[0]), mask.shape[1]
     trimmed = {
         key: value[begin:end, first:] if value.ndim >= 2 and value.shape[1] == width else value[begin:end]
         for key, value in feature.items()

@@ -194,9 +194,11 @@ def _fp16_run(queries: Tensor) -> bool:
 def _nonfinite_input(nonfinite: str, inputs: dict[str, Tensor | None]) -> str | None:
     """The name of the first input holding NaN or Inf when the policy propagates it (None when all are finite);
     a ValueError when the policy ("raise", or "auto" outside fp16) says the run diverged."""
-    name = next((name for name, t in inputs.items() if t is not None and not all_finite(t)), None)
-    if name is None:
+    present = {name: t for name, t in inputs.items() if t is not None and t.numel()}
+    # One host synchronisation per call for all inputs (the policy decides on the host); which input, only then.
+    if not present or bool(torch.stack([t.amax().isfinite() & t.amin().isfinite() for t in present.values()]).all()):
         return None
+    name = next(name for name, t in present.items() if not all_finite(t))
     queries = next(iter(inputs.values()))
     if nonfinite == "propagate" or (nonfinite == "auto" and _fp16_run(queries)):
         return name
@@ -332,6 +334,16 @@ def run_op(
     return InfoNCEOutput(loss, per_dim, lse, masked_share if spec.masks else None)
 
 
+def _in_callers_order(result: InfoNCEResult, spec: Spec) -> tuple[Tensor, Tensor, Tensor]:
+    """(the weighted loss, per-dim losses, per-dim LSEs) with the dims in the caller's order. Weights and order are
+    Python numbers applied by device ops: no host-built tensor to copy to the GPU each call."""
+    loss = sum(weight * result.per_dim[k] for k, weight in enumerate(spec.weights))
+    if list(spec.order) == sorted(spec.order):
+        return loss, result.per_dim, result.lse
+    inverse = sorted(range(len(spec.order)), key=spec.order.__getitem__)  # caller's position -> computed index
+    return loss, torch.stack([result.per_dim[k] for k in inverse]), torch.stack([result.lse[k] for k in inverse])
+
+
 class _CachedGradients(torch.autograd.Function):
     """Gradients are computed in the forward sweep (saving a recompute of every score tile) and kept only when an
     input needs them; backward scales them by grad_output."""
@@ -340,10 +352,7 @@ class _CachedGradients(torch.autograd.Function):
     def forward(ctx, call: OpCall, need_grad: bool, *inputs):
         result = call.run(need_grad)
         spec = call.spec
-        weights = torch.tensor(spec.weights, dtype=result.per_dim.dtype, device=result.per_dim.device)
-        loss = (weights * result.per_dim).sum()
-        per_dim, lse = torch.empty_like(result.per_dim), torch.empty_like(result.lse)
-        per_dim[list(spec.order)], lse[list(spec.order)] = result.per_dim, result.lse  # the caller's dims order
+        loss, per_dim, lse = _in_callers_order(result, spec)
         masked_share = result.per_dim.new_zeros(()) if result.masked_share is None else result.masked_share
         ctx.mark_non_differentiable(per_dim, lse, masked_share)
         if need_grad:

@@ -142,7 +142,7 @@ class _Sweep:
         self.token_counts = counts
         self.token_starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).tolist()
         self.denominator = (
-            counts.clamp(min=1).to(dtype) if spec.length_normalize else torch.ones(spec.batch_size, dtype=dtype)
+            counts.clamp(min=1).to(dtype) if spec.length_normalize else counts.new_ones(spec.batch_size, dtype=dtype)
         ).to(device)
         self.is_empty = ~document_mask.any(dim=1)  # documents without a scored token
         self.empty = self.is_empty.nonzero().squeeze(1)
@@ -157,6 +157,8 @@ class _Sweep:
         self.doc_inv_ratio = None if self.doc_inv is None else self.doc_inv[:-1] / self.doc_inv[1:]
         self.duplicates = None if duplicates is None else DuplicateMask.build(spec.infonce_spec(), *duplicates)
         self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
+        # d loss / d logit per dim: w_k * scale / B (one host-to-device copy per call, not one per tile).
+        self.grad_factors = torch.tensor(spec.weights, dtype=dtype, device=device) * (spec.scale / spec.batch_size)
         self.lse = torch.empty(len(spec.dims), 1, spec.batch_size, dtype=dtype, device=device)
         self.grads = (torch.zeros_like(self.queries), torch.zeros_like(self.docs)) if need_grad else None
 
@@ -186,8 +188,7 @@ class _Sweep:
         # positive (exp(0) = 1) and for an empty document (its score is a constant).
         grad = logits.sub_(lse[:, :, None]).exp_()
         grad[:, local, spec.offset + begin + local] -= 1.0
-        factors = torch.tensor(spec.weights, dtype=grad.dtype, device=grad.device) * (spec.scale / spec.batch_size)
-        grad.mul_(factors[:, None, None]).div_(self.denominator[begin:end][None, :, None])
+        grad.mul_(self.grad_factors[:, None, None]).div_(self.denominator[begin:end][None, :, None])
         grad[:, :, self.empty] = 0.0
         TileGradients(self, tokens, rows).run(grad, owner, argmax)
 
