@@ -187,6 +187,18 @@ def test_n_dims_per_step_samples_as_stock(tiny_model, seed):
     assert_grads_close(grads, stock_grads)
 
 
+def test_n_dims_per_step_beyond_the_dims_takes_every_dim_as_stock(tiny_model):
+    """Stock MatryoshkaLoss draws every dim when n_dims_per_step >= the number of dims: a drop-in loss does too."""
+    dims, weights = [48, 16], [1.0, 0.5]
+    features = text_features(tiny_model, rows=6, negatives=0, seed=5)
+    stock = MatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), dims, weights, n_dims_per_step=3)
+    ours = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), dims, weights, n_dims_per_step=3)
+    stock_loss, stock_grads = loss_and_grads(tiny_model, stock, features)
+    loss, grads = loss_and_grads(tiny_model, ours, features)
+    assert loss == pytest.approx(stock_loss, rel=1e-4)
+    assert_grads_close(grads, stock_grads)
+
+
 def test_n_dims_per_step_varies_with_the_seed(tiny_model):
     features = text_features(tiny_model, rows=6, negatives=0, seed=2)
     loss = CachedMatryoshkaLoss(

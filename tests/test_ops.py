@@ -439,6 +439,28 @@ def test_numpy_dims_and_the_old_keyword_names():
         matryoshka_infonce(queries, docs=docs, documents=docs, dims=[8, 4])
 
 
+def test_the_names_ops_exported_before_still_work_with_a_warning():
+    """The registry and specs this package exported from st_cached_losses.ops before it was keyed by op: each still
+    resolves (to the matryoshka_infonce op's) with a DeprecationWarning naming its new home."""
+    import st_cached_losses.ops as ops
+    from st_cached_losses.ops import backend, infonce, result, spec
+
+    expected = {
+        "BACKENDS": backend.backends("matryoshka_infonce"),
+        "REGISTRY": backend.REGISTRY["matryoshka_infonce"],
+        "check_backend": backend.check_backend,
+        "select_backend": backend.select_backend,
+        "run_backend": infonce.run_backend,
+        "InfoNCEResult": result.InfoNCEResult,
+        "InfoNCESpec": spec.InfoNCESpec,
+    }
+    for name, value in expected.items():
+        with pytest.warns(DeprecationWarning, match=rf"st_cached_losses.ops.{name} is deprecated: use "):
+            assert getattr(ops, name) == value
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        ops.nothing  # noqa: B018
+
+
 def _float64_truth_by_row_blocks(queries, docs, dims, block):
     """The loss in float64 from the dense reference, one row block at a time (each a gathered slice)."""
     world = queries.double()

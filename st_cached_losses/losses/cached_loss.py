@@ -52,12 +52,13 @@ def naming_errors(owner: str) -> Iterator[None]:
 
 
 def check_n_dims_per_step(value: Any, num_dims: int) -> int:
-    """``n_dims_per_step`` as accepted: -1 (every dim) or an int in [1, number of dims]."""
+    """``n_dims_per_step`` as accepted: -1 (every dim) or a positive int (dims drawn per step; as in stock
+    ``MatryoshkaLoss``, one >= the number of dims draws every dim)."""
     value = integer(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or 1 <= value <= num_dims):
+    if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or value >= 1):
         raise ValueError(
-            f"n_dims_per_step must be -1 (every dim) or an int in [1, {num_dims}] (the number of matryoshka_dims), "
-            f"got {value!r}."
+            f"n_dims_per_step must be -1 (every dim) or a positive int (dims drawn per step, of the {num_dims} "
+            f"matryoshka_dims), got {value!r}."
         )
     return value
 

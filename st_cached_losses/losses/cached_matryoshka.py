@@ -92,8 +92,9 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             matryoshka_dims: embedding dims to train, e.g. [768, 512, 256, 128, 64]; each in [1, embedding dim],
                 no duplicates; sorted in descending order, as in MatryoshkaLoss.
             matryoshka_weights: one weight per dim (default 1 each).
-            n_dims_per_step: 1 to the number of dims: sample that many dims per step with ``random.sample``, as
-                MatryoshkaLoss does (a seed picks the same dims); -1: every dim.
+            n_dims_per_step: a positive int: sample that many dims per step with ``random.sample``, as
+                MatryoshkaLoss does (a seed picks the same dims; the number of dims or more: every dim); -1: every
+                dim.
             mini_batch_size: rows per embedding mini-batch (the memory knob; default the cached base loss's, else
                 32), or "auto": the largest whose activations fit ``activation_budget`` (or the free memory),
                 measured at the first training step.

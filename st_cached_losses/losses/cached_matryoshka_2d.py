@@ -99,8 +99,8 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             matryoshka_dims: embedding dims to train, each in [1, model embedding dim], no duplicates.
             matryoshka_weights: one weight per dim (default 1 each).
             n_layers_per_step: prior layers per step, drawn with ``random.sample`` as stock does; -1 for all.
-            n_dims_per_step: dims per layer and step (1 to the number of dims), drawn as stock's MatryoshkaLoss; -1
-                for all (a seed draws stock's layers and dims).
+            n_dims_per_step: dims per layer and step (a positive int; the number of dims or more: all), drawn as
+                stock's MatryoshkaLoss; -1 for all (a seed draws stock's layers and dims).
             last_layer_weight: weight of the final layer's loss.
             prior_layers_weight: weight of the prior layers' losses (averaged over the drawn layers).
             kl_div_weight: weight of the KL term.

@@ -88,14 +88,14 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
                 ``mini_batch_num_tokens`` when not given here.
             matryoshka_dims: token dims to train, e.g. [128, 96, 64, 32]; each in [1, token dim], no duplicates.
             matryoshka_weights: one weight per dim (default 1 each).
-            n_dims_per_step: 1 to the number of dims: sample that many dims per step with ``random.sample``, as
-                MatryoshkaLoss does; -1: every dim.
+            n_dims_per_step: a positive int: sample that many dims per step with ``random.sample``, as
+                MatryoshkaLoss does (the number of dims or more: every dim); -1: every dim.
             mini_batch_size: rows per embedding mini-batch, or "auto" (the largest whose activations fit
                 ``activation_budget``, measured at the first training step); None: the base loss's (above), else 32.
             mini_batch_num_tokens: pack mini-batches by non-padding tokens instead.
             sort_by_length: cut each column into mini-batches in length order (restored for the loss).
             backend: the op's backend: "auto" or a name of ``st_cached_losses.ops.backend.backends("maxsim_infonce")``
-                ("chunked", "dense").
+                ("triton": the fused MaxSim kernels, CUDA; "chunked"; "dense": the test oracle).
             show_progress_bar: a progress bar over the embedding mini-batches.
             false_negative_margin, false_negative_strategy: refused (None and "absolute" only): the MaxSim op has no
                 false-negative filter.

@@ -98,8 +98,8 @@ def _registry(*entries: Backend) -> dict[str, dict[str, Backend]]:
 
 # Verified sets: the CUDA compute capabilities on which a Triton backend passed the CUDA suite (tests/test_cuda.py via
 # ``python -m benchmarks.gpu``) with results committed under benchmarks/results/gpu/; "auto" picks it only there.
-# matryoshka_infonce's Triton kernels: one H100 (9, 0) passed the quick suite (fp32, bf16; 2026-11-26), not yet the
-# full one (fp16, TF32, the int64-offset case): empty.
+# Both Triton backends (matryoshka_infonce's row blocks, maxsim_infonce's fused kernels) have not run on a GPU yet
+# (the first, retired matryoshka_infonce kernels passed the quick suite on one H100, 2026-11-26): empty.
 REGISTRY: dict[str, dict[str, Backend]] = _registry(
     Backend(
         "matryoshka_infonce",

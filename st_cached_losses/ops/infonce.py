@@ -95,7 +95,8 @@ def matryoshka_infonce(
             ``verified``), else the chunked backend on the same device, and falls back to chunked (warning once) if
             Triton cannot compile or launch; the choice is logged once at INFO (``ops.choices()`` lists them).
         chunk_size: query rows per tile of the tiled backends, a positive int (chunked: as given, default from a
-            64 MiB byte budget; Triton: rounded down to a power of two in [16, 256], default tuned); None: automatic.
+            64 MiB byte budget; Triton: rows per block, as given, default from a 256 MiB budget for a block's score
+            planes); None: automatic.
         world_queries: (Bw, D) all queries of the gathered batch when ``queries`` are rows
             ``[offset, offset + B)`` of it (``gather_across_devices``); default ``queries``.
         nonfinite: what NaN or Inf in the embeddings do. "raise": a ValueError (in fp32 or bf16 training a
@@ -132,7 +133,7 @@ def matryoshka_infonce(
             scored as extra candidates of the directions that score documents (query_to_doc, doc_to_doc), after the
             documents' columns, with the same dims, similarity and hardness penalty; detached: they get no gradient, and
             the tiled backends never copy them nor hold a B x Km matrix (one tile of rows at a time). Same dtype,
-            D and device as ``queries``. Not supported by the Triton kernels ("auto" runs chunked).
+            D and device as ``queries``.
         memory_document_ids: (Km,) int64 text ids of ``memory_documents``, with the duplicate mask (required then).
         memory_pair_ids: (Kp, 2) int64 (query id, positive id) of every banked pair, with the duplicate mask: its
             rule (3) then covers the bank (a banked positive of the same query is another positive).

@@ -79,9 +79,10 @@ def maxsim_infonce(
             the choice is logged once at INFO), "triton" (fused kernels on a CUDA GPU of compute capability >= 8.0,
             at most 8 dims; "auto" picks it once verified on that GPU) or "dense" (materialises the (B, M, Lq, Ld)
             token similarities: the test oracle).
-        chunk_size: query rows per tile of the tiled backends, a positive int (default: within a 64 MiB byte budget
-            for the tile's per-(dim, query token, document) argmaxes and per-(dim, query, document) scores, and at
-            most 2048 query tokens: ``chunked.default_tile_queries``; the choice is in the log line); None: automatic.
+        chunk_size: query rows per tile of the tiled backends, a positive int (default: within a byte budget for
+            the tile's per-(dim, query token, document) argmaxes and per-(dim, query, document) scores and a cap on
+            its query tokens, 64 MiB and 2048 on a CPU, 256 MiB and 32768 on CUDA: ``chunked.default_tile_queries``;
+            the choice is in the log line); None: automatic.
         nonfinite: what NaN or Inf in the token vectors do: "raise" (ValueError), "propagate" (the loss and the
             gradients are NaN, so fp16's gradient scaler skips the step), "auto" (default: "propagate" under fp16
             autocast or for fp16 inputs, else "raise").
