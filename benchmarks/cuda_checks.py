@@ -219,9 +219,11 @@ def _truth(case: Case, inputs, spec: InfoNCESpec) -> dict[str, torch.Tensor]:
     return _outputs(run_backend(case.truth_backend, *upcast, spec, need_grad=True), spec)
 
 
-def run_case(case: Case, backend: str, precision: str, device, stand_in: str | None = None, rows=None) -> list[dict]:
+def run_case(
+    case: Case, backend: str, precision: str, device, stand_in: str | None = None, block_rows: int | None = None
+) -> list[dict]:
     """Rows (case, backend, precision, quantity, error, torch_error, tolerance, passed) for one run of
-    ``backend`` on ``case`` in ``precision``. ``rows``: rows per block or tile (``chunk_size``; default the
+    ``backend`` on ``case`` in ``precision``. ``block_rows``: rows per block or tile (``chunk_size``; default the
     backend's). ``stand_in`` runs another backend under ``backend``'s name (the dry run's chunked for Triton)."""
     dtype, tf32 = PRECISIONS[precision]
     inputs = [t.to(dtype) for t in case.inputs(device)]
@@ -229,7 +231,7 @@ def run_case(case: Case, backend: str, precision: str, device, stand_in: str | N
     truth = _truth(case, inputs, spec)
     runner = stand_in or backend
     with matmul_precision(tf32):
-        got = _outputs(run_backend(runner, *inputs, spec, need_grad=True, chunk_size=rows), spec)
+        got = _outputs(run_backend(runner, *inputs, spec, need_grad=True, chunk_size=block_rows), spec)
         plain = _outputs(reference.forward(*inputs, spec, need_grad=True, compute_dtype=dtype), spec)
     rows = []
     for quantity, want in truth.items():
@@ -241,7 +243,7 @@ def run_case(case: Case, backend: str, precision: str, device, stand_in: str | N
         allowed = torch_error if math.isfinite(torch_error) else 0.0
         rows.append(
             {
-                "case": case.name if rows is None else f"{case.name} {rows}",
+                "case": case.name if block_rows is None else f"{case.name} {block_rows}",
                 "backend": backend,
                 "precision": precision,
                 "quantity": quantity,

@@ -46,8 +46,8 @@ def test_dry_run_checks_every_case_backend_and_block_size(dry_run):
     runs = {(r["case"], r["backend"]) for r in rows}
     for case in cuda_checks.cases("tiny"):
         assert {(case.name, "triton"), (case.name, "chunked")} <= runs
-    for rows in cuda_checks.BLOCK_ROWS["tiny"]:
-        assert (f"block_rows {rows}", "triton") in runs
+    for count in cuda_checks.BLOCK_ROWS["tiny"]:
+        assert (f"block_rows {count}", "triton") in runs
     assert {r["quantity"] for r in rows} >= {"loss", "per_dim", "d_queries", "d_docs", "d_world_queries"}
     assert all(r["passed"] == "True" for r in rows)
 

@@ -51,6 +51,16 @@ FIELDS = [
 ]  # fmt: skip
 
 
+def _register_option() -> list[str]:
+    """["--regAllocOptLevel=2"] where this Triton passes it to ptxas (3.9 does, for a ptxas 13 bug; 3.6 does not)."""
+    import inspect
+
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    option = "--regAllocOptLevel=2"
+    return [option] if option in inspect.getsource(CUDABackend.make_cubin) else []
+
+
 def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
     """Registers, spill bytes and stack of ``ptx`` compiled by the ptxas Triton uses for ``arch``, with its options."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
@@ -58,7 +68,7 @@ def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernel.ptx"
         source.write_text(ptx)
-        command = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2"]
+        command = [get_ptxas(arch).path, "-lineinfo", "-v", *_register_option()]
         command += [f"--gpu-name={sm_arch_from_capability(arch)}", str(source), "-o", str(Path(folder) / "k.cubin")]
         log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
 
