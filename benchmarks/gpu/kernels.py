@@ -198,15 +198,17 @@ PROBLEMS = {
     "matryoshka_infonce": "B=M=16384 D=768 K=5 query_to_doc cosine",
     "maxsim_infonce": "B=M=512 Lq=32 Ld=128 D=128 K=4 cosine",
 }
-# Measured (benchmarks/results/gpu/compile_report.csv, Triton 3.9.0 with ptxas 13.4, the tests' version;
-# compile_report_triton3.6.csv, Triton 3.6.0 with ptxas 12.8, the H100 runs'): the MaxSim kernels (issue 39, untuned,
-# not yet run on a GPU) that break a rule, and why.
+# Measured (benchmarks/results/gpu/compile_report.csv, Triton 3.9.0 with ptxas 13.4, the tests' version, and
+# compile_report_triton3.6.csv, Triton 3.6.0 with ptxas 12.8, the H100 runs'; the same under both): the MaxSim
+# kernels (issue 39, untuned, not yet run on a GPU) that break a rule, and why. Every dense kernel keeps them.
 _UNTUNED = "the MaxSim Triton kernels are untuned (issue 39)"
-_ONE_HOT = f"its one-hot product, a batched (3-D) tl.dot, compiles to mma.sync, not wgmma: {_UNTUNED}"
+_ONE_HOT = (
+    f"its one-hot product, a batched (3-D) tl.dot, compiles to mma.sync, not wgmma (Triton 3.9 and 3.6): {_UNTUNED}"
+)
 _KNOWN = {
     "forward": {
-        "tf32": "needs 384 KiB of shared memory (fp32 operand tiles, num_stages 3), over an SM's 227 KiB: the launch "
-        f"fails on an H100 (backend='auto' then runs chunked): {_UNTUNED}",
+        "tf32": "needs 384 KiB of shared memory (fp32 operand tiles, num_stages 3; Triton 3.9 and 3.6), over an SM's "
+        f"227 KiB: the launch fails on an H100 (backend='auto' then runs chunked): {_UNTUNED}",
     },
     "document_grad": dict.fromkeys(("bf16", "tf32", "fp16"), _ONE_HOT),
 }
