@@ -164,11 +164,16 @@ def cases(size: str = "full") -> list[Case]:
     ]
 
 
-def tile_case(size: str = "full") -> Case:
-    """The case every tile config the tuner may pick runs on (``forced_tile_config``)."""
+# Rows per block the block case forces (``chunk_size``): one pass-kernel tile, and a ragged count over several blocks.
+BLOCK_ROWS = {"tiny": (16, 24), "full": (16, 200)}
+
+
+def block_case(size: str = "full") -> Case:
+    """The case run with the rows per block forced to each of ``BLOCK_ROWS[size]`` (``chunk_size``: the Triton
+    backend's row blocks, the chunked backend's row tiles)."""
     tiny = size == "tiny"
     return Case(
-        "tile_configs",
+        "block_rows",
         40 if tiny else 777,
         24 if tiny else 300,
         (24, 16, 5) if tiny else (300, 100, 37),
@@ -214,18 +219,19 @@ def _truth(case: Case, inputs, spec: InfoNCESpec) -> dict[str, torch.Tensor]:
     return _outputs(run_backend(case.truth_backend, *upcast, spec, need_grad=True), spec)
 
 
-def run_case(case: Case, backend: str, precision: str, device, stand_in: str | None = None, tile=None) -> list[dict]:
+def run_case(
+    case: Case, backend: str, precision: str, device, stand_in: str | None = None, block_rows: int | None = None
+) -> list[dict]:
     """Rows (case, backend, precision, quantity, error, torch_error, tolerance, passed) for one run of
-    ``backend`` on ``case`` in ``precision``. ``tile``: a ``TileConfig`` the Triton kernels must use (the
-    chunked backend takes its row count). ``stand_in`` runs another backend under ``backend``'s name (the dry
-    run's chunked for Triton)."""
+    ``backend`` on ``case`` in ``precision``. ``block_rows``: rows per block or tile (``chunk_size``; default the
+    backend's). ``stand_in`` runs another backend under ``backend``'s name (the dry run's chunked for Triton)."""
     dtype, tf32 = PRECISIONS[precision]
     inputs = [t.to(dtype) for t in case.inputs(device)]
     spec = case.spec(*inputs)
     truth = _truth(case, inputs, spec)
     runner = stand_in or backend
-    with matmul_precision(tf32), _tile(runner, tile) as chunk_size:
-        got = _outputs(run_backend(runner, *inputs, spec, need_grad=True, chunk_size=chunk_size), spec)
+    with matmul_precision(tf32):
+        got = _outputs(run_backend(runner, *inputs, spec, need_grad=True, chunk_size=block_rows), spec)
         plain = _outputs(reference.forward(*inputs, spec, need_grad=True, compute_dtype=dtype), spec)
     rows = []
     for quantity, want in truth.items():
@@ -237,7 +243,7 @@ def run_case(case: Case, backend: str, precision: str, device, stand_in: str | N
         allowed = torch_error if math.isfinite(torch_error) else 0.0
         rows.append(
             {
-                "case": case.name if tile is None else f"{case.name} {tile.label}",
+                "case": case.name if block_rows is None else f"{case.name} {block_rows}",
                 "backend": backend,
                 "precision": precision,
                 "quantity": quantity,
@@ -248,20 +254,6 @@ def run_case(case: Case, backend: str, precision: str, device, stand_in: str | N
             }
         )
     return rows
-
-
-@contextlib.contextmanager
-def _tile(backend: str, tile) -> Iterator[int | None]:
-    """Force ``tile`` on the Triton kernels; for the chunked backend yield its row count as chunk_size."""
-    if tile is None:
-        yield None
-    elif backend == "triton":
-        from st_cached_losses.ops.triton.host import forced_tile_config
-
-        with forced_tile_config(tile):
-            yield None
-    else:
-        yield tile.block_rows
 
 
 def failures(rows: list[dict]) -> list[str]:

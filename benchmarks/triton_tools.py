@@ -1,133 +1,91 @@
-"""Tools around the dense Triton kernels: the ahead-of-time compilation check and the H100 cost model, which need no
-GPU, and a side-by-side GPU timing of the backends (``python -m benchmarks.gpu`` is the full benchmark; its
-``--compile-report`` compiles every registered kernel)."""
+"""Tools around the dense Triton backend (``st_cached_losses/ops/triton/blocks.py``): its H100 cost model, which
+needs no GPU, and a side-by-side GPU timing of the backends (``python -m benchmarks.gpu`` is the full benchmark; its
+``--compile-report`` compiles every kernel the CUDA paths launch: ``benchmarks/gpu/compile_report.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from benchmarks.gpu.kernels import KERNELS, compile_variant, dense_variant
-from st_cached_losses.ops.triton.kernels import INTERPRETED
-from st_cached_losses.ops.triton.tiles import CANDIDATES, TileConfig
-
-__all__ = ["H100_SXM", "benchmark", "compile_kernels", "cost_model"]
-
-_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-
-
-def compile_kernels(
-    dtype: torch.dtype = torch.bfloat16,
-    num_dims: int = 5,
-    config: TileConfig | None = None,
-    arch: int = 90,
-    cosine: bool = True,
-    mask: str | None = "own_docs",
-    hardness: int = 1,
-    duplicates: bool = True,
-) -> dict:
-    """Compile the three dense kernels for an NVIDIA GPU of compute capability ``arch`` (90: H100/H200) without a
-    GPU, with Triton's LLVM and bundled ptxas, through the kernel registry (``benchmarks/gpu/kernels.py``; the
-    compile report, ``python -m benchmarks.gpu --compile-report``, reads every registered kernel the same way).
-
-    The interpreter runs programs the compiler rejects (and says nothing of registers), so CI calls this in a process
-    without TRITON_INTERPRET. ``dtype`` fp32 compiles TF32 or IEEE dot products as torch's matmul precision says.
-    ``mask``: a ``MASK_CODES`` key; ``hardness``: the HARD bit flags; ``duplicates``: with the duplicate mask (DUP, a
-    partner direction): with the defaults, the kernels' widest variant.
-
-    Returns:
-        {kernel name: triton CompiledKernel} (``.asm`` holds "ttgir", "ptx", "cubin").
-
-    Raises:
-        RuntimeError: under the interpreter (TRITON_INTERPRET=1 at import), where no JIT kernels exist.
-    """
-    if INTERPRETED:
-        raise RuntimeError("compile_kernels needs the compiler: import this module without TRITON_INTERPRET=1.")
-    if dtype == torch.float32:
-        precision = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    else:
-        precision = _PRECISION[dtype]
-    variant = dense_variant(precision, num_dims, config, cosine, mask, hardness, duplicates)
-    dense = [entry for entry in KERNELS if entry.name.startswith("dense/")]
-    return {entry.kernel_name: compile_variant(entry, variant, arch) for entry in dense}
-
+__all__ = ["H100_SXM", "benchmark", "block_rows", "cost_model"]
 
 # H100 SXM5 peaks (NVIDIA datasheet, dense): tensor cores per input dtype, FLOP/s; HBM3 bytes/s; exp2 on
-# the special function units, 1/s (FlashAttention-3, arXiv 2407.08608: 3.9 TFLOPS of exponentials);
-# L2 bytes/s is a microbenchmark figure, not a datasheet one.
+# the special function units, 1/s (FlashAttention-3, arXiv 2407.08608: 3.9 TFLOPS of exponentials).
 H100_SXM = {
-    "tensor_flops": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12, "fp64": 66.9e12},
+    "tensor_flops": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.7e12, "ieee": 66.9e12, "fp64": 66.9e12},
     "hbm_bytes": 3.35e12,
     "exp2": 3.9e12,
-    "l2_bytes": 5.5e12,
 }
+
+
+def block_rows(
+    batch_size: int, dim: int, dims, dtype: torch.dtype = torch.bfloat16, precision: str | None = None, **options
+) -> int:
+    """Rows per block the Triton backend takes for ``batch_size`` queries of ``dim`` features against as many
+    documents (``blocks.plan_rows``, with this process's launch configs); ``options``: ``InfoNCESpec.build``'s
+    (directions, ...). ``precision``: "bf16" (bf16 planes), "tf32" or "ieee" (default: bf16 for bf16 inputs)."""
+    from st_cached_losses.ops.gemm import operand_dtype
+    from st_cached_losses.ops.spec import InfoNCESpec
+    from st_cached_losses.ops.triton.blocks import plan_rows
+
+    precision = precision or ("bf16" if dtype == torch.bfloat16 else "tf32")
+    q = torch.empty(batch_size, dim, dtype=dtype, device="meta")
+    build = dict(weights=None, scale=20.0, similarity="cosine", offset=0, directions=("query_to_doc",))
+    build.update(partition_mode="joint", hardness_mode=None, hardness_strength=0.0, **options)
+    spec = InfoNCESpec.build(q, q, None, dims=list(dims), **build)
+    return plan_rows(spec, dim, operand_dtype(precision, dtype))
 
 
 def cost_model(
     batch_size: int,
     dims,
     num_docs: int | None = None,
-    world_batch_size: int | None = None,
     directions=("query_to_doc",),
     dtype: torch.dtype = torch.bfloat16,
     need_grad: bool = True,
-    config: TileConfig | None = None,
+    rows: int | None = None,
     device: dict | None = None,
 ) -> dict:
-    """Work of one ``forward`` call of this backend, and its lower-bound times on ``device`` (H100 SXM).
+    """Work of one ``forward`` call of the Triton backend (row blocks, cuBLAS GEMMs, the fused passes) and its
+    lower-bound times on ``device`` (H100 SXM), as ``blocks.py``'s docstring derives them.
 
-    Per direction with R rows and N columns, d = max(dims), d_K = min(dims), K dims, e bytes per input
-    element, tiles BM x BN:
-      matmul FLOPs: forward 2RNd; each gradient kernel 2RN(3d - d_K) (scores, the band re-dots that
-        give the smaller prefixes, the gradient product); exp2: K R N per kernel;
-      L2 -> SM bytes: a program streams the swept side's embedding chunks, e R N d / BM (forward and
-        row kernels) or / BN (column kernel) per score pass, two passes in a gradient kernel (its own
-        tile's chunks are assumed to hit L1), and a gradient kernel reads and writes its fp32
-        accumulator chunk once per swept tile: 8 R N d / BN (row kernel), 8 R N d / BM (column kernel);
-      HBM bytes: the embeddings once per kernel, the fp32 gradients once per kernel, and the host's
-        finishing passes (scale, K norm corrections, cast): about 4 (K + 3) bytes per gradient element.
+    Per direction with R = ``batch_size`` rows and N = ``num_docs`` columns (default R), d = max(dims), K dims, p
+    bytes per plane element (2: bf16 planes for bf16 inputs; 4: fp32), blocks of ``rows`` rows (default
+    :func:`block_rows`):
+      matmul FLOPs: 2 R N d for the scores (the K band GEMMs add up to one D-wide product), 4 R N d more for the
+        gradient GEMMs; exp2: K R N per pass (two with gradients);
+      HBM bytes: each band plane is written by its GEMM and read by pass 1 (2 p K per (row, column)); with
+        gradients read and rewritten by pass 2 and read by both gradient GEMMs (4 p K more), and the fp32 column
+        accumulator read and written once per block (8 N d per block); the embeddings' own bytes are left out.
 
     Returns:
-        dict with "matmul_flops", "exp2", "l2_bytes", "hbm_bytes", "seconds" ({"tensor", "exp2", "l2",
-        "hbm"}: each term at the device's peak), "bound" (the largest term's name) and "seconds_bound".
+        dict with "matmul_flops", "exp2", "hbm_bytes", "blocks", "seconds" ({"tensor", "exp2", "hbm"}: each term
+        at the device's peak), "bound" (the largest term's name) and "seconds_bound".
     """
     device = device or H100_SXM
-    config = config or CANDIDATES[0]
-    world = world_batch_size or batch_size
-    num_docs = num_docs or world
-    d, d_min, k = max(dims), min(dims), len(dims)
-    e = torch.finfo(dtype).bits // 8
-    bm, bn = config.block_rows, config.block_cols
-    columns = {"query_to_doc": num_docs, "doc_to_doc": num_docs, "query_to_query": world, "doc_to_query": world}
-    flops = exp2 = l2 = hbm = 0.0
-    for direction in directions:
-        r, n = batch_size, columns[direction]
-        flops += 2 * r * n * d
-        exp2 += k * r * n
-        l2 += e * r * n * d / bm
-        hbm += e * (r + n) * d
-        if need_grad:
-            flops += 2 * 2 * r * n * (3 * d - d_min)
-            exp2 += 2 * k * r * n
-            l2 += (2 * e + 8) * r * n * d * (1 / bm + 1 / bn)
-            hbm += 2 * (e + 8) * (r + n) * d
-    if need_grad:
-        hbm += 4 * (k + 3) * (batch_size + num_docs + world) * d
-    precision = _TRITON_DTYPES[dtype]
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
-        precision = "tf32"
+    num_docs = num_docs or batch_size
+    d, k = max(dims), len(dims)
+    precision = {torch.bfloat16: "bf16", torch.float64: "fp64"}.get(dtype)
+    if precision is None:
+        precision = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    plane = 2 if precision == "bf16" else 4
+    rows = rows or block_rows(batch_size, d, dims, dtype, "ieee" if precision == "fp64" else precision)
+    blocks = -(-batch_size // rows)
+    r, n, ndir = batch_size, num_docs, len(directions)
+    passes = 2 if need_grad else 1
+    flops = ndir * (6 if need_grad else 2) * r * n * d
+    exp2 = ndir * passes * k * r * n
+    hbm = ndir * (6 if need_grad else 2) * plane * k * r * n + (8 * n * d * blocks * ndir if need_grad else 0)
     seconds = {
         "tensor": flops / device["tensor_flops"][precision],
         "exp2": exp2 / device["exp2"],
-        "l2": l2 / device["l2_bytes"],
         "hbm": hbm / device["hbm_bytes"],
     }
     bound = max(seconds, key=seconds.get)
     return {
         "matmul_flops": flops,
         "exp2": exp2,
-        "l2_bytes": l2,
         "hbm_bytes": hbm,
+        "blocks": blocks,
         "seconds": seconds,
         "bound": bound,
         "seconds_bound": seconds[bound],

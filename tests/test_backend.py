@@ -1,5 +1,5 @@
-"""Which backend runs, and what the op does around it: "auto" and its Triton fallback, the tuner dropping tile
-configs that cannot launch, autocast, non-finite embeddings, and rows whose only candidate is the positive."""
+"""Which backend runs, and what the op does around it: "auto" and its Triton fallback, autocast, non-finite
+embeddings, and rows whose only candidate is the positive."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops import TritonUnavailableError, backend
 from st_cached_losses.ops.backend import check_backend
 from st_cached_losses.ops.triton import blocks as triton_blocks
-from st_cached_losses.ops.triton import host as triton_backend
-from st_cached_losses.ops.triton import kernels as triton_kernels
+from st_cached_losses.ops.triton import fused as triton_fused
 
 
 def _pairs(batch=6, dim=8, seed=0, dtype=torch.float32, negatives=0):
@@ -80,7 +79,7 @@ def test_triton_refuses_gpus_older_than_ampere(monkeypatch, capability):
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(triton_kernels, "INTERPRETED", False)
+    monkeypatch.setattr(triton_fused, "INTERPRETED", False)
     with pytest.raises(ValueError, match="the kernels need CUDA tensors, got cpu"):
         check_backend("triton", "cpu")
     queries, docs = _pairs()
@@ -125,28 +124,6 @@ def test_explicit_triton_raises_with_the_reason(monkeypatch, fresh_choices):
     queries, docs = _pairs()
     with pytest.raises(TritonUnavailableError, match="OutOfResources: out of resource: shared memory"):
         matryoshka_infonce(queries, docs, dims=[8, 4], backend="triton")
-
-
-def test_tuner_drops_tile_configs_that_cannot_launch():
-    slow, fast, too_big = triton_backend.CANDIDATES[:3]
-    times = {slow: 2.0, fast: 1.0}
-
-    def time_one(config):
-        if config is too_big:
-            raise OutOfResources(required=300000, limit=232448, name="shared memory")
-        return times[config]
-
-    assert triton_backend.fastest_config([slow, too_big, fast], time_one) is fast
-    with pytest.raises(TritonUnavailableError, match="no tile config compiles and launches"):
-        triton_backend.fastest_config([too_big], time_one)
-
-
-def test_tuner_does_not_hide_other_errors():
-    def broken(config):
-        raise KeyError("a bug, not a launch failure")
-
-    with pytest.raises(KeyError):
-        triton_backend.fastest_config(triton_backend.CANDIDATES[:1], broken)
 
 
 # ------------------------------------------------------------------------------------------ precision

@@ -519,9 +519,9 @@ def test_error_bad_options(tiny_model, kwargs, match):
 
 def test_error_triton_backend_on_cpu_at_construction(tiny_model, monkeypatch):
     """Outside Triton's interpreter the kernels cannot run on a CPU model: say so now, not after a batch is embedded."""
-    from st_cached_losses.ops.triton import kernels as triton_kernels
+    from st_cached_losses.ops.triton import fused as triton_fused
 
-    monkeypatch.setattr(triton_kernels, "INTERPRETED", False)
+    monkeypatch.setattr(triton_fused, "INTERPRETED", False)
     with pytest.raises(ValueError, match=r"backend='triton' cannot run here: .*cpu.*Use backend='chunked' or 'auto'"):
         CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [48], backend="triton")
 

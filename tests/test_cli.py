@@ -536,9 +536,9 @@ TRITON_ON_CPU = f"{ERROR_PREFIX}CachedMatryoshkaLoss: --backend 'triton' cannot 
 
 def test_triton_backend_on_cpu_is_refused_before_anything_runs(tiny_dir, tmp_path, capsys, monkeypatch):
     """Refused by the loss when the job builds it, before any evaluation or training."""
-    from st_cached_losses.ops.triton import kernels as triton_kernels
+    from st_cached_losses.ops.triton import fused as triton_fused
 
-    monkeypatch.setattr(triton_kernels, "INTERPRETED", False)  # the tests run Triton's CPU interpreter; a user does not
+    monkeypatch.setattr(triton_fused, "INTERPRETED", False)  # the tests run Triton's CPU interpreter; a user does not
     monkeypatch.setattr(job, "build_evaluate", lambda *args: pytest.fail("the evaluation was built"))
     code = train_cli(tiny_dir, tmp_path / "out", "--backend", "triton")
     err = capsys.readouterr().err

@@ -39,17 +39,15 @@ def test_dry_run_writes_every_result(dry_run):
 
 
 @pytest.mark.slow
-def test_dry_run_checks_every_case_backend_and_tile_config(dry_run):
-    from st_cached_losses.ops.triton.host import CANDIDATES
-
+def test_dry_run_checks_every_case_backend_and_block_size(dry_run):
     _, out = dry_run
     with (out / "correctness.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     runs = {(r["case"], r["backend"]) for r in rows}
     for case in cuda_checks.cases("tiny"):
         assert {(case.name, "triton"), (case.name, "chunked")} <= runs
-    for tile in CANDIDATES:
-        assert (f"tile_configs {tile.label}", "triton") in runs
+    for count in cuda_checks.BLOCK_ROWS["tiny"]:
+        assert (f"block_rows {count}", "triton") in runs
     assert {r["quantity"] for r in rows} >= {"loss", "per_dim", "d_queries", "d_docs", "d_world_queries"}
     assert all(r["passed"] == "True" for r in rows)
 
@@ -315,37 +313,59 @@ def test_occupancy_and_waves_of_a_132_sm_card():
     assert occupancy(64, 0, 4, 264) == {"ctas_per_sm": 8, "occupancy": 0.5, "waves": 0.25}
 
 
-def test_the_rules_name_spills_and_lost_tensor_cores():
+def test_the_rules_name_spills_lost_tensor_cores_narrow_wgmma_and_overfull_sms():
     from benchmarks.gpu.compile_report import rule
     from benchmarks.gpu.kernels import Variant
 
-    clean = {"spill_stores": 0, "spill_loads": 0, "loop_wgmma": 4, "loop_mma": 0}
-    tensor_cores, fma = Variant("bf16", {}, 8, 2), Variant("ieee", {}, 8, 2, tensor_cores=False)
+    clean = {"spill_stores": 0, "spill_loads": 0, "loop_wgmma": 4, "loop_mma": 0, "wgmma_n": "64 128"}
+    clean.update(ctas_per_sm=1, shared_bytes=1024, registers=128)
+    tensor_cores, fma = Variant("bf16", {}, {}, 8, 2), Variant("ieee", {}, {}, 8, 2, tensor_cores=False)
     assert rule(tensor_cores, clean) == "ok"
     assert rule(tensor_cores, {**clean, "spill_loads": 8}) == "spills 0 B stores / 8 B loads"
     assert rule(tensor_cores, {**clean, "loop_wgmma": 0}) == "no tensor-core instruction in a loop"
-    assert rule(fma, {**clean, "loop_wgmma": 0}) == "ok"
+    assert rule(tensor_cores, {**clean, "loop_wgmma": 0, "loop_mma": 2}) == "mma.sync, no wgmma"
+    assert rule(tensor_cores, {**clean, "wgmma_n": "32 128"}) == "wgmma N 32 < 64"
+    overfull = "does not fit an SM (400000 B shared, 128 registers)"
+    assert rule(tensor_cores, {**clean, "ctas_per_sm": 0, "shared_bytes": 400000}) == overfull
+    assert rule(fma, {**clean, "loop_wgmma": 0, "wgmma_n": ""}) == "ok"
 
 
 def test_every_registered_kernel_is_complete():
-    """Names unique; each kernel's function has the registered name; known failures name real variants."""
+    """Names unique; each kernel's function has the registered name; its variants compile every argument; known
+    failures name real variants; every kernel the two ops' Triton backends define is registered."""
     from benchmarks.gpu.kernels import KERNELS
+    from st_cached_losses.ops.maxsim import triton_kernels
+    from st_cached_losses.ops.triton import fused
 
     assert len({entry.name for entry in KERNELS}) == len(KERNELS)
     for entry in KERNELS:
-        assert entry.kernel().fn.__name__ == entry.kernel_name  # an InterpretedFunction here (TRITON_INTERPRET=1)
+        kernel = entry.kernel()
+        assert kernel.fn.__name__ == entry.kernel_name  # an InterpretedFunction here (TRITON_INTERPRET=1)
         labels = [variant.label for variant in entry.variants()]
         assert len(set(labels)) == len(labels) and set(entry.known_failures) <= set(labels)
         assert all(reason for reason in entry.known_failures.values())
+        for variant in entry.variants():
+            assert list(variant.signature) == list(kernel.arg_names) and variant.grid > 0 and variant.units > 0
+    defined = {name for module in (fused, triton_kernels) for name in vars(module) if name.endswith("_kernel")}
+    assert defined == {entry.kernel_name for entry in KERNELS}
 
 
 def test_launches_are_counted_per_kernel_in_the_interpreter():
-    """One call of the dense op (query_to_doc) launches each Triton kernel once, whatever B."""
+    """One call of the dense op (query_to_doc) launches each pass, the rows kernel and the query rows' finishing
+    once per row block, and the columns' finishing once; MaxSim launches its four kernels once per query tile and
+    the inverse norms once per cosine side."""
     from benchmarks.gpu.launches import count
 
-    kernels, torch_ops = count("matryoshka_infonce", "triton", 8)
-    assert kernels == {"_lse_kernel": 1, "_row_grad_kernel": 1, "_col_grad_kernel": 1}
-    assert torch_ops > 0
+    one, torch_ops = count("matryoshka_infonce", "triton", units=1)
+    two, _ = count("matryoshka_infonce", "triton", units=2)
+    keys = ("_pass_kernel[PASS=1]", "_pass_kernel[PASS=2]", "_rows_kernel")
+    assert one == {**dict.fromkeys(keys, 1), "_finish_kernel": 2} and torch_ops > 0
+    assert two == {**dict.fromkeys(keys, 2), "_finish_kernel": 3}
+    one, _ = count("maxsim_infonce", "triton", units=1)
+    two, _ = count("maxsim_infonce", "triton", units=2)
+    per_tile = ("_forward_kernel", "_infonce_kernel", "_query_grad_kernel", "_document_grad_kernel")
+    assert one == {**dict.fromkeys(per_tile, 1), "_inverse_norms_kernel": 2}
+    assert two == {**dict.fromkeys(per_tile, 2), "_inverse_norms_kernel": 2}
 
 
 @pytest.mark.slow  # compiles every registered kernel and variant for sm_90 in a fresh process (minutes)
@@ -372,9 +392,9 @@ def test_registered_kernels_compile_for_sm90_without_spills_and_on_tensor_cores(
     assert held, "every variant is marked as a known failure: the test holds nothing"
     for row in held:
         assert int(row["spill_stores"]) == int(row["spill_loads"]) == 0, row
-        if row["tensor_cores_declared"] == "1":
-            assert int(row["loop_wgmma"]) + int(row["loop_mma"]) > 0, row
-        assert int(row["registers"]) > 0 and int(row["ctas_per_sm"]) >= 1
+        if row["tensor_cores_declared"] == "1":  # Hopper's warpgroup MMA, N >= 64, in a loop
+            assert int(row["loop_wgmma"]) > 0 and all(int(n) >= 64 for n in row["wgmma_n"].split()), row
+        assert int(row["registers"]) > 0 and int(row["ctas_per_sm"]) >= 1 and row["rule"] == "ok", row
 
 
 def _labels(entry) -> set[str]:

@@ -346,29 +346,18 @@ def test_kernels_compile_for_hopper_without_spills_and_with_vector_loads():
     every embedding with a scalar ``ld.global.b16``)."""
     pytest.importorskip("triton.backends.nvidia")
     result = _run_python("""
-        import json, re, subprocess, tempfile, triton
-        from triton.backends.compiler import GPUTarget
-        from triton.backends.nvidia.compiler import get_ptxas
-        from triton.compiler import ASTSource
-        from st_cached_losses.ops.triton.passes import kernel_variants
+        import json
+        from benchmarks.gpu.compile_report import measure
+        from benchmarks.gpu.kernels import KERNELS, dense_variants
         rows = []
-        for precision in ("bf16", "tf32"):
+        for entry in (e for e in KERNELS if e.name.startswith("dense/")):
             for dims in (5, 8):
-                for v in kernel_variants(precision, dims):
-                    source = ASTSource(v["kernel"], v["signature"], v["constexprs"], v["attrs"])
-                    options = {"num_warps": v["num_warps"], "num_stages": v["num_stages"]}
-                    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-                    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                        f.write(ptx)
-                        f.flush()
-                        command = [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", f.name + ".cubin"]
-                        log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
-                    spills = sum(int(n) for n in re.findall(r"(\\d+) bytes spill", log))
-                    registers = int(re.search(r"Used (\\d+) registers", log).group(1))
-                    loads = re.findall(r"ld\\.global(?:\\.[a-z0-9]+)*", ptx)
-                    rows.append(dict(name=v["name"], precision=precision, dims=dims, spills=spills,
-                                     registers=registers, vector=sum(".v4." in op for op in loads),
-                                     scalar16=sum(op.endswith("16") for op in loads)))
+                for v in dense_variants(entry.name, dims):
+                    if v.label in ("bf16", "fp32"):
+                        got = measure(entry, v)
+                        rows.append(dict(name=entry.name, precision=v.label, dims=dims, registers=got["registers"],
+                                         spills=got["spill_stores"] + got["spill_loads"], vector=got["ld_vector"],
+                                         scalar16=got["ld_scalar_b16"]))
         print(json.dumps(rows))
     """)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -11,12 +11,15 @@ card with the same Triton version skips compiling them). One row per kernel and 
   (``mma.sync``), ``ld_vector`` (``ld.global.v2/v4``), ``cp_async``, ``tma`` (``cp.async.bulk.tensor``),
   ``ld_scalar_b16`` / ``ld_scalar_b32`` (scalar global loads of 16 / 32 bits); ``loop_wgmma`` / ``loop_mma``: the
   same counts over every loop (what the tensor-core rule reads);
-- ``ctas_per_sm``, ``occupancy`` (active warps / 64) and ``grid`` / ``waves`` at B = M = 16384 on a 132-SM H100
-  (65536 registers, 228 KiB shared memory, 64 warps and 32 CTAs per SM; registers allocated per warp in units of 256);
-- ``launches_per_call``: the entry's launches in one op call at B = 16384 (forward with gradients, query_to_doc, five
-  dims), counted by running the op at two small sizes in Triton's CPU interpreter (``launches.py``); the count holds
-  at any B where both agree, else the cell is empty and ``launches_note`` says why. ``torch_ops_per_call``: the
-  PyTorch operators (each about one kernel launch on a GPU; views excluded) of the same call;
+- ``problem`` (the size the next columns are given at: the dense kernels' B = M = 16384, D = 768, five dims; the
+  MaxSim kernels' B = M = 512, Lq 32, Ld 128, D 128, four dims), ``grid`` (programs of one launch there),
+  ``ctas_per_sm``, ``occupancy`` (active warps / 64) and ``waves`` on a 132-SM H100 (65536 registers, 228 KiB shared
+  memory, 64 warps and 32 CTAs per SM; registers allocated per warp in units of 256);
+- ``units`` (the call's row blocks or query tiles there), ``launches_per_call``: the kernel's launches in one op call
+  there (forward with gradients and the backward), a fixed part plus a part per unit counted in Triton's CPU
+  interpreter (``launches.py``; empty, and ``launches_note`` says why, where the counts are not linear in the
+  units); ``torch_ops_per_call``: the PyTorch operators of the same call (each about one kernel launch on a GPU:
+  cuBLAS GEMMs, fills, small reductions; views excluded);
 - ``rule``: "ok", or what breaks the rules the test enforces (spills; no tensor-core instruction in a loop where the
   variant declares them), and ``known_failure`` (the registry's reason, if any); ``triton`` / ``ptxas``: the versions.
 """
@@ -33,20 +36,29 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.gpu.kernels import KERNELS, Variant, compile_variant
+from benchmarks.gpu.kernels import KERNELS, PROBLEMS, Variant, compile_variant
 
-__all__ = ["BATCH", "FIELDS", "H100", "hot_loop", "main", "occupancy", "ptxas_usage", "rows", "rule"]
+__all__ = ["FIELDS", "H100", "hot_loop", "main", "measure", "occupancy", "ptxas_usage", "rows", "rule"]
 
-BATCH = 16384
 # H100 SXM5 per SM (CUDA occupancy calculator's sm_90 figures) and its 132 SMs.
 H100 = {"sms": 132, "registers": 65536, "shared_bytes": 228 * 1024, "reserved_shared": 1024, "warps": 64, "ctas": 32}
 FIELDS = [
     "kernel", "variant", "config", "num_warps", "num_stages", "arch", "registers", "spill_stores", "spill_loads",
     "stack_bytes", "shared_bytes", "hot_depth", "wgmma", "wgmma_n", "mma", "ld_vector", "cp_async", "tma",
-    "ld_scalar_b16", "ld_scalar_b32", "loop_wgmma", "loop_mma", "tensor_cores_declared", "ctas_per_sm", "occupancy",
-    "grid", "waves", "launches_per_call", "torch_ops_per_call", "launches_note", "rule", "known_failure", "triton",
-    "ptxas", "date",
+    "ld_scalar_b16", "ld_scalar_b32", "loop_wgmma", "loop_mma", "tensor_cores_declared", "problem", "grid",
+    "ctas_per_sm", "occupancy", "waves", "units", "launches_per_call", "torch_ops_per_call", "launches_note", "rule",
+    "known_failure", "triton", "ptxas", "date",
 ]  # fmt: skip
+
+
+def _register_option() -> list[str]:
+    """["--regAllocOptLevel=2"] where this Triton passes it to ptxas (3.9 does, for a ptxas 13 bug; 3.6 does not)."""
+    import inspect
+
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    option = "--regAllocOptLevel=2"
+    return [option] if option in inspect.getsource(CUDABackend.make_cubin) else []
 
 
 def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
@@ -56,7 +68,7 @@ def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernel.ptx"
         source.write_text(ptx)
-        command = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2"]
+        command = [get_ptxas(arch).path, "-lineinfo", "-v", *_register_option()]
         command += [f"--gpu-name={sm_arch_from_capability(arch)}", str(source), "-o", str(Path(folder) / "k.cubin")]
         log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
 
@@ -146,18 +158,28 @@ def occupancy(registers: int, shared_bytes: int, num_warps: int, grid: int, devi
 
 
 def rule(variant: Variant, row: dict) -> str:
-    """ "ok", or which rule ``row`` (a report row of ``variant``) breaks: spilled registers; no tensor-core
-    instruction in any loop of a variant that declares them."""
+    """ "ok", or which rules ``row`` (a report row of ``variant``) breaks: spilled registers; not one CTA per SM
+    (more shared memory or registers than an SM has: the launch fails); and where the variant declares tensor cores:
+    no tensor-core instruction in a loop, mma.sync without wgmma (Hopper's warpgroup MMA), wgmma narrower than
+    N = 64. The scalar loads are reported, not ruled on (a mask's bytes load so too)."""
     broken = []
     if row["spill_stores"] or row["spill_loads"]:
         broken.append(f"spills {row['spill_stores']} B stores / {row['spill_loads']} B loads")
-    if variant.tensor_cores and not (row["loop_wgmma"] or row["loop_mma"]):
-        broken.append("no tensor-core instruction in a loop")
+    if not row["ctas_per_sm"]:
+        broken.append(f"does not fit an SM ({row['shared_bytes']} B shared, {row['registers']} registers)")
+    if variant.tensor_cores:
+        narrow = [n for n in str(row["wgmma_n"]).split() if int(n) < 64]
+        if not (row["loop_wgmma"] or row["loop_mma"]):
+            broken.append("no tensor-core instruction in a loop")
+        elif not row["loop_wgmma"]:
+            broken.append("mma.sync, no wgmma")
+        elif narrow:
+            broken.append(f"wgmma N {' '.join(narrow)} < 64")
     return "; ".join(broken) or "ok"
 
 
 def launch_counts() -> dict[str, dict]:
-    """{op/backend: {"kernels": {name: launches}, "torch_ops": n, "note": str}} from ``launches.py`` run in a fresh
+    """{op/backend: ``launches.model``'s counts} from ``launches.py`` run in a fresh
     process under Triton's interpreter ({} and a printed reason if it fails)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-m", "benchmarks.gpu.launches"]
@@ -166,6 +188,32 @@ def launch_counts() -> dict[str, dict]:
         print(f"launch counts failed:\n{result.stderr[-2000:]}", file=sys.stderr)
         return {}
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def measure(entry, variant: Variant, arch: int = 90) -> dict:
+    """Compile one variant for ``arch`` and read ptxas' usage and the PTX's hot loop: {"registers", "spill_stores",
+    "spill_loads", "stack_bytes", "shared_bytes", ``hot_loop``'s keys, "ptx"} (in a process without
+    TRITON_INTERPRET; the package's predictor tests call this too)."""
+    compiled = compile_variant(entry, variant, arch)
+    ptx = compiled.asm["ptx"]
+    usage = ptxas_usage(ptx, arch)
+    usage["shared_bytes"] = compiled.metadata.shared + usage.pop("static_shared")
+    return {**usage, **hot_loop(ptx), "ptx": ptx}
+
+
+def _launches(entry, variant: Variant, counts: dict) -> dict:
+    """launches_per_call, torch_ops_per_call and the note for ``entry`` at its variant's units."""
+    calls = counts.get(f"{entry.op}/{entry.backend}")
+    if not calls or not calls.get("linear"):
+        note = calls["note"] if calls else "not counted"
+        return {"launches_per_call": "", "torch_ops_per_call": "", "launches_note": note}
+    key, units = entry.launch_key, variant.units
+    fixed, per_unit = calls["fixed"].get(key), calls["per_unit"].get(key)
+    return {
+        "launches_per_call": "" if fixed is None else fixed + units * per_unit,
+        "torch_ops_per_call": calls["torch_fixed"] + units * calls["torch_per_unit"],
+        "launches_note": f"{fixed} + {per_unit} x {units} units; " + calls["note"] if fixed is not None else "",
+    }
 
 
 def rows(arch: int = 90, entries=KERNELS, counts: dict | None = None) -> list[dict]:
@@ -177,27 +225,21 @@ def rows(arch: int = 90, entries=KERNELS, counts: dict | None = None) -> list[di
     versions = {"triton": triton.__version__, "ptxas": get_ptxas(arch).version, "date": datetime.date.today()}
     out = []
     for entry in entries:
-        calls = counts.get(f"{entry.op}/{entry.backend}", {})
         for variant in entry.variants():
-            compiled = compile_variant(entry, variant, arch)
-            usage = ptxas_usage(compiled.asm["ptx"], arch)
-            shared = compiled.metadata.shared + usage.pop("static_shared")
-            grid = entry.grid(BATCH, variant)
+            got = measure(entry, variant, arch)
+            got.pop("ptx")
             row = {"kernel": entry.name, "variant": variant.label, "config": variant.config, "arch": f"sm_{arch}"}
-            row.update(num_warps=variant.num_warps, num_stages=variant.num_stages, **usage, shared_bytes=shared)
-            row.update(hot_loop(compiled.asm["ptx"]), tensor_cores_declared=int(variant.tensor_cores), grid=grid)
-            row.update(occupancy(usage["registers"], shared, variant.num_warps, grid))
-            launches = calls.get("kernels", {}).get(entry.kernel_name)
-            row.update(
-                launches_per_call="" if launches is None else launches, torch_ops_per_call=calls.get("torch_ops", "")
-            )
-            row.update(launches_note=calls.get("note", "not counted"), known_failure=entry.known_failure(variant) or "")
+            row.update(num_warps=variant.num_warps, num_stages=variant.num_stages, **got)
+            row.update(tensor_cores_declared=int(variant.tensor_cores), problem=PROBLEMS[entry.op], grid=variant.grid)
+            row.update(occupancy(got["registers"], got["shared_bytes"], variant.num_warps, variant.grid))
+            row.update(units=variant.units, **_launches(entry, variant, counts))
+            row.update(known_failure=entry.known_failure(variant) or "")
             row.update(rule=rule(variant, row), **versions)
             print(
-                f"  {entry.name:<16} {variant.label:<5} {variant.config:<16} {row['registers']:>3} registers, "
-                f"spills {row['spill_stores']}/{row['spill_loads']} B, {shared:>6} B shared, wgmma {row['wgmma']} "
-                f"(N {row['wgmma_n'] or '-'}), scalar loads {row['ld_scalar_b16']}+{row['ld_scalar_b32']}, "
-                f"{row['ctas_per_sm']} CTA/SM: {row['rule']}",
+                f"  {entry.name:<20} {variant.label:<5} {variant.config:<26} {row['registers']:>3} registers, "
+                f"spills {row['spill_stores']}/{row['spill_loads']} B, {row['shared_bytes']:>6} B shared, wgmma "
+                f"{row['wgmma']} (N {row['wgmma_n'] or '-'}), mma {row['mma']}, vector {row['ld_vector']}, scalar "
+                f"loads {row['ld_scalar_b16']}+{row['ld_scalar_b32']}, {row['ctas_per_sm']} CTA/SM: {row['rule']}",
                 flush=True,
             )
             out.append(row)
@@ -207,7 +249,7 @@ def rows(arch: int = 90, entries=KERNELS, counts: dict | None = None) -> list[di
 def main(out: Path, arch: int = 90, count_launches: bool = True) -> int:
     """Write ``compile_report.csv`` under ``out``; 0 (the rules are the test's to enforce, the report records).
     ``count_launches``: run ``launches.py`` (else launches_per_call stays empty)."""
-    from st_cached_losses.ops.triton.kernels import INTERPRETED
+    from st_cached_losses.ops.triton.fused import INTERPRETED
 
     if INTERPRETED:
         print(

@@ -5,9 +5,10 @@ chunked backend, under apple/ml-cross-entropy's rule (at most a stated margin ab
 precision). Two lists:
 
 - ``short`` (the default, kept short: each Triton variant compiles its kernels on first use, and the first GPU run
-  spent 291 s compiling the full list): ``SHORT_CASES`` in fp32 and bf16, no tile-config sweep;
-- ``full``: every case in every precision of the plan, then every tile config the tuner may pick (forced one at a
-  time, tuning off), as the CUDA suite does: the run that lets ``backend="auto"`` trust a compute capability.
+  spent 291 s compiling the full list): ``SHORT_CASES`` in fp32 and bf16, no block-size sweep;
+- ``full``: every case in every precision of the plan, then the block case at each forced row count
+  (``cuda_checks.BLOCK_ROWS``), as the CUDA suite does: the run that lets ``backend="auto"`` trust a compute
+  capability.
 
 Writes ``correctness.csv`` (one row per output checked) and ``correctness.png`` (each error against PyTorch's).
 """
@@ -35,37 +36,31 @@ def run(device: str, size: str, precisions, which: str = "short", skip=(), stand
     """Rows of ``cuda_checks.run_case`` for both backends over the ``which`` list of cases (``size``: "full" or
     "tiny"), in ``precisions``; ``skip``: case names left out; ``stand_in``: a backend run under Triton's name (the
     dry run's chunked)."""
-    from st_cached_losses.ops.triton import tiles as triton_tiles
-
     if which not in LISTS:
         raise ValueError(f"which must be one of {LISTS}, got {which!r}.")
     chosen = [c for c in cuda_checks.cases(size) if c.name not in skip]
     if which == "short":
         chosen = [c for c in chosen if c.name in SHORT_CASES]
         precisions = [p for p in precisions if p in SHORT_PRECISIONS]
-    rows, autotune = [], triton_tiles.AUTOTUNE
-    triton_tiles.AUTOTUNE = False  # each config is checked on its own; the loss stage tunes
-    try:
-        for case in chosen:
-            for precision in (p for p in case.precisions if p in precisions):
-                for backend in ("triton", "chunked"):
-                    rows += _checked(case, backend, precision, device, stand_in)
-        if which == "full":
-            tiles = cuda_checks.tile_case(size)
-            for tile in triton_tiles.CANDIDATES:
-                for precision in tiles.precisions:
-                    rows += _checked(tiles, "triton", precision, device, stand_in, tile)
-    finally:
-        triton_tiles.AUTOTUNE = autotune
+    rows = []
+    for case in chosen:
+        for precision in (p for p in case.precisions if p in precisions):
+            for backend in ("triton", "chunked"):
+                rows += _checked(case, backend, precision, device, stand_in)
+    if which == "full":
+        blocks = cuda_checks.block_case(size)
+        for count in cuda_checks.BLOCK_ROWS[size]:
+            for precision in blocks.precisions:
+                rows += _checked(blocks, "triton", precision, device, stand_in, count)
     return rows
 
 
-def _checked(case, backend, precision, device, stand_in, tile=None) -> list[dict]:
+def _checked(case, backend, precision, device, stand_in, block_rows=None) -> list[dict]:
     start = time.perf_counter()
     try:
-        rows = cuda_checks.run_case(case, backend, precision, device, stand_in, tile)
+        rows = cuda_checks.run_case(case, backend, precision, device, stand_in, block_rows)
     except Exception as error:
-        label = case.name if tile is None else f"{case.name} {tile.label}"
+        label = case.name if block_rows is None else f"{case.name} {block_rows}"
         print(f"  {label:<52} {backend:>8} {precision}: raised {type(error).__name__}: {error}", flush=True)
         fields = dict(quantity="raised", error=math.inf, torch_error=math.nan, tolerance=0.0, passed=False)
         return [{"case": label, "backend": backend, "precision": precision, **fields}]

@@ -1,222 +1,228 @@
 """The Triton kernels the CUDA paths launch, as a registry: what the compile report (``compile_report.py``) compiles
 for sm_90 without a GPU, and what its test holds to the rules (no register spills; tensor-core instructions in the
-hot loop where an entry declares them).
+hot loop where a variant declares them).
 
-Adding a kernel to the report is one :class:`Entry` in :data:`KERNELS`::
+Each kernel's variants come from the module that launches it, so the report compiles what a call runs:
 
-    Entry(
-        name="maxsim/forward",                    # unique: <path of the op>/<kernel>
-        kernel=lambda: my_module._forward_kernel, # the @triton.jit function, imported when compiled (the
-                                                  # interpreter's TRITON_INTERPRET=1 makes it an InterpretedFunction)
-        signature=my_signature,                   # (kernel, variant) -> (signature {arg: "*bf16" | "i32" | "fp32" |
-                                                  # "constexpr"}, constexprs {arg: value}): triton.compile's inputs
-        variants=my_variants,                     # () -> the default configs the CUDA path launches: Variant(label,
-                                                  # constexprs, num_warps, num_stages, tensor_cores=True)
-        grid=lambda batch, v: triton.cdiv(batch, v.constexprs["BM"]),   # programs of one launch at B (M = B)
-        op="maxsim_infonce", backend="triton",    # the op call whose launches are counted (``launches.py``
-                                                  # has one small call per op)
-        known_failures={},                        # variant label -> why the rules do not hold there yet (recorded
-                                                  # in the report; the test holds every other variant to them)
-        kernel_name="_forward_kernel",            # the function's name, as the interpreter reports its launches
-    )
+- ``matryoshka_infonce`` (``ops/triton/blocks.py``): the fused pass kernel (PASS 1 and 2), the rows kernel and the
+  finishing kernel of ``ops/triton/fused.py``, as ``passes.kernel_variants`` builds them (the launch configs
+  ``passes.CONFIGS``), per input dtype: bf16 (bf16 planes), fp16 and fp32 (fp32 planes; TF32 and IEEE launch the
+  same Triton kernels, the GEMMs are cuBLAS'). Elementwise: no tensor cores declared. The problem: the training
+  default (cosine, query_to_doc, five dims 768 ... 64) at B = M = 16384, D = 768, in the row blocks ``plan_rows``
+  gives;
+- ``maxsim_infonce`` (``ops/maxsim/triton_host.py``): its five kernels from ``triton_plan.kernel_specs`` (the plan the
+  host chooses), per precision bf16, TF32 (fp32 inputs), IEEE (fp32: FMA dots, no tensor cores) and fp16 inputs (its
+  operands on tensor cores); the problem of the host's prediction: B = M = 512, Lq 32, Ld 128, D 128, dims
+  128/96/64/32, both sides cosine.
 
-``signature`` and ``variants`` are called in the compiling process only (they may import the kernel's module).
-Today's entries: the dense Triton backend's three kernels (``st_cached_losses/ops/triton/kernels.py``) at the default
-tile config of each precision (``tiles.default_config``) for the training default's variant (cosine, query_to_doc,
-five dims, no hardness, no duplicate mask).
+Adding a kernel is one :class:`Entry` in :data:`KERNELS`: a unique name (<path of the op>/<kernel>), the
+``@triton.jit`` function (imported when called: under ``TRITON_INTERPRET=1`` an InterpretedFunction), a function
+giving its :class:`Variant` s, the op and backend whose call launches it (``launches.py`` counts one call per op),
+how its launches are told apart (``launch``: the function's name, with the constexpr that picks the variant), and
+``known_failures`` (variant label -> why the rules do not hold there yet; the test holds every other variant).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["KERNELS", "PRECISIONS", "Entry", "Variant", "compile_variant", "dense_signature", "dense_variant"]
-
-# precision -> (embedding dtype, fp32 matmuls in TF32): the ones the dense CUDA path launches, then fp64
-PRECISIONS = {
-    "bf16": (torch.bfloat16, False),
-    "fp16": (torch.float16, False),
-    "tf32": (torch.float32, True),
-    "ieee": (torch.float32, False),
-}
-FP64 = {"fp64": (torch.float64, False)}
-TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+__all__ = [
+    "DENSE",
+    "KERNELS",
+    "MAXSIM",
+    "PROBLEMS",
+    "Entry",
+    "Variant",
+    "compile_variant",
+    "dense_variants",
+    "maxsim_variants",
+]
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One compiled form of a kernel: a label, its constexprs (tile sizes and the problem's switches), Triton's
-    launch options, and whether its hot loop must run on tensor cores (IEEE fp32 dot products run on the FMA units)."""
+    """One compiled form of a kernel: a label, ``triton.compile``'s inputs (``signature`` {arg: "*bf16" | "i32" |
+    "fp32" | "constexpr" ...}, ``constexprs``, ``attrs``: what the launches guarantee, e.g. {(index,):
+    [["tt.divisibility", 16]]}), Triton's launch options, whether its hot loop must run on tensor cores, and at the
+    entry's problem the programs of one launch (``grid``) and the blocks or tiles of one op call (``units``: the
+    launches that repeat per block are counted per unit)."""
 
     label: str
+    signature: dict
     constexprs: dict
     num_warps: int
     num_stages: int
     tensor_cores: bool = True
-    dtype: torch.dtype = torch.bfloat16
+    attrs: dict = field(default_factory=dict)
+    grid: int = 0
+    units: int = 1
 
     @property
     def config(self) -> str:
-        """e.g. "64x64x32 w8 s2": the tile constants BM x BN x BD where the kernel has them, warps, stages."""
-        tile = "x".join(str(self.constexprs[k]) for k in ("BM", "BN", "BD") if k in self.constexprs)
-        return f"{tile} w{self.num_warps} s{self.num_stages}".strip()
+        """e.g. "BM16 BN128 w8 s1": the block constants (B*, int), warps, stages."""
+        tile = [f"{k}{v}" for k, v in self.constexprs.items() if k.startswith("B") and type(v) is int]
+        return " ".join([*tile, f"w{self.num_warps}", f"s{self.num_stages}"])
 
 
 @dataclass(frozen=True)
 class Entry:
     name: str
     kernel: Callable[[], object]
-    signature: Callable[[object, Variant], tuple[dict, dict]]
     variants: Callable[[], list[Variant]]
-    grid: Callable[[int, Variant], int]
     op: str
     backend: str
     kernel_name: str
+    launch: str = ""  # the key of its launches in ``launches.py``'s counts (default: kernel_name)
     known_failures: dict[str, str] = field(default_factory=dict)
 
     def known_failure(self, variant: Variant) -> str | None:
         return self.known_failures.get(variant.label)
 
-
-@contextlib.contextmanager
-def matmul_precision(tf32: bool) -> Iterator[None]:
-    """fp32 matmuls in TF32 or not (the dense kernels read this setting when their constexprs are built)."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
-
-
-# --------------------------------------------------------------------------------------------- the dense kernels
-
-
-def dense_variant(
-    precision: str = "bf16",
-    num_dims: int = 5,
-    config=None,
-    cosine: bool = True,
-    mask: str | None = "own_docs",
-    hardness: int = 0,
-    duplicates: bool = False,
-) -> Variant:
-    """A variant of the dense kernels: ``precision`` one of ``PRECISIONS`` or "fp64"; ``config`` a ``TileConfig``
-    (default: ``default_config`` of the precision); ``mask`` a ``MASK_CODES`` key (query_to_doc: "own_docs");
-    ``hardness`` the HARD bit flags; ``duplicates``: the duplicate mask with a partner direction (the widest
-    variant)."""
-    import triton
-
-    from st_cached_losses.ops.triton.kernels import MASK_CODES
-    from st_cached_losses.ops.triton.launches import types_for
-    from st_cached_losses.ops.triton.tiles import default_config
-
-    dtype, tf32 = {**PRECISIONS, **FP64}[precision]
-    with matmul_precision(tf32):
-        config = config or default_config(dtype)
-        types = types_for(dtype)
-    consts = dict(
-        K=num_dims,
-        KP=triton.next_power_of_2(num_dims),
-        COSINE=cosine,
-        MASK=MASK_CODES[mask],
-        HARD=hardness,
-        DUP=duplicates,
-        PARTNER=duplicates,
-        BM=config.block_rows,
-        BN=config.block_cols,
-        BD=config.block_d,
-        **types.consts,
-    )
-    return Variant(precision, consts, config.num_warps, config.num_stages, precision not in ("ieee", "fp64"), dtype)
-
-
-def dense_variants() -> list[Variant]:
-    """The default config of every precision the dense CUDA path launches, for the training default's problem."""
-    return [dense_variant(precision) for precision in PRECISIONS]
-
-
-def dense_signature(kernel, variant: Variant) -> tuple[dict, dict]:
-    """triton.compile's (signature, constexprs) of a dense kernel: the embeddings in the variant's dtype, every
-    other pointer in the accumulator's (fp32), ids int32, dims int64, scales fp32, sizes and strides int32."""
-    emb = TRITON_DTYPES[variant.dtype]
-    acc = "fp64" if variant.dtype == torch.float64 else "fp32"
-    pointers = {"X": emb, "Y": emb, "DIMS": "i64", "ROW_IDS": "i32", "COL_IDS": "i32"}
-    pointers.update(dict.fromkeys(("INVX", "INVY", "LSE", "DX", "DY", "RX", "RY", "NRM2", "W"), acc))
-    constexprs = {k: v for k, v in variant.constexprs.items() if k in kernel.arg_names}
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = "*" + pointers[name]
-        else:
-            signature[name] = "fp32" if name in ("scale2", "strength2") else "i32"
-    return signature, constexprs
-
-
-def _dense(name: str) -> Callable[[], object]:
-    def kernel():
-        from st_cached_losses.ops.triton import kernels
-
-        return getattr(kernels, name)
-
-    return kernel
+    @property
+    def launch_key(self) -> str:
+        return self.launch or self.kernel_name
 
 
 def _cdiv(n: int, block: int) -> int:
     return -(-n // block)
 
 
+# --------------------------------------------------------------------------------------------- the dense kernels
+
+# The problem the dense rows are given at (grid, launches): B = M = 16384, D = 768, five dims.
+DENSE = {"batch": 16384, "dim": 768, "dims": (768, 512, 256, 128, 64)}
+# label -> (precision, input dtype): what the dense CUDA path runs for bf16, fp16 and fp32 inputs
+DENSE_PRECISIONS = {"bf16": ("bf16", torch.bfloat16), "fp16": ("tf32", torch.float16), "fp32": ("tf32", torch.float32)}
+
+
+def _dense_rows(precision: str, dtype: torch.dtype) -> int:
+    """Rows per block at :data:`DENSE` (``blocks.plan_rows``: the launch configs of this process)."""
+    from st_cached_losses.ops.gemm import operand_dtype
+    from st_cached_losses.ops.spec import InfoNCESpec
+    from st_cached_losses.ops.triton.blocks import plan_rows
+
+    q = torch.empty(DENSE["batch"], DENSE["dim"], dtype=dtype, device="meta")
+    spec = InfoNCESpec.build(q, q, None, dims=list(DENSE["dims"]), weights=None, scale=20.0, similarity="cosine",
+                             offset=0, directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
+                             hardness_strength=0.0)  # fmt: skip
+    return plan_rows(spec, DENSE["dim"], operand_dtype(precision, dtype))
+
+
+def _dense_grid(name: str, constexprs: dict, rows: int) -> int:
+    """Programs of one launch in a block of ``rows`` rows (the finishing kernel: a block's query rows; its one launch
+    for the columns at the end has cdiv(M, BN) x cdiv(D, BD))."""
+    if name.startswith("dense/pass"):
+        return _cdiv(rows, constexprs["BM"]) * _cdiv(DENSE["batch"], constexprs["BN"])
+    if name == "dense/rows":
+        return _cdiv(rows, constexprs["BR"])
+    return _cdiv(rows, constexprs["BN"]) * _cdiv(DENSE["dim"], constexprs["BD"])
+
+
+@functools.cache
+def dense_variants(name: str, num_dims: int = len(DENSE["dims"])) -> tuple[Variant, ...]:
+    """The variants of dense kernel ``name`` ("dense/pass1", ...) per :data:`DENSE_PRECISIONS` label."""
+    from st_cached_losses.ops.triton.passes import kernel_variants
+
+    out = []
+    for label, (precision, dtype) in DENSE_PRECISIONS.items():
+        rows = _dense_rows(precision, dtype)
+        (v,) = [v for v in kernel_variants(precision, num_dims, dtype) if v["name"] == name]
+        grid = _dense_grid(name, v["constexprs"], rows)
+        units = _cdiv(DENSE["batch"], rows)
+        out.append(
+            Variant(label, v["signature"], v["constexprs"], v["num_warps"], v["num_stages"], v["tensor_cores"],
+                    v["attrs"], grid, units)
+        )  # fmt: skip
+    return tuple(out)
+
+
+def _dense(name: str, kernel_name: str, launch: str = "") -> Entry:
+    def kernel():
+        from st_cached_losses.ops.triton import fused
+
+        return getattr(fused, kernel_name)
+
+    return Entry(
+        name, kernel, functools.partial(dense_variants, name), "matryoshka_infonce", "triton", kernel_name, launch
+    )
+
+
+# ------------------------------------------------------------------------------------------ the MaxSim kernels
+
+# The problem of triton_host.py's prediction: B = M = 512 pairs, Lq 32, Ld 128, D 128, four token dims.
+MAXSIM = {"batch": 512, "num_docs": 512, "lq": 32, "ld": 128, "dim": 128, "dims": (128, 96, 64, 32)}
+# label -> (input dtype, precision)
+MAXSIM_PRECISIONS = {
+    "bf16": (torch.bfloat16, "bf16"),
+    "tf32": (torch.float32, "tf32"),
+    "ieee": (torch.float32, "ieee"),
+    "fp16": (torch.float16, "tf32"),
+}
+
+
+@functools.cache
+def maxsim_variants(name: str, **problem) -> tuple[Variant, ...]:
+    """The variants of MaxSim kernel ``name`` ("forward", ...) per :data:`MAXSIM_PRECISIONS` label, at ``problem``
+    (``kernel_specs``' keywords over :data:`MAXSIM`)."""
+    from st_cached_losses.ops.maxsim.triton_plan import kernel_specs
+
+    size = {**MAXSIM, **problem}
+    out = []
+    for label, (dtype, precision) in MAXSIM_PRECISIONS.items():
+        (spec,) = [s for s in kernel_specs(dtype, precision=precision, **size) if s.name == name]
+        out.append(
+            Variant(label, spec.signature, spec.constexprs, spec.options["num_warps"], spec.options["num_stages"],
+                    spec.tensor_cores, spec.attrs, spec.grid, spec.tiles)
+        )  # fmt: skip
+    return tuple(out)
+
+
+def _maxsim(name: str, known_failures: dict[str, str] | None = None) -> Entry:
+    kernel_name = f"_{name}_kernel"
+
+    def kernel():
+        from st_cached_losses.ops.maxsim import triton_kernels
+
+        return getattr(triton_kernels, kernel_name)
+
+    variants = functools.partial(maxsim_variants, name)
+    return Entry(f"maxsim/{name}", kernel, variants, "maxsim_infonce", "triton", kernel_name, "", known_failures or {})
+
+
+# The problems the rows' grid, waves and launches are given at.
+PROBLEMS = {
+    "matryoshka_infonce": "B=M=16384 D=768 K=5 query_to_doc cosine",
+    "maxsim_infonce": "B=M=512 Lq=32 Ld=128 D=128 K=4 cosine",
+}
 # Measured (benchmarks/results/gpu/compile_report.csv, Triton 3.9.0 with ptxas 13.4, the tests' version, and
-# compile_report_triton3.6.csv, Triton 3.6.0 with ptxas 12.8, the H100 runs' version): spills at the default configs.
-_REPLACED = "to be replaced by the new dense CUDA path (issue 38), not tuned"
-_BOTH = f"spills at its default config under Triton 3.9 (ptxas 13.4) and 3.6 (ptxas 12.8): {_REPLACED}"
-_NEWER = f"spills at its default config under Triton 3.9 (ptxas 13.4), not under 3.6 (ptxas 12.8): {_REPLACED}"
+# compile_report_triton3.6.csv, Triton 3.6.0 with ptxas 12.8, the H100 runs'; the same under both): the MaxSim
+# kernels (issue 39, untuned, not yet run on a GPU) that break a rule, and why. Every dense kernel keeps them.
+_UNTUNED = "the MaxSim Triton kernels are untuned (issue 39)"
+_ONE_HOT = (
+    f"its one-hot product, a batched (3-D) tl.dot, compiles to mma.sync, not wgmma (Triton 3.9 and 3.6): {_UNTUNED}"
+)
 _KNOWN = {
-    "dense/lse": {"ieee": _BOTH},
-    "dense/row_grad": {"fp16": _NEWER, "tf32": _BOTH, "ieee": _NEWER},
-    "dense/col_grad": {"bf16": _BOTH, "fp16": _BOTH, "tf32": _BOTH, "ieee": _NEWER},
+    "forward": {
+        "tf32": "needs 384 KiB of shared memory (fp32 operand tiles, num_stages 3; Triton 3.9 and 3.6), over an SM's "
+        f"227 KiB: the launch fails on an H100 (backend='auto' then runs chunked): {_UNTUNED}",
+    },
+    "document_grad": dict.fromkeys(("bf16", "tf32", "fp16"), _ONE_HOT),
 }
 
 KERNELS: tuple[Entry, ...] = (
-    Entry(
-        "dense/lse",
-        _dense("_lse_kernel"),
-        dense_signature,
-        dense_variants,
-        lambda batch, v: _cdiv(batch, v.constexprs["BM"]),
-        "matryoshka_infonce",
-        "triton",
-        "_lse_kernel",
-        _KNOWN["dense/lse"],
-    ),
-    Entry(
-        "dense/row_grad",
-        _dense("_row_grad_kernel"),
-        dense_signature,
-        dense_variants,
-        lambda batch, v: _cdiv(batch, v.constexprs["BM"]),
-        "matryoshka_infonce",
-        "triton",
-        "_row_grad_kernel",
-        _KNOWN["dense/row_grad"],
-    ),
-    Entry(
-        "dense/col_grad",
-        _dense("_col_grad_kernel"),
-        dense_signature,
-        dense_variants,
-        lambda batch, v: _cdiv(batch, v.constexprs["BN"]),
-        "matryoshka_infonce",
-        "triton",
-        "_col_grad_kernel",
-        _KNOWN["dense/col_grad"],
-    ),
+    _dense("dense/pass1", "_pass_kernel", "_pass_kernel[PASS=1]"),
+    _dense("dense/pass2", "_pass_kernel", "_pass_kernel[PASS=2]"),
+    _dense("dense/rows", "_rows_kernel"),
+    _dense("dense/finish", "_finish_kernel"),
+    _maxsim("inverse_norms"),
+    _maxsim("forward", _KNOWN["forward"]),
+    _maxsim("infonce"),
+    _maxsim("query_grad"),
+    _maxsim("document_grad", _KNOWN["document_grad"]),
 )
 
 
@@ -236,7 +242,6 @@ def compile_variant(entry: Entry, variant: Variant, arch: int = 90):
     kernel = entry.kernel()
     if isinstance(kernel, InterpretedFunction):
         raise RuntimeError("compiling needs Triton's compiler: run without TRITON_INTERPRET=1.")
-    signature, constexprs = entry.signature(kernel, variant)
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    source = ASTSource(fn=kernel, signature=variant.signature, constexprs=variant.constexprs, attrs=variant.attrs)
     options = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)

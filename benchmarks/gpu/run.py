@@ -44,7 +44,7 @@ def parse_args(argv=None):
         "--correctness",
         choices=correctness.LISTS,
         default="short",
-        help="step 1's list: short (default) or full (every case and tile config, as python -m pytest -m cuda)",
+        help="step 1's list: short (default) or full (every case and forced block size, as python -m pytest -m cuda)",
     )
     parser.add_argument("--backend", default="auto", help="ours' loss-stage backend in the training steps")
     parser.add_argument(

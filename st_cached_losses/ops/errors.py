@@ -5,5 +5,5 @@ from __future__ import annotations
 
 
 class TritonUnavailableError(RuntimeError):
-    """The Triton kernels cannot compile or launch here (old GPU, a tile config out of resources, a Triton
+    """The Triton kernels cannot compile or launch here (old GPU, a kernel out of resources, a Triton
     version lacking a feature). ``backend="auto"`` falls back to the chunked backend on it."""

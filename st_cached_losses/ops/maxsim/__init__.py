@@ -5,7 +5,7 @@ in one sweep, and its backends.
 - ``reference.py`` (dense, the test oracle), ``chunked.py`` (query tiles against document blocks, any device) and
   ``gradients.py`` (the chunked backend's gathers and scatter-adds at the argmaxes);
 - ``triton_host.py`` (the Triton backend: ``triton_kernels.py``'s kernels, shapes from ``triton_plan.py``,
-  predictors in ``triton_report.py``).
+  ``kernel_specs`` for the compile report).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ P = T M Ld = 1.07e9 token pairs):
   the input gradients: the tile (<= 64 MiB), the inverse norms (~10 MiB) and, for bf16/fp16 inputs over several
   tiles, the fp32 document-gradient accumulator (M Ld D floats: 256 MiB at Ld 128, 512 MiB at Ld 256): ~+330 MiB at
   Ld 128, over the +256 MiB target by that accumulator (fp32 inputs: ~+74 MiB).
-- Launches per call (``triton_report.count_launches``): the inverse norms (one per normalised side), per tile the
+- Launches per call (``benchmarks/gpu/launches.py``): the inverse norms (one per normalised side), per tile the
   forward, the InfoNCE rows and the two gradients (and the duplicate mask's index_put), the per-dim mean: 7 at
   B = 512 in one tile with two cosine sides (the chunked backend: ~5,400 on the GPU profile).
 
@@ -40,7 +40,9 @@ for [128, 96, 64, 32]), 8 warps, 3 stages, the query blocks varying fastest so t
 by every query block at once (IEEE fp32 / fp64 dots, on FMA units: 32 rows x 32-token chunks, BD 16, 4 warps);
 query-gradient programs of 64 token rows (32 for fp32 operands); document-gradient
 programs of 128 document tokens x steps of 32 query tokens at one band, 64 x 16 x all band slots at several. No
-spills on sm_90 with Triton 3.6 or 3.9 (``triton_report``); untuned: no GPU has run them yet.
+spills on sm_90 with Triton 3.6 or 3.9 (``python -m benchmarks.gpu --compile-report``; its rows also show the
+forward's TF32 variant over an SM's shared memory and the one-hot product on mma.sync); untuned: no GPU has run
+them yet.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
 """The Triton backend of ``matryoshka_infonce`` (GPU; on CPU tensors in Triton's interpreter): ``probe`` (can it run
 here), ``blocks`` (the backend's forward: row blocks against all columns, cuBLAS GEMMs), ``fused`` (its Triton
-kernels), ``passes`` (their launches and compile-report variants), ``launch_errors``. ``kernels``, ``tiles``,
-``launches`` and ``host`` are the first FlashAttention-style kernels, no longer run by the op (``benchmarks/`` still
-compiles them). Importing this package imports no Triton; the modules do."""
+kernels), ``passes`` (their launches and compile-report variants), ``launch_errors``. Importing this package imports no
+Triton; the modules do."""

@@ -16,7 +16,7 @@ __all__ = ["MIN_CAPABILITY", "unusable_reason"]
 MIN_CAPABILITY = (8, 0)
 
 
-def unusable_reason(device: torch.device, kernels_module: str = ".triton.kernels") -> str | None:
+def unusable_reason(device: torch.device, kernels_module: str = ".triton.fused") -> str | None:
     """Why the Triton kernels of ``kernels_module`` (a module path relative to ``st_cached_losses.ops``) cannot run
     on ``device``, or None when they can be tried.
 
@@ -36,14 +36,14 @@ def unusable_reason(device: torch.device, kernels_module: str = ".triton.kernels
         return f"the kernels are written for NVIDIA GPUs, got {device}"
     try:  # importing them is the check: an old Triton may lack what they use
         importlib.import_module(kernels_module, __package__.rpartition(".")[0])
-        from . import kernels  # INTERPRETED: the process's Triton mode, the same for every kernel module
+        from . import fused  # INTERPRETED: the process's Triton mode, the same for every kernel module
     except Exception as error:
         return f"the Triton kernels cannot be imported ({type(error).__name__}: {error})"
-    if device.type == "cpu" and not kernels.INTERPRETED:
+    if device.type == "cpu" and not fused.INTERPRETED:
         return (
             "the kernels need CUDA tensors, got cpu (or set TRITON_INTERPRET=1 before triton is imported to run "
             "them in Triton's CPU interpreter)"
         )
-    if device.type == "cuda" and kernels.INTERPRETED:
+    if device.type == "cuda" and fused.INTERPRETED:
         return "Triton's CPU interpreter is on (TRITON_INTERPRET=1 at import), which cannot launch on a GPU"
     return None
