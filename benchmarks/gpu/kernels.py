@@ -206,10 +206,6 @@ _ONE_HOT = (
     f"its one-hot product, a batched (3-D) tl.dot, compiles to mma.sync, not wgmma (Triton 3.9 and 3.6): {_UNTUNED}"
 )
 _KNOWN = {
-    "forward": {
-        "tf32": "needs 384 KiB of shared memory (fp32 operand tiles, num_stages 3; Triton 3.9 and 3.6), over an SM's "
-        f"227 KiB: the launch fails on an H100 (backend='auto' then runs chunked): {_UNTUNED}",
-    },
     "document_grad": dict.fromkeys(("bf16", "tf32", "fp16"), _ONE_HOT),
 }
 
@@ -219,7 +215,7 @@ KERNELS: tuple[Entry, ...] = (
     _dense("dense/rows", "_rows_kernel"),
     _dense("dense/finish", "_finish_kernel"),
     _maxsim("inverse_norms"),
-    _maxsim("forward", _KNOWN["forward"]),
+    _maxsim("forward"),
     _maxsim("infonce"),
     _maxsim("query_grad"),
     _maxsim("document_grad", _KNOWN["document_grad"]),

@@ -146,8 +146,14 @@ class Plan:
             KP=_pow2(self.consts["K"]),
             BJ=self.docs_per_program, IDX=_IDX[self.index],
             OPD=self.types["OPD"], PREC=self.types["PREC"], UPCAST=self.types["UPCAST"],
-            num_warps=max(4, rows * chunk // 2048), num_stages=3,
+            num_warps=max(4, rows * chunk // 2048), num_stages=self.forward_stages,
         )  # fmt: skip
+
+    @property
+    def forward_stages(self) -> int:
+        """Pipeline stages of the forward's operand tiles: 3, or 1 for TF32's fp32 tiles (3 stages of them would
+        take 384 KiB of shared memory, over an H100 SM's 227 KiB: the launch would fail)."""
+        return 1 if self.types["PREC"] == "tf32" else 3
 
     @property
     def query_consts(self) -> dict:
