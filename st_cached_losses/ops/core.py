@@ -176,9 +176,15 @@ def renamed_keywords(**renames: str) -> Callable:
 # --------------------------------------------------------------------------------------------- NaN and precision
 
 
+def _finite(t: Tensor) -> Tensor:
+    """0-dim bool on ``t``'s device: no NaN or Inf in the non-empty ``t``, by its max and min (both propagate NaN),
+    with no temporaries of its size and no host synchronisation."""
+    return torch.isfinite(t.amax()) & torch.isfinite(t.amin())
+
+
 def all_finite(t: Tensor) -> bool:
-    """No NaN or Inf in ``t``, by its max and min (both propagate NaN): no temporaries of its size."""
-    return t.numel() == 0 or bool(torch.isfinite(t.amax()) & torch.isfinite(t.amin()))
+    """No NaN or Inf in ``t`` (read on the host)."""
+    return t.numel() == 0 or bool(_finite(t))
 
 
 def _fp16_run(queries: Tensor) -> bool:
@@ -196,7 +202,7 @@ def _nonfinite_input(nonfinite: str, inputs: dict[str, Tensor | None]) -> str | 
     a ValueError when the policy ("raise", or "auto" outside fp16) says the run diverged."""
     present = {name: t for name, t in inputs.items() if t is not None and t.numel()}
     # One host synchronisation per call for all inputs (the policy decides on the host); which input, only then.
-    if not present or bool(torch.stack([t.amax().isfinite() & t.amin().isfinite() for t in present.values()]).all()):
+    if not present or bool(torch.stack([_finite(t) for t in present.values()]).all()):
         return None
     name = next(name for name, t in present.items() if not all_finite(t))
     queries = next(iter(inputs.values()))
