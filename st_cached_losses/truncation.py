@@ -7,7 +7,6 @@ emit the first ``d`` coordinates of each token vector, which is what
 from __future__ import annotations
 
 import copy
-import numbers
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,6 +101,7 @@ def truncate_token_dim(model: MultiVectorEncoder, dim: int) -> MultiVectorEncode
     from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
     from sentence_transformers.multi_vector_encoder.modules import HierarchicalTokenPooling
 
+    from .losses.cached_loss import integer
     from .losses.token_vectors import SIDES, token_routes
 
     if not isinstance(model, MultiVectorEncoder):
@@ -110,8 +110,7 @@ def truncate_token_dim(model: MultiVectorEncoder, dim: int) -> MultiVectorEncode
     full = routes.dim if routes.dim is not None else model.get_embedding_dimension()
     if full is None:
         raise ValueError("truncate_token_dim needs a model that says its token dim (get_embedding_dimension()).")
-    if isinstance(dim, numbers.Integral) and not isinstance(dim, bool):
-        dim = int(dim)
+    dim = integer(dim)
     if not isinstance(dim, int) or isinstance(dim, bool) or not 1 <= dim <= full:
         raise ValueError(f"dim must be an int in [1, {full}] (the model's token dim), got {dim!r}.")
     truncated = copy.deepcopy(model)
