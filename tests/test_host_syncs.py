@@ -13,13 +13,12 @@ from __future__ import annotations
 import collections
 
 import pytest
-import torch
 from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss, MatryoshkaLoss
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from st_cached_losses import CachedMatryoshkaLoss
 from st_cached_losses.testing import tiny_sentence_transformer
-from tests.helpers import texts
+from tests.helpers import loss_and_grads, texts
 
 SYNCING = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.lift_fresh", "aten.is_nonzero")
 DIMS = [32, 16, 8]
@@ -39,16 +38,11 @@ class CountSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step_syncs(loss_fn, features) -> collections.Counter[str]:
+def _step_syncs(model, loss_fn, features) -> collections.Counter[str]:
     """The syncing ops of one forward and backward (after a first, uncounted one: lazy set-up is not per step)."""
-
-    def step() -> None:
-        out = loss_fn(features, None)
-        (torch.stack(list(out.values())).sum() if isinstance(out, dict) else out).backward()
-
-    step()
+    loss_and_grads(model, loss_fn, features)
     with CountSyncs() as count:
-        step()
+        loss_and_grads(model, loss_fn, features)
     return count.counts
 
 
@@ -60,11 +54,11 @@ def model():
 def _extra(model, rows: int, columns: int, mini_batch_size: int) -> collections.Counter[str]:
     features = [model.preprocess(texts(rows, 10 * column, 2, 12)) for column in range(columns)]
     base = dict(model=model, mini_batch_size=mini_batch_size)
-    stock = _step_syncs(MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(**base), DIMS), features)
+    stock = _step_syncs(model, MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(**base), DIMS), features)
     ours = CachedMatryoshkaLoss(
         model, CachedMultipleNegativesRankingLoss(**base), DIMS, mini_batch_size=mini_batch_size
     )
-    counted = _step_syncs(ours, features)
+    counted = _step_syncs(model, ours, features)
     assert stock["aten._local_scalar_dense"] > 0  # the count sees stock's own (its mini-batches' padding trim)
     return counted - stock
 
