@@ -4,7 +4,9 @@ each precision mode of ``spec.precision``.
 Run with ``python -m pytest -m cuda`` on a machine with an NVIDIA GPU (``python -m benchmarks.gpu`` runs it). The
 default run never collects this module: it switches Triton's interpreter on for the CPU tests
 (``tests/conftest.py``). The problems come from ``benchmarks/cuda_checks.py`` (ragged, gathered, every direction
-and hardness mode, dot, scale 100, one dim, and 8 queries against 2.4M documents: offsets past 2^31 elements).
+and hardness mode, dot, scale 100, one dim, and 8 queries against 2.4M documents: offsets past 2^31 elements; for
+``maxsim_infonce``: ragged masks with four weighted dims, a hard-negative column with MeanMaxSim past 256 document
+tokens, the duplicate mask).
 
 The documented error (apple/ml-cross-entropy's rule, ``cuda_checks.TOLERANCES``): for the loss, the per-dim losses
 and every input gradient, the relative error ``||x - truth|| / ||truth||`` is at most plain PyTorch's in the same
@@ -21,7 +23,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.cuda_checks import TOLERANCES, TRUTH_DEVICE_MAX_BYTES, cases
+from benchmarks.cuda_checks import TOLERANCES, TRUTH_DEVICE_MAX_BYTES, cases, failures, maxsim_cases, run_maxsim_case
 from st_cached_losses.ops import gemm, reference
 from st_cached_losses.ops.infonce import run_backend
 
@@ -95,6 +97,34 @@ def test_kernels_are_compiled_not_interpreted():
 @pytest.mark.parametrize("case,mode", RUNS, ids=[f"{case.name}-{mode}" for case, mode in RUNS])
 def test_error_within_plain_pytorch_error_plus_tolerance(case, mode, backend):
     assert not _errors(case, backend, mode)
+
+
+MAXSIM_RUNS = [(case, precision) for case in maxsim_cases() for precision in case.precisions]
+
+
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
+@pytest.mark.parametrize("case,precision", MAXSIM_RUNS, ids=[f"{c.name}-{p}" for c, p in MAXSIM_RUNS])
+def test_maxsim_error_within_plain_pytorch_error_plus_tolerance(case, precision, backend):
+    """maxsim_infonce's backends under the same rule (``cuda_checks.run_maxsim_case``: the truth is the dense
+    backend in float64)."""
+    rows = run_maxsim_case(case, backend, precision, "cuda")
+    assert not failures(rows)
+
+
+def test_maxsim_triton_is_deterministic():
+    """Row- and column-owned programs, no float atomics: two runs give the same bits."""
+    from st_cached_losses import maxsim_infonce
+
+    case = maxsim_cases()[0]
+    queries, docs, query_mask, document_mask = case.inputs("cuda")
+    grads = []
+    for _ in range(2):
+        leaves = [queries.bfloat16().requires_grad_(), docs.bfloat16().requires_grad_()]
+        out = maxsim_infonce(*leaves, query_mask=query_mask, document_mask=document_mask, dims=list(case.dims),
+                             backend="triton")  # fmt: skip
+        out.loss.backward()
+        grads.append([out.loss.detach(), leaves[0].grad, leaves[1].grad])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_deterministic_and_the_precision_is_recorded():

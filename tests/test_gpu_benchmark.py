@@ -48,6 +48,8 @@ def test_dry_run_checks_every_case_backend_and_block_size(dry_run):
         assert {(case.name, "triton"), (case.name, "chunked")} <= runs
     for count in cuda_checks.BLOCK_ROWS["tiny"]:
         assert (f"block_rows {count}", "triton") in runs
+    for case in cuda_checks.maxsim_cases("tiny"):
+        assert {(case.name, "triton"), (case.name, "chunked")} <= runs
     assert {r["quantity"] for r in rows} >= {"loss", "per_dim", "d_queries", "d_docs", "d_world_queries"}
     assert all(r["passed"] == "True" for r in rows)
 
@@ -66,11 +68,11 @@ def test_dry_run_measures_every_contender(dry_run):
     multivector = {(r["contender"], r["metric"]): r["value"] for r in read_csv(out / "multivector_loss_stage.csv")}
     for shape in ("Ld16_pairs", "Ld32_pairs"):
         for dtype in ("bf16", "fp32"):
-            for name in ("matmul", "chunked", "chunked4dims", "stock"):
+            for name in ("matmul", "triton", "triton4dims", "chunked", "chunked4dims", "stock"):
                 assert {
                     (f"{name}_{dtype}", f"{shape}/{m}") for m in ("seconds_median", "peak_bytes")
                 } <= multivector.keys()
-            for name in ("chunked", "chunked4dims", "stock"):  # the same loss as the reference (stock's)
+            for name in ("triton", "triton4dims", "chunked", "chunked4dims", "stock"):  # the reference's loss (stock's)
                 assert multivector[(f"{name}_{dtype}", f"{shape}/loss_ok")] == 1
     summary = (out / "summary.md").read_text()
     for name in ("lik", "flash_maxsim"):  # not installed, or their backward kernels need CUDA: skipped, and said so
@@ -106,6 +108,58 @@ def test_a_failing_case_fails_the_run(monkeypatch, tmp_path):
     monkeypatch.setattr(cuda_checks, "run_backend", off_by_one_percent)
     assert run.main(["--dry-run", "--steps", "correctness", "--out", str(tmp_path)]) == 1
     assert "failed" in (tmp_path / "summary.md").read_text()
+
+
+def test_a_maxsim_backend_off_by_one_percent_fails_its_case(monkeypatch):
+    """The MaxSim check fails a backend whose document gradients are 1% off (the truth, float64, untouched)."""
+    from st_cached_losses.ops.maxsim import chunked
+
+    real = chunked.forward
+
+    def off_by_one_percent(queries, *args, **kwargs):
+        result = real(queries, *args, **kwargs)
+        if queries.dtype == torch.float64:
+            return result
+        return result._replace(grads=(result.grads[0], result.grads[1] * 1.01, result.grads[2]))
+
+    case = cuda_checks.maxsim_cases("tiny")[0]
+    assert not cuda_checks.failures(cuda_checks.run_maxsim_case(case, "triton", "fp32", "cpu", stand_in="chunked"))
+    monkeypatch.setattr(chunked, "forward", off_by_one_percent)
+    rows = cuda_checks.run_maxsim_case(case, "triton", "fp32", "cpu", stand_in="chunked")
+    assert [r["quantity"] for r in rows if not r["passed"]] == ["d_docs"]
+
+
+def _records(*rows):
+    return [dict(zip(("contender", "B", "metric", "value"), row)) for row in rows]
+
+
+def test_targets_judge_the_triton_rows():
+    """The loss stages' targets read the Triton backend's rows ("auto" is the chunked backend until the card is
+    verified): met, MISSED or not measured, with the figure."""
+    from benchmarks.gpu.summary import targets
+
+    mib = 2**20
+    stage = _records(
+        ("auto_bf16", 16384, "seconds_median", 0.300),
+        ("triton_bf16", 16384, "seconds_median", 0.005),
+        ("triton_tf32", 16384, "seconds_median", 0.012),
+        ("triton_bf16", 16384, "peak_bytes", 100 * mib),
+        ("inputs_bf16", 16384, "input_bytes", 48 * mib),
+    )
+    late = _records(
+        ("triton_bf16", 512, "Ld128_pairs/seconds_median", 0.0015),
+        ("triton4dims_bf16", 512, "Ld128_pairs/seconds_median", 0.0030),
+        ("triton4dims_bf16", 4096, "Ld128_pairs/peak_bytes", 600 * mib),
+        ("inputs_bf16", 4096, "Ld128_pairs/token_bytes", 320 * mib),
+    )
+    lines = targets(stage, late, [], [])
+    assert "- met: loss stage B = 16384 bf16 <= 6 ms: 5.0 ms" in lines
+    assert "- not measured: loss stage B = 65536 bf16 <= 100 ms" in lines
+    assert any(line.startswith("- met: loss stage peak") and "0.28 of it" in line for line in lines)
+    assert "- MISSED: loss stage B = 16384, fp32 inputs under TF32 <= 2x the bf16 time: 2.40x" in lines
+    assert "- met: multi-vector loss stage B = 512, Ld 128, bf16, one dim <= 2 ms: 1.5 ms" in lines
+    assert "- MISSED: multi-vector loss stage B = 512, four dims <= 1.5x one dim: 2.00x" in lines
+    assert any(line.startswith("- MISSED: multi-vector loss stage peak") and "1.04 of it" in line for line in lines)
 
 
 def test_without_a_gpu_the_real_run_is_a_one_line_error(capsys, tmp_path):

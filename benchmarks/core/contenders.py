@@ -302,28 +302,36 @@ def _mv_stage_stock(inputs, dims, mini_batch_size, floor_block=1024):
     return stock
 
 
-def _mv_stage_ours(inputs, dims):
+def _mv_stage_ours(inputs, dims, backend: str):
     from st_cached_losses import maxsim_infonce
 
     queries, documents, query_mask, document_mask = inputs
 
     def ours():
         leaves = queries.detach().requires_grad_(), documents.detach().requires_grad_()
-        out = maxsim_infonce(*leaves, query_mask=query_mask, document_mask=document_mask, dims=list(dims))
+        out = maxsim_infonce(
+            *leaves, query_mask=query_mask, document_mask=document_mask, dims=list(dims), backend=backend
+        )
         out.loss.backward()
         return out.per_dim[0].detach()
 
     return ours
 
 
-@register("multivector_loss_stage", "chunked", "maxsim_infonce at the full token dim")
-def _mv_stage_one_dim(inputs, dims, mini_batch_size=32, floor_block=1024):
-    return _mv_stage_ours(inputs, [inputs[0].shape[-1]])
+def _mv_stage(backend: str, all_dims: bool):
+    def build(inputs, dims, mini_batch_size=32, floor_block=1024):
+        return _mv_stage_ours(inputs, dims if all_dims else [inputs[0].shape[-1]], backend)
+
+    return build
 
 
-@register("multivector_loss_stage", "chunked4dims", "maxsim_infonce at every Matryoshka token dim")
-def _mv_stage_dims(inputs, dims, mini_batch_size=32, floor_block=1024):
-    return _mv_stage_ours(inputs, dims)
+for _backend, _where in (("chunked", "chunked backend"), ("triton", "Triton backend (CUDA)")):
+    register("multivector_loss_stage", _backend, f"maxsim_infonce, {_where}, at the full token dim")(
+        _mv_stage(_backend, all_dims=False)
+    )
+    register("multivector_loss_stage", f"{_backend}4dims", f"maxsim_infonce, {_where}, at every Matryoshka token dim")(
+        _mv_stage(_backend, all_dims=True)
+    )
 
 
 @register("multivector_loss_stage", "matmul", "the floor: every query token against every document token (GEMMs)")

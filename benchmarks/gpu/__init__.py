@@ -14,14 +14,17 @@ table and the issues' targets (met, missed, not measured), and a short table (ea
 printed last:
 
 1. ``correctness`` (``gpu/correctness.py``, ``correctness.csv``): the Triton and chunked backends against a float64
-   truth on ``benchmarks/cuda_checks.py``'s cases (those of ``python -m pytest -m cuda``); short by default (three
-   cases, fp32 and bf16), ``--correctness full`` for every case, precision and forced block size.
+   truth on ``benchmarks/cuda_checks.py``'s cases (those of ``python -m pytest -m cuda``), then ``maxsim_infonce``'s
+   Triton and chunked backends on its MaxSim cases; short by default (three dense and two MaxSim cases, fp32 and
+   bf16), ``--correctness full`` for every case, precision and forced block size.
 2. ``loss_stage`` (``gpu/loss_stage.py``, ``loss_stage.csv``): ``matryoshka_infonce`` (auto, triton, chunked) against
    stock ``MatryoshkaLoss(CachedMNRL)``'s ``calculate_loss``, D = 768, dims 768..64, bf16 inputs, fp32 under TF32 and
    IEEE fp32, B in {4096, 16384, 65536} within a 120 s share, then the largest B.
-3. ``multivector`` (``gpu/multivector.py``, ``multivector_loss_stage.csv``): the MaxSim InfoNCE against stock's,
-   late-interaction-kernels and flash-maxsim where installed, and the GEMM floor, within a 60 s share.
-4. ``train_step`` (``gpu/train_steps.py`` -> ``benchmarks.train_step``, ``train_step.csv``): ours, stock
+3. ``multivector`` (``gpu/multivector.py``, ``multivector_loss_stage.csv``): ``maxsim_infonce`` (Triton and chunked
+   backends, one dim and four) against stock's, late-interaction-kernels and flash-maxsim where installed, and the
+   GEMM floor, within a 60 s share.
+4. ``train_step`` (``gpu/train_steps.py`` -> ``benchmarks.train_step``, ``train_step.csv``): ours (its loss stage
+   on ``--backend``, default the Triton backend), stock
    MatryoshkaLoss(CachedMNRL), stock CachedMNRL; MiniLM under bf16 autocast, dims 384..32, mini-batch 256, B in
    {1024, 8192}, by the device method (one process, a model copy per contender, two warm-up steps on the timed batch,
    five interleaved rounds, CUDA events per phase).

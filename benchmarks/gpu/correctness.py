@@ -10,6 +10,9 @@ precision). Two lists:
   (``cuda_checks.BLOCK_ROWS``), as the CUDA suite does: the run that lets ``backend="auto"`` trust a compute
   capability.
 
+Then ``maxsim_infonce``'s Triton and chunked backends on ``cuda_checks.maxsim_cases`` (``short``: ``SHORT_MAXSIM`` in
+fp32 and bf16; ``full``: every case and precision), under the same rule.
+
 Writes ``correctness.csv`` (one row per output checked) and ``correctness.png`` (each error against PyTorch's).
 """
 
@@ -30,12 +33,14 @@ LISTS = ("short", "full")
 # and two that switch on the other directions, the hardness modes and hard negatives.
 SHORT_CASES = ("ragged_gathered", "all_directions_joint_in_batch_hardness", "per_direction_hard_negatives_hardness")
 SHORT_PRECISIONS = ("fp32", "bf16")
+# MaxSim: four dims with weights on ragged masks, and a hard-negative column with MeanMaxSim past 256 document tokens.
+SHORT_MAXSIM = ("maxsim_ragged_dims", "maxsim_hard_negatives_meanmaxsim_dot")
 
 
 def run(device: str, size: str, precisions, which: str = "short", skip=(), stand_in: str | None = None) -> list[dict]:
-    """Rows of ``cuda_checks.run_case`` for both backends over the ``which`` list of cases (``size``: "full" or
-    "tiny"), in ``precisions``; ``skip``: case names left out; ``stand_in``: a backend run under Triton's name (the
-    dry run's chunked)."""
+    """Rows of ``cuda_checks.run_case`` (``run_maxsim_case`` for the MaxSim cases) for both backends over the
+    ``which`` list of cases (``size``: "full" or "tiny"), in ``precisions``; ``skip``: case names left out;
+    ``stand_in``: a backend run under Triton's name (the dry run's chunked)."""
     if which not in LISTS:
         raise ValueError(f"which must be one of {LISTS}, got {which!r}.")
     chosen = [c for c in cuda_checks.cases(size) if c.name not in skip]
@@ -52,13 +57,21 @@ def run(device: str, size: str, precisions, which: str = "short", skip=(), stand
         for count in cuda_checks.BLOCK_ROWS[size]:
             for precision in blocks.precisions:
                 rows += _checked(blocks, "triton", precision, device, stand_in, count)
+    maxsim = [c for c in cuda_checks.maxsim_cases(size) if which == "full" or c.name in SHORT_MAXSIM]
+    for case in maxsim:
+        for precision in (p for p in case.precisions if p in precisions):
+            for backend in ("triton", "chunked"):
+                rows += _checked(case, backend, precision, device, stand_in)
     return rows
 
 
 def _checked(case, backend, precision, device, stand_in, block_rows=None) -> list[dict]:
     start = time.perf_counter()
     try:
-        rows = cuda_checks.run_case(case, backend, precision, device, stand_in, block_rows)
+        if isinstance(case, cuda_checks.MaxSimCase):
+            rows = cuda_checks.run_maxsim_case(case, backend, precision, device, stand_in)
+        else:
+            rows = cuda_checks.run_case(case, backend, precision, device, stand_in, block_rows)
     except Exception as error:
         label = case.name if block_rows is None else f"{case.name} {block_rows}"
         print(f"  {label:<52} {backend:>8} {precision}: raised {type(error).__name__}: {error}", flush=True)
