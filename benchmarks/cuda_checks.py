@@ -20,6 +20,7 @@ this code runs in CI.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,16 +28,20 @@ from dataclasses import dataclass, field
 import torch
 
 from st_cached_losses.ops import reference
+from st_cached_losses.ops.core import resolve_precision
 from st_cached_losses.ops.infonce import run_backend
 from st_cached_losses.ops.spec import InfoNCESpec
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
-# precision -> (embedding dtype, TF32 matmuls for fp32)
+# precision -> (embedding dtype, TF32 matmuls for fp32). The op's precision "auto" resolves each on CUDA (the run
+# checks it through ``core.resolve_precision``): "ieee", "tf32", "bf16" (bf16 operands), and for fp16 inputs "ieee";
+# "bf16_autocast" is the trainer's bf16=True: fp32 embeddings under bf16 autocast, bf16 operands.
 PRECISIONS = {
     "fp32": (torch.float32, False),
     "tf32": (torch.float32, True),
     "bf16": (torch.bfloat16, False),
+    "bf16_autocast": (torch.float32, False),
     "fp16": (torch.float16, False),
 }
 # How much larger than plain PyTorch's relative error a backend's may be. fp32 / bf16 / fp16 as the issue states;
@@ -45,8 +50,11 @@ TOLERANCES = {
     "fp32": {"loss": 1e-5, "grad": 5e-4},
     "tf32": {"loss": 1e-3, "grad": 1e-3},
     "bf16": {"loss": 1e-2, "grad": 1e-2},
+    "bf16_autocast": {"loss": 1e-2, "grad": 1e-2},
     "fp16": {"loss": 1e-3, "grad": 1e-3},
 }
+# The dtype plain PyTorch computes in, per precision: the inputs' own, except under bf16 autocast.
+PLAIN_DTYPE = {"bf16_autocast": torch.bfloat16}
 # Above this many bytes of float64 work the truth is computed on the CPU (the int64 case: ~40 GB).
 TRUTH_DEVICE_MAX_BYTES = 8 * 2**30
 
@@ -187,6 +195,14 @@ def block_case(size: str = "full") -> Case:
     )
 
 
+def op_precision(precision: str, queries: torch.Tensor) -> str:
+    """What the op's precision "auto" resolves to for ``queries`` in the mode ``precision`` (under bf16 autocast for
+    "bf16_autocast"; the caller sets the TF32 switch): "bf16", "tf32" or "ieee" on CUDA, "ieee" on a CPU."""
+    autocast = precision == "bf16_autocast" and torch.amp.is_autocast_available(queries.device.type)
+    with torch.autocast(queries.device.type, dtype=torch.bfloat16, enabled=autocast):
+        return resolve_precision("auto", queries)
+
+
 @contextlib.contextmanager
 def matmul_precision(tf32: bool) -> Iterator[None]:
     """fp32 matmuls in TF32 or not, for torch and the Triton kernels (both read this setting)."""
@@ -220,6 +236,7 @@ def _truth(case: Case, inputs, spec: InfoNCESpec) -> dict[str, torch.Tensor]:
     fp64_bytes = 8 * (3 * case.num_docs * case.dim + case.batch * case.num_docs * len(case.dims) * 4)
     device = inputs[0].device if fp64_bytes <= TRUTH_DEVICE_MAX_BYTES else torch.device("cpu")
     upcast = [t.to(device=device, dtype=torch.float64) for t in inputs]
+    spec = dataclasses.replace(spec, precision="ieee")
     return _outputs(run_backend(case.truth_backend, *upcast, spec, need_grad=True), spec)
 
 
@@ -235,8 +252,10 @@ def run_case(
     truth = _truth(case, inputs, spec)
     runner = stand_in or backend
     with matmul_precision(tf32):
+        spec = dataclasses.replace(spec, precision=op_precision(precision, inputs[0]))
         got = _outputs(run_backend(runner, *inputs, spec, need_grad=True, chunk_size=block_rows), spec)
-        plain = _outputs(reference.forward(*inputs, spec, need_grad=True, compute_dtype=dtype), spec)
+        plain_dtype = PLAIN_DTYPE.get(precision, dtype)
+        plain = _outputs(reference.forward(*inputs, spec, need_grad=True, compute_dtype=plain_dtype), spec)
     rows = []
     for quantity, want in truth.items():
         if quantity not in got:
@@ -391,7 +410,7 @@ def _maxsim_outputs(queries, docs, query_mask, document_mask, case: MaxSimCase, 
 
 def run_maxsim_case(case: MaxSimCase, backend: str, precision: str, device, stand_in: str | None = None) -> list[dict]:
     """Rows as :func:`run_case`'s for one run of ``maxsim_infonce``'s ``backend`` on ``case`` in ``precision`` (the
-    op's precision "auto": bf16 operands for bf16 inputs, TF32 or IEEE for fp32 as ``precision`` sets matmuls)."""
+    op's precision as "auto" resolves it there: :func:`op_precision`)."""
     dtype, tf32 = PRECISIONS[precision]
     queries, docs, query_mask, document_mask = case.inputs(device)
     queries, docs = queries.to(dtype), docs.to(dtype)
@@ -399,9 +418,10 @@ def run_maxsim_case(case: MaxSimCase, backend: str, precision: str, device, stan
     truth_device = device if _maxsim_truth_bytes(case) <= TRUTH_DEVICE_MAX_BYTES else "cpu"
     exact = [t.to(device=truth_device, dtype=torch.float64) for t in (queries, docs)]
     truth = _maxsim_outputs(*exact, *masks, case, "dense", precision="ieee")
-    rounded = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    rounded = PLAIN_DTYPE.get(precision, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     with matmul_precision(tf32):
-        got = _maxsim_outputs(queries, docs, *masks, case, stand_in or backend)
+        resolved = op_precision(precision, queries)
+        got = _maxsim_outputs(queries, docs, *masks, case, stand_in or backend, precision=resolved)
         plain = [t.to(rounded).float() for t in (queries, docs)]
         plain = _maxsim_outputs(*plain, *masks, case, "dense", precision="tf32" if tf32 else "ieee")
     rows = []

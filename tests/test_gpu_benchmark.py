@@ -110,6 +110,29 @@ def test_a_failing_case_fails_the_run(monkeypatch, tmp_path):
     assert "failed" in (tmp_path / "summary.md").read_text()
 
 
+def test_the_checks_run_each_mode_in_the_precision_auto_resolves(monkeypatch):
+    """The backend runs in what the op's precision "auto" resolves to for the mode (asked under bf16 autocast for
+    "bf16_autocast"), the float64 truth in IEEE."""
+    asked, seen = [], []
+
+    def resolve(precision, queries):
+        asked.append((precision, queries.dtype, torch.is_autocast_enabled(queries.device.type)))
+        return "tf32"
+
+    real = cuda_checks.run_backend
+
+    def spy(name, queries, docs, world, spec, *args, **kwargs):
+        seen.append((queries.dtype, spec.precision))
+        return real(name, queries, docs, world, spec, *args, **kwargs)
+
+    monkeypatch.setattr(cuda_checks, "resolve_precision", resolve)
+    monkeypatch.setattr(cuda_checks, "run_backend", spy)
+    rows = cuda_checks.run_case(cuda_checks.cases("tiny")[0], "triton", "bf16_autocast", "cpu", stand_in="chunked")
+    assert asked == [("auto", torch.float32, True)]
+    assert seen == [(torch.float64, "ieee"), (torch.float32, "tf32")]
+    assert all(r["passed"] for r in rows)
+
+
 def test_a_maxsim_backend_off_by_one_percent_fails_its_case(monkeypatch):
     """The MaxSim check fails a backend whose document gradients are 1% off (the truth, float64, untouched)."""
     from st_cached_losses.ops.maxsim import chunked

@@ -15,8 +15,8 @@ printed last:
 
 1. ``correctness`` (``gpu/correctness.py``, ``correctness.csv``): the Triton and chunked backends against a float64
    truth on ``benchmarks/cuda_checks.py``'s cases (those of ``python -m pytest -m cuda``), then ``maxsim_infonce``'s
-   Triton and chunked backends on its MaxSim cases; short by default (three dense and two MaxSim cases, fp32 and
-   bf16), ``--correctness full`` for every case, precision and forced block size.
+   Triton and chunked backends on its MaxSim cases; short by default (three dense and two MaxSim cases in fp32, bf16
+   and under bf16 autocast), ``--correctness full`` for every case, precision and forced block size.
 2. ``loss_stage`` (``gpu/loss_stage.py``, ``loss_stage.csv``): ``matryoshka_infonce`` (auto, triton, chunked) against
    stock ``MatryoshkaLoss(CachedMNRL)``'s ``calculate_loss``, D = 768, dims 768..64, bf16 inputs, fp32 under TF32 and
    IEEE fp32, B in {4096, 16384, 65536} within a 120 s share, then the largest B.

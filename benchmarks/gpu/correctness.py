@@ -5,13 +5,14 @@ chunked backend, under apple/ml-cross-entropy's rule (at most a stated margin ab
 precision). Two lists:
 
 - ``short`` (the default, kept short: each Triton variant compiles its kernels on first use, and the first GPU run
-  spent 291 s compiling the full list): ``SHORT_CASES`` in fp32 and bf16, no block-size sweep;
+  spent 291 s compiling the full list): ``SHORT_CASES`` in fp32, bf16 and under bf16 autocast (fp32 inputs, the
+  trainer's ``bf16=True``), no block-size sweep;
 - ``full``: every case in every precision of the plan, then the block case at each forced row count
   (``cuda_checks.BLOCK_ROWS``), as the CUDA suite does: the run that lets ``backend="auto"`` trust a compute
   capability.
 
 Then ``maxsim_infonce``'s Triton and chunked backends on ``cuda_checks.maxsim_cases`` (``short``: ``SHORT_MAXSIM`` in
-fp32 and bf16; ``full``: every case and precision), under the same rule.
+the same precisions; ``full``: every case and precision), under the same rule.
 
 Writes ``correctness.csv`` (one row per output checked) and ``correctness.png`` (each error against PyTorch's).
 """
@@ -32,7 +33,7 @@ LISTS = ("short", "full")
 # One case on the training default's kernel variant (cosine, query_to_doc, no hardness) in a gathered, ragged batch,
 # and two that switch on the other directions, the hardness modes and hard negatives.
 SHORT_CASES = ("ragged_gathered", "all_directions_joint_in_batch_hardness", "per_direction_hard_negatives_hardness")
-SHORT_PRECISIONS = ("fp32", "bf16")
+SHORT_PRECISIONS = ("fp32", "bf16", "bf16_autocast")
 # MaxSim: four dims with weights on ragged masks, and a hard-negative column with MeanMaxSim past 256 document tokens.
 SHORT_MAXSIM = ("maxsim_ragged_dims", "maxsim_hard_negatives_meanmaxsim_dot")
 

@@ -113,7 +113,7 @@ class _Results:
 
     def correctness(self, args, mode: str, out: Path) -> None:
         device, size = ("cpu", "tiny") if mode == "tiny" else ("cuda", "full")
-        precisions = tuple(cuda_checks.PRECISIONS) if mode == "full" else ("fp32", "bf16")
+        precisions = tuple(cuda_checks.PRECISIONS) if mode == "full" else correctness.SHORT_PRECISIONS
         skip = ("int64_offsets",) if mode == "quick" else ()
         stand_in = "chunked" if mode == "tiny" else None
         self.checks = correctness.run(device, size, precisions, args.correctness, skip, stand_in)
