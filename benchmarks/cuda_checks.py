@@ -8,9 +8,7 @@ direction reads them, d world queries) with relative error ``||x - truth|| / ||t
 
 The truth is the dense reference (``ops/reference.py``) in float64 on the inputs as the backend sees them
 (cast to the precision, then upcast); plain PyTorch is the same reference computed in the inputs' own dtype
-(matmuls in bf16 / fp16 / TF32). The MaxSim InfoNCE (``maxsim_infonce``, :func:`maxsim_cases`) is held to the
-same rule: its truth is the op's dense backend (every token similarity materialised) in float64, and plain PyTorch
-is that backend on the operands as the precision mode rounds them (bf16), its einsums in fp32 or TF32.
+(matmuls in bf16 / fp16 / TF32). ``benchmarks/maxsim_cuda_checks.py`` holds ``maxsim_infonce`` to the same rule.
 
 Used by ``tests/test_cuda.py`` (``python -m pytest -m cuda``) and by ``python -m benchmarks.gpu``, whose
 ``--dry-run`` runs every case at tiny sizes on the CPU with the chunked backend standing in for Triton, so that
@@ -85,8 +83,8 @@ class Case:
 
     def inputs(self, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 (queries, docs, world queries) on ``device``: positives correlated with their queries (a loss
-        well below log M); for dot similarity rows of norm ~1."""
-        g = torch.Generator(device=device).manual_seed(seed)
+        well below log M); for dot similarity rows of norm ~1 (on "meta": their shapes and layout alone)."""
+        g = generator(device, seed)
         world = torch.randn(self.world_batch, self.dim, generator=g, device=device)
         docs = torch.randn(self.num_docs, self.dim, generator=g, device=device)
         docs[: self.world_batch] = 0.3 * world + 0.95 * docs[: self.world_batch]
@@ -107,6 +105,11 @@ class Case:
         }
         gathered = world if self.world_batch != self.batch else None
         return InfoNCESpec.build(queries, docs, gathered, dims=self.dims, offset=self.offset, **options)
+
+
+def generator(device, seed: int) -> torch.Generator | None:
+    """A seeded generator on ``device`` (None on "meta", which has no values and no generator)."""
+    return None if torch.device(device).type == "meta" else torch.Generator(device=device).manual_seed(seed)
 
 
 def cases(size: str = "full") -> list[Case]:
@@ -195,12 +198,23 @@ def block_case(size: str = "full") -> Case:
     )
 
 
-def op_precision(precision: str, queries: torch.Tensor) -> str:
-    """What the op's precision "auto" resolves to for ``queries`` in the mode ``precision`` (under bf16 autocast for
-    "bf16_autocast"; the caller sets the TF32 switch): "bf16", "tf32" or "ieee" on CUDA, "ieee" on a CPU."""
-    autocast = precision == "bf16_autocast" and torch.amp.is_autocast_available(queries.device.type)
-    with torch.autocast(queries.device.type, dtype=torch.bfloat16, enabled=autocast):
+def op_precision(precision: str, queries: torch.Tensor, device_type: str | None = None) -> str:
+    """What the op's precision "auto" resolves to for ``queries`` in the mode ``precision``: "bf16", "tf32" or "ieee"
+    on CUDA, "ieee" on a CPU. The caller sets the TF32 switch; "bf16_autocast" asks under bf16 autocast on
+    ``device_type`` (default: the queries' device)."""
+    device_type = device_type or queries.device.type
+    autocast = precision == "bf16_autocast" and torch.amp.is_autocast_available(device_type)
+    with torch.autocast(device_type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
         return resolve_precision("auto", queries)
+
+
+def prepare(case: Case, precision: str, device, device_type: str | None = None):
+    """(inputs, spec): ``case``'s (queries, docs, world queries) in the mode's dtype on ``device`` and its spec in the
+    precision the op resolves there (:func:`op_precision`; call it under the mode's :func:`matmul_precision`)."""
+    dtype, _ = PRECISIONS[precision]
+    inputs = [t.to(dtype) for t in case.inputs(device)]
+    spec = dataclasses.replace(case.spec(*inputs), precision=op_precision(precision, inputs[0], device_type))
+    return inputs, spec
 
 
 @contextlib.contextmanager
@@ -224,7 +238,7 @@ def _outputs(result, spec: InfoNCESpec) -> dict[str, torch.Tensor]:
     return outputs
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.to(want.device), want
     if not bool(torch.isfinite(got).all()):
         return math.inf
@@ -247,26 +261,30 @@ def run_case(
     ``backend`` on ``case`` in ``precision``. ``block_rows``: rows per block or tile (``chunk_size``; default the
     backend's). ``stand_in`` runs another backend under ``backend``'s name (the dry run's chunked for Triton)."""
     dtype, tf32 = PRECISIONS[precision]
-    inputs = [t.to(dtype) for t in case.inputs(device)]
-    spec = case.spec(*inputs)
-    truth = _truth(case, inputs, spec)
-    runner = stand_in or backend
     with matmul_precision(tf32):
-        spec = dataclasses.replace(spec, precision=op_precision(precision, inputs[0]))
-        got = _outputs(run_backend(runner, *inputs, spec, need_grad=True, chunk_size=block_rows), spec)
+        inputs, spec = prepare(case, precision, device)
+        got = _outputs(run_backend(stand_in or backend, *inputs, spec, need_grad=True, chunk_size=block_rows), spec)
         plain_dtype = PLAIN_DTYPE.get(precision, dtype)
         plain = _outputs(reference.forward(*inputs, spec, need_grad=True, compute_dtype=plain_dtype), spec)
+    truth = _truth(case, inputs, spec)
+    return rule_rows(case.name if block_rows is None else f"{case.name} {block_rows}", backend, precision, got, truth,
+                     plain)  # fmt: skip
+
+
+def rule_rows(case: str, backend: str, precision: str, got: dict, truth: dict, plain: dict) -> list[dict]:
+    """One row per output of ``truth`` that ``got`` has: (case, backend, precision, quantity, error, torch_error,
+    tolerance, passed), each error relative to the truth, the rule's margin that of ``precision``."""
     rows = []
     for quantity, want in truth.items():
         if quantity not in got:
             continue
         kind = "loss" if quantity in ("loss", "per_dim") else "grad"
         tolerance = TOLERANCES[precision][kind]
-        error, torch_error = _relative_error(got[quantity], want), _relative_error(plain[quantity], want)
+        error, torch_error = relative_error(got[quantity], want), relative_error(plain[quantity], want)
         allowed = torch_error if math.isfinite(torch_error) else 0.0
         rows.append(
             {
-                "case": case.name if block_rows is None else f"{case.name} {block_rows}",
+                "case": case,
                 "backend": backend,
                 "precision": precision,
                 "quantity": quantity,
@@ -287,165 +305,3 @@ def failures(rows: list[dict]) -> list[str]:
         for r in rows
         if not r["passed"]
     ]
-
-
-# ------------------------------------------------------------------------------------------------ MaxSim InfoNCE
-
-
-@dataclass(frozen=True)
-class MaxSimCase:
-    """One ``maxsim_infonce`` problem: ``batch`` queries of ``query_tokens`` token vectors against ``columns`` x
-    ``batch`` documents of ``doc_tokens`` (1 = the positives only), token dim ``dim``; ``options``: the op's keywords
-    (similarity, length_normalize, scale, weights). About a fifth of the tokens on each side is masked (a query keeps
-    its first token) and the last document has no scored token; ``duplicates``: every fourth query repeats the text
-    of the one before it (the duplicate mask's ids)."""
-
-    name: str
-    batch: int
-    query_tokens: int
-    doc_tokens: int
-    dim: int
-    dims: tuple[int, ...]
-    columns: int = 1
-    duplicates: bool = False
-    options: dict = field(default_factory=dict)
-    precisions: tuple[str, ...] = tuple(PRECISIONS)
-
-    @property
-    def num_docs(self) -> int:
-        return self.batch * self.columns
-
-    def inputs(self, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fp32 unit token vectors (queries, documents) on ``device``, each positive's tokens echoing its query's
-        (the loss depends on which document is whose), and the boolean (query_mask, document_mask)."""
-        g = torch.Generator(device=device).manual_seed(seed)
-        shape = (self.batch, self.query_tokens, self.dim)
-        queries = torch.nn.functional.normalize(torch.randn(shape, generator=g, device=device), dim=-1)
-        docs = torch.randn(self.num_docs, self.doc_tokens, self.dim, generator=g, device=device)
-        echoes = queries.repeat(1, -(-self.doc_tokens // self.query_tokens), 1)[:, : self.doc_tokens]
-        docs[: self.batch] += 2.0 * echoes
-        docs = torch.nn.functional.normalize(docs, dim=-1)
-        query_mask = torch.rand(self.batch, self.query_tokens, generator=g, device=device) > 0.2
-        document_mask = torch.rand(self.num_docs, self.doc_tokens, generator=g, device=device) > 0.2
-        query_mask[:, 0] = True
-        document_mask[-1] = False
-        return queries, docs, query_mask, document_mask
-
-    def ids(self, device) -> dict[str, torch.Tensor]:
-        """The duplicate mask's text ids (query_ids, document_ids), or {} without ``duplicates``."""
-        if not self.duplicates:
-            return {}
-        texts = torch.arange(self.batch, device=device)
-        texts[3::4] -= 1  # query 4k + 3 has the text of query 4k + 2
-        documents = torch.cat([texts + self.batch * (1 + c) for c in range(self.columns)])
-        return {"query_ids": texts, "document_ids": documents}
-
-
-def maxsim_cases(size: str = "full") -> list[MaxSimCase]:
-    """The MaxSim suite. ``size="tiny"``: the same cases at a few tokens (the dry run on a CPU). The float64 truth
-    holds the (B, M, Lq, Ld) token similarities of a dim at once: sizes keep it to a few GiB."""
-    tiny = size == "tiny"
-
-    def n(full: int, small: int) -> int:
-        return small if tiny else full
-
-    dims = (n(128, 16), n(96, 12), n(64, 8), n(32, 4))
-    return [
-        # B not a multiple of any tile, ragged masks on both sides, four dims with weights, cosine, scale 20.
-        MaxSimCase(
-            "maxsim_ragged_dims",
-            n(150, 7),
-            n(32, 5),
-            n(128, 9),
-            dims[0],
-            dims,
-            options=dict(scale=20.0, weights=(1.0, 0.5, 0.25, 0.125)),
-        ),
-        # A hard-negative column, MeanMaxSim, dot products, documents past 256 tokens (int16 argmaxes).
-        MaxSimCase(
-            "maxsim_hard_negatives_meanmaxsim_dot",
-            n(96, 6),
-            n(32, 4),
-            n(300, 11),
-            dims[0],
-            dims[::2],
-            columns=2,
-            options=dict(similarity="dot", length_normalize=True, scale=10.0),
-        ),
-        # The duplicate mask, query-side cosine against document-side dot, one dim.
-        MaxSimCase(
-            "maxsim_duplicates_one_dim",
-            n(128, 8),
-            n(16, 4),
-            n(64, 6),
-            dims[0],
-            dims[:1],
-            columns=2,
-            duplicates=True,
-            options=dict(similarity=("cosine", "dot"), scale=20.0),
-        ),
-    ]
-
-
-def _maxsim_outputs(queries, docs, query_mask, document_mask, case: MaxSimCase, backend: str, **extra) -> dict:
-    """The op's loss, per-dim losses and both token gradients in float64 (fresh leaves of the given tensors)."""
-    from st_cached_losses import maxsim_infonce
-
-    leaves = [queries.detach().clone().requires_grad_(), docs.detach().clone().requires_grad_()]
-    ids = {k: v.to(queries.device) for k, v in case.ids(queries.device).items()}
-    out = maxsim_infonce(
-        *leaves,
-        query_mask=query_mask.to(queries.device),
-        document_mask=document_mask.to(queries.device),
-        dims=list(case.dims),
-        backend=backend,
-        **case.options,
-        **ids,
-        **extra,
-    )
-    out.loss.backward()
-    outputs = {"loss": out.loss.detach().double(), "per_dim": out.per_dim.double()}
-    return {**outputs, "d_queries": leaves[0].grad.double(), "d_docs": leaves[1].grad.double()}
-
-
-def run_maxsim_case(case: MaxSimCase, backend: str, precision: str, device, stand_in: str | None = None) -> list[dict]:
-    """Rows as :func:`run_case`'s for one run of ``maxsim_infonce``'s ``backend`` on ``case`` in ``precision`` (the
-    op's precision as "auto" resolves it there: :func:`op_precision`)."""
-    dtype, tf32 = PRECISIONS[precision]
-    queries, docs, query_mask, document_mask = case.inputs(device)
-    queries, docs = queries.to(dtype), docs.to(dtype)
-    masks = (query_mask, document_mask)
-    truth_device = device if _maxsim_truth_bytes(case) <= TRUTH_DEVICE_MAX_BYTES else "cpu"
-    exact = [t.to(device=truth_device, dtype=torch.float64) for t in (queries, docs)]
-    truth = _maxsim_outputs(*exact, *masks, case, "dense", precision="ieee")
-    rounded = PLAIN_DTYPE.get(precision, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-    with matmul_precision(tf32):
-        resolved = op_precision(precision, queries)
-        got = _maxsim_outputs(queries, docs, *masks, case, stand_in or backend, precision=resolved)
-        plain = [t.to(rounded).float() for t in (queries, docs)]
-        plain = _maxsim_outputs(*plain, *masks, case, "dense", precision="tf32" if tf32 else "ieee")
-    rows = []
-    for quantity, want in truth.items():
-        kind = "loss" if quantity in ("loss", "per_dim") else "grad"
-        error, torch_error = _relative_error(got[quantity], want), _relative_error(plain[quantity], want)
-        allowed = torch_error if math.isfinite(torch_error) else 0.0
-        tolerance = TOLERANCES[precision][kind]
-        rows.append(
-            {
-                "case": case.name,
-                "backend": backend,
-                "precision": precision,
-                "quantity": quantity,
-                "error": error,
-                "torch_error": torch_error,
-                "tolerance": tolerance,
-                "passed": error <= allowed + tolerance,
-            }
-        )
-    return rows
-
-
-def _maxsim_truth_bytes(case: MaxSimCase) -> int:
-    """float64 bytes of the dense backend's largest dim: the token similarities, their masked copy, the max's
-    indices (int64) and the gradient of the similarities."""
-    return 4 * 8 * case.batch * case.num_docs * case.query_tokens * case.doc_tokens

@@ -3,10 +3,10 @@ each precision mode of ``spec.precision``.
 
 Run with ``python -m pytest -m cuda`` on a machine with an NVIDIA GPU (``python -m benchmarks.gpu`` runs it). The
 default run never collects this module: it switches Triton's interpreter on for the CPU tests
-(``tests/conftest.py``). The problems come from ``benchmarks/cuda_checks.py`` (ragged, gathered, every direction
-and hardness mode, dot, scale 100, one dim, and 8 queries against 2.4M documents: offsets past 2^31 elements; for
-``maxsim_infonce``: ragged masks with four weighted dims, a hard-negative column with MeanMaxSim past 256 document
-tokens, the duplicate mask).
+(``tests/conftest.py``). The problems come from ``benchmarks/cuda_checks.py`` (ragged, gathered, every direction and
+hardness mode, dot, scale 100, one dim, and 8 queries against 2.4M documents: offsets past 2^31 elements) and, for
+``maxsim_infonce``, ``benchmarks/maxsim_cuda_checks.py`` (ragged masks with four weighted dims, a hard-negative
+column with MeanMaxSim past 256 document tokens, the duplicate mask).
 
 The documented error (apple/ml-cross-entropy's rule, ``cuda_checks.TOLERANCES``): for the loss, the per-dim losses
 and every input gradient, the relative error ``||x - truth|| / ||truth||`` is at most plain PyTorch's in the same
@@ -23,7 +23,9 @@ import math
 import pytest
 import torch
 
-from benchmarks.cuda_checks import TOLERANCES, TRUTH_DEVICE_MAX_BYTES, cases, failures, maxsim_cases, run_maxsim_case
+from benchmarks.cuda_checks import TOLERANCES, TRUTH_DEVICE_MAX_BYTES, cases, failures
+from benchmarks.maxsim_cuda_checks import maxsim_cases
+from benchmarks.maxsim_cuda_checks import run_case as run_maxsim_case
 from st_cached_losses.ops import gemm, reference
 from st_cached_losses.ops.infonce import run_backend
 
@@ -105,7 +107,7 @@ MAXSIM_RUNS = [(case, precision) for case in maxsim_cases() for precision in cas
 @pytest.mark.parametrize("backend", ["triton", "chunked"])
 @pytest.mark.parametrize("case,precision", MAXSIM_RUNS, ids=[f"{c.name}-{p}" for c, p in MAXSIM_RUNS])
 def test_maxsim_error_within_plain_pytorch_error_plus_tolerance(case, precision, backend):
-    """maxsim_infonce's backends under the same rule (``cuda_checks.run_maxsim_case``: the truth is the dense
+    """maxsim_infonce's backends under the same rule (``maxsim_cuda_checks.run_case``: the truth is the dense
     backend in float64)."""
     rows = run_maxsim_case(case, backend, precision, "cuda")
     assert not failures(rows)

@@ -11,8 +11,8 @@ precision). Two lists:
   (``cuda_checks.BLOCK_ROWS``), as the CUDA suite does: the run that lets ``backend="auto"`` trust a compute
   capability.
 
-Then ``maxsim_infonce``'s Triton and chunked backends on ``cuda_checks.maxsim_cases`` (``short``: ``SHORT_MAXSIM`` in
-the same precisions; ``full``: every case and precision), under the same rule.
+Then ``maxsim_infonce``'s Triton and chunked backends on ``maxsim_cuda_checks.maxsim_cases`` (``short``:
+``SHORT_MAXSIM`` in the same precisions; ``full``: every case and precision), under the same rule.
 
 Writes ``correctness.csv`` (one row per output checked) and ``correctness.png`` (each error against PyTorch's).
 """
@@ -24,10 +24,10 @@ import math
 import time
 from pathlib import Path
 
-from benchmarks import cuda_checks
+from benchmarks import cuda_checks, maxsim_cuda_checks
 from benchmarks.core import report
 
-__all__ = ["LISTS", "SHORT_CASES", "run", "write"]
+__all__ = ["LISTS", "SHORT_CASES", "SHORT_MAXSIM", "SHORT_PRECISIONS", "plan", "run", "runs", "write"]
 
 LISTS = ("short", "full")
 # One case on the training default's kernel variant (cosine, query_to_doc, no hardness) in a gathered, ragged batch,
@@ -38,39 +38,57 @@ SHORT_PRECISIONS = ("fp32", "bf16", "bf16_autocast")
 SHORT_MAXSIM = ("maxsim_ragged_dims", "maxsim_hard_negatives_meanmaxsim_dot")
 
 
-def run(device: str, size: str, precisions, which: str = "short", skip=(), stand_in: str | None = None) -> list[dict]:
-    """Rows of ``cuda_checks.run_case`` (``run_maxsim_case`` for the MaxSim cases) for both backends over the
-    ``which`` list of cases (``size``: "full" or "tiny"), in ``precisions``; ``skip``: case names left out;
-    ``stand_in``: a backend run under Triton's name (the dry run's chunked)."""
+def plan(mode: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(size, precisions, skipped case names) of the run's ``mode``: "full" and "quick" the full-size cases ("full"
+    in every precision, "quick" in the short list's and without the 2.4M-document case), "tiny" the dry run's."""
+    size = "tiny" if mode == "tiny" else "full"
+    precisions = tuple(cuda_checks.PRECISIONS) if mode == "full" else SHORT_PRECISIONS
+    return size, precisions, ("int64_offsets",) if mode == "quick" else ()
+
+
+def runs(size: str, precisions, which: str = "short", skip=()) -> list[tuple]:
+    """(case, backend, precision, block_rows or None) of every run in the ``which`` list (``size``: "full" or
+    "tiny"), in ``precisions``; ``skip``: case names left out (precompile.py records the Triton ones)."""
     if which not in LISTS:
         raise ValueError(f"which must be one of {LISTS}, got {which!r}.")
-    chosen = [c for c in cuda_checks.cases(size) if c.name not in skip]
+    dense = [c for c in cuda_checks.cases(size) if c.name not in skip and (which == "full" or c.name in SHORT_CASES)]
+    maxsim = [c for c in maxsim_cuda_checks.maxsim_cases(size) if which == "full" or c.name in SHORT_MAXSIM]
     if which == "short":
-        chosen = [c for c in chosen if c.name in SHORT_CASES]
         precisions = [p for p in precisions if p in SHORT_PRECISIONS]
-    rows = []
-    for case in chosen:
-        for precision in (p for p in case.precisions if p in precisions):
-            for backend in ("triton", "chunked"):
-                rows += _checked(case, backend, precision, device, stand_in)
+    out = [
+        (case, backend, precision, None)
+        for case in dense
+        for precision in case.precisions
+        if precision in precisions
+        for backend in ("triton", "chunked")
+    ]
     if which == "full":
         blocks = cuda_checks.block_case(size)
-        for count in cuda_checks.BLOCK_ROWS[size]:
-            for precision in blocks.precisions:
-                rows += _checked(blocks, "triton", precision, device, stand_in, count)
-    maxsim = [c for c in cuda_checks.maxsim_cases(size) if which == "full" or c.name in SHORT_MAXSIM]
-    for case in maxsim:
-        for precision in (p for p in case.precisions if p in precisions):
-            for backend in ("triton", "chunked"):
-                rows += _checked(case, backend, precision, device, stand_in)
+        out += [(blocks, "triton", p, count) for count in cuda_checks.BLOCK_ROWS[size] for p in blocks.precisions]
+    out += [
+        (case, backend, precision, None)
+        for case in maxsim
+        for precision in case.precisions
+        if precision in precisions
+        for backend in ("triton", "chunked")
+    ]
+    return out
+
+
+def run(device: str, size: str, precisions, which: str = "short", skip=(), stand_in: str | None = None) -> list[dict]:
+    """Rows of ``cuda_checks.run_case`` (``maxsim_cuda_checks.run_case`` for the MaxSim cases) for each of :func:`runs`;
+    ``stand_in``: a backend run under Triton's name (the dry run's chunked)."""
+    rows = []
+    for case, backend, precision, block_rows in runs(size, precisions, which, skip):
+        rows += _checked(case, backend, precision, device, stand_in, block_rows)
     return rows
 
 
 def _checked(case, backend, precision, device, stand_in, block_rows=None) -> list[dict]:
     start = time.perf_counter()
     try:
-        if isinstance(case, cuda_checks.MaxSimCase):
-            rows = cuda_checks.run_maxsim_case(case, backend, precision, device, stand_in)
+        if isinstance(case, maxsim_cuda_checks.MaxSimCase):
+            rows = maxsim_cuda_checks.run_case(case, backend, precision, device, stand_in)
         else:
             rows = cuda_checks.run_case(case, backend, precision, device, stand_in, block_rows)
     except Exception as error:
