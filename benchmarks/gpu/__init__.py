@@ -9,7 +9,10 @@
                                                           # -> DIR/compile_report.csv (registers, spills, smem, the
                                                           # hot loop's instructions, occupancy, launches per call)
 
-Steps, in order (``--steps`` picks some); each writes long-format CSV + PNG under --out, ``summary.md`` gets every
+Step 0, ``precompile`` (``gpu/precompile.py``; ``--no-precompile`` skips it), records on meta tensors every Triton
+launch the chosen steps will make and compiles them, one process per CPU, into Triton's cache before the first one
+(the first GPU run spent 291 s compiling one kernel at a time on first launch). Then the steps, in order
+(``--steps`` picks some); each writes long-format CSV + PNG under --out, ``summary.md`` gets every
 table and the issues' targets (met, missed, not measured), and a short table (each step's seconds and headline) is
 printed last:
 
@@ -31,10 +34,10 @@ printed last:
 5. ``multivector_train_step`` (``benchmarks.multivector_train_step``, ``multivector_train_step.csv``): the same for
    the MultiVectorEncoder, ours against stock's cached multi-vector loss, B in {512, 4096}.
 
-Device time (one H100, estimated from the first run's figures, benchmarks/results/gpu/summary.md): correctness about
-60 s with the compiled kernels not yet in Triton's cache (the compile report run with the card's Triton version fills
-it ahead of time), loss stage 120 s plus the largest-B search's 30 s, multi-vector loss stage 60 s, training steps
-about 90 s dense and 90 s multi-vector: about 8 minutes. Every row names the device, the torch / triton /
+Device time (one H100, estimated from the first run's figures, benchmarks/results/gpu/summary.md): step 0 about
+10 s of recording (on the CPU) overlapped with 16 processes compiling, correctness about 60 s, loss stage 120 s plus
+the largest-B search's 30 s, multi-vector loss stage 60 s, training steps about 90 s dense and 90 s multi-vector:
+about 8 minutes. Every row names the device, the torch / triton /
 sentence-transformers versions and the date.
 
 The machine may have no network: ``--model PATH`` takes a local copy of the model (an fp16 copy is cast to fp32;

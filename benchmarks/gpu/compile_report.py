@@ -1,8 +1,8 @@
 """CPU-side predictors of the Triton kernels: ``python -m benchmarks.gpu --compile-report --out DIR`` (no GPU).
 
 Every variant of every entry of ``benchmarks/gpu/kernels.py`` is compiled for ``--arch`` (90: H100) by Triton's LLVM
-and bundled ptxas (``triton.backends.nvidia.compiler.get_ptxas``; the kernels land in Triton's cache, so a run on the
-card with the same Triton version skips compiling them). One row per kernel and variant in ``compile_report.csv``:
+and bundled ptxas (``triton.backends.nvidia.compiler.get_ptxas``). One row per kernel and variant in
+``compile_report.csv``:
 
 - ``registers``, ``spill_stores`` / ``spill_loads`` / ``stack_bytes`` (``ptxas -v`` on the kernel's PTX, Triton's own
   options), ``shared_bytes`` (Triton's dynamic shared memory plus ptxas' static);

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import cuda_checks
 from benchmarks.core import report
-from benchmarks.gpu import correctness, loss_stage, multivector, summary, train_steps
+from benchmarks.gpu import correctness, loss_stage, multivector, precompile, summary, train_steps
 from st_cached_losses.testing import TOKENIZER_ENV
 
 __all__ = ["RESULTS", "STEPS", "main", "parse_args"]
@@ -45,6 +44,12 @@ def parse_args(argv=None):
         choices=correctness.LISTS,
         default="short",
         help="step 1's list: short (default) or full (every case and forced block size, as python -m pytest -m cuda)",
+    )
+    parser.add_argument(
+        "--no-precompile",
+        action="store_true",
+        help="skip step 0, which records the Triton launches of the steps and compiles them in parallel first "
+        "(benchmarks/gpu/precompile.py; the dry run records them only)",
     )
     parser.add_argument(
         "--backend",
@@ -86,6 +91,11 @@ def main(argv=None) -> int:
     env = summary.environment()
     print(" | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
     results = _Results()
+    if not args.no_precompile:
+        print("== 0. precompile", flush=True)
+        start = time.perf_counter()
+        results.precompile(args, mode)
+        results.seconds["precompile"] = time.perf_counter() - start
     for number, step in enumerate((s for s in STEPS if s in args.steps), start=1):
         print(f"== {number}. {step}", flush=True)
         start = time.perf_counter()
@@ -97,7 +107,13 @@ def main(argv=None) -> int:
     print(f"wrote {out} (summary.md: every table and the targets)\n")
     print(
         summary.short_table(
-            results.seconds, results.stage, results.late_stage, results.steps, results.late_steps, results.checks
+            results.seconds,
+            results.stage,
+            results.late_stage,
+            results.steps,
+            results.late_steps,
+            results.checks,
+            results.precompiled,
         )
     )
     return 1 if any(not r["passed"] for r in results.checks) else 0
@@ -110,12 +126,21 @@ class _Results:
         self.seconds: dict[str, float] = {}
         self.sections: dict[str, list[str]] = {}
         self.checks, self.stage, self.late_stage, self.steps, self.late_steps = [], [], [], [], []
+        self.precompiled = ""
+
+    def precompile(self, args, mode: str) -> None:
+        try:
+            done = precompile.run(mode, args.steps, args.correctness, compile_kernels=mode != "tiny")
+        except Exception as error:  # a speed-up only: the kernels then compile on their first launch
+            print(f"  precompile failed ({type(error).__name__}: {error}); kernels compile on first launch", flush=True)
+            self.precompiled = f"failed: {type(error).__name__}"
+            return
+        verb = "recorded" if mode == "tiny" else "compiled"
+        self.precompiled = f"{len(done['records'])} specializations {verb}, {len(done['errors'])} failed"
 
     def correctness(self, args, mode: str, out: Path) -> None:
-        device, size = ("cpu", "tiny") if mode == "tiny" else ("cuda", "full")
-        precisions = tuple(cuda_checks.PRECISIONS) if mode == "full" else correctness.SHORT_PRECISIONS
-        skip = ("int64_offsets",) if mode == "quick" else ()
-        stand_in = "chunked" if mode == "tiny" else None
+        device, stand_in = ("cpu", "chunked") if mode == "tiny" else ("cuda", None)
+        size, precisions, skip = correctness.plan(mode)
         self.checks = correctness.run(device, size, precisions, args.correctness, skip, stand_in)
         correctness.write(self.checks, out)
         self.sections["correctness"] = correctness.summary_lines(self.checks)

@@ -165,12 +165,14 @@ def short_table(
     steps: list[dict],
     late_steps: list[dict],
     checks: list[dict],
+    precompiled: str = "",
 ) -> str:
-    """The table printed last: per step its seconds and its headline figure."""
+    """The table printed last: per step its seconds and its headline figure (``precompiled``: step 0's)."""
     value = report.values(stage + late_stage)
     step, late = report.values(steps), report.values(late_steps)
     failed = sum(not r["passed"] for r in checks)
     headline = {
+        "precompile": precompiled,
         "correctness": f"{len({(r['case'], r['backend'], r['precision']) for r in checks})} runs, {failed} failed",
         "loss_stage": _stage_headline(value),
         "multivector": _multivector_headline(value),
