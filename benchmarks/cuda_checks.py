@@ -267,8 +267,8 @@ def run_case(
         plain_dtype = PLAIN_DTYPE.get(precision, dtype)
         plain = _outputs(reference.forward(*inputs, spec, need_grad=True, compute_dtype=plain_dtype), spec)
     truth = _truth(case, inputs, spec)
-    return rule_rows(case.name if block_rows is None else f"{case.name} {block_rows}", backend, precision, got, truth,
-                     plain)  # fmt: skip
+    label = case.name if block_rows is None else f"{case.name} {block_rows}"
+    return rule_rows(label, backend, precision, got, truth, plain)
 
 
 def rule_rows(case: str, backend: str, precision: str, got: dict, truth: dict, plain: dict) -> list[dict]:

@@ -122,8 +122,8 @@ def test_maxsim_triton_is_deterministic():
     grads = []
     for _ in range(2):
         leaves = [queries.bfloat16().requires_grad_(), docs.bfloat16().requires_grad_()]
-        out = maxsim_infonce(*leaves, query_mask=query_mask, document_mask=document_mask, dims=list(case.dims),
-                             backend="triton")  # fmt: skip
+        masks = {"query_mask": query_mask, "document_mask": document_mask}
+        out = maxsim_infonce(*leaves, **masks, dims=list(case.dims), backend="triton")
         out.loss.backward()
         grads.append([out.loss.detach(), leaves[0].grad, leaves[1].grad])
     assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -131,23 +131,32 @@ def _late_stage_targets(value: dict) -> list[str]:
     the peak above the inputs <= the token gradients + 256 MiB at B >= 4096 (the worst case of both Triton
     contenders, both dtypes, every shape)."""
     one, four = (value.get((f"{name}_bf16", 512, "Ld128_pairs/seconds_median")) for name in ("triton", "triton4dims"))
-    over = [
-        v / (value[(f"inputs_{c.rsplit('_', 1)[1]}", b, m.replace("peak_bytes", "token_bytes"))] + 256 * 2**20)
-        for (c, b, m), v in value.items()
-        if c.startswith("triton") and b >= 4096 and m.endswith("/peak_bytes")
-        and (f"inputs_{c.rsplit('_', 1)[1]}", b, m.replace("peak_bytes", "token_bytes")) in value
-    ]  # fmt: skip
-    memory = max(over, default=None)
+
+    def share(contender: str, batch: int, metric: str, peak: float) -> float | None:
+        dtype_name = contender.rsplit("_", 1)[1]
+        tokens = value.get((f"inputs_{dtype_name}", batch, metric.replace("peak_bytes", "token_bytes")))
+        return None if tokens is None else peak / (tokens + 256 * 2**20)
+
+    peaks = [(key, v) for key, v in value.items() if key[0].startswith("triton") and key[1] >= 4096]
+    shares = [share(*key, v) for key, v in peaks if key[2].endswith("/peak_bytes")]
+    memory = max((s for s in shares if s is not None), default=None)
     dims_ratio = None if one is None or four is None else four / one
+    worst = "" if memory is None else f": {memory:.2f} of it at the worst case"
     return [
-        _verdict(one, (one or math.inf) <= 0.002, "multi-vector loss stage B = 512, Ld 128, bf16, one dim <= 2 ms"
-                 + _ms(one)),
-        _verdict(dims_ratio, (dims_ratio or math.inf) <= 1.5,
-                 "multi-vector loss stage B = 512, four dims <= 1.5x one dim" + _x(dims_ratio)),
-        _verdict(memory, (memory or math.inf) <= 1.0,
-                 "multi-vector loss stage peak above the inputs <= the token gradients + 256 MiB at B >= 4096"
-                 + ("" if memory is None else f": {memory:.2f} of it at the worst case")),
-    ]  # fmt: skip
+        _verdict(
+            one, (one or math.inf) <= 0.002, "multi-vector loss stage B = 512, Ld 128, bf16, one dim <= 2 ms" + _ms(one)
+        ),
+        _verdict(
+            dims_ratio,
+            (dims_ratio or math.inf) <= 1.5,
+            "multi-vector loss stage B = 512, four dims <= 1.5x one dim" + _x(dims_ratio),
+        ),
+        _verdict(
+            memory,
+            (memory or math.inf) <= 1.0,
+            "multi-vector loss stage peak above the inputs <= the token gradients + 256 MiB at B >= 4096" + worst,
+        ),
+    ]
 
 
 def _ms(seconds: float | None) -> str:
