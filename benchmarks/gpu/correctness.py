@@ -55,24 +55,15 @@ def runs(size: str, precisions, which: str = "short", skip=()) -> list[tuple]:
     maxsim = [c for c in maxsim_cuda_checks.maxsim_cases(size) if which == "full" or c.name in SHORT_MAXSIM]
     if which == "short":
         precisions = [p for p in precisions if p in SHORT_PRECISIONS]
-    out = [
-        (case, backend, precision, None)
-        for case in dense
-        for precision in case.precisions
-        if precision in precisions
-        for backend in ("triton", "chunked")
-    ]
+
+    def both_backends(chosen) -> list[tuple]:
+        return [(c, b, p, None) for c in chosen for p in c.precisions if p in precisions for b in ("triton", "chunked")]
+
+    blocks = []
     if which == "full":
-        blocks = cuda_checks.block_case(size)
-        out += [(blocks, "triton", p, count) for count in cuda_checks.BLOCK_ROWS[size] for p in blocks.precisions]
-    out += [
-        (case, backend, precision, None)
-        for case in maxsim
-        for precision in case.precisions
-        if precision in precisions
-        for backend in ("triton", "chunked")
-    ]
-    return out
+        case = cuda_checks.block_case(size)
+        blocks = [(case, "triton", p, count) for count in cuda_checks.BLOCK_ROWS[size] for p in case.precisions]
+    return both_backends(dense) + blocks + both_backends(maxsim)
 
 
 def run(device: str, size: str, precisions, which: str = "short", skip=(), stand_in: str | None = None) -> list[dict]:

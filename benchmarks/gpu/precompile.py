@@ -84,7 +84,7 @@ class Record:
 
 
 class _Driver:
-    """Triton's active driver while recording or compiling: device 0, stream 0, ``target``; nothing launches."""
+    """Triton's active driver while recording: device 0, stream 0, ``target``; nothing launches."""
 
     def __init__(self, target) -> None:
         self.target = target
@@ -208,11 +208,9 @@ def _compile(item: Record, target) -> str | None:
     return None
 
 
-def compile_all(records: list[Record], target, workers: int = 0) -> list[str]:
+def compile_all(records: list[Record], target, workers: int) -> list[str]:
     """Compile every record for ``target`` into Triton's cache (``TRITON_CACHE_DIR``, else Triton's default), in
-    ``workers`` fresh processes (0: in this one). Returns one line per record that failed."""
-    if not workers:
-        return [e for e in (_compile(item, target) for item in records) if e]
+    ``workers`` fresh processes. Returns one line per record that failed."""
     pool = _Pool(target, workers)
     for item in records:
         pool.submit(item)
