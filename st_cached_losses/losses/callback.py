@@ -111,8 +111,9 @@ class CachedLossCallback(TrainerCallback):
         Raises:
             TypeError: ``trainer.loss`` holds no loss of this package.
             ValueError: a CachedLossCallback is attached to ``trainer`` already (one that serves a bank is attached
-                again once the call it heard has run); with a memory bank, the installed transformers is outside the
-                range whose private Trainer names the bank's checkpoints use (:mod:`._transformers_compat`).
+                again once the call it heard has run); with a memory bank, the trainer lacks the private Trainer name
+                the bank's checkpoints use, or it gives another folder (:mod:`._transformers_compat`, which warns
+                once of a transformers outside the tested range).
         """
         attached = [callback for callback in trainer.callback_handler.callbacks if isinstance(callback, cls)]
         callback = attached[0] if attached else cls(trainer.loss)
