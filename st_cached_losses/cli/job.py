@@ -40,6 +40,7 @@ from ..ops import recorded_choices
 from .data import load_pairs, looks_like_path, warn_degenerate
 from .data import logger as data_logger
 from .evaluation import METRICS, build_evaluate, build_multi_vector_evaluate, evaluate_truncated
+from .hub import check_hub_reachable
 from .options import (
     MIN_DEFAULT_DIM,
     MIN_DEFAULT_TOKEN_DIM,
@@ -76,11 +77,14 @@ def load_model(spec: str, max_seq_length: int, flag: str = "--model", *, multi_v
     ``multi_vector``, a MultiVectorEncoder as ``MultiVectorEncoder(spec)`` builds it (:func:`_multi_vector_encoder`).
 
     Raises:
-        UsageError: a local path that does not exist, or a model that cannot be loaded.
+        UsageError: a local path that does not exist, a Hub id while the Hub cannot be reached
+            (:func:`~.hub.check_hub_reachable`), or a model that cannot be loaded.
     """
     local = Path(spec).expanduser()
     if not local.exists() and looks_like_path(spec):
         raise UsageError(f"{flag} {spec!r}: no such directory")
+    if not local.exists():
+        check_hub_reachable(flag, spec)
     from sentence_transformers import SentenceTransformer  # seconds: only once the cheap checks passed
 
     source = str(local) if local.exists() else spec
