@@ -56,7 +56,7 @@ from .precision import encoder_autocast_dtypes
 from .step import Encoded, LayerDraw, Step
 from .text_ids import text_ids
 
-__all__ = ["GradCacheSteps"]
+__all__ = ["GradCacheSteps", "nonfinite_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -325,17 +325,25 @@ def _check_every_column_used(cache: list[list[Tensor | None]], owner: str) -> No
         )
 
 
+def nonfinite_weights(model: nn.Module) -> str | None:
+    """The names of ``model``'s parameters holding NaN or Inf ("a, b, c and 4 more"), or None when all are finite.
+    One host synchronisation per parameter: for error paths and checks before any work."""
+    local = {name: getattr(weight, "to_local", lambda w=weight: w)() for name, weight in model.named_parameters()}
+    names = [name for name, weight in local.items() if not bool(torch.isfinite(weight.detach()).all())]
+    if not names:
+        return None
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _raise_for_nonfinite_weights(model: nn.Module, training_steps: int, error: ValueError) -> None:
     """Raises a ValueError naming the model's weights that hold NaN or Inf, from ``error``, when there are any: a
     non-finite embedding then comes from the weights, before any update of this loss (the model came so) or after
     ``training_steps`` of them (the run diverged). Checked only on the error path: no cost to a healthy step."""
-    local = {name: getattr(weight, "to_local", lambda w=weight: w)() for name, weight in model.named_parameters()}
-    names = [name for name, weight in local.items() if not bool(torch.isfinite(weight.detach()).all())]
-    if not names:
+    names = nonfinite_weights(model)
+    if names is None:
         return
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     if training_steps == 0:
         why = "before any update of this loss: the model came with them (load other weights)"
     else:
         why = f"after {training_steps} training steps of this loss: the run diverged (lower the learning rate)"
-    raise ValueError(f"The model's weights hold NaN or Inf ({shown}) {why}.") from error
+    raise ValueError(f"The model's weights hold NaN or Inf ({names}) {why}.") from error
