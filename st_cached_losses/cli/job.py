@@ -37,7 +37,6 @@ import platform
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..gradcache.steps import nonfinite_weights
 from ..ops import recorded_choices
 from .comparison import compare_stock
 from .data import load_pairs, looks_like_path, warn_degenerate
@@ -97,6 +96,8 @@ def load_model(spec: str, max_seq_length: int, flag: str = "--model", *, multi_v
         raise UsageError(f"{flag} {spec!r} cannot be loaded: {first_line(error)}") from error
     if model.get_embedding_dimension() is None:
         raise UsageError(f"{flag} {spec!r} does not report its embedding dimension")
+    from ..gradcache.steps import nonfinite_weights  # imports sentence-transformers: not at the CLI's import
+
     broken = nonfinite_weights(model)
     if broken is not None:
         raise UsageError(
