@@ -507,16 +507,18 @@ def test_malformed_dataset_is_one_line_in_a_fresh_process(tmp_path):
 
 @pytest.mark.slow
 def test_identical_pairs_warn_of_single_pair_batches_and_a_single_query(tiny_dir, tmp_path, capsys):
-    """8 copies of one pair: the no-duplicates sampler puts each alone in a batch (loss and gradient 0) and the
-    held-out split has one distinct query. The run goes on, with a warning for each."""
-    data = _jsonl(tmp_path, "same.jsonl", [ONE_PAIR] * 8)
+    """8 copies of each of two pairs: the split by anchor holds one pair's copies out, so the held-out split has one
+    distinct query, and the no-duplicates sampler puts each copy of the other alone in a batch (loss and gradient
+    0). The run goes on, with a warning for each."""
+    other = json.dumps({"anchor": "Return the cosine of x.", "positive": "math.cos(x, /)"})
+    data = _jsonl(tmp_path, "same.jsonl", [ONE_PAIR] * 8 + [other] * 8)
     assert train_cli(tiny_dir, tmp_path / "out", *data, "--max-steps", "1") == 0
     warnings = [
         line for line in capsys.readouterr().err.splitlines() if line.startswith(f"{command.PROG} train: warning")
     ]
     assert len(warnings) == 2, warnings
-    assert "6 of the 6 training batches of an epoch hold a single pair" in warnings[0]
-    assert "held-out split's 2 pair(s) have a single distinct anchor" in warnings[1]
+    assert "8 of the 8 training batches of an epoch hold a single pair" in warnings[0]
+    assert "held-out split's 8 pair(s) have a single distinct anchor" in warnings[1]
 
 
 @pytest.mark.oldest_st

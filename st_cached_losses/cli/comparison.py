@@ -10,7 +10,8 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .training import loss_names, make_loss, scratch_trainer, train_measured
+from . import training  # by module: the tests record the losses make_loss builds
+from .training import loss_names
 
 if TYPE_CHECKING:
     from .options import TrainOptions
@@ -43,9 +44,9 @@ def compare_stock(initial, dims: Sequence[int], train, options: TrainOptions, fi
     for name in COMPARE_ORDER[1:]:
         print(f"--compare-stock: training with {stock_name if name == 'stock' else 'ours'}", flush=True)
         model = copy.deepcopy(initial)
-        loss = make_loss(model, dims, options, stock=name == "stock", guide=guide)
-        with scratch_trainer(model, loss, train, options) as trainer:
-            runs[name].append(train_measured(trainer))
+        loss = training.make_loss(model, dims, options, stock=name == "stock", guide=guide)
+        with training.scratch_trainer(model, loss, train, options) as trainer:
+            runs[name].append(training.train_measured(trainer))
         del model, trainer
     mean = {name: statistics.fmean(run["train_seconds"] for run in rs) for name, rs in runs.items()}
     summary = f"{ours_name} is {compare_speed(mean['ours'], mean['stock'])}"
