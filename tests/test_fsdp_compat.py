@@ -18,7 +18,7 @@ from st_cached_losses.gradcache import _fsdp_compat
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(_fsdp_compat, "_warned", set())
+    monkeypatch.setattr(_fsdp_compat.RANGE, "warned", set())
 
 
 @pytest.mark.parametrize("version", ["2.11.0", "2.12.1", "2.14.0", "3.0.0", "2.10.0+cu128"])

@@ -51,7 +51,7 @@ def test_the_run_folder_is_the_trainers_checkpoint_folder(trainer, tmp_path):
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """The door's one-warning-per-process memory, empty for this test."""
-    monkeypatch.setattr(_transformers_compat, "_warned", set())
+    monkeypatch.setattr(_transformers_compat.RANGE, "warned", set())
 
 
 @pytest.mark.parametrize("version", ["5.17.0", "5.23.0", "5.24.0", "5.24.0.dev0", "5.20.1"])

@@ -24,15 +24,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from packaging.version import Version
 from torch import nn
+
+from .tested_range import TestedRange
 
 __all__ = ["TESTED", "FsdpSettings", "check_per_step", "reduce_in_next_backward", "restore", "saved_settings"]
 
 logger = logging.getLogger(__name__)
 
 TESTED = ">=2.13,<2.14"  # torch releases whose FSDP2 state layout below was checked (2.13.0 in CI)
-_LOWEST, _BELOW = Version("2.13"), Version("2.14")
+RANGE = TestedRange(TESTED)
 # The names read, each with the types its values may have (None: the name must exist, any value).
 STATE_NAMES = {"_auto_reshard_after_forward": (bool, type(None)), "_fsdp_param_groups": (list,)}
 GROUP_NAMES = {
@@ -41,7 +42,6 @@ GROUP_NAMES = {
     "reduce_grads": (bool,),
     "all_reduce_grads": (bool,),
 }
-_warned: set[str] = set()  # the torch releases outside TESTED already warned of in this process
 
 
 def check_per_step(torch_version: str | None = None) -> None:
@@ -56,14 +56,12 @@ def check_per_step(torch_version: str | None = None) -> None:
 
     if not callable(getattr(FSDPModule, "_get_fsdp_state", None)):
         _refuse(torch_version, "has no FSDPModule._get_fsdp_state")
-    if not _LOWEST <= Version(Version(torch_version).base_version) < _BELOW and torch_version not in _warned:
-        _warned.add(torch_version)
-        logger.warning(
-            "fsdp_sync='per_step' reads FSDP2's private state, checked with torch %s; the installed torch %s is "
-            "outside that range: each name it reads is checked at the first step.",
-            TESTED,
-            torch_version,
-        )
+    RANGE.warn_outside(
+        torch_version,
+        logger,
+        "fsdp_sync='per_step' reads FSDP2's private state, checked with torch {tested}; the installed torch {version} "
+        "is outside that range: each name it reads is checked at the first step.",
+    )
 
 
 def _refuse(torch_version: str, why: str) -> None:

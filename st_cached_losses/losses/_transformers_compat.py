@@ -21,7 +21,7 @@ import logging
 import os
 from typing import Any
 
-from packaging.version import Version
+from ..gradcache.tested_range import TestedRange
 
 __all__ = ["BORROWED", "TESTED", "check_trainer", "run_folder"]
 
@@ -30,9 +30,8 @@ logger = logging.getLogger(__name__)
 # transformers releases whose Trainer was checked: 5.24.0 (CI: what the README's install resolves), 5.23.0 and 5.17.0
 # (the GPU machine's).
 TESTED = ">=5.17,<5.25"
-_LOWEST, _BELOW = Version("5.17"), Version("5.25")
+RANGE = TestedRange(TESTED)
 BORROWED = ("_get_output_dir",)  # the private Trainer names used below
-_warned: set[str] = set()  # the releases outside TESTED already warned of in this process
 
 
 def check_trainer(trainer: Any, version: str | None = None) -> None:
@@ -50,16 +49,13 @@ def check_trainer(trainer: Any, version: str | None = None) -> None:
     folder, expected = run_folder(trainer, None), os.fspath(trainer.args.output_dir)
     if folder != expected:
         _refuse(version, f"gives {folder!r} for args.output_dir {expected!r}")
-    if not _LOWEST <= Version(Version(version).base_version) < _BELOW and version not in _warned:
-        _warned.add(version)
-        logger.warning(
-            "CachedLossCallback saves the memory bank beside the trainer's checkpoints through transformers' private "
-            "Trainer.%s, checked with transformers %s; the installed %s has it and it gives the checkpoints' folder, "
-            "so it is used.",
-            ", Trainer.".join(BORROWED),
-            TESTED,
-            version,
-        )
+    RANGE.warn_outside(
+        version,
+        logger,
+        "CachedLossCallback saves the memory bank beside the trainer's checkpoints through transformers' private "
+        f"Trainer.{', Trainer.'.join(BORROWED)}, checked with transformers {{tested}}; the installed {{version}} has "
+        "it and it gives the checkpoints' folder, so it is used.",
+    )
 
 
 def _refuse(version: str, why: str) -> None:
