@@ -38,8 +38,8 @@ __all__ = [
 
 # --multi-vector's InfoNCE scale (1 / temperature) on MaxSim scores of unit token vectors: see _base_loss.
 MULTI_VECTOR_SCALE = 3.0
-# Mini-batches per column from which a step on a CPU shows its progress (the 2-core CPU embeds about one mini-batch of
-# 32 MiniLM rows per 0.3 s: the default step, 32 mini-batches per column, took 44 s with no line of output).
+# Mini-batches per column from which a step on a CPU shows its progress: the default step (32 mini-batches per column)
+# runs for tens of seconds to minutes on a 2-core CPU, which said nothing meanwhile.
 PROGRESS_MINI_BATCHES = 8
 
 
