@@ -108,7 +108,7 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         # Leading padding is trimmed only where it moves no token's position (minibatches.without_leading_padding).
         inner = unwrapped(model)
         self.trims_leading_padding = isinstance(inner, nn.Module) and positions_are_relative(inner)
-        self.training_steps = 0  # training forwards run to the end of step (2)
+        self.training_steps = 0  # training forwards run to the end of step (2): a report, as masked_share
         self.warned_labels = False
 
     def run_steps(
@@ -345,5 +345,6 @@ def _raise_for_nonfinite_weights(model: nn.Module, training_steps: int, error: V
     if training_steps == 0:
         why = "before any update of this loss: the model came with them (load other weights)"
     else:
-        why = f"after {training_steps} training steps of this loss: the run diverged (lower the learning rate)"
+        steps = f"{training_steps} training step{'s' if training_steps > 1 else ''}"
+        why = f"after {steps} of this loss: the run diverged (lower the learning rate)"
     raise ValueError(f"The model's weights hold NaN or Inf ({names}) {why}.") from error
