@@ -52,10 +52,11 @@ def _texts(rows: int, seed: int, max_words: int = 12) -> list[str]:
 
 def _lora(build, targets, dropout):
     import torch
-    from peft import LoraConfig
+    from peft import LoraConfig, inject_adapter_in_model
 
     model = build(seed=0)
-    model.add_adapter(LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets))
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets)
+    inject_adapter_in_model(config, model.transformers_model)  # any transformers (add_adapter: see README)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_B" in name:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
-from st_cached_losses.cli import command, data, job, memory, run_dir, training
+from st_cached_losses.cli import command, comparison, data, job, memory, run_dir, training
 from st_cached_losses.cli.command import main
 from st_cached_losses.cli.data import load_pairs
 from st_cached_losses.cli.evaluation import build_evaluate
@@ -334,11 +334,11 @@ BAD_INPUTS = {
     "empty dataset file": (lambda tmp: _jsonl(tmp, "empty.jsonl", []), "empty.jsonl' is an empty file"),
     "one-row dataset": (
         lambda tmp: _jsonl(tmp, "one.jsonl", [ONE_PAIR]),
-        "has 1 row(s) with text; splitting it into training and held-out pairs needs at least 2",
+        "has 1 distinct anchor(s) in 1 row(s) with text; splitting it into training and held-out pairs by anchor",
     ),
     "no row with text": (
         lambda tmp: _jsonl(tmp, "blank.jsonl", ['{"anchor": "a", "positive": ""}'] * 3),
-        "has 0 row(s) with text",
+        "has 0 distinct anchor(s) in 0 row(s) with text",
     ),
     "malformed dataset file": (lambda tmp: _jsonl(tmp, "bad.jsonl", ["not json"]), "JSON parse error"),
     "dims larger than model": (
@@ -507,16 +507,18 @@ def test_malformed_dataset_is_one_line_in_a_fresh_process(tmp_path):
 
 @pytest.mark.slow
 def test_identical_pairs_warn_of_single_pair_batches_and_a_single_query(tiny_dir, tmp_path, capsys):
-    """8 copies of one pair: the no-duplicates sampler puts each alone in a batch (loss and gradient 0) and the
-    held-out split has one distinct query. The run goes on, with a warning for each."""
-    data = _jsonl(tmp_path, "same.jsonl", [ONE_PAIR] * 8)
+    """8 copies of each of two pairs: the split by anchor holds one pair's copies out, so the held-out split has one
+    distinct query, and the no-duplicates sampler puts each copy of the other alone in a batch (loss and gradient
+    0). The run goes on, with a warning for each."""
+    other = json.dumps({"anchor": "Return the cosine of x.", "positive": "math.cos(x, /)"})
+    data = _jsonl(tmp_path, "same.jsonl", [ONE_PAIR] * 8 + [other] * 8)
     assert train_cli(tiny_dir, tmp_path / "out", *data, "--max-steps", "1") == 0
     warnings = [
         line for line in capsys.readouterr().err.splitlines() if line.startswith(f"{command.PROG} train: warning")
     ]
     assert len(warnings) == 2, warnings
-    assert "6 of the 6 training batches of an epoch hold a single pair" in warnings[0]
-    assert "held-out split's 2 pair(s) have a single distinct anchor" in warnings[1]
+    assert "8 of the 8 training batches of an epoch hold a single pair" in warnings[0]
+    assert "held-out split's 8 pair(s) have a single distinct anchor" in warnings[1]
 
 
 @pytest.mark.oldest_st
@@ -609,9 +611,9 @@ def _fake_training(monkeypatch, seconds: dict[str, float], peaks_mib: list[int],
 
     trained = []
 
-    def train_once(model, loss, train, args):
-        trained.append("ours" if isinstance(loss, CachedMatryoshkaLoss) else "stock")
-        return seconds[trained[-1]], 2
+    def train_once(trainer):
+        trained.append("ours" if isinstance(trainer.loss, CachedMatryoshkaLoss) else "stock")
+        return seconds[trained[-1]], 2, [1.5, 1.25]
 
     peaks = iter(peaks_mib)
 
@@ -645,8 +647,13 @@ def test_compare_stock_alternates_and_says_faster_or_slower(
     assert comparison["stock"] == {
         "train_seconds": [stock_seconds] * 2,
         "peak_memory_bytes": [220 * 2**20, 180 * 2**20],
+        "losses": [[1.5, 1.25]] * 2,
     }
-    assert comparison["ours"] == {"train_seconds": [ours_seconds] * 2, "peak_memory_bytes": [100 * 2**20] * 2}
+    assert comparison["ours"] == {
+        "train_seconds": [ours_seconds] * 2,
+        "peak_memory_bytes": [100 * 2**20] * 2,
+        "losses": [[1.5, 1.25]] * 2,
+    }
     assert comparison["time_ratio"] == stock_seconds / ours_seconds and comparison["memory_ratio"] == 0.5
     assert wording in comparison["summary"]
 
@@ -664,9 +671,9 @@ def test_compare_stock_without_a_per_run_memory_measure(tiny_dir, tmp_path, monk
 
 
 def test_compare_speed_wording():
-    assert training.compare_speed(2.0, 2.0) == "as fast as stock"
-    assert training.compare_speed(2.0, 1.9) == "1.05x slower than stock"  # was "0.95x faster"
-    assert training.compare_speed(1.9, 2.0) == "1.05x faster than stock"
+    assert comparison.compare_speed(2.0, 2.0) == "as fast as stock"
+    assert comparison.compare_speed(2.0, 1.9) == "1.05x slower than stock"  # was "0.95x faster"
+    assert comparison.compare_speed(1.9, 2.0) == "1.05x faster than stock"
 
 
 def test_default_model_without_the_cli_extra_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):

@@ -62,10 +62,11 @@ def _model(kind: str):
         return tiny_decoder_sentence_transformer()
     model = tiny_sentence_transformer()
     if kind == "lora":
-        from peft import LoraConfig
+        from peft import LoraConfig, inject_adapter_in_model
 
         torch.manual_seed(1)
-        model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], init_lora_weights=False))
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], init_lora_weights=False)
+        inject_adapter_in_model(config, model.transformers_model)  # any transformers (add_adapter: see README)
     return model
 
 

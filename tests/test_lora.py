@@ -1,5 +1,6 @@
-"""CachedMatryoshkaLoss on LoRA adapters (``model.add_adapter(LoraConfig(...))``, sentence-transformers' PEFT
-integration) of a tiny BERT and a tiny decoder (left padding, last-token pooling), against stock
+"""CachedMatryoshkaLoss on LoRA adapters (peft's ``inject_adapter_in_model(LoraConfig(...), model.transformers_model)``,
+which works with every transformers release; ``model.add_adapter`` is the same adapter, but transformers 5.24 asks
+peft >= 0.22 for it) of a tiny BERT and a tiny decoder (left padding, last-token pooling), against stock
 ``MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model))``: the loss and every trainable (adapter) gradient,
 with an activation budget that keeps some mini-batches, and with ``lora_dropout`` (replayed in step (3), and kept in
 the graphs a budget keeps); a trainer run."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from peft import LoraConfig
+from peft import LoraConfig, inject_adapter_in_model
 from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss, MatryoshkaLoss
 
@@ -36,7 +37,8 @@ def lora_model(name: str, lora_dropout: float = 0.0, seed: int = 0):
     adapter weight gets a gradient), in training mode (LoRA dropout on)."""
     build, targets = MODELS[name]
     model = build(seed=seed)
-    model.add_adapter(LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout, target_modules=targets))
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout, target_modules=targets)
+    inject_adapter_in_model(config, model.transformers_model)
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
             if "lora_B" in parameter_name:

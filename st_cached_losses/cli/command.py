@@ -20,6 +20,9 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
+import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from ..ops import backends
 from .job import run
 from .options import (
@@ -36,7 +39,7 @@ from .options import (
 from .training import MULTI_VECTOR_SCALE
 from .usage import PROG, UsageError
 
-__all__ = ["EXIT_USAGE", "ArgumentParser", "UsageError", "build_parser", "main", "number"]
+__all__ = ["EXIT_USAGE", "ArgumentParser", "TqdmHandler", "UsageError", "build_parser", "main", "number"]
 
 EXIT_USAGE = 2  # the exit code of argparse's own usage errors
 
@@ -273,6 +276,21 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         "that loss does not take (--false-negative-margin, a memory bank, ...) are refused with its reason "
         "(default: off)",
     )
+    sorting = p.add_mutually_exclusive_group()
+    sorting.add_argument(
+        "--sort-by-length",
+        dest="sort_by_length",
+        action="store_true",
+        default=True,
+        help="group rows of similar length into the same mini-batch, so each pads only to its own longest row; it "
+        "changes which rows share a dropout draw, so a step's loss differs from stock's by that draw (default: on)",
+    )
+    sorting.add_argument(
+        "--no-sort-by-length",
+        dest="sort_by_length",
+        action="store_false",
+        help="cut mini-batches in the batch's order, as stock does: the same dropout draws, stock's loss",
+    )
     p.add_argument(
         "--max-train-samples",
         type=POSITIVE_INT,
@@ -317,19 +335,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
 
 
+class TqdmHandler(logging.StreamHandler):
+    """A stream handler that writes each record through ``tqdm.write``: an open progress bar is cleared first and
+    drawn again below the line, so that no log line lands inside a bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
 @contextlib.contextmanager
 def _info_logs() -> Iterator[None]:
     """Show st_cached_losses' INFO logs on stderr while the command runs (e.g. which loss-stage backend and tile
-    the op chose). Set here, not at import, so that a library user's logging setup is theirs; undone on exit so
-    that calls of :func:`main` in one process (the tests) do not stack handlers."""
+    the op chose), and transformers' and sentence-transformers' own log lines, each through ``tqdm.write`` (never
+    inside a progress bar). Set here, not at import, so that a library user's logging setup is theirs; undone on exit
+    so that calls of :func:`main` in one process (the tests) do not stack handlers."""
     logger = logging.getLogger("st_cached_losses")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = TqdmHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+    others = [logging.getLogger(name) for name in ("transformers", "sentence_transformers")]
     try:
-        yield
+        with logging_redirect_tqdm(loggers=others):
+            yield
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -1,22 +1,24 @@
-"""The main job's training data: a local file, a Hub dataset or the built-in one (:mod:`.stdlib_data`).
+"""The main job's training data: a local file or directory, a Hub dataset or the built-in one (:mod:`.stdlib_data`).
 
 :func:`load_pairs` gives the train and held-out ``datasets.Dataset`` s with only the columns ``anchor``,
-``positive`` and ``negative*`` (:func:`pair_columns`); a source without a held-out split is split with the seed
-(:func:`split_held_out`). Bad data raises :class:`~st_cached_losses.cli.usage.UsageError`; rows without text are
-dropped with one logged warning per source or split (:func:`_with_text`); :func:`warn_degenerate` warns of data that
-trains or evaluates poorly.
+``positive`` and ``negative*`` (:func:`pair_columns`); a source without a held-out split is split by anchor text with
+the seed (:func:`split_held_out`). Bad data raises :class:`~st_cached_losses.cli.usage.UsageError`; rows without text
+are dropped with one logged warning per source or split (:func:`_with_text`), and a label column the loss does not read
+is named in one (:func:`_ignored_labels`); :func:`warn_degenerate` warns of data that trains or evaluates poorly.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 import datasets
 
+from .hub import check_hub_reachable
 from .stdlib_data import load_stdlib_dataset
 from .usage import UsageError, first_line, warn
 
@@ -26,8 +28,10 @@ __all__ = ["load_pairs", "looks_like_path", "pair_columns", "single_pair_batches
 
 STDLIB_DATASETS = ("stdlib", "stdlib-dups")  # the built-in data; -dups keeps shared docstrings (stdlib_data.py)
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-HELD_OUT_FRACTION = 0.2  # of a dataset that comes without a held-out split
-MIN_ROWS_TO_SPLIT = 2  # one training and one held-out pair
+HELD_OUT_FRACTION = 0.2  # of the distinct anchors of a dataset that comes without a held-out split
+MIN_ANCHORS_TO_SPLIT = 2  # one training and one held-out anchor
+# The columns sentence-transformers' data collator hands a loss as its labels.
+LABEL_COLUMNS = ("label", "labels", "score", "scores")
 
 
 def looks_like_path(spec: str) -> bool:
@@ -68,18 +72,48 @@ def _read_dataset(spec: str):
     if spec in STDLIB_DATASETS:
         splits = load_stdlib_dataset(keep_duplicates=spec == "stdlib-dups")
         return splits["train"], splits["test"]
+    if Path(spec).expanduser().is_dir():
+        return _read_directory(spec)
     suffix = Path(spec).suffix.lower()
     if suffix in DATA_SUFFIXES or looks_like_path(spec):
         return _read_file(spec, suffix), None
+    check_hub_reachable("--dataset", spec)
     name, _, subset = spec.partition(":")  # "owner/name:subset", e.g. sentence-transformers/all-nli:triplet
     try:
         splits = datasets.load_dataset(name, subset or None)
     except Exception as error:
         raise UsageError(f"--dataset {spec!r} cannot be loaded: {first_line(error)}") from error
+    return _train_and_held_out(splits, spec)
+
+
+def _train_and_held_out(splits, spec: str):
+    """(train, held-out or None) of a ``DatasetDict``: its 'train' split and its 'test', 'validation' or 'dev' one."""
     if "train" not in splits:
         raise UsageError(f"--dataset {spec!r} has no 'train' split (splits: {list(splits)})")
     held_out = next((name for name in ("test", "validation", "dev") if name in splits), None)
     return splits["train"], None if held_out is None else splits[held_out]
+
+
+def _read_directory(spec: str):
+    """(train, held-out or None) of a local directory: a dataset saved by ``save_to_disk`` (a ``Dataset``: no held-out
+    split; a ``DatasetDict``: its splits), else the data files in it, as ``datasets.load_dataset(directory)`` reads
+    them.
+
+    Raises:
+        UsageError: the directory holds neither.
+    """
+    path = Path(spec).expanduser()
+    try:
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+            loaded = datasets.load_from_disk(str(path))
+        else:
+            loaded = datasets.load_dataset(str(path))
+    except Exception as error:
+        raise UsageError(
+            f"--dataset {spec!r} is a directory that holds no dataset datasets can read ({first_line(error)}); pass "
+            f"a {'/'.join(DATA_SUFFIXES)} file, or a directory written by save_to_disk or holding such files"
+        ) from error
+    return (loaded, None) if isinstance(loaded, datasets.Dataset) else _train_and_held_out(loaded, spec)
 
 
 def _read_file(spec: str, suffix: str):
@@ -123,34 +157,57 @@ def _missing_text(data, columns: list[str]) -> str:
 
 
 def split_held_out(data, spec: str, seed: int):
-    """Split a dataset without a held-out split: a seeded random :data:`HELD_OUT_FRACTION` of its rows.
+    """Split a dataset without a held-out split by anchor text: a seeded random :data:`HELD_OUT_FRACTION` of its
+    distinct anchors (at least one, and one left for training), with every row of each, so that no held-out query is
+    also a training anchor (a file with repeated pairs would otherwise measure the metrics partly on training data).
+    Logs the counts.
 
     Raises:
-        UsageError: fewer than :data:`MIN_ROWS_TO_SPLIT` rows (each split needs one).
+        UsageError: fewer than :data:`MIN_ANCHORS_TO_SPLIT` distinct anchors (each split needs one).
     """
-    if len(data) < MIN_ROWS_TO_SPLIT:
+    anchors = list(dict.fromkeys(data["anchor"]))  # distinct, in first-seen order: the permutation alone is seeded
+    if len(anchors) < MIN_ANCHORS_TO_SPLIT:
         raise UsageError(
-            f"--dataset {spec!r} has {len(data)} row(s) with text; splitting it into training and "
-            f"held-out pairs needs at least {MIN_ROWS_TO_SPLIT}"
+            f"--dataset {spec!r} has {len(anchors)} distinct anchor(s) in {len(data)} row(s) with text; splitting it "
+            f"into training and held-out pairs by anchor needs at least {MIN_ANCHORS_TO_SPLIT}"
         )
-    split = data.train_test_split(test_size=HELD_OUT_FRACTION, seed=seed)
-    return split["train"], split["test"]
+    count = min(max(1, round(HELD_OUT_FRACTION * len(anchors))), len(anchors) - 1)
+    order = random.Random(seed).sample(range(len(anchors)), len(anchors))
+    held_out = {anchors[i] for i in order[:count]}
+    rows = [row for row, anchor in enumerate(data["anchor"]) if anchor in held_out]
+    chosen = set(rows)
+    train = data.select([row for row in range(len(data)) if row not in chosen])
+    test = data.select(rows)
+    logger.info(
+        "--dataset %r has no held-out split: held out %d of its %d distinct anchors (%d of %d rows; every row of an "
+        "anchor on one side); training on the other %d rows",
+        spec,
+        count,
+        len(anchors),
+        len(test),
+        len(data),
+        len(train),
+    )
+    return train, test
 
 
 def load_pairs(spec: str, seed: int, max_train: int | None = None, max_eval: int | None = None):
     """Train and held-out ``datasets.Dataset`` s with only the columns [anchor, positive, negative*].
 
     ``spec`` is "stdlib" (the built-in dataset; "stdlib-dups" with its duplicate docstrings), a local
-    .jsonl/.json/.csv/.parquet file or a Hub dataset id (ID or ID:SUBSET). Rows with an empty or missing text are
-    dropped, with a warning that counts them (:func:`_with_text`); a source without a held-out split is split
-    (:func:`split_held_out`); ``max_train`` / ``max_eval`` keep a seeded random subset.
+    .jsonl/.json/.csv/.parquet file, a local directory (:func:`_read_directory`) or a Hub dataset id (ID or
+    ID:SUBSET; refused at once when the Hub cannot be reached, :func:`~.hub.check_hub_reachable`). Rows with an
+    empty or missing text are dropped, with a warning that counts them (:func:`_with_text`); a source without a
+    held-out split is split by anchor (:func:`split_held_out`); ``max_train`` / ``max_eval`` keep a seeded random
+    subset.
 
     Raises:
-        UsageError: an unknown, empty or unreadable file or dataset, missing columns, an empty split, or too few
-            rows to split.
+        UsageError: an unknown, empty or unreadable file, directory or dataset, an unreachable Hub, missing columns,
+            an empty split, or too few distinct anchors to split.
     """
     train, test = _read_dataset(spec)
-    columns = pair_columns(train.column_names, spec)
+    train_columns = train.column_names
+    columns = pair_columns(train_columns, spec)
     if test is None:
         train, dropped = _with_text(train, columns, spec)
         drops = [dropped]
@@ -169,9 +226,22 @@ def load_pairs(spec: str, seed: int, max_train: int | None = None, max_eval: int
         if len(data) == 0:
             raise UsageError(f"--dataset {spec!r}: the {name} split has no rows with text in {columns}")
         out.append(data)
-    for dropped in filter(None, drops):  # only now: bad input stays one line (the UsageError's)
+    for dropped in filter(None, [*drops, _ignored_labels(train_columns, spec)]):  # only now: bad input stays one line
         logger.warning(dropped)
     return out[0], out[1]
+
+
+def _ignored_labels(column_names: Sequence[str], spec: str) -> str | None:
+    """The warning for a label column of :data:`LABEL_COLUMNS` in the data, which the in-batch-negatives loss never
+    reads (stock's CachedMultipleNegativesRankingLoss does not either), or None."""
+    labels = [column for column in LABEL_COLUMNS if column in column_names]
+    if not labels:
+        return None
+    return (
+        f"--dataset {spec!r} has a {' and a '.join(map(repr, labels))} column, which the in-batch-negatives loss does "
+        "not read: every (anchor, positive) row is trained as a positive pair, a row labelled negative too; keep "
+        "only the positive rows, or give negatives their own 'negative' column"
+    )
 
 
 def single_pair_batches(train, batch_size: int, seed: int) -> tuple[int, int]:

@@ -1,6 +1,10 @@
 """The main job's retrieval evaluation: NDCG@10, MRR@10 and Recall@10 on the held-out pairs at every Matryoshka
 dim, with one encoding of the queries and corpus shared by all dims; with --layers, of the model truncated to its
-first layers too; with --multi-vector, MaxSim retrieval at every token dim (:func:`build_multi_vector_evaluate`)."""
+first layers too; with --multi-vector, MaxSim retrieval at every token dim (:func:`build_multi_vector_evaluate`).
+
+Each call names its evaluators by the stage it is given (:data:`BEFORE`, :data:`AFTER`): the saved model card then
+shows one retrieval table whose columns are labelled before and after training (sentence-transformers groups the
+results of evaluators of one kind by name), not two unlabelled tables."""
 
 from __future__ import annotations
 
@@ -11,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["METRICS", "build_evaluate", "build_multi_vector_evaluate", "evaluate_truncated"]
+__all__ = ["AFTER", "BEFORE", "METRICS", "build_evaluate", "build_multi_vector_evaluate", "evaluate_truncated"]
 
 METRICS = ("ndcg@10", "mrr@10", "recall@10")
+BEFORE, AFTER = "before_training", "after_training"  # the stages' names: the card's column labels
 
 
 # Both kinds of evaluator (dense and MaxSim retrieval) report the same metrics at 10, in batches of 64, no CSV.
@@ -28,9 +33,10 @@ _EVALUATOR_SETTINGS = dict(
 )
 
 
-def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[str, float]]]:
-    """An ``evaluate(model) -> {"<dim>": {"ndcg@10", "mrr@10", "recall@10"}}`` over the held-out pairs ``test``
-    (a ``datasets.Dataset`` with the columns anchor, positive and optionally negatives).
+def build_evaluate(test, dims: Sequence[int]) -> Callable[..., dict[str, dict[str, float]]]:
+    """An ``evaluate(model, stage="") -> {"<dim>": {"ndcg@10", "mrr@10", "recall@10"}}`` over the held-out pairs
+    ``test`` (a ``datasets.Dataset`` with the columns anchor, positive and optionally negatives); ``stage`` names the
+    evaluator (the model card's label of its results).
 
     Queries are the unique anchors; the corpus is every unique positive and negative text; an anchor's
     relevant documents are its positives. One ``InformationRetrievalEvaluator`` per call encodes the queries and the
@@ -43,19 +49,20 @@ def build_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[
 
     task = _retrieval_task(test)
 
-    def evaluate(model) -> dict[str, dict[str, float]]:
+    def evaluate(model, stage: str = "") -> dict[str, dict[str, float]]:
         scores = {dim: functools.partial(_prefix_scores, similarity=model.similarity, dim=dim) for dim in dims}
-        return _evaluate_dims(InformationRetrievalEvaluator, model, task, scores)
+        return _evaluate_dims(InformationRetrievalEvaluator, model, task, scores, stage)
 
     evaluate.num_queries, evaluate.num_corpus = len(task[0]), len(task[1])
     return evaluate
 
 
-def build_multi_vector_evaluate(test, dims: Sequence[int]) -> Callable[[Any], dict[str, dict[str, float]]]:
-    """:func:`build_evaluate` for a MultiVectorEncoder: ``evaluate(model) -> {"<token dim>": {"ndcg@10", "mrr@10",
-    "recall@10"}}``, the retrieval task of the same held-out pairs scored by MaxSim, with sentence-transformers'
-    ``MultiVectorInformationRetrievalEvaluator`` (its scoring: the model's ``similarity_fn_name``, "maxsim") run on
-    ``truncate_token_dim(model, dim)`` for each dim: what a model cut to that dim serves.
+def build_multi_vector_evaluate(test, dims: Sequence[int]) -> Callable[..., dict[str, dict[str, float]]]:
+    """:func:`build_evaluate` for a MultiVectorEncoder: ``evaluate(model, stage="") -> {"<token dim>": {"ndcg@10",
+    "mrr@10", "recall@10"}}``, the retrieval task of the same held-out pairs scored by MaxSim, with
+    sentence-transformers' ``MultiVectorInformationRetrievalEvaluator`` (its scoring: the model's
+    ``similarity_fn_name``, "maxsim") run on ``truncate_token_dim(model, dim)`` for each dim: what a model cut to that
+    dim serves.
 
     One encoding per call is shared by all dims: the full model encodes the queries and corpus once, and each dim's
     token vectors are the cut model's own appended modules (truncate_token_dim's ``Dense`` and ``Normalize``, both
@@ -66,14 +73,14 @@ def build_multi_vector_evaluate(test, dims: Sequence[int]) -> Callable[[Any], di
 
     queries, corpus, relevant = _retrieval_task(test)
 
-    def evaluate(model) -> dict[str, dict[str, float]]:
+    def evaluate(model, stage: str = "") -> dict[str, dict[str, float]]:
         shared: dict[tuple, Any] = {}  # a fresh encoding per call: the model changes between calls
         results = {}
         for dim in dims:
             served = truncate_token_dim(model, dim)
-            evaluator = _multi_vector_evaluator(queries, corpus, relevant, dim, model, shared)
+            evaluator = _multi_vector_evaluator(queries, corpus, relevant, _named(stage, f"dim_{dim}"), model, shared)
             scores = evaluator(served)
-            prefix = f"dim_{dim}_{served.similarity_fn_name}_"
+            prefix = f"{evaluator.name}_{served.similarity_fn_name}_"
             results[str(dim)] = {metric: float(scores[prefix + metric]) for metric in METRICS}
         return results
 
@@ -81,8 +88,11 @@ def build_multi_vector_evaluate(test, dims: Sequence[int]) -> Callable[[Any], di
     return evaluate
 
 
-def evaluate_truncated(evaluate, model, layers: Sequence[int] | None) -> dict[str, dict[str, dict[str, float]]]:
-    """``{"<n>": evaluate(model truncated to its first n layers)}`` for each n of ``layers`` (--layers), else {}."""
+def evaluate_truncated(
+    evaluate, model, layers: Sequence[int] | None, stage: str = ""
+) -> dict[str, dict[str, dict[str, float]]]:
+    """``{"<n>": evaluate(model truncated to its first n layers)}`` for each n of ``layers`` (--layers), else {}; each
+    named ``<stage>_layers_<n>``."""
     if not layers:
         return {}
     from ..truncation import truncate_layers
@@ -90,7 +100,7 @@ def evaluate_truncated(evaluate, model, layers: Sequence[int] | None) -> dict[st
     results = {}
     for n in layers:
         print(f"evaluating the model truncated to {n} layers", flush=True)
-        results[str(n)] = evaluate(truncate_layers(model, n))
+        results[str(n)] = evaluate(truncate_layers(model, n), _named(stage, f"layers_{n}"))
     return results
 
 
@@ -110,17 +120,27 @@ def _retrieval_task(test) -> tuple[dict[str, str], dict[str, str], dict[str, set
     return queries, corpus, relevant
 
 
-def _evaluate_dims(evaluator_class, model, task, scores: dict[int, Callable]) -> dict[str, dict[str, float]]:
-    """``evaluator_class`` (a stock retrieval evaluator) on ``task`` = (queries, corpus, relevant) with the score
-    function ``scores[dim]`` of each dim, named ``dim_<dim>``: one encoding of the queries and corpus for all dims."""
+def _named(*parts: str) -> str:
+    """An evaluator's name: the non-empty ``parts`` joined by "_"."""
+    return "_".join(part for part in parts if part)
+
+
+def _evaluate_dims(
+    evaluator_class, model, task, scores: dict[int, Callable], name: str = ""
+) -> dict[str, dict[str, float]]:
+    """``evaluator_class`` (a stock retrieval evaluator, named ``name``) on ``task`` = (queries, corpus, relevant)
+    with the score function ``scores[dim]`` of each dim, named ``dim_<dim>``: one encoding of the queries and corpus
+    for all dims."""
     evaluator = evaluator_class(
         *task,
         score_functions={f"dim_{dim}": score for dim, score in scores.items()},
         **_EVALUATOR_SETTINGS,
+        name=name,
         show_progress_bar=True,  # two bars per call: the queries, the corpus
     )
     metrics = evaluator(model)
-    return {str(dim): {metric: float(metrics[f"dim_{dim}_{metric}"]) for metric in METRICS} for dim in scores}
+    key = _named(name, "dim_{dim}_{metric}")
+    return {str(dim): {m: float(metrics[key.format(dim=dim, metric=m)]) for m in METRICS} for dim in scores}
 
 
 def _prefix_scores(queries: Tensor, documents: Tensor, similarity: Callable, dim: int) -> Tensor:
@@ -128,8 +148,8 @@ def _prefix_scores(queries: Tensor, documents: Tensor, similarity: Callable, dim
     return similarity(queries[..., :dim], documents[..., :dim])
 
 
-def _multi_vector_evaluator(queries, corpus, relevant, dim: int, full_model, shared: dict[tuple, Any]):
-    """A ``MultiVectorInformationRetrievalEvaluator`` named ``dim_<dim>`` for ``truncate_token_dim(full_model, dim)``
+def _multi_vector_evaluator(queries, corpus, relevant, name: str, full_model, shared: dict[tuple, Any]):
+    """A ``MultiVectorInformationRetrievalEvaluator`` named ``name`` for ``truncate_token_dim(full_model, dim)``
     that takes the full model's token vectors from ``shared`` (encoding them there once) and applies the cut model's
     appended modules to them."""
     import torch
@@ -150,7 +170,7 @@ def _multi_vector_evaluator(queries, corpus, relevant, dim: int, full_model, sha
         queries,
         corpus,
         relevant,
-        name=f"dim_{dim}",
+        name=name,
         **_EVALUATOR_SETTINGS,
         show_progress_bar=True,  # only the first dim encodes (the rest reuse it): two bars per call
     )

@@ -20,10 +20,11 @@ by :func:`~st_cached_losses.truncate_token_dim`; results.json keys its metrics b
     print(results["after"]["16"]["ndcg@10"], results["multi_vector"]["scale"])
 
 The steps, in order: :func:`prepare` (every check of :mod:`.options` before anything is written or trained; bad
-input raises :class:`~st_cached_losses.cli.usage.UsageError`, whose messages name the options by their flags),
-evaluate before, train (:mod:`.training`), evaluate after (:mod:`.evaluation`), write the run (:mod:`.run_dir`),
-print the table. The data is :mod:`.data`'s; the command line (:mod:`.command`) only parses argv into
-:class:`TrainOptions` and calls :func:`run`.
+input raises :class:`~st_cached_losses.cli.usage.UsageError`, whose messages name the options by their flags), the
+trainer (its callback's refusal too is a usage error), evaluate before, train (:mod:`.training`), evaluate after
+(:mod:`.evaluation`), compare with stock (:mod:`.comparison`), write the run (:mod:`.run_dir`), print the table.
+The data is :mod:`.data`'s; the command line (:mod:`.command`) only parses argv into :class:`TrainOptions` and calls
+:func:`run`.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..ops import recorded_choices
+from .comparison import compare_stock
 from .data import load_pairs, looks_like_path, warn_degenerate
 from .data import logger as data_logger
-from .evaluation import METRICS, build_evaluate, build_multi_vector_evaluate, evaluate_truncated
+from .evaluation import AFTER, BEFORE, METRICS, build_evaluate, build_multi_vector_evaluate, evaluate_truncated
+from .hub import check_hub_reachable
 from .options import (
     MIN_DEFAULT_DIM,
     MIN_DEFAULT_TOKEN_DIM,
@@ -55,12 +58,12 @@ from .options import (
 from .run_dir import check_output_dir, write_run
 from .training import (
     activation_summary,
-    compare_stock,
     format_activation,
     loss_names,
     make_loss,
     memory_summary,
     multi_vector_summary,
+    scratch_trainer,
     train_measured,
 )
 from .usage import UsageError, first_line, quiet_loading
@@ -76,11 +79,14 @@ def load_model(spec: str, max_seq_length: int, flag: str = "--model", *, multi_v
     ``multi_vector``, a MultiVectorEncoder as ``MultiVectorEncoder(spec)`` builds it (:func:`_multi_vector_encoder`).
 
     Raises:
-        UsageError: a local path that does not exist, or a model that cannot be loaded.
+        UsageError: a local path that does not exist, a Hub id while the Hub cannot be reached
+            (:func:`~.hub.check_hub_reachable`), a model that cannot be loaded, or one whose weights hold NaN or Inf.
     """
     local = Path(spec).expanduser()
     if not local.exists() and looks_like_path(spec):
         raise UsageError(f"{flag} {spec!r}: no such directory")
+    if not local.exists():
+        check_hub_reachable(flag, spec)
     from sentence_transformers import SentenceTransformer  # seconds: only once the cheap checks passed
 
     source = str(local) if local.exists() else spec
@@ -90,6 +96,14 @@ def load_model(spec: str, max_seq_length: int, flag: str = "--model", *, multi_v
         raise UsageError(f"{flag} {spec!r} cannot be loaded: {first_line(error)}") from error
     if model.get_embedding_dimension() is None:
         raise UsageError(f"{flag} {spec!r} does not report its embedding dimension")
+    from ..gradcache.steps import nonfinite_weights  # imports sentence-transformers: not at the CLI's import
+
+    broken = nonfinite_weights(model)
+    if broken is not None:
+        raise UsageError(
+            f"{flag} {spec!r} holds NaN or Inf in its weights before any update ({broken}): the model as saved is "
+            "broken, not the run; load another checkpoint"
+        )
     model.max_seq_length = max_seq_length
     return model
 
@@ -192,30 +206,33 @@ def run(options: TrainOptions) -> dict[str, Any]:
     ``loss_stage`` lists the loss-stage backend choices (backend, device, reason, tile) of the training run
     (:func:`st_cached_losses.ops.recorded_choices`). With
     ``compare_stock``, copies of the initial model are trained for the same steps (same seed, same batches) with the
-    stock loss and ours again, alternating (:func:`~st_cached_losses.cli.training.compare_stock`); ``compare_stock``
-    holds every run's time and peak.
+    stock loss and ours again, alternating (:func:`~st_cached_losses.cli.comparison.compare_stock`);
+    ``compare_stock`` holds every run's time, peak and per-step losses, and ``first_step`` says whether ours equals
+    stock at step 1, and if not, why.
 
     Raises:
-        UsageError: bad input (:func:`prepare`), before anything is written or trained.
+        UsageError: bad input (:func:`prepare`), or a trainer the callback refuses
+            (:func:`~st_cached_losses.cli.training.scratch_trainer`), before anything is evaluated, written or
+            trained.
     """
     options = dataclasses.replace(options, output_dir=options.output_dir.expanduser().absolute())
     job = prepare(options)
-    model, device = job.model, str(job.model.device)
-    print(
-        f"{len(job.train)} training pairs, {job.evaluate.num_queries} held-out queries over "
-        f"{job.evaluate.num_corpus} documents; {'token dims' if options.multi_vector else 'dims'} {job.dims}; "
-        f"device {device}",
-        flush=True,
-    )
+    model, device, loss = job.model, str(job.model.device), job.loss
     initial = copy.deepcopy(model) if options.compare_stock else None
-
-    print("evaluating before training", flush=True)
-    before, before_layers = job.evaluate(model), evaluate_truncated(job.evaluate, model, options.layers)
-    loss = job.loss
-    with recorded_choices() as loss_stage:
-        ours = train_measured(model, loss, job.train, options)
+    with scratch_trainer(model, loss, job.train, options) as trainer:  # its refusal too comes before any work
+        print(
+            f"{len(job.train)} training pairs, {job.evaluate.num_queries} held-out queries over "
+            f"{job.evaluate.num_corpus} documents; {'token dims' if options.multi_vector else 'dims'} {job.dims}; "
+            f"device {device}",
+            flush=True,
+        )
+        print("evaluating before training", flush=True)
+        before = job.evaluate(model, BEFORE)
+        before_layers = evaluate_truncated(job.evaluate, model, options.layers, BEFORE)
+        with recorded_choices() as loss_stage:
+            ours = train_measured(trainer)
     print("evaluating after training", flush=True)
-    after, after_layers = job.evaluate(model), evaluate_truncated(job.evaluate, model, options.layers)
+    after, after_layers = job.evaluate(model, AFTER), evaluate_truncated(job.evaluate, model, options.layers, AFTER)
 
     results = {
         "config": _config(options, job, ours["steps"]),
@@ -324,6 +341,7 @@ def format_table(results: dict[str, Any]) -> str:
                 + ", ".join(_mib(b) for b in runs["peak_memory_bytes"])
             )
         lines.append(f"  {comparison['summary']}")
+        lines.append(f"  {comparison['first_step']['summary']}")
     return "\n".join(lines)
 
 

@@ -131,6 +131,7 @@ class TrainOptions:
     memory_max_age: int | None = None  # training steps a banked pair stays at most (None: until evicted)
     dual_memory: bool = False  # also bank the queries, as rows of the loss (ContAccum)
     multi_vector: bool = False  # a MultiVectorEncoder (MaxSim) with CachedMultiVectorMatryoshkaLoss, token dims
+    sort_by_length: bool = True  # the loss's: rows of similar length share a mini-batch (False: stock's dropout)
 
     def __post_init__(self):
         self.output_dir = Path(self.output_dir)

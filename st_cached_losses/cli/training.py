@@ -1,45 +1,46 @@
-"""The main job's training: the loss (ours, or stock for ``--compare-stock``), one ``SentenceTransformerTrainer`` run
-(``MultiVectorEncoderTrainer`` with ``--multi-vector``) measured in time and peak memory, and ``--compare-stock``'s
-alternating runs.
+"""The main job's training: the loss (ours, or stock for ``--compare-stock``), its trainer
+(``SentenceTransformerTrainer``, ``MultiVectorEncoderTrainer`` with ``--multi-vector``), one training run measured in
+time, peak memory and the loss of every step (``--compare-stock``'s runs: :mod:`.comparison`).
 
 ``options`` here is the main job's :class:`~st_cached_losses.cli.options.TrainOptions` (any object with its fields).
 """
 
 from __future__ import annotations
 
-import copy
-import statistics
+import contextlib
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from .memory import measure_peak_memory
+from .usage import UsageError, first_line
 
 if TYPE_CHECKING:
     from .options import TrainOptions
 
 __all__ = [
-    "COMPARE_ORDER",
     "MULTI_VECTOR_SCALE",
     "activation_summary",
-    "compare_speed",
-    "compare_stock",
     "format_activation",
     "loss_names",
     "make_loss",
     "memory_summary",
     "multi_vector_summary",
+    "scratch_trainer",
+    "shows_progress",
     "train_measured",
     "train_once",
 ]
 
-# --compare-stock's runs; the first is the run whose model is saved. Alternated, so that neither loss always runs
-# on warm caches or later in a drift.
-COMPARE_ORDER = ("ours", "stock", "stock", "ours")
 # --multi-vector's InfoNCE scale (1 / temperature) on MaxSim scores of unit token vectors: see _base_loss.
 MULTI_VECTOR_SCALE = 3.0
+# Mini-batches per column from which a step on a CPU shows its progress: the default step (32 mini-batches per column)
+# runs for tens of seconds to minutes on a 2-core CPU, which said nothing meanwhile.
+PROGRESS_MINI_BATCHES = 8
 
 
 def loss_names(multi_vector: bool, guide: bool) -> tuple[str, str]:
@@ -59,9 +60,10 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
     ``CachedMultiVectorMatryoshkaLoss`` with ``options.multi_vector``, ``CachedMatryoshka2dLoss`` with
     ``options.layers`` (every layer and dim at every step), else ``CachedMatryoshkaLoss``, with the options
     ``mini_batch_size`` ("auto" included), ``backend``, ``false_negative_margin`` (self-guided: without a guide),
-    ``activation_budget``, ``mask_duplicates`` and the memory bank's. With ``stock``: stock ``MatryoshkaLoss`` around
-    the base loss, or the multi-vector base loss alone (stock has no Matryoshka loss for token vectors: it trains the
-    full token dim).
+    ``activation_budget``, ``mask_duplicates``, ``sort_by_length`` and the memory bank's. With ``stock``: stock
+    ``MatryoshkaLoss`` around the base loss, or the multi-vector base loss alone (stock has no Matryoshka loss for
+    token vectors: it trains the full token dim). Either shows progress bars inside a step where
+    :func:`shows_progress` says a step takes long (the base loss's ``show_progress_bar``, which ours reads too).
     """
     base = _base_loss(model, options, guide)
     if stock:
@@ -94,6 +96,7 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
         false_negative_margin=None if guide is not None else options.false_negative_margin,
         activation_budget=options.activation_budget,
         mask_duplicates=options.mask_duplicates,
+        sort_by_length=options.sort_by_length,
         memory_size=options.memory_size,
         memory_warmup_steps=options.memory_warmup_steps,
         memory_max_age=options.memory_max_age,
@@ -119,13 +122,21 @@ def _base_loss(model, options: TrainOptions, guide):
 
     size = options.mini_batch_size
     size = DEFAULT_MINI_BATCH_SIZE if size == "auto" else size
+    shown = dict(mini_batch_size=size, show_progress_bar=shows_progress(options, str(model.device)))
     if guide is not None:
-        return CachedGISTEmbedLoss(model, guide, mini_batch_size=size, margin=options.false_negative_margin or 0.0)
+        return CachedGISTEmbedLoss(model, guide, margin=options.false_negative_margin or 0.0, **shown)
     if options.multi_vector:
         from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
 
-        return CachedMultiVectorMultipleNegativesRankingLoss(model, scale=MULTI_VECTOR_SCALE, mini_batch_size=size)
-    return CachedMultipleNegativesRankingLoss(model, mini_batch_size=size)
+        return CachedMultiVectorMultipleNegativesRankingLoss(model, scale=MULTI_VECTOR_SCALE, **shown)
+    return CachedMultipleNegativesRankingLoss(model, **shown)
+
+
+def shows_progress(options: TrainOptions, device: str) -> bool:
+    """Whether a training step takes long enough to show its mini-batches' progress: on a CPU, with at least
+    :data:`PROGRESS_MINI_BATCHES` mini-batches per column (the default size for "auto")."""
+    size = DEFAULT_MINI_BATCH_SIZE if options.mini_batch_size == "auto" else options.mini_batch_size
+    return device == "cpu" and options.batch_size >= PROGRESS_MINI_BATCHES * size
 
 
 def multi_vector_summary(model, loss) -> dict[str, Any]:
@@ -233,9 +244,17 @@ def _training_args(options: TrainOptions, output_dir: str, device: str):
     )
 
 
-def train_once(model, loss, train, options: TrainOptions) -> tuple[float, int]:
-    """Train ``model`` in place with ``loss`` (``MultiVectorEncoderTrainer`` with ``options.multi_vector``, whose
-    collator marks the first column as queries); returns (seconds in ``trainer.train()``, optimizer steps)."""
+@contextlib.contextmanager
+def scratch_trainer(model, loss, train, options: TrainOptions) -> Iterator[Any]:
+    """The trainer of ``model`` with ``loss`` (``MultiVectorEncoderTrainer`` with ``options.multi_vector``, whose
+    collator marks the first column as queries) in a scratch folder removed on exit, with
+    :class:`~st_cached_losses.CachedLossCallback` attached for ours (the masked share and the bank's fill in the
+    trainer's log, the bank's steps).
+
+    Raises:
+        UsageError: the callback refuses the trainer (a memory bank and a transformers whose private Trainer name
+            it needs is missing or misbehaves: :mod:`st_cached_losses.losses._transformers_compat`).
+    """
     if options.multi_vector:
         from sentence_transformers.multi_vector_encoder.trainer import MultiVectorEncoderTrainer as Trainer
     else:
@@ -248,68 +267,48 @@ def train_once(model, loss, train, options: TrainOptions) -> tuple[float, int]:
         trainer = Trainer(
             model=model, args=_training_args(options, scratch, str(model.device)), train_dataset=train, loss=loss
         )
-        if isinstance(loss, GradCacheSteps):  # ours: the masked share and the bank's fill in the trainer's log
-            CachedLossCallback.attach(trainer)
+        if isinstance(loss, GradCacheSteps):
+            try:
+                CachedLossCallback.attach(trainer)
+            except ValueError as error:
+                raise UsageError(first_line(error)) from error
+        yield trainer
+
+
+def train_once(trainer) -> tuple[float, int, list[float]]:
+    """Train with ``trainer`` from its seed (``transformers.set_seed(args.seed)``, as its constructor seeds: whatever
+    ran since, every run starts from the same RNG state); returns (seconds in ``trainer.train()``, optimizer steps,
+    the loss of each training forward: the sum of ours' entries, stock's value)."""
+    from transformers import set_seed
+
+    losses: list[float] = []
+
+    def record(module, args, output):
+        if torch.is_grad_enabled():  # training forwards only
+            value = sum(output.values()) if isinstance(output, dict) else output
+            losses.append(float(value.detach()))
+
+    handle = trainer.loss.register_forward_hook(record)
+    try:
+        set_seed(trainer.args.seed)
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start
-    return seconds, int(trainer.state.global_step)
+    finally:
+        handle.remove()
+    return seconds, int(trainer.state.global_step), losses
 
 
-def train_measured(model, loss, train, options: TrainOptions) -> dict[str, Any]:
+def train_measured(trainer) -> dict[str, Any]:
     """:func:`train_once` under :func:`~st_cached_losses.cli.memory.measure_peak_memory`: ``train_seconds``,
-    ``steps``, ``peak_memory_bytes``, ``peak_memory_measure`` and ``peak_memory_block_only``."""
-    with measure_peak_memory(str(model.device)) as peak:
-        seconds, steps = train_once(model, loss, train, options)
+    ``steps``, ``losses`` (per step), ``peak_memory_bytes``, ``peak_memory_measure`` and ``peak_memory_block_only``."""
+    with measure_peak_memory(str(trainer.model.device)) as peak:
+        seconds, steps, losses = train_once(trainer)
     return {
         "train_seconds": seconds,
         "steps": steps,
+        "losses": losses,
         "peak_memory_bytes": peak["bytes"],
         "peak_memory_measure": peak["measure"],
         "peak_memory_block_only": peak["block_only"],
-    }
-
-
-def compare_speed(ours_seconds: float, stock_seconds: float) -> str:
-    """How ours compares in time, e.g. "3.00x faster than stock" or "1.25x slower than stock"."""
-    if ours_seconds < stock_seconds:
-        return f"{stock_seconds / ours_seconds:.2f}x faster than stock"
-    if ours_seconds > stock_seconds:
-        return f"{ours_seconds / stock_seconds:.2f}x slower than stock"
-    return "as fast as stock"
-
-
-def compare_stock(initial, dims: Sequence[int], train, options: TrainOptions, first: dict[str, Any], guide=None):
-    """Train fresh copies of ``initial`` for the same steps in the order :data:`COMPARE_ORDER` (``first`` is the
-    run already made with ours), so that warm-up and drift favour neither loss, and compare mean time and peak
-    memory. Memory is compared only where each run's peak excludes the runs before it (``block_only``)."""
-    runs: dict[str, list[dict[str, Any]]] = {"ours": [first], "stock": []}
-    ours_name, stock_name = loss_names(options.multi_vector, guide is not None)
-    for name in COMPARE_ORDER[1:]:
-        print(f"--compare-stock: training with {stock_name if name == 'stock' else 'ours'}", flush=True)
-        model = copy.deepcopy(initial)
-        loss = make_loss(model, dims, options, stock=name == "stock", guide=guide)
-        runs[name].append(train_measured(model, loss, train, options))
-        del model
-    mean = {name: statistics.fmean(run["train_seconds"] for run in rs) for name, rs in runs.items()}
-    summary = f"{ours_name} is {compare_speed(mean['ours'], mean['stock'])}"
-    memory_ratio = None
-    if all(run["peak_memory_block_only"] and run["peak_memory_bytes"] for rs in runs.values() for run in rs):
-        peaks = {name: statistics.fmean(run["peak_memory_bytes"] for run in rs) for name, rs in runs.items()}
-        memory_ratio = peaks["ours"] / peaks["stock"]
-        summary += f" with {memory_ratio:.2f}x its peak memory"
-    else:
-        summary += "; peak memory not compared (this system cannot measure each run's training alone)"
-    summary += f" (means of {COMPARE_ORDER.count('ours')} runs each)"
-    result = {
-        name: {key: [run[key] for run in rs] for key in ("train_seconds", "peak_memory_bytes")}
-        for name, rs in runs.items()
-    }
-    return {
-        "order": list(COMPARE_ORDER),
-        **result,
-        "peak_memory_measure": first["peak_memory_measure"],
-        "time_ratio": mean["stock"] / mean["ours"],
-        "memory_ratio": memory_ratio,
-        "summary": summary,
     }

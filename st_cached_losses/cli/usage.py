@@ -17,8 +17,10 @@ class UsageError(ValueError):
 
 
 def warn(message: str) -> None:
-    """A one-line warning on stderr: the run goes on."""
-    print(f"{COMMAND}: warning: {message}", file=sys.stderr, flush=True)
+    """A one-line warning on stderr (through ``tqdm.write``: never inside a progress bar): the run goes on."""
+    import tqdm
+
+    tqdm.tqdm.write(f"{COMMAND}: warning: {message}", file=sys.stderr)
 
 
 def first_line(error: BaseException) -> str:

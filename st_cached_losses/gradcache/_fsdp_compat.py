@@ -9,37 +9,78 @@ has setters but no getters, so those settings are read from its state: ``module.
 ``reshard_after_backward``, ``reduce_grads`` and ``all_reduce_grads`` (which are also how the last backward alone is
 made to reduce). ``fsdp_sync="per_backward"`` (the default) uses none of them.
 
-:func:`check_per_step` raises a ValueError outside :data:`TESTED` (before any work: the loss calls it when it is
-built); ``tests/test_fsdp.py`` checks the behaviour (per_step against one process on the whole batch, the settings
-restored).
+Each name is checked where it is first read: ``FSDPModule._get_fsdp_state`` when the loss is built
+(:func:`check_per_step`), the state's and its groups' names, with their types (flags are bools), at the first
+``per_step`` step (:func:`saved_settings`); a missing or retyped name raises a ValueError before that step does any
+work. A torch outside :data:`TESTED` whose state passes the checks is used, with one logged warning per process.
+``tests/test_fsdp_compat.py`` checks the checks and the warning; ``tests/test_fsdp.py`` the behaviour (per_step
+against one process on the whole batch, the settings restored).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from packaging.version import Version
 from torch import nn
+
+from .tested_range import TestedRange
 
 __all__ = ["TESTED", "FsdpSettings", "check_per_step", "reduce_in_next_backward", "restore", "saved_settings"]
 
+logger = logging.getLogger(__name__)
+
 TESTED = ">=2.13,<2.14"  # torch releases whose FSDP2 state layout below was checked (2.13.0 in CI)
-_LOWEST, _BELOW = Version("2.13"), Version("2.14")
+RANGE = TestedRange(TESTED)
+# The names read, each with the types its values may have (None: the name must exist, any value).
+STATE_NAMES = {"_auto_reshard_after_forward": (bool, type(None)), "_fsdp_param_groups": (list,)}
+GROUP_NAMES = {
+    "post_forward_mesh_info": None,
+    "reshard_after_backward": (bool,),
+    "reduce_grads": (bool,),
+    "all_reduce_grads": (bool,),
+}
 
 
 def check_per_step(torch_version: str | None = None) -> None:
-    """Raises ValueError unless ``torch_version`` (default: the installed torch's) is in :data:`TESTED`
-    (``fsdp_sync="per_step"`` reads FSDP2's private state, whose layout may change between torch releases)."""
+    """When the loss is built with ``fsdp_sync="per_step"``: FSDP2's modules have ``_get_fsdp_state``; one warning
+    per process when ``torch_version`` (default: the installed torch's) is outside :data:`TESTED`.
+
+    Raises:
+        ValueError: FSDP2 has no ``_get_fsdp_state`` (naming the fix: ``fsdp_sync='per_backward'``).
+    """
     torch_version = torch_version or torch.__version__
-    release = Version(Version(torch_version).base_version)
-    if not _LOWEST <= release < _BELOW:
-        raise ValueError(
-            f"fsdp_sync='per_step' reads FSDP2's private state, checked with torch {TESTED}; the installed torch "
-            f"{torch_version} is outside that range: use fsdp_sync='per_backward' (FSDP2's own behaviour), or torch "
-            f"{TESTED}."
-        )
+    from torch.distributed.fsdp import FSDPModule
+
+    if not callable(getattr(FSDPModule, "_get_fsdp_state", None)):
+        _refuse(torch_version, "has no FSDPModule._get_fsdp_state")
+    RANGE.warn_outside(
+        torch_version,
+        logger,
+        "fsdp_sync='per_step' reads FSDP2's private state, checked with torch {tested}; the installed torch {version} "
+        "is outside that range: each name it reads is checked at the first step.",
+    )
+
+
+def _refuse(torch_version: str, why: str) -> None:
+    raise ValueError(
+        f"fsdp_sync='per_step' reads FSDP2's private state, checked with torch {TESTED}; the installed torch "
+        f"{torch_version} {why}: use fsdp_sync='per_backward' (FSDP2's own behaviour), or torch {TESTED}."
+    )
+
+
+def _check_names(owner: Any, names: dict[str, tuple[type, ...] | None], where: str) -> None:
+    """Raises ValueError (:func:`_refuse`) naming each of ``names`` that ``owner`` lacks or holds with another type."""
+    wrong = []
+    for name, types in names.items():
+        if not hasattr(owner, name):
+            wrong.append(f"no {where}.{name}")
+        elif types is not None and not isinstance(getattr(owner, name), types):
+            wrong.append(f"{where}.{name} of type {type(getattr(owner, name)).__name__}")
+    if wrong:
+        _refuse(torch.__version__, f"has {', '.join(wrong)}")
 
 
 @dataclass(frozen=True)
@@ -52,10 +93,17 @@ class FsdpSettings:
 
 
 def saved_settings(modules: list[nn.Module]) -> FsdpSettings:
-    """The current settings of every FSDP2 module in ``modules`` (outermost first)."""
+    """The current settings of every FSDP2 module in ``modules`` (outermost first), each name checked first.
+
+    Raises:
+        ValueError: a name of :data:`STATE_NAMES` or :data:`GROUP_NAMES` is missing or of another type.
+    """
     saved = []
     for module in modules:
         state = module._get_fsdp_state()
+        _check_names(state, STATE_NAMES, "FSDPState")
+        for group in state._fsdp_param_groups:
+            _check_names(group, GROUP_NAMES, "FSDPParamGroup")
         groups = tuple(
             (g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads)
             for g in state._fsdp_param_groups

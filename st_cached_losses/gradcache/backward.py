@@ -9,7 +9,8 @@ It walks the forward's :class:`.step.Step` (every position, a rank's pads includ
 collectives), takes a kept graph of step (1) instead of re-embedding (activation budget) or re-embeds the mini-batch by
 the loss's ``embed_minibatch`` hook (called by keyword, replaying step (1)'s RNG state: the same dropout masks), and
 sets FSDP2 ``per_step``'s reduction before each backward (:meth:`.parallel.Parallelism.before_backward`). The whole
-hook runs under the parallelism's step-(3) context (DeepSpeed ZeRO-2/3: one coalesced reduction).
+hook runs under the parallelism's step-(3) context (DeepSpeed ZeRO-2/3: one coalesced reduction). With the loss's
+``show_progress_bar``, a tqdm bar counts the mini-batches back-propagated, as step (1)'s counts those embedded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import tqdm
 from torch import Tensor, nn
 
 from ._st_compat import backward_hook
@@ -37,21 +39,27 @@ def step3(
     step: Step,
     cache: list[list[Tensor]],
     states: list[list[Any]],
+    show_progress_bar: bool = False,
 ) -> None:
     """The backward hook of a GradCache loss: step (3) for one forward's ``step`` (its columns as embedded, ranges,
     counts and parallelism), ``cache`` (per column, the gradient of each real mini-batch) and ``states`` (per column,
     what step (1) left for each mini-batch, pads included: a RandContext, a KeptGraph, or None); ``embed`` re-embeds a
-    mini-batch, ``model`` is the loss's (the DDP wrapper sentence-transformers' hook looks for)."""
-    replay = Replay(model, embed, step)
-    with step.parallel.step3():
-        backward_hook(
-            grad_output,
-            sentence_features=step.features,
-            loss_obj=replay,
-            cache=replay.cache(cache),
-            random_states=states,
-            ranges=replay.ranges(),
-        )
+    mini-batch, ``model`` is the loss's (the DDP wrapper sentence-transformers' hook looks for); with
+    ``show_progress_bar``, a tqdm bar over the mini-batches back-propagated (cleared when done)."""
+    total = sum(step.counts)
+    desc = "Back-propagate mini-batches"
+    with tqdm.tqdm(total=total, desc=desc, disable=not show_progress_bar, leave=False) as progress:
+        replay = Replay(model, embed, step, progress)
+        with step.parallel.step3():
+            backward_hook(
+                grad_output,
+                sentence_features=step.features,
+                loss_obj=replay,
+                cache=replay.cache(cache),
+                random_states=states,
+                ranges=replay.ranges(),
+            )
+        progress.update(max(0, total - progress.n))  # the last mini-batch's backward has run
 
 
 class Position(NamedTuple):
@@ -70,9 +78,10 @@ class Replay:
     the other ranks run) with a zero gradient: its cached gradient is a zero of one element, and it yields the sum of
     its embeddings, whose gradient is then zero everywhere whatever their shape."""
 
-    def __init__(self, model: nn.Module, embed: EmbedMinibatch, step: Step) -> None:
+    def __init__(self, model: nn.Module, embed: EmbedMinibatch, step: Step, progress: tqdm.tqdm | None = None) -> None:
         self.model, self._embed, self._step = model, embed, step
         self._last = step.positions()[-1]
+        self._progress, self._begun = progress, 0
 
     def ranges(self) -> list[list[Position]]:
         """Per column, every mini-batch every rank embeds (pads included)."""
@@ -97,6 +106,9 @@ class Replay:
         embeddings (with their graph) of each mini-batch of ``ranges`` (:class:`Position`), ``random_states`` being
         what step (1) left for each."""
         for position, state in zip(ranges, random_states):
+            if self._progress is not None and self._begun:  # the hook back-propagates a mini-batch before the next
+                self._progress.update()
+            self._begun += 1
             self._step.parallel.before_backward(last=position == self._last)
             embeddings = self._reembed(position, state)
             yield (embeddings.sum().reshape(1) if self._step.is_pad(*position) else embeddings), None

@@ -24,6 +24,7 @@ Everything one forward needs travels in its :class:`.step.Step`, built by :meth:
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from functools import partial
 from typing import Any
@@ -55,7 +56,9 @@ from .precision import encoder_autocast_dtypes
 from .step import Encoded, LayerDraw, Step
 from .text_ids import text_ids
 
-__all__ = ["GradCacheSteps"]
+__all__ = ["GradCacheSteps", "nonfinite_weights"]
+
+logger = logging.getLogger(__name__)
 
 
 class GradCacheSteps(CachedLossMixin, nn.Module):
@@ -69,7 +72,8 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         default_mini_batch_size: the rows per mini-batch before "auto" has chosen.
         mini_batch_num_tokens: pack mini-batches by non-padding tokens instead (None: by rows).
         sort_by_length: group rows of similar length into the same mini-batch.
-        show_progress_bar: a progress bar over step (1)'s mini-batches.
+        show_progress_bar: a progress bar (tqdm, cleared when done) over step (1)'s mini-batches and one over step
+            (3)'s, as stock's cached losses show theirs.
         budget: the activation budget (None: plain GradCache and a fixed mini-batch size).
         guide: a GISTEmbed guide model embedding every mini-batch in step (1), or None.
         take_text_ids: take each row's text id before step (1) (the op's duplicate mask, a memory bank's ids).
@@ -104,6 +108,8 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         # Leading padding is trimmed only where it moves no token's position (minibatches.without_leading_padding).
         inner = unwrapped(model)
         self.trims_leading_padding = isinstance(inner, nn.Module) and positions_are_relative(inner)
+        self.training_steps = 0  # training forwards run to the end of step (2): a report, as masked_share
+        self.warned_labels = False
 
     def run_steps(
         self, sentence_features: list[dict[str, Any]], labels: Tensor | None, draw: tuple[LayerDraw, ...], gather: bool
@@ -112,7 +118,14 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         ``gather_across_devices``). Returns the loss, which carries the backward hook of step (3) in training, and
         the :class:`Step` that step (2) filled (its ``components``). A training step with an activation budget first
         plans which mini-batches keep their graphs; under DDP, FSDP2 or DeepSpeed the ranks agree on the mini-batches
-        first."""
+        first. ``labels`` are read by no loss of this package: given, they are named in one warning.
+
+        Raises:
+            ValueError: besides the loss's own, NaN or Inf in the model's weights where step (2) met a non-finite
+                embedding: naming the weights, and whether this loss had trained yet (:func:`_nonfinite_weights`).
+        """
+        if labels is not None:
+            self._warn_labels()
         training = torch.is_grad_enabled()
         step = Step(draw=draw, training=training, parallel=Parallelism.of(self.model, self.fsdp_sync), gather=gather)
         # From the columns as given, before sorting, so that the ids follow the rows' order step (2) restores.
@@ -137,10 +150,25 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
             step.parallel.step_start()
         try:
             with encoder_autocast_dtypes(self.model) as step.encoder_dtypes:
-                return self._three_steps(step, labels, agree), step
-        except BaseException:
+                loss = self._three_steps(step, labels, agree)
+        except BaseException as error:
             step.parallel.step_end()
+            if isinstance(error, ValueError):
+                _raise_for_nonfinite_weights(self.model, self.training_steps, error)
             raise
+        self.training_steps += training
+        return loss, step
+
+    def _warn_labels(self) -> None:
+        """Once per loss: the trainer passes labels (a dataset's 'label' or 'score' column) that no step reads."""
+        if not self.warned_labels:
+            self.warned_labels = True
+            logger.warning(
+                "%s does not read the labels the trainer passes it (the dataset's 'label' or 'score' column), as "
+                "stock's CachedMultipleNegativesRankingLoss does not: every row is trained as a positive pair, a row "
+                "labelled negative too. Keep only the positive rows, or give negatives their own columns.",
+                type(self).__name__,
+            )
 
     def _three_steps(self, step: Step, labels: Tensor | None, agree: bool) -> Tensor:
         reps, states = self._step1(step)
@@ -153,7 +181,13 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         _check_every_column_used(cache, type(self).__name__)
         # Step (3), in the backward pass; the hook holds this forward's step, so another forward cannot clobber it.
         hook = partial(
-            backward.step3, embed=self.embed_minibatch, model=self.model, step=step, cache=cache, states=states
+            backward.step3,
+            embed=self.embed_minibatch,
+            model=self.model,
+            step=step,
+            cache=cache,
+            states=states,
+            show_progress_bar=self.show_progress_bar,
         )
         loss.register_hook(hook)
         return loss
@@ -162,11 +196,12 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         """Every mini-batch embedded without gradients (or kept, with them): per column the embeddings of its real
         mini-batches (leaves for step (2)) and the state step (3) replays (RNG, or the kept graph) of every one."""
         reps, states = [], []
+        progress = tqdm.tqdm(
+            total=sum(step.counts), desc="Embed mini-batches", disable=not self.show_progress_bar, leave=False
+        )
         for column, feature in enumerate(step.features):
             column_reps, column_states = [], []
-            for index in tqdm.trange(
-                step.counts[column], desc="Embed mini-batches", disable=not self.show_progress_bar
-            ):
+            for index in range(step.counts[column]):
                 begin, end = step.rows(column, index)
                 pad = step.is_pad(column, index)
                 embeddings, state = self.embed_minibatch(
@@ -181,8 +216,10 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
                 if not pad:
                     column_reps.append(embeddings.detach().requires_grad_())
                 column_states.append(state)
+                progress.update()
             reps.append(column_reps)
             states.append(column_states)
+        progress.close()
         return reps, states
 
     def _agree_kept(self, states: list[list[Any]], step: Step) -> None:
@@ -286,3 +323,28 @@ def _check_every_column_used(cache: list[list[Tensor | None]], owner: str) -> No
             f"The loss computation of {owner} did not use input column(s) {', '.join(unused)}: their embeddings "
             "received no gradient. Remove the unused column(s) from the dataset."
         )
+
+
+def nonfinite_weights(model: nn.Module) -> str | None:
+    """The names of ``model``'s parameters holding NaN or Inf ("a, b, c and 4 more"), or None when all are finite.
+    One host synchronisation per parameter: for error paths and checks before any work."""
+    local = {name: getattr(weight, "to_local", lambda w=weight: w)() for name, weight in model.named_parameters()}
+    names = [name for name, weight in local.items() if not bool(torch.isfinite(weight.detach()).all())]
+    if not names:
+        return None
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _raise_for_nonfinite_weights(model: nn.Module, training_steps: int, error: ValueError) -> None:
+    """Raises a ValueError naming the model's weights that hold NaN or Inf, from ``error``, when there are any: a
+    non-finite embedding then comes from the weights, before any update of this loss (the model came so) or after
+    ``training_steps`` of them (the run diverged). Checked only on the error path: no cost to a healthy step."""
+    names = nonfinite_weights(model)
+    if names is None:
+        return
+    if training_steps == 0:
+        why = "before any update of this loss: the model came with them (load other weights)"
+    else:
+        steps = f"{training_steps} training step{'s' if training_steps > 1 else ''}"
+        why = f"after {steps} of this loss: the run diverged (lower the learning rate)"
+    raise ValueError(f"The model's weights hold NaN or Inf ({names}) {why}.") from error

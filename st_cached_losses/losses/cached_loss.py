@@ -74,7 +74,8 @@ class CachedLossBase(GradCacheSteps):
         default_mini_batch: (mini_batch_size, mini_batch_num_tokens) the base loss implies
             (:func:`.base_losses.mini_batch_defaults`).
         mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar, activation_budget,
-            fsdp_sync, mask_duplicates: the options every loss takes.
+            fsdp_sync, mask_duplicates: the options every loss takes (the bars show when this loss's or the base
+            loss's ``show_progress_bar`` is True).
         guide: a GISTEmbed guide embedding step (1)'s mini-batches, or None.
         take_text_ids: take each row's text id (the duplicate mask, a memory bank).
     """
@@ -125,7 +126,8 @@ class CachedLossBase(GradCacheSteps):
                 default_mini_batch_size=DEFAULT_MINI_BATCH_SIZE,
                 mini_batch_num_tokens=mini_batch_num_tokens,
                 sort_by_length=sort_by_length,
-                show_progress_bar=show_progress_bar,
+                # Either's, as stock's cached base loss shows its bars when the wrapper runs it.
+                show_progress_bar=show_progress_bar or bool(getattr(loss, "show_progress_bar", False)),
                 budget=ActivationBudget(activation_budget) if budgeted else None,
                 guide=guide,
                 take_text_ids=take_text_ids or mask_duplicates,

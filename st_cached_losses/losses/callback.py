@@ -55,7 +55,9 @@ class CachedLossCallback(TrainerCallback):
     Logged next to ``loss_dim_*`` (training logs only; the values of the logged step): ``masked_share`` (the share of
     candidates the false-negative filter, the duplicate mask or the own-pair mask removed) and, with a memory bank,
     ``memory_fill`` (banked documents / capacity) and ``memory_age`` (optimizer steps since the oldest banked pair was
-    banked). With a dict of losses each key is prefixed by the loss's name: ``<name>_memory_fill``.
+    banked). With a dict of losses each key is prefixed by the loss's name: ``<name>_memory_fill``; and a logging
+    window in which none of the served losses that return an entry ran a training step leaves that entry out
+    (sentence-transformers' trainer would log it as 0 / 0 = nan, or 0 beside another loss's entries).
 
     Saved: every bank (:class:`~st_cached_losses.gradcache.memory_bank.MemoryBank`) in every checkpoint folder the
     trainer writes, one file per process (:data:`MEMORY_FILE`: ``{name: bank_state()}``, name ``""`` for a single
@@ -99,6 +101,7 @@ class CachedLossCallback(TrainerCallback):
             got = [type(loss).__name__ for _, loss in named]
             raise TypeError(f"CachedLossCallback needs a loss of st_cached_losses, got {', '.join(got) or 'none'}.")
         self.train_call: TrainCall | None = None  # the running trainer.train call's, heard by _HearTrain
+        self.logged_steps = self.training_steps()  # each served loss's training steps at the last training log
 
     @classmethod
     def attach(cls, trainer: Any) -> CachedLossCallback:
@@ -111,8 +114,9 @@ class CachedLossCallback(TrainerCallback):
         Raises:
             TypeError: ``trainer.loss`` holds no loss of this package.
             ValueError: a CachedLossCallback is attached to ``trainer`` already (one that serves a bank is attached
-                again once the call it heard has run); with a memory bank, the installed transformers is outside the
-                range whose private Trainer names the bank's checkpoints use (:mod:`._transformers_compat`).
+                again once the call it heard has run); with a memory bank, the trainer lacks the private Trainer name
+                the bank's checkpoints use, or it gives another folder (:mod:`._transformers_compat`, which warns
+                once of a transformers outside the tested range).
         """
         attached = [callback for callback in trainer.callback_handler.callbacks if isinstance(callback, cls)]
         callback = attached[0] if attached else cls(trainer.loss)
@@ -143,7 +147,25 @@ class CachedLossCallback(TrainerCallback):
                 values[f"{prefix}memory_age"] = float("nan") if age is None else float(age)
         return values
 
+    def training_steps(self) -> dict[str, int]:
+        """Each served loss's count of training steps run (``GradCacheSteps.training_steps``)."""
+        return {name: loss.training_steps for name, loss in self.losses.items()}
+
+    def idle_entries(self) -> set[str]:
+        """The loss entries (``loss_dim_*``, ...) that no served loss returning them ran a training step for since the
+        last training log; the counts are taken anew."""
+        steps = self.training_steps()
+        before, self.logged_steps = self.logged_steps, steps
+        entries, ran = set(), set()
+        for name, loss in self.losses.items():
+            names = set(loss.component_names()) if hasattr(loss, "component_names") else set()
+            entries |= names
+            if steps[name] != before.get(name):
+                ran |= names
+        return entries - ran
+
     def on_train_begin(self, args, state, control, **kwargs):
+        self.logged_steps = self.training_steps()
         banks = self.banks()
         if not banks:
             return
@@ -170,10 +192,14 @@ class CachedLossCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs:  # evaluation logs and the run's summary carry no step reports
             return
-        values = self.reports()
-        logs.update(values)
+        idle, values = self.idle_entries(), self.reports()
+        entries = [logs]
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(values)  # the trainer appended this entry before calling the callbacks
+            entries.append(state.log_history[-1])  # the trainer appended this entry before calling the callbacks
+        for entry in entries:
+            for key in idle:
+                entry.pop(key, None)
+            entry.update(values)
 
     def on_save(self, args, state, control, **kwargs):
         banks = self.banks()
