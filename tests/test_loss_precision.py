@@ -139,3 +139,31 @@ def test_a_bf16_trainer_step_runs_the_op_in_bf16_only_when_asked(tmp_path, famil
     choices, card = _train_one_step(tmp_path / "bf16", family, "bf16")
     assert choices == {"bf16"}
     assert '"precision": "bf16"' in card and "auto_precision" not in card
+
+
+def test_the_main_jobs_loss_precision_reaches_the_loss(tiny_model, tmp_path):
+    """``--loss-precision`` (TrainOptions.loss_precision) is the loss's ``precision``; a mode the loss refuses is a
+    usage error naming the flag."""
+    from st_cached_losses.cli.options import TrainOptions, loss_usage_error
+    from st_cached_losses.cli.training import make_loss
+
+    options = TrainOptions(output_dir=tmp_path, loss_precision="bf16")
+    assert make_loss(tiny_model, [48, 16], options).precision == "bf16"
+    options = TrainOptions(output_dir=tmp_path, loss_precision="fp16")
+    with pytest.raises(ValueError, match="precision must be one of") as error:
+        make_loss(tiny_model, [48, 16], options)
+    assert str(loss_usage_error(error.value, options)).startswith(
+        "CachedMatryoshkaLoss: --loss-precision must be one of ('auto', 'bf16', 'tf32', 'ieee'), got 'fp16'"
+    )
+
+
+@pytest.mark.slow  # trains through the command
+def test_the_main_job_records_the_precision_it_ran_in(tiny_dir, tmp_path):
+    import json
+
+    from tests.helpers import train_cli
+
+    assert train_cli(tiny_dir, tmp_path / "out", "--loss-precision", "bf16") == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["config"]["loss_precision"] == "bf16"
+    assert {choice["precision"] for choice in results["loss_stage"]} == {"bf16"}
