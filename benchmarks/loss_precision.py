@@ -10,12 +10,15 @@ sums): the deviations below are the GPU's.
 (b) ``loss``: one step of ``CachedMatryoshkaLoss(model, CachedMNRL(model, mini_batch_size=32), dims)`` on B pairs
     (dropout off, so every run sees the same activations), each precision against the float64 model's step: the
     loss's relative error and the parameter gradients' (every parameter together, and the worst parameter tensor);
-    and "bf16" against "ieee" directly (``bf16_vs_ieee``).
+    "bf16" against "ieee" directly (``bf16_vs_ieee``); and for scale, the encoder under bf16 autocast as the
+    trainer's ``bf16=True`` runs it, with the loss in "ieee" (``autocast``, what "auto" gives there) and in "bf16"
+    (``autocast+bf16``, and against the former: ``autocast+bf16_vs_autocast``).
 (c) ``ndcg``: the main job (``st_cached_losses.cli.job.run``, its defaults: B = 1024, 4 steps, lr 2e-4) with
     ``loss_precision`` "ieee" and "bf16", for the seeds in ``--seeds`` (the seed moves the data order and dropout:
     the spread between seeds is the yardstick): NDCG@10 after training at every dim. Slow (3-4 min a run on 2 cores).
 
-    python -m benchmarks.loss_precision op loss ndcg     # -> benchmarks/results/loss_precision{,_ndcg}.csv, .png
+    python -m benchmarks.loss_precision op loss ndcg     # -> benchmarks/results/loss_precision_{op,loss,ndcg}.csv
+                                                         #    and loss_precision.{md,png}
     python -m benchmarks.loss_precision op loss --model tiny --sizes 16 --out /tmp/x     # smoke
 """
 
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.core.data import build_model, model_name, tokenize, training_pairs
+from benchmarks.core.data import autocast_model, build_model, model_name, tokenize, training_pairs
 from benchmarks.core.report import RESULTS, read_csv, values, write_csv
 from st_cached_losses import matryoshka_infonce
 
@@ -37,6 +40,7 @@ PRECISIONS = ("ieee", "bf16")
 DIMS = (384, 192, 96, 48)  # the main job's: the model's dim halved down to 32
 SIZES = (64, 256, 1024)
 LOSS_SIZES = (64, 1024)
+LOSS_RUNS = ("ieee", "bf16", "bf16_vs_ieee", "autocast", "autocast+bf16", "autocast+bf16_vs_autocast")
 SEEDS = (12, 13)  # the main job's default, and one more
 MAX_SEQ_LENGTH = 64  # the main job's default
 
@@ -113,18 +117,24 @@ def _deviation(name: str, batch: int, got, want) -> list[tuple]:
 
 
 def loss(model_name_: str, sizes) -> list[tuple]:
-    """(b): one loss step per precision against the float64 model's, per B."""
+    """(b): one loss step per precision (and with the encoder under bf16 autocast) against the float64 model's."""
     model = build_model(model_name_, MAX_SEQ_LENGTH).eval()
-    truth_model = copy.deepcopy(model).double()
+    truth_model, autocast = copy.deepcopy(model).double(), copy.deepcopy(model)
+    autocast_model(autocast, "bf16")
     pairs, dims = training_pairs(max(sizes)), _dims(model)
     rows = []
     for batch in sizes:
+        features = tokenize(model, pairs[:batch])
         truth = _loss_step(truth_model, tokenize(truth_model, pairs[:batch]), dims, "ieee")
-        runs = {p: _loss_step(model, tokenize(model, pairs[:batch]), dims, p) for p in PRECISIONS}
-        for precision, got in runs.items():
-            rows += _deviation(precision, batch, got, truth)
+        runs = {p: _loss_step(model, features, dims, p) for p in PRECISIONS}
+        runs["autocast"] = _loss_step(autocast, features, dims, "auto")
+        runs["autocast+bf16"] = _loss_step(autocast, features, dims, "bf16")
+        before = len(rows)
+        for name, got in runs.items():
+            rows += _deviation(name, batch, got, truth)
         rows += _deviation("bf16_vs_ieee", batch, runs["bf16"], runs["ieee"])
-        print(*rows[-9:], sep="\n", flush=True)
+        rows += _deviation("autocast+bf16_vs_autocast", batch, runs["autocast+bf16"], runs["autocast"])
+        print(*rows[before:], sep="\n", flush=True)
     return rows
 
 
@@ -167,7 +177,7 @@ def table(records: list[dict], ndcg_records: list[dict]) -> str:
             lines.append(f"| {b} | " + " | ".join(cells) + " |")
     sizes = sorted({r["B"] for r in records if r["metric"] == "param_grad_rel_err"})
     if sizes:
-        names = (*PRECISIONS, "bf16_vs_ieee")
+        names = [name for name in LOSS_RUNS if (name, sizes[0], "loss_rel_err") in value]
         lines += ["", "| B | metric | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         for b in sizes:
             for metric in ("loss_rel_err", "param_grad_rel_err", "worst_param_grad_rel_err"):
@@ -244,19 +254,15 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="the main job's seeds of (c)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    path = args.out / "loss_precision.csv"
-    rows = []
+    paths = {part: args.out / f"loss_precision_{part}.csv" for part in ("op", "loss", "ndcg")}
     if "op" in args.parts:
-        rows += op(args.model, args.sizes or SIZES)
+        write_csv(op(args.model, args.sizes or SIZES), paths["op"])
     if "loss" in args.parts:
-        rows += loss(args.model, args.sizes or LOSS_SIZES)
-    if rows:
-        write_csv(rows, path)
+        write_csv(loss(args.model, args.sizes or LOSS_SIZES), paths["loss"])
     if "ndcg" in args.parts:
         ndcg(args.out, args.seeds)
-    records = read_csv(path) if path.exists() else []
-    ndcg_path = args.out / "loss_precision_ndcg.csv"
-    ndcg_records = read_csv(ndcg_path) if ndcg_path.exists() else []
+    records = [r for part in ("op", "loss") if paths[part].exists() for r in read_csv(paths[part])]
+    ndcg_records = read_csv(paths["ndcg"]) if paths["ndcg"].exists() else []
     (args.out / "loss_precision.md").write_text(table(records, ndcg_records) + "\n")
     plot(records, ndcg_records, args.out / "loss_precision.png")
 
