@@ -198,7 +198,8 @@ def table(records: list[dict], ndcg_records: list[dict]) -> str:
 
 def plot(records: list[dict], ndcg_records: list[dict], path: Path) -> None:
     """Left: the op's gradient error and the loss step's parameter-gradient error against float64, per B and
-    precision (log scales). Right: NDCG@10 after training at each dim, per precision and seed."""
+    precision, and the loss step's with the encoder under bf16 autocast for scale (log scales). Right: NDCG@10 after
+    training at each dim, per precision and seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -206,12 +207,12 @@ def plot(records: list[dict], ndcg_records: list[dict], path: Path) -> None:
 
     value = values(records)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = {"ieee": "tab:blue", "bf16": "tab:orange"}
+    colors = {"ieee": "tab:blue", "bf16": "tab:orange", "autocast": "tab:green", "autocast+bf16": "tab:red"}
     for metric, dashes, label in (
         ("op_grad_rel_err", "-", "op, d embeddings"),
         ("param_grad_rel_err", "--", "loss step, d parameters"),
     ):
-        for precision in PRECISIONS:
+        for precision in colors:
             sizes = sorted({r["B"] for r in records if r["metric"] == metric and r["contender"] == precision})
             if sizes:
                 ys = [value[(precision, b, metric)] for b in sizes]
