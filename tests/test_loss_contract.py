@@ -32,6 +32,7 @@ TAKEN = {
     "mini_batch_num_tokens": 64,
     "sort_by_length": False,
     "backend": "chunked",
+    "precision": "bf16",
     "show_progress_bar": True,
     "false_negative_margin": 0.1,
     "false_negative_strategy": "relative",
@@ -169,7 +170,7 @@ def test_a_step_leaves_no_state_on_the_loss(models, name):
     loss_case = case(name)
     model = models[loss_case.family]
     loss_fn = loss_case.build(model, mini_batch_size=3, mask_duplicates=True)
-    reports = ("_modules", "masked_share", "training_steps")
+    reports = ("_modules", "masked_share", "training_steps", "last_precision")
     before = {key: value for key, value in vars(loss_fn).items() if key not in reports}
     _step(model, loss_fn, _features(loss_case, model))
     with torch.no_grad():
@@ -190,6 +191,7 @@ def _bad_options(loss_case) -> dict[str, tuple[dict, str]]:
         "activation_budget": ({"activation_budget": -1}, "activation_budget must be None"),
         "fsdp_sync": ({"fsdp_sync": "sometimes"}, "fsdp_sync must be"),
         "backend": ({"backend": "cuda"}, "backend must be one of"),
+        "precision": ({"precision": "fp16"}, r"precision must be one of \('auto', 'bf16', 'tf32', 'ieee'\)"),
         "mask_duplicates": ({"mask_duplicates": "yes"}, "mask_duplicates must be True or False"),
     }
     if loss_case.takes_dims:
@@ -206,6 +208,36 @@ def test_bad_options_are_refused_when_the_loss_is_built_naming_the_class(models,
         with pytest.raises((ValueError, TypeError), match=rf"^{name}\b.*{match}") as error:
             loss_case.build(model, **options)
         assert error.type is ValueError or label == "mask_duplicates", label
+
+
+class _NoDevice(torch.nn.Module):
+    """A wrapper that does not say its device (``.module``: the model inside, as DDP-style wrappers hold it)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.module = model
+
+    def get_embedding_dimension(self) -> int:
+        return self.module.get_embedding_dimension()
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_one_backend_rule_for_every_loss(models, name, monkeypatch):
+    """Outside Triton's interpreter "triton" cannot run on a CPU model: refused when the loss is built. A model that
+    does not say its device (the losses that take one: the 2D losses need a SentenceTransformer's layers) has the
+    backend's name checked alone: its first step runs it where the embeddings are."""
+    from st_cached_losses.ops.triton import fused
+
+    monkeypatch.setattr(fused, "INTERPRETED", False)
+    loss_case = case(name)
+    model = models[loss_case.family]
+    with pytest.raises(ValueError, match=rf"^{name}: backend='triton' cannot run here: .*cpu"):
+        loss_case.build(model, backend="triton")
+    if name in ("CachedMatryoshka2dLoss", "CachedAdaptiveLayerLoss"):
+        return
+    assert loss_case.build(_NoDevice(model), backend="triton").backend == "triton"
+    with pytest.raises(ValueError, match=rf"^{name}: backend must be one of"):
+        loss_case.build(_NoDevice(model), backend="cuda")
 
 
 @pytest.mark.parametrize("name", LOSSES)

@@ -412,9 +412,8 @@ def test_bad_input_raises_clear_error(overrides, error, message):
         _call(**overrides)
 
 
-def test_numpy_dims_and_the_old_keyword_names():
-    """Numpy integers are dims like ints; the keyword names before the rename (docs=, doc_ids=, ...) give the same
-    result with a DeprecationWarning naming the new one."""
+def test_numpy_dims_are_ints():
+    """Numpy integers are dims like ints."""
     import numpy as np
 
     queries, docs = _inputs(6, 6, 12, 8)
@@ -428,37 +427,6 @@ def test_numpy_dims_and_the_old_keyword_names():
         queries, docs, dims=[np.int64(8), np.int32(4)], query_ids=ids, document_ids=torch.arange(12)
     )
     assert torch.equal(got.per_dim, want.per_dim)
-    with pytest.warns(DeprecationWarning, match="is deprecated: pass") as warned:
-        got = matryoshka_infonce(queries, docs=docs, dims=[8, 4], query_ids=ids, doc_ids=torch.arange(12))
-    assert {str(w.message) for w in warned} == {
-        "matryoshka_infonce(docs=...) is deprecated: pass documents=... instead.",
-        "matryoshka_infonce(doc_ids=...) is deprecated: pass document_ids=... instead.",
-    }
-    assert torch.equal(got.per_dim, want.per_dim)
-    with pytest.raises(TypeError, match="got both docs= and documents="):
-        matryoshka_infonce(queries, docs=docs, documents=docs, dims=[8, 4])
-
-
-def test_the_names_ops_exported_before_still_work_with_a_warning():
-    """The registry and specs this package exported from st_cached_losses.ops before it was keyed by op: each still
-    resolves (to the matryoshka_infonce op's) with a DeprecationWarning naming its new home."""
-    import st_cached_losses.ops as ops
-    from st_cached_losses.ops import backend, infonce, result, spec
-
-    expected = {
-        "BACKENDS": backend.backends("matryoshka_infonce"),
-        "REGISTRY": backend.REGISTRY["matryoshka_infonce"],
-        "check_backend": backend.check_backend,
-        "select_backend": backend.select_backend,
-        "run_backend": infonce.run_backend,
-        "InfoNCEResult": result.InfoNCEResult,
-        "InfoNCESpec": spec.InfoNCESpec,
-    }
-    for name, value in expected.items():
-        with pytest.warns(DeprecationWarning, match=rf"st_cached_losses.ops.{name} is deprecated: use "):
-            assert getattr(ops, name) == value
-    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
-        ops.nothing  # noqa: B018
 
 
 def _float64_truth_by_row_blocks(queries, docs, dims, block):

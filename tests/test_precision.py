@@ -14,6 +14,18 @@ from st_cached_losses.ops.infonce import run_backend
 from st_cached_losses.ops.spec import InfoNCESpec
 from tests.helpers import ALL_DIRECTIONS, assert_close_to_scale
 
+# InfoNCESpec.build's options for one direction, no hardness (the plain InfoNCE problem).
+PLAIN = dict(
+    weights=None,
+    scale=20.0,
+    similarity="cosine",
+    offset=0,
+    directions=("query_to_doc",),
+    partition_mode="joint",
+    hardness_mode=None,
+    hardness_strength=0.0,
+)
+
 
 def _inputs(batch=21, dim=40, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -57,8 +69,11 @@ def test_matmul_precision_is_scoped_and_restores_the_callers_setting():
     matmul = torch.backends.cuda.matmul
     cuda, before = torch.device("cuda"), matmul.allow_tf32
     try:
-        for caller in (lambda: None, lambda: setattr(matmul, "allow_tf32", True),
-                       lambda: setattr(matmul, "fp32_precision", "tf32")):  # fmt: skip
+        for caller in (
+            lambda: None,
+            lambda: setattr(matmul, "allow_tf32", True),
+            lambda: setattr(matmul, "fp32_precision", "tf32"),
+        ):
             caller()
             previous = matmul.fp32_precision
             for tf32, inside in ((True, "tf32"), (False, "ieee")):
@@ -92,14 +107,10 @@ def test_chunked_tiles_are_cuda_sized_on_a_gpu():
     """256 MiB of tile temporaries on CUDA (4x the CPU's 64 MiB): at B = 16384, five dims, 682 rows instead of 170,
     a quarter of the tiles and of their ~256 launches each."""
     q = torch.empty(16384, 768, device="meta")
-    spec = InfoNCESpec.build(q, q, None, dims=[768, 512, 256, 128, 64], weights=None, scale=20.0, similarity="cosine",
-                             offset=0, directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
-                             hardness_strength=0.0)  # fmt: skip
+    spec = InfoNCESpec.build(q, q, None, dims=[768, 512, 256, 128, 64], **PLAIN)
     cpu = chunked.default_tile_rows(spec, chunked.tile_budget(torch.device("cpu")))
     cuda = chunked.default_tile_rows(spec, chunked.tile_budget(torch.device("cuda")))
     assert (cpu, cuda) == (170, 682)
     queries, docs = _inputs()
-    spec = InfoNCESpec.build(queries, docs, None, dims=[40], weights=None, scale=20.0, similarity="cosine", offset=0,
-                             directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
-                             hardness_strength=0.0)  # fmt: skip
+    spec = InfoNCESpec.build(queries, docs, None, dims=[40], **PLAIN)
     assert run_backend("chunked", queries, docs, queries, spec, need_grad=False).tile == "21 rows"

@@ -3,6 +3,7 @@ door to them): behaviour, not only existence. Also run against the oldest suppor
 
 from __future__ import annotations
 
+import ast
 import configparser
 import importlib
 import math
@@ -182,3 +183,80 @@ def test_transformer_decorator_runs_once_with_hidden_states_and_serves_each_laye
 )
 def test_layer_weight_is_stocks_weighting(weighting, layer, expected):
     assert _st_compat.layer_weight(weighting, layer) == pytest.approx(expected)
+
+
+def test_router_route_is_stocks_lookup():
+    """Route mappings first (by task), then the route named as the task, then the default route; a task no route
+    serves is stock's ValueError."""
+    from sentence_transformers.base.modules import Normalize, Router
+
+    routes = {"query": [Normalize()], "document": [Normalize()]}
+    router = Router(routes, route_mappings={("search", None): "document"})
+    assert _st_compat.router_route(router, "search", None) == "document"
+    assert _st_compat.router_route(router, "query", "text") == "query"
+    with pytest.raises(ValueError, match="No route found for task type 'other'"):
+        _st_compat.router_route(router, "other", "text")
+    assert _st_compat.router_route(Router(routes, default_route="document"), None, "text") == "document"
+
+
+def _sentence_transformers_private_names() -> set[str]:
+    """The private attribute names (one leading underscore) of sentence-transformers' objects: those its classes
+    define (not the ones they override of torch's or transformers' classes: those are the other doors'), its
+    modules' private names, and those its models and their modules set on themselves. Every module of
+    sentence-transformers is imported first, so a class the package reaches lazily counts too."""
+    import importlib
+    import inspect
+    import pkgutil
+    import sys
+    import warnings
+
+    import sentence_transformers
+
+    from st_cached_losses.testing import tiny_multi_vector_encoder, tiny_sentence_transformer
+
+    with warnings.catch_warnings():  # the deprecated import paths warn
+        warnings.simplefilter("ignore")
+        for module in pkgutil.walk_packages(sentence_transformers.__path__, "sentence_transformers."):
+            try:
+                importlib.import_module(module.name)
+            except Exception:  # an optional dependency missing: that module's objects cannot be reached either
+                continue
+    private = lambda name: name.startswith("_") and not name.startswith("__")  # noqa: E731
+    ours = lambda obj: getattr(obj, "__module__", "").startswith("sentence_transformers")  # noqa: E731
+    names = set()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("sentence_transformers"):
+            continue
+        names |= set(filter(private, vars(module)))
+        for cls in filter(inspect.isclass, vars(module).values()):
+            foreign = set().union(*(vars(base) for base in cls.__mro__ if not ours(base)))
+            names |= {key for cls_ in cls.__mro__ if ours(cls_) for key in vars(cls_) if private(key)} - foreign
+    module_state = set(vars(torch.nn.Module()))
+    for model in (tiny_sentence_transformer(), tiny_multi_vector_encoder()):
+        names |= {key for m in model.modules() if ours(type(m)) for key in vars(m) if private(key)} - module_state
+    return names
+
+
+def _attributes(path: Path) -> set[str]:
+    """The attribute names module ``path`` reads or writes (``x._name``), in code: not in comments or docstrings."""
+    return {node.attr for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)}
+
+
+def test_sentence_transformers_private_names_are_written_in_the_door_alone():
+    """No module of the package but ``_st_compat.py`` reads a private attribute of a sentence-transformers object
+    (``._name`` for any such name), and the names the door borrows are among those found (the search sees them).
+    The transformers door's own names (the Trainer's, which sentence-transformers' classes share) are its test's."""
+    from st_cached_losses.losses import _transformers_compat
+
+    private = _sentence_transformers_private_names()
+    door = Path(_st_compat.__file__)
+    borrowed = set(re.findall(r'_borrow\(\w+, "(_\w+)"\)', door.read_text()))
+    borrowed |= set(re.findall(r"\)\.(_\w+)\n", door.read_text()))
+    assert {"_backward_hook", "_resolve_route", "_minibatch_ranges"} <= borrowed <= private
+    allowed = {door: private, Path(_transformers_compat.__file__): set(_transformers_compat.BORROWED)}
+    offenders = {
+        str(path.relative_to(ROOT)): used
+        for path in sorted((ROOT / "st_cached_losses").rglob("*.py"))
+        if (used := sorted(_attributes(path) & private - allowed.get(path, set())))
+    }
+    assert not offenders

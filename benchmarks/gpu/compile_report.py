@@ -42,13 +42,15 @@ __all__ = ["FIELDS", "H100", "hot_loop", "main", "measure", "occupancy", "ptxas_
 
 # H100 SXM5 per SM (CUDA occupancy calculator's sm_90 figures) and its 132 SMs.
 H100 = {"sms": 132, "registers": 65536, "shared_bytes": 228 * 1024, "reserved_shared": 1024, "warps": 64, "ctas": 32}
+# The CSV's columns: the kernel, its resources, its machine code, its launch, and where the figures come from.
 FIELDS = [
-    "kernel", "variant", "config", "num_warps", "num_stages", "arch", "registers", "spill_stores", "spill_loads",
-    "stack_bytes", "shared_bytes", "hot_depth", "wgmma", "wgmma_n", "mma", "ld_vector", "cp_async", "tma",
-    "ld_scalar_b16", "ld_scalar_b32", "loop_wgmma", "loop_mma", "tensor_cores_declared", "problem", "grid",
-    "ctas_per_sm", "occupancy", "waves", "units", "launches_per_call", "torch_ops_per_call", "launches_note", "rule",
-    "known_failure", "triton", "ptxas", "date",
-]  # fmt: skip
+    *["kernel", "variant", "config", "num_warps", "num_stages", "arch"],
+    *["registers", "spill_stores", "spill_loads", "stack_bytes", "shared_bytes"],
+    *["hot_depth", "wgmma", "wgmma_n", "mma", "ld_vector", "cp_async", "tma", "ld_scalar_b16", "ld_scalar_b32"],
+    *["loop_wgmma", "loop_mma", "tensor_cores_declared"],
+    *["problem", "grid", "ctas_per_sm", "occupancy", "waves", "units", "launches_per_call", "torch_ops_per_call"],
+    *["launches_note", "rule", "known_failure", "triton", "ptxas", "date"],
+]
 
 
 def _register_option() -> list[str]:

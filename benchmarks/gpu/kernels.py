@@ -106,9 +106,10 @@ def _dense_rows(precision: str, dtype: torch.dtype) -> int:
     from st_cached_losses.ops.triton.blocks import plan_rows
 
     q = torch.empty(DENSE["batch"], DENSE["dim"], dtype=dtype, device="meta")
-    spec = InfoNCESpec.build(q, q, None, dims=list(DENSE["dims"]), weights=None, scale=20.0, similarity="cosine",
-                             offset=0, directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
-                             hardness_strength=0.0)  # fmt: skip
+    plain = dict(scale=20.0, similarity="cosine", offset=0, directions=("query_to_doc",), partition_mode="joint")
+    spec = InfoNCESpec.build(
+        q, q, None, dims=list(DENSE["dims"]), weights=None, hardness_mode=None, hardness_strength=0.0, **plain
+    )
     return plan_rows(spec, DENSE["dim"], operand_dtype(precision, dtype))
 
 
@@ -134,9 +135,18 @@ def dense_variants(name: str, num_dims: int = len(DENSE["dims"])) -> tuple[Varia
         grid = _dense_grid(name, v["constexprs"], rows)
         units = _cdiv(DENSE["batch"], rows)
         out.append(
-            Variant(label, v["signature"], v["constexprs"], v["num_warps"], v["num_stages"], v["tensor_cores"],
-                    v["attrs"], grid, units)
-        )  # fmt: skip
+            Variant(
+                label,
+                v["signature"],
+                v["constexprs"],
+                v["num_warps"],
+                v["num_stages"],
+                v["tensor_cores"],
+                v["attrs"],
+                grid,
+                units,
+            )
+        )
     return tuple(out)
 
 
@@ -175,9 +185,18 @@ def maxsim_variants(name: str, **problem) -> tuple[Variant, ...]:
     for label, (dtype, precision) in MAXSIM_PRECISIONS.items():
         (spec,) = [s for s in kernel_specs(dtype, precision=precision, **size) if s.name == name]
         out.append(
-            Variant(label, spec.signature, spec.constexprs, spec.options["num_warps"], spec.options["num_stages"],
-                    spec.tensor_cores, spec.attrs, spec.grid, spec.tiles)
-        )  # fmt: skip
+            Variant(
+                label,
+                spec.signature,
+                spec.constexprs,
+                spec.options["num_warps"],
+                spec.options["num_stages"],
+                spec.tensor_cores,
+                spec.attrs,
+                spec.grid,
+                spec.tiles,
+            )
+        )
     return tuple(out)
 
 

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..ops import backends
+from ..ops import PRECISIONS, backends
 from .job import run
 from .options import (
     BATCH_SAMPLERS,
@@ -180,6 +180,14 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         help="the loss stage's backend, by op (the loss refuses a name its op lacks or that cannot run on the "
         f"device): {BACKENDS_BY_OP} (default: auto)",
+    )
+    p.add_argument(
+        "--loss-precision",
+        choices=PRECISIONS,
+        default="auto",
+        help="the loss stage's score GEMMs (the loss's precision=): bf16 operands with fp32 accumulation (faster on "
+        "tensor cores; what it costs in accuracy: docs/features.md), tf32 or ieee; auto: fp32 scores as stock's, TF32 "
+        "on CUDA where torch allows it (default: auto; results.json's config.loss_precision: the one it ran in)",
     )
     precision = p.add_mutually_exclusive_group()
     precision.add_argument(

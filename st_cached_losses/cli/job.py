@@ -203,8 +203,9 @@ def run(options: TrainOptions) -> dict[str, Any]:
 
     ``train_seconds`` is the time spent in ``trainer.train()`` alone; ``peak_memory_bytes`` is the peak memory of
     training, as ``peak_memory_measure`` says (:func:`~st_cached_losses.cli.memory.measure_peak_memory`);
-    ``loss_stage`` lists the loss-stage backend choices (backend, device, reason, tile) of the training run
-    (:func:`st_cached_losses.ops.recorded_choices`). With
+    ``loss_stage`` lists the loss-stage backend choices (backend, device, reason, tile, precision) of the training
+    run (:func:`st_cached_losses.ops.recorded_choices`); ``config.loss_precision``, the precision the loss ran in
+    (``--loss-precision`` resolved: the loss's ``resolved_precision``). With
     ``compare_stock``, copies of the initial model are trained for the same steps (same seed, same batches) with the
     stock loss and ours again, alternating (:func:`~st_cached_losses.cli.comparison.compare_stock`);
     ``compare_stock`` holds every run's time, peak and per-step losses, and ``first_step`` says whether ours equals
@@ -274,6 +275,7 @@ def _config(options: TrainOptions, job: Prepared, steps: int) -> dict[str, Any]:
         eval_queries=job.evaluate.num_queries,
         eval_corpus=job.evaluate.num_corpus,
         device=str(job.model.device),
+        loss_precision=job.loss.resolved_precision,
         versions=_versions(),
     )
     return config
@@ -320,7 +322,8 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(
             "loss stage: "
             + "; ".join(
-                f"{c['op']}: {c['backend']} backend on {c['device']} ({c['reason']}), tile {c['tile']}"
+                f"{c['op']}: {c['backend']} backend on {c['device']} ({c['reason']}), tile {c['tile']}, "
+                f"precision {c['precision']}"
                 for c in results["loss_stage"]
             )
         )

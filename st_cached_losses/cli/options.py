@@ -79,6 +79,7 @@ LOSS_FLAGS = {
     "mini_batch_size": "--mini-batch-size",
     "activation_budget": "--activation-budget",
     "backend": "--backend",
+    "precision": "--loss-precision",
     "false_negative_margin": "--false-negative-margin",
     "mask_duplicates": "--mask-duplicates",
     "memory_size": "--memory-size",
@@ -115,6 +116,7 @@ class TrainOptions:
     output_dir: Path | str
     overwrite: bool = False
     backend: str = "auto"
+    loss_precision: str = "auto"  # the loss stage's GEMMs (the losses' precision=); results.json: the one resolved
     bf16: bool = False
     fp16: bool = False
     compare_stock: bool = False

@@ -59,11 +59,12 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
     ``options.multi_vector``), at ``options.mini_batch_size`` (the default size for "auto"). Ours around it:
     ``CachedMultiVectorMatryoshkaLoss`` with ``options.multi_vector``, ``CachedMatryoshka2dLoss`` with
     ``options.layers`` (every layer and dim at every step), else ``CachedMatryoshkaLoss``, with the options
-    ``mini_batch_size`` ("auto" included), ``backend``, ``false_negative_margin`` (self-guided: without a guide),
-    ``activation_budget``, ``mask_duplicates``, ``sort_by_length`` and the memory bank's. With ``stock``: stock
-    ``MatryoshkaLoss`` around the base loss, or the multi-vector base loss alone (stock has no Matryoshka loss for
-    token vectors: it trains the full token dim). Either shows progress bars inside a step where
-    :func:`shows_progress` says a step takes long (the base loss's ``show_progress_bar``, which ours reads too).
+    ``mini_batch_size`` ("auto" included), ``backend``, ``precision`` (``loss_precision``),
+    ``false_negative_margin`` (self-guided: without a guide), ``activation_budget``, ``mask_duplicates``,
+    ``sort_by_length`` and the memory bank's. With ``stock``: stock ``MatryoshkaLoss`` around the base loss, or the
+    multi-vector base loss alone (stock has no Matryoshka loss for token vectors: it trains the full token dim). Either
+    shows progress bars inside a step where :func:`shows_progress` says a step takes long (the base loss's
+    ``show_progress_bar``, which ours reads too).
     """
     base = _base_loss(model, options, guide)
     if stock:
@@ -93,6 +94,7 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
         **per_step,
         mini_batch_size=options.mini_batch_size,
         backend=options.backend,
+        precision=options.loss_precision,
         false_negative_margin=None if guide is not None else options.false_negative_margin,
         activation_budget=options.activation_budget,
         mask_duplicates=options.mask_duplicates,

@@ -38,6 +38,7 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         mini_batch_num_tokens: int | None = None,
         sort_by_length: bool = True,
         backend: str = "auto",
+        precision: str = "auto",
         show_progress_bar: bool = False,
         false_negative_margin: float | None = None,
         false_negative_strategy: str = "absolute",
@@ -69,8 +70,8 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
             kl_div_weight: weight of the KL term.
             kl_temperature: temperature T of the KL term, >= 0; 0 turns it off.
             layer_weighting: weight of prior layer ``l``: "uniform", "log", "linear" or a callable, as stock's.
-            mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar, activation_budget,
-                fsdp_sync, mask_duplicates: as in :class:`CachedMatryoshkaLoss`.
+            mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, precision, show_progress_bar,
+                activation_budget, fsdp_sync, mask_duplicates: as in :class:`CachedMatryoshkaLoss`.
             false_negative_margin, false_negative_strategy, memory_size, memory_warmup_steps, memory_max_age,
                 dual_memory: refused, as in :class:`CachedMatryoshka2dLoss`.
 
@@ -131,6 +132,7 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
             mini_batch_num_tokens=mini_batch_num_tokens,
             sort_by_length=sort_by_length,
             backend=backend,
+            precision=precision,
             show_progress_bar=show_progress_bar,
             false_negative_margin=false_negative_margin,
             false_negative_strategy=false_negative_strategy,

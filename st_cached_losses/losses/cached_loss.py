@@ -1,8 +1,8 @@
 """What every cached loss of this package shares on top of the GradCache engine (:class:`GradCacheSteps`): the
 mini-batch settings and their defaults, the Matryoshka dims and weights, the ``n_dims_per_step`` draw (stock
-MatryoshkaLoss's ``random.sample`` call), the per-dim entries ``forward`` returns, the model card's settings, the
-activation report, and the checks of the options every loss takes (numpy integers taken as ints, every error naming
-the class in use, the refused options from :mod:`.refusals`).
+MatryoshkaLoss's ``random.sample`` call), the op's precision, the per-dim entries ``forward`` returns, the model card's
+settings, the activation report, and the checks of the options every loss takes (numpy integers taken as ints, every
+error naming the class in use, the backend's one rule, the refused options from :mod:`.refusals`).
 
 Each loss adds its base losses (:mod:`.base_losses`), what it embeds (``encode``) and step (2) (``calculate_loss``).
 """
@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..gradcache._st_compat import validate_mini_batch_num_tokens
@@ -27,9 +28,11 @@ from ..gradcache.loss_components import loss_components
 from ..gradcache.parallel import check_fsdp_sync
 from ..gradcache.step import LayerDraw, Step
 from ..gradcache.steps import GradCacheSteps
+from ..ops.backend import backends, check_backend
+from ..ops.core import check_precision, resolve_precision
 from . import card
 
-__all__ = ["CachedLossBase", "integer", "naming_errors"]
+__all__ = ["CachedLossBase", "check_model_backend", "integer", "naming_errors"]
 
 
 def integer(value: Any) -> Any:
@@ -63,6 +66,30 @@ def check_n_dims_per_step(value: Any, num_dims: int) -> int:
     return value
 
 
+def check_model_backend(model: nn.Module, backend: Any, op: str) -> None:
+    """The backend rule of every loss, when it is built: ``backend`` is "auto" or a name of ``op``'s backends
+    (:func:`~st_cached_losses.ops.backend.check_backend`), one that can run on the model's device ("triton" on a CPU:
+    now, not after the first batch). A model that does not say its device (a stand-in) has the name checked alone: its
+    first step runs the backend where the embeddings are, or raises there.
+
+    Raises:
+        ValueError: an unknown name, or a backend that cannot run on the model's device.
+    """
+    device = getattr(model, "device", None)
+    if device is not None or backend not in backends(op):
+        check_backend(backend, "cpu" if device is None else device, op=op)  # a name alone: refused before the device
+
+
+def _model_embeddings(model: nn.Module) -> Tensor | None:
+    """An empty tensor as the model's embeddings reach the loss under the trainer (its device, its parameters' dtype:
+    accelerate hands fp32 outputs of an fp32 model, outside autocast), or None for a model that does not say."""
+    device = getattr(model, "device", None)
+    parameter = next(iter(model.parameters()), None) if isinstance(model, nn.Module) else None
+    if device is None or parameter is None:
+        return None
+    return torch.empty(0, dtype=parameter.dtype, device=device)
+
+
 class CachedLossBase(GradCacheSteps):
     """The shared part of the cached losses (see the module's docstring); ``self.loss`` is the base loss holding the
     InfoNCE hyperparameters.
@@ -73,9 +100,9 @@ class CachedLossBase(GradCacheSteps):
             model's ``get_embedding_dimension()``.
         default_mini_batch: (mini_batch_size, mini_batch_num_tokens) the base loss implies
             (:func:`.base_losses.mini_batch_defaults`).
-        mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar, activation_budget,
-            fsdp_sync, mask_duplicates: the options every loss takes (the bars show when this loss's or the base
-            loss's ``show_progress_bar`` is True).
+        mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, precision, show_progress_bar,
+            activation_budget, fsdp_sync, mask_duplicates: the options every loss takes (the bars show when this
+            loss's or the base loss's ``show_progress_bar`` is True).
         guide: a GISTEmbed guide embedding step (1)'s mini-batches, or None.
         take_text_ids: take each row's text id (the duplicate mask, a memory bank).
     """
@@ -94,6 +121,7 @@ class CachedLossBase(GradCacheSteps):
         mini_batch_num_tokens: int | None,
         sort_by_length: bool,
         backend: str,
+        precision: str,
         show_progress_bar: bool,
         activation_budget: int | str | None,
         fsdp_sync: str,
@@ -114,6 +142,10 @@ class CachedLossBase(GradCacheSteps):
                     f"mini_batch_num_tokens must be a positive int or None, got {mini_batch_num_tokens!r}."
                 )
             validate_mini_batch_num_tokens(mini_batch_num_tokens)
+            check_precision(precision)
+            embeddings = _model_embeddings(model)
+            if embeddings is not None:  # "bf16" / "tf32" of an fp64 model: refused now, not at the first loss
+                resolve_precision(precision, embeddings)
             activation_budget = check_activation_budget(integer(activation_budget))
             if not isinstance(mask_duplicates, bool):
                 raise TypeError(f"mask_duplicates must be True or False, got {mask_duplicates!r}.")
@@ -137,6 +169,8 @@ class CachedLossBase(GradCacheSteps):
         self.matryoshka_dims, self.matryoshka_weights = dims, weights
         self.n_dims_per_step = n_dims_per_step
         self.backend = backend
+        self.precision = precision
+        self.last_precision: str | None = None  # the last step's, resolved (a report, as masked_share)
         self.activation_budget = activation_budget
         self.mask_duplicates = mask_duplicates
         self.masked_share: float | None = None  # the last step's share of candidates the masks removed
@@ -157,6 +191,26 @@ class CachedLossBase(GradCacheSteps):
     def dim_weights(self, dims: Sequence[int]) -> list[float]:
         """The weight of each of ``dims``."""
         return [self.matryoshka_weights[self.matryoshka_dims.index(dim)] for dim in dims]
+
+    # ------------------------------------------------------------------------------------------ the op's precision
+
+    def op_precision(self, queries: Tensor) -> str:
+        """The op's ``precision`` for this step's ``queries``: the loss's, resolved by the ops' one rule
+        (:func:`~st_cached_losses.ops.core.resolve_precision`, in the op's context: "auto" is "ieee" for the fp32
+        embeddings the trainer hands over outside autocast, "tf32" on CUDA where torch's flag allows it, "bf16" under
+        a bf16 autocast of your own), kept as :attr:`resolved_precision`."""
+        self.last_precision = resolve_precision(self.precision, queries)
+        return self.last_precision
+
+    @property
+    def resolved_precision(self) -> str | None:
+        """The op's GEMM precision ("bf16", "tf32" or "ieee"): the last step's, else what ``precision`` resolves to
+        for the model's embeddings as the trainer hands them over (its device and dtype, outside autocast); None for a
+        model that does not say its device."""
+        if self.last_precision is not None:
+            return self.last_precision
+        embeddings = _model_embeddings(self.model)
+        return None if embeddings is None else resolve_precision(self.precision, embeddings)
 
     # ------------------------------------------------------------------------------------------ the entries
 
@@ -182,7 +236,9 @@ class CachedLossBase(GradCacheSteps):
     def get_config_dict(self) -> dict[str, Any]:
         """The loss's settings for the model card, JSON values: stock ``MatryoshkaLoss``'s keys and value types (the
         base loss by class name, the dims and weights), the base loss's own settings as stock ``Matryoshka2dLoss``
-        lists them, then this loss's own (the mini-batch settings in effect)."""
+        lists them, then this loss's own (the mini-batch settings in effect; with ``precision="auto"``, the precision
+        it resolves to as ``auto_precision``: :attr:`resolved_precision`)."""
+        auto = self.resolved_precision if self.precision == "auto" else None
         return {
             "loss": type(self.loss).__name__,
             "matryoshka_dims": self.matryoshka_dims,
@@ -193,6 +249,8 @@ class CachedLossBase(GradCacheSteps):
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "sort_by_length": self.sort_by_length,
             "backend": self.backend,
+            "precision": self.precision,
+            **({"auto_precision": auto} if auto else {}),
             **self.filter_settings(),
             "activation_budget": self.activation_budget,
             **({"fsdp_sync": self.fsdp_sync} if self.fsdp_sync != "per_backward" else {}),

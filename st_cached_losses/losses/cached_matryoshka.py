@@ -26,10 +26,9 @@ from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
 from ..gradcache.step import Step, require_step
 from ..ops import matryoshka_infonce
-from ..ops.backend import check_backend
 from . import base_losses, card, citations
 from .base_losses import check_base_loss, check_self_guided_filter, guide_model, mini_batch_defaults
-from .cached_loss import CachedLossBase, integer, naming_errors
+from .cached_loss import CachedLossBase, check_model_backend, integer, naming_errors
 from .refusals import check_refusals
 
 logger = logging.getLogger(__name__)
@@ -51,6 +50,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
         mini_batch_num_tokens: int | None = None,
         sort_by_length: bool = True,
         backend: str = "auto",
+        precision: str = "auto",
         show_progress_bar: bool = False,
         false_negative_margin: float | None = None,
         false_negative_strategy: str = "absolute",
@@ -102,6 +102,12 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             sort_by_length: cut each column into mini-batches in length order (restored for the loss), so each pads
                 only to its own longest row; it changes which rows share a dropout draw (False: stock's draws).
             backend: the op's backend: "auto", "chunked", "dense" or "triton" (checked against the model's device).
+            precision: the op's score GEMMs: "auto" (default: stock's numerics under the trainer, which hands the loss
+                fp32 embeddings outside autocast: IEEE fp32, or TF32 on CUDA where torch's flag, the trainer's
+                ``tf32=True``, allows it; "bf16" under a bf16 autocast of your own around the loss); "bf16" (bf16
+                operands, fp32 accumulation and logsumexp: the tensor cores' fast path; what it costs in accuracy:
+                ``docs/features.md``), "tf32" or "ieee" whatever the context. Logged at INFO with the backend; the
+                mode "auto" resolves to: ``resolved_precision``, the model card's ``auto_precision``.
             show_progress_bar: a progress bar over the embedding mini-batches.
             false_negative_margin: with an MNRL base loss, the self-guided false-negative filter (Qwen3-Embedding's
                 recipe): a row scores no candidate whose detached full-dim similarity exceeds its positive's minus
@@ -137,8 +143,9 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             ValueError: a StaticEmbedding model; bad dims or weights, ``n_dims_per_step``; an unsupported
                 ``similarity_fct``, ``mini_batch_size``, ``mini_batch_num_tokens``, ``activation_budget``,
                 ``fsdp_sync``, ``false_negative_margin`` (also next to a GISTEmbed base loss, which has its own) or
-                strategy; an unknown ``backend`` or one that cannot run on the model's device. ``forward`` raises
-                ValueError for fewer than two columns or columns of different lengths, uneven rows across processes with
+                strategy; an unknown ``backend`` or one that cannot run on the model's device; an unknown
+                ``precision``, or "bf16" / "tf32" for a float64 model. ``forward`` raises ValueError for fewer than
+                two columns or columns of different lengths, uneven rows across processes with
                 ``gather_across_devices``, FSDP1, DeepSpeed without ZeRO and ZeRO-2 with gradient accumulation;
                 with a bank, a batch of other columns or a model of another embedding dimension than it holds.
             TypeError / ValueError: a negative or non-integer ``memory_size``, ``memory_warmup_steps`` or
@@ -214,6 +221,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             mini_batch_num_tokens=mini_batch_num_tokens,
             sort_by_length=sort_by_length,
             backend=backend,
+            precision=precision,
             show_progress_bar=show_progress_bar,
             activation_budget=activation_budget,
             fsdp_sync=fsdp_sync,
@@ -269,7 +277,8 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
         weights = self.dim_weights(step.dims)
         queries, docs, placement = step.gathered(columns[0], columns[1:])
         inputs = step_inputs(step, queries, docs, placement, self.memory, self.mask_duplicates)
-        out = matryoshka_infonce(dims=step.dims, weights=weights, **inputs, **self.op_options(step))
+        options = {**self.op_options(step), "precision": self.op_precision(queries)}
+        out = matryoshka_infonce(dims=step.dims, weights=weights, **inputs, **options)
         self.record_dims(step, step.dims, weights, out.per_dim)
         self.note_masked_share(step, out.masked_share)
         loss = out.loss
@@ -327,9 +336,9 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
 
 
 def _check_model(model: Any, backend: str, owner: str) -> None:
-    """ValueError for a StaticEmbedding model, or a backend that cannot run on the model's device ("triton" on CPU:
-    now, not after the first batch). A stand-in that is no module list, or has no device, is not checked for what it
-    does not say (as stock MatryoshkaLoss skips its dims check for a model of unknown embedding dimension)."""
+    """ValueError for a StaticEmbedding model, or a backend the one rule refuses (:func:`.check_model_backend`). A
+    stand-in that is no module list, or has no device, is not checked for what it does not say (as stock
+    MatryoshkaLoss skips its dims check for a model of unknown embedding dimension)."""
     modules = getattr(model, "_orig_mod", model)
     if isinstance(modules, nn.Sequential) and len(modules) and has_static_embedding_input(model):
         raise ValueError(
@@ -337,8 +346,4 @@ def _check_model(model: Any, backend: str, owner: str) -> None:
             "cannot be split into mini-batches. Use MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), dims) "
             "instead."
         )
-    device = getattr(model, "device", None)
-    if device is not None:
-        check_backend(backend, device, op="matryoshka_infonce")
-    elif backend != "triton":  # the name alone; the first step runs "triton" where the embeddings are, or raises
-        check_backend(backend, "cpu", op="matryoshka_infonce")
+    check_model_backend(model, backend, "matryoshka_infonce")

@@ -59,6 +59,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         mini_batch_num_tokens: int | None = None,
         sort_by_length: bool = True,
         backend: str = "auto",
+        precision: str = "auto",
         show_progress_bar: bool = False,
         false_negative_margin: float | None = None,
         false_negative_strategy: str = "absolute",
@@ -107,9 +108,9 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             kl_temperature: temperature T of the KL term, >= 0; 0 turns it off.
             layer_weighting: weight of prior layer ``l``: "uniform" (1), "log" (``1 / (1 + ln(1 + l))``),
                 "linear" (``1 / (1 + l)``) or a callable ``l -> float``, as stock's AdaptiveLayerLoss.
-            mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, show_progress_bar, activation_budget,
-                fsdp_sync, mask_duplicates: as in :class:`CachedMatryoshkaLoss` (a kept mini-batch keeps every
-                layer's graph; the duplicate mask applies to every layer's softmax).
+            mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, precision, show_progress_bar,
+                activation_budget, fsdp_sync, mask_duplicates: as in :class:`CachedMatryoshkaLoss` (a kept mini-batch
+                keeps every layer's graph; the duplicate mask applies to every layer's softmax).
             false_negative_margin, false_negative_strategy: refused (None and "absolute" only): which layer would
                 guide the self-guided filter is not defined by stock or the filter's recipe; filter with
                 :class:`CachedMatryoshkaLoss`.
@@ -185,6 +186,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             mini_batch_num_tokens=mini_batch_num_tokens,
             sort_by_length=sort_by_length,
             backend=backend,
+            precision=precision,
             show_progress_bar=show_progress_bar,
             false_negative_margin=false_negative_margin,
             false_negative_strategy=false_negative_strategy,
@@ -278,7 +280,11 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         columns = step.columns(reps)
         width = columns[0].shape[1] // len(step.draw)
         queries, docs, placement = step.gathered(columns[0], columns[1:])
-        options = {**self.op_options(step), **step.duplicate_inputs(placement)}  # the same text ids for every layer
+        options = {  # the same precision and text ids for every layer
+            **self.op_options(step),
+            "precision": self.op_precision(queries),
+            **step.duplicate_inputs(placement),
+        }
         total, teacher = 0.0, None
         for slot, draw in enumerate(step.draw):
             part = slice(slot * width, (slot + 1) * width)

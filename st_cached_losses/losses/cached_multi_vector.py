@@ -21,10 +21,9 @@ from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
 from ..gradcache.step import Encoded, Step, require_step
 from ..ops import maxsim_infonce
-from ..ops.backend import check_backend
 from . import card, citations
 from .base_losses import check_multi_vector_base_loss, length_normalize, mini_batch_defaults
-from .cached_loss import CachedLossBase, naming_errors
+from .cached_loss import CachedLossBase, check_model_backend, naming_errors
 from .refusals import check_refusals
 from .token_vectors import SIDES, TokenRoutes, token_routes
 
@@ -43,6 +42,7 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         mini_batch_num_tokens: int | None = None,
         sort_by_length: bool = True,
         backend: str = "auto",
+        precision: str = "auto",
         show_progress_bar: bool = False,
         false_negative_margin: float | None = None,
         false_negative_strategy: str = "absolute",
@@ -96,6 +96,7 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             sort_by_length: cut each column into mini-batches in length order (restored for the loss).
             backend: the op's backend: "auto" or a name of ``st_cached_losses.ops.backend.backends("maxsim_infonce")``
                 ("triton": the fused MaxSim kernels, CUDA; "chunked"; "dense": the test oracle).
+            precision: the token GEMMs' operands, as :class:`CachedMatryoshkaLoss` takes it.
             show_progress_bar: a progress bar over the embedding mini-batches.
             false_negative_margin, false_negative_strategy: refused (None and "absolute" only): the MaxSim op has no
                 false-negative filter.
@@ -118,10 +119,9 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
                 top-k retrieved tokens, not a MaxSim over every token); a model whose routes end in token vectors of
                 different dims, or whose similarity on a side cannot be decided (a module of unknown effect after the
                 last one known to write the token vectors); bad dims or weights, ``n_dims_per_step``,
-                ``mini_batch_size``,
-                ``mini_batch_num_tokens``, ``activation_budget``, ``fsdp_sync``, an unknown ``backend``, and the
-                refused options; ``forward``: fewer than two columns or columns of different lengths, uneven rows
-                across processes with ``gather_across_devices``.
+                ``mini_batch_size``, ``mini_batch_num_tokens``, ``activation_budget``, ``fsdp_sync``, an unknown
+                ``backend`` or ``precision``, and the refused options; ``forward``: fewer than two columns or columns
+                of different lengths, uneven rows across processes with ``gather_across_devices``.
 
         References:
             - ColBERT: https://arxiv.org/abs/2004.12832; ColBERTv2: https://arxiv.org/abs/2112.01488
@@ -185,6 +185,7 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             mini_batch_num_tokens=mini_batch_num_tokens,
             sort_by_length=sort_by_length,
             backend=backend,
+            precision=precision,
             show_progress_bar=show_progress_bar,
             activation_budget=activation_budget,
             fsdp_sync=fsdp_sync,
@@ -259,14 +260,16 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         """
         step = require_step(step, type(self).__name__)
         weights = self.dim_weights(step.dims)
+        inputs = step.gathered_tokens(step.token_columns(reps))
         out = maxsim_infonce(
-            **step.gathered_tokens(step.token_columns(reps)),
+            **inputs,
             dims=step.dims,
             weights=weights,
             scale=self.loss.scale,
             similarity=self.token_routes(step).similarity,
             length_normalize=length_normalize(self.loss.similarity_fct, type(self).__name__),
             backend=self.backend,
+            precision=self.op_precision(inputs["queries"]),
             nonfinite=nonfinite_policy(step.encoder_dtypes),
         )
         self.record_dims(step, step.dims, weights, out.per_dim)
@@ -288,5 +291,4 @@ def _check_model(model: Any, backend: str, owner: str) -> None:
             f"{owner} needs a MultiVectorEncoder, got {type(model).__name__}: for a SentenceTransformer use "
             "CachedMatryoshkaLoss."
         )
-    device = getattr(model, "device", None)
-    check_backend(backend, "cpu" if device is None else device, op="maxsim_infonce")
+    check_model_backend(model, backend, "maxsim_infonce")

@@ -21,6 +21,8 @@ from typing import Any
 
 from torch import nn
 
+from ..gradcache._st_compat import router_route
+
 __all__ = ["SIDES", "TokenRoute", "TokenRoutes", "token_route", "token_routes"]
 
 SIDES = ("query", "document")  # the tasks the loss stamps on its columns (query column first), as stock does
@@ -139,8 +141,7 @@ def _router_route(router: Any, task: str, owner: str) -> str:
     routes = set()
     for modality in router.modalities or [None]:
         try:
-            # Router's own lookup (route_mappings, then the task's name, then the default route).
-            routes.add(router._resolve_route(task=task, modality=modality))
+            routes.add(router_route(router, task, modality))  # Router's own lookup
         except ValueError as error:
             raise ValueError(f"{owner} needs a route for the {task!r} task: {error}") from error
     if len(routes) != 1:

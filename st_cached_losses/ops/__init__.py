@@ -18,9 +18,6 @@ The public names are below; everything else is reached through its module (``ops
 
 from __future__ import annotations
 
-import warnings
-
-from . import backend, infonce, result, spec
 from .backend import backends, choices, recorded_choices
 from .core import NONFINITE_POLICIES, PRECISIONS
 from .errors import TritonUnavailableError
@@ -39,26 +36,3 @@ __all__ = [
     "maxsim_infonce",
     "recorded_choices",
 ]
-
-# Names exported before the registry was keyed by op (deprecated): name -> (what to use, its value).
-_DEPRECATED = {
-    "BACKENDS": ('backends("matryoshka_infonce")', lambda: backends("matryoshka_infonce")),
-    "REGISTRY": ('backend.REGISTRY["matryoshka_infonce"]', lambda: backend.REGISTRY["matryoshka_infonce"]),
-    "check_backend": ("backend.check_backend", lambda: backend.check_backend),
-    "select_backend": ("backend.select_backend", lambda: backend.select_backend),
-    "run_backend": ("infonce.run_backend", lambda: infonce.run_backend),
-    "InfoNCEResult": ("result.InfoNCEResult", lambda: result.InfoNCEResult),
-    "InfoNCESpec": ("spec.InfoNCESpec", lambda: spec.InfoNCESpec),
-}
-
-
-def __getattr__(name: str):
-    if name not in _DEPRECATED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    instead, value = _DEPRECATED[name]
-    warnings.warn(
-        f"st_cached_losses.ops.{name} is deprecated: use st_cached_losses.ops.{instead}.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return value()

@@ -10,12 +10,10 @@ those by ``grad_output`` (accumulation, the AMP scaler).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import numbers
 import operator
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,8 +31,8 @@ __all__ = [
     "as_int",
     "check_chunk_size",
     "check_dims",
+    "check_precision",
     "check_scale",
-    "renamed_keywords",
     "resolve_precision",
     "run_op",
 ]
@@ -145,32 +143,14 @@ def check_offset(offset: Any, batch: int, limit: int, limit_name: str) -> int:
 def check_policies(nonfinite: Any, precision: Any) -> None:
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
-    if precision not in PRECISIONS:
+    check_precision(precision)
+
+
+def check_precision(precision: Any) -> str:
+    """``precision`` as given, or a ValueError: one of :data:`PRECISIONS` (the ops' and the losses' one rule)."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}.")
-
-
-def renamed_keywords(**renames: str) -> Callable:
-    """Accept the keyword arguments a function had before a rename (old name -> new name), with a
-    DeprecationWarning naming the new one; passing both is a TypeError."""
-
-    def decorate(function: Callable) -> Callable:
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            for old, new in renames.items():
-                if old in kwargs:
-                    if new in kwargs:
-                        raise TypeError(f"{function.__name__}() got both {old}= and {new}=: pass {new}= only.")
-                    warnings.warn(
-                        f"{function.__name__}({old}=...) is deprecated: pass {new}=... instead.",
-                        DeprecationWarning,
-                        stacklevel=2,
-                    )
-                    kwargs[new] = kwargs.pop(old)
-            return function(*args, **kwargs)
-
-        return wrapper
-
-    return decorate
+    return precision
 
 
 # --------------------------------------------------------------------------------------------- NaN and precision
@@ -223,9 +203,7 @@ def resolve_precision(precision: str, queries: Tensor) -> str:
     Raises:
         ValueError: an unknown mode, or "bf16" / "tf32" with fp64 inputs.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}.")
-    if precision != "auto":
+    if check_precision(precision) != "auto":
         if precision != "ieee" and queries.dtype == torch.float64:
             raise ValueError(f"precision={precision!r} needs fp32, bf16 or fp16 inputs, not fp64: use 'ieee'.")
         return precision

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .backend import REGISTRY
-from .core import check_chunk_size, check_policies, renamed_keywords, resolve_precision, run_op
+from .core import check_chunk_size, check_policies, resolve_precision, run_op
 from .duplicates import check_ids
 from .memory import Memory, check_memory
 from .result import InfoNCEOutput, InfoNCEResult
@@ -25,14 +25,6 @@ __all__ = ["matryoshka_infonce", "run_backend"]
 OP = "matryoshka_infonce"
 
 
-@renamed_keywords(
-    docs="documents",
-    doc_ids="document_ids",
-    guide_docs="guide_documents",
-    memory_docs="memory_documents",
-    memory_doc_ids="memory_document_ids",
-    memory_guide_docs="memory_guide_documents",
-)
 def matryoshka_infonce(
     queries: Tensor,
     documents: Tensor,
@@ -141,10 +133,8 @@ def matryoshka_infonce(
             (required then); the self-guided filter scores the banked embeddings themselves.
 
     The op accumulates in fp32 (fp64 for fp64 inputs) whatever autocast is active, its GEMM operands as ``precision``
-    says; gradients come back in the inputs' dtype. The old keyword names ``docs``, ``doc_ids``, ``guide_docs``,
-    ``memory_docs``, ``memory_doc_ids`` and ``memory_guide_docs`` still work, with a DeprecationWarning. A row whose
-    only candidate is its positive (a batch of one pair, or a row whose other candidates the filter or the duplicate
-    mask removed) has loss and gradient exactly 0.
+    says; gradients come back in the inputs' dtype. A row whose only candidate is its positive (a batch of one pair,
+    or a row whose other candidates the filter or the duplicate mask removed) has loss and gradient exactly 0.
 
     Returns:
         :class:`~st_cached_losses.ops.result.InfoNCEOutput`: ``loss`` (0-dim, fp32; fp64 for fp64 inputs; the one

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..backend import REGISTRY
-from ..core import check_chunk_size, check_policies, renamed_keywords, resolve_precision, run_op
+from ..core import check_chunk_size, check_policies, resolve_precision, run_op
 from ..result import InfoNCEOutput, InfoNCEResult
 from .spec import MaxSimSpec
 
@@ -23,7 +23,6 @@ __all__ = ["maxsim_infonce", "run_backend"]
 OP = "maxsim_infonce"
 
 
-@renamed_keywords(doc_ids="document_ids")
 def maxsim_infonce(
     queries: Tensor,
     documents: Tensor,
@@ -98,9 +97,9 @@ def maxsim_infonce(
             positive column. See ``ops/duplicates.py``.
 
     The op accumulates in fp32 (fp64 for fp64 inputs) whatever autocast is active, its GEMM operands as
-    ``precision`` says; gradients come back in the inputs' dtype, for queries and documents. The old keyword name
-    ``doc_ids`` still works, with a DeprecationWarning. A row whose only candidate is its positive has loss and gradient
-    exactly 0. Ties in a max (exact equality only) send the gradient to one token, as stock's ``max`` does.
+    ``precision`` says; gradients come back in the inputs' dtype, for queries and documents. A row whose only
+    candidate is its positive has loss and gradient exactly 0. Ties in a max (exact equality only) send the gradient
+    to one token, as stock's ``max`` does.
 
     Returns:
         :class:`~st_cached_losses.ops.result.InfoNCEOutput`, every field on the queries' device in fp32 (fp64 for
