@@ -69,6 +69,7 @@ class Direction:
             DUP=spec.mask_duplicates and not filtered,  # with a filter the duplicates join its dropped tile
             PARTNER=spec.mask_duplicates and direction.partner,
             FILTER=filtered,
+            ABSENT=spec.absent_documents and direction.cols == "c",
             ACC=_ACC[acc],
         )
         return cls(name, "q" if direction.rows == "q" else "c", direction.cols, consts)
@@ -116,13 +117,14 @@ class Launcher:
         nrm2: Tensor | None = None,
         coef: Tensor | None = None,
         col_terms: Tensor | None = None,
-        masks: tuple = (None, None, None, 1),
+        masks: tuple = (None, None, None, 1, None),
         world0: int = 0,
     ) -> None:
         """Pass ``which`` (1 or 2) over ``planes`` (K, rows, cols); see ``fused._pass_kernel``. ``masks``: (dropped
-        tile (rows, cols) uint8, the rows' forbidden codes (rows, n) int32, the columns' codes (cols,) int32, n)."""
+        tile (rows, cols) uint8, the rows' forbidden codes (rows, n) int32, the columns' codes (cols,) int32, n, the
+        documents' presence (M,) uint8 (0: absent))."""
         spec, none = self.spec, self.placeholder
-        drop, row_ids, col_ids, n_forbid = masks
+        drop, row_ids, col_ids, n_forbid, present = masks
         rows, cols = planes.shape[1], planes.shape[2]
         cfg = config("pass")
         _pass_kernel[self.pass_grid(rows, cols)](
@@ -137,6 +139,7 @@ class Launcher:
             0 if col_terms is None else col_terms.stride(0), 0 if col_terms is None else col_terms.stride(1),
             none if drop is None else drop, 0 if drop is None else drop.stride(0),
             none if row_ids is None else row_ids, none if col_ids is None else col_ids, n_forbid,
+            none if present is None else present,
             rows, cols, spec.num_docs, world0, spec.world_batch_size, self.consts,
             PASS=which, **direction.consts, **cfg,
         )  # fmt: skip
@@ -188,7 +191,7 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
 # Pointer arguments of each kernel that hold the embeddings' dtype ("input"), the planes' ("plane"), or a fixed one.
 _POINTERS = {
     "S": "plane", "X": "input", "OUT": "input", "DROP": "u8", "ROW_IDS": "i32", "COL_IDS": "i32", "DIMS": "i32",
-    "LIVE": "i8",
+    "LIVE": "i8", "PRESENT": "u8",
 }  # fmt: skip
 # What every launch guarantees (the planes, the columns' inverse norms and the column terms are allocations of their
 # own, padded to whole tiles: ``padded``): 16-byte aligned pointers and 16-element strides, as Triton's JIT
@@ -221,7 +224,7 @@ def kernel_variants(precision: str = "bf16", num_dims: int = 5, input_dtype: tor
     inputs = input_dtype or (torch.float32 if plane != torch.bfloat16 else torch.bfloat16)
     types = {"plane": _TYPES[plane], "input": _TYPES[inputs]}
     problem = dict(K=num_dims, COSINE=True, ACC=_ACC[acc])
-    direction = dict(MASK=0, HARD=0, LABEL=True, DUP=False, PARTNER=False, FILTER=False)
+    direction = dict(MASK=0, HARD=0, LABEL=True, DUP=False, PARTNER=False, FILTER=False, ABSENT=False)
     kernels = [
         ("dense/pass1", _pass_kernel, {**problem, **direction, "PASS": 1, **CONFIGS["pass"]}),
         ("dense/pass2", _pass_kernel, {**problem, **direction, "PASS": 2, **CONFIGS["pass"]}),
