@@ -46,7 +46,8 @@ def candidates(
     guide_sims = None
     if margin is not None:
         rows, cols = (queries, documents) if guide is None else guide
-        guide_sims = _similarities(rows.double(), cols.double(), rows.shape[1], cosine if guide is None else True)
+        rows, cols = rows.detach().double(), cols.detach().double()
+        guide_sims = _similarities(rows, cols, rows.shape[1], cosine if guide is None else True)
     out = []
     for i in range(batch):
         w = offset + i
@@ -122,3 +123,14 @@ def loss_and_grads(
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
     return loss.detach(), torch.stack(per_dim).detach(), (grads[0], grads[1], grads[2] if world is not None else None)
+
+
+def masked_share(queries, documents, *, offset=0, world_batch=None, cosine=True, **rule) -> float:
+    """The share of candidates the duplicate mask and the filter remove: candidates are a row's present columns in
+    its scope (every document, or its own) less its positive; absent documents are neither."""
+    scope = {key: rule[key] for key in ("in_batch_negatives", "present") if key in rule}
+    common = dict(offset=offset, world_batch=world_batch, cosine=cosine)
+    every = candidates(queries, documents, **common, **scope)
+    kept = candidates(queries, documents, **common, **rule)
+    total = sum(len(columns) - 1 for columns in every)
+    return (total - sum(len(columns) - 1 for columns in kept)) / max(total, 1)

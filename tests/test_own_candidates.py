@@ -1,0 +1,339 @@
+"""``matryoshka_infonce`` with in-batch negatives off and with absent documents (``document_present``), on the dense
+and chunked backends, against the float64 oracle written from the definition (tests/infonce_oracle.py): loss,
+per-dim losses, d queries, d documents, d world queries and the masked share, with several dims and weights, cosine
+and dot, a gathered batch, the hardness penalty, the duplicate mask and GISTEmbed's filter (guided and self-guided).
+Absent documents get exactly zero gradient; a row left with only its positive has loss and gradient exactly 0; a
+column every row lacks is the batch without it; options that need other rows' texts are refused. The Triton backend's
+cases are in tests/test_triton.py (the interpreter)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from st_cached_losses import matryoshka_infonce
+from tests import infonce_oracle as oracle
+from tests.helpers import assert_close_to_scale
+
+
+def problem(batch=11, world=None, offset=0, negatives=3, dim=24, seed=0, spread=1.0):
+    """(world queries (Bw, D), documents (Bw (1 + negatives), D), document_present (M,)): positives and the first
+    hard negatives correlated with their queries (so the filter has something to drop); absent: every hard negative
+    of world row offset + 1 (a row left with only its positive without in-batch negatives), the second block's row
+    offset + 3 and the last block's row 0."""
+    world = world or batch
+    g = torch.Generator().manual_seed(seed)
+    world_q = torch.randn(world, dim, generator=g, dtype=torch.float64)
+    docs = torch.randn(world * (1 + negatives), dim, generator=g, dtype=torch.float64)
+    docs[:world] += world_q
+    docs[world : 2 * world] += 0.8 * world_q
+    present = torch.ones(docs.shape[0], dtype=torch.bool)
+    present[world + offset + 1 :: world] = False
+    if negatives > 1 and offset + 3 < world:
+        present[2 * world + offset + 3] = False
+        present[negatives * world] = False
+    return (spread * world_q).float(), (spread * docs).float(), present
+
+
+def duplicate_ids(world: int, negatives: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(world query ids (Bw,), document ids (M,)) with duplicates: rows 3 and 4 share a query (row 4's positive is
+    row 3's hard negative: another positive of its query), row 0's hard negative is row 2's positive, row 5's its own
+    query's text, row 6's its own positive's, row 7's the text of row 8's query (a candidate, not forbidden), row 3's
+    second its own positive's (an absent document)."""
+    queries = torch.arange(world)
+    queries[4] = queries[3]
+    docs = 1000 + torch.arange(world * (1 + negatives))
+    docs[world + 3] = docs[4]
+    docs[world + 0] = docs[2]
+    docs[world + 5] = queries[5]
+    docs[2 * world + 6] = docs[6]
+    docs[world + 7] = queries[8]
+    docs[2 * world + 3] = docs[3]  # absent too (``problem``): removed once
+    return queries, docs
+
+
+CASES = {
+    "cosine_weighted_dims": dict(dims=[24, 16, 5], weights=[1.0, 0.5, 2.0]),
+    "dot": dict(dims=[24, 7], weights=[0.5, 1.0], similarity="dot", scale=1.0, spread=0.3),
+    "gathered_all_negatives_hardness": dict(
+        batch=7, world=15, offset=5, dims=[24, 12], hardness_mode="all_negatives", hardness_strength=3.0
+    ),
+    "hard_negatives_hardness_duplicates": dict(
+        dims=[24, 8], hardness_mode="hard_negatives", hardness_strength=5.0, duplicates=True
+    ),
+    "self_guided_filter_duplicates": dict(dims=[24, 16], false_negative_margin=0.05, duplicates=True),
+    "guided_relative_filter_gathered": dict(
+        batch=7,
+        world=15,
+        offset=5,
+        dims=[24, 12, 4],
+        guided=True,
+        false_negative_margin=0.3,
+        false_negative_strategy="relative",
+    ),
+}
+
+
+def run_case(case: dict, backend: str, in_batch_negatives: bool, absent: bool = True, chunk_size: int = 4):
+    """The op (through autograd) and the oracle on one case: ((loss, per_dim, d queries, d docs, d world or None,
+    masked share), the same from the oracle, document_present or None)."""
+    case = dict(case)
+    shape = {key: case.pop(key) for key in ("batch", "world", "offset", "spread") if key in case}
+    world_q, docs, present = problem(**shape)
+    batch, offset = shape.get("batch", world_q.shape[0]), shape.get("offset", 0)
+    gathered = batch != world_q.shape[0]
+    present = present if absent else None
+    options, rule = dict(case), dict(in_batch_negatives=in_batch_negatives, present=present)
+    if options.pop("duplicates", False):
+        query_ids, doc_ids = duplicate_ids(world_q.shape[0], docs.shape[0] // world_q.shape[0] - 1)
+        options.update(query_ids=query_ids[offset : offset + batch], document_ids=doc_ids)
+        options.update(world_query_ids=query_ids if gathered else None)
+        rule["ids"] = (query_ids, doc_ids)
+    if options.pop("guided", False):
+        g = torch.Generator().manual_seed(7)
+        guide_docs = docs[:, :8] + 0.5 * torch.randn(docs.shape[0], 8, generator=g)
+        options.update(guide_queries=world_q[offset : offset + batch, :8], guide_documents=guide_docs)
+        rule["guide"] = (options["guide_queries"], guide_docs)
+    if "false_negative_margin" in options:
+        rule.update(
+            margin=options["false_negative_margin"], strategy=options.get("false_negative_strategy", "absolute")
+        )
+    q = world_q[offset : offset + batch].clone().requires_grad_()
+    c = docs.clone().requires_grad_()
+    w = world_q.clone().requires_grad_() if gathered else None
+    out = matryoshka_infonce(
+        q,
+        c,
+        world_queries=w,
+        offset=offset,
+        backend=backend,
+        chunk_size=chunk_size,
+        in_batch_negatives=in_batch_negatives,
+        document_present=present,
+        **options,
+    )
+    out.loss.backward()
+    got = (out.loss.detach(), out.per_dim, q.grad, c.grad, None if w is None else w.grad, out.masked_share)
+    similarity = dict(cosine=options.get("similarity", "cosine") == "cosine", scale=options.get("scale", 20.0))
+    penalty = {key: options[key] for key in ("hardness_mode", "hardness_strength") if key in options}
+    loss, per_dim, grads = oracle.loss_and_grads(
+        q, c, w, dims=options["dims"], weights=options.get("weights"), offset=offset, **similarity, **penalty, **rule
+    )
+    share = None
+    if "ids" in rule or "margin" in rule:
+        share = oracle.masked_share(
+            q, c, offset=offset, world_batch=world_q.shape[0], cosine=similarity["cosine"], **rule
+        )
+    return got, (loss, per_dim, *grads, share), present
+
+
+def assert_matches(got, want) -> None:
+    names = ("loss", "per_dim", "d queries", "d documents", "d world queries")
+    for name, a, b in zip(names, got, want):
+        if b is None:
+            assert a is None, name
+            continue
+        assert_close_to_scale(a.double(), b, name, rtol=1e-4)
+    if want[-1] is None:
+        assert got[-1] is None
+    else:
+        assert float(got[-1]) == pytest.approx(want[-1], rel=1e-6) and want[-1] > 0
+
+
+@pytest.mark.parametrize("in_batch_negatives", [True, False], ids=["in_batch", "own_only"])
+@pytest.mark.parametrize("backend", ["dense", "chunked"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_the_float64_oracle(case, backend, in_batch_negatives):
+    """Absent documents in every case: their gradient is exactly zero; without in-batch negatives, world row offset + 1
+    (no hard negative present) is left with only its positive: its query and positive get exactly zero gradient."""
+    got, want, present = run_case(case, backend, in_batch_negatives)
+    assert_matches(got, want)
+    d_docs = got[3]
+    assert not d_docs[~present].any(), "absent documents take no gradient"
+    if not in_batch_negatives:
+        offset = case.get("offset", 0)
+        assert not got[2][1].any() and not d_docs[offset + 1].any()
+
+
+@pytest.mark.parametrize("backend", ["dense", "chunked"])
+def test_without_absent_documents(backend):
+    """Every document present, no ``document_present``: in-batch negatives off against the oracle."""
+    got, want, _ = run_case(CASES["cosine_weighted_dims"], backend, in_batch_negatives=False, absent=False)
+    assert_matches(got, want)
+
+
+def _lonely(backend: str, in_batch_negatives: bool, batch: int, duplicates: bool):
+    """Every row left with only its positive: all its hard negatives absent, or (``duplicates``) copies of its
+    positive's text."""
+    world_q, docs, _ = problem(batch=batch)
+    present = torch.ones(docs.shape[0], dtype=torch.bool)
+    options = {}
+    if duplicates:
+        doc_ids = torch.arange(batch).repeat(docs.shape[0] // batch)
+        options = dict(query_ids=100 + torch.arange(batch), document_ids=doc_ids)
+    else:
+        present[batch:] = False
+        options = dict(document_present=present)
+    q, c = world_q.requires_grad_(), docs.requires_grad_()
+    out = matryoshka_infonce(q, c, dims=[24, 8], backend=backend, in_batch_negatives=in_batch_negatives, **options)
+    out.loss.backward()
+    return out, q.grad, c.grad
+
+
+@pytest.mark.parametrize("backend", ["dense", "chunked"])
+@pytest.mark.parametrize(
+    "in_batch_negatives, batch, duplicates",
+    [(False, 5, False), (True, 1, False), (False, 5, True)],
+    ids=["own_only_absent", "one_pair_absent", "own_only_duplicates"],
+)
+def test_rows_left_with_only_their_positive_are_exact_zeros(backend, in_batch_negatives, batch, duplicates):
+    out, d_queries, d_docs = _lonely(backend, in_batch_negatives, batch, duplicates)
+    assert out.loss.item() == 0.0 and not out.per_dim.any()
+    assert not d_queries.any() and not d_docs.any()
+
+
+@pytest.mark.parametrize("in_batch_negatives", [True, False], ids=["in_batch", "own_only"])
+@pytest.mark.parametrize("backend", ["dense", "chunked"])
+def test_a_column_every_row_lacks_is_the_batch_without_it(backend, in_batch_negatives):
+    """Every row lacks its second hard negative: the loss and gradients of the batch without that column (up to the
+    sums' order: 1e-6 of the loss, 1e-5 of the largest gradient), and exactly zero gradient for the column."""
+    world_q, docs, _ = problem(batch=9, negatives=3)
+    columns = docs.view(4, 9, -1)
+    present = torch.ones(4, 9, dtype=torch.bool)
+    present[2] = False
+    results = []
+    for c, flags in ((docs, present.flatten()), (columns[[0, 1, 3]].reshape(27, -1), None)):
+        q, c = world_q.clone().requires_grad_(), c.clone().requires_grad_()
+        out = matryoshka_infonce(
+            q,
+            c,
+            dims=[24, 8],
+            weights=[1.0, 0.5],
+            backend=backend,
+            chunk_size=4,
+            in_batch_negatives=in_batch_negatives,
+            document_present=flags,
+        )
+        out.loss.backward()
+        results.append((out.loss.detach(), q.grad, c.grad))
+    (loss, d_queries, d_docs), (want_loss, want_queries, want_docs) = results
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    assert_close_to_scale(d_queries, want_queries, "d queries", rtol=1e-5)
+    assert_close_to_scale(d_docs.view(4, 9, -1)[[0, 1, 3]], want_docs.view(3, 9, -1), "d documents", rtol=1e-5)
+    assert not d_docs.view(4, 9, -1)[2].any()
+
+
+@pytest.mark.parametrize("backend", ["dense", "chunked"])
+def test_moot_options_without_in_batch_negatives(backend):
+    """One direction: per_direction is joint; the own hard negatives are every negative: all_negatives is
+    hard_negatives."""
+    world_q, docs, present = problem()
+    base = dict(dims=[24, 8], backend=backend, in_batch_negatives=False, document_present=present)
+
+    def loss(**options):
+        return matryoshka_infonce(world_q, docs, **base, **options).loss
+
+    assert torch.equal(loss(partition_mode="per_direction"), loss())
+    hard = dict(hardness_strength=4.0)
+    assert torch.equal(loss(hardness_mode="all_negatives", **hard), loss(hardness_mode="hard_negatives", **hard))
+    assert not torch.equal(loss(hardness_mode="hard_negatives", **hard), loss())
+
+
+class _Largest(TorchDispatchMode):
+    """The largest tensor any op returns (elements), and the host synchronisations, inside the block."""
+
+    SYNCING = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero", "aten.item")
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.syncs = 0, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        if str(func.overloadpacket) in self.SYNCING:
+            self.syncs[str(func.overloadpacket)] += 1
+        return out
+
+
+def largest_tensor_and_syncs(backend: str, **options) -> tuple[int, collections.Counter]:
+    """One op call's (forward and backward) largest tensor and host synchronisations: B = 512, 3 hard negatives,
+    D = 16 (B x B = 262144 elements; the documents 32768)."""
+    world_q, docs, _ = problem(batch=512, negatives=3, dim=16)
+    q, c = world_q.requires_grad_(), docs.requires_grad_()
+    with _Largest() as seen:
+        matryoshka_infonce(q, c, dims=[16, 8], backend=backend, **options).loss.backward()
+    return seen.largest, seen.syncs
+
+
+def test_nothing_b_by_b_without_in_batch_negatives():
+    """No tensor of B x B (or B x M) elements: the own documents' (n, B) problem, O(B n D)."""
+    largest, _ = largest_tensor_and_syncs("chunked", in_batch_negatives=False)
+    assert largest <= 4 * 512 * 16  # the documents and their gradient
+    assert largest_tensor_and_syncs("chunked")[0] >= 512 * 512  # the measurement sees the in-batch tiles
+
+
+@pytest.mark.parametrize("in_batch_negatives", [True, False], ids=["in_batch", "own_only"])
+def test_document_present_adds_no_host_synchronisation(in_batch_negatives):
+    """The positives' presence is read with the NaN check's one synchronisation."""
+    present = torch.ones(4 * 512, dtype=torch.bool)
+    present[512 + 7 :: 512] = False
+    options = dict(in_batch_negatives=in_batch_negatives)
+    _, without = largest_tensor_and_syncs("chunked", **options)
+    _, with_present = largest_tensor_and_syncs("chunked", document_present=present, **options)
+    assert with_present == without and sum(without.values()) <= 1, (with_present, without)
+
+
+def _call(**overrides):
+    world_q, docs, present = problem(batch=6, negatives=2, dim=8)
+    kwargs = dict(dims=[8, 4], in_batch_negatives=False, document_present=present)
+    return matryoshka_infonce(world_q, docs, **{**kwargs, **overrides})
+
+
+REFUSED = {
+    "not_a_bool": (dict(in_batch_negatives=1), TypeError, "in_batch_negatives must be True or False"),
+    "other_directions": (
+        dict(directions=("query_to_doc", "doc_to_query")),
+        ValueError,
+        r"directions \['doc_to_query'\] score other rows' texts: pass directions=\('query_to_doc',\)",
+    ),
+    "gist_directions": (dict(directions=("query_to_doc", "anchor_to_anchor")), ValueError, "other rows' texts"),
+    "in_batch_hardness": (
+        dict(hardness_mode="in_batch_negatives", hardness_strength=2.0),
+        ValueError,
+        "penalises other rows' documents, which in_batch_negatives=False does not score",
+    ),
+    "memory_bank": (dict(memory_documents=torch.randn(5, 8)), ValueError, "drop the memory bank"),
+    "present_not_bool": (
+        dict(document_present=torch.ones(18, dtype=torch.int64)),
+        TypeError,
+        "document_present must be a 1-D torch.bool tensor",
+    ),
+    "present_length": (dict(document_present=torch.ones(12, dtype=torch.bool)), ValueError, "has 12 flags but"),
+    "present_device": (
+        dict(document_present=torch.ones(18, dtype=torch.bool, device="meta")),
+        ValueError,
+        "document_present is on meta",
+    ),
+    "absent_positive": (
+        dict(document_present=torch.arange(18) != 3),
+        ValueError,
+        "document_present is False for a positive",
+    ),
+    "absent_positive_in_batch": (
+        dict(document_present=torch.arange(18) != 0, in_batch_negatives=True),
+        ValueError,
+        "a row's positive is never absent",
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides, error, message", REFUSED.values(), ids=REFUSED.keys())
+def test_refusals_name_the_reason(overrides, error, message):
+    with pytest.raises(error, match=message):
+        _call(**overrides)
