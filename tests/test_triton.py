@@ -33,7 +33,7 @@ from st_cached_losses.ops.infonce import run_backend
 from st_cached_losses.ops.memory import Memory
 from st_cached_losses.ops.spec import InfoNCESpec
 from st_cached_losses.ops.triton import blocks, fused, passes
-from tests import duplicates_reference
+from tests import duplicates_reference, infonce_oracle
 from tests.helpers import ALL_DIRECTIONS, assert_close_to_scale
 
 if not fused.INTERPRETED:  # imported earlier in this process without the interpreter
@@ -429,3 +429,66 @@ def test_launches_per_op_call(monkeypatch):
     full = dataclasses.replace(spec, batch_size=16384, world_batch_size=16384, dims=(768, 512, 256, 128, 64))
     blocks_16384 = -(-16384 // blocks.plan_rows(full, q.shape[1], torch.bfloat16))
     assert per_call + blocks_16384 * per_block <= 310
+
+
+# ------------------------------------------------------------------- in-batch negatives off, absent documents
+
+# The kernels with absent documents (their column mask) and with each mask beside it; without in-batch negatives the
+# backend runs ``ops/own.py`` (no kernel): one case each way is enough there.
+OWN_CASES = {
+    "absent_self_guided_filter_duplicates": ("self_guided_filter_duplicates", True),
+    "absent_duplicates_in_kernel_hardness": ("hard_negatives_hardness_duplicates", True),
+    "absent_gathered_all_negatives_hardness": ("gathered_all_negatives_hardness", True),
+    "absent_dot": ("dot", True),
+    "own_only_guided_relative_gathered": ("guided_relative_filter_gathered", False),
+}
+
+
+@pytest.mark.parametrize("case, in_batch_negatives", OWN_CASES.values(), ids=OWN_CASES.keys())
+def test_absent_documents_and_in_batch_off_match_the_float64_oracle(case, in_batch_negatives):
+    """tests/infonce_oracle.py's cases through the public op: loss, per-dim, d queries, d docs, d world queries at
+    rel 1e-4, the masked share; absent documents get exactly zero gradient."""
+    got, want, present = infonce_oracle.run_case(infonce_oracle.CASES[case], "triton", in_batch_negatives)
+    infonce_oracle.assert_matches(got, want)
+    assert not got[3][~present].any()
+
+
+@pytest.mark.parametrize("in_batch_negatives", [True, False], ids=["in_batch", "own_only"])
+def test_a_column_every_row_lacks_is_the_batch_without_it(in_batch_negatives):
+    world_q, docs, _ = infonce_oracle.problem(batch=9, negatives=2)
+    present = torch.ones(3, 9, dtype=torch.bool)
+    present[1] = False
+    results = []
+    for c, flags in ((docs, present.flatten()), (docs.view(3, 9, -1)[[0, 2]].reshape(18, -1), None)):
+        q, c = world_q.clone().requires_grad_(), c.clone().requires_grad_()
+        out = matryoshka_infonce(
+            q, c, dims=[24, 8], backend="triton", in_batch_negatives=in_batch_negatives, document_present=flags
+        )
+        out.loss.backward()
+        results.append((out.loss.detach(), q.grad, c.grad))
+    (loss, d_queries, d_docs), (want_loss, want_queries, want_docs) = results
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    assert_close_to_scale(d_queries, want_queries, "d queries", rtol=1e-5)
+    assert_close_to_scale(d_docs.view(3, 9, -1)[[0, 2]], want_docs.view(2, 9, -1), "d documents", rtol=1e-5)
+    assert not d_docs.view(3, 9, -1)[1].any()
+
+
+def test_rows_left_with_only_their_positive_are_exact_zeros():
+    """One pair whose hard negatives are all absent (the kernels), and rows without a present hard negative with
+    in-batch negatives off; and more dims than the kernels unroll are taken without in-batch negatives."""
+    world_q, docs, _ = infonce_oracle.problem(batch=5, negatives=2)
+    for q, c, in_batch in ((world_q[:1], docs[::5], True), (world_q, docs, False)):
+        q, c = q.clone().requires_grad_(), c.clone().requires_grad_()
+        present = torch.arange(c.shape[0]) < q.shape[0]
+        out = matryoshka_infonce(
+            q, c, dims=[24, 8], backend="triton", in_batch_negatives=in_batch, document_present=present
+        )
+        out.loss.backward()
+        assert out.loss.item() == 0.0 and not q.grad.any() and not c.grad.any()
+    dims = list(range(24, 0, -2))
+    assert len(dims) > blocks.MAX_DIMS
+    spec = dataclasses.replace(_problem(batch=4, dim=24, dims=dims)[3], in_batch_negatives=False)
+    assert blocks.unsupported(spec) is None
+    got = matryoshka_infonce(world_q, docs, dims=dims, backend="triton", in_batch_negatives=False)
+    want = matryoshka_infonce(world_q, docs, dims=dims, backend="dense", in_batch_negatives=False)
+    assert_close_to_scale(got.per_dim, want.per_dim, "per_dim", rtol=1e-5)
