@@ -107,31 +107,68 @@ def test_interpreter_is_active():
 CASES = {
     "ragged_three_blocks": (dict(batch=37, dim=48, dims=[48, 24, 40], weights=[1.0, 0.5, 2.0]), 16),
     "all_directions_all_negatives_hardness": (
-        dict(batch=21, dim=40, dims=[40, 8], negatives=2, directions=ALL_DIRECTIONS, hardness_mode="all_negatives",
-             hardness_strength=3.0),
+        dict(
+            batch=21,
+            dim=40,
+            dims=[40, 8],
+            negatives=2,
+            directions=ALL_DIRECTIONS,
+            hardness_mode="all_negatives",
+            hardness_strength=3.0,
+        ),
         None,
     ),
     "per_direction_symmetric_in_batch_hardness": (
-        dict(batch=37, dim=48, dims=[48, 24], directions=("query_to_doc", "doc_to_query"),
-             partition_mode="per_direction", hardness_mode="in_batch_negatives", hardness_strength=9.0),
+        dict(
+            batch=37,
+            dim=48,
+            dims=[48, 24],
+            directions=("query_to_doc", "doc_to_query"),
+            partition_mode="per_direction",
+            hardness_mode="in_batch_negatives",
+            hardness_strength=9.0,
+        ),
         None,
     ),
     "hard_negatives_hardness_q2q_d2d": (
-        dict(batch=21, dim=40, dims=[40, 8], negatives=2, directions=("query_to_doc", "query_to_query", "doc_to_doc"),
-             hardness_mode="hard_negatives", hardness_strength=5.0),
+        dict(
+            batch=21,
+            dim=40,
+            dims=[40, 8],
+            negatives=2,
+            directions=("query_to_doc", "query_to_query", "doc_to_doc"),
+            hardness_mode="hard_negatives",
+            hardness_strength=5.0,
+        ),
         7,
     ),
     "gathered_offset": (
-        dict(batch=20, world=45, offset=17, dim=40, dims=[40, 24, 8], directions=ALL_DIRECTIONS,
-             hardness_mode="in_batch_negatives", hardness_strength=4.0),
+        dict(
+            batch=20,
+            world=45,
+            offset=17,
+            dim=40,
+            dims=[40, 24, 8],
+            directions=ALL_DIRECTIONS,
+            hardness_mode="in_batch_negatives",
+            hardness_strength=4.0,
+        ),
         None,
     ),
     "dot_all_directions": (
-        dict(batch=21, dim=40, dims=[40, 12], similarity="dot", scale=0.5, directions=ALL_DIRECTIONS), 8
+        dict(batch=21, dim=40, dims=[40, 12], similarity="dot", scale=0.5, directions=ALL_DIRECTIONS),
+        8,
     ),
     "memory_bank_hardness": (
-        dict(batch=21, dim=40, dims=[40, 16], banked=13, directions=("query_to_doc", "doc_to_doc"),
-             hardness_mode="in_batch_negatives", hardness_strength=2.0),
+        dict(
+            batch=21,
+            dim=40,
+            dims=[40, 16],
+            banked=13,
+            directions=("query_to_doc", "doc_to_doc"),
+            hardness_mode="in_batch_negatives",
+            hardness_strength=2.0,
+        ),
         None,
     ),
     "gist_directions": (
@@ -140,7 +177,7 @@ CASES = {
     ),
     "one_row_two_hard_negatives": (dict(batch=1, dim=16, dims=[16, 4], negatives=2), 1),
     "eight_dims_one_row_blocks": (dict(batch=5, dim=64, dims=[64, 56, 48, 40, 32, 24, 16, 8]), 1),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case, rows", CASES.values(), ids=CASES.keys())
@@ -174,11 +211,20 @@ def _masked_problem(guided: bool, seed: int = 0):
     else:
         options = dict(false_negative_margin=-0.1, false_negative_strategy="relative")
     spec = InfoNCESpec.build(
-        queries, docs, world, dims=[24, 16, 4], weights=[1.0, 2.0, 0.5], scale=20.0, similarity="cosine",
-        offset=offset, directions=GUIDED_DIRECTIONS if guided else ALL_DIRECTIONS, partition_mode="joint",
+        queries,
+        docs,
+        world,
+        dims=[24, 16, 4],
+        weights=[1.0, 2.0, 0.5],
+        scale=20.0,
+        similarity="cosine",
+        offset=offset,
+        directions=GUIDED_DIRECTIONS if guided else ALL_DIRECTIONS,
+        partition_mode="joint",
         hardness_mode="all_negatives",
-        hardness_strength=2.0, **options,
-    )  # fmt: skip
+        hardness_strength=2.0,
+        **options,
+    )
     spec = dataclasses.replace(spec, mask_duplicates=True, num_memory=bank.shape[0])
     pairs = torch.tensor([[2, 100], [400, 101], [11, 301]])
     memory = Memory(bank, bank_ids, pairs, guide[bank_ids] if guided else None)
@@ -237,8 +283,9 @@ def test_bf16_planes_are_as_precise_as_plain_bf16_pytorch():
     softmax, LSEs and sums in fp32. On bf16 inputs (the operands exactly) against the float64 truth: within the
     error model (a logit is off by at most scale * 2^-8 |cos|, summed over the bands) and no worse than the dense
     reference computed in bf16, plain PyTorch's precision (benchmarks/cuda_checks.py's rule)."""
-    queries, docs, world, spec, _ = _problem(batch=37, dim=48, dims=[48, 24, 8], dtype=torch.bfloat16,
-                                             directions=ALL_DIRECTIONS, precision="bf16")  # fmt: skip
+    queries, docs, world, spec, _ = _problem(
+        batch=37, dim=48, dims=[48, 24, 8], dtype=torch.bfloat16, directions=ALL_DIRECTIONS, precision="bf16"
+    )
     got = run_backend("triton", queries, docs, world, spec, True, chunk_size=16)
     assert got.tile.endswith("bfloat16 planes")
     truth = _truth(queries, docs, world, spec)
@@ -300,8 +347,16 @@ def test_public_op_backward_gathered():
     results = {}
     for backend in ("triton", "dense"):
         q, wq, c = (t.clone().requires_grad_() for t in (world_q[7:23], world_q, docs))
-        out = matryoshka_infonce(q, c, dims=[24, 48], weights=[2.0, 1.0], offset=7, backend=backend,
-                                 world_queries=wq, directions=("query_to_doc", "doc_to_query"))  # fmt: skip
+        out = matryoshka_infonce(
+            q,
+            c,
+            dims=[24, 48],
+            weights=[2.0, 1.0],
+            offset=7,
+            backend=backend,
+            world_queries=wq,
+            directions=("query_to_doc", "doc_to_query"),
+        )
         (3.0 * out.loss).backward()
         results[backend] = (out.loss.detach(), out.per_dim, out.lse, q.grad, c.grad, wq.grad)
     for got, want in zip(results["triton"], results["dense"]):
@@ -321,9 +376,20 @@ def test_blocks_fit_the_byte_budget_and_int32_offsets():
     """The default block at B = 16384 (bf16, D = 768, five dims): planes and partials within BLOCK_BYTES, a multiple
     of the pass tile's rows, several blocks; and never so many rows that a plane offset overflows int32."""
     q = torch.empty(16384, 768, dtype=torch.bfloat16, device="meta")
-    spec = InfoNCESpec.build(q, q, None, dims=[768, 512, 256, 128, 64], weights=None, scale=20.0, similarity="cosine",
-                             offset=0, directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
-                             hardness_strength=0.0)  # fmt: skip
+    spec = InfoNCESpec.build(
+        q,
+        q,
+        None,
+        dims=[768, 512, 256, 128, 64],
+        weights=None,
+        scale=20.0,
+        similarity="cosine",
+        offset=0,
+        directions=("query_to_doc",),
+        partition_mode="joint",
+        hardness_mode=None,
+        hardness_strength=0.0,
+    )
     rows = blocks.plan_rows(spec, 768, torch.bfloat16)
     assert rows % passes.config("pass")["BM"] == 0 and 1 < 16384 // rows < 32
     assert 5 * rows * 16384 * 2 <= blocks.BLOCK_BYTES
@@ -371,10 +437,20 @@ def test_kernels_compile_for_hopper_without_spills_and_with_vector_loads():
 
 # Ops that only make views or allocate: no kernel launch on a GPU.
 _NO_LAUNCH = {
-    "aten.alias.default", "aten.detach.default", "aten.empty.memory_format", "aten.empty_like.default",
-    "aten.permute.default", "aten.select.int", "aten.slice.Tensor", "aten.unsqueeze.default", "aten.t.default",
-    "aten.transpose.int", "aten.view.default", "aten.as_strided.default", "aten.expand.default",
-}  # fmt: skip
+    "aten.alias.default",
+    "aten.detach.default",
+    "aten.empty.memory_format",
+    "aten.empty_like.default",
+    "aten.permute.default",
+    "aten.select.int",
+    "aten.slice.Tensor",
+    "aten.unsqueeze.default",
+    "aten.t.default",
+    "aten.transpose.int",
+    "aten.view.default",
+    "aten.as_strided.default",
+    "aten.expand.default",
+}
 _SYNCS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.nonzero.default", "aten.item.default"}
 
 

@@ -256,9 +256,17 @@ class _Sweep:
             masks = self._kernel_masks(direction, drops[index], begin, end)
             world0 = self.spec.offset + begin
             self.launcher.run_pass(
-                1, direction, planes, row_inv, col_inv, self.part_a[index], self.part_b[index], pos, masks=masks,
+                1,
+                direction,
+                planes,
+                row_inv,
+                col_inv,
+                self.part_a[index],
+                self.part_b[index],
+                pos,
+                masks=masks,
                 world0=world0,
-            )  # fmt: skip
+            )
         self.launcher.run_rows(
             self.part_a, self.part_b, self.tiles, self.pos, live, self.lse, self.nrm2, self.loss, end - begin, begin
         )
@@ -278,10 +286,18 @@ class _Sweep:
             planes = self.planes[index][:, :count, : self.columns[index]]
             col_terms = self.col_terms if spec.cosine else None
             self.launcher.run_pass(
-                2, direction, planes, row_inv, col_inv, self.part_a[index], nrm2=self.nrm2[index], coef=self.coef,
-                col_terms=col_terms, masks=self._kernel_masks(direction, drops[index], begin, end),
+                2,
+                direction,
+                planes,
+                row_inv,
+                col_inv,
+                self.part_a[index],
+                nrm2=self.nrm2[index],
+                coef=self.coef,
+                col_terms=col_terms,
+                masks=self._kernel_masks(direction, drops[index], begin, end),
                 world0=spec.offset + begin,
-            )  # fmt: skip
+            )
             col_grad, col_term_sums = self._col_targets(direction, width)
             if spec.cosine:
                 col_term_sums.add_(col_terms[:, : -(-count // bm), :width].sum(1))

@@ -128,21 +128,41 @@ class Launcher:
         rows, cols = planes.shape[1], planes.shape[2]
         cfg = config("pass")
         _pass_kernel[self.pass_grid(rows, cols)](
-            planes, planes.stride(0), planes.stride(1),
-            none if row_inv is None else row_inv, 0 if row_inv is None else row_inv.stride(0),
-            none if col_inv is None else col_inv, 0 if col_inv is None else col_inv.stride(0),
-            none if nrm2 is None else nrm2, 0 if nrm2 is None else nrm2.stride(0),
+            planes,
+            planes.stride(0),
+            planes.stride(1),
+            none if row_inv is None else row_inv,
+            0 if row_inv is None else row_inv.stride(0),
+            none if col_inv is None else col_inv,
+            0 if col_inv is None else col_inv.stride(0),
+            none if nrm2 is None else nrm2,
+            0 if nrm2 is None else nrm2.stride(0),
             none if coef is None else coef,
-            part_a, none if part_b is None else part_b, part_a.stride(0), part_a.stride(1),
-            none if pos is None else pos, 0 if pos is None else pos.stride(0),
+            part_a,
+            none if part_b is None else part_b,
+            part_a.stride(0),
+            part_a.stride(1),
+            none if pos is None else pos,
+            0 if pos is None else pos.stride(0),
             none if col_terms is None else col_terms,
-            0 if col_terms is None else col_terms.stride(0), 0 if col_terms is None else col_terms.stride(1),
-            none if drop is None else drop, 0 if drop is None else drop.stride(0),
-            none if row_ids is None else row_ids, none if col_ids is None else col_ids, n_forbid,
+            0 if col_terms is None else col_terms.stride(0),
+            0 if col_terms is None else col_terms.stride(1),
+            none if drop is None else drop,
+            0 if drop is None else drop.stride(0),
+            none if row_ids is None else row_ids,
+            none if col_ids is None else col_ids,
+            n_forbid,
             none if present is None else present,
-            rows, cols, spec.num_docs, world0, spec.world_batch_size, self.consts,
-            PASS=which, **direction.consts, **cfg,
-        )  # fmt: skip
+            rows,
+            cols,
+            spec.num_docs,
+            world0,
+            spec.world_batch_size,
+            self.consts,
+            PASS=which,
+            **direction.consts,
+            **cfg,
+        )
 
     def run_rows(
         self,
@@ -162,11 +182,32 @@ class Launcher:
         spec, cfg = self.spec, config("rows")
         ndir = len(spec.directions)
         _rows_kernel[(triton.cdiv(rows, cfg["BR"]),)](
-            part_a, part_b, part_a.stride(0), part_a.stride(1), part_a.stride(2), n_tiles, pos, pos.stride(0), live,
-            lse, lse.stride(0), lse.stride(1), nrm2, nrm2.stride(0), nrm2.stride(1), loss, loss.stride(0),
-            rows, row0, self.consts,
-            K=len(spec.dims), NDIR=ndir, JOINT=spec.partition_mode == "joint", ACC=_ACC[self.acc], **cfg,
-        )  # fmt: skip
+            part_a,
+            part_b,
+            part_a.stride(0),
+            part_a.stride(1),
+            part_a.stride(2),
+            n_tiles,
+            pos,
+            pos.stride(0),
+            live,
+            lse,
+            lse.stride(0),
+            lse.stride(1),
+            nrm2,
+            nrm2.stride(0),
+            nrm2.stride(1),
+            loss,
+            loss.stride(0),
+            rows,
+            row0,
+            self.consts,
+            K=len(spec.dims),
+            NDIR=ndir,
+            JOINT=spec.partition_mode == "joint",
+            ACC=_ACC[self.acc],
+            **cfg,
+        )
 
     def run_finish(
         self, grad: Tensor, x: Tensor, inv: Tensor | None, terms: Tensor | None, dims: Tensor, out: Tensor
@@ -176,13 +217,26 @@ class Launcher:
         n, d = grad.shape
         grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(d, cfg["BD"]))
         _finish_kernel[grid](
-            grad, grad.stride(0), x, x.stride(0),
-            none if inv is None else inv, 0 if inv is None else inv.stride(0),
-            none if terms is None else terms, 0 if terms is None else terms.stride(0),
-            0 if terms is None else terms.stride(1), 0 if terms is None else terms.shape[2],
-            dims, out, out.stride(0), n, d,
-            K=len(spec.dims), COSINE=spec.cosine, ACC=_ACC[self.acc], **cfg,
-        )  # fmt: skip
+            grad,
+            grad.stride(0),
+            x,
+            x.stride(0),
+            none if inv is None else inv,
+            0 if inv is None else inv.stride(0),
+            none if terms is None else terms,
+            0 if terms is None else terms.stride(0),
+            0 if terms is None else terms.stride(1),
+            0 if terms is None else terms.shape[2],
+            dims,
+            out,
+            out.stride(0),
+            n,
+            d,
+            K=len(spec.dims),
+            COSINE=spec.cosine,
+            ACC=_ACC[self.acc],
+            **cfg,
+        )
 
 
 # ------------------------------------------------------------------------------------------ the compile report
@@ -190,9 +244,16 @@ class Launcher:
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 # Pointer arguments of each kernel that hold the embeddings' dtype ("input"), the planes' ("plane"), or a fixed one.
 _POINTERS = {
-    "S": "plane", "X": "input", "OUT": "input", "DROP": "u8", "ROW_IDS": "i32", "COL_IDS": "i32", "DIMS": "i32",
-    "LIVE": "i8", "PRESENT": "u8",
-}  # fmt: skip
+    "S": "plane",
+    "X": "input",
+    "OUT": "input",
+    "DROP": "u8",
+    "ROW_IDS": "i32",
+    "COL_IDS": "i32",
+    "DIMS": "i32",
+    "LIVE": "i8",
+    "PRESENT": "u8",
+}
 # What every launch guarantees (the planes, the columns' inverse norms and the column terms are allocations of their
 # own, padded to whole tiles: ``padded``): 16-byte aligned pointers and 16-element strides, as Triton's JIT
 # specialises them at run time; the finishing kernel's for D = 768 (other D specialise their own at run time).
@@ -247,7 +308,15 @@ def kernel_variants(precision: str = "bf16", num_dims: int = 5, input_dtype: tor
             if arg in _ALIGNED[name]:
                 attrs[(index,)] = [["tt.divisibility", 16]]
         variants.append(
-            dict(name=name, kernel=kernel, signature=signature, constexprs=constexprs, attrs=attrs, tensor_cores=False,
-                 label=f"{precision} K={num_dims}", **launch)
-        )  # fmt: skip
+            dict(
+                name=name,
+                kernel=kernel,
+                signature=signature,
+                constexprs=constexprs,
+                attrs=attrs,
+                tensor_cores=False,
+                label=f"{precision} K={num_dims}",
+                **launch,
+            )
+        )
     return variants
