@@ -95,8 +95,9 @@ def loss_and_grads(
     hardness_mode=None,
     hardness_strength=0.0,
     **rule,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """(loss, per-dim losses in the order of ``dims``, (d queries, d documents, d world queries or None)), float64.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """(loss, per-dim losses in the order of ``dims``, each row's logsumexp (K, B), (d queries, d documents, d world
+    queries or None)), float64.
     ``rule``: :func:`candidates`' keywords (in_batch_negatives, present, ids, guide, margin, strategy)."""
     q = queries.detach().double().requires_grad_()
     c = documents.detach().double().requires_grad_()
@@ -104,15 +105,12 @@ def loss_and_grads(
     world_batch = q.shape[0] if world is None else world.shape[0]
     rows = candidates(q, c, offset=offset, world_batch=world_batch, cosine=cosine, **rule)
     weights = [1.0] * len(dims) if weights is None else weights
-    per_dim = []
-    for dim in dims:
+    per_dim, lse = [], torch.zeros(len(dims), len(rows), dtype=torch.float64)
+    for k, dim in enumerate(dims):
         sim = _similarities(q, c, dim, cosine)
         row_losses = []
         for i, columns in enumerate(rows):
             w = offset + i
-            if len(columns) == 1:
-                row_losses.append(sim.new_zeros(()))
-                continue
             logits = []
             for j in columns:
                 logit = scale * sim[i, j]
@@ -123,13 +121,18 @@ def loss_and_grads(
                 if penalised:
                     logit = logit + hardness_strength * sim[i, j].detach()
                 logits.append(logit)
+            lse[k, i] = torch.logsumexp(torch.stack(logits), 0).detach()
+            if len(columns) == 1:
+                row_losses.append(sim.new_zeros(()))
+                continue
             row_losses.append(torch.logsumexp(torch.stack(logits), 0) - scale * sim[i, w])
         per_dim.append(torch.stack(row_losses).mean())
     loss = sum(weight * value for weight, value in zip(weights, per_dim))
     leaves = [q, c] + ([] if world is None else [world])
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
-    return loss.detach(), torch.stack(per_dim).detach(), (grads[0], grads[1], grads[2] if world is not None else None)
+    world_grad = grads[2] if world is not None else None
+    return loss.detach(), torch.stack(per_dim).detach(), lse, (grads[0], grads[1], world_grad)
 
 
 def masked_share(queries, documents, *, offset=0, world_batch=None, cosine=True, **rule) -> float:
@@ -185,8 +188,14 @@ def duplicate_ids(world: int, negatives: int) -> tuple[torch.Tensor, torch.Tenso
 CASES = {
     "cosine_weighted_dims": dict(dims=[24, 16, 5], weights=[1.0, 0.5, 2.0]),
     "dot": dict(dims=[24, 7], weights=[0.5, 1.0], similarity="dot", scale=1.0, spread=0.3),
-    "gathered_all_negatives_hardness": dict(
-        batch=7, world=15, offset=5, dims=[24, 12], hardness_mode="all_negatives", hardness_strength=3.0
+    "gathered_all_negatives_hardness_duplicates": dict(
+        batch=7,
+        world=15,
+        offset=5,
+        dims=[24, 12],
+        hardness_mode="all_negatives",
+        hardness_strength=3.0,
+        duplicates=True,
     ),
     "hard_negatives_hardness_duplicates": dict(
         dims=[24, 8], hardness_mode="hard_negatives", hardness_strength=5.0, duplicates=True
@@ -205,8 +214,9 @@ CASES = {
 
 
 def run_case(case: dict, backend: str, in_batch_negatives: bool, absent: bool = True, chunk_size: int = 4):
-    """The op (through autograd) and the oracle on one case: ((loss, per_dim, d queries, d docs, d world or None,
-    masked share), the same from the oracle, document_present or None)."""
+    """The op (through autograd) and the oracle on one case: (the op's {quantity: value}, the oracle's, document_present
+    or None); quantities: loss, per_dim, lse (K, B), d_queries, d_docs, d_world (None when not gathered),
+    masked_share (None without a mask)."""
     case = dict(case)
     shape = {key: case.pop(key) for key in ("batch", "world", "offset", "spread") if key in case}
     world_q, docs, present = problem(**shape)
@@ -243,26 +253,26 @@ def run_case(case: dict, backend: str, in_batch_negatives: bool, absent: bool = 
         **options,
     )
     out.loss.backward()
-    got = (out.loss.detach(), out.per_dim, q.grad, c.grad, None if w is None else w.grad, out.masked_share)
+    names = ("loss", "per_dim", "lse", "d_queries", "d_docs", "d_world", "masked_share")
+    values = (out.loss.detach(), out.per_dim, out.lse[:, 0], q.grad, c.grad, None if w is None else w.grad)
+    got = dict(zip(names, (*values, out.masked_share)))
     similarity = dict(cosine=options.get("similarity", "cosine") == "cosine", scale=options.get("scale", 20.0))
     penalty = {key: options[key] for key in ("hardness_mode", "hardness_strength") if key in options}
-    loss, per_dim, grads = loss_and_grads(
+    loss, per_dim, lse, grads = loss_and_grads(
         q, c, w, dims=options["dims"], weights=options.get("weights"), offset=offset, **similarity, **penalty, **rule
     )
     share = None
     if "ids" in rule or "margin" in rule:
         share = masked_share(q, c, offset=offset, world_batch=world_q.shape[0], cosine=similarity["cosine"], **rule)
-    return got, (loss, per_dim, *grads, share), present
+    return got, dict(zip(names, (loss, per_dim, lse, *grads, share))), present
 
 
 def assert_matches(got, want) -> None:
-    names = ("loss", "per_dim", "d queries", "d documents", "d world queries")
-    for name, a, b in zip(names, got, want):
+    for name, b in want.items():
+        a = got[name]
         if b is None:
             assert a is None, name
-            continue
-        assert_close_to_scale(a.double(), b, name, rtol=1e-4)
-    if want[-1] is None:
-        assert got[-1] is None
-    else:
-        assert float(got[-1]) == pytest.approx(want[-1], rel=1e-6) and want[-1] > 0
+        elif name == "masked_share":
+            assert float(a) == pytest.approx(b, rel=1e-6) and b > 0
+        else:
+            assert_close_to_scale(a.double(), b, name, rtol=1e-4)

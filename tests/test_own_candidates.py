@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from st_cached_losses import matryoshka_infonce
+from tests import infonce_oracle as oracle
 from tests.helpers import assert_close_to_scale
 from tests.infonce_oracle import CASES, assert_matches, problem, run_case
 
@@ -27,11 +28,11 @@ def test_matches_the_float64_oracle(case, backend, in_batch_negatives):
     (no hard negative present) is left with only its positive: its query and positive get exactly zero gradient."""
     got, want, present = run_case(case, backend, in_batch_negatives)
     assert_matches(got, want)
-    d_docs = got[3]
+    d_docs = got["d_docs"]
     assert not d_docs[~present].any(), "absent documents take no gradient"
     if not in_batch_negatives:
         offset = case.get("offset", 0)
-        assert not got[2][1].any() and not d_docs[offset + 1].any()
+        assert not got["d_queries"][1].any() and not d_docs[offset + 1].any()
 
 
 @pytest.mark.parametrize("backend", ["dense", "chunked"])
@@ -100,6 +101,28 @@ def test_a_column_every_row_lacks_is_the_batch_without_it(backend, in_batch_nega
     assert_close_to_scale(d_queries, want_queries, "d queries", rtol=1e-5)
     assert_close_to_scale(d_docs.view(4, 9, -1)[[0, 1, 3]], want_docs.view(3, 9, -1), "d documents", rtol=1e-5)
     assert not d_docs.view(4, 9, -1)[2].any()
+
+
+@pytest.mark.parametrize("backend", ["dense", "chunked"])
+def test_absent_documents_beside_a_memory_bank(backend):
+    """In-batch, query_to_doc, no penalty: banked documents are candidates of every row, as one more hard-negative
+    block would be; so the oracle's loss, LSE and d queries on the documents with the bank as a present last block,
+    and its d documents on the documents, with absent documents among them."""
+    world_q, docs, present = problem(batch=9, negatives=2)
+    bank = torch.randn(9, docs.shape[1], generator=torch.Generator().manual_seed(5))
+    q, c = world_q.clone().requires_grad_(), docs.clone().requires_grad_()
+    out = matryoshka_infonce(
+        q, c, dims=[24, 8], backend=backend, chunk_size=4, document_present=present, memory_documents=bank
+    )
+    out.loss.backward()
+    with_bank = torch.cat([present, torch.ones(9, dtype=torch.bool)])
+    want = oracle.loss_and_grads(q, torch.cat([c, bank]), dims=[24, 8], present=with_bank)
+    loss, _, lse, (d_queries, d_docs, _) = want
+    assert_close_to_scale(out.loss.double(), loss, "loss")
+    assert_close_to_scale(out.lse[:, 0].double(), lse, "lse")
+    assert_close_to_scale(q.grad.double(), d_queries, "d queries")
+    assert_close_to_scale(c.grad.double(), d_docs[: docs.shape[0]], "d documents")
+    assert not c.grad[~present].any()
 
 
 @pytest.mark.parametrize("backend", ["dense", "chunked"])
