@@ -73,11 +73,11 @@ def forward(
             p[0] -= 1.0
             grads.add_dim(k, p.mul_(live * (spec.weights[k] * spec.scale / spec.batch_size)), sim, inv_q, inv_c)
     share = None
-    if spec.masks:
-        candidates = (spec.num_columns - 1) * spec.batch_size
+    if spec.masks:  # over the present own hard negatives (a Python number without absent documents: no host tensor)
+        candidates = max((spec.num_columns - 1) * spec.batch_size, 1)
         if document_present is not None:
-            candidates = own_documents(document_present, spec)[1:].sum()
-        share = (removed.sum().double() / torch.as_tensor(candidates).clamp_min(1).double()).float()
+            candidates = own_documents(document_present, spec)[1:].sum().clamp_min(1).double()
+        share = (removed.sum().double() / candidates).float()
     tile = f"own documents: {spec.batch_size} rows x {spec.num_columns} columns"
     result = None if grads is None else grads.result(queries.dtype)
     return InfoNCEResult(per_dim, lse, result, tile=tile, masked_share=share)
@@ -115,7 +115,7 @@ def _penalty(spec: InfoNCESpec, c: Tensor) -> Tensor | None:
     if penalised is None or not penalised.own_hard_negatives:
         return None
     factor = torch.full((spec.num_columns, 1), spec.scale + spec.hardness_strength, dtype=c.dtype, device=c.device)
-    factor[0] = spec.scale
+    factor[0].fill_(spec.scale)
     return factor
 
 
@@ -130,7 +130,7 @@ def _excluded(queries, docs, spec, guide, duplicates, document_present, dtype) -
         mask = DuplicateMask.build(spec, *duplicates)
         codes = own_documents(mask.codes["c"], spec)  # (n, B): each own document's text
         removed |= (codes[:, :, None] == mask.forbidden["q"][None]).any(dim=2)
-    removed[0] = False  # the positive, the row's partner
+    removed[0].fill_(False)  # the positive, the row's partner (fill_: no host-built tensor)
     if document_present is None:
         return removed, removed
     present = own_documents(document_present, spec)
