@@ -1,7 +1,8 @@
 """Regenerate the benchmark results (CSV + PNG under benchmarks/results/).
 
 python -m benchmarks                          # everything committed: train_step (default, GISTEmbed, 2D), then
-                                              # loss_stage (1 and 2 threads, GISTEmbed, mask_duplicates),
+                                              # loss_stage (1 and 2 threads, GISTEmbed, mask_duplicates,
+                                              # in-batch negatives on and off),
                                               # compile_step, integrations, scale_out, memory_bank,
                                               # multivector_loss_stage, multivector_train_step
 python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
@@ -78,6 +79,7 @@ EVERYTHING = (
     ("compile_step", []),
     ("integrations", []),
     ("loss_stage", ["--mask-duplicates", "--sizes", "8192", "--threads", "1", "--name", "loss_stage_mask_duplicates"]),
+    ("loss_stage", ["--in-batch-negatives", "--sizes", "1024", "8192", "--name", "loss_stage_in_batch_negatives"]),
     ("scale_out", []),
     ("memory_bank", ["loss-stage", "step", "ndcg"]),
     ("multivector_loss_stage", ["--sizes", "256", "512", "1024", "--stock-budget", "120"]),

@@ -163,6 +163,17 @@ def cases(size: str = "full") -> list[Case]:
             columns=2,
             options=dict(similarity="dot", directions=ALL_DIRECTIONS),
         ),
+        # In-batch negatives off: each query against its own positive and 3 hard negatives (``ops/own.py``), gathered.
+        Case(
+            "own_documents_hard_negatives_hardness",
+            n(1000, 40),
+            dim,
+            dims,
+            columns=4,
+            world=n(3001, 121),
+            offset=n(1001, 41),
+            options=dict(in_batch_negatives=False, hardness_mode="hard_negatives", hardness_strength=3.0),
+        ),
         Case("scale_100", n(1000, 40), dim, dims, options=dict(scale=100.0)),
         Case("one_dim", n(1000, 40), n(768, 32), (n(768, 32),)),
         # M x D > 2^31 elements: int64 row offsets in the kernels; 8 queries against 2.4M docs (hard negatives).

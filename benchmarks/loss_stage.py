@@ -12,6 +12,7 @@ run, for each batch size. Also times the three B x M x D matmuls that any exact 
     python -m benchmarks.loss_stage --gist --sizes 256 512 1024 8192 --stock-max-batch 1024
                                     # vs stock MatryoshkaLoss(CachedGISTEmbedLoss), stock not run at 8192
     python -m benchmarks.loss_stage --mask-duplicates --sizes 8192   # ours with and without mask_duplicates
+    python -m benchmarks.loss_stage --in-batch-negatives --sizes 8192   # in-batch negatives on vs off, 3 hard negatives
 
 With --gist both sides filter false negatives with a guide's embeddings (random, D like the model's): stock
 ``MatryoshkaLoss(CachedGISTEmbedLoss(model, guide))``'s ``calculate_loss`` (temperature 0.01, margin 0, anchor and
@@ -21,6 +22,11 @@ directions; the CSV and PNG are loss_stage_gist.*.
 With --mask-duplicates ours runs with and without ``mask_duplicates`` (``query_ids`` / ``document_ids``: every 50th
 row repeats the previous row's query and the row after it the previous row's positive), the two timed
 alternately, round by round; the CSV and PNG are loss_stage_mask_duplicates.*.
+
+With --in-batch-negatives ours (backend "auto") runs on queries with a positive and ``--negatives`` hard-negative
+columns (M = B (1 + negatives)) with in-batch negatives on and off (``in_batch_negatives=False``: each query against
+its own documents, O(B x columns x D)), and off with a third of the hard negatives absent (``document_present``),
+timed alternately; the CSV and PNG are loss_stage_in_batch_negatives.*. Issue 45's bound: off <= 10% of on at B = 8192.
 
 On a CUDA machine the Triton backend joins (timed by CUDA events, memory with torch.cuda.max_memory_allocated);
 ``python -m benchmarks.gpu`` is the GPU benchmark. The contenders are the registry's "loss_stage" family
@@ -43,7 +49,18 @@ from benchmarks.core.timing import Timings, spread, time_calls
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops.chunked import DEFAULT_TILE_BYTES
 
-__all__ = ["contenders", "crossover", "duplicate_ids", "main", "mask_contest", "mask_table", "run", "summary_table"]
+__all__ = [
+    "contenders",
+    "crossover",
+    "duplicate_ids",
+    "in_batch_contest",
+    "in_batch_table",
+    "main",
+    "mask_contest",
+    "mask_table",
+    "run",
+    "summary_table",
+]
 
 
 def contenders(q, c, dims, mini_batch_size: int, device: str, guide=None) -> dict:
@@ -125,6 +142,58 @@ def mask_table(records: list[dict]) -> str:
                 f"{plain_peak / 2**20:.1f} | {mask_peak / 2**20:.1f} | {(mask_peak - plain_peak) / 2**10:.0f} | "
                 f"{value[('inputs', batch, 'id_bytes')] / 2**10:.0f} | {share:.2e} |"
             )
+    return "\n".join(lines)
+
+
+def in_batch_contest(sizes, dim=384, dims=(384, 256, 128, 64, 32), negatives=3, repeats=3, device="cpu"):
+    """Rows of (contender, B, metric, value): ours with in-batch negatives ("in_batch"), without ("own_only") and
+    without with a third of the hard negatives absent ("own_only_absent"), on B queries and B (1 + ``negatives``)
+    documents; timed alternately (one untimed call each first), then each one's exact tensor peak."""
+    dims, rows = list(dims), []
+    for batch in sizes:
+        q, positives = embeddings(batch, dim, device, correlated=True)
+        hard = embeddings(batch * negatives, dim, device, seed=1)[1]
+        docs = torch.cat([positives, hard])
+        present = torch.ones(docs.shape[0], dtype=torch.bool, device=device)
+        present[batch::3] = False
+        rows.append(("inputs", batch, "embedding_bytes", (q.numel() + docs.numel()) * q.element_size()))
+        options = {
+            "in_batch": {},
+            "own_only": dict(in_batch_negatives=False),
+            "own_only_absent": dict(in_batch_negatives=False, document_present=present),
+        }
+        runs = {name: registry.build("loss_stage", "auto", q, docs, dims, 0, options=o) for name, o in options.items()}
+        timings = {name: Timings() for name in runs}
+        for fn in runs.values():
+            fn()
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                timed = time_calls(fn, 1, 0, device)
+                timings[name].wall.extend(timed.wall)
+                timings[name].cpu.extend(timed.cpu)
+        for name, fn in runs.items():
+            stats, peak = spread(timings[name].wall), peak_tensor_bytes(fn, device)[1]
+            rows += [(name, batch, f"seconds_{key}", value) for key, value in stats.items()]
+            rows.append((name, batch, "cpu_seconds_median", spread(timings[name].cpu)["median"]))
+            rows += [(name, batch, "peak_bytes", peak), (name, batch, "load_average_1min", os.getloadavg()[0])]
+            print(f"B={batch:>6} {name:>16}: {stats['median']:9.4f} s wall, peak {peak / 2**20:9.2f} MiB", flush=True)
+    return rows
+
+
+def in_batch_table(records: list[dict]) -> str:
+    """Markdown table: time and tensor peak without in-batch negatives against with, per B."""
+    value = values(records)
+    lines = [
+        "| B | in-batch s | own-only s | ratio | own-only absent s | in-batch peak MiB | own-only peak MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for batch in sorted({r["B"] for r in records}):
+        on, off = value[("in_batch", batch, "seconds_median")], value[("own_only", batch, "seconds_median")]
+        absent = value[("own_only_absent", batch, "seconds_median")]
+        peaks = value[("in_batch", batch, "peak_bytes")] / 2**20, value[("own_only", batch, "peak_bytes")] / 2**20
+        lines.append(
+            f"| {batch} | {on:.3f} | {off:.4f} | {off / on:.2%} | {absent:.4f} | {peaks[0]:.1f} | {peaks[1]:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -255,6 +324,12 @@ def main(argv=None) -> None:
         "(query_ids / document_ids with a few duplicates), timed alternately; no stock",
     )
     parser.add_argument(
+        "--in-batch-negatives",
+        action="store_true",
+        help="ours with in-batch negatives on and off (and off with absent hard negatives), alternately; no stock",
+    )
+    parser.add_argument("--negatives", type=int, default=3, help="hard-negative columns of --in-batch-negatives")
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -269,6 +344,14 @@ def main(argv=None) -> None:
     if args.crossover:
         rows = crossover(args.sizes, args.dim, dims)
         write_csv(rows, args.out / "crossover.csv")
+        return
+    if args.in_batch_negatives:
+        name = args.name or ("loss_stage" if device == "cpu" else "loss_stage_gpu") + "_in_batch_negatives"
+        rows = in_batch_contest(args.sizes, args.dim, dims, args.negatives, args.repeats, device)
+        write_csv(rows, args.out / f"{name}.csv")
+        records = read_csv(args.out / f"{name}.csv")
+        plot(records, args.out / f"{name}.png", title="Loss stage (fwd + bwd), in-batch negatives on and off")
+        print(in_batch_table(records))
         return
     if args.mask_duplicates:
         name = args.name or ("loss_stage" if device == "cpu" else "loss_stage_gpu") + "_mask_duplicates"

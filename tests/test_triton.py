@@ -33,7 +33,7 @@ from st_cached_losses.ops.infonce import run_backend
 from st_cached_losses.ops.memory import Memory
 from st_cached_losses.ops.spec import InfoNCESpec
 from st_cached_losses.ops.triton import blocks, fused, passes
-from tests import duplicates_reference
+from tests import duplicates_reference, infonce_oracle
 from tests.helpers import ALL_DIRECTIONS, assert_close_to_scale
 
 if not fused.INTERPRETED:  # imported earlier in this process without the interpreter
@@ -107,31 +107,68 @@ def test_interpreter_is_active():
 CASES = {
     "ragged_three_blocks": (dict(batch=37, dim=48, dims=[48, 24, 40], weights=[1.0, 0.5, 2.0]), 16),
     "all_directions_all_negatives_hardness": (
-        dict(batch=21, dim=40, dims=[40, 8], negatives=2, directions=ALL_DIRECTIONS, hardness_mode="all_negatives",
-             hardness_strength=3.0),
+        dict(
+            batch=21,
+            dim=40,
+            dims=[40, 8],
+            negatives=2,
+            directions=ALL_DIRECTIONS,
+            hardness_mode="all_negatives",
+            hardness_strength=3.0,
+        ),
         None,
     ),
     "per_direction_symmetric_in_batch_hardness": (
-        dict(batch=37, dim=48, dims=[48, 24], directions=("query_to_doc", "doc_to_query"),
-             partition_mode="per_direction", hardness_mode="in_batch_negatives", hardness_strength=9.0),
+        dict(
+            batch=37,
+            dim=48,
+            dims=[48, 24],
+            directions=("query_to_doc", "doc_to_query"),
+            partition_mode="per_direction",
+            hardness_mode="in_batch_negatives",
+            hardness_strength=9.0,
+        ),
         None,
     ),
     "hard_negatives_hardness_q2q_d2d": (
-        dict(batch=21, dim=40, dims=[40, 8], negatives=2, directions=("query_to_doc", "query_to_query", "doc_to_doc"),
-             hardness_mode="hard_negatives", hardness_strength=5.0),
+        dict(
+            batch=21,
+            dim=40,
+            dims=[40, 8],
+            negatives=2,
+            directions=("query_to_doc", "query_to_query", "doc_to_doc"),
+            hardness_mode="hard_negatives",
+            hardness_strength=5.0,
+        ),
         7,
     ),
     "gathered_offset": (
-        dict(batch=20, world=45, offset=17, dim=40, dims=[40, 24, 8], directions=ALL_DIRECTIONS,
-             hardness_mode="in_batch_negatives", hardness_strength=4.0),
+        dict(
+            batch=20,
+            world=45,
+            offset=17,
+            dim=40,
+            dims=[40, 24, 8],
+            directions=ALL_DIRECTIONS,
+            hardness_mode="in_batch_negatives",
+            hardness_strength=4.0,
+        ),
         None,
     ),
     "dot_all_directions": (
-        dict(batch=21, dim=40, dims=[40, 12], similarity="dot", scale=0.5, directions=ALL_DIRECTIONS), 8
+        dict(batch=21, dim=40, dims=[40, 12], similarity="dot", scale=0.5, directions=ALL_DIRECTIONS),
+        8,
     ),
     "memory_bank_hardness": (
-        dict(batch=21, dim=40, dims=[40, 16], banked=13, directions=("query_to_doc", "doc_to_doc"),
-             hardness_mode="in_batch_negatives", hardness_strength=2.0),
+        dict(
+            batch=21,
+            dim=40,
+            dims=[40, 16],
+            banked=13,
+            directions=("query_to_doc", "doc_to_doc"),
+            hardness_mode="in_batch_negatives",
+            hardness_strength=2.0,
+        ),
         None,
     ),
     "gist_directions": (
@@ -140,7 +177,7 @@ CASES = {
     ),
     "one_row_two_hard_negatives": (dict(batch=1, dim=16, dims=[16, 4], negatives=2), 1),
     "eight_dims_one_row_blocks": (dict(batch=5, dim=64, dims=[64, 56, 48, 40, 32, 24, 16, 8]), 1),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case, rows", CASES.values(), ids=CASES.keys())
@@ -174,11 +211,20 @@ def _masked_problem(guided: bool, seed: int = 0):
     else:
         options = dict(false_negative_margin=-0.1, false_negative_strategy="relative")
     spec = InfoNCESpec.build(
-        queries, docs, world, dims=[24, 16, 4], weights=[1.0, 2.0, 0.5], scale=20.0, similarity="cosine",
-        offset=offset, directions=GUIDED_DIRECTIONS if guided else ALL_DIRECTIONS, partition_mode="joint",
+        queries,
+        docs,
+        world,
+        dims=[24, 16, 4],
+        weights=[1.0, 2.0, 0.5],
+        scale=20.0,
+        similarity="cosine",
+        offset=offset,
+        directions=GUIDED_DIRECTIONS if guided else ALL_DIRECTIONS,
+        partition_mode="joint",
         hardness_mode="all_negatives",
-        hardness_strength=2.0, **options,
-    )  # fmt: skip
+        hardness_strength=2.0,
+        **options,
+    )
     spec = dataclasses.replace(spec, mask_duplicates=True, num_memory=bank.shape[0])
     pairs = torch.tensor([[2, 100], [400, 101], [11, 301]])
     memory = Memory(bank, bank_ids, pairs, guide[bank_ids] if guided else None)
@@ -237,8 +283,9 @@ def test_bf16_planes_are_as_precise_as_plain_bf16_pytorch():
     softmax, LSEs and sums in fp32. On bf16 inputs (the operands exactly) against the float64 truth: within the
     error model (a logit is off by at most scale * 2^-8 |cos|, summed over the bands) and no worse than the dense
     reference computed in bf16, plain PyTorch's precision (benchmarks/cuda_checks.py's rule)."""
-    queries, docs, world, spec, _ = _problem(batch=37, dim=48, dims=[48, 24, 8], dtype=torch.bfloat16,
-                                             directions=ALL_DIRECTIONS, precision="bf16")  # fmt: skip
+    queries, docs, world, spec, _ = _problem(
+        batch=37, dim=48, dims=[48, 24, 8], dtype=torch.bfloat16, directions=ALL_DIRECTIONS, precision="bf16"
+    )
     got = run_backend("triton", queries, docs, world, spec, True, chunk_size=16)
     assert got.tile.endswith("bfloat16 planes")
     truth = _truth(queries, docs, world, spec)
@@ -300,8 +347,16 @@ def test_public_op_backward_gathered():
     results = {}
     for backend in ("triton", "dense"):
         q, wq, c = (t.clone().requires_grad_() for t in (world_q[7:23], world_q, docs))
-        out = matryoshka_infonce(q, c, dims=[24, 48], weights=[2.0, 1.0], offset=7, backend=backend,
-                                 world_queries=wq, directions=("query_to_doc", "doc_to_query"))  # fmt: skip
+        out = matryoshka_infonce(
+            q,
+            c,
+            dims=[24, 48],
+            weights=[2.0, 1.0],
+            offset=7,
+            backend=backend,
+            world_queries=wq,
+            directions=("query_to_doc", "doc_to_query"),
+        )
         (3.0 * out.loss).backward()
         results[backend] = (out.loss.detach(), out.per_dim, out.lse, q.grad, c.grad, wq.grad)
     for got, want in zip(results["triton"], results["dense"]):
@@ -321,9 +376,20 @@ def test_blocks_fit_the_byte_budget_and_int32_offsets():
     """The default block at B = 16384 (bf16, D = 768, five dims): planes and partials within BLOCK_BYTES, a multiple
     of the pass tile's rows, several blocks; and never so many rows that a plane offset overflows int32."""
     q = torch.empty(16384, 768, dtype=torch.bfloat16, device="meta")
-    spec = InfoNCESpec.build(q, q, None, dims=[768, 512, 256, 128, 64], weights=None, scale=20.0, similarity="cosine",
-                             offset=0, directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
-                             hardness_strength=0.0)  # fmt: skip
+    spec = InfoNCESpec.build(
+        q,
+        q,
+        None,
+        dims=[768, 512, 256, 128, 64],
+        weights=None,
+        scale=20.0,
+        similarity="cosine",
+        offset=0,
+        directions=("query_to_doc",),
+        partition_mode="joint",
+        hardness_mode=None,
+        hardness_strength=0.0,
+    )
     rows = blocks.plan_rows(spec, 768, torch.bfloat16)
     assert rows % passes.config("pass")["BM"] == 0 and 1 < 16384 // rows < 32
     assert 5 * rows * 16384 * 2 <= blocks.BLOCK_BYTES
@@ -371,10 +437,20 @@ def test_kernels_compile_for_hopper_without_spills_and_with_vector_loads():
 
 # Ops that only make views or allocate: no kernel launch on a GPU.
 _NO_LAUNCH = {
-    "aten.alias.default", "aten.detach.default", "aten.empty.memory_format", "aten.empty_like.default",
-    "aten.permute.default", "aten.select.int", "aten.slice.Tensor", "aten.unsqueeze.default", "aten.t.default",
-    "aten.transpose.int", "aten.view.default", "aten.as_strided.default", "aten.expand.default",
-}  # fmt: skip
+    "aten.alias.default",
+    "aten.detach.default",
+    "aten.empty.memory_format",
+    "aten.empty_like.default",
+    "aten.permute.default",
+    "aten.select.int",
+    "aten.slice.Tensor",
+    "aten.unsqueeze.default",
+    "aten.t.default",
+    "aten.transpose.int",
+    "aten.view.default",
+    "aten.as_strided.default",
+    "aten.expand.default",
+}
 _SYNCS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.nonzero.default", "aten.item.default"}
 
 
@@ -429,3 +505,66 @@ def test_launches_per_op_call(monkeypatch):
     full = dataclasses.replace(spec, batch_size=16384, world_batch_size=16384, dims=(768, 512, 256, 128, 64))
     blocks_16384 = -(-16384 // blocks.plan_rows(full, q.shape[1], torch.bfloat16))
     assert per_call + blocks_16384 * per_block <= 310
+
+
+# ------------------------------------------------------------------- in-batch negatives off, absent documents
+
+# The kernels with absent documents (their column mask) and with each mask beside it; without in-batch negatives the
+# backend runs ``ops/own.py`` (no kernel): one case each way is enough there.
+OWN_CASES = {
+    "absent_self_guided_filter_duplicates": ("self_guided_filter_duplicates", True),
+    "absent_duplicates_in_kernel_hardness": ("hard_negatives_hardness_duplicates", True),
+    "absent_gathered_all_negatives_hardness": ("gathered_all_negatives_hardness_duplicates", True),
+    "absent_dot": ("dot", True),
+    "own_only_guided_relative_gathered": ("guided_relative_filter_gathered", False),
+}
+
+
+@pytest.mark.parametrize("case, in_batch_negatives", OWN_CASES.values(), ids=OWN_CASES.keys())
+def test_absent_documents_and_in_batch_off_match_the_float64_oracle(case, in_batch_negatives):
+    """tests/infonce_oracle.py's cases through the public op: loss, per-dim, d queries, d docs, d world queries at
+    rel 1e-4, the masked share; absent documents get exactly zero gradient."""
+    got, want, present = infonce_oracle.run_case(infonce_oracle.CASES[case], "triton", in_batch_negatives)
+    infonce_oracle.assert_matches(got, want)
+    assert not got["d_docs"][~present].any()
+
+
+@pytest.mark.parametrize("in_batch_negatives", [True, False], ids=["in_batch", "own_only"])
+def test_a_column_every_row_lacks_is_the_batch_without_it(in_batch_negatives):
+    world_q, docs, _ = infonce_oracle.problem(batch=9, negatives=2)
+    present = torch.ones(3, 9, dtype=torch.bool)
+    present[1] = False
+    results = []
+    for c, flags in ((docs, present.flatten()), (docs.view(3, 9, -1)[[0, 2]].reshape(18, -1), None)):
+        q, c = world_q.clone().requires_grad_(), c.clone().requires_grad_()
+        out = matryoshka_infonce(
+            q, c, dims=[24, 8], backend="triton", in_batch_negatives=in_batch_negatives, document_present=flags
+        )
+        out.loss.backward()
+        results.append((out.loss.detach(), q.grad, c.grad))
+    (loss, d_queries, d_docs), (want_loss, want_queries, want_docs) = results
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    assert_close_to_scale(d_queries, want_queries, "d queries", rtol=1e-5)
+    assert_close_to_scale(d_docs.view(3, 9, -1)[[0, 2]], want_docs.view(2, 9, -1), "d documents", rtol=1e-5)
+    assert not d_docs.view(3, 9, -1)[1].any()
+
+
+def test_rows_left_with_only_their_positive_are_exact_zeros():
+    """One pair whose hard negatives are all absent (the kernels), and rows without a present hard negative with
+    in-batch negatives off; and more dims than the kernels unroll are taken without in-batch negatives."""
+    world_q, docs, _ = infonce_oracle.problem(batch=5, negatives=2)
+    for q, c, in_batch in ((world_q[:1], docs[::5], True), (world_q, docs, False)):
+        q, c = q.clone().requires_grad_(), c.clone().requires_grad_()
+        present = torch.arange(c.shape[0]) < q.shape[0]
+        out = matryoshka_infonce(
+            q, c, dims=[24, 8], backend="triton", in_batch_negatives=in_batch, document_present=present
+        )
+        out.loss.backward()
+        assert out.loss.item() == 0.0 and not q.grad.any() and not c.grad.any()
+    dims = list(range(24, 0, -2))
+    assert len(dims) > blocks.MAX_DIMS
+    spec = dataclasses.replace(_problem(batch=4, dim=24, dims=dims)[3], in_batch_negatives=False)
+    assert blocks.unsupported(spec) is None
+    got = matryoshka_infonce(world_q, docs, dims=dims, backend="triton", in_batch_negatives=False)
+    want = matryoshka_infonce(world_q, docs, dims=dims, backend="dense", in_batch_negatives=False)
+    assert_close_to_scale(got.per_dim, want.per_dim, "per_dim", rtol=1e-5)

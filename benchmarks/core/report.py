@@ -40,6 +40,9 @@ STYLES = {
     "eager": ("tab:gray", "s"),
     "compiled": ("tab:blue", "o"),
     "compiled_unmarked": ("tab:cyan", "v"),
+    "in_batch": ("tab:blue", "o"),
+    "own_only": ("tab:orange", "^"),
+    "own_only_absent": ("tab:green", "v"),
 }
 
 

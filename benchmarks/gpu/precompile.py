@@ -136,9 +136,9 @@ def meta_as_cuda() -> Iterator[None]:
         cuda = SimpleNamespace(device=torch.device("cuda"), dtype=queries.dtype)
         return resolve(mode, cuda if queries.device.type == "meta" else queries)
 
-    def finite(policy, inputs):
+    def finite(policy, inputs, conditions=()):
         on_meta = any(t is not None and t.device.type == "meta" for t in inputs.values())
-        return None if on_meta else nonfinite(policy, inputs)
+        return None if on_meta else nonfinite(policy, inputs, conditions)
 
     with contextlib.ExitStack() as stack:
         checks = ((probe, "unusable_reason"), (backend, "triton_unusable_reason"), (blocks, "unusable_reason"))

@@ -24,8 +24,8 @@ import math
 import torch
 from torch import Tensor
 
-from .duplicates import DuplicateMask
-from .false_negatives import Guide, num_candidates
+from . import own
+from .candidates import Candidates
 from .gemm import matmul_precision, rounded_operand
 from .memory import Memory
 from .result import InfoNCEResult
@@ -51,8 +51,7 @@ def tile_budget(device: torch.device) -> int:
 
 def default_tile_rows(spec: InfoNCESpec, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
     """Rows per tile so that all of a tile's temporaries fit in ``tile_bytes`` (fp32 scores)."""
-    sizes = {"c": spec.num_doc_columns, "p": spec.world_batch_size, "w": spec.world_batch_size, "q": spec.batch_size}
-    columns = sum(sizes[DIRECTIONS[d].cols] for d in spec.directions)
+    columns = sum(spec.columns(name) for name in spec.directions)
     per_row = 4 * columns * (len(spec.dims) + 1)  # K prefix dot products + one exp / gradient buffer
     if spec.false_negatives is not None:
         per_row += 5 * columns  # the guide's scores of a direction and the mask they give
@@ -69,6 +68,7 @@ def forward(
     guide: tuple[Tensor, Tensor] | None = None,
     duplicates=None,
     memory: Memory | None = None,
+    document_present: Tensor | None = None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) gradients, one sweep over row tiles.
 
@@ -82,11 +82,15 @@ def forward(
     computes once, for all dims); ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) of
     ``spec.mask_duplicates``, whose removed candidates are listed sparsely and set to -inf in each tile;
     ``memory``: banked documents, scored as columns after the docs' in the same tiles, with no gradient computed for
-    them (no column-gradient matmul, no copy next to the docs).
+    them (no column-gradient matmul, no copy next to the docs); ``document_present``: (M,) bool of
+    ``spec.absent_documents``, the absent documents' columns at -inf in every tile (the counts: ``candidates.py``).
+    Without in-batch negatives (``spec.in_batch_negatives`` False) it runs ``own.forward``: O(B n D), no tiles.
     """
+    if not spec.in_batch_negatives:
+        return own.forward(queries, docs, spec, need_grad, guide, duplicates, document_present)
     rows = tile_rows or default_tile_rows(spec, tile_budget(queries.device))
     with matmul_precision(spec.precision != "ieee", queries.device):
-        sweep = _Sweep(queries, docs, world_queries, spec, need_grad, guide, duplicates, memory)
+        sweep = _Sweep(queries, docs, world_queries, spec, need_grad, guide, duplicates, memory, document_present)
         for begin in range(0, spec.batch_size, rows):
             sweep.tile(begin, min(begin + rows, spec.batch_size))
         return sweep.result()._replace(tile=f"{min(rows, spec.batch_size)} rows")
@@ -96,7 +100,7 @@ class _Sweep:
     """State of one forward sweep: inputs, prefix norms, workspaces and gradient accumulators."""
 
     def __init__(
-        self, queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, guide=None, duplicates=None, memory=None
+        self, queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, guide, duplicates, memory, present
     ):
         dtype = torch.promote_types(queries.dtype, torch.float32)
         device, positives = queries.device, slice(0, spec.world_batch_size)
@@ -116,13 +120,8 @@ class _Sweep:
         self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
         self.lse = torch.empty(len(spec.dims), len(self.directions), spec.batch_size, dtype=dtype, device=device)
         self.workspaces: dict[int, list[Tensor]] = {}  # direction index -> K + 1 tile buffers
-        self.filter = (
-            None
-            if spec.false_negatives is None
-            else Guide.build(queries, docs, world_queries, spec, guide, dtype, memory)
-        )
-        self.duplicates = None if duplicates is None else DuplicateMask.build(spec, *duplicates, memory=memory)
-        self.dropped, self.candidates = torch.zeros((), device=device), 0
+        masks = (guide, duplicates, memory, present)
+        self.candidates = Candidates(spec, queries, docs, world_queries, dtype, *masks)
         if need_grad:
             uses_world = any(d.cols == "w" for d in self.directions)
             self.grads = {
@@ -155,8 +154,7 @@ class _Sweep:
         spec = self.spec
         count = end - begin
         tiles = []
-        masks = {} if self.filter is None else self.filter.dropped(spec, begin, end)
-        candidates = []  # per direction, (rows,): the candidates each row scores
+        masks = self.candidates.tile(begin, end)
         for index, (name, direction) in enumerate(zip(spec.directions, self.directions)):
             rows, row_inv, row_key, row_slice = self._rows(direction, begin, end)
             cols = self.sources[direction.cols]
@@ -164,25 +162,14 @@ class _Sweep:
             width = cols.shape[0] + (0 if memory is None else memory.shape[0])
             buffers = self._workspace(index, count, width)
             _band_dots(rows, cols, spec.dims, buffers[1:], memory)
-            dropped, removed = masks.get(name), None
-            if self.duplicates is not None:
-                removed = self.duplicates.tile(name, begin, end)
-                if dropped is not None:  # with the filter: one boolean tile of both
-                    dropped[removed], removed = True, None
-            scored = torch.full((count,), num_candidates(direction, spec, 1, width), device=rows.device)
-            if dropped is not None or removed is not None:
-                lost = dropped.sum(dim=1) if dropped is not None else self.duplicates.removed_per_row(name)[begin:end]
-                self.dropped += lost.sum()
-                self.candidates += num_candidates(direction, spec, count, width)
-                scored -= lost
-            candidates.append(scored + direction.partner)
+            removed = masks.dropped[index], masks.removed[index], self.candidates.absent_columns(name)
             tiles.append(
                 _TileDirection(
-                    direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, dropped, removed, memory
+                    direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, removed, memory
                 )
             )
         # A row whose softmax holds one candidate has loss and gradient exactly 0 (rounding would leave ~1e-7).
-        single = sum(candidates) == 1 if spec.partition_mode == "joint" else torch.stack(candidates).eq(1).all(0)
+        single = ~masks.live
         for k in range(len(spec.dims)):
             self._dim(k, tiles, begin, end, single)
 
@@ -228,9 +215,7 @@ class _Sweep:
                 self.grads["c"].to(dtype),
                 None if world is None else world.to(dtype),
             )
-        masked = self.filter is not None or self.duplicates is not None
-        share = self.dropped.to(torch.float32) / max(self.candidates, 1) if masked else None
-        return InfoNCEResult(per_dim, self.lse, grads, masked_share=share)
+        return InfoNCEResult(per_dim, self.lse, grads, masked_share=self.candidates.share())
 
 
 class _TileDirection:
@@ -241,14 +226,13 @@ class _TileDirection:
     and to dim k-1's dot buffer afterwards, which is free by then.
     """
 
-    def __init__(
-        self, direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, dropped, removed, memory
-    ):
+    def __init__(self, direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, removed, memory):
         self.direction, self.rows, self.row_inv = direction, rows, row_inv
         self.row_key, self.row_slice = row_key, row_slice
-        # dropped: (rows, cols) bool tile of the filter (and duplicates);
-        # removed: (rows, cols) index pairs of duplicates
-        self.cols, self.buffers, self.spec, self.dropped, self.removed = cols, buffers, spec, dropped, removed
+        # removed: the (rows, cols) bool tile of the filter (and duplicates), the duplicates' (row, column) pairs, the
+        # (cols,) absent documents (``candidates.TileMasks``), each or None
+        self.cols, self.buffers, self.spec = cols, buffers, spec
+        self.dropped, self.removed, self.absent = removed
         self.memory = memory  # banked columns after ``cols`` (no gradient), or None
         count = rows.shape[0]
         self.row_index = torch.arange(count, device=rows.device)
@@ -299,6 +283,8 @@ class _TileDirection:
             out.masked_fill_(self.dropped, -math.inf)
         if self.removed is not None:
             out.index_put_(self.removed, out.new_tensor(-math.inf))
+        if self.absent is not None:
+            out.masked_fill_(self.absent, -math.inf)
         if self.direction.label:
             self.positive_logit = own_logits[:, 0]
         if not unshifted:

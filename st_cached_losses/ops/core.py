@@ -33,6 +33,7 @@ __all__ = [
     "check_dims",
     "check_precision",
     "check_scale",
+    "live_rows",
     "resolve_precision",
     "run_op",
 ]
@@ -153,6 +154,16 @@ def check_precision(precision: Any) -> str:
     return precision
 
 
+def live_rows(scored: Sequence[Tensor], partition_mode: str = "joint") -> Tensor:
+    """(rows,) bool: False for a row left with only its positive, whose loss and gradient are exactly 0 (stock's are;
+    rounding would leave ~1e-7, which AdamW turns into weight updates): the one rule of every backend that counts.
+    ``scored``: per direction, (rows,) int, the columns each row scores, its partner included, after every mask
+    (the direction's own, absent documents, the filter, duplicates; without in-batch negatives, other rows' columns).
+    Left with only its positive: its joint softmax holds one column ("joint"), or each direction's does."""
+    counts = torch.stack(list(scored))
+    return counts.sum(0) != 1 if partition_mode == "joint" else ~counts.eq(1).all(0)
+
+
 # --------------------------------------------------------------------------------------------- NaN and precision
 
 
@@ -177,13 +188,20 @@ def _fp16_run(queries: Tensor) -> bool:
     return fp16_autocast or queries.dtype == torch.float16
 
 
-def _nonfinite_input(nonfinite: str, inputs: dict[str, Tensor | None]) -> str | None:
+def _nonfinite_input(
+    nonfinite: str, inputs: dict[str, Tensor | None], conditions: Sequence[tuple[Tensor, str]] = ()
+) -> str | None:
     """The name of the first input holding NaN or Inf when the policy propagates it (None when all are finite);
-    a ValueError when the policy ("raise", or "auto" outside fp16) says the run diverged."""
+    a ValueError when the policy ("raise", or "auto" outside fp16) says the run diverged, or where one of
+    ``conditions`` (0-dim bool device tensor, message) does not hold."""
     present = {name: t for name, t in inputs.items() if t is not None and t.numel()}
-    # One host synchronisation per call for all inputs (the policy decides on the host); which input, only then.
-    if not present or bool(torch.stack([_finite(t) for t in present.values()]).all()):
+    # One host synchronisation per call for all inputs and conditions (the policy decides on the host); which, then.
+    flags = [_finite(t) for t in present.values()] + [condition for condition, _ in conditions]
+    if not flags or bool(torch.stack(flags).all()):
         return None
+    for condition, message in conditions:
+        if not bool(condition):
+            raise ValueError(message)
     name = next(name for name, t in present.items() if not all_finite(t))
     queries = next(iter(inputs.values()))
     if nonfinite == "propagate" or (nonfinite == "auto" and _fp16_run(queries)):
@@ -292,22 +310,24 @@ def run_op(
     num_directions: int = 1,
     checked: dict[str, Tensor | None] | None = None,
     supports: Callable[[str], bool] | None = None,
+    conditions: Sequence[tuple[Tensor, str]] = (),
 ) -> InfoNCEOutput:
     """Choose the backend, apply the NaN policy and run ``forward`` inside :class:`_CachedGradients`.
 
     ``inputs``: the tensors the backend differentiates, by argument name (the first is the queries; a None entry is
     an absent optional input); the gradients of those that require them reach autograd. ``checked``: other inputs
     (without gradient) the NaN policy reads too. ``supports(name)``: whether the backend ``"auto"`` picked takes this
-    problem (else the chunked backend runs).
+    problem (else the chunked backend runs). ``conditions``: (0-dim bool device tensor, message) pairs that must hold,
+    read with the NaN check's one host synchronisation.
 
     Raises:
-        ValueError: see the ops' docstrings (the backend, NaN/Inf inputs).
+        ValueError: see the ops' docstrings (the backend, NaN/Inf inputs, ``conditions``).
     """
     queries = next(iter(inputs.values()))
     name, reason = select_backend(queries.device, backend, op=op)
     if backend == "auto" and supports is not None and not supports(name):
         name, reason = "chunked", f"auto: the {name} backend does not take these options"
-    nonfinite_input = _nonfinite_input(nonfinite, {**inputs, **(checked or {})})
+    nonfinite_input = _nonfinite_input(nonfinite, {**inputs, **(checked or {})}, conditions)
     if nonfinite_input is not None:
         name, reason = "nonfinite", f"NaN or Inf in {nonfinite_input}"
     call = OpCall(op, spec, inputs, forward, name, reason, num_directions)

@@ -176,18 +176,6 @@ class DuplicateMask:
         )
         return torch.tensor(removed / max(candidates, 1), dtype=torch.float32, device=self.codes["c"].device)
 
-    def live_rows(self) -> Tensor:
-        """(B,) bool: False for a row whose softmax holds nothing but its partner once the duplicates are removed
-        (every direction's, joint; each direction's, per_direction), whose loss and gradient are exactly 0."""
-        spec, scored = self.spec, []
-        for name in spec.directions:
-            direction = DIRECTIONS[name]
-            columns = num_candidates(direction, spec, 1, self.num_columns(name)) + direction.partner
-            scored.append(columns - self.removed_per_row(name))
-        if spec.partition_mode == "joint":
-            return sum(scored) != 1
-        return ~torch.stack(scored).eq(1).all(dim=0)
-
     def tile(self, name: str, begin: int, end: int) -> tuple[Tensor, Tensor]:
         """The removed (row - begin, column) pairs of rows [begin, end), for indexing a tile of scores."""
         rows, cols, bounds, _ = self._entries(name)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .backend import REGISTRY
+from .candidates import check_document_present, positives_present
 from .core import check_chunk_size, check_policies, resolve_precision, run_op
 from .duplicates import check_ids
 from .memory import Memory, check_memory
@@ -54,6 +55,8 @@ def matryoshka_infonce(
     memory_document_ids: Tensor | None = None,
     memory_pair_ids: Tensor | None = None,
     memory_guide_documents: Tensor | None = None,
+    in_batch_negatives: bool = True,
+    document_present: Tensor | None = None,
 ) -> InfoNCEOutput:
     """In-batch InfoNCE (multiple negatives ranking) loss, summed over Matryoshka dims with weights.
 
@@ -131,10 +134,27 @@ def matryoshka_infonce(
             rule (3) then covers the bank (a banked positive of the same query is another positive).
         memory_guide_documents: (Km, Dg) the guide model's embeddings of the banked texts, with ``guide_queries``
             (required then); the self-guided filter scores the banked embeddings themselves.
+        in_batch_negatives: True (default): every row scores every document (stock's in-batch negatives). False: row
+            i's softmax runs over its own documents only, ``documents[j * Bw + offset + i]`` for each block j (its
+            positive, then its hard negatives; FlagEmbedding's ``no_in_batch_neg``), for data whose other rows'
+            positives are often true matches (classification, clustering triplets). O(B x columns x D) work and
+            memory (``ops/own.py``; no B x B nor B x M score), on every backend ("dense" masks its full matrix).
+            What needs other rows' texts is refused: a direction other than "query_to_doc", a memory bank,
+            hardness_mode="in_batch_negatives" with a strength > 0. The partition mode is moot (one direction);
+            the duplicate mask, the false-negative filter (guided or self-guided), the hardness penalty on the own
+            hard negatives ("hard_negatives"; "all_negatives" is the same here) and the Matryoshka dims and weights
+            apply to the own documents; ``world_queries`` / ``offset`` place this rank's rows (d world_queries is 0).
+        document_present: (M,) torch.bool on the queries' device, the documents' layout; False marks an absent
+            document (a row without its k-th hard negative: ragged data): no row scores it, in any direction, and its
+            gradient is exactly 0 (its embedding must still be finite: zeros, for example). Every positive (the first
+            Bw) must be present. A batch whose rows all lack column k gives the loss and gradients of the same batch
+            without that column; a row left with only its positive has loss and gradient exactly 0. Absent documents
+            are not candidates: ``masked_share`` counts neither them nor their removal.
 
     The op accumulates in fp32 (fp64 for fp64 inputs) whatever autocast is active, its GEMM operands as ``precision``
     says; gradients come back in the inputs' dtype. A row whose only candidate is its positive (a batch of one pair,
-    or a row whose other candidates the filter or the duplicate mask removed) has loss and gradient exactly 0.
+    or a row whose other candidates the filter or the duplicate mask removed, or that are absent, or, without in-batch
+    negatives, a row without hard negatives) has loss and gradient exactly 0 (``core.live_rows``).
 
     Returns:
         :class:`~st_cached_losses.ops.result.InfoNCEOutput`: ``loss`` (0-dim, fp32; fp64 for fp64 inputs; the one
@@ -146,7 +166,8 @@ def matryoshka_infonce(
     Raises:
         ValueError / TypeError: for bad shapes, dtypes, devices, NaN/Inf inputs (see ``nonfinite``), empty
             batches, ids (see ``query_ids``) or options, naming the argument and the fix; ``backend="triton"``
-            where it cannot run.
+            where it cannot run; ``in_batch_negatives`` not a bool, or False with an option that needs other rows'
+            texts; ``document_present`` not a (M,) bool tensor on the queries' device, or False for a positive.
         NotImplementedError: backend="triton" with an option its kernels do not support.
         TritonUnavailableError: backend="triton" and the kernels fail to compile or launch.
 
@@ -190,6 +211,7 @@ def matryoshka_infonce(
         mask_duplicates=check_ids(
             queries, documents, offset, query_ids, document_ids, world_query_ids, world_queries=world_queries
         ),
+        in_batch_negatives=in_batch_negatives,
     )
     memory = check_memory(
         memory_documents,
@@ -199,17 +221,23 @@ def matryoshka_infonce(
         queries,
         mask_duplicates=spec.mask_duplicates,
         guided=spec.false_negatives is not None and spec.false_negatives.guided,
+        in_batch_negatives=spec.in_batch_negatives,
     )
     chunk_size = check_chunk_size(chunk_size)
     spec = dataclasses.replace(
-        spec, num_memory=0 if memory is None else memory.size, precision=resolve_precision(precision, queries)
+        spec,
+        num_memory=0 if memory is None else memory.size,
+        precision=resolve_precision(precision, queries),
+        absent_documents=check_document_present(document_present, documents, queries),
     )
     guide = None if guide_queries is None else (guide_queries, guide_documents)
     duplicates = (query_ids, document_ids, world_query_ids) if spec.mask_duplicates else None
 
     def forward(name: str, need_grad: bool) -> InfoNCEResult:
         world = queries if world_queries is None else world_queries
-        result = run_backend(name, queries, documents, world, spec, need_grad, chunk_size, guide, duplicates, memory)
+        result = run_backend(
+            name, queries, documents, world, spec, need_grad, chunk_size, guide, duplicates, memory, document_present
+        )
         return result if result.grads is None else result._replace(grads=_world_gradient(result.grads, world_queries))
 
     return run_op(
@@ -222,6 +250,7 @@ def matryoshka_infonce(
         num_directions=len(spec.directions),
         checked={"memory_documents": memory_documents},
         supports=lambda name: REGISTRY[OP][name].unsupported(spec) is None,
+        conditions=() if document_present is None else (positives_present(document_present, spec),),
     )
 
 
@@ -236,14 +265,17 @@ def run_backend(
     guide: tuple[Tensor, Tensor] | None = None,
     duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
     memory: Memory | None = None,
+    document_present: Tensor | None = None,
 ) -> InfoNCEResult:
     """One backend's forward by name (no "auto", no fallback; the tests compare them on the same inputs):
     ``chunk_size`` as in ``matryoshka_infonce``, ``guide`` the guide model's (queries, docs) embeddings,
     ``duplicates`` the text ids ``(query_ids, doc_ids, world_query_ids or None)`` of ``spec.mask_duplicates``,
-    ``memory`` the banked documents (``spec.num_memory`` of them).
+    ``memory`` the banked documents (``spec.num_memory`` of them), ``document_present`` the (M,) bool of
+    ``spec.absent_documents``.
 
     Raises:
-        ValueError: an unknown name; ids without ``spec.mask_duplicates`` or the reverse.
+        ValueError: an unknown name; ids without ``spec.mask_duplicates``, a memory without ``spec.num_memory``, a
+            ``document_present`` without ``spec.absent_documents``, or the reverse.
     """
     if name not in REGISTRY[OP]:
         raise ValueError(f"Unknown backend {name!r}: choose from {tuple(REGISTRY[OP])}.")
@@ -251,6 +283,8 @@ def run_backend(
         raise ValueError("pass duplicates=(query_ids, doc_ids, world_query_ids) exactly when spec.mask_duplicates.")
     if spec.num_memory != (0 if memory is None else memory.size):
         raise ValueError("pass memory (its spec.num_memory banked documents) exactly when spec.num_memory > 0.")
+    if spec.absent_documents != (document_present is not None):
+        raise ValueError("pass document_present exactly when spec.absent_documents.")
     return REGISTRY[OP][name].forward(
         queries,
         docs,
@@ -261,6 +295,7 @@ def run_backend(
         guide=guide,
         duplicates=duplicates,
         memory=memory,
+        document_present=document_present,
     )
 
 

@@ -50,6 +50,7 @@ def check_memory(
     *,
     mask_duplicates: bool,
     guided: bool,
+    in_batch_negatives: bool = True,
 ) -> Memory | None:
     """The op's memory arguments as a :class:`Memory` (None without ``memory_documents``), after checking them.
 
@@ -57,7 +58,7 @@ def check_memory(
         TypeError / ValueError: naming the argument: a ``memory_documents`` that is not a 2-D tensor of the queries' D,
             dtype and device; memory ids given without the duplicate mask's ids or missing with them, of another
             shape, dtype or device; ``memory_guide_documents`` missing with a guide, given without one, or of another
-            row count or device.
+            row count or device; any bank without in-batch negatives.
     """
     extras = {
         "memory_document_ids": memory_document_ids,
@@ -69,6 +70,11 @@ def check_memory(
         if given:
             raise ValueError(f"{', '.join(given)} describe memory_documents: pass memory_documents too, or neither.")
         return None
+    if not in_batch_negatives:
+        raise ValueError(
+            "memory_documents are other rows' documents (earlier steps'), which in_batch_negatives=False does not "
+            "score: drop the memory bank, or pass in_batch_negatives=True."
+        )
     if (
         not isinstance(memory_documents, Tensor)
         or memory_documents.ndim != 2

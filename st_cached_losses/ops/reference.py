@@ -14,7 +14,9 @@ itself, from docs/design.md "The math" and ``matryoshka_infonce``'s docstring:
 - GISTEmbed's false-negative filter, guided (a guide model's embeddings, cosine) or self-guided (the model's
   full-dim embeddings, detached, the loss's similarity), absolute or relative, from the whole matrix of guide
   similarities (:func:`_false_negatives`);
-- the share of candidates the two removed together (:func:`_masks`).
+- the share of candidates the two removed together (:func:`_masks`);
+- without in-batch negatives, every column but the row's own documents masked, and absent documents
+  (``document_present`` False) masked in every row (:func:`_fixed_columns`): the same full matrix, not ``own.py``.
 
 Shared with the backends: the validated problem (``spec.InfoNCESpec``, ``NORM_EPS``, the hardness modes), the memory
 bank's container and the result type. Memory: O(K * B * columns) floats, plus a (B, pairs) and a (pairs, columns)
@@ -68,6 +70,7 @@ def forward(
     compute_dtype=None,
     duplicates=None,
     memory: Memory | None = None,
+    document_present: Tensor | None = None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``.
 
@@ -75,15 +78,18 @@ def forward(
     dtype. ``compute_dtype=queries.dtype`` is plain PyTorch in the inputs' precision, the yardstick of the
     GPU checks (``benchmarks/cuda_checks.py``). ``guide``: a guide model's (queries, docs) embeddings for
     ``spec.false_negatives``; ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) for
-    ``spec.mask_duplicates``; ``memory``: banked documents, more columns after the docs', without gradient.
+    ``spec.mask_duplicates``; ``memory``: banked documents, more columns after the docs', without gradient;
+    ``document_present``: (M,) bool, False for an absent document (no row scores it).
     ``tile_rows`` is unused (the registry's common signature: no tiles here).
     """
     compute_dtype = compute_dtype or torch.promote_types(queries.dtype, torch.float32)
     leaves = [t.detach().to(compute_dtype).requires_grad_(need_grad) for t in (queries, docs, world_queries)]
     banked = None if memory is None else memory.docs.to(compute_dtype)
-    removed, masked_share = _masks(*leaves, spec, guide, duplicates, memory)
+    removed, masked_share = _masks(*leaves, spec, guide, duplicates, memory, document_present)
     with torch.enable_grad() if need_grad else torch.no_grad():
-        losses, lses = zip(*(_one_dim(*leaves, spec, dim, removed, banked) for dim in spec.dims))
+        device = queries.device
+        fixed = {name: _fixed_columns(BLOCKS[name], spec, device, document_present)[0] for name in spec.directions}
+        losses, lses = zip(*(_one_dim(*leaves, spec, dim, removed, fixed, banked) for dim in spec.dims))
         per_dim = torch.stack(losses)
         grads = None
         if need_grad:
@@ -109,8 +115,9 @@ def _own_docs(spec: InfoNCESpec, device) -> Tensor:
     return (col < spec.num_docs) & (col % spec.world_batch_size == world_row)
 
 
-def _fixed_columns(block: Block, spec: InfoNCESpec, device) -> tuple[Tensor, Tensor]:
-    """(B, columns) bool each: the columns the block masks itself for row i, and row i's partner column."""
+def _fixed_columns(block: Block, spec: InfoNCESpec, device, present: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(B, columns) bool each: the columns row i never scores in the block (those it masks itself; without in-batch
+    negatives every document but the row's own; absent documents), and row i's partner column."""
     col = torch.arange(_num_columns(block, spec), device=device)[None, :]
     at_row = col == torch.arange(spec.batch_size, device=device)[:, None] + spec.offset  # column offset + i
     nothing = torch.zeros_like(at_row)
@@ -120,20 +127,25 @@ def _fixed_columns(block: Block, spec: InfoNCESpec, device) -> tuple[Tensor, Ten
         masked = _own_docs(spec, device)
     else:
         masked = nothing
+    if block.cols == "c" and not spec.in_batch_negatives:
+        masked = masked | ~_own_docs(spec, device)
+    if block.cols == "c" and present is not None:
+        banked = torch.ones(spec.num_memory, dtype=torch.bool, device=device)
+        masked = masked | ~torch.cat([present, banked])[None, :]
     return masked, at_row if block.partner else nothing
 
 
-def _masks(q, c, wq, spec: InfoNCESpec, guide, duplicates, memory) -> tuple[dict[str, Tensor], Tensor | None]:
+def _masks(q, c, wq, spec: InfoNCESpec, guide, duplicates, memory, present) -> tuple[dict[str, Tensor], Tensor | None]:
     """Each direction's (B, columns) bool of the candidates the duplicate mask and the false-negative filter remove
-    (never the partner nor a column the block masks itself), and their share of the candidates: a row's columns in
-    every direction less its partner and the columns its block masks itself, a candidate both remove counted once."""
+    (never the partner nor a column the row never scores), and their share of the candidates: a row's columns in
+    every direction less its partner and the columns it never scores, a candidate both remove counted once."""
     if spec.false_negatives is None and not spec.mask_duplicates:
         return {}, None
     dropped = {} if spec.false_negatives is None else _false_negatives(q, c, wq, spec, guide, memory)
     doubles = {} if not spec.mask_duplicates else _duplicates(spec, *duplicates, memory)
     removed, num_removed, num_candidates = {}, 0, 0
     for name in spec.directions:
-        masked, partner = _fixed_columns(BLOCKS[name], spec, q.device)
+        masked, partner = _fixed_columns(BLOCKS[name], spec, q.device, present)
         candidate = ~(masked | partner)
         mask = torch.zeros_like(candidate)
         for source in (dropped, doubles):
@@ -216,10 +228,11 @@ def _prefix(x: Tensor, dim: int, cosine: bool) -> Tensor:
 
 
 def _one_dim(
-    q: Tensor, c: Tensor, wq: Tensor, spec: InfoNCESpec, dim: int, removed, banked: Tensor | None = None
+    q: Tensor, c: Tensor, wq: Tensor, spec: InfoNCESpec, dim: int, removed, fixed, banked: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Loss (scalar) and per-direction LSE (ndir, B) at one Matryoshka dim; ``removed``: the masks' removed
-    candidates per direction; ``banked``: memory columns after the docs'."""
+    candidates per direction; ``fixed``: the columns each direction never scores (:func:`_fixed_columns`);
+    ``banked``: memory columns after the docs'."""
     q, c, wq = (_prefix(x, dim, spec.cosine) for x in (q, c, wq))
     all_docs = c if banked is None else torch.cat([c, _prefix(banked, dim, spec.cosine)])
     local = slice(spec.offset, spec.offset + spec.batch_size)
@@ -235,7 +248,7 @@ def _one_dim(
             positive = logit[i, i + spec.offset]
             if spec.hardness:
                 logit = logit + spec.hardness_strength * sim.detach() * _penalised(spec, q.device)
-        masked, _ = _fixed_columns(block, spec, q.device)
+        masked = fixed[name]
         if name in removed:
             masked = masked | removed[name]
         logits.append(logit.masked_fill(masked, -torch.inf))

@@ -123,6 +123,8 @@ class InfoNCESpec:
     mask_duplicates: bool = False  # exact duplicates leave the softmax (``duplicates.py``; the ids go to the backend)
     num_memory: int = 0  # Km: banked documents scored after the docs' columns, without gradient (``memory.py``)
     precision: str = "ieee"  # the score GEMMs' operands: "bf16", "tf32" or "ieee" (``core.resolve_precision``)
+    in_batch_negatives: bool = True  # False: each row scores its own documents only (``own.py``)
+    absent_documents: bool = False  # ``document_present`` given: some hard-negative documents may be absent
 
     @property
     def num_docs(self) -> int:
@@ -132,6 +134,16 @@ class InfoNCESpec:
     def num_doc_columns(self) -> int:
         """Columns of the directions that score documents: the docs, then the banked ones."""
         return self.num_docs + self.num_memory
+
+    def columns(self, name: str) -> int:
+        """The columns of direction ``name``: the documents (then the banked ones), the positives or the queries."""
+        sizes = {
+            "c": self.num_doc_columns,
+            "p": self.world_batch_size,
+            "w": self.world_batch_size,
+            "q": self.batch_size,
+        }
+        return sizes[DIRECTIONS[name].cols]
 
     @property
     def masks(self) -> bool:
@@ -151,7 +163,10 @@ class InfoNCESpec:
     def single_candidate(self) -> bool:
         """Whether every row's only candidate is its positive, so the loss and its gradient are exactly 0:
         one pair in the world batch and no hard negatives, with no direction that adds the positive again
-        ("doc_to_query" does under a joint partition; "query_to_query" and "doc_to_doc" mask theirs)."""
+        ("doc_to_query" does under a joint partition; "query_to_query" and "doc_to_doc" mask theirs); without
+        in-batch negatives, no hard negatives."""
+        if not self.in_batch_negatives:
+            return self.num_columns == 1
         if self.world_batch_size != 1 or self.num_columns != 1 or self.num_memory:
             return False
         if set(GIST_DIRECTIONS) & set(self.directions):
@@ -184,6 +199,7 @@ class InfoNCESpec:
         guide_queries: Tensor | None = None,
         guide_documents: Tensor | None = None,
         mask_duplicates: bool = False,
+        in_batch_negatives: bool = True,
     ) -> InfoNCESpec:
         _check_tensors(queries, docs, world_queries)
         batch_size, dim = queries.shape
@@ -201,6 +217,7 @@ class InfoNCESpec:
             )
         sorted_dims, sorted_weights, order = check_dims(dims, weights, dim)
         _check_choices(similarity, directions, partition_mode, hardness_mode)
+        _check_in_batch_negatives(in_batch_negatives, directions, hardness_mode, hardness_strength)
         scale = check_scale(scale)
         if isinstance(hardness_strength, bool) or not (
             isinstance(hardness_strength, (int, float)) and math.isfinite(hardness_strength)
@@ -234,6 +251,7 @@ class InfoNCESpec:
             hardness_strength=float(hardness_strength),
             false_negatives=false_negatives,
             mask_duplicates=bool(mask_duplicates),
+            in_batch_negatives=in_batch_negatives,
         )
 
 
@@ -331,3 +349,24 @@ def _check_choices(similarity: str, directions: Sequence[str], partition_mode: s
         )
     if hardness_mode not in HARDNESS_MODES:
         raise ValueError(f"hardness_mode must be one of {tuple(HARDNESS_MODES)}, got {hardness_mode!r}.")
+
+
+def _check_in_batch_negatives(in_batch_negatives, directions, hardness_mode, hardness_strength) -> None:
+    """Without in-batch negatives a row scores its own positive and hard negatives only: what needs other rows'
+    texts is refused (the memory bank in ``memory.check_memory``); the partition mode is moot (one direction)."""
+    if not isinstance(in_batch_negatives, bool):
+        raise TypeError(f"in_batch_negatives must be True or False, got {in_batch_negatives!r}.")
+    if in_batch_negatives:
+        return
+    others = [d for d in directions if d != "query_to_doc"]
+    if others:
+        raise ValueError(
+            f"in_batch_negatives=False scores each query against its own positive and hard negatives only, but "
+            f"directions {others} score other rows' texts: pass directions=('query_to_doc',), or "
+            "in_batch_negatives=True."
+        )
+    if hardness_mode == "in_batch_negatives" and hardness_strength > 0:
+        raise ValueError(
+            "hardness_mode='in_batch_negatives' penalises other rows' documents, which in_batch_negatives=False does "
+            "not score: use 'hard_negatives' ('all_negatives' is the same here), or in_batch_negatives=True."
+        )

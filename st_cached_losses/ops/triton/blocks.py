@@ -53,9 +53,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..duplicates import DuplicateMask
+from .. import own
+from ..candidates import Candidates
 from ..errors import TritonUnavailableError
-from ..false_negatives import Guide, num_candidates
 from ..gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
 from ..result import InfoNCEResult
 from ..spec import DIRECTIONS, NORM_EPS, InfoNCESpec
@@ -73,9 +73,10 @@ _INT32 = 2**31 - 1
 
 def unsupported(spec: InfoNCESpec) -> str | None:
     """What of ``spec`` this backend does not take, or None: every direction, partition and hardness mode, hard
-    negatives, the GIST and self-guided filters, the duplicate mask, a memory bank and gathered world columns are
-    taken; more than :data:`MAX_DIMS` Matryoshka dims are not (the kernels unroll the dims)."""
-    if len(spec.dims) > MAX_DIMS:
+    negatives, absent documents, the GIST and self-guided filters, the duplicate mask, a memory bank, gathered world
+    columns and in-batch negatives off (``own.py``, any number of dims) are taken; more than :data:`MAX_DIMS`
+    Matryoshka dims with in-batch negatives are not (the kernels unroll the dims)."""
+    if spec.in_batch_negatives and len(spec.dims) > MAX_DIMS:
         return f"at most {MAX_DIMS} Matryoshka dims, got {len(spec.dims)}"
     return None
 
@@ -90,11 +91,15 @@ def forward(
     guide: tuple[Tensor, Tensor] | None = None,
     duplicates=None,
     memory=None,
+    document_present: Tensor | None = None,
 ) -> InfoNCEResult:
     """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``, one sweep.
 
     Args: as ``chunked.forward`` (queries (B, D), docs (M, D), world_queries (Bw, D); CUDA tensors, or CPU ones
-    under ``TRITON_INTERPRET=1``); ``tile_rows``: rows per block (default :func:`plan_rows`'s budget).
+    under ``TRITON_INTERPRET=1``); ``tile_rows``: rows per block (default :func:`plan_rows`'s budget);
+    ``document_present``: (M,) bool, the absent documents masked in the pass kernel (its column mask, constexpr
+    ABSENT). Without in-batch negatives it runs ``own.forward``, as the chunked backend does: the own documents are
+    (n, B) row-wise dot products, bandwidth-bound passes with no B x M score plane for the kernels to fuse.
 
     Returns:
         ``InfoNCEResult``: per_dim (K,), lse (K, ndir, B) fp32 (fp64 for fp64 inputs); grads in the inputs' dtype.
@@ -112,9 +117,12 @@ def forward(
     reason = unusable_reason(queries.device, ".triton.fused")
     if reason is not None:
         raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
+    if not spec.in_batch_negatives:
+        return own.forward(queries, docs, spec, need_grad, guide, duplicates, document_present)
     try:
         with matmul_precision(spec.precision == "tf32", queries.device):
-            sweep = _Sweep(queries, docs, world_queries, spec, need_grad, guide, duplicates, memory)
+            masks = (guide, duplicates, memory, document_present)
+            sweep = _Sweep(queries, docs, world_queries, spec, need_grad, masks)
             return sweep.run(plan_rows(spec, queries.shape[1], sweep.plane_dtype, tile_rows))
     except Exception as error:
         if not is_launch_error(error):
@@ -122,17 +130,12 @@ def forward(
         raise TritonUnavailableError(describe_error(error)) from error
 
 
-def _columns(spec: InfoNCESpec, name: str) -> int:
-    sizes = {"c": spec.num_doc_columns, "p": spec.world_batch_size, "w": spec.world_batch_size, "q": spec.batch_size}
-    return sizes[DIRECTIONS[name].cols]
-
-
 def plan_rows(spec: InfoNCESpec, dim: int, plane_dtype: torch.dtype, tile_rows: int | None = None) -> int:
     """Rows per block: ``tile_rows`` if given, else as many as keep a block's planes, partials and row buffers
     within :data:`BLOCK_BYTES` (a multiple of the pass kernel's BM), at most B; either way few enough that the
     kernels' int32 offsets into a block's planes cannot overflow."""
     k, bm, bn = len(spec.dims), config("pass")["BM"], config("pass")["BN"]
-    columns = [padded(_columns(spec, name), "BN") for name in spec.directions]
+    columns = [padded(spec.columns(name), "BN") for name in spec.directions]
     plane = torch.finfo(plane_dtype).bits // 8
     per_row = k * sum(columns) * plane + 8 * len(columns) * k * (-(-max(columns) // bn)) + 4 * (dim + 4 * k)
     if spec.false_negatives is not None:
@@ -167,13 +170,15 @@ class _Operand:
 class _Sweep:
     """One op call: operands, per-call buffers, and the blocks (:meth:`run`)."""
 
-    def __init__(self, queries, docs, world_queries, spec: InfoNCESpec, need_grad, guide, duplicates, memory):
+    def __init__(self, queries, docs, world_queries, spec: InfoNCESpec, need_grad, masks):
         self.spec, self.need_grad, self.device = spec, need_grad, queries.device
         acc = self.acc = accumulation_dtype(queries.dtype)
         self.plane_dtype = operand_dtype(spec.precision, queries.dtype)
+        guide, duplicates, memory, present = masks
+        self.candidates = Candidates(spec, queries, docs, world_queries, acc, guide, duplicates, memory, present)
+        self.duplicates = self.candidates.duplicates
+        self.present = None if present is None else present.view(torch.uint8)
         guided = spec.false_negatives is not None
-        self.filter = Guide.build(queries, docs, world_queries, spec, guide, acc, memory) if guided else None
-        self.duplicates = None if duplicates is None else DuplicateMask.build(spec, *duplicates, memory=memory)
         self.directions = [Direction.build(name, spec, guided, acc) for name in spec.directions]
         self.operands = {"q": self._operand(queries), "c": self._operand(docs)}
         if any(d.cols == "w" for d in self.directions):
@@ -194,7 +199,6 @@ class _Sweep:
                 if key != "q" or not self.row_finished:
                     operand.acc = torch.zeros(operand.x.shape, dtype=acc, device=self.device)
                     operand.terms = torch.zeros(len(spec.dims), operand.x.shape[0], dtype=acc, device=self.device)
-        self.dropped, self.candidates = torch.zeros((), device=self.device), 0
 
     def _operand(self, x: Tensor) -> _Operand:
         inv = None
@@ -208,7 +212,7 @@ class _Sweep:
     def run(self, rows: int) -> InfoNCEResult:
         spec, acc, device, k = self.spec, self.acc, self.device, len(self.spec.dims)
         ndir, bm, bn = len(self.directions), config("pass")["BM"], config("pass")["BN"]
-        self.columns = [_columns(spec, d.name) for d in self.directions]
+        self.columns = [spec.columns(d.name) for d in self.directions]
         self.tiles = -(-max(self.columns) // bn)
         widest, tall = padded(max(self.columns), "BN"), padded(rows, "BM")
         self.planes = [
@@ -225,13 +229,14 @@ class _Sweep:
             self.col_terms = torch.empty(k, tall // bm, widest, dtype=acc, device=device)
             self.row_grad = torch.empty(rows, self.operands["q"].x.shape[1], dtype=acc, device=device)
             self.d_queries = torch.empty_like(self.operands["q"].x)
-        self.masked = self.filter is not None or self.duplicates is not None
-        if not self.masked:  # every row scores the same candidates: one rule for all blocks
+        # Without masks (absent documents count as one) every row scores the same candidates: one rule for all blocks.
+        self.masked = spec.masks or spec.absent_documents
+        if not self.masked:
             self.live = self._masks(0, rows)[1]
         for begin in range(0, spec.batch_size, rows):
             self._block(begin, min(begin + rows, spec.batch_size))
         grads = self._finish() if self.need_grad else None
-        share = self.dropped.to(torch.float32) / max(self.candidates, 1) if self.masked else None
+        share = self.candidates.share()
         blocks = -(-spec.batch_size // rows)
         tile = f"{min(rows, spec.batch_size)} rows x all columns, {blocks} blocks, {str(self.plane_dtype)[6:]} planes"
         return InfoNCEResult(self.loss.sum(1) / spec.batch_size, self.lse, grads, tile=tile, masked_share=share)
@@ -251,9 +256,17 @@ class _Sweep:
             masks = self._kernel_masks(direction, drops[index], begin, end)
             world0 = self.spec.offset + begin
             self.launcher.run_pass(
-                1, direction, planes, row_inv, col_inv, self.part_a[index], self.part_b[index], pos, masks=masks,
+                1,
+                direction,
+                planes,
+                row_inv,
+                col_inv,
+                self.part_a[index],
+                self.part_b[index],
+                pos,
+                masks=masks,
                 world0=world0,
-            )  # fmt: skip
+            )
         self.launcher.run_rows(
             self.part_a, self.part_b, self.tiles, self.pos, live, self.lse, self.nrm2, self.loss, end - begin, begin
         )
@@ -273,10 +286,18 @@ class _Sweep:
             planes = self.planes[index][:, :count, : self.columns[index]]
             col_terms = self.col_terms if spec.cosine else None
             self.launcher.run_pass(
-                2, direction, planes, row_inv, col_inv, self.part_a[index], nrm2=self.nrm2[index], coef=self.coef,
-                col_terms=col_terms, masks=self._kernel_masks(direction, drops[index], begin, end),
+                2,
+                direction,
+                planes,
+                row_inv,
+                col_inv,
+                self.part_a[index],
+                nrm2=self.nrm2[index],
+                coef=self.coef,
+                col_terms=col_terms,
+                masks=self._kernel_masks(direction, drops[index], begin, end),
                 world0=spec.offset + begin,
-            )  # fmt: skip
+            )
             col_grad, col_term_sums = self._col_targets(direction, width)
             if spec.cosine:
                 col_term_sums.add_(col_terms[:, : -(-count // bm), :width].sum(1))
@@ -352,37 +373,18 @@ class _Sweep:
 
     def _masks(self, begin: int, end: int) -> tuple[list, Tensor]:
         """Per direction the filter's dropped tile (duplicates folded in) or None, and the rows that take a loss
-        and a gradient (int8 (rows,)): not those left with one candidate (``chunked``'s rule)."""
-        spec, count = self.spec, end - begin
-        dropped = {} if self.filter is None else self.filter.dropped(spec, begin, end)
-        drops, candidates = [], []
-        for direction, width in zip(self.directions, self.columns):
-            rule, drop, lost = DIRECTIONS[direction.name], dropped.get(direction.name), None
-            if self.duplicates is not None:
-                if drop is not None:
-                    drop[self.duplicates.tile(direction.name, begin, end)] = True
-                else:
-                    lost = self.duplicates.removed_per_row(direction.name)[begin:end]
-            if drop is not None:
-                lost = drop.sum(1)
-            scored = num_candidates(rule, spec, 1, width) + rule.partner
-            if lost is not None:
-                self.dropped += lost.sum()
-                self.candidates += num_candidates(rule, spec, count, width)
-                scored = scored - lost
-            drops.append(drop)
-            if not isinstance(scored, Tensor):
-                scored = torch.full((count,), scored, device=self.device)
-            candidates.append(scored)
-        scored = torch.stack(candidates)
-        single = scored.sum(0) == 1 if spec.partition_mode == "joint" else scored.eq(1).all(0)
-        return drops, (~single).to(torch.int8)
+        and a gradient (int8 (rows,)): not those left with only their positive (``candidates.Candidates``)."""
+        masks = self.candidates.tile(begin, end)
+        return masks.dropped, masks.live.to(torch.int8)
 
     def _kernel_masks(self, direction: Direction, drop: Tensor | None, begin: int, end: int) -> tuple:
+        """``passes.Launcher.run_pass``'s masks: (dropped tile, forbidden codes, column codes, their count, the
+        documents' presence (uint8, with ABSENT))."""
+        present = self.present if direction.consts["ABSENT"] else None
         if drop is not None:
-            return drop.view(torch.uint8), None, None, 1
+            return drop.view(torch.uint8), None, None, 1, present
         if not direction.consts["DUP"]:
-            return None, None, None, 1
+            return None, None, None, 1, present
         forbidden = self.duplicates.forbidden[DIRECTIONS[direction.name].rows][begin:end].to(torch.int32)
         codes = self.duplicates.codes[direction.cols].to(torch.int32)
-        return None, forbidden.contiguous(), codes, forbidden.shape[1]
+        return None, forbidden.contiguous(), codes, forbidden.shape[1], present

@@ -6,8 +6,8 @@ Y[:, band_k]^T with band_k = [d_{k+1}, d_k) (dims descending, d_{K+1} = 0), so d
 S[k] + ... + S[K-1]. Then:
 
 - :func:`_pass_kernel`, PASS 1, one program per (BM rows, BN columns) tile: every dim's logits (cosine scale
-  factors, hardness, the direction's masks, duplicates, a filter's dropped tile), each row's tile maximum and sum of
-  exp2 for every dim, and the positive's similarity;
+  factors, hardness, the direction's masks, absent documents, duplicates, a filter's dropped tile), each row's tile
+  maximum and sum of exp2 for every dim, and the positive's similarity;
 - :func:`_rows_kernel`: each row's LSE per dim and direction from the tiles' partial sums, the normaliser of the
   partition mode, the row's loss, and the normaliser pass 2 divides by (+inf where a row takes no gradient);
 - :func:`_pass_kernel`, PASS 2, the same tiles: the gradient of the weighted loss wrt each dim's dot products,
@@ -56,14 +56,17 @@ def _removed(
     ROW_IDS,
     COL_IDS,
     n_forbid,
+    PRESENT,
     MASK: tl.constexpr,
     DUP: tl.constexpr,
     PARTNER: tl.constexpr,
     FILTER: tl.constexpr,
+    ABSENT: tl.constexpr,
 ):
     """(BM, BN) bool: the candidates a row does not score. Row r's world index is world0 + r: its partner (its
     positive; its query in doc_to_query) is column world0 + r, its own documents the columns j < n_docs with
-    j % bw == world0 + r. ROW_IDS (rows, n_forbid) int32: each row's forbidden text codes; COL_IDS (cols,) int32."""
+    j % bw == world0 + r. ROW_IDS (rows, n_forbid) int32: each row's forbidden text codes; COL_IDS (cols,) int32;
+    PRESENT (n_docs,) uint8: 0 for an absent document (a column mask; banked columns j >= n_docs are present)."""
     world = (world0 + rows)[:, None]
     c = cols[None, :]
     out = ~(row_ok[:, None] & col_ok[None, :])
@@ -71,6 +74,8 @@ def _removed(
         out = out | (c == world)
     if MASK == 2:  # doc_to_doc: the doc itself and its hard negatives
         out = out | ((c < n_docs) & (c % bw == world))
+    if ABSENT:  # absent documents: no row scores them
+        out = out | (tl.load(PRESENT + cols, mask=col_ok & (cols < n_docs), other=1) == 0)[None, :]
     if FILTER:  # a false-negative filter's dropped tile (duplicates folded in)
         ok = row_ok[:, None] & col_ok[None, :]
         out = out | (tl.load(DROP + rows[:, None] * stride_drop + c, mask=ok, other=0) != 0)
@@ -126,6 +131,7 @@ def _pass_kernel(
     ROW_IDS,
     COL_IDS,
     n_forbid,
+    PRESENT,
     n_rows,
     n_cols,
     n_docs,
@@ -141,6 +147,7 @@ def _pass_kernel(
     DUP: tl.constexpr,
     PARTNER: tl.constexpr,
     FILTER: tl.constexpr,
+    ABSENT: tl.constexpr,
     ACC: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -177,10 +184,12 @@ def _pass_kernel(
         ROW_IDS,
         COL_IDS,
         n_forbid,
+        PRESENT,
         MASK,
         DUP,
         PARTNER,
         FILTER,
+        ABSENT,
     )
     scale = tl.load(CONST)
     if HARD != 0:

@@ -69,6 +69,7 @@ class Direction:
             DUP=spec.mask_duplicates and not filtered,  # with a filter the duplicates join its dropped tile
             PARTNER=spec.mask_duplicates and direction.partner,
             FILTER=filtered,
+            ABSENT=spec.absent_documents and direction.cols == "c",
             ACC=_ACC[acc],
         )
         return cls(name, "q" if direction.rows == "q" else "c", direction.cols, consts)
@@ -116,30 +117,52 @@ class Launcher:
         nrm2: Tensor | None = None,
         coef: Tensor | None = None,
         col_terms: Tensor | None = None,
-        masks: tuple = (None, None, None, 1),
+        masks: tuple = (None, None, None, 1, None),
         world0: int = 0,
     ) -> None:
         """Pass ``which`` (1 or 2) over ``planes`` (K, rows, cols); see ``fused._pass_kernel``. ``masks``: (dropped
-        tile (rows, cols) uint8, the rows' forbidden codes (rows, n) int32, the columns' codes (cols,) int32, n)."""
+        tile (rows, cols) uint8, the rows' forbidden codes (rows, n) int32, the columns' codes (cols,) int32, n, the
+        documents' presence (M,) uint8 (0: absent))."""
         spec, none = self.spec, self.placeholder
-        drop, row_ids, col_ids, n_forbid = masks
+        drop, row_ids, col_ids, n_forbid, present = masks
         rows, cols = planes.shape[1], planes.shape[2]
         cfg = config("pass")
         _pass_kernel[self.pass_grid(rows, cols)](
-            planes, planes.stride(0), planes.stride(1),
-            none if row_inv is None else row_inv, 0 if row_inv is None else row_inv.stride(0),
-            none if col_inv is None else col_inv, 0 if col_inv is None else col_inv.stride(0),
-            none if nrm2 is None else nrm2, 0 if nrm2 is None else nrm2.stride(0),
+            planes,
+            planes.stride(0),
+            planes.stride(1),
+            none if row_inv is None else row_inv,
+            0 if row_inv is None else row_inv.stride(0),
+            none if col_inv is None else col_inv,
+            0 if col_inv is None else col_inv.stride(0),
+            none if nrm2 is None else nrm2,
+            0 if nrm2 is None else nrm2.stride(0),
             none if coef is None else coef,
-            part_a, none if part_b is None else part_b, part_a.stride(0), part_a.stride(1),
-            none if pos is None else pos, 0 if pos is None else pos.stride(0),
+            part_a,
+            none if part_b is None else part_b,
+            part_a.stride(0),
+            part_a.stride(1),
+            none if pos is None else pos,
+            0 if pos is None else pos.stride(0),
             none if col_terms is None else col_terms,
-            0 if col_terms is None else col_terms.stride(0), 0 if col_terms is None else col_terms.stride(1),
-            none if drop is None else drop, 0 if drop is None else drop.stride(0),
-            none if row_ids is None else row_ids, none if col_ids is None else col_ids, n_forbid,
-            rows, cols, spec.num_docs, world0, spec.world_batch_size, self.consts,
-            PASS=which, **direction.consts, **cfg,
-        )  # fmt: skip
+            0 if col_terms is None else col_terms.stride(0),
+            0 if col_terms is None else col_terms.stride(1),
+            none if drop is None else drop,
+            0 if drop is None else drop.stride(0),
+            none if row_ids is None else row_ids,
+            none if col_ids is None else col_ids,
+            n_forbid,
+            none if present is None else present,
+            rows,
+            cols,
+            spec.num_docs,
+            world0,
+            spec.world_batch_size,
+            self.consts,
+            PASS=which,
+            **direction.consts,
+            **cfg,
+        )
 
     def run_rows(
         self,
@@ -159,11 +182,32 @@ class Launcher:
         spec, cfg = self.spec, config("rows")
         ndir = len(spec.directions)
         _rows_kernel[(triton.cdiv(rows, cfg["BR"]),)](
-            part_a, part_b, part_a.stride(0), part_a.stride(1), part_a.stride(2), n_tiles, pos, pos.stride(0), live,
-            lse, lse.stride(0), lse.stride(1), nrm2, nrm2.stride(0), nrm2.stride(1), loss, loss.stride(0),
-            rows, row0, self.consts,
-            K=len(spec.dims), NDIR=ndir, JOINT=spec.partition_mode == "joint", ACC=_ACC[self.acc], **cfg,
-        )  # fmt: skip
+            part_a,
+            part_b,
+            part_a.stride(0),
+            part_a.stride(1),
+            part_a.stride(2),
+            n_tiles,
+            pos,
+            pos.stride(0),
+            live,
+            lse,
+            lse.stride(0),
+            lse.stride(1),
+            nrm2,
+            nrm2.stride(0),
+            nrm2.stride(1),
+            loss,
+            loss.stride(0),
+            rows,
+            row0,
+            self.consts,
+            K=len(spec.dims),
+            NDIR=ndir,
+            JOINT=spec.partition_mode == "joint",
+            ACC=_ACC[self.acc],
+            **cfg,
+        )
 
     def run_finish(
         self, grad: Tensor, x: Tensor, inv: Tensor | None, terms: Tensor | None, dims: Tensor, out: Tensor
@@ -173,13 +217,26 @@ class Launcher:
         n, d = grad.shape
         grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(d, cfg["BD"]))
         _finish_kernel[grid](
-            grad, grad.stride(0), x, x.stride(0),
-            none if inv is None else inv, 0 if inv is None else inv.stride(0),
-            none if terms is None else terms, 0 if terms is None else terms.stride(0),
-            0 if terms is None else terms.stride(1), 0 if terms is None else terms.shape[2],
-            dims, out, out.stride(0), n, d,
-            K=len(spec.dims), COSINE=spec.cosine, ACC=_ACC[self.acc], **cfg,
-        )  # fmt: skip
+            grad,
+            grad.stride(0),
+            x,
+            x.stride(0),
+            none if inv is None else inv,
+            0 if inv is None else inv.stride(0),
+            none if terms is None else terms,
+            0 if terms is None else terms.stride(0),
+            0 if terms is None else terms.stride(1),
+            0 if terms is None else terms.shape[2],
+            dims,
+            out,
+            out.stride(0),
+            n,
+            d,
+            K=len(spec.dims),
+            COSINE=spec.cosine,
+            ACC=_ACC[self.acc],
+            **cfg,
+        )
 
 
 # ------------------------------------------------------------------------------------------ the compile report
@@ -187,9 +244,16 @@ class Launcher:
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 # Pointer arguments of each kernel that hold the embeddings' dtype ("input"), the planes' ("plane"), or a fixed one.
 _POINTERS = {
-    "S": "plane", "X": "input", "OUT": "input", "DROP": "u8", "ROW_IDS": "i32", "COL_IDS": "i32", "DIMS": "i32",
+    "S": "plane",
+    "X": "input",
+    "OUT": "input",
+    "DROP": "u8",
+    "ROW_IDS": "i32",
+    "COL_IDS": "i32",
+    "DIMS": "i32",
     "LIVE": "i8",
-}  # fmt: skip
+    "PRESENT": "u8",
+}
 # What every launch guarantees (the planes, the columns' inverse norms and the column terms are allocations of their
 # own, padded to whole tiles: ``padded``): 16-byte aligned pointers and 16-element strides, as Triton's JIT
 # specialises them at run time; the finishing kernel's for D = 768 (other D specialise their own at run time).
@@ -221,7 +285,7 @@ def kernel_variants(precision: str = "bf16", num_dims: int = 5, input_dtype: tor
     inputs = input_dtype or (torch.float32 if plane != torch.bfloat16 else torch.bfloat16)
     types = {"plane": _TYPES[plane], "input": _TYPES[inputs]}
     problem = dict(K=num_dims, COSINE=True, ACC=_ACC[acc])
-    direction = dict(MASK=0, HARD=0, LABEL=True, DUP=False, PARTNER=False, FILTER=False)
+    direction = dict(MASK=0, HARD=0, LABEL=True, DUP=False, PARTNER=False, FILTER=False, ABSENT=False)
     kernels = [
         ("dense/pass1", _pass_kernel, {**problem, **direction, "PASS": 1, **CONFIGS["pass"]}),
         ("dense/pass2", _pass_kernel, {**problem, **direction, "PASS": 2, **CONFIGS["pass"]}),
@@ -244,7 +308,15 @@ def kernel_variants(precision: str = "bf16", num_dims: int = 5, input_dtype: tor
             if arg in _ALIGNED[name]:
                 attrs[(index,)] = [["tt.divisibility", 16]]
         variants.append(
-            dict(name=name, kernel=kernel, signature=signature, constexprs=constexprs, attrs=attrs, tensor_cores=False,
-                 label=f"{precision} K={num_dims}", **launch)
-        )  # fmt: skip
+            dict(
+                name=name,
+                kernel=kernel,
+                signature=signature,
+                constexprs=constexprs,
+                attrs=attrs,
+                tensor_cores=False,
+                label=f"{precision} K={num_dims}",
+                **launch,
+            )
+        )
     return variants

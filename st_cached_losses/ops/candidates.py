@@ -1,0 +1,186 @@
+"""Which candidates each row of a row tile scores, counted once for the tiled backends (chunked, Triton): the masks
+beyond a direction's own, tile by tile, and the counts behind the exact-zeros rule (``core.live_rows``) and
+``masked_share``.
+
+Row i of a direction scores its columns less
+
+1. the columns the direction masks itself (``false_negatives.kept_columns``, its partner aside);
+2. absent documents (``document_present`` False: hard negatives a query lacks; no row scores them, in any direction
+   that scores documents);
+3. the candidates the false-negative filter (``false_negatives.Guide``) and the duplicate mask
+   (``duplicates.DuplicateMask``) remove: never its partner, and never counted twice (a candidate both remove, or an
+   absent document one removes, counts once).
+
+``masked_share`` is (3) over the candidates (1) and (2) leave. Without in-batch negatives the backends run
+``own.py`` instead, which counts a row's own documents the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .core import live_rows
+from .duplicates import DuplicateMask
+from .false_negatives import Guide, num_candidates
+from .memory import Memory
+from .spec import DIRECTIONS, Direction, InfoNCESpec
+
+__all__ = ["Candidates", "TileMasks", "check_document_present", "positives_present"]
+
+
+@dataclass
+class TileMasks:
+    """The masks of rows [begin, end), per direction (``spec.directions`` order): ``dropped`` (rows, width) bool, the
+    filter's tile with the duplicates and absent documents taken out of it, or None; ``removed`` the duplicate mask's
+    (row - begin, column) pairs where there is no filter tile to fold them into, or None; ``live`` (rows,) bool, the
+    rows that take a loss and a gradient (``core.live_rows``)."""
+
+    dropped: list[Tensor | None]
+    removed: list[tuple[Tensor, Tensor] | None]
+    live: Tensor
+
+
+class Candidates:
+    """The candidate masks of one op call (in-batch negatives on), read tile by tile.
+
+    ``guide``: a guide model's (queries, docs) for ``spec.false_negatives``; ``duplicates``: the text ids of
+    ``spec.mask_duplicates``; ``document_present``: (M,) bool of ``spec.absent_documents``. Counts are int64 on the
+    device: no host synchronisation.
+    """
+
+    def __init__(
+        self,
+        spec: InfoNCESpec,
+        queries: Tensor,
+        docs: Tensor,
+        world_queries: Tensor,
+        dtype: torch.dtype,
+        guide: tuple[Tensor, Tensor] | None = None,
+        duplicates=None,
+        memory: Memory | None = None,
+        document_present: Tensor | None = None,
+    ):
+        self.spec, device = spec, queries.device
+        guided = spec.false_negatives is not None
+        self.guide = Guide.build(queries, docs, world_queries, spec, guide, dtype, memory) if guided else None
+        self.duplicates = None if duplicates is None else DuplicateMask.build(spec, *duplicates, memory=memory)
+        self.removed_count = torch.zeros((), dtype=torch.int64, device=device)
+        self.candidate_count = torch.zeros((), dtype=torch.int64, device=device)
+        self.column_present = None
+        if document_present is not None:  # the banked columns after the docs' are present
+            banked = torch.ones(spec.num_memory, dtype=torch.bool, device=device)
+            self.column_present = torch.cat([document_present, banked])
+            absent = ~document_present
+            self.absent_total = absent.sum()
+            self.own_absent = absent.view(spec.num_columns, spec.world_batch_size).sum(0)  # (Bw,) per world row
+            self.absent_removed = {  # (B,) the duplicate mask's removed candidates that are absent anyway
+                name: self._absent_removed(name)
+                for name in spec.directions
+                if self.duplicates is not None and DIRECTIONS[name].cols == "c"
+            }
+
+    def absent_columns(self, name: str) -> Tensor | None:
+        """(width,) bool: the absent columns of direction ``name`` (None where it scores no documents or all are
+        present)."""
+        if self.column_present is None or DIRECTIONS[name].cols != "c":
+            return None
+        return ~self.column_present[: self.spec.columns(name)]
+
+    def tile(self, begin: int, end: int) -> TileMasks:
+        spec, count = self.spec, end - begin
+        dropped = {} if self.guide is None else self.guide.dropped(spec, begin, end)
+        drops, pairs, scored = [], [], []
+        for name in spec.directions:
+            rule, width = DIRECTIONS[name], spec.columns(name)
+            drop, removed, lost = dropped.get(name), None, None
+            absent = self._absent(rule, begin, end)
+            if self.duplicates is not None:
+                removed = self.duplicates.tile(name, begin, end)
+                if drop is not None:  # with the filter: one boolean tile of both
+                    drop[removed], removed = True, None
+                else:
+                    lost = self.duplicates.removed_per_row(name)[begin:end]
+                    if absent is not None:
+                        lost = lost - self.absent_removed[name][begin:end]
+            if drop is not None:
+                if absent is not None:
+                    drop &= self.column_present[:width]
+                lost = drop.sum(dim=1)
+            columns = num_candidates(rule, spec, 1, width)
+            row_scored = torch.full((count,), columns + rule.partner, dtype=torch.int64, device=self.device)
+            if absent is not None:
+                row_scored -= absent
+            if lost is not None:
+                row_scored -= lost
+                self.removed_count += lost.sum()
+                self.candidate_count += columns * count - (0 if absent is None else absent.sum())
+            drops.append(drop)
+            pairs.append(removed)
+            scored.append(row_scored)
+        return TileMasks(drops, pairs, live_rows(scored, spec.partition_mode))
+
+    def share(self) -> Tensor | None:
+        """The share of candidates the filter and the duplicate mask removed (0-dim fp32), None with neither."""
+        if not self.spec.masks:
+            return None
+        return (self.removed_count.double() / self.candidate_count.clamp_min(1).double()).float()
+
+    @property
+    def device(self) -> torch.device:
+        return self.removed_count.device
+
+    def _absent(self, rule: Direction, begin: int, end: int) -> Tensor | None:
+        """(rows,) int64: the absent documents among the candidates of rows [begin, end) (a direction masking its own
+        documents masks its own absent ones already), or None."""
+        if self.column_present is None or rule.cols != "c":
+            return None
+        absent = self.absent_total.expand(end - begin)
+        if rule.mask == "own_docs":
+            offset = self.spec.offset
+            absent = absent - self.own_absent[offset + begin : offset + end]
+        return absent
+
+    def _absent_removed(self, name: str) -> Tensor:
+        rows, cols = self.duplicates.removed(name)
+        counts = torch.zeros(self.spec.batch_size, dtype=torch.int64, device=rows.device)
+        return counts.index_add_(0, rows, (~self.column_present[cols]).long())
+
+
+def check_document_present(document_present, docs: Tensor, queries: Tensor) -> bool:
+    """``matryoshka_infonce``'s ``document_present``: None, or a (M,) torch.bool tensor on the queries' device (that
+    its positives are present is :func:`positives_present`, checked on the device). Returns whether it is given.
+
+    Raises:
+        TypeError / ValueError: another type, dtype, shape or device, naming the fix.
+    """
+    if document_present is None:
+        return False
+    if not isinstance(document_present, Tensor) or document_present.dtype != torch.bool or document_present.ndim != 1:
+        raise TypeError(
+            "document_present must be a 1-D torch.bool tensor (one flag per row of documents, False: absent), got "
+            f"{getattr(document_present, 'dtype', type(document_present).__name__)} of shape "
+            f"{tuple(getattr(document_present, 'shape', ()))}."
+        )
+    if document_present.shape[0] != docs.shape[0]:
+        raise ValueError(
+            f"document_present has {document_present.shape[0]} flags but documents has {docs.shape[0]} rows: one per "
+            "document."
+        )
+    if document_present.device != queries.device:
+        raise ValueError(
+            f"document_present is on {document_present.device} but queries is on {queries.device}: move it there."
+        )
+    return True
+
+
+def positives_present(document_present: Tensor, spec: InfoNCESpec) -> tuple[Tensor, str]:
+    """(0-dim bool on the device, the ValueError's message): every positive (the first Bw documents) is present,
+    for ``core.run_op``'s ``conditions``."""
+    message = (
+        "document_present is False for a positive (one of the first Bw documents): a row's positive is never absent; "
+        "only hard-negative columns may be."
+    )
+    return document_present[: spec.world_batch_size].all(), message

@@ -1,0 +1,188 @@
+"""In-batch negatives off: each query scores its own documents only, in O(B x columns x D) work and memory.
+
+With ``in_batch_negatives=False`` row i's softmax runs over its own documents, row offset + i of each block of Bw
+documents (``[positives | negatives_1 | ...]``): its positive (block 0) and its hard negatives. That is an
+(n, B) problem of row-wise dot products, n = ``spec.num_columns``, not a masked B x M sweep: nothing B x B (nor
+B x M) is allocated. The chunked and Triton backends both run this module (it has no score planes for the Triton
+kernels to fuse: a few bandwidth-bound passes over the own documents, which torch's elementwise ops and reductions run
+at memory speed on either device, and whose cost is a small share of the embedding passes'); the dense reference
+masks its full matrix instead, sharing none of this code.
+
+Per dim k (descending, bands [d_{k+1}, d_k) as in ``chunked.py``), with a_i, b_ij the cosine prefix scale factors
+(1 for dot similarity) and s the scale: sim_ij = a_i b_ij <q_i, c_ij>; the logits s sim_ij (+ the hardness penalty on
+own hard negatives), at -inf for absent documents and those the false-negative filter or the duplicate mask remove
+(never the positive); L_k = mean_i (logsumexp_j logit_ij - s sim_i0), 0 for a row left with only its positive
+(``core.live_rows``). Its gradient wrt sim is A_ij = w_k s / B (p_ij - [j = 0]); the prefix normalisation's share is
+a per-row and a per-(row, column) scalar times the prefix. The gradient of the dims containing band k,
+T_k = sum over dims k' <= k of A a b, drives band k's features, so each band is read once for all dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .core import live_rows
+from .duplicates import DuplicateMask
+from .gemm import accumulation_dtype, rounded_operand
+from .result import InfoNCEResult
+from .spec import NORM_EPS, InfoNCESpec
+
+__all__ = ["forward", "own_documents"]
+
+
+def own_documents(x: Tensor, spec: InfoNCESpec) -> Tensor:
+    """(n, B, ...) view of ``x`` (M, ...) laid out as the documents: row offset + i of each block of Bw rows."""
+    blocks = x.view(spec.num_columns, spec.world_batch_size, *x.shape[1:])
+    return blocks[:, spec.offset : spec.offset + spec.batch_size]
+
+
+def forward(
+    queries: Tensor,
+    docs: Tensor,
+    spec: InfoNCESpec,
+    need_grad: bool,
+    guide: tuple[Tensor, Tensor] | None = None,
+    duplicates=None,
+    document_present: Tensor | None = None,
+) -> InfoNCEResult:
+    """Per-dim losses, per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients (d queries, d docs, None) of
+    ``sum_k w_k L_k`` without in-batch negatives; arguments as ``chunked.forward``. Computes in fp32 (fp64 for fp64
+    inputs; bf16-rounded operands under ``spec.precision`` "bf16"), gradients in the inputs' dtype; d docs is zero
+    outside this rank's own documents. Memory: the gradients, and O(B n D) temporaries."""
+    acc = accumulation_dtype(queries.dtype)
+    q = rounded_operand(queries, spec.precision)
+    c = rounded_operand(own_documents(docs, spec), spec.precision)
+    excluded, removed = _excluded(queries, docs, spec, guide, duplicates, document_present, acc)
+    scored = spec.num_columns - excluded.sum(0)
+    live = live_rows([scored], spec.partition_mode)
+    dots, inv_q, inv_c = _band_products(q, c, spec)
+    k_dims = len(spec.dims)
+    per_dim = torch.empty(k_dims, dtype=acc, device=q.device)
+    lse = torch.empty(k_dims, 1, spec.batch_size, dtype=acc, device=q.device)
+    grads = _Gradients(q, c, spec, docs) if need_grad else None
+    factor = _penalty(spec, c)
+    for k in range(k_dims):
+        sim = dots[k] * (inv_q[k] * inv_c[k]) if spec.cosine else dots[k]
+        logits = (sim * (spec.scale if factor is None else factor)).masked_fill_(excluded, -torch.inf)
+        lse[k, 0] = torch.logsumexp(logits, dim=0)
+        per_dim[k] = torch.where(live, lse[k, 0] - spec.scale * sim[0], 0.0).sum() / spec.batch_size
+        if grads is not None:
+            p = torch.exp(logits - lse[k, 0])
+            p[0] -= 1.0
+            grads.add_dim(k, p.mul_(live * (spec.weights[k] * spec.scale / spec.batch_size)), sim, inv_q, inv_c)
+    share = None
+    if spec.masks:  # over the present own hard negatives (a Python number without absent documents: no host tensor)
+        candidates = max((spec.num_columns - 1) * spec.batch_size, 1)
+        if document_present is not None:
+            candidates = own_documents(document_present, spec)[1:].sum().clamp_min(1).double()
+        share = (removed.sum().double() / candidates).float()
+    tile = f"own documents: {spec.batch_size} rows x {spec.num_columns} columns"
+    result = None if grads is None else grads.result(queries.dtype)
+    return InfoNCEResult(per_dim, lse, result, tile=tile, masked_share=share)
+
+
+def _bands(spec: InfoNCESpec) -> list[tuple[int, int, int]]:
+    """(k, lo, hi) of each band [d_{k+1}, d_k), the largest dim's first."""
+    bounds = (*spec.dims, 0)
+    return [(k, bounds[k + 1], bounds[k]) for k in range(len(spec.dims))]
+
+
+def _band_products(q: Tensor, c: Tensor, spec: InfoNCESpec) -> tuple[list[Tensor], Tensor | None, Tensor | None]:
+    """Per dim the raw prefix dot products (n, B), accumulated from the smallest band up, and (cosine) the inverse
+    prefix norms of the queries (K, B) and the documents (K, n, B), as F.normalize divides (by max(norm, eps))."""
+    k_dims = len(spec.dims)
+    dots, sq_q, sq_c = [None] * k_dims, [None] * k_dims, [None] * k_dims
+    for k, lo, hi in reversed(_bands(spec)):
+        band_q, band_c = q[:, lo:hi], c[:, :, lo:hi]
+        dot = torch.linalg.vecdot(band_c, band_q[None])
+        dots[k] = dot if k == k_dims - 1 else dots[k + 1] + dot
+        if spec.cosine:
+            squares_q, squares_c = torch.linalg.vecdot(band_q, band_q), torch.linalg.vecdot(band_c, band_c)
+            sq_q[k] = squares_q if k == k_dims - 1 else sq_q[k + 1] + squares_q
+            sq_c[k] = squares_c if k == k_dims - 1 else sq_c[k + 1] + squares_c
+    if not spec.cosine:
+        return dots, None, None
+    inverse = [torch.stack(sq).sqrt_().clamp_min_(NORM_EPS).reciprocal_() for sq in (sq_q, sq_c)]
+    return dots, inverse[0], inverse[1]
+
+
+def _penalty(spec: InfoNCESpec, c: Tensor) -> Tensor | None:
+    """(n, 1) the logit's factor on the similarity where the hardness penalty applies to the own hard negatives
+    (``hard_negatives``, ``all_negatives``: adding strength * stop_grad(sim) multiplies the logit), else None."""
+    penalised = spec.penalised
+    if penalised is None or not penalised.own_hard_negatives:
+        return None
+    factor = torch.full((spec.num_columns, 1), spec.scale + spec.hardness_strength, dtype=c.dtype, device=c.device)
+    factor[0].fill_(spec.scale)
+    return factor
+
+
+def _excluded(queries, docs, spec, guide, duplicates, document_present, dtype) -> tuple[Tensor, Tensor]:
+    """(n, B) bool each: the own documents a row does not score (absent, or removed), and those the false-negative
+    filter and the duplicate mask removed among the present ones (never the positive)."""
+    n, batch = spec.num_columns, spec.batch_size
+    removed = torch.zeros(n, batch, dtype=torch.bool, device=queries.device)
+    if spec.false_negatives is not None:
+        removed |= _filtered(queries, docs, spec, guide, dtype)
+    if duplicates is not None:
+        mask = DuplicateMask.build(spec, *duplicates)
+        codes = own_documents(mask.codes["c"], spec)  # (n, B): each own document's text
+        removed |= (codes[:, :, None] == mask.forbidden["q"][None]).any(dim=2)
+    removed[0].fill_(False)  # the positive, the row's partner (fill_: no host-built tensor)
+    if document_present is None:
+        return removed, removed
+    present = own_documents(document_present, spec)
+    return removed | ~present, removed & present
+
+
+def _filtered(queries, docs, spec, guide, dtype) -> Tensor:
+    """(n, B) bool: GISTEmbed's rule (``spec.FalseNegativeFilter``) on the own documents: the guide similarity above
+    the row's threshold, from its positive's similarity by the same expression (a copy of the positive ties)."""
+    rule = spec.false_negatives
+    if rule.guided:  # a guide model's embeddings, by cosine
+        rows, cols, cosine = guide[0], own_documents(guide[1], spec), True
+    else:  # the model's own full-dim embeddings, detached, by the loss's similarity
+        rows, cols, cosine = queries, own_documents(docs, spec), spec.cosine
+    rows, cols = (x.detach().to(dtype) for x in (rows, cols))
+    if cosine:
+        rows, cols = (F.normalize(x, dim=-1, eps=NORM_EPS) for x in (rows, cols))
+    sims = torch.linalg.vecdot(cols, rows[None])
+    return sims > rule.thresholds(sims[0])[None]
+
+
+class _Gradients:
+    """The gradients' accumulators: queries (B, D), the own documents (n, B, D) as a view of the documents' (M, D),
+    and the running sums over the dims that contain the next band."""
+
+    def __init__(self, q: Tensor, c: Tensor, spec: InfoNCESpec, docs: Tensor):
+        self.q, self.c, self.spec = q, c, spec
+        self.d_queries = torch.zeros_like(q)
+        self.d_docs = torch.zeros(docs.shape, dtype=q.dtype, device=q.device)
+        self.d_own = own_documents(self.d_docs, spec)
+        pairs = (spec.num_columns, spec.batch_size)
+        self.total = q.new_zeros(pairs)  # T_k
+        self.row_terms = q.new_zeros(spec.batch_size) if spec.cosine else None
+        self.col_terms = q.new_zeros(pairs) if spec.cosine else None
+
+    def add_dim(self, k: int, a: Tensor, sim: Tensor, inv_q: Tensor | None, inv_c: Tensor | None) -> None:
+        """Dim k's A (n, B), the gradient wrt sim, into band k's features of both operands."""
+        spec, q, c = self.spec, self.q, self.c
+        if spec.cosine:
+            a_sim = a * sim
+            self.row_terms += a_sim.sum(0) * inv_q[k] ** 2
+            self.col_terms += a_sim * inv_c[k] ** 2
+            a = a * (inv_q[k] * inv_c[k])
+        self.total += a
+        _, lo, hi = _bands(spec)[k]
+        d_q, d_c = self.d_queries[:, lo:hi], self.d_own[:, :, lo:hi]
+        for j in range(spec.num_columns):
+            d_q.addcmul_(self.total[j, :, None], c[j, :, lo:hi])
+        d_c.addcmul_(self.total[:, :, None], q[None, :, lo:hi])
+        if spec.cosine:
+            d_q.addcmul_(self.row_terms[:, None], q[:, lo:hi], value=-1.0)
+            d_c.addcmul_(self.col_terms[:, :, None], c[:, :, lo:hi], value=-1.0)
+
+    def result(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, None]:
+        return self.d_queries.to(dtype), self.d_docs.to(dtype), None
