@@ -88,6 +88,33 @@ def test_accumulate_bf16_products_in_fp32():
     assert gemm.operand_dtype("ieee", torch.float64) == torch.float64
 
 
+def test_accumulate_decides_its_path_by_capability_not_by_an_error(monkeypatch):
+    """bf16 products into an fp32 accumulator: one fused cuBLAS call (``addmm(out_dtype=fp32, out=acc)``) on CUDA of
+    compute capability >= 8.0 under torch >= 2.10, else the upcast emulation; an error in a call (out of memory)
+    propagates and leaves the next call's path as it was (no GPU needed: the device is named, the call recorded)."""
+    cuda = torch.device("cuda")
+    assert not gemm.fused_accumulation(torch.device("cpu"))
+    for capability, version, fused in (((9, 0), "2.13.0", True), ((7, 5), "2.13.0", False), ((9, 0), "2.9.1", False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        monkeypatch.setattr(torch, "__version__", version)
+        assert gemm.fused_accumulation(cuda) == fused, (capability, version)
+    calls = []
+
+    def addmm(acc, a, b, *, out_dtype, out):
+        calls.append((out_dtype, out is acc))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        out.add_(a.float() @ b.float())
+
+    monkeypatch.setattr(gemm, "fused_accumulation", lambda device: True)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    acc, a, b = torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, 3, dtype=torch.bfloat16)
+    with pytest.raises(torch.OutOfMemoryError):
+        gemm.accumulate(acc, a, b)
+    gemm.accumulate(acc, a, b)
+    assert calls == [(torch.float32, True)] * 2 and acc.eq(4).all()
+
+
 def test_chunked_tiles_are_cuda_sized_on_a_gpu():
     """256 MiB of tile temporaries on CUDA (4x the CPU's 64 MiB): at B = 16384, five dims, 682 rows instead of 170,
     a quarter of the tiles and of their ~256 launches each."""
