@@ -80,7 +80,7 @@ def forward(
     256 MiB on CUDA (``tile_budget``).
     ``guide``: a guide model's (queries, docs) embeddings for ``spec.false_negatives`` (whose mask each tile
     computes once, for all dims); ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) of
-    ``spec.mask_duplicates``, whose removed candidates are listed sparsely and set to -inf in each tile;
+    ``spec.mask_duplicates``, whose removed candidates are set to -inf in each tile (a boolean tile);
     ``memory``: banked documents, scored as columns after the docs' in the same tiles, with no gradient computed for
     them (no column-gradient matmul, no copy next to the docs).
     """
@@ -168,7 +168,8 @@ class _Sweep:
             if self.duplicates is not None:
                 removed = self.duplicates.tile(name, begin, end)
                 if dropped is not None:  # with the filter: one boolean tile of both
-                    dropped[removed], removed = True, None
+                    dropped |= removed
+                    removed = None
             scored = torch.full((count,), num_candidates(direction, spec, 1, width), device=rows.device)
             if dropped is not None or removed is not None:
                 lost = dropped.sum(dim=1) if dropped is not None else self.duplicates.removed_per_row(name)[begin:end]
@@ -247,7 +248,7 @@ class _TileDirection:
         self.direction, self.rows, self.row_inv = direction, rows, row_inv
         self.row_key, self.row_slice = row_key, row_slice
         # dropped: (rows, cols) bool tile of the filter (and duplicates);
-        # removed: (rows, cols) index pairs of duplicates
+        # removed: (rows, cols) bool tile of duplicates
         self.cols, self.buffers, self.spec, self.dropped, self.removed = cols, buffers, spec, dropped, removed
         self.memory = memory  # banked columns after ``cols`` (no gradient), or None
         count = rows.shape[0]
@@ -298,7 +299,7 @@ class _TileDirection:
         if self.dropped is not None:
             out.masked_fill_(self.dropped, -math.inf)
         if self.removed is not None:
-            out.index_put_(self.removed, out.new_tensor(-math.inf))
+            out.masked_fill_(self.removed, -math.inf)
         if self.direction.label:
             self.positive_logit = own_logits[:, 0]
         if not unshifted:

@@ -55,6 +55,7 @@ from torch import Tensor
 from ..duplicates import DuplicateMask
 from ..errors import TritonUnavailableError
 from ..result import InfoNCEResult
+from ..triton.launch_errors import describe_error, is_launch_error
 from .spec import MaxSimSpec
 from .triton_kernels import (
     MAX_DIMS,
@@ -111,10 +112,9 @@ def forward(
     try:
         return _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, tile_queries, duplicates).run()
     except Exception as error:
-        if not _is_launch_error(error):
+        if not is_launch_error(error):
             raise
-        lines = str(error).strip().splitlines()
-        raise TritonUnavailableError(f"{type(error).__name__}: {lines[0] if lines else ''}") from error
+        raise TritonUnavailableError(describe_error(error)) from error
 
 
 def _check_inputs(queries: Tensor, spec: MaxSimSpec) -> None:
@@ -130,16 +130,6 @@ def _check_inputs(queries: Tensor, spec: MaxSimSpec) -> None:
     reason = unusable_reason(queries.device, ".maxsim.triton_kernels")
     if reason is not None:
         raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
-
-
-def _is_launch_error(error: Exception) -> bool:
-    """A Triton compile or launch failure (the driver's errors reach Python as "Triton Error [CUDA]: ...")."""
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-
-    return isinstance(error, (CompilationError, OutOfResources)) or (
-        isinstance(error, RuntimeError) and str(error).startswith("Triton Error")
-    )
 
 
 class _Sweep:
@@ -207,8 +197,7 @@ class _Sweep:
             spec.scale, **plan.forward_consts, STORE_ARGMAX=self.need_grad,
         )  # fmt: skip
         if self.mask is not None:
-            removed_rows, removed_cols = self.mask.tile("query_to_doc", begin, end)
-            logits[:, removed_rows, removed_cols] = float("-inf")
+            logits.masked_fill_(self.mask.tile("query_to_doc", begin, end), float("-inf"))
         _infonce_kernel[(math.ceil(count / plan.infonce_rows), k)](
             logits, self.lse[:, 0, begin:], self.losses[:, begin:], self.empty, count, num_docs, spec.offset + begin,
             self.losses.stride(0), spec.scale / spec.batch_size, WEIGHTS=spec.weights, K=k,

@@ -360,7 +360,7 @@ class _Sweep:
             rule, drop, lost = DIRECTIONS[direction.name], dropped.get(direction.name), None
             if self.duplicates is not None:
                 if drop is not None:
-                    drop[self.duplicates.tile(direction.name, begin, end)] = True
+                    drop |= self.duplicates.tile(direction.name, begin, end)
                 else:
                     lost = self.duplicates.removed_per_row(direction.name)[begin:end]
             if drop is not None:
