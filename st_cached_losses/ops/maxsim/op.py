@@ -43,6 +43,7 @@ def maxsim_infonce(
     query_ids: Tensor | None = None,
     document_ids: Tensor | None = None,
     world_query_ids: Tensor | None = None,
+    all_dims: Sequence[int] | None = None,
 ) -> InfoNCEOutput:
     """In-batch InfoNCE over ColBERT's MaxSim scores, summed over Matryoshka token dims with weights.
 
@@ -99,6 +100,11 @@ def maxsim_infonce(
             one more host synchronisation). Query i does not score a document whose text is its own query's, or the
             positive of any world row with the same query text (its own positive's copies among them), except its own
             positive column. See ``ops/duplicates.py``.
+        all_dims: every Matryoshka dim the run draws ``dims`` from (a superset of ``dims``; a loss passes its
+            ``matryoshka_dims`` when it draws ``n_dims_per_step`` of them), or None (``dims``). The Triton kernels take
+            the dims' band bounds as compile-time constants: given ``all_dims`` they compile once for those (the dims
+            not drawn get weight 0 at run time: their work is done, their loss is not returned), not once per drawn
+            subset. The other backends compute ``dims`` alone.
 
     The op accumulates in fp32 (fp64 for fp64 inputs) whatever autocast is active, its GEMM operands as
     ``precision`` says; gradients come back in the inputs' dtype, for queries and documents. The old keyword name
@@ -112,7 +118,7 @@ def maxsim_infonce(
         share of the B x (M - 1) candidates the duplicate mask removed; None without ids).
 
     Raises:
-        ValueError / TypeError: bad shapes, masks, dtypes, devices, an empty batch, bad dims, weights, scale,
+        ValueError / TypeError: bad shapes, masks, dtypes, devices, an empty batch, bad dims, all_dims, weights, scale,
             similarity, offset, ids, chunk_size, precision or backend, NaN/Inf inputs (see ``nonfinite``), naming the
             argument and the fix, before any work.
         RuntimeError: a second backward through the same result (the gradients are handed over once).
@@ -152,6 +158,7 @@ def maxsim_infonce(
         query_ids=query_ids,
         document_ids=document_ids,
         world_query_ids=world_query_ids,
+        all_dims=all_dims,
     )
     chunk_size = check_chunk_size(chunk_size)
     spec = dataclasses.replace(spec, precision=resolve_precision(precision, queries))

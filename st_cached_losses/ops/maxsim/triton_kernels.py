@@ -185,12 +185,12 @@ def _forward_kernel(
 
 @triton.jit
 def _infonce_kernel(
-    LOGITS, LSE, LOSS, EMPTY, count, num_docs, positive0, out_stride, grad_factor,
-    WEIGHTS: tl.constexpr, K: tl.constexpr, NEED_GRAD: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-    ACC: tl.constexpr,
+    LOGITS, LSE, LOSS, EMPTY, count, num_docs, positive0, out_stride, grad_factor, WEIGHTS,
+    K: tl.constexpr, NEED_GRAD: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Per dim (axis 1) and rows: LSE[k, i], LOSS[k, i] = LSE - logit of the positive (column positive0 + i) and,
-    with NEED_GRAD, LOGITS <- w_k * grad_factor * (softmax - label), 0 for an empty document."""
+    with NEED_GRAD, LOGITS <- w_k * grad_factor * (softmax - label), 0 for an empty document. WEIGHTS: the K dims'
+    weights, a tuple of run-time floats (0 for a dim the call does not draw: no compile per drawn subset)."""
     k = tl.program_id(1)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     ok = rows < count
@@ -211,7 +211,7 @@ def _infonce_kernel(
     tl.store(LOSS + k * out_stride + rows, lse - positive, mask=ok)
     if NEED_GRAD:
         factor = tl.zeros((), ACC)
-        for i in tl.static_range(K):  # the dims' weights: compile-time constants (fixed in a training run)
+        for i in tl.static_range(K):
             factor = tl.where(k == i, WEIGHTS[i], factor)
         factor = factor * grad_factor
         for n0 in range(0, num_docs, BN):

@@ -24,7 +24,7 @@ from .triton_kernels import (
     _query_grad_kernel,
 )
 
-__all__ = ["TILE_BYTES", "KernelSpec", "Plan", "index_dtype", "kernel_specs"]
+__all__ = ["TILE_BYTES", "KernelSpec", "Plan", "index_dtype", "int32_refusal", "int32_tile_queries", "kernel_specs"]
 
 # A tile's buffers: per (dim, query, document) its logits (then their gradients), and with gradients per (dim,
 # document, query token) the argmax. 64 MiB: B = 512 (Lq 32, M 1024, four dims) in one tile.
@@ -82,7 +82,8 @@ class Plan:
 
     @classmethod
     def choose(cls, spec: MaxSimSpec, dtype, lq: int, ld: int, dim: int, need_grad: bool, tile_queries=None) -> Plan:
-        """The plan for (B, Lq, D) queries against (M, Ld, D) documents of ``dtype``."""
+        """The plan for (B, Lq, D) queries against (M, Ld, D) documents of ``dtype``; the tile (``tile_queries`` or
+        ``TILE_BYTES``' worth) capped so that the kernels' int32 offsets fit (``int32_tile_queries``)."""
         bounds, k = (*spec.dims, 0), len(spec.dims)
         lqp, ldp = _pow2(lq), _pow2(ld, 16)
         least = -(-16 // lqp)  # tl.dot needs >= 16 rows
@@ -103,10 +104,14 @@ class Plan:
             doc_tokens, block_tokens = max(16, min(64, ldp, _BANDS_ELEMENTS // words // (slots * width))), 16
         acc = tl.float64 if dtype == torch.float64 else tl.float32
         per_query = k * spec.num_docs * (torch.finfo(_torch(acc)).bits // 8 + need_grad * lq * index_dtype(ld).itemsize)
+        grad_queries = max(1, min(max(1, 64 // wide // lqp), cap))
         if tile_queries is None:
             tile_queries = max(1, TILE_BYTES // per_query)
             if tile_queries >= forward_queries:
                 tile_queries -= tile_queries % forward_queries
+        # the last query block of each kernel reaches this many rows past the tile: its offsets are formed (masked)
+        overhang = max(forward_queries, grad_queries, -(-block_tokens // lq))
+        tile_queries = min(tile_queries, int32_tile_queries(slots, spec.num_docs, overhang))
         normalized = {side: tuple(map(int, spec.normalized(side))) for side in ("query", "document")}
         consts = dict(
             D=dim, BOUNDS=bounds, K=k, QN=normalized["query"], CN=normalized["document"], ACC=acc,
@@ -116,7 +121,7 @@ class Plan:
             tile_queries=min(spec.batch_size, tile_queries),
             forward_queries=forward_queries,
             docs_per_program=8,
-            grad_queries=max(1, min(max(1, 64 // wide // lqp), cap)),
+            grad_queries=grad_queries,
             doc_tokens=doc_tokens,
             block_tokens=block_tokens,
             query_tokens=lqp,
@@ -180,6 +185,27 @@ class Plan:
             f"{self.tile_queries} queries x {self.tiles(batch)} tiles{budget}; forward {self.forward_queries} queries"
             f" x {self.docs_per_program} documents per program, bands in chunks of {self.block_d}"
         )
+
+
+def int32_tile_queries(slots: int, num_docs: int, overhang: int) -> int:
+    """The most queries per tile whose int32 flat offsets into the tile's logits (and their gradients), (slot *
+    queries + query) * M + document, stay below 2**31 in every kernel: the document gradient forms them for all
+    ``slots`` band slots (a power of two >= K), and each kernel's last block of queries reaches up to ``overhang`` rows
+    past the tile. (The dense plan caps its rows alike, ``ops/triton/blocks.plan_rows``.) 0: not one query."""
+    return max(0, (2**31 // num_docs - overhang) // slots)
+
+
+def int32_refusal(spec: MaxSimSpec, lq: int, ld: int) -> str | None:
+    """What of the problem the kernels' int32 offsets cannot index whatever the tile, or None: the per-token
+    inverse norms ((K, B Lq) and (K, M Ld), read at (slot * rows + token) for every band slot) and one query's
+    logits (``int32_tile_queries``)."""
+    slots = _pow2(len(spec.dims))
+    tokens = max(spec.batch_size * lq, spec.num_docs * ld)
+    if slots * tokens + max(lq, ld, _CHUNK) >= 2**31:
+        return f"{slots} band slots x {tokens} token vectors of one side (int32 offsets: at most 2**31)"
+    if int32_tile_queries(slots, spec.num_docs, 64) < 1:
+        return f"M = {spec.num_docs} documents for {slots} band slots (int32 offsets: at most 2**31)"
+    return None
 
 
 def _torch(acc) -> torch.dtype:
@@ -266,7 +292,7 @@ def kernel_specs(
     document_tc = not (plan.types["GD"] in fma and plan.types["PREC_GRAD"] == "ieee")
     rows, k = min(plan.tile_queries, batch), len(spec.dims)
     norms = {**plan.bands, "NORM": plan.consts["CN"], "D": dim, "BR": plan.norm_rows, "BD": plan.block_d}
-    infonce = dict(WEIGHTS=spec.weights, K=k, NEED_GRAD=True, BR=plan.infonce_rows, BN=plan.infonce_cols)
+    infonce = dict(K=k, NEED_GRAD=True, BR=plan.infonce_rows, BN=plan.infonce_cols)
     launches = [
         ("inverse_norms", _inverse_norms_kernel, {**norms, "ACC": plan.acc}, False,
          math.ceil(num_docs * ld / plan.norm_rows)),  # the documents' launch (the queries': B Lq rows)
@@ -283,11 +309,12 @@ def kernel_specs(
         options.update({key: consts.pop(key) for key in ("num_warps", "num_stages") if key in consts})
         constexprs = {key: value for key, value in consts.items() if key in fn.arg_names}
         scalar = {arg: "fp32" if arg in ("scale", "grad_factor") else "i32" for arg in fn.arg_names}
+        scalar["WEIGHTS"] = ("fp32",) * k  # the dims' weights: a tuple of run-time floats
         signature = {arg: "constexpr" if arg in constexprs else pointers.get(arg, scalar[arg]) for arg in fn.arg_names}
         attrs = {
             (i,): [["tt.divisibility", 16]]
             for i, (arg, kind) in enumerate(signature.items())
-            if kind.startswith("*") or arg in _MULTIPLES_OF_16
+            if str(kind).startswith("*") or arg in _MULTIPLES_OF_16
         }
         specs.append(KernelSpec(name, fn, signature, constexprs, attrs, options, tensor_cores, grid, plan.tiles(batch)))
     return specs
