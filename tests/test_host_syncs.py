@@ -33,9 +33,17 @@ from tests.every_loss import DIMS, Models, case, exported_losses
 from tests.helpers import loss_and_grads
 
 SYNCING = (
-    "aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero", "aten.equal", "aten.lift_fresh",
-    "aten._unique2", "aten.unique_dim", "aten.unique_consecutive", "aten.masked_select", "aten.bincount",
-)  # fmt: skip
+    "aten._local_scalar_dense",
+    "aten.is_nonzero",
+    "aten.nonzero",
+    "aten.equal",
+    "aten.lift_fresh",
+    "aten._unique2",
+    "aten.unique_dim",
+    "aten.unique_consecutive",
+    "aten.masked_select",
+    "aten.bincount",
+)
 
 
 class CountSyncs:
@@ -127,8 +135,16 @@ def _maxsim_call(ids: str, backend: str):
 
     def run():
         q, c = queries.clone().requires_grad_(), documents.clone().requires_grad_()
-        out = maxsim_infonce(q, c, query_mask=query_mask, document_mask=document_mask, dims=[16, 8], backend=backend,
-                             chunk_size=2, **ID_MODES[ids])  # fmt: skip
+        out = maxsim_infonce(
+            q,
+            c,
+            query_mask=query_mask,
+            document_mask=document_mask,
+            dims=[16, 8],
+            backend=backend,
+            chunk_size=2,
+            **ID_MODES[ids],
+        )
         out.loss.backward()
 
     return run

@@ -126,8 +126,9 @@ def test_chunked_bf16_is_the_triton_backends_bf16(similarity):
     results = {}
     for backend, precision in (("chunked", "ieee"), ("chunked", "bf16"), ("triton", "bf16")):
         leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]
-        out = maxsim_infonce(*leaves, query_mask=query_mask, document_mask=document_mask, backend=backend,
-                             precision=precision, **options)  # fmt: skip
+        out = maxsim_infonce(
+            *leaves, query_mask=query_mask, document_mask=document_mask, backend=backend, precision=precision, **options
+        )
         out.loss.backward()
         results[backend, precision] = (out.loss.detach(), out.per_dim, leaves[0].grad)
     chunked, triton, ieee = results["chunked", "bf16"], results["triton", "bf16"], results["chunked", "ieee"]
@@ -164,9 +165,17 @@ def test_documents_longer_than_a_token_chunk():
 
 def _spec(q, c, query_mask, document_mask, dims):
     spec, _, _ = MaxSimSpec.build(
-        q, c, query_mask, document_mask, dims=dims, weights=None, scale=1.0, similarity="cosine",
-        length_normalize=False, offset=0,
-    )  # fmt: skip
+        q,
+        c,
+        query_mask,
+        document_mask,
+        dims=dims,
+        weights=None,
+        scale=1.0,
+        similarity="cosine",
+        length_normalize=False,
+        offset=0,
+    )
     return spec
 
 
@@ -238,8 +247,11 @@ def test_one_compile_per_run_not_per_drawn_subset(monkeypatch):
     q, c, query_mask, document_mask = _inputs(3, 4, 2, 3, 16, seed=8, dtype=torch.float32)
     all_dims, rng = [16, 12, 8, 4], random.Random(0)
     options = dict(dims=[12, 4], weights=[1.0, 0.5], scale=5.0)
-    _close(_run(q, c, query_mask, document_mask, **options, all_dims=all_dims),
-           _run(q, c, query_mask, document_mask, "chunked", **options), rtol=1e-5)  # fmt: skip
+    _close(
+        _run(q, c, query_mask, document_mask, **options, all_dims=all_dims),
+        _run(q, c, query_mask, document_mask, "chunked", **options),
+        rtol=1e-5,
+    )
     launches = _Specialisations(monkeypatch)
     drawn = set()
     for step in range(20):
@@ -262,9 +274,19 @@ def test_flat_offsets_fit_int32_or_the_problem_is_refused():
     indexable are refused by name before any work (uncapped, the largest forward offset was 2**32 - 1)."""
     dims = (128, 112, 96, 80, 64, 48, 32, 16)
     spec = MaxSimSpec(
-        dims=dims, weights=(1.0,) * 8, order=tuple(range(8)), scale=20.0, query_cosine=True, document_cosine=True,
-        embedding_dim=128, length_normalize=False, offset=0, batch_size=65536, num_docs=8192, precision="bf16",
-    )  # fmt: skip
+        dims=dims,
+        weights=(1.0,) * 8,
+        order=tuple(range(8)),
+        scale=20.0,
+        query_cosine=True,
+        document_cosine=True,
+        embedding_dim=128,
+        length_normalize=False,
+        offset=0,
+        batch_size=65536,
+        num_docs=8192,
+        precision="bf16",
+    )
     (batch, m, k), (lq, ld) = (spec.batch_size, spec.num_docs, len(dims)), (32, 128)
 
     def last(rows, block):  # the last row the kernel's blocks of ``block`` rows reach

@@ -58,8 +58,18 @@ def _maxsim(queries, documents, precision, similarity="dot"):
     q, c = queries.clone().requires_grad_(), documents.clone().requires_grad_()
     query_mask, document_mask = torch.arange(5).remainder(3).ne(2).expand(4, 5), torch.ones(9, 6, dtype=torch.bool)
     document_mask[3, 1:] = False
-    out = maxsim_infonce(q, c, query_mask=query_mask, document_mask=document_mask, dims=[32, 16, 8], scale=10.0,
-                         similarity=similarity, backend="chunked", chunk_size=3, precision=precision)  # fmt: skip
+    out = maxsim_infonce(
+        q,
+        c,
+        query_mask=query_mask,
+        document_mask=document_mask,
+        dims=[32, 16, 8],
+        scale=10.0,
+        similarity=similarity,
+        backend="chunked",
+        chunk_size=3,
+        precision=precision,
+    )
     out.loss.backward()
     return out.per_dim, out.lse, q.grad, c.grad
 

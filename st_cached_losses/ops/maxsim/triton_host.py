@@ -190,9 +190,17 @@ class _Sweep:
         plan = self.plan
         inv = torch.empty(len(normalized), x.shape[0], dtype=self.acc, device=x.device)
         _inverse_norms_kernel[(math.ceil(x.shape[0] / plan.norm_rows),)](
-            x, inv, x.shape[0], inv.stride(0), **plan.bands, NORM=tuple(map(int, normalized)), D=x.shape[1],
-            BR=plan.norm_rows, BD=plan.block_d, ACC=plan.acc,
-        )  # fmt: skip
+            x,
+            inv,
+            x.shape[0],
+            inv.stride(0),
+            **plan.bands,
+            NORM=tuple(map(int, normalized)),
+            D=x.shape[1],
+            BR=plan.norm_rows,
+            BD=plan.block_d,
+            ACC=plan.acc,
+        )
         return inv
 
     def run(self) -> InfoNCEResult:
@@ -216,17 +224,40 @@ class _Sweep:
         q, query_mask, qinv = self.q[begin:end], self.query_mask[begin:end], self._rows(self.qinv, tokens)
         common = (count, num_docs, self.lq, self.ld, self.qinv.stride(0), self.cinv.stride(0))
         _forward_kernel[(math.ceil(count / plan.forward_queries), math.ceil(num_docs / plan.docs_per_program))](
-            q, self.c, query_mask, self.document_mask, qinv, self.cinv, logits, argmax, self.empty,
-            self.inverse_den[begin:], *common,
-            spec.scale, **plan.forward_consts, STORE_ARGMAX=self.need_grad,
-        )  # fmt: skip
+            q,
+            self.c,
+            query_mask,
+            self.document_mask,
+            qinv,
+            self.cinv,
+            logits,
+            argmax,
+            self.empty,
+            self.inverse_den[begin:],
+            *common,
+            spec.scale,
+            **plan.forward_consts,
+            STORE_ARGMAX=self.need_grad,
+        )
         if self.mask is not None:
             logits.masked_fill_(self.mask.tile("query_to_doc", begin, end), float("-inf"))
         _infonce_kernel[(math.ceil(count / plan.infonce_rows), k)](
-            logits, self.lse[:, 0, begin:], self.losses[:, begin:], self.empty, count, num_docs, spec.offset + begin,
-            self.losses.stride(0), spec.scale / spec.batch_size, WEIGHTS=spec.weights, K=k,
-            NEED_GRAD=self.need_grad, BR=plan.infonce_rows, BN=plan.infonce_cols, ACC=plan.acc,
-        )  # fmt: skip
+            logits,
+            self.lse[:, 0, begin:],
+            self.losses[:, begin:],
+            self.empty,
+            count,
+            num_docs,
+            spec.offset + begin,
+            self.losses.stride(0),
+            spec.scale / spec.batch_size,
+            WEIGHTS=spec.weights,
+            K=k,
+            NEED_GRAD=self.need_grad,
+            BR=plan.infonce_rows,
+            BN=plan.infonce_cols,
+            ACC=plan.acc,
+        )
         if not self.need_grad:
             return
         _query_grad_kernel[(math.ceil(count / plan.grad_queries),)](
@@ -235,9 +266,20 @@ class _Sweep:
         previous = self.dc if self.scratch is None else self.scratch
         out = self.dc if last or self.scratch is None else self.scratch
         _document_grad_kernel[(num_docs, math.ceil(self.ld / plan.doc_tokens))](
-            q, self.c, query_mask, self.inverse_den[begin:], qinv, self.cinv, logits, argmax, previous, out, *common,
-            **plan.document_consts, LOAD_PREV=not first,
-        )  # fmt: skip
+            q,
+            self.c,
+            query_mask,
+            self.inverse_den[begin:],
+            qinv,
+            self.cinv,
+            logits,
+            argmax,
+            previous,
+            out,
+            *common,
+            **plan.document_consts,
+            LOAD_PREV=not first,
+        )
 
     @staticmethod
     def _rows(inv: Tensor, tokens: slice) -> Tensor:

@@ -114,8 +114,13 @@ class Plan:
         tile_queries = min(tile_queries, int32_tile_queries(slots, spec.num_docs, overhang))
         normalized = {side: tuple(map(int, spec.normalized(side))) for side in ("query", "document")}
         consts = dict(
-            D=dim, BOUNDS=bounds, K=k, QN=normalized["query"], CN=normalized["document"], ACC=acc,
-        )  # fmt: skip
+            D=dim,
+            BOUNDS=bounds,
+            K=k,
+            QN=normalized["query"],
+            CN=normalized["document"],
+            ACC=acc,
+        )
         return cls(
             spec=spec,
             tile_queries=min(spec.batch_size, tile_queries),
@@ -146,13 +151,22 @@ class Plan:
     def forward_consts(self) -> dict:
         rows, chunk = self.forward_queries * self.query_tokens, self.forward_chunk
         return dict(
-            **self.consts, BQ=self.forward_queries, LQP=self.query_tokens, LDP=self.padded_doc_tokens, BC=chunk,
-            BD=self.forward_block_d, LENGTH_NORMALIZE=self.spec.length_normalize,
+            **self.consts,
+            BQ=self.forward_queries,
+            LQP=self.query_tokens,
+            LDP=self.padded_doc_tokens,
+            BC=chunk,
+            BD=self.forward_block_d,
+            LENGTH_NORMALIZE=self.spec.length_normalize,
             KP=_pow2(self.consts["K"]),
-            BJ=self.docs_per_program, IDX=_IDX[self.index],
-            OPD=self.types["OPD"], PREC=self.types["PREC"], UPCAST=self.types["UPCAST"],
-            num_warps=max(4, rows * chunk // 2048), num_stages=self.forward_stages,
-        )  # fmt: skip
+            BJ=self.docs_per_program,
+            IDX=_IDX[self.index],
+            OPD=self.types["OPD"],
+            PREC=self.types["PREC"],
+            UPCAST=self.types["UPCAST"],
+            num_warps=max(4, rows * chunk // 2048),
+            num_stages=self.forward_stages,
+        )
 
     @property
     def forward_stages(self) -> int:
@@ -164,19 +178,32 @@ class Plan:
     def query_consts(self) -> dict:
         k = self.consts["K"]
         return dict(
-            **self.consts, ANY_QN=any(self.consts["QN"]), BQ=self.grad_queries, LQP=self.query_tokens,
-            LENGTH_NORMALIZE=self.spec.length_normalize, DP=_pow2(self.consts["D"]),
-            KP=_pow2(k), num_warps=8,
-        )  # fmt: skip
+            **self.consts,
+            ANY_QN=any(self.consts["QN"]),
+            BQ=self.grad_queries,
+            LQP=self.query_tokens,
+            LENGTH_NORMALIZE=self.spec.length_normalize,
+            DP=_pow2(self.consts["D"]),
+            KP=_pow2(k),
+            num_warps=8,
+        )
 
     @property
     def document_consts(self) -> dict:
         bounds, k = self.consts["BOUNDS"], self.consts["K"]
         return dict(
-            **self.consts, ANY_CN=any(self.consts["CN"]), BT=self.block_tokens, BU=self.doc_tokens,
-            BW=_pow2(max(bounds[i] - bounds[i + 1] for i in range(k)), 16), KB=_pow2(k), DP=_pow2(self.consts["D"]),
-            GD=self.types["GD"], PREC=self.types["PREC_GRAD"], UPCAST=self.types["UPCAST_GRAD"], num_warps=8,
-        )  # fmt: skip
+            **self.consts,
+            ANY_CN=any(self.consts["CN"]),
+            BT=self.block_tokens,
+            BU=self.doc_tokens,
+            BW=_pow2(max(bounds[i] - bounds[i + 1] for i in range(k)), 16),
+            KB=_pow2(k),
+            DP=_pow2(self.consts["D"]),
+            GD=self.types["GD"],
+            PREC=self.types["PREC_GRAD"],
+            UPCAST=self.types["UPCAST_GRAD"],
+            num_warps=8,
+        )
 
     def describe(self, batch: int) -> str:
         """For the log: the tiling and the program shapes (one line)."""
@@ -277,10 +304,19 @@ def kernel_specs(
     (``num_docs``, ``ld``, ``dim``) documents in ``precision`` (cosine sides re-normalise the dims below ``dim``),
     from the :class:`Plan` the host would choose. The default: triton_host.py's prediction's problem (bf16)."""
     spec = MaxSimSpec(
-        dims=tuple(sorted(dims, reverse=True)), weights=(1.0,) * len(dims), order=tuple(range(len(dims))), scale=20.0,
-        query_cosine=similarity[0] == "cosine", document_cosine=similarity[1] == "cosine", embedding_dim=dim,
-        length_normalize=length_normalize, offset=0, batch_size=batch, num_docs=num_docs, precision=precision,
-    )  # fmt: skip
+        dims=tuple(sorted(dims, reverse=True)),
+        weights=(1.0,) * len(dims),
+        order=tuple(range(len(dims))),
+        scale=20.0,
+        query_cosine=similarity[0] == "cosine",
+        document_cosine=similarity[1] == "cosine",
+        embedding_dim=dim,
+        length_normalize=length_normalize,
+        offset=0,
+        batch_size=batch,
+        num_docs=num_docs,
+        precision=precision,
+    )
     plan = Plan.choose(spec, dtype, lq, ld, dim, need_grad=True)
     acc = "*fp64" if dtype == torch.float64 else "*fp32"
     pointers = dict.fromkeys(("Q", "C", "X", "DQ", "DC_OUT"), "*" + _NAMES[dtype])
@@ -294,15 +330,30 @@ def kernel_specs(
     norms = {**plan.bands, "NORM": plan.consts["CN"], "D": dim, "BR": plan.norm_rows, "BD": plan.block_d}
     infonce = dict(K=k, NEED_GRAD=True, BR=plan.infonce_rows, BN=plan.infonce_cols)
     launches = [
-        ("inverse_norms", _inverse_norms_kernel, {**norms, "ACC": plan.acc}, False,
-         math.ceil(num_docs * ld / plan.norm_rows)),  # the documents' launch (the queries': B Lq rows)
-        ("forward", _forward_kernel, {**plan.forward_consts, "STORE_ARGMAX": True}, forward_tc,
-         math.ceil(rows / plan.forward_queries) * math.ceil(num_docs / plan.docs_per_program)),
+        (
+            "inverse_norms",
+            _inverse_norms_kernel,
+            {**norms, "ACC": plan.acc},
+            False,
+            math.ceil(num_docs * ld / plan.norm_rows),
+        ),  # the documents' launch (the queries': B Lq rows)
+        (
+            "forward",
+            _forward_kernel,
+            {**plan.forward_consts, "STORE_ARGMAX": True},
+            forward_tc,
+            math.ceil(rows / plan.forward_queries) * math.ceil(num_docs / plan.docs_per_program),
+        ),
         ("infonce", _infonce_kernel, {**infonce, "ACC": plan.acc}, False, math.ceil(rows / plan.infonce_rows) * k),
         ("query_grad", _query_grad_kernel, plan.query_consts, False, math.ceil(rows / plan.grad_queries)),
-        ("document_grad", _document_grad_kernel, {**plan.document_consts, "LOAD_PREV": True}, document_tc,
-         num_docs * math.ceil(ld / plan.doc_tokens)),
-    ]  # fmt: skip
+        (
+            "document_grad",
+            _document_grad_kernel,
+            {**plan.document_consts, "LOAD_PREV": True},
+            document_tc,
+            num_docs * math.ceil(ld / plan.doc_tokens),
+        ),
+    ]
     specs = []
     for name, fn, consts, tensor_cores, grid in launches:
         options = {"num_warps": 4, "num_stages": 1}
