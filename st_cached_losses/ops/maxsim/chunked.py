@@ -174,7 +174,8 @@ class _Sweep:
         self.token_docs = rounded_operand(self.docs, spec.precision)
         self.scale_after = spec.precision == "bf16" and self.doc_inv is not None
         # inv_k / inv_{k+1}: turns the dots of dim k + 1 scaled by its norms into those scaled by dim k's.
-        self.doc_inv_ratio = None if self.doc_inv is None else self.doc_inv[:-1] / self.doc_inv[1:]
+        scaled_operands = self.doc_inv is not None and not self.scale_after
+        self.doc_inv_ratio = self.doc_inv[:-1] / self.doc_inv[1:] if scaled_operands else None
         self.duplicates = None if duplicates is None else DuplicateMask.build(spec.infonce_spec(), *duplicates)
         self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
         # d loss / d logit per dim: w_k * scale / B, as a (K,) tensor of the weights times the scalar would round it.
