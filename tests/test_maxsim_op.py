@@ -186,9 +186,11 @@ def test_hard_negatives_in_a_gathered_world():
     _compare(*_inputs(4, 18, 5, 8, 11, seed=1), dims=[11, 6], weights=[1.0, 0.5], offset=3, runs=runs)
 
 
-def test_duplicate_mask():
+@pytest.mark.parametrize("query_ids", [True, False], ids=["query_ids", "world_ids_alone"])
+def test_duplicate_mask(query_ids):
     """Real duplicates in a gathered world (B=4 at offset 3 of Bw=9, one hard-negative block): two rows share a
-    query, a hard negative copies a positive, a document copies a query text."""
+    query, a hard negative copies a positive, a document copies a query text. With world_query_ids, query_ids may be
+    left out (its rows [offset, offset + B) are taken)."""
     q, c, query_mask, document_mask = _inputs(4, 18, 5, 6, 9, seed=2)
     world = torch.arange(9)
     world[4] = world[3]  # rows 3 and 4: one query, two positives
@@ -206,8 +208,8 @@ def test_duplicate_mask():
         dims=[9, 5],
         weights=[1.0, 1.0],
         offset=3,
-        runs=(("dense", None), ("chunked", 3), ("triton", 3)),
-        query_ids=world[3:7],
+        runs=(("dense", None), ("chunked", 3), ("triton", 3)) if query_ids else (("chunked", 3),),
+        query_ids=world[3:7] if query_ids else None,
         document_ids=doc_ids,
         world_query_ids=world,
     )
@@ -376,6 +378,9 @@ BAD = {
     "no_dims": (dict(dims=[]), ValueError, "dims must be a non-empty list"),
     "dim_too_large": (dict(dims=[7]), ValueError, "larger than the embedding dimension 6"),
     "weights_length": (dict(weights=[1.0]), ValueError, "one weight per dim"),
+    "all_dims_not_a_superset": (dict(dims=[6, 2], all_dims=[6, 4]), ValueError, r"dims \[2\] are not in all_dims"),
+    "all_dims_too_large": (dict(all_dims=[8, 6]), ValueError, "all_dims .* larger than the embedding dimension 6"),
+    "document_ids_alone": (dict(document_ids=torch.arange(8)), ValueError, "pass both query_ids and document_ids"),
     "scale_zero": (dict(scale=0.0), ValueError, "scale must be a finite number > 0"),
     "scale_nan": (dict(scale=float("nan")), ValueError, "scale must be a finite number > 0"),
     "similarity": (dict(similarity="l2"), ValueError, "similarity must be one of"),

@@ -5,7 +5,11 @@ the kernels compiled for sm_90 with ptxas. The truth is a float64 definition wri
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import inspect
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -18,7 +22,7 @@ pytest.importorskip("triton")
 
 from benchmarks.gpu.launches import count_call
 from st_cached_losses import maxsim_infonce
-from st_cached_losses.ops.maxsim import triton_plan
+from st_cached_losses.ops.maxsim import triton_host, triton_kernels, triton_plan
 from st_cached_losses.ops.maxsim.op import run_backend
 from st_cached_losses.ops.maxsim.spec import MaxSimSpec
 
@@ -110,6 +114,29 @@ def test_bf16_precision_rounds_the_operands():
     _close(tf32, ieee, rtol=1e-5)
 
 
+@pytest.mark.parametrize("similarity", ["cosine", "dot", ("dot", "cosine")], ids=["cosine", "dot", "dot_cosine"])
+def test_chunked_bf16_is_the_triton_backends_bf16(similarity):
+    """precision="bf16" on fp32 inputs: the chunked backend multiplies bf16-rounded token vectors as the Triton
+    backend's dots do (a cosine document side's norms applied after the products, as the kernels do): its per-dim
+    losses and query gradient differ from IEEE's and sit at least 10x closer to Triton's bf16 than to IEEE's. Its
+    document gradient is not compared: the kernels round their one-hot product's operands to bf16, the chunked
+    backend's scatter-adds stay fp32."""
+    q, c, query_mask, document_mask = _inputs(6, 12, 5, 7, 32, seed=7, dtype=torch.float32)
+    options = dict(dims=[32, 24, 8], weights=[1.0, 0.5, 2.0], scale=20.0, similarity=similarity)
+    results = {}
+    for backend, precision in (("chunked", "ieee"), ("chunked", "bf16"), ("triton", "bf16")):
+        leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]
+        out = maxsim_infonce(
+            *leaves, query_mask=query_mask, document_mask=document_mask, backend=backend, precision=precision, **options
+        )
+        out.loss.backward()
+        results[backend, precision] = (out.loss.detach(), out.per_dim, leaves[0].grad)
+    chunked, triton, ieee = results["chunked", "bf16"], results["triton", "bf16"], results["chunked", "ieee"]
+    for name, got, want, plain in zip(("loss", "per_dim", "d queries"), chunked, triton, ieee):
+        off, rounding = float((got - want).abs().max()), float((want - plain).abs().max())
+        assert 10 * off <= rounding and rounding > 0, (name, off, rounding)
+
+
 @pytest.mark.parametrize("dtype, rtol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)], ids=["bf16", "fp16"])
 def test_half_precision_inputs(dtype, rtol):
     """bf16 / fp16 token vectors: fp32 loss, gradients in the inputs' dtype, the definition's on the same values."""
@@ -138,9 +165,17 @@ def test_documents_longer_than_a_token_chunk():
 
 def _spec(q, c, query_mask, document_mask, dims):
     spec, _, _ = MaxSimSpec.build(
-        q, c, query_mask, document_mask, dims=dims, weights=None, scale=1.0, similarity="cosine",
-        length_normalize=False, offset=0,
-    )  # fmt: skip
+        q,
+        c,
+        query_mask,
+        document_mask,
+        dims=dims,
+        weights=None,
+        scale=1.0,
+        similarity="cosine",
+        length_normalize=False,
+        offset=0,
+    )
     return spec
 
 
@@ -166,6 +201,114 @@ def test_launches_per_call():
     assert two_tiles["triton"] - one_tile["triton"] == 4
     assert one_tile["triton"] - forward_only["triton"] == 2
     assert torch.equal(results[True, None].per_dim, results[False, None].per_dim)
+
+
+class _Specialisations:
+    """Stands in for the host's kernels and records each launch's specialisation, what Triton's JIT compiles one
+    kernel per: the constexprs' values and the run-time arguments' kinds (tensor dtype and 16-byte alignment; an
+    int's being 1 or a multiple of 16; a tuple's items). Nothing runs (the outputs are left unwritten): a 20-step run
+    costs milliseconds."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.seen = set()
+        for name in KERNELS:
+            monkeypatch.setattr(triton_host, name, self._recorder(name, getattr(triton_kernels, name)))
+
+    def _recorder(self, name, kernel):
+        params = inspect.signature(kernel.fn).parameters
+        constexprs = {p for p, v in params.items() if "constexpr" in str(v.annotation)}
+
+        def launch(*args, **kwargs):
+            bound = {**dict(zip(params, args)), **kwargs}
+            fixed = tuple(sorted((k, repr(v)) for k, v in bound.items() if k in constexprs))
+            self.seen.add((name, fixed, tuple(sorted((k, _kind(v)) for k, v in bound.items() if k not in constexprs))))
+
+        return collections.defaultdict(lambda: launch)
+
+
+def _kind(value):
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype), value.data_ptr() % 16 == 0
+    if isinstance(value, tuple):
+        return tuple(_kind(v) for v in value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "int", value == 1, value % 16 == 0
+    return type(value).__name__
+
+
+KERNELS = ("_inverse_norms_kernel", "_forward_kernel", "_infonce_kernel", "_query_grad_kernel", "_document_grad_kernel")
+
+
+def test_one_compile_per_run_not_per_drawn_subset(monkeypatch):
+    """A 20-step run drawing 2 of 4 dims per step (``n_dims_per_step=2``: six subsets) with ``all_dims``: the
+    kernels' specialisations (what a GPU compiles) are the first step's five, whatever the draws; without it, each
+    new subset is a new specialisation of the kernels whose constexprs are the dims' band bounds (the InfoNCE rows
+    take their weights at run time: one). The losses with ``all_dims`` (run for real) are the chunked backend's."""
+    q, c, query_mask, document_mask = _inputs(3, 4, 2, 3, 16, seed=8, dtype=torch.float32)
+    all_dims, rng = [16, 12, 8, 4], random.Random(0)
+    options = dict(dims=[12, 4], weights=[1.0, 0.5], scale=5.0)
+    _close(
+        _run(q, c, query_mask, document_mask, **options, all_dims=all_dims),
+        _run(q, c, query_mask, document_mask, "chunked", **options),
+        rtol=1e-5,
+    )
+    launches = _Specialisations(monkeypatch)
+    drawn = set()
+    for step in range(20):
+        dims = rng.sample(all_dims, 2)
+        drawn.add(frozenset(dims))
+        _run(q, c, query_mask, document_mask, dims=dims, scale=5.0, all_dims=all_dims)
+        if step == 0:
+            first = set(launches.seen)
+    assert len(first) == len(KERNELS) and launches.seen == first and len(drawn) == 6, (len(launches.seen), drawn)
+    launches.seen.clear()
+    for dims in ([16, 12], [8, 4], [12, 4]):
+        _run(q, c, query_mask, document_mask, dims=dims, scale=5.0)
+    assert len(launches.seen) == 3 * (len(KERNELS) - 1) + 1, len(launches.seen)
+
+
+def test_flat_offsets_fit_int32_or_the_problem_is_refused():
+    """B = 65536, M = 8192, eight dims, chunk_size=65536 (the plan alone: nothing allocated): the tile is capped so
+    that every int32 flat offset the kernels form, their last blocks' masked rows included, stays below 2**31 (each
+    kernel's largest, from its index expression, here), and not needlessly small; token counts that no tile makes
+    indexable are refused by name before any work (uncapped, the largest forward offset was 2**32 - 1)."""
+    dims = (128, 112, 96, 80, 64, 48, 32, 16)
+    spec = MaxSimSpec(
+        dims=dims,
+        weights=(1.0,) * 8,
+        order=tuple(range(8)),
+        scale=20.0,
+        query_cosine=True,
+        document_cosine=True,
+        embedding_dim=128,
+        length_normalize=False,
+        offset=0,
+        batch_size=65536,
+        num_docs=8192,
+        precision="bf16",
+    )
+    (batch, m, k), (lq, ld) = (spec.batch_size, spec.num_docs, len(dims)), (32, 128)
+
+    def last(rows, block):  # the last row the kernel's blocks of ``block`` rows reach
+        return -(-rows // block) * block - 1
+
+    for need_grad in (False, True):
+        plan = triton_plan.Plan.choose(spec, torch.bfloat16, lq, ld, 128, need_grad, tile_queries=65536)
+        count, slots, bt = plan.tile_queries, plan.document_consts["KB"], plan.block_tokens
+        largest = {
+            "forward logits": ((k - 1) * count + last(count, plan.forward_queries)) * m + m - 1,
+            "query gradient": ((k - 1) * count + last(count, plan.grad_queries)) * m + m - 1,
+            "document gradient": ((slots - 1) * count + last(count * lq, bt) // lq) * m + m - 1,
+            "query inverse norms": (slots - 1) * batch * lq + last(batch * lq, plan.norm_rows),
+            "document inverse norms": (slots - 1) * m * ld + last(m * ld, plan.norm_rows),
+        }
+        assert max(largest.values()) < 2**31, largest
+        assert count * k * m > 2**31 // 2 and plan.tiles(batch) == 3, count
+    assert triton_plan.int32_refusal(spec, lq, ld) is None
+    huge = dataclasses.replace(spec, num_docs=2**21)  # 8 band slots x 2**28 document tokens
+    queries, documents = torch.empty(batch, lq, 128, device="meta"), torch.empty(2**21, ld, 128, device="meta")
+    with pytest.raises(NotImplementedError, match=r"cannot index 8 band slots x 268435456 token vectors.*'chunked'"):
+        triton_host._check_inputs(queries, documents, huge)
 
 
 def test_more_dims_than_the_kernels_take():

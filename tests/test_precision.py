@@ -1,14 +1,16 @@
-"""The precision policy's GEMMs (``ops/gemm.py``) and the chunked backend under it on a CPU: "auto" and "ieee" are
-today's IEEE fp32 bit for bit, "tf32" is IEEE (a CPU has no TF32), "bf16" multiplies bf16-rounded operands exactly;
-the TF32 switch is scoped to the op and restores the caller's setting; the chunked backend's CUDA-sized tiles.
-The Triton backend's modes are in tests/test_triton.py (interpreter) and tests/test_cuda.py (GPU)."""
+"""The precision policy's GEMMs (``ops/gemm.py``) and the chunked backends (dense and MaxSim) under it on a CPU:
+"auto" and "ieee" are today's IEEE fp32 bit for bit, "tf32" is IEEE (a CPU has no TF32), "bf16" multiplies
+bf16-rounded operands exactly; the TF32 switch is scoped to the op and restores the caller's setting; the bf16
+accumulation path follows from the device and torch alone; the chunked backend's CUDA-sized tiles. The Triton
+backends' modes are in tests/test_triton.py and tests/test_maxsim_triton.py (interpreter: there the MaxSim chunked
+backend's bf16 is compared with the kernels') and tests/test_cuda.py (GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from st_cached_losses import matryoshka_infonce
+from st_cached_losses import matryoshka_infonce, maxsim_infonce
 from st_cached_losses.ops import chunked, gemm
 from st_cached_losses.ops.infonce import run_backend
 from st_cached_losses.ops.spec import InfoNCESpec
@@ -63,6 +65,44 @@ def test_chunked_bf16_multiplies_bf16_rounded_operands_exactly():
     assert (got[0] - ieee[0]).abs() > 0  # the rounding is real
 
 
+def _maxsim(queries, documents, precision, similarity="dot"):
+    """(per_dim, lse, d queries, d documents) of the chunked MaxSim backend, every third token masked."""
+    q, c = queries.clone().requires_grad_(), documents.clone().requires_grad_()
+    query_mask, document_mask = torch.arange(5).remainder(3).ne(2).expand(4, 5), torch.ones(9, 6, dtype=torch.bool)
+    document_mask[3, 1:] = False
+    out = maxsim_infonce(
+        q,
+        c,
+        query_mask=query_mask,
+        document_mask=document_mask,
+        dims=[32, 16, 8],
+        scale=10.0,
+        similarity=similarity,
+        backend="chunked",
+        chunk_size=3,
+        precision=precision,
+    )
+    out.loss.backward()
+    return out.per_dim, out.lse, q.grad, c.grad
+
+
+def test_maxsim_chunked_precision():
+    """The MaxSim chunked backend under the policy on a CPU: "auto" and "tf32" are IEEE bit for bit; "bf16" scores
+    bf16-rounded tokens, so its losses are IEEE's on inputs rounded beforehand (dot similarity: no norms), bit for
+    bit, and not IEEE's; its gradients gather the unrounded tokens (within bf16's error of the rounded run's)."""
+    g = torch.Generator().manual_seed(3)
+    queries, documents = torch.randn(4, 5, 32, generator=g), torch.randn(9, 6, 32, generator=g)
+    ieee = _maxsim(queries, documents, "ieee", "cosine")
+    for precision in ("auto", "tf32"):
+        assert all(torch.equal(a, b) for a, b in zip(_maxsim(queries, documents, precision, "cosine"), ieee))
+    got = _maxsim(queries, documents, "bf16")
+    rounded = _maxsim(queries.bfloat16().float(), documents.bfloat16().float(), "ieee")
+    assert torch.equal(got[0], rounded[0]) and torch.equal(got[1], rounded[1])
+    assert (got[0] - _maxsim(queries, documents, "ieee")[0]).abs().max() > 0
+    for name, a, b in zip(("d queries", "d documents"), got[2:], rounded[2:]):
+        assert_close_to_scale(a.double(), b.double(), name, rtol=2e-2)
+
+
 def test_matmul_precision_is_scoped_and_restores_the_callers_setting():
     """The op's TF32 switch (flags only: no GPU needed) for each way a caller may have set TF32; a CPU is left
     alone."""
@@ -101,6 +141,33 @@ def test_accumulate_bf16_products_in_fp32():
     assert gemm.operand_dtype("bf16", torch.float32) == torch.bfloat16
     assert gemm.operand_dtype("tf32", torch.float16) == torch.float32
     assert gemm.operand_dtype("ieee", torch.float64) == torch.float64
+
+
+def test_accumulate_decides_its_path_by_capability_not_by_an_error(monkeypatch):
+    """bf16 products into an fp32 accumulator: one fused cuBLAS call (``addmm(out_dtype=fp32, out=acc)``) on CUDA of
+    compute capability >= 8.0 under torch >= 2.10, else the upcast emulation; an error in a call (out of memory)
+    propagates and leaves the next call's path as it was (no GPU needed: the device is named, the call recorded)."""
+    cuda = torch.device("cuda")
+    assert not gemm.fused_accumulation(torch.device("cpu"))
+    for capability, version, fused in (((9, 0), "2.13.0", True), ((7, 5), "2.13.0", False), ((9, 0), "2.9.1", False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        monkeypatch.setattr(torch, "__version__", version)
+        assert gemm.fused_accumulation(cuda) == fused, (capability, version)
+    calls = []
+
+    def addmm(acc, a, b, *, out_dtype, out):
+        calls.append((out_dtype, out is acc))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        out.add_(a.float() @ b.float())
+
+    monkeypatch.setattr(gemm, "fused_accumulation", lambda device: True)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    acc, a, b = torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, 3, dtype=torch.bfloat16)
+    with pytest.raises(torch.OutOfMemoryError):
+        gemm.accumulate(acc, a, b)
+    gemm.accumulate(acc, a, b)
+    assert calls == [(torch.float32, True)] * 2 and acc.eq(4).all()
 
 
 def test_chunked_tiles_are_cuda_sized_on_a_gpu():

@@ -34,12 +34,10 @@ __all__ = ["Candidates", "TileMasks", "check_document_present", "positives_prese
 @dataclass
 class TileMasks:
     """The masks of rows [begin, end), per direction (``spec.directions`` order): ``dropped`` (rows, width) bool, the
-    filter's tile with the duplicates and absent documents taken out of it, or None; ``removed`` the duplicate mask's
-    (row - begin, column) pairs where there is no filter tile to fold them into, or None; ``live`` (rows,) bool, the
-    rows that take a loss and a gradient (``core.live_rows``)."""
+    candidates the filter and (with ``Candidates.tiles``) the duplicate mask remove, absent documents taken out of
+    it, or None; ``live`` (rows,) bool, the rows that take a loss and a gradient (``core.live_rows``)."""
 
     dropped: list[Tensor | None]
-    removed: list[tuple[Tensor, Tensor] | None]
     live: Tensor
 
 
@@ -47,7 +45,9 @@ class Candidates:
     """The candidate masks of one op call (in-batch negatives on), read tile by tile.
 
     ``guide``: a guide model's (queries, docs) for ``spec.false_negatives``; ``duplicates``: the text ids of
-    ``spec.mask_duplicates``; ``document_present``: (M,) bool of ``spec.absent_documents``. Counts are int64 on the
+    ``spec.mask_duplicates``; ``document_present``: (M,) bool of ``spec.absent_documents``; ``tiles``: the duplicate
+    mask's removed candidates as a boolean tile in each ``TileMasks.dropped`` (the chunked backend sets them to
+    -inf; the Triton kernels compare text codes themselves and need only the counts). Counts are int64 on the
     device: no host synchronisation.
     """
 
@@ -62,8 +62,9 @@ class Candidates:
         duplicates=None,
         memory: Memory | None = None,
         document_present: Tensor | None = None,
+        tiles: bool = True,
     ):
-        self.spec, device = spec, queries.device
+        self.spec, device, self.tiles = spec, queries.device, tiles
         guided = spec.false_negatives is not None
         self.guide = Guide.build(queries, docs, world_queries, spec, guide, dtype, memory) if guided else None
         self.duplicates = None if duplicates is None else DuplicateMask.build(spec, *duplicates, memory=memory)
@@ -76,11 +77,6 @@ class Candidates:
             absent = ~document_present
             self.absent_total = absent.sum()
             self.own_absent = absent.view(spec.num_columns, spec.world_batch_size).sum(0)  # (Bw,) per world row
-            self.absent_removed = {  # (B,) the duplicate mask's removed candidates that are absent anyway
-                name: self._absent_removed(name)
-                for name in spec.directions
-                if self.duplicates is not None and DIRECTIONS[name].cols == "c"
-            }
 
     def absent_columns(self, name: str) -> Tensor | None:
         """(width,) bool: the absent columns of direction ``name`` (None where it scores no documents or all are
@@ -92,21 +88,21 @@ class Candidates:
     def tile(self, begin: int, end: int) -> TileMasks:
         spec, count = self.spec, end - begin
         dropped = {} if self.guide is None else self.guide.dropped(spec, begin, end)
-        drops, pairs, scored = [], [], []
+        drops, scored = [], []
         for name in spec.directions:
             rule, width = DIRECTIONS[name], spec.columns(name)
-            drop, removed, lost = dropped.get(name), None, None
+            drop, lost = dropped.get(name), None
             absent = self._absent(rule, begin, end)
             if self.duplicates is not None:
-                removed = self.duplicates.tile(name, begin, end)
-                if drop is not None:  # with the filter: one boolean tile of both
-                    drop[removed], removed = True, None
+                if drop is not None or self.tiles:  # one boolean tile of both
+                    removed = self.duplicates.tile(name, begin, end)
+                    drop = removed if drop is None else drop.logical_or_(removed)
+                elif absent is not None:  # the kernels remove them; an absent one is no candidate to count
+                    lost = (self.duplicates.tile(name, begin, end) & self.column_present[:width]).sum(dim=1)
                 else:
                     lost = self.duplicates.removed_per_row(name)[begin:end]
-                    if absent is not None:
-                        lost = lost - self.absent_removed[name][begin:end]
             if drop is not None:
-                if absent is not None:
+                if absent is not None:  # an absent document is not a candidate: not removed either
                     drop &= self.column_present[:width]
                 lost = drop.sum(dim=1)
             columns = num_candidates(rule, spec, 1, width)
@@ -118,9 +114,8 @@ class Candidates:
                 self.removed_count += lost.sum()
                 self.candidate_count += columns * count - (0 if absent is None else absent.sum())
             drops.append(drop)
-            pairs.append(removed)
             scored.append(row_scored)
-        return TileMasks(drops, pairs, live_rows(scored, spec.partition_mode))
+        return TileMasks(drops, live_rows(scored, spec.partition_mode))
 
     def share(self) -> Tensor | None:
         """The share of candidates the filter and the duplicate mask removed (0-dim fp32), None with neither."""
@@ -142,11 +137,6 @@ class Candidates:
             offset = self.spec.offset
             absent = absent - self.own_absent[offset + begin : offset + end]
         return absent
-
-    def _absent_removed(self, name: str) -> Tensor:
-        rows, cols = self.duplicates.removed(name)
-        counts = torch.zeros(self.spec.batch_size, dtype=torch.int64, device=rows.device)
-        return counts.index_add_(0, rows, (~self.column_present[cols]).long())
 
 
 def check_document_present(document_present, docs: Tensor, queries: Tensor) -> bool:

@@ -80,7 +80,7 @@ def forward(
     256 MiB on CUDA (``tile_budget``).
     ``guide``: a guide model's (queries, docs) embeddings for ``spec.false_negatives`` (whose mask each tile
     computes once, for all dims); ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) of
-    ``spec.mask_duplicates``, whose removed candidates are listed sparsely and set to -inf in each tile;
+    ``spec.mask_duplicates``, whose removed candidates are set to -inf in each tile (a boolean tile);
     ``memory``: banked documents, scored as columns after the docs' in the same tiles, with no gradient computed for
     them (no column-gradient matmul, no copy next to the docs); ``document_present``: (M,) bool of
     ``spec.absent_documents``, the absent documents' columns at -inf in every tile (the counts: ``candidates.py``).
@@ -162,10 +162,10 @@ class _Sweep:
             width = cols.shape[0] + (0 if memory is None else memory.shape[0])
             buffers = self._workspace(index, count, width)
             _band_dots(rows, cols, spec.dims, buffers[1:], memory)
-            removed = masks.dropped[index], masks.removed[index], self.candidates.absent_columns(name)
+            masks_of = masks.dropped[index], self.candidates.absent_columns(name)
             tiles.append(
                 _TileDirection(
-                    direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, removed, memory
+                    direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, masks_of, memory
                 )
             )
         # A row whose softmax holds one candidate has loss and gradient exactly 0 (rounding would leave ~1e-7).
@@ -226,13 +226,13 @@ class _TileDirection:
     and to dim k-1's dot buffer afterwards, which is free by then.
     """
 
-    def __init__(self, direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, removed, memory):
+    def __init__(self, direction, rows, row_inv, row_key, row_slice, cols, buffers, begin, spec, masks, memory):
         self.direction, self.rows, self.row_inv = direction, rows, row_inv
         self.row_key, self.row_slice = row_key, row_slice
-        # removed: the (rows, cols) bool tile of the filter (and duplicates), the duplicates' (row, column) pairs, the
-        # (cols,) absent documents (``candidates.TileMasks``), each or None
+        # the (rows, cols) bool tile of the filter and the duplicates, and the (cols,) absent documents
+        # (``candidates.TileMasks``), each or None
         self.cols, self.buffers, self.spec = cols, buffers, spec
-        self.dropped, self.removed, self.absent = removed
+        self.dropped, self.absent = masks
         self.memory = memory  # banked columns after ``cols`` (no gradient), or None
         count = rows.shape[0]
         self.row_index = torch.arange(count, device=rows.device)
@@ -281,8 +281,6 @@ class _TileDirection:
             out.scatter_(1, masked, -math.inf)
         if self.dropped is not None:
             out.masked_fill_(self.dropped, -math.inf)
-        if self.removed is not None:
-            out.index_put_(self.removed, out.new_tensor(-math.inf))
         if self.absent is not None:
             out.masked_fill_(self.absent, -math.inf)
         if self.direction.label:

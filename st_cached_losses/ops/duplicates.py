@@ -20,14 +20,18 @@ partner (``Direction.partner``: its own positive in query_to_doc, its own query 
 or a column the direction masks itself (``false_negatives.kept_columns``). The mask does not depend on the
 Matryoshka dim.
 
-No B x M matrix: forbidden(i) is a (B, L) table of codes (L = 1 + the most distinct targets one own text has,
-2 without repeated queries), and the removed (row, column) pairs are listed sparsely, by expanding each
-forbidden code into the columns that hold it (a column index sorted by code): O(B L + removed) work and memory.
-The Triton kernels compare the table against each column's code inside the tile instead.
+No B x M matrix and no host synchronisation: each text gets a code by sorting the ids (equal ids, equal codes), and
+forbidden(i) is read as a set of (own, target) code pairs, sorted as keys own * N + target (N the number of ids).
+A tile of rows tests its candidates against them by binary search (:meth:`DuplicateMask.tile`: a boolean
+(rows, columns) tile, set to -inf by the backends as the false-negative filter's is); the candidates each row loses
+are counted from per-code column counts, O(B + M + pairs). Every shape is known from the inputs' shapes, so nothing is
+read on the host; only the dense Triton kernels' table of each row's forbidden codes (:attr:`DuplicateMask.forbidden`)
+reads its width there, once per call, and only where that backend asks for it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +45,7 @@ __all__ = ["DuplicateMask", "check_ids"]
 
 
 _ABSENT = object()
+_TILE_ENTRIES = 2**22  # (rows x columns) of one binary search in a tile: ~100 MiB of int64 temporaries at most
 
 
 def check_ids(
@@ -55,10 +60,13 @@ def check_ids(
 ) -> bool:
     """Whether the duplicate mask is on (ids given), after checking them against the embeddings: the one rule of
     both ops. ``queries`` and ``documents`` are (B, ...) and (M, ...) of either op; ``world_queries``: the dense op's
-    gathered queries (None when not gathered), absent for the MaxSim op, whose documents alone are gathered.
+    gathered queries (None when not gathered), absent for the MaxSim op, whose documents alone are gathered. With
+    ``world_query_ids``, ``query_ids`` may be None (they are its rows ``[offset, offset + B)``): given, they are
+    compared with those rows, the one check that reads the ids on the host (a synchronisation on a GPU).
 
     Raises:
-        ValueError / TypeError: only one of query_ids / document_ids; world_query_ids missing where the queries are
+        ValueError / TypeError: document_ids without query_ids (or world_query_ids), or the reverse; world_query_ids
+            missing where the queries are
             a slice of a gathered batch (``world_queries`` given, or ``offset`` > 0), or given with ``world_queries``
             None; an id tensor that is not 1-D int64 on the queries' device with one id per row; documents that are
             not blocks of Bw rows with offset + B <= Bw; ``world_query_ids[offset:offset + B]`` other than
@@ -66,10 +74,11 @@ def check_ids(
     """
     if query_ids is None and document_ids is None and world_query_ids is None:
         return False
-    if query_ids is None or document_ids is None:
+    if document_ids is None or (query_ids is None and world_query_ids is None):
         raise ValueError(
             "pass both query_ids and document_ids (int64 ids of the texts: equal ids, equal texts) to mask "
-            "duplicates, or neither."
+            "duplicates, or neither (with world_query_ids, query_ids may be left out: they are its rows "
+            "[offset, offset + B))."
         )
     if world_queries is not _ABSENT and (world_queries is None) != (world_query_ids is None):
         raise ValueError(
@@ -85,6 +94,8 @@ def check_ids(
         "query_ids": (query_ids, batch, "queries"),
         "document_ids": (document_ids, documents.shape[0], "documents"),
     }
+    if query_ids is None:
+        del named["query_ids"]
     if world_query_ids is not None:
         rows = None if world_queries in (None, _ABSENT) else world_queries.shape[0]
         named["world_query_ids"] = (world_query_ids, rows, "world_queries")
@@ -104,7 +115,8 @@ def check_ids(
             f"with the duplicate mask the documents are blocks of Bw={world} rows ([positives | negatives_1 | ...]) "
             f"and offset + B <= Bw; got M={documents.shape[0]}, B={batch}, offset={offset}."
         )
-    if world_query_ids is not None and not torch.equal(world_query_ids[offset : offset + batch], query_ids):
+    given = query_ids is not None and world_query_ids is not None
+    if given and not torch.equal(world_query_ids[offset : offset + batch], query_ids):
         raise ValueError("query_ids must equal world_query_ids[offset:offset + B] (this rank's rows of the world's).")
     return True
 
@@ -113,33 +125,35 @@ def check_ids(
 class DuplicateMask:
     """The duplicate mask of one op call, built once and read tile by tile.
 
-    ``codes``: per column operand ("q", "c", "p", "w", as ``spec.Direction.cols``) each column's text as a dense
-    code (int64, 0..num_codes-1); ``forbidden``: per row side ("q", "d") the (B, L) codes each local row must not
-    score, padded with its own code.
+    ``codes``: per column operand ("q", "c", "p", "w", as ``spec.Direction.cols``) each column's text as a code
+    (int64 in [0, num_codes)); ``own``: per row side ("q", "d") each local row's own code (B,); ``pairs``: per row side
+    the sorted keys own * num_codes + target of every pair of the world batch (and of the bank): rule (3)'s
+    (own, target) pairs, duplicates included.
     """
 
     spec: InfoNCESpec
     codes: dict[str, Tensor]
-    forbidden: dict[str, Tensor]
+    own: dict[str, Tensor]
+    pairs: dict[str, Tensor]
     num_codes: int
-    _removed: dict[str, tuple[Tensor, Tensor, list[int], Tensor]] = field(default_factory=dict)
+    _per_row: dict[str, Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(
         cls,
         spec: InfoNCESpec,
-        query_ids: Tensor,
+        query_ids: Tensor | None,
         doc_ids: Tensor,
         world_query_ids: Tensor | None = None,
         memory: Memory | None = None,
     ):
         """From the op's ids: ``query_ids`` (B,), ``doc_ids`` (M,), ``world_query_ids`` (Bw,) or None (not
-        gathered: ``query_ids``); with a ``memory``, its ``doc_ids`` are the columns after the docs' and its
-        ``pair_ids`` (query, positive) more rows of the world batch for rule (3)."""
+        gathered: ``query_ids``, then optional); with a ``memory``, its ``doc_ids`` are the columns after the docs'
+        and its ``pair_ids`` (query, positive) more rows of the world batch for rule (3)."""
         world_ids = query_ids if world_query_ids is None else world_query_ids
         banked = [] if memory is None else [memory.doc_ids, memory.pair_ids[:, 0], memory.pair_ids[:, 1]]
-        _, inverse = torch.unique(torch.cat([world_ids, doc_ids, *banked]), return_inverse=True)
-        num_codes = int(inverse.max()) + 1
+        ids = torch.cat([world_ids, doc_ids, *banked])
+        inverse, num_codes = _codes(ids), ids.shape[0]
         bw, m, local = spec.world_batch_size, doc_ids.shape[0], slice(spec.offset, spec.offset + spec.batch_size)
         anchors, docs = inverse[:bw], inverse[bw : bw + m]
         own, target = anchors, docs[:bw]  # the (query, positive) pairs of the world batch, then of the bank
@@ -150,76 +164,105 @@ class DuplicateMask:
             pairs = inverse[bw + m + km :]
             own, target = torch.cat([anchors, pairs[:kp]]), torch.cat([docs[:bw], pairs[kp:]])
         codes = {"w": anchors, "q": anchors[local], "c": columns, "p": docs[:bw]}
-        targets = {"q": (own, target), "d": (target, own)}  # row side -> (own, target) of every pair
+        by_side = {"q": (own, target), "d": (target, own)}  # row side -> (own, target) of every pair
         sides = {DIRECTIONS[name].rows for name in spec.directions}
-        forbidden = {side: _forbidden(*targets[side], local, num_codes) for side in sides}
-        return cls(spec, codes, forbidden, num_codes)
+        rows_own = {side: by_side[side][0][local] for side in sides}
+        keys = {side: torch.sort(by_side[side][0] * num_codes + by_side[side][1]).values for side in sides}
+        return cls(spec, codes, rows_own, keys, num_codes)
 
-    def num_columns(self, name: str) -> int:
-        return self.codes[DIRECTIONS[name].cols].shape[0]
-
-    def removed(self, name: str) -> tuple[Tensor, Tensor]:
-        """(rows, columns) of every candidate the mask removes in direction ``name``, int64, rows ascending."""
-        return self._entries(name)[:2]
+    def tile(self, name: str, begin: int, end: int) -> Tensor:
+        """(end - begin, columns) bool: the candidates the mask removes from rows [begin, end) of direction
+        ``name`` (never a column the row keeps: ``false_negatives.kept_columns``)."""
+        direction = DIRECTIONS[name]
+        own, cols = self.own[direction.rows][begin:end], self.codes[direction.cols]
+        removed = torch.empty(own.shape[0], cols.shape[0], dtype=torch.bool, device=cols.device)
+        step = max(1, _TILE_ENTRIES // max(1, own.shape[0]))  # bounds the search's int64 temporaries
+        for first in range(0, cols.shape[0], step):
+            removed[:, first : first + step] = self.forbids(
+                direction.rows, own[:, None], cols[None, first : first + step]
+            )
+        kept = kept_columns(direction, self.spec, begin, end, cols.device)
+        if kept is not None:
+            removed.scatter_(1, kept, False)
+        return removed
 
     def removed_per_row(self, name: str) -> Tensor:
         """(B,) int64: how many candidates each row loses in direction ``name``."""
-        return self._entries(name)[3]
+        if name not in self._per_row:
+            self._per_row[name] = self._count(name)
+        return self._per_row[name]
 
     def share(self) -> Tensor:
         """The share of candidates removed, over every row and direction (0-dim, fp32): candidates are a row's
         columns less its partner and the columns its direction masks itself (``false_negatives.num_candidates``)."""
         spec = self.spec
-        removed = sum(self._entries(name)[0].shape[0] for name in spec.directions)
+        removed = sum(self.removed_per_row(name).sum() for name in spec.directions)
         candidates = sum(
-            num_candidates(DIRECTIONS[name], spec, spec.batch_size, self.num_columns(name)) for name in spec.directions
+            num_candidates(DIRECTIONS[name], spec, spec.batch_size, self.codes[DIRECTIONS[name].cols].shape[0])
+            for name in spec.directions
         )
-        return torch.tensor(removed / max(candidates, 1), dtype=torch.float32, device=self.codes["c"].device)
+        return removed.to(torch.float32) / max(candidates, 1)
 
-    def tile(self, name: str, begin: int, end: int) -> tuple[Tensor, Tensor]:
-        """The removed (row - begin, column) pairs of rows [begin, end), for indexing a tile of scores."""
-        rows, cols, bounds, _ = self._entries(name)
-        lo, hi = bounds[begin], bounds[end]
-        return rows[lo:hi] - begin, cols[lo:hi]
+    @functools.cached_property
+    def forbidden(self) -> dict[str, Tensor]:
+        """Per row side the (B, L) codes each local row must not score: its own code, then the distinct targets of
+        every pair with its own text, padded with its own code (L = 1 + the most distinct targets of one own text,
+        read on the host: one synchronisation). The dense Triton kernels' table; the other backends use
+        :meth:`tile`."""
+        return {side: self._table(side) for side in self.own}
 
-    def _entries(self, name: str) -> tuple[Tensor, Tensor, list[int], Tensor]:
-        """(rows, columns, where each row's entries begin (B + 1 ints), entries per row) of direction ``name``."""
-        if name not in self._removed:
-            self._removed[name] = self._expand(name)
-        return self._removed[name]
+    def forbids(self, side: str, own: Tensor, code: Tensor) -> Tensor:
+        """Whether text ``code`` is in forbidden(i) of a row whose own text is ``own`` (broadcast together): its own
+        text, or the target of a pair with the same own text (a binary search of the sorted pair keys)."""
+        keys = self.pairs[side]
+        key = own * self.num_codes + code
+        at = torch.searchsorted(keys, key).clamp_(max=keys.shape[0] - 1)
+        return (keys[at] == key) | (own == code)
 
-    def _expand(self, name: str) -> tuple[Tensor, Tensor, list[int], Tensor]:
-        """Each row's forbidden codes expanded into the columns holding them, less the columns the row keeps."""
-        direction, spec = DIRECTIONS[name], self.spec
-        forbidden, col_codes = self.forbidden[direction.rows], self.codes[direction.cols]
-        device, width = col_codes.device, forbidden.shape[1]
-        by_code = torch.argsort(col_codes, stable=True)  # columns grouped by code
-        per_code = torch.bincount(col_codes, minlength=self.num_codes)
-        starts = per_code.cumsum(0) - per_code
-        distinct = (torch.arange(width, device=device) == 0) | (forbidden != forbidden[:, :1])  # not padding
-        counts = (per_code[forbidden] * distinct).flatten()  # columns per (row, forbidden code)
-        group = torch.repeat_interleave(torch.arange(counts.shape[0], device=device), counts)
-        within = torch.arange(group.shape[0], device=device) - (counts.cumsum(0) - counts)[group]
-        cols = by_code[starts[forbidden.flatten()[group]] + within]
-        rows = torch.div(group, width, rounding_mode="floor")
-        kept = kept_columns(direction, spec, 0, spec.batch_size, device)
+    def _distinct_pairs(self, side: str) -> tuple[Tensor, Tensor, Tensor]:
+        """(own, target, whether the pair is the first of its equal keys) of every sorted pair key of ``side``."""
+        keys = self.pairs[side]
+        first = torch.ones_like(keys, dtype=torch.bool)
+        first[1:] = keys[1:] != keys[:-1]
+        return torch.div(keys, self.num_codes, rounding_mode="floor"), keys % self.num_codes, first
+
+    def _count(self, name: str) -> Tensor:
+        """Per row: the columns holding its own text, plus those holding each distinct other target of its own
+        text, less the kept columns among them."""
+        direction = DIRECTIONS[name]
+        side, cols = direction.rows, self.codes[direction.cols]
+        per_code = torch.zeros(self.num_codes, dtype=torch.int64, device=cols.device)
+        per_code.index_add_(0, cols, torch.ones_like(cols))  # columns holding each code (no bincount: it syncs)
+        pair_own, pair_target, first = self._distinct_pairs(side)
+        other = per_code[pair_target] * (first & (pair_target != pair_own))  # the own text is counted once
+        per_own = torch.zeros_like(per_code).index_add_(0, pair_own, other)
+        own = self.own[side]
+        removed = per_code[own] + per_own[own]
+        kept = kept_columns(direction, self.spec, 0, self.spec.batch_size, cols.device)
         if kept is not None:
-            keep = (cols[:, None] == kept[rows]).any(dim=1)
-            rows, cols = rows[~keep], cols[~keep]
-        bounds = torch.searchsorted(rows, torch.arange(spec.batch_size + 1, device=device))
-        return rows, cols, bounds.tolist(), bounds.diff()
+            removed = removed - self.forbids(side, own[:, None], cols[kept]).sum(dim=1)
+        return removed
+
+    def _table(self, side: str) -> Tensor:
+        pair_own, pair_target, first = self._distinct_pairs(side)
+        per_own = torch.zeros(self.num_codes, dtype=torch.int64, device=first.device)
+        per_own.index_add_(0, pair_own, first.long())  # distinct targets of each own text
+        own = self.own[side]
+        width, widest = torch.stack([per_own[own].max(), per_own.max()]).tolist()  # the one host read
+        # Each distinct pair's slot among its own text's targets (a repeated pair rewrites its first's slot).
+        slot = first.long().cumsum(0) - 1 - (per_own.cumsum(0) - per_own)[pair_own]
+        by_own = own.new_zeros(self.num_codes, widest)
+        by_own[pair_own, slot] = pair_target
+        index = torch.arange(width, device=own.device)
+        targets = torch.where(index < per_own[own][:, None], by_own[own][:, :width], own[:, None])
+        return torch.cat([own[:, None], targets], dim=1)
 
 
-def _forbidden(own: Tensor, target: Tensor, local: slice, num_codes: int) -> Tensor:
-    """(B, L) codes: each local row's own code, then the distinct targets of every world row with that own code
-    (its own target among them), padded with its own code."""
-    pairs = torch.unique(own * num_codes + target)  # distinct (own, target) pairs, sorted by own code
-    pair_own, pair_target = torch.div(pairs, num_codes, rounding_mode="floor"), pairs % num_codes
-    per_own = torch.bincount(pair_own, minlength=num_codes)
-    starts = per_own.cumsum(0) - per_own
-    rows_own = own[local]
-    width = int(per_own[rows_own].max())
-    slot = torch.arange(width, device=own.device)
-    index = (starts[rows_own][:, None] + slot).clamp(max=pairs.shape[0] - 1)
-    targets = torch.where(slot < per_own[rows_own][:, None], pair_target[index], rows_own[:, None])
-    return torch.cat([rows_own[:, None], targets], dim=1)
+def _codes(ids: Tensor) -> Tensor:
+    """Each id's code: its rank among the distinct ids (equal ids, equal codes), by a sort: no host synchronisation
+    (``torch.unique`` reads its output's size on the host)."""
+    order = torch.argsort(ids)
+    ranked = ids[order]
+    new = torch.ones_like(ranked, dtype=torch.bool)
+    new[1:] = ranked[1:] != ranked[:-1]
+    return torch.empty_like(order).scatter_(0, order, new.long().cumsum(0) - 1)

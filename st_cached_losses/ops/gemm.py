@@ -18,13 +18,22 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+from torch.torch_version import TorchVersion
 
-__all__ = ["accumulate", "accumulation_dtype", "matmul_precision", "operand_dtype", "rounded_operand"]
+__all__ = [
+    "accumulate",
+    "accumulation_dtype",
+    "fused_accumulation",
+    "matmul_precision",
+    "operand_dtype",
+    "rounded_operand",
+]
 
 _HALF = (torch.bfloat16, torch.float16)
-# Whether torch.addmm(fp32 acc, bf16, bf16, out_dtype=fp32, out=acc) accumulates in place on this torch (its out_dtype
-# overload refused an fp32 addend in some releases): decided by the first call on CUDA, per process.
-_IN_PLACE_OUT_DTYPE: list[bool] = []
+# addmm's out_dtype overload takes an fp32 addend with bf16/fp16 operands from torch 2.10 (pytorch/pytorch#167931;
+# 2.8 and 2.9 refused it), and cuBLAS multiplies bf16/fp16 into fp32 from compute capability 8.0.
+_OUT_DTYPE_TORCH = "2.10"
+_OUT_DTYPE_CAPABILITY = (8, 0)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,25 +78,24 @@ def matmul_precision(tf32: bool, device: torch.device) -> Iterator[None]:
 def accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """``acc += a @ b`` with ``acc`` fp32/fp64 (any strides with a unit one), ``a`` and ``b`` in the operand dtype.
 
-    fp32/fp64 operands: one in-place ``addmm_`` (TF32 or IEEE as :func:`matmul_precision` says). bf16 on CUDA: one
-    cuBLAS call accumulating into the fp32 ``acc`` (``out_dtype``), or, where this torch refuses an fp32 addend
-    there, the product into a temporary and an add. bf16 elsewhere: the exact emulation (operands upcast).
+    fp32/fp64 operands: one in-place ``addmm_`` (TF32 or IEEE as :func:`matmul_precision` says). bf16/fp16 where
+    :func:`fused_accumulation` says so (CUDA): one cuBLAS call accumulating into the fp32 ``acc`` (``out_dtype``).
+    bf16/fp16 elsewhere: the exact emulation (operands upcast). The path follows from the device and the torch
+    version alone: an error (out of memory included) propagates and changes nothing for later calls.
     """
     if a.dtype not in _HALF:
         acc.addmm_(a, b)
-    elif acc.is_cuda:
-        _accumulate_cuda(acc, a, b)
+    elif fused_accumulation(acc.device):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
-def _accumulate_cuda(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    if not _IN_PLACE_OUT_DTYPE or _IN_PLACE_OUT_DTYPE[0]:
-        try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-        except (RuntimeError, TypeError):  # a check before any work: acc is untouched
-            _IN_PLACE_OUT_DTYPE[:] = [False]
-        else:
-            _IN_PLACE_OUT_DTYPE[:] = [True]
-            return
-    acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+def fused_accumulation(device: torch.device) -> bool:
+    """Whether bf16/fp16 products accumulate into an fp32 ``acc`` in one cuBLAS call on ``device``
+    (``torch.addmm(acc, a, b, out_dtype=fp32, out=acc)``): CUDA of compute capability >= 8.0 under torch >= 2.10."""
+    return (
+        device.type == "cuda"
+        and TorchVersion(torch.__version__) >= _OUT_DTYPE_TORCH
+        and torch.cuda.get_device_capability(device) >= _OUT_DTYPE_CAPABILITY
+    )

@@ -129,7 +129,7 @@ def _excluded(queries, docs, spec, guide, duplicates, document_present, dtype) -
     if duplicates is not None:
         mask = DuplicateMask.build(spec, *duplicates)
         codes = own_documents(mask.codes["c"], spec)  # (n, B): each own document's text
-        removed |= (codes[:, :, None] == mask.forbidden["q"][None]).any(dim=2)
+        removed |= mask.forbids("q", mask.own["q"][None], codes)
     removed[0].fill_(False)  # the positive, the row's partner (fill_: no host-built tensor)
     if document_present is None:
         return removed, removed

@@ -1,6 +1,7 @@
 """Row-tiled MaxSim InfoNCE: every Matryoshka dim in one sweep, on any device.
 
-A tile of queries (their unmasked tokens only: R query tokens) meets every document in blocks. For each block the
+A tile of queries (every token position: R = queries x Lq rows, a masked token weighted 0) meets every document in
+blocks. For each block the
 token dot products of all dims come from one GEMM's worth of work, smallest dim first in prefix bands
 [d_{k+1}, d_k): S_K = C[:, :d_K] Q[:, :d_K]^T, S_k = S_{k+1} + C[:, band_k] Q[:, band_k]^T (document tokens as
 rows; ``_Sweep._block_dots``). A cosine document side scales the document tokens by their inverse prefix norms below
@@ -14,9 +15,20 @@ tensor, and of B x M x Lq only the tile's argmaxes. The tile's LSEs and logit gr
 at once its gradients (``gradients.py``): gathers and scatter-adds of token vectors at the argmaxes, never a GEMM
 over Ld.
 
+Precision (``spec.precision``, ``gemm.py``'s policy): the token GEMMs multiply bf16-rounded token vectors under
+"bf16" (a cosine document side's inverse norms then scale their sums after the GEMM, as the Triton kernels do, so
+that the operands stay bf16 values) and run in TF32 on CUDA but under "ieee" (exact for bf16 values); everything
+else is IEEE fp32 (fp64 for fp64 inputs), whatever the caller's TF32 flag: the prefix norms of the unrounded
+tokens, the weighted sums of the maxima, the LSEs and the gradients' gathers. On a CPU "tf32" computes "ieee".
+
+No host synchronisation: every shape follows from the inputs' shapes (no token compaction, no list of empty
+documents: masked arithmetic), the duplicate mask is a boolean tile (``ops/duplicates.py``), the per-dim gradient
+factors are Python numbers.
+
 Memory beyond the inputs and their gradients (budgets, logged with the tile): per tile K x R x M argmaxes (uint8 up
 to 256 document tokens) and two K x (queries) x M fp32 buffers, within ``DEFAULT_TILE_BYTES`` (64 MiB) and at most
-``MAX_TILE_TOKENS`` query tokens; one block of token dot products (``FORWARD_BLOCK_BYTES``, 8 MiB); the backward's
+``MAX_TILE_TOKENS`` query tokens; one block of token dot products (``FORWARD_BLOCK_BYTES``, 8 MiB, shared by its two
+planes under "bf16" with a cosine document side); the backward's
 per-block buffers (``gradients.BACKWARD_BLOCK_BYTES``, 8 MiB); per-token prefix norms (K x (B Lq + 2 M Ld) floats).
 On CUDA larger sizes (``CUDA_BUDGETS``): the CPU's were launch-bound there.
 
@@ -26,6 +38,7 @@ GradCache (arXiv 2101.06983), Liger-Kernel's fused linear cross-entropy (forward
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..duplicates import DuplicateMask
+from ..gemm import matmul_precision, rounded_operand
 from ..result import InfoNCEResult
 from ..spec import NORM_EPS
 from .gradients import BACKWARD_BLOCK_BYTES, TileGradients
@@ -104,15 +118,17 @@ def forward(
 ) -> InfoNCEResult:
     """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients of
     ``sum_k w_k L_k`` wrt. queries (B, Lq, D) and documents (M, Ld, D), in their dtype; computes in fp32 (fp64 for
-    fp64 inputs). ``tile_queries``: queries per tile (default: ``default_tile_queries``); ``duplicates``: the text ids
-    (query_ids, doc_ids, world_query_ids or None) of ``spec.mask_duplicates``."""
+    fp64 inputs), the token GEMMs' operands as ``spec.precision`` says. ``tile_queries``: queries per tile (default:
+    ``default_tile_queries``); ``duplicates``: the text ids (query_ids or None, doc_ids, world_query_ids or None) of
+    ``spec.mask_duplicates``."""
     budgets = budgets_for(queries.device)
-    sweep = _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, duplicates, budgets)
     automatic = default_tile_queries(spec, queries.shape[1], documents.shape[1], budgets.tile_bytes, budgets)
     rows = min(tile_queries or automatic, spec.batch_size)
-    for begin in range(0, spec.batch_size, rows):
-        sweep.tile(begin, min(begin + rows, spec.batch_size))
-    return sweep.result()._replace(tile=_describe(rows, tile_queries is None, budgets))
+    with matmul_precision(False, queries.device):  # IEEE but in the token GEMMs (``_Sweep.token_gemms``)
+        sweep = _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, duplicates, budgets)
+        for begin in range(0, spec.batch_size, rows):
+            sweep.tile(begin, min(begin + rows, spec.batch_size))
+        return sweep.result()._replace(tile=_describe(rows, tile_queries is None, budgets))
 
 
 def _describe(rows: int, automatic: bool, budgets: Budgets = CPU_BUDGETS) -> str:
@@ -136,70 +152,80 @@ class _Sweep:
         self.queries = queries.to(dtype).reshape(-1, queries.shape[2])  # (B * Lq, D) token vectors
         self.docs = documents.to(dtype).reshape(-1, documents.shape[2])  # (M * Ld, D)
         device = self.queries.device
-        # The unmasked query tokens, query by query: a tile's rows of the GEMM (padding costs nothing).
-        self.tokens = query_mask.reshape(-1).nonzero().squeeze(1)
+        # Every token position of a tile's queries is a row of its GEMM, a masked one with weight 0 (no token
+        # compaction: its size would be read on the host); each position's query, (B * Lq,).
+        self.query_tokens, self.scored = queries.shape[1], query_mask.reshape(-1)
+        self.owner = torch.arange(query_mask.numel(), device=device) // self.query_tokens
         counts = query_mask.sum(dim=1)
-        self.token_counts = counts
-        self.token_starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).tolist()
         self.denominator = (
-            counts.clamp(min=1).to(dtype) if spec.length_normalize else counts.new_ones(spec.batch_size, dtype=dtype)
-        ).to(device)
+            counts.clamp(min=1).to(dtype) if spec.length_normalize else counts.new_ones(counts.shape, dtype=dtype)
+        )
         self.is_empty = ~document_mask.any(dim=1)  # documents without a scored token
-        self.empty = self.is_empty.nonzero().squeeze(1)
-        self.doc_bias = None  # (M * Ld,): 0, or -inf for a masked document token (out of every max)
-        if not bool(document_mask.all()):
-            self.doc_bias = torch.zeros(document_mask.numel(), dtype=dtype, device=device)
-            self.doc_bias.masked_fill_(~document_mask.reshape(-1), float("-inf"))
+        self.empty_docs = self.is_empty.to(dtype)
+        # (M * Ld,): 0, or -inf for a masked document token (out of every max), through the smallest band's GEMM.
+        self.doc_bias = torch.zeros(document_mask.numel(), dtype=dtype, device=device)
+        self.doc_bias.masked_fill_(~document_mask.reshape(-1), float("-inf"))
         self.query_normalized, self.doc_normalized = spec.normalized("query"), spec.normalized("document")
         self.query_inv = _inverse_prefix_norms(self.queries, spec.dims, self.query_normalized)  # (K, B * Lq) or None
         self.doc_inv = _inverse_prefix_norms(self.docs, spec.dims, self.doc_normalized)  # (K, M * Ld) or None
+        # "bf16": the token GEMMs multiply bf16-rounded tokens (``gemm.rounded_operand``; the norms, the gradients'
+        # gathers and the maxima's sums stay fp32 on the inputs); a cosine document side's inverse norms scale their
+        # products after the GEMM (``_block_dots``), so that its operands stay bf16 values, exact in TF32.
+        self.token_docs = rounded_operand(self.docs, spec.precision)
+        self.scale_after = spec.precision == "bf16" and self.doc_inv is not None
         # inv_k / inv_{k+1}: turns the dots of dim k + 1 scaled by its norms into those scaled by dim k's.
-        self.doc_inv_ratio = None if self.doc_inv is None else self.doc_inv[:-1] / self.doc_inv[1:]
+        scaled_operands = self.doc_inv is not None and not self.scale_after
+        self.doc_inv_ratio = self.doc_inv[:-1] / self.doc_inv[1:] if scaled_operands else None
         self.duplicates = None if duplicates is None else DuplicateMask.build(spec.infonce_spec(), *duplicates)
         self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
-        # d loss / d logit per dim: w_k * scale / B (one host-to-device copy per call, not one per tile).
-        self.grad_factors = torch.tensor(spec.weights, dtype=dtype, device=device) * (spec.scale / spec.batch_size)
+        # d loss / d logit per dim: w_k * scale / B, as a (K,) tensor of the weights times the scalar would round it.
+        self.grad_factors = [_product(w, spec.scale / spec.batch_size, dtype) for w in spec.weights]
         self.lse = torch.empty(len(spec.dims), 1, spec.batch_size, dtype=dtype, device=device)
         self.grads = (torch.zeros_like(self.queries), torch.zeros_like(self.docs)) if need_grad else None
 
+    def token_gemms(self):
+        """The token GEMMs' precision: TF32 on CUDA but for "ieee" (bf16-rounded operands are exact in it)."""
+        return matmul_precision(self.spec.precision != "ieee", self.queries.device)
+
     def tile(self, begin: int, end: int) -> None:
         """Queries [begin, end) against every document: scores, LSEs, loss and (with gradients) their gradients."""
-        spec, count = self.spec, end - begin
-        tokens = self.tokens[self.token_starts[begin] : self.token_starts[end]]  # (R,)
-        owner = torch.repeat_interleave(
-            torch.arange(count, device=tokens.device), self.token_counts[begin:end], output_size=tokens.shape[0]
-        )  # each token's query in the tile
+        spec, count, k = self.spec, end - begin, len(self.spec.dims)
+        tokens = slice(begin * self.query_tokens, end * self.query_tokens)  # R = count * Lq token positions
+        scored = self.scored[tokens]
+        # each token's query in the tile; a masked token's is row ``count``, a row of zeros: no gradient
+        owner = torch.where(scored, self.owner[tokens] - begin, count)
         rows = self.queries[tokens]  # (R, D)
-        argmax = torch.empty(
-            len(spec.dims), tokens.shape[0], spec.num_docs, dtype=_index_dtype(self.doc_tokens), device=rows.device
-        )
-        scores = rows.new_zeros(len(spec.dims), count, spec.num_docs)
-        if tokens.shape[0]:
-            self._scores(rows, self._token_weights(tokens, owner, begin, end), scores, argmax)
+        argmax = torch.empty(k, rows.shape[0], spec.num_docs, dtype=_index_dtype(self.doc_tokens), device=rows.device)
+        buffer = rows.new_zeros(k, count + 1, spec.num_docs)
+        scores = buffer[:, :count]
+        self._scores(rows, self._token_weights(scored, tokens, begin, end), scores, argmax)
         logits = self._logits(scores, begin, end)  # (K, count, M)
         lse = torch.logsumexp(logits, dim=2)
         local = torch.arange(count, device=logits.device)
         positive = logits[:, local, spec.offset + begin + local]
         self.lse[:, 0, begin:end] = lse
         self.per_dim_sum += (lse - positive).sum(dim=1)
-        if not self.need_grad or not tokens.shape[0]:
+        if not self.need_grad:
             return
         # d(w_k L_k) / d(score): the softmax less the label, exactly 0 for a row whose only candidate is its
         # positive (exp(0) = 1) and for an empty document (its score is a constant).
         grad = logits.sub_(lse[:, :, None]).exp_()
         grad[:, local, spec.offset + begin + local] -= 1.0
-        grad.mul_(self.grad_factors[:, None, None]).div_(self.denominator[begin:end][None, :, None])
-        grad[:, :, self.empty] = 0.0
-        TileGradients(self, tokens, rows).run(grad, owner, argmax)
+        for factor, plane in zip(self.grad_factors, grad):
+            plane.mul_(factor)
+        grad.div_(self.denominator[begin:end][None, :, None]).masked_fill_(self.is_empty, 0.0)
+        TileGradients(self, tokens, rows).run(buffer, owner, argmax)
 
-    def _token_weights(self, tokens: Tensor, owner: Tensor, begin: int, end: int) -> Tensor:
-        """(K, count, R): d score_i / d(maximum of token t), i.e. [t in query i] (1 / ||q_t[:d_k]||) / denominator_i."""
-        spec = self.spec
-        weights = self.queries.new_zeros(len(spec.dims), end - begin, tokens.shape[0])
-        scale = self.denominator[begin:end][owner].reciprocal()
+    def _token_weights(self, scored: Tensor, tokens: slice, begin: int, end: int) -> Tensor:
+        """(K, count, R): d score_i / d(maximum of token t), i.e. [t in query i, scored] (1 / ||q_t[:d_k]||) /
+        denominator_i; block-diagonal (query i's Lq positions)."""
+        dims, count, lq = len(self.spec.dims), end - begin, self.query_tokens
+        weights = self.queries.new_zeros(dims, count, count * lq)
+        scale = scored.to(weights.dtype) / self.denominator[begin:end, None].expand(count, lq).reshape(-1)
         if self.query_inv is not None:
             scale = self.query_inv[:, tokens] * scale
-        weights[:, owner, torch.arange(tokens.shape[0], device=tokens.device)] = scale
+        diagonal = torch.diagonal(weights.view(dims, count, count, lq), dim1=1, dim2=2)  # (K, Lq, count)
+        diagonal.copy_(scale.expand(dims, -1).view(dims, count, lq).transpose(1, 2))
         return weights
 
     def _scores(self, rows: Tensor, weights: Tensor, scores: Tensor, argmax: Tensor) -> None:
@@ -207,52 +233,57 @@ class _Sweep:
         unmasked tokens (cosine: ĉ the prefix-normalised token, q_t raw; dot: both raw) in dim k, and argmax[k, t, j]
         that u; in document blocks of one GEMM's worth of work each, every dim in the same block."""
         spec, width = self.spec, self.doc_tokens
-        block = max(1, self.budgets.forward_block_bytes // (4 * width * rows.shape[0]))
-        buffer = rows.new_empty(min(block, spec.num_docs) * width, rows.shape[0])
+        planes = 2 if self.scale_after else 1  # the raw products, and their scaled copy
+        block = max(1, self.budgets.forward_block_bytes // (4 * width * rows.shape[0] * planes))
+        buffer = rows.new_empty(planes, min(block, spec.num_docs) * width, rows.shape[0])
+        rows = rounded_operand(rows, spec.precision)
+        # a column of ones meets each document token's bias (0, or -inf if masked)
         smallest = spec.dims[-1]
-        if self.doc_bias is not None:  # a column of ones meets each document token's bias (0, or -inf if masked)
-            rows = torch.cat([rows[:, :smallest], rows.new_ones(rows.shape[0], 1), rows[:, smallest:]], dim=1)
+        rows = torch.cat([rows[:, :smallest], rows.new_ones(rows.shape[0], 1), rows[:, smallest:]], dim=1)
         for first in range(0, spec.num_docs, block):
             last = min(first + block, spec.num_docs)
             span = slice(first * width, last * width)
-            empty = self.is_empty[first:last, None] if self.empty.numel() else None
-            for k, current in self._block_dots(rows, span, buffer[: span.stop - span.start]):
+            empty = self.is_empty[first:last, None]
+            for k, current in self._block_dots(rows, span, buffer[:, : span.stop - span.start]):
                 values, indices = _max_over_tokens(current, last - first, width)
                 argmax[k, :, first:last] = indices.T
-                if empty is not None:  # its -inf would poison the product (0 * -inf); its score is filled later
-                    values.masked_fill_(empty, 0.0)
+                # an empty document's -inf would poison the product (0 * -inf); its score is filled later
+                values.masked_fill_(empty, 0.0)
                 torch.mm(weights[k], values.T, out=scores[k, :, first:last])
 
     def _block_dots(self, rows: Tensor, span: slice, out: Tensor):
         """Yield (k, S_k) for k = K-1 .. 0: the (document tokens ``span``, query tokens) dot products of dim k in
-        ``out``, accumulated band by band (the matmul work of the largest dim); cosine: the document tokens scaled by
-        their inverse prefix norm of dim k (S_k = S_{k+1} * (inv_k / inv_{k+1}) + band_k, in place). The smallest
-        band carries the masked tokens' -inf (``rows`` then has a column of ones after it): no pass of its own."""
-        dims, docs = self.spec.dims, self.docs[span]
+        ``out[0]``, accumulated band by band (the matmul work of the largest dim); cosine: the document tokens scaled
+        by their inverse prefix norm of dim k (S_k = S_{k+1} * (inv_k / inv_{k+1}) + band_k, in place; with
+        ``scale_after``, the raw sums in ``out[0]`` scaled into ``out[1]``). The smallest band carries the masked
+        tokens' -inf (``rows`` has a column of ones after it): no pass of its own."""
+        dims, docs, inv = self.spec.dims, self.token_docs[span], self.doc_inv
+        raw, scaled = out[0], out[-1]
         for k in range(len(dims) - 1, -1, -1):
             lo, hi = (dims[k + 1] if k + 1 < len(dims) else 0), dims[k]
             band = docs[:, lo:hi]
-            if self.doc_inv is not None:
-                band = band * self.doc_inv[k, span, None]
+            if inv is not None and not self.scale_after:
+                band = band * inv[k, span, None]
                 if k + 1 < len(dims):
-                    out.mul_(self.doc_inv_ratio[k, span, None])
-            if lo == 0:
-                if self.doc_bias is not None:
+                    raw.mul_(self.doc_inv_ratio[k, span, None])
+            with self.token_gemms():
+                if lo == 0:
                     band = torch.cat([band, self.doc_bias[span, None]], dim=1)
-                    hi += 1
-                torch.mm(band, rows[:, :hi].T, out=out)
+                    torch.mm(band, rows[:, : hi + 1].T, out=raw)
+                else:
+                    raw.addmm_(band, rows[:, lo + 1 : hi + 1].T)
+            if self.scale_after and self.doc_normalized[k]:
+                yield k, torch.mul(raw, inv[k, span, None], out=scaled)
             else:
-                shift = 0 if self.doc_bias is None else 1
-                out.addmm_(band, rows[:, lo + shift : hi + shift].T)
-            yield k, out
+                yield k, raw
 
     def _logits(self, scores: Tensor, begin: int, end: int) -> Tensor:
-        """In place: (K, count, M) scale * MaxSim scores of queries [begin, end), the removed duplicates at -inf."""
-        scores[:, :, self.empty] = (EMPTY_DOCUMENT_SCORE / self.denominator[begin:end])[None, :, None]
-        scores.mul_(self.spec.scale)
+        """In place: (K, count, M) scale * MaxSim scores of queries [begin, end), the removed duplicates at -inf;
+        an empty document's score (0 so far) is stock's constant."""
+        fill = EMPTY_DOCUMENT_SCORE / self.denominator[begin:end]
+        scores.add_(fill[:, None] * self.empty_docs).mul_(self.spec.scale)
         if self.duplicates is not None:
-            removed_rows, removed_cols = self.duplicates.tile("query_to_doc", begin, end)
-            scores[:, removed_rows, removed_cols] = float("-inf")
+            scores.masked_fill_(self.duplicates.tile("query_to_doc", begin, end), float("-inf"))
         return scores
 
     def result(self) -> InfoNCEResult:
@@ -263,6 +294,14 @@ class _Sweep:
             dq, dc = self.grads
             grads = (dq.to(self.input_dtype).view(self.shapes[0]), dc.to(self.input_dtype).view(self.shapes[1]), None)
         return InfoNCEResult(per_dim, self.lse, grads, masked_share=share)
+
+
+def _product(a: float, b: float, dtype: torch.dtype) -> float:
+    """a * b as ``dtype`` arithmetic rounds it (both factors first): one weight of a (K,) tensor times a scalar."""
+    if dtype != torch.float32:
+        return a * b
+    a, b = (struct.unpack("f", struct.pack("f", x))[0] for x in (a, b))
+    return struct.unpack("f", struct.pack("f", a * b))[0]  # the double product of two floats is exact
 
 
 def _max_over_tokens(dots: Tensor, docs: int, width: int, pool: bool | None = None) -> tuple[Tensor, Tensor]:

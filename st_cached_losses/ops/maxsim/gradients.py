@@ -30,7 +30,7 @@ _BYTES_PER_ENTRY = 4 + 2 * 4 + 8
 class TileGradients:
     """Accumulates one tile's query and document gradients into the sweep's (``sweep.grads``)."""
 
-    def __init__(self, sweep, tokens: Tensor, rows: Tensor):
+    def __init__(self, sweep, tokens: slice, rows: Tensor):
         self.sweep, self.tokens, self.rows = sweep, tokens, rows
         spec = sweep.spec
         self.query_inv = None if sweep.query_inv is None else sweep.query_inv[:, tokens]  # (K, R)
@@ -45,8 +45,9 @@ class TileGradients:
         return x[:, :dim].contiguous() if inv is None else x[:, :dim] * inv[:, None]
 
     def run(self, grad: Tensor, owner: Tensor, argmax: Tensor) -> None:
-        """``grad``: (K, count, M) d loss / d score_ij (divided by the query's denominator: each of its tokens' weight
-        w), ``owner``: (R,) each token's query, ``argmax``: (K, R, M) the argmaxes u* of the tile."""
+        """``grad``: (K, count + 1, M) d loss / d score_ij (divided by the query's denominator: each of its tokens'
+        weight w; its last row zeros), ``owner``: (R,) each token's query (a masked token's: the zero row),
+        ``argmax``: (K, R, M) the argmaxes u* of the tile."""
         spec, width = self.sweep.spec, self.sweep.doc_tokens
         entries = len(spec.dims) * self.rows.shape[0] * _BYTES_PER_ENTRY + 2 * width * self.rows.shape[1] * 4
         block = max(1, self.sweep.budgets.backward_block_bytes // entries)
@@ -70,7 +71,11 @@ class TileGradients:
             + torch.arange(0, dims * count * width, count * width, dtype=torch.int32, device=keys.device)[:, None, None]
         )
         order = torch.argsort(bag_keys.view(-1), stable=True)
-        sizes = torch.bincount(bag_keys.view(-1), minlength=dims * count * width)
+        # entries per bag, by index_add_ (CUDA's bincount reads the largest key on the host)
+        one = torch.ones((), dtype=torch.int64, device=keys.device).expand(bag_keys.numel())
+        sizes = torch.zeros(dims * count * width, dtype=torch.int64, device=keys.device).index_add_(
+            0, bag_keys.view(-1), one
+        )
         starts = sizes.cumsum(0) - sizes
         per_dim = rows * count
         for k, dim in enumerate(spec.dims):
@@ -92,13 +97,12 @@ class TileGradients:
                 doc_grad[:, :dim].addcmul_(bags, inv[:, None]).addcmul_(unit_docs, along[:, None], value=-1.0)
 
     def _finish_rows(self) -> None:
-        total = self.rows.new_zeros(self.rows.shape)
+        total = self.sweep.grads[0][self.tokens]  # zeros: each token is in one tile
         for k, dim in enumerate(self.sweep.spec.dims):
             grad = self.row_grads[k]
             if self.sweep.query_normalized[k]:
                 _project(grad, self.unit_rows[k], self.query_inv[k])
             total[:, :dim] += grad
-        self.sweep.grads[0].index_add_(0, self.tokens, total)
 
 
 def _project(grad: Tensor, unit: Tensor, inv: Tensor) -> None:

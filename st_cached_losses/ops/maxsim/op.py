@@ -42,6 +42,7 @@ def maxsim_infonce(
     query_ids: Tensor | None = None,
     document_ids: Tensor | None = None,
     world_query_ids: Tensor | None = None,
+    all_dims: Sequence[int] | None = None,
 ) -> InfoNCEOutput:
     """In-batch InfoNCE over ColBERT's MaxSim scores, summed over Matryoshka token dims with weights.
 
@@ -85,16 +86,24 @@ def maxsim_infonce(
         nonfinite: what NaN or Inf in the token vectors do: "raise" (ValueError), "propagate" (the loss and the
             gradients are NaN, so fp16's gradient scaler skips the step), "auto" (default: "propagate" under fp16
             autocast or for fp16 inputs, else "raise").
-        precision: the token GEMMs' operands on CUDA, as ``matryoshka_infonce``'s: "bf16", "tf32", "ieee" or "auto"
-            (default: "bf16" under bf16 autocast or for bf16 inputs, else "tf32" where allowed, else "ieee"; always
-            "ieee" off CUDA).
+        precision: the token GEMMs' operands, as ``matryoshka_infonce``'s (``ops/gemm.py``), on every backend:
+            "bf16" (bf16-rounded token vectors, fp32 accumulation; a CPU computes it exactly), "tf32" (TF32 on CUDA,
+            IEEE on a CPU), "ieee" or "auto" (default: "bf16" under bf16 autocast or for bf16 inputs, else "tf32"
+            where allowed, else "ieee"; always "ieee" off CUDA). The prefix norms, the sums of the maxima, the LSEs
+            and the chunked backend's gradients stay fp32.
         query_ids, document_ids, world_query_ids: turn the duplicate mask on (exact duplicates are not negatives), as
             ``matryoshka_infonce``'s direction query_to_doc: 1-D torch.int64 text ids on the queries' device,
             ``query_ids`` (B,), ``document_ids`` (M,) in the documents' layout (then M is a multiple of Bw), and, when
             the documents are gathered (offset > 0 or Bw > B), ``world_query_ids`` (Bw,) with ``query_ids`` its rows
-            ``[offset, offset + B)``. Query i does not score a document whose text is its own query's, or the
+            ``[offset, offset + B)`` (``query_ids`` may then be left out; given, they are compared with those rows,
+            one more host synchronisation). Query i does not score a document whose text is its own query's, or the
             positive of any world row with the same query text (its own positive's copies among them), except its own
             positive column. See ``ops/duplicates.py``.
+        all_dims: every Matryoshka dim the run draws ``dims`` from (a superset of ``dims``; a loss passes its
+            ``matryoshka_dims`` when it draws ``n_dims_per_step`` of them), or None (``dims``). The Triton kernels take
+            the dims' band bounds as compile-time constants: given ``all_dims`` they compile once for those (the dims
+            not drawn get weight 0 at run time: their work is done, their loss is not returned), not once per drawn
+            subset. The other backends compute ``dims`` alone.
 
     The op accumulates in fp32 (fp64 for fp64 inputs) whatever autocast is active, its GEMM operands as
     ``precision`` says; gradients come back in the inputs' dtype, for queries and documents. A row whose only
@@ -108,7 +117,7 @@ def maxsim_infonce(
         share of the B x (M - 1) candidates the duplicate mask removed; None without ids).
 
     Raises:
-        ValueError / TypeError: bad shapes, masks, dtypes, devices, an empty batch, bad dims, weights, scale,
+        ValueError / TypeError: bad shapes, masks, dtypes, devices, an empty batch, bad dims, all_dims, weights, scale,
             similarity, offset, ids, chunk_size, precision or backend, NaN/Inf inputs (see ``nonfinite``), naming the
             argument and the fix, before any work.
         RuntimeError: a second backward through the same result (the gradients are handed over once).
@@ -148,6 +157,7 @@ def maxsim_infonce(
         query_ids=query_ids,
         document_ids=document_ids,
         world_query_ids=world_query_ids,
+        all_dims=all_dims,
     )
     chunk_size = check_chunk_size(chunk_size)
     spec = dataclasses.replace(spec, precision=resolve_precision(precision, queries))

@@ -6,6 +6,7 @@ the argument and the fix), and returns the masks as booleans, so the backends ca
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,8 @@ class MaxSimSpec:
     position in the caller's ``dims``. ``query_cosine`` / ``document_cosine``: that side's token vectors are unit
     vectors at the full dim ``embedding_dim`` and each smaller dim re-normalises their prefix (:meth:`normalized`).
     ``world_batch_size`` (Bw, the rows of each document block) is only known with the duplicate mask
-    (``len(world_query_ids)``, which the mask needs); None without it.
+    (``len(world_query_ids)``, which the mask needs); None without it. ``all_dims``: every dim of the run (descending,
+    a superset of ``dims``; empty: ``dims``), on which the Triton kernels specialise (:meth:`over_all_dims`).
     """
 
     dims: tuple[int, ...]
@@ -50,6 +52,20 @@ class MaxSimSpec:
     world_batch_size: int | None = None
     mask_duplicates: bool = False
     precision: str = "ieee"  # the token GEMMs' operands: "bf16", "tf32" or "ieee" (``core.resolve_precision``)
+    all_dims: tuple[int, ...] = ()
+
+    def over_all_dims(self) -> MaxSimSpec:
+        """This problem over every dim of the run (``all_dims``), a dim not in ``dims`` at weight 0: the same loss
+        and gradients, with the compile-time constants of the run (its band bounds) instead of this call's."""
+        if not self.all_dims or self.all_dims == self.dims:
+            return self
+        weight = dict(zip(self.dims, self.weights))
+        return dataclasses.replace(
+            self,
+            dims=self.all_dims,
+            weights=tuple(weight.get(dim, 0.0) for dim in self.all_dims),
+            order=tuple(range(len(self.all_dims))),
+        )
 
     def normalized(self, side: str) -> tuple[bool, ...]:
         """Per dim (descending), whether ``side`` ("query" or "document") re-normalises its token prefixes there:
@@ -106,6 +122,7 @@ class MaxSimSpec:
         query_ids=None,
         document_ids=None,
         world_query_ids=None,
+        all_dims=None,
     ) -> tuple[MaxSimSpec, Tensor, Tensor]:
         """The spec and the boolean (query_mask, document_mask).
 
@@ -117,6 +134,7 @@ class MaxSimSpec:
         document_mask = _check_mask("document_mask", document_mask, documents, "(M, Ld)")
         batch, num_docs, dim = queries.shape[0], documents.shape[0], queries.shape[2]
         sorted_dims, sorted_weights, order = check_dims(dims, weights, dim)
+        run_dims = () if all_dims is None else _check_all_dims(all_dims, sorted_dims, dim)
         query_similarity, document_similarity = _check_similarity(similarity)
         if not isinstance(length_normalize, bool):
             raise TypeError(f"length_normalize must be True (MeanMaxSim) or False (MaxSim), got {length_normalize!r}.")
@@ -137,8 +155,20 @@ class MaxSimSpec:
             num_docs=num_docs,
             world_batch_size=world,
             mask_duplicates=mask_duplicates,
+            all_dims=run_dims,
         )
         return spec, query_mask, document_mask
+
+
+def _check_all_dims(all_dims, dims: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    """``all_dims`` sorted (descending) after ``check_dims``'s rule, each of ``dims`` among them."""
+    run_dims = check_dims(all_dims, None, dim, "all_dims")[0]
+    missing = [d for d in dims if d not in run_dims]
+    if missing:
+        raise ValueError(
+            f"dims {missing} are not in all_dims {list(run_dims)}: all_dims lists every dim the run draws from."
+        )
+    return run_dims
 
 
 def _check_similarity(similarity) -> tuple[str, str]:

@@ -34,6 +34,14 @@ P = T M Ld = 1.07e9 token pairs):
   forward, the InfoNCE rows and the two gradients (and the duplicate mask's index_put), the per-dim mean: 7 at
   B = 512 in one tile with two cosine sides (the chunked backend: ~5,400 on the GPU profile).
 
+Compile-time constants: the band bounds of the run's dims (``spec.all_dims``: a loss drawing ``n_dims_per_step`` of its
+dims passes them all, and a dim not drawn gets weight 0 at run time), never the drawn subset, so a run compiles each
+kernel once; the cost is the work of every dim of the run in each call.
+
+Offsets: int64 where they index the token vectors and the argmaxes; int32 into the tile's (K, queries, M) logits and
+the (K, tokens) inverse norms, the tile capped so that they fit (``triton_plan.int32_tile_queries``, as the dense plan
+caps its rows) and token counts past them refused (``triton_plan.int32_refusal``).
+
 Tile choice (``triton_plan.Plan``): forward programs of BQ whole queries (128 token rows) x 8 documents, each swept in
 chunks of 128 tokens (a running per-dim max), the band chunk BD the widest power of two <= 64 dividing every dim (32
 for [128, 96, 64, 32]), 8 warps, 3 stages, the query blocks varying fastest so that a document block is read from L2
@@ -55,6 +63,7 @@ from torch import Tensor
 from ..duplicates import DuplicateMask
 from ..errors import TritonUnavailableError
 from ..result import InfoNCEResult
+from ..triton.launch_errors import describe_error, is_launch_error
 from .spec import MaxSimSpec
 from .triton_kernels import (
     MAX_DIMS,
@@ -64,7 +73,7 @@ from .triton_kernels import (
     _inverse_norms_kernel,
     _query_grad_kernel,
 )
-from .triton_plan import TILE_BYTES, Plan, index_dtype
+from .triton_plan import TILE_BYTES, Plan, index_dtype, int32_refusal
 
 __all__ = ["TILE_BYTES", "forward", "unsupported"]
 
@@ -73,8 +82,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def unsupported(spec: MaxSimSpec) -> str | None:
     """What of ``spec`` the kernels do not take (``backend="auto"`` then runs chunked), or None."""
-    if len(spec.dims) > MAX_DIMS:
-        return f"at most {MAX_DIMS} Matryoshka token dims, got {len(spec.dims)}"
+    dims = spec.over_all_dims().dims
+    if len(dims) > MAX_DIMS:
+        return f"at most {MAX_DIMS} Matryoshka token dims, got {len(dims)}"
     return None
 
 
@@ -103,26 +113,40 @@ def forward(
         products' operands as ``spec.precision`` says.
 
     Raises:
-        NotImplementedError: more than ``MAX_DIMS`` dims, or an unsupported dtype.
+        NotImplementedError: more than ``MAX_DIMS`` dims (of ``spec.all_dims``), an unsupported dtype, or token
+            counts past the kernels' int32 offsets (``triton_plan.int32_refusal``).
         ValueError: tensors the kernels cannot run on (``ops.triton.probe.unusable_reason``).
         TritonUnavailableError: the kernels fail to compile or launch here (``backend="auto"`` falls back).
     """
-    _check_inputs(queries, spec)
+    _check_inputs(queries, documents, spec)
+    run = spec.over_all_dims()  # the run's dims: one compile per run, not per drawn subset
     try:
-        return _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, tile_queries, duplicates).run()
+        result = _Sweep(queries, documents, query_mask, document_mask, run, need_grad, tile_queries, duplicates).run()
     except Exception as error:
-        if not _is_launch_error(error):
+        if not is_launch_error(error):
             raise
-        lines = str(error).strip().splitlines()
-        raise TritonUnavailableError(f"{type(error).__name__}: {lines[0] if lines else ''}") from error
+        raise TritonUnavailableError(describe_error(error)) from error
+    return _drawn(result, spec, run)
 
 
-def _check_inputs(queries: Tensor, spec: MaxSimSpec) -> None:
+def _drawn(result: InfoNCEResult, spec: MaxSimSpec, run: MaxSimSpec) -> InfoNCEResult:
+    """The per-dim losses and LSEs of ``spec``'s dims out of those of the run's (device views: no host data)."""
+    if run is spec:
+        return result
+    index = [run.dims.index(dim) for dim in spec.dims]
+    per_dim, lse = (torch.stack([t[i] for i in index]) for t in (result.per_dim, result.lse))
+    return result._replace(per_dim=per_dim, lse=lse)
+
+
+def _check_inputs(queries: Tensor, documents: Tensor, spec: MaxSimSpec) -> None:
     from ..triton.probe import unusable_reason
 
     missing = unsupported(spec)
     if missing is not None:
         raise NotImplementedError(f"backend='triton' supports {missing}: use backend='chunked'.")
+    too_large = int32_refusal(spec.over_all_dims(), queries.shape[1], documents.shape[1])
+    if too_large is not None:
+        raise NotImplementedError(f"backend='triton' cannot index {too_large}: use backend='chunked'.")
     if queries.dtype not in _DTYPES:
         raise NotImplementedError(
             f"backend='triton' takes fp32, bf16, fp16 or fp64 token vectors, got {queries.dtype}."
@@ -130,16 +154,6 @@ def _check_inputs(queries: Tensor, spec: MaxSimSpec) -> None:
     reason = unusable_reason(queries.device, ".maxsim.triton_kernels")
     if reason is not None:
         raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
-
-
-def _is_launch_error(error: Exception) -> bool:
-    """A Triton compile or launch failure (the driver's errors reach Python as "Triton Error [CUDA]: ...")."""
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-
-    return isinstance(error, (CompilationError, OutOfResources)) or (
-        isinstance(error, RuntimeError) and str(error).startswith("Triton Error")
-    )
 
 
 class _Sweep:
@@ -176,9 +190,17 @@ class _Sweep:
         plan = self.plan
         inv = torch.empty(len(normalized), x.shape[0], dtype=self.acc, device=x.device)
         _inverse_norms_kernel[(math.ceil(x.shape[0] / plan.norm_rows),)](
-            x, inv, x.shape[0], inv.stride(0), **plan.bands, NORM=tuple(map(int, normalized)), D=x.shape[1],
-            BR=plan.norm_rows, BD=plan.block_d, ACC=plan.acc,
-        )  # fmt: skip
+            x,
+            inv,
+            x.shape[0],
+            inv.stride(0),
+            **plan.bands,
+            NORM=tuple(map(int, normalized)),
+            D=x.shape[1],
+            BR=plan.norm_rows,
+            BD=plan.block_d,
+            ACC=plan.acc,
+        )
         return inv
 
     def run(self) -> InfoNCEResult:
@@ -202,18 +224,40 @@ class _Sweep:
         q, query_mask, qinv = self.q[begin:end], self.query_mask[begin:end], self._rows(self.qinv, tokens)
         common = (count, num_docs, self.lq, self.ld, self.qinv.stride(0), self.cinv.stride(0))
         _forward_kernel[(math.ceil(count / plan.forward_queries), math.ceil(num_docs / plan.docs_per_program))](
-            q, self.c, query_mask, self.document_mask, qinv, self.cinv, logits, argmax, self.empty,
-            self.inverse_den[begin:], *common,
-            spec.scale, **plan.forward_consts, STORE_ARGMAX=self.need_grad,
-        )  # fmt: skip
+            q,
+            self.c,
+            query_mask,
+            self.document_mask,
+            qinv,
+            self.cinv,
+            logits,
+            argmax,
+            self.empty,
+            self.inverse_den[begin:],
+            *common,
+            spec.scale,
+            **plan.forward_consts,
+            STORE_ARGMAX=self.need_grad,
+        )
         if self.mask is not None:
-            removed_rows, removed_cols = self.mask.tile("query_to_doc", begin, end)
-            logits[:, removed_rows, removed_cols] = float("-inf")
+            logits.masked_fill_(self.mask.tile("query_to_doc", begin, end), float("-inf"))
         _infonce_kernel[(math.ceil(count / plan.infonce_rows), k)](
-            logits, self.lse[:, 0, begin:], self.losses[:, begin:], self.empty, count, num_docs, spec.offset + begin,
-            self.losses.stride(0), spec.scale / spec.batch_size, WEIGHTS=spec.weights, K=k,
-            NEED_GRAD=self.need_grad, BR=plan.infonce_rows, BN=plan.infonce_cols, ACC=plan.acc,
-        )  # fmt: skip
+            logits,
+            self.lse[:, 0, begin:],
+            self.losses[:, begin:],
+            self.empty,
+            count,
+            num_docs,
+            spec.offset + begin,
+            self.losses.stride(0),
+            spec.scale / spec.batch_size,
+            WEIGHTS=spec.weights,
+            K=k,
+            NEED_GRAD=self.need_grad,
+            BR=plan.infonce_rows,
+            BN=plan.infonce_cols,
+            ACC=plan.acc,
+        )
         if not self.need_grad:
             return
         _query_grad_kernel[(math.ceil(count / plan.grad_queries),)](
@@ -222,9 +266,20 @@ class _Sweep:
         previous = self.dc if self.scratch is None else self.scratch
         out = self.dc if last or self.scratch is None else self.scratch
         _document_grad_kernel[(num_docs, math.ceil(self.ld / plan.doc_tokens))](
-            q, self.c, query_mask, self.inverse_den[begin:], qinv, self.cinv, logits, argmax, previous, out, *common,
-            **plan.document_consts, LOAD_PREV=not first,
-        )  # fmt: skip
+            q,
+            self.c,
+            query_mask,
+            self.inverse_den[begin:],
+            qinv,
+            self.cinv,
+            logits,
+            argmax,
+            previous,
+            out,
+            *common,
+            **plan.document_consts,
+            LOAD_PREV=not first,
+        )
 
     @staticmethod
     def _rows(inv: Tensor, tokens: slice) -> Tensor:

@@ -20,9 +20,9 @@ tokens) come from ``_inverse_norms_kernel``.
   all bands: the matmul work of one D-wide product), less the projection [CN_k] s_k(u) beta_k(u)^2 c_u of the
   document side's normalisation (s_k(u): the sum of e * sim over the query tokens whose argmax u is).
 
-Every output element is written by one program in a fixed order (no atomics): deterministic. Decorated at import:
-with ``TRITON_INTERPRET=1`` set before triton is imported they run in Triton's CPU interpreter on CPU tensors.
-"""
+What they read (operands, query rows, masked loads, argmax vectors): ``triton_reads.py``. Each output element is
+written by one program in a fixed order (no atomics): deterministic. With ``TRITON_INTERPRET=1`` set before triton
+is imported they run in Triton's CPU interpreter on CPU tensors."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ..spec import NORM_EPS
 from .spec import EMPTY_DOCUMENT_SCORE
+from .triton_reads import argmax_vectors, load_rows, operand, query_rows
 
 __all__ = ["INTERPRETED", "MAX_DIMS"]
 
@@ -41,56 +42,19 @@ _EMPTY = tl.constexpr(EMPTY_DOCUMENT_SCORE)
 
 
 @triton.jit
-def _operand(x, DT: tl.constexpr, UPCAST: tl.constexpr):
-    """``x`` as a dot operand of dtype DT; under the interpreter (UPCAST) bf16/fp16 values go on as fp32: Triton's
-    interpreter multiplies bf16's raw bits and rounds fp32 to bf16 otherwise than the GPU, so bf16 is rounded here to
-    nearest even by its bits; products of bf16/fp16 values are exact in fp32, so the GPU's numbers."""
-    if UPCAST:
-        if DT == tl.bfloat16:  # noqa: SIM300 (DT is the constexpr)
-            if x.dtype != tl.bfloat16:
-                bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-                return bits.to(tl.float32, bitcast=True)
-            return x.to(tl.float32)
-        return x.to(DT).to(tl.float32)
-    return x.to(DT)
-
-
-@triton.jit
-def _tokens(QMASK, first, count, Lq, BQ: tl.constexpr, LQP: tl.constexpr, LENGTH_NORMALIZE: tl.constexpr, ACC):
-    """Rows of BQ whole queries from query ``first`` of the tile: (token index in the tile, row in range, scored,
-    1 / the query's denominator per row (0 for a masked token), query index per row)."""
-    r = tl.arange(0, BQ * LQP)
-    query = first + r // LQP
-    position = r % LQP
-    ok = (query < count) & (position < Lq)
-    token = query * Lq + position
-    scored = tl.load(QMASK + token, mask=ok, other=0) != 0
-    if LENGTH_NORMALIZE:
-        per_query = tl.sum(tl.reshape(scored.to(tl.int32), (BQ, LQP)), axis=1)
-        den = tl.maximum(per_query, 1).to(ACC)
-        den = tl.reshape(tl.broadcast_to(den[:, None], (BQ, LQP)), (BQ * LQP,))
-        weight = tl.where(scored, 1.0 / den, 0.0)
-    else:
-        weight = tl.where(scored, 1.0, 0.0).to(ACC)
-    return token, ok, scored, weight, query
-
-
-@triton.jit
-def _load_rows(P, rows, ok, cols, hi: tl.constexpr, WHOLE: tl.constexpr):
-    """P[rows + cols] (``rows``: each row's first element, int64), 0 at rows not ``ok`` and at cols >= hi; WHOLE: every
-    col < hi, so the mask is per row (16-byte loads)."""
-    pointers = P + rows[:, None] + cols[None, :]
-    if WHOLE:
-        return tl.load(pointers, mask=ok[:, None], other=0.0)
-    return tl.load(pointers, mask=ok[:, None] & (cols < hi)[None, :], other=0.0)
-
-
-@triton.jit
 def _inverse_norms_kernel(
-    X, INV, rows, inv_stride, BOUNDS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, D: tl.constexpr,
-    BR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
+    X,
+    INV,
+    rows,
+    inv_stride,
+    BOUNDS: tl.constexpr,
+    K: tl.constexpr,
+    NORM: tl.constexpr,
+    D: tl.constexpr,
+    BR: tl.constexpr,
+    BD: tl.constexpr,
+    ACC: tl.constexpr,
+):
     """INV[k, row] = 1 / max(||x_row[:d_k]||, eps) where NORM[k] (F.normalize's divisor), summed band by band."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     ok = r < rows
@@ -99,10 +63,14 @@ def _inverse_norms_kernel(
     for b in tl.static_range(K):
         # Triton 3.6 gives a tuple's items as plain ints, and a name assigned one as a tensor: wrapped where used
         for d0 in tl.static_range(tl.constexpr(BOUNDS[K - b]), tl.constexpr(BOUNDS[K - 1 - b]), BD):
-            x = _load_rows(
-                X, r.to(tl.int64) * D, ok, d0 + f, tl.constexpr(BOUNDS[K - 1 - b]),
+            x = load_rows(
+                X,
+                r.to(tl.int64) * D,
+                ok,
+                d0 + f,
+                tl.constexpr(BOUNDS[K - 1 - b]),
                 tl.constexpr(d0 + BD <= BOUNDS[K - 1 - b]),
-            ).to(ACC)  # fmt: skip
+            ).to(ACC)
             squares += tl.sum(x * x, axis=1)
         if NORM[K - 1 - b]:
             inv = 1.0 / tl.maximum(tl.sqrt(squares), _EPS)
@@ -111,21 +79,49 @@ def _inverse_norms_kernel(
 
 @triton.jit
 def _forward_kernel(
-    Q, C, QMASK, CMASK, QINV, CINV, LOGITS, ARGMAX, EMPTY, INVDEN,
-    count, num_docs, Lq, Ld, q_stride, c_stride, scale,
-    D: tl.constexpr, BOUNDS: tl.constexpr, K: tl.constexpr, QN: tl.constexpr, CN: tl.constexpr,
-    LENGTH_NORMALIZE: tl.constexpr, STORE_ARGMAX: tl.constexpr,
-    BQ: tl.constexpr, LQP: tl.constexpr, LDP: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BJ: tl.constexpr,
-    KP: tl.constexpr, OPD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    Q,
+    C,
+    QMASK,
+    CMASK,
+    QINV,
+    CINV,
+    LOGITS,
+    ARGMAX,
+    EMPTY,
+    INVDEN,
+    count,
+    num_docs,
+    Lq,
+    Ld,
+    q_stride,
+    c_stride,
+    scale,
+    D: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    K: tl.constexpr,
+    QN: tl.constexpr,
+    CN: tl.constexpr,
+    LENGTH_NORMALIZE: tl.constexpr,
+    STORE_ARGMAX: tl.constexpr,
+    BQ: tl.constexpr,
+    LQP: tl.constexpr,
+    LDP: tl.constexpr,
+    BC: tl.constexpr,
+    BD: tl.constexpr,
+    BJ: tl.constexpr,
+    KP: tl.constexpr,
+    OPD: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    ACC: tl.constexpr,
     IDX: tl.constexpr,
-):  # fmt: skip
+):
     """LOGITS[k, i, j] = scale * MaxSim score of query i (of the tile) and document j in dim k; ARGMAX[k, j, t] the
     document token each query token t scores in dim k; EMPTY[j] whether document j has no scored token; INVDEN[i] the
-    weight of query i's scored tokens (1 / its token count for MeanMaxSim, else 1). A document's
-    tokens come in chunks of BC (LDP = Ld rounded up to a power of two), each dim's running max (an earlier chunk
-    wins a tie, as the leftmost token wins one inside a chunk) kept per (row, dim)."""
+    weight of query i's scored tokens (1 / its token count for MeanMaxSim, else 1). A document's tokens come in chunks
+    of BC (LDP: Ld rounded up to a power of two), each dim's running max (an earlier chunk wins a tie) per row."""
     pid_q, pid_j = tl.program_id(0), tl.program_id(1)
-    token, ok, scored, weight, _ = _tokens(QMASK, pid_q * BQ, count, Lq, BQ, LQP, LENGTH_NORMALIZE, ACC)
+    token, ok, scored, weight, _ = query_rows(QMASK, pid_q * BQ, count, Lq, BQ, LQP, LENGTH_NORMALIZE, ACC)
     queries = pid_q * BQ + tl.arange(0, BQ)
     slot = tl.arange(0, KP)[None, :]
     u = tl.arange(0, BC)
@@ -150,14 +146,18 @@ def _forward_kernel(
             acc = tl.zeros((BQ * LQP, BC), ACC)
             for b in tl.static_range(K):  # smallest dim first: band K-1-b completes dim K-1-b
                 for d0 in tl.static_range(tl.constexpr(BOUNDS[K - b]), tl.constexpr(BOUNDS[K - 1 - b]), BD):
-                    q = _load_rows(
+                    q = load_rows(
                         Q, rows, ok, d0 + f, tl.constexpr(BOUNDS[K - 1 - b]), tl.constexpr(d0 + BD <= BOUNDS[K - 1 - b])
                     )
-                    c = _load_rows(
-                        C, doc_tokens * D, inside, d0 + f, tl.constexpr(BOUNDS[K - 1 - b]),
+                    c = load_rows(
+                        C,
+                        doc_tokens * D,
+                        inside,
+                        d0 + f,
+                        tl.constexpr(BOUNDS[K - 1 - b]),
                         tl.constexpr(d0 + BD <= BOUNDS[K - 1 - b]),
-                    )  # fmt: skip
-                    q, c = _operand(q, OPD, UPCAST), tl.trans(_operand(c, OPD, UPCAST))
+                    )
+                    q, c = operand(q, OPD, UPCAST), tl.trans(operand(c, OPD, UPCAST))
                     acc = tl.dot(q, c, acc, input_precision=PREC, out_dtype=ACC)  # ACC: fp64 for fp64 (Triton 3.6)
                 sims = acc
                 if CN[K - 1 - b]:
@@ -185,12 +185,25 @@ def _forward_kernel(
 
 @triton.jit
 def _infonce_kernel(
-    LOGITS, LSE, LOSS, EMPTY, count, num_docs, positive0, out_stride, grad_factor,
-    WEIGHTS: tl.constexpr, K: tl.constexpr, NEED_GRAD: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+    LOGITS,
+    LSE,
+    LOSS,
+    EMPTY,
+    count,
+    num_docs,
+    positive0,
+    out_stride,
+    grad_factor,
+    WEIGHTS,
+    K: tl.constexpr,
+    NEED_GRAD: tl.constexpr,
+    BR: tl.constexpr,
+    BN: tl.constexpr,
     ACC: tl.constexpr,
-):  # fmt: skip
+):
     """Per dim (axis 1) and rows: LSE[k, i], LOSS[k, i] = LSE - logit of the positive (column positive0 + i) and,
-    with NEED_GRAD, LOGITS <- w_k * grad_factor * (softmax - label), 0 for an empty document."""
+    with NEED_GRAD, LOGITS <- w_k * grad_factor * (softmax - label), 0 for an empty document. WEIGHTS: run-time
+    floats (0 for a dim the call does not draw: no compile per drawn subset)."""
     k = tl.program_id(1)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     ok = rows < count
@@ -211,7 +224,7 @@ def _infonce_kernel(
     tl.store(LOSS + k * out_stride + rows, lse - positive, mask=ok)
     if NEED_GRAD:
         factor = tl.zeros((), ACC)
-        for i in tl.static_range(K):  # the dims' weights: compile-time constants (fixed in a training run)
+        for i in tl.static_range(K):
             factor = tl.where(k == i, WEIGHTS[i], factor)
         factor = factor * grad_factor
         for n0 in range(0, num_docs, BN):
@@ -224,55 +237,45 @@ def _infonce_kernel(
 
 
 @triton.jit
-def _argmax_vectors(
+def _query_grad_kernel(
+    Q,
     C,
+    QMASK,
+    QINV,
     CINV,
+    G,
     ARGMAX,
-    j,
-    k: tl.constexpr,
-    token,
-    ok,
-    f,
+    DQ,
+    count,
     num_docs,
-    tokens,
+    Lq,
     Ld,
+    q_stride,
     c_stride,
     D: tl.constexpr,
     BOUNDS: tl.constexpr,
+    K: tl.constexpr,
+    QN: tl.constexpr,
     CN: tl.constexpr,
+    ANY_QN: tl.constexpr,
+    LENGTH_NORMALIZE: tl.constexpr,
+    BQ: tl.constexpr,
+    LQP: tl.constexpr,
     DP: tl.constexpr,
+    KP: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """Per token row: its argmax in document j at dim k (int64), that token's vector (zero past d_k, fp32) and its
-    beta_k (1 where the document side is not normalised there)."""
-    at = tl.load(ARGMAX + (k * num_docs + j).to(tl.int64) * tokens + token, mask=ok, other=0).to(tl.int64)
-    best = tl.cast(j, tl.int64) * Ld + at
-    vectors = _load_rows(C, best * D, ok, f, tl.constexpr(BOUNDS[k]), tl.constexpr(BOUNDS[k] >= DP)).to(ACC)
-    beta = tl.full(at.shape, 1.0, ACC)
-    if CN[k]:
-        beta = tl.load(CINV + k * c_stride + best, mask=ok, other=0.0)
-    return at, vectors, beta
-
-
-@triton.jit
-def _query_grad_kernel(
-    Q, C, QMASK, QINV, CINV, G, ARGMAX, DQ,
-    count, num_docs, Lq, Ld, q_stride, c_stride,
-    D: tl.constexpr, BOUNDS: tl.constexpr, K: tl.constexpr, QN: tl.constexpr, CN: tl.constexpr, ANY_QN: tl.constexpr,
-    LENGTH_NORMALIZE: tl.constexpr, BQ: tl.constexpr, LQP: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr,
-    ACC: tl.constexpr,
-):  # fmt: skip
     """DQ of BQ whole queries of the tile: per document and dim, each token's argmax token vector gathered (fp32)."""
-    token, ok, _scored, weight, query = _tokens(QMASK, tl.program_id(0) * BQ, count, Lq, BQ, LQP, LENGTH_NORMALIZE, ACC)
+    token, ok, _, weight, query = query_rows(QMASK, tl.program_id(0) * BQ, count, Lq, BQ, LQP, LENGTH_NORMALIZE, ACC)
     f = tl.arange(0, DP)
     slot = tl.arange(0, KP)[None, :]
-    rows = _load_rows(Q, token.to(tl.int64) * D, ok, f, D, D == DP).to(ACC)
+    rows = load_rows(Q, token.to(tl.int64) * D, ok, f, D, D == DP).to(ACC)
     acc = tl.zeros((BQ * LQP, DP), ACC)
     along = tl.zeros((BQ * LQP, KP), ACC)  # per dim: sum_j e * sim (the query normalisation's share)
     for j in range(num_docs):
         for k in tl.static_range(K):
             e = tl.load(G + (k * count + query) * num_docs + j, mask=ok, other=0.0) * weight
-            _at, vectors, beta = _argmax_vectors(  # a name of its own: loop-carried types must agree
+            _at, vectors, beta = argmax_vectors(  # a name of its own: loop-carried types must agree
                 C, CINV, ARGMAX, j, k, token, ok, f, num_docs, count * Lq, Ld, c_stride, D, BOUNDS, CN, DP, ACC
             )
             coef = e * beta
@@ -293,20 +296,46 @@ def _query_grad_kernel(
 
 @triton.jit
 def _document_grad_kernel(
-    Q, C, QMASK, INVDEN, QINV, CINV, G, ARGMAX, DC_PREV, DC_OUT,
-    count, num_docs, Lq, Ld, q_stride, c_stride,
-    D: tl.constexpr, BOUNDS: tl.constexpr, K: tl.constexpr, QN: tl.constexpr, CN: tl.constexpr, ANY_CN: tl.constexpr,
-    LOAD_PREV: tl.constexpr, BT: tl.constexpr, BU: tl.constexpr, BW: tl.constexpr, KB: tl.constexpr, DP: tl.constexpr,
-    GD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
+    Q,
+    C,
+    QMASK,
+    INVDEN,
+    QINV,
+    CINV,
+    G,
+    ARGMAX,
+    DC_PREV,
+    DC_OUT,
+    count,
+    num_docs,
+    Lq,
+    Ld,
+    q_stride,
+    c_stride,
+    D: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    K: tl.constexpr,
+    QN: tl.constexpr,
+    CN: tl.constexpr,
+    ANY_CN: tl.constexpr,
+    LOAD_PREV: tl.constexpr,
+    BT: tl.constexpr,
+    BU: tl.constexpr,
+    BW: tl.constexpr,
+    KB: tl.constexpr,
+    DP: tl.constexpr,
+    GD: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    ACC: tl.constexpr,
+):
     """DC of BU tokens of document j (axis 0) from the tile's queries: one-hot products per band, batched over the
     bands (KB slots), plus the projection of a normalised document side; DC_OUT = (DC_PREV +) this tile's share."""
     j = tl.program_id(0)
     u = tl.program_id(1) * BU + tl.arange(0, BU)
     doc_tokens = tl.cast(j, tl.int64) * Ld + u
     slot = tl.arange(0, KB)
-    w = tl.arange(0, BW)
-    f = tl.arange(0, DP)
+    w, f = tl.arange(0, BW), tl.arange(0, DP)
     lo = tl.zeros((KB,), tl.int32)
     width = tl.zeros((KB,), tl.int32)
     normalized = tl.zeros((KB,), tl.int32)
@@ -338,7 +367,7 @@ def _document_grad_kernel(
         hits = u[None, :, None] == at.to(tl.int32)[:, None, :]  # (KB, BU, BT)
         onehot = tl.cumsum(tl.where(hits, coef[:, None, :] * beta[:, :, None], 0.0), axis=0)  # band b: dims k <= b
         bands = tl.load(Q + token.to(tl.int64)[None, :, None] * D + band, mask=in_band & ok[None, :, None], other=0.0)
-        onehot, bands = _operand(onehot, GD, UPCAST), _operand(bands, GD, UPCAST)
+        onehot, bands = operand(onehot, GD, UPCAST), operand(bands, GD, UPCAST)
         if KB == 1:  # one band: a plain 2-D product (Triton 3.6 spills a batch-of-one 3-D dot)
             onehot, bands = tl.reshape(onehot, (BU, BT)), tl.reshape(bands, (BT, BW))
             product = tl.dot(onehot, bands, input_precision=PREC, out_dtype=ACC)
@@ -346,10 +375,10 @@ def _document_grad_kernel(
         else:
             acc = tl.dot(onehot, bands, acc, input_precision=PREC, out_dtype=ACC)
         if ANY_CN:
-            rows = _load_rows(Q, token.to(tl.int64) * D, ok, f, D, D == DP).to(ACC)
+            rows = load_rows(Q, token.to(tl.int64) * D, ok, f, D, D == DP).to(ACC)
             for k in tl.static_range(K):
                 if CN[k]:
-                    at_k, vectors, beta_k = _argmax_vectors(
+                    at_k, vectors, beta_k = argmax_vectors(
                         C, CINV, ARGMAX, j, k, token, ok, f, num_docs, tokens, Ld, c_stride, D, BOUNDS, CN, DP, ACC
                     )
                     e_sim = tl.sum(tl.where(slot[:, None] == k, coef, 0.0), axis=0) * beta_k  # e alpha beta

@@ -24,7 +24,7 @@ from .triton_kernels import (
     _query_grad_kernel,
 )
 
-__all__ = ["TILE_BYTES", "KernelSpec", "Plan", "index_dtype", "kernel_specs"]
+__all__ = ["TILE_BYTES", "KernelSpec", "Plan", "index_dtype", "int32_refusal", "int32_tile_queries", "kernel_specs"]
 
 # A tile's buffers: per (dim, query, document) its logits (then their gradients), and with gradients per (dim,
 # document, query token) the argmax. 64 MiB: B = 512 (Lq 32, M 1024, four dims) in one tile.
@@ -82,7 +82,8 @@ class Plan:
 
     @classmethod
     def choose(cls, spec: MaxSimSpec, dtype, lq: int, ld: int, dim: int, need_grad: bool, tile_queries=None) -> Plan:
-        """The plan for (B, Lq, D) queries against (M, Ld, D) documents of ``dtype``."""
+        """The plan for (B, Lq, D) queries against (M, Ld, D) documents of ``dtype``; the tile (``tile_queries`` or
+        ``TILE_BYTES``' worth) capped so that the kernels' int32 offsets fit (``int32_tile_queries``)."""
         bounds, k = (*spec.dims, 0), len(spec.dims)
         lqp, ldp = _pow2(lq), _pow2(ld, 16)
         least = -(-16 // lqp)  # tl.dot needs >= 16 rows
@@ -103,20 +104,29 @@ class Plan:
             doc_tokens, block_tokens = max(16, min(64, ldp, _BANDS_ELEMENTS // words // (slots * width))), 16
         acc = tl.float64 if dtype == torch.float64 else tl.float32
         per_query = k * spec.num_docs * (torch.finfo(_torch(acc)).bits // 8 + need_grad * lq * index_dtype(ld).itemsize)
+        grad_queries = max(1, min(max(1, 64 // wide // lqp), cap))
         if tile_queries is None:
             tile_queries = max(1, TILE_BYTES // per_query)
             if tile_queries >= forward_queries:
                 tile_queries -= tile_queries % forward_queries
+        # the last query block of each kernel reaches this many rows past the tile: its offsets are formed (masked)
+        overhang = max(forward_queries, grad_queries, -(-block_tokens // lq))
+        tile_queries = min(tile_queries, int32_tile_queries(slots, spec.num_docs, overhang))
         normalized = {side: tuple(map(int, spec.normalized(side))) for side in ("query", "document")}
         consts = dict(
-            D=dim, BOUNDS=bounds, K=k, QN=normalized["query"], CN=normalized["document"], ACC=acc,
-        )  # fmt: skip
+            D=dim,
+            BOUNDS=bounds,
+            K=k,
+            QN=normalized["query"],
+            CN=normalized["document"],
+            ACC=acc,
+        )
         return cls(
             spec=spec,
             tile_queries=min(spec.batch_size, tile_queries),
             forward_queries=forward_queries,
             docs_per_program=8,
-            grad_queries=max(1, min(max(1, 64 // wide // lqp), cap)),
+            grad_queries=grad_queries,
             doc_tokens=doc_tokens,
             block_tokens=block_tokens,
             query_tokens=lqp,
@@ -141,13 +151,22 @@ class Plan:
     def forward_consts(self) -> dict:
         rows, chunk = self.forward_queries * self.query_tokens, self.forward_chunk
         return dict(
-            **self.consts, BQ=self.forward_queries, LQP=self.query_tokens, LDP=self.padded_doc_tokens, BC=chunk,
-            BD=self.forward_block_d, LENGTH_NORMALIZE=self.spec.length_normalize,
+            **self.consts,
+            BQ=self.forward_queries,
+            LQP=self.query_tokens,
+            LDP=self.padded_doc_tokens,
+            BC=chunk,
+            BD=self.forward_block_d,
+            LENGTH_NORMALIZE=self.spec.length_normalize,
             KP=_pow2(self.consts["K"]),
-            BJ=self.docs_per_program, IDX=_IDX[self.index],
-            OPD=self.types["OPD"], PREC=self.types["PREC"], UPCAST=self.types["UPCAST"],
-            num_warps=max(4, rows * chunk // 2048), num_stages=self.forward_stages,
-        )  # fmt: skip
+            BJ=self.docs_per_program,
+            IDX=_IDX[self.index],
+            OPD=self.types["OPD"],
+            PREC=self.types["PREC"],
+            UPCAST=self.types["UPCAST"],
+            num_warps=max(4, rows * chunk // 2048),
+            num_stages=self.forward_stages,
+        )
 
     @property
     def forward_stages(self) -> int:
@@ -159,19 +178,32 @@ class Plan:
     def query_consts(self) -> dict:
         k = self.consts["K"]
         return dict(
-            **self.consts, ANY_QN=any(self.consts["QN"]), BQ=self.grad_queries, LQP=self.query_tokens,
-            LENGTH_NORMALIZE=self.spec.length_normalize, DP=_pow2(self.consts["D"]),
-            KP=_pow2(k), num_warps=8,
-        )  # fmt: skip
+            **self.consts,
+            ANY_QN=any(self.consts["QN"]),
+            BQ=self.grad_queries,
+            LQP=self.query_tokens,
+            LENGTH_NORMALIZE=self.spec.length_normalize,
+            DP=_pow2(self.consts["D"]),
+            KP=_pow2(k),
+            num_warps=8,
+        )
 
     @property
     def document_consts(self) -> dict:
         bounds, k = self.consts["BOUNDS"], self.consts["K"]
         return dict(
-            **self.consts, ANY_CN=any(self.consts["CN"]), BT=self.block_tokens, BU=self.doc_tokens,
-            BW=_pow2(max(bounds[i] - bounds[i + 1] for i in range(k)), 16), KB=_pow2(k), DP=_pow2(self.consts["D"]),
-            GD=self.types["GD"], PREC=self.types["PREC_GRAD"], UPCAST=self.types["UPCAST_GRAD"], num_warps=8,
-        )  # fmt: skip
+            **self.consts,
+            ANY_CN=any(self.consts["CN"]),
+            BT=self.block_tokens,
+            BU=self.doc_tokens,
+            BW=_pow2(max(bounds[i] - bounds[i + 1] for i in range(k)), 16),
+            KB=_pow2(k),
+            DP=_pow2(self.consts["D"]),
+            GD=self.types["GD"],
+            PREC=self.types["PREC_GRAD"],
+            UPCAST=self.types["UPCAST_GRAD"],
+            num_warps=8,
+        )
 
     def describe(self, batch: int) -> str:
         """For the log: the tiling and the program shapes (one line)."""
@@ -180,6 +212,27 @@ class Plan:
             f"{self.tile_queries} queries x {self.tiles(batch)} tiles{budget}; forward {self.forward_queries} queries"
             f" x {self.docs_per_program} documents per program, bands in chunks of {self.block_d}"
         )
+
+
+def int32_tile_queries(slots: int, num_docs: int, overhang: int) -> int:
+    """The most queries per tile whose int32 flat offsets into the tile's logits (and their gradients), (slot *
+    queries + query) * M + document, stay below 2**31 in every kernel: the document gradient forms them for all
+    ``slots`` band slots (a power of two >= K), and each kernel's last block of queries reaches up to ``overhang`` rows
+    past the tile. (The dense plan caps its rows alike, ``ops/triton/blocks.plan_rows``.) 0: not one query."""
+    return max(0, (2**31 // num_docs - overhang) // slots)
+
+
+def int32_refusal(spec: MaxSimSpec, lq: int, ld: int) -> str | None:
+    """What of the problem the kernels' int32 offsets cannot index whatever the tile, or None: the per-token
+    inverse norms ((K, B Lq) and (K, M Ld), read at (slot * rows + token) for every band slot) and one query's
+    logits (``int32_tile_queries``)."""
+    slots = _pow2(len(spec.dims))
+    tokens = max(spec.batch_size * lq, spec.num_docs * ld)
+    if slots * tokens + max(lq, ld, _CHUNK) >= 2**31:
+        return f"{slots} band slots x {tokens} token vectors of one side (int32 offsets: at most 2**31)"
+    if int32_tile_queries(slots, spec.num_docs, 64) < 1:
+        return f"M = {spec.num_docs} documents for {slots} band slots (int32 offsets: at most 2**31)"
+    return None
 
 
 def _torch(acc) -> torch.dtype:
@@ -251,10 +304,19 @@ def kernel_specs(
     (``num_docs``, ``ld``, ``dim``) documents in ``precision`` (cosine sides re-normalise the dims below ``dim``),
     from the :class:`Plan` the host would choose. The default: triton_host.py's prediction's problem (bf16)."""
     spec = MaxSimSpec(
-        dims=tuple(sorted(dims, reverse=True)), weights=(1.0,) * len(dims), order=tuple(range(len(dims))), scale=20.0,
-        query_cosine=similarity[0] == "cosine", document_cosine=similarity[1] == "cosine", embedding_dim=dim,
-        length_normalize=length_normalize, offset=0, batch_size=batch, num_docs=num_docs, precision=precision,
-    )  # fmt: skip
+        dims=tuple(sorted(dims, reverse=True)),
+        weights=(1.0,) * len(dims),
+        order=tuple(range(len(dims))),
+        scale=20.0,
+        query_cosine=similarity[0] == "cosine",
+        document_cosine=similarity[1] == "cosine",
+        embedding_dim=dim,
+        length_normalize=length_normalize,
+        offset=0,
+        batch_size=batch,
+        num_docs=num_docs,
+        precision=precision,
+    )
     plan = Plan.choose(spec, dtype, lq, ld, dim, need_grad=True)
     acc = "*fp64" if dtype == torch.float64 else "*fp32"
     pointers = dict.fromkeys(("Q", "C", "X", "DQ", "DC_OUT"), "*" + _NAMES[dtype])
@@ -266,28 +328,44 @@ def kernel_specs(
     document_tc = not (plan.types["GD"] in fma and plan.types["PREC_GRAD"] == "ieee")
     rows, k = min(plan.tile_queries, batch), len(spec.dims)
     norms = {**plan.bands, "NORM": plan.consts["CN"], "D": dim, "BR": plan.norm_rows, "BD": plan.block_d}
-    infonce = dict(WEIGHTS=spec.weights, K=k, NEED_GRAD=True, BR=plan.infonce_rows, BN=plan.infonce_cols)
+    infonce = dict(K=k, NEED_GRAD=True, BR=plan.infonce_rows, BN=plan.infonce_cols)
     launches = [
-        ("inverse_norms", _inverse_norms_kernel, {**norms, "ACC": plan.acc}, False,
-         math.ceil(num_docs * ld / plan.norm_rows)),  # the documents' launch (the queries': B Lq rows)
-        ("forward", _forward_kernel, {**plan.forward_consts, "STORE_ARGMAX": True}, forward_tc,
-         math.ceil(rows / plan.forward_queries) * math.ceil(num_docs / plan.docs_per_program)),
+        (
+            "inverse_norms",
+            _inverse_norms_kernel,
+            {**norms, "ACC": plan.acc},
+            False,
+            math.ceil(num_docs * ld / plan.norm_rows),
+        ),  # the documents' launch (the queries': B Lq rows)
+        (
+            "forward",
+            _forward_kernel,
+            {**plan.forward_consts, "STORE_ARGMAX": True},
+            forward_tc,
+            math.ceil(rows / plan.forward_queries) * math.ceil(num_docs / plan.docs_per_program),
+        ),
         ("infonce", _infonce_kernel, {**infonce, "ACC": plan.acc}, False, math.ceil(rows / plan.infonce_rows) * k),
         ("query_grad", _query_grad_kernel, plan.query_consts, False, math.ceil(rows / plan.grad_queries)),
-        ("document_grad", _document_grad_kernel, {**plan.document_consts, "LOAD_PREV": True}, document_tc,
-         num_docs * math.ceil(ld / plan.doc_tokens)),
-    ]  # fmt: skip
+        (
+            "document_grad",
+            _document_grad_kernel,
+            {**plan.document_consts, "LOAD_PREV": True},
+            document_tc,
+            num_docs * math.ceil(ld / plan.doc_tokens),
+        ),
+    ]
     specs = []
     for name, fn, consts, tensor_cores, grid in launches:
         options = {"num_warps": 4, "num_stages": 1}
         options.update({key: consts.pop(key) for key in ("num_warps", "num_stages") if key in consts})
         constexprs = {key: value for key, value in consts.items() if key in fn.arg_names}
         scalar = {arg: "fp32" if arg in ("scale", "grad_factor") else "i32" for arg in fn.arg_names}
+        scalar["WEIGHTS"] = ("fp32",) * k  # the dims' weights: a tuple of run-time floats
         signature = {arg: "constexpr" if arg in constexprs else pointers.get(arg, scalar[arg]) for arg in fn.arg_names}
         attrs = {
             (i,): [["tt.divisibility", 16]]
             for i, (arg, kind) in enumerate(signature.items())
-            if kind.startswith("*") or arg in _MULTIPLES_OF_16
+            if str(kind).startswith("*") or arg in _MULTIPLES_OF_16
         }
         specs.append(KernelSpec(name, fn, signature, constexprs, attrs, options, tensor_cores, grid, plan.tiles(batch)))
     return specs

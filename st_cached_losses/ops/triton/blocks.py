@@ -175,7 +175,9 @@ class _Sweep:
         acc = self.acc = accumulation_dtype(queries.dtype)
         self.plane_dtype = operand_dtype(spec.precision, queries.dtype)
         guide, duplicates, memory, present = masks
-        self.candidates = Candidates(spec, queries, docs, world_queries, acc, guide, duplicates, memory, present)
+        self.candidates = Candidates(
+            spec, queries, docs, world_queries, acc, guide, duplicates, memory, present, tiles=False
+        )
         self.duplicates = self.candidates.duplicates
         self.present = None if present is None else present.view(torch.uint8)
         guided = spec.false_negatives is not None
