@@ -4,7 +4,8 @@ python -m benchmarks                          # everything committed: train_step
                                               # loss_stage (1 and 2 threads, GISTEmbed, mask_duplicates,
                                               # in-batch negatives on and off),
                                               # compile_step, integrations, scale_out, memory_bank,
-                                              # multivector_loss_stage, multivector_train_step
+                                              # multivector_loss_stage, multivector_train_step,
+                                              # loss_precision (op loss ndcg)
 python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
 python -m benchmarks loss_stage [FLAGS...]
 python -m benchmarks compile_step [FLAGS...]  # torch.compile against eager (inductor: C++ compiles, minutes)
@@ -13,6 +14,7 @@ python -m benchmarks scale_out [FLAGS...]     # DDP, FSDP2, DeepSpeed ZeRO on 2 
 python -m benchmarks memory_bank PARTS...      # the memory bank: loss stage, a training step, NDCG@10 (slow)
 python -m benchmarks multivector_loss_stage [FLAGS...]   # late interaction: maxsim_infonce against stock's
 python -m benchmarks multivector_train_step [FLAGS...]   # late interaction: a MultiVectorEncoder's training step
+python -m benchmarks loss_precision PARTS...  # what precision="bf16" costs against IEEE fp32 (op, loss, ndcg: slow)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 from benchmarks import (
     compile_step,
     integrations,
+    loss_precision,
     loss_stage,
     memory_bank,
     multivector_loss_stage,
@@ -39,6 +42,7 @@ BENCHMARKS = {
     "memory_bank": memory_bank.main,
     "multivector_loss_stage": multivector_loss_stage.main,
     "multivector_train_step": multivector_train_step.main,
+    "loss_precision": loss_precision.main,
 }
 # What `python -m benchmarks` runs: the committed results, each under its own file name.
 EVERYTHING = (
@@ -84,6 +88,7 @@ EVERYTHING = (
     ("memory_bank", ["loss-stage", "step", "ndcg"]),
     ("multivector_loss_stage", ["--sizes", "256", "512", "1024", "--stock-budget", "120"]),
     ("multivector_train_step", ["--contenders", "ours", "ours_kept", "stock", "--repeats", "2"]),
+    ("loss_precision", ["op", "loss", "ndcg"]),
 )
 
 

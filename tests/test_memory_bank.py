@@ -456,23 +456,6 @@ def test_a_bank_no_caller_drives_counts_training_forwards():
     assert bank.step == 4 and _banked_values(bank) == [3.0, 4.0]
 
 
-def test_the_old_optimizer_step_calls_still_drive_the_bank_with_a_warning():
-    """count_optimizer_steps() / end_optimizer_step() (before set_step): a loop of its own that still calls them gets
-    the ages set_step gives (the first test's schedule, one micro-batch per step) and a DeprecationWarning."""
-    old, new = MemoryBank(100, warmup_steps=1, max_age=2), MemoryBank(100, warmup_steps=1, max_age=2)
-    with pytest.warns(DeprecationWarning, match=r"count_optimizer_steps\(\) is deprecated: use loss.memory.set_step"):
-        old.count_optimizer_steps()
-    for step in range(4):
-        new.set_step(step, driver="my loop")
-        assert _banked_values(old) == _banked_values(new)
-        end_training_forward(old, _pairs(step + 1))
-        end_training_forward(new, _pairs(step + 1))
-        with pytest.warns(DeprecationWarning, match=r"end_optimizer_step\(\) is deprecated"):
-            old.end_optimizer_step()
-    new.set_step(4, driver="my loop")
-    assert old.step == 4 and _banked_values(old) == _banked_values(new) != []
-
-
 def test_a_step_is_an_int_that_never_goes_back_before_a_banked_pair():
     bank = MemoryBank(100)
     for step in (1.5, True, "2", torch.tensor(2.0)):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import numbers
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -250,16 +249,6 @@ class MemoryBank(nn.Module):
             )
         self._step, self.driver = step, driver
 
-    def count_optimizer_steps(self) -> None:
-        """Deprecated: ``set_step(step, driver="my loop")`` before each optimizer step's forwards."""
-        _deprecated("count_optimizer_steps()", 'set_step(step, driver="my loop")')
-        self.set_step(self.step, driver=self.driver or "count_optimizer_steps")
-
-    def end_optimizer_step(self) -> None:
-        """Deprecated: ``set_step(step + 1, driver="my loop")`` (one more step: every banked pair ages by one)."""
-        _deprecated("end_optimizer_step()", 'set_step(loss.memory.step + 1, driver="my loop")')
-        self.set_step(self.step + 1, driver=self.driver or "end_optimizer_step")
-
     def _say_what_it_counts(self) -> None:
         """Once: nothing gives this bank its optimizer steps or keeps it in checkpoints (no CachedLossCallback)."""
         if self.said_what_it_counts:
@@ -345,10 +334,6 @@ class MemoryBank(nn.Module):
             setattr(self, name, None if tensor is None else tensor.to(device, copy=True))  # not shared with ``state``
         self.next_slot, self.filled = state["counters"]["next_slot"], state["counters"]["filled"]
         self.set_step(state["counters"]["step"], driver=self.driver)
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"MemoryBank.{old} is deprecated: use loss.memory.{new}.", DeprecationWarning, stacklevel=3)
 
 
 def end_training_forward(bank: MemoryBank, pairs: BankedPairs | None) -> None:
