@@ -17,13 +17,14 @@ import logging
 import sys
 from typing import Any
 
+from .tested_range import TestedRange
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["TESTED", "check_internals", "skip_next_reduction"]
 
 TESTED = ">=0.19,<0.20"  # DeepSpeed releases whose internals below were checked (0.19.8 in CI)
-_TESTED_MINOR = (0, 19)
-_warned: set[str] = set()
+RANGE = TestedRange(TESTED)
 
 
 def check_internals(engine: Any) -> None:
@@ -39,13 +40,12 @@ def check_internals(engine: Any) -> None:
             f"ZeRO-2/3 with the cached losses needs DeepSpeed {TESTED}, whose engines have {', '.join(missing)}; the "
             f"installed deepspeed {version} lacks them: pip install 'deepspeed{TESTED}', or use ZeRO-1 or DDP."
         )
-    if _minor(version) != _TESTED_MINOR and version not in _warned:
-        _warned.add(version)
-        logger.warning(
-            "deepspeed %s is outside the range the cached losses were tested with (%s): ZeRO-2/3 relies on its "
-            "internal backward epilogue; check gradients against ZeRO-1 or DDP once.",
+    if version != "unknown":
+        RANGE.warn_outside(
             version,
-            TESTED,
+            logger,
+            "deepspeed {version} is outside the range the cached losses were tested with ({tested}): ZeRO-2/3 relies "
+            "on its internal backward epilogue; check gradients against ZeRO-1 or DDP once.",
         )
 
 
@@ -53,13 +53,6 @@ def skip_next_reduction(engine: Any) -> None:
     """Makes the engine's next backward epilogue (the one of ``engine.backward(loss)`` that step (3) ran inside) skip
     its gradient all-reduce, which the coalesced block already did; the rest of the epilogue runs as usual."""
     _SkipNextReduction.install(engine)
-
-
-def _minor(version: str) -> tuple[int, ...] | None:
-    try:
-        return tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        return None
 
 
 class _SkipNextReduction:

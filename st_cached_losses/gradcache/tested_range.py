@@ -1,5 +1,6 @@
-"""The release range a version door (``_transformers_compat.py``, ``_fsdp_compat.py``) was tested with, and its one
-warning per process for a release outside it (the door still checks each borrowed name at run time)."""
+"""The release range a version door (``_transformers_compat.py``, ``_fsdp_compat.py``, ``_deepspeed_compat.py``) was
+tested with, and its one warning per process for a release outside it (the door still checks each borrowed name at run
+time)."""
 
 from __future__ import annotations
 
