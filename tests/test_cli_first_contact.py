@@ -111,9 +111,14 @@ def test_progress_bars_where_a_step_takes_long(tiny_model, batch, mini_batch, de
         assert training.make_loss(tiny_model, [48, 16], options, stock=True).loss.show_progress_bar is shown
 
 
-def test_log_lines_never_land_inside_a_progress_bar(monkeypatch, tmp_path, capsys):
+def test_log_lines_never_land_inside_a_progress_bar(monkeypatch, tmp_path, capsys, request):
     """While the command runs, a log line of the package (or of transformers) written during an open progress bar
-    stands on a line of its own: the bar is cleared first and drawn again after it."""
+    stands on a line of its own: the bar is cleared first and drawn again after it. (transformers' verbosity is
+    its default here: a benchmark run earlier in this process may have set it to errors only.)"""
+    transformers_logger = logging.getLogger("transformers")
+    level = transformers_logger.level
+    transformers_logger.setLevel(logging.WARNING)  # setLevel, not the attribute: it clears the loggers' level cache
+    request.addfinalizer(lambda: transformers_logger.setLevel(level))
 
     def run(options):
         with tqdm.tqdm(total=4, desc="Embed mini-batches") as bar:
