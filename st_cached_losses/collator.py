@@ -12,6 +12,7 @@ placeholder no row's candidate, with zero gradient.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +32,12 @@ class AbsentNegativesCollator:
     mask, whether or not this batch lacks any (so that every process of a gathered batch carries the same ones).
 
     Attach it to a trainer in one line, after building the trainer (which builds its default collator with your
-    ``args.prompts`` and ``args.router_mapping``; a collator you passed is wrapped as it is)::
+    ``args.prompts`` and ``args.router_mapping``; a collator you passed is wrapped as it is), giving it the dataset
+    that holds ``None`` (sentence-transformers' trainer cannot read a ``None`` text when it is built: see
+    :meth:`attach`)::
 
-        AbsentNegativesCollator.attach(trainer)
+        trainer = SentenceTransformerTrainer(model=model, args=args, loss=loss)  # no train_dataset here
+        AbsentNegativesCollator.attach(trainer, train_dataset=ragged)
 
     Other attributes (``valid_label_columns``, ``prompts``, ...) are the wrapped collator's. Label columns and the
     trainer's ``dataset_name`` column are not texts. A column of ``None`` anchors or positives is refused.
@@ -69,11 +73,54 @@ class AbsentNegativesCollator:
         self.placeholder = placeholder
 
     @classmethod
-    def attach(cls, trainer: Any, placeholder: Any = "") -> AbsentNegativesCollator:
+    def attach(
+        cls, trainer: Any, train_dataset: Any = None, eval_dataset: Any = None, placeholder: Any = ""
+    ) -> AbsentNegativesCollator:
         """Wrap ``trainer.data_collator`` (the trainer's default, with its prompts and router mapping, or yours) in
-        this collator, which the trainer's data loaders then use; returns it."""
-        trainer.data_collator = cls(trainer.data_collator, placeholder)
-        return trainer.data_collator
+        this collator, which the trainer's data loaders then use; returns it.
+
+        ``train_dataset`` / ``eval_dataset``: datasets holding ``None`` hard negatives, given here rather than to the
+        trainer: sentence-transformers' trainer (6.2) tokenizes the first rows of every text column for its model card
+        when it is built, and fails on a ``None``. Each is set on the trainer as its constructor would set it (a dict
+        as a ``DatasetDict``, checked against a dict of losses, through ``trainer.preprocess_dataset``), and its
+        model-card statistics are computed with the placeholders in place of ``None``. (A ``None``-free dataset can
+        go to the trainer as usual. An ``eval_dataset`` given here needs the trainer built with an evaluator or
+        ``eval_strategy="no"``, which the trainer checks when it is built.)
+
+        Raises:
+            ValueError: a dict of losses and a dataset that is no dict of datasets, or has a name the losses lack.
+        """
+        collator = cls(trainer.data_collator, placeholder)
+        trainer.data_collator = collator
+        for split, dataset in (("train", train_dataset), ("eval", eval_dataset)):
+            if dataset is not None:
+                collator._set_dataset(trainer, split, dataset)
+        return collator
+
+    def _set_dataset(self, trainer: Any, split: str, dataset: Any) -> None:
+        """``trainer.<split>_dataset`` as the trainer's constructor sets it, and the model card's statistics of it."""
+        from datasets import DatasetDict
+
+        if isinstance(dataset, dict) and not isinstance(dataset, DatasetDict):
+            dataset = DatasetDict(dataset)
+        if isinstance(trainer.loss, dict):
+            missing = set(dataset) - set(trainer.loss) if isinstance(dataset, DatasetDict) else None
+            if missing is None or missing:
+                raise ValueError(
+                    f"AbsentNegativesCollator.attach: the trainer has a dict of losses, so {split}_dataset must be a "
+                    f"dict of datasets whose names all have a loss (missing: {sorted(missing or [])})."
+                )
+        setattr(trainer, f"{split}_dataset", trainer.preprocess_dataset(dataset, dataset_name=split))
+        card, key = trainer.model.model_card_data, f"{split}_datasets"
+        readable = dataset.with_transform(functools.partial(_filled, placeholder=self.placeholder))
+        metadata = card.extract_dataset_metadata(
+            dataset=readable,
+            dataset_metadata=getattr(card, key),
+            loss=trainer.loss,
+            dataset_type=split,
+            router_mapping=trainer.args.router_mapping,
+        )
+        setattr(card, key, metadata)
 
     def __getattr__(self, name: str) -> Any:
         if name == "collator":  # not set yet (unpickling in a data loader worker): no recursion
@@ -98,6 +145,11 @@ class AbsentNegativesCollator:
         columns = [column for column in row if column not in _NOT_TEXT]
         label = next((c for c in getattr(self.collator, "valid_label_columns", ()) if c in columns), None)
         return [column for column in columns if column != label]
+
+
+def _filled(batch: dict[str, list], placeholder: Any) -> dict[str, list]:
+    """A batch of dataset rows (column -> values) with ``placeholder`` in place of ``None``."""
+    return {key: [placeholder if v is None else v for v in values] for key, values in batch.items()}
 
 
 def _check_anchors_and_positives(features: list[dict[str, Any]], columns: list[str]) -> None:

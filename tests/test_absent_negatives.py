@@ -208,3 +208,26 @@ def test_the_multi_vector_loss_refuses_absent_negatives():
     features[2]["present"] = torch.tensor([True, False, True])
     with pytest.raises(ValueError, match=r"^CachedMultiVectorMatryoshkaLoss takes no absent hard negatives .*"):
         loss_fn(features, None)
+
+
+def test_attach_takes_the_datasets_the_trainer_cannot_read(model, tmp_path):
+    """sentence-transformers' trainer tokenizes the first rows of each text column for its model card when it is
+    built, and fails on None: ``attach`` takes the datasets instead, sets them as the trainer would (a dict of them
+    with a dict of losses: the dataset name column), computes the card's statistics with placeholders, and the
+    trainer's data loader gives the loss its presence masks."""
+    ragged = Dataset.from_dict({"anchor": ["a", "b"], "positive": ["c", "d"], "negative": ["e", None]})
+    pairs = Dataset.from_dict({"anchor": ["f", "g"], "positive": ["h", "i"]})
+    args = SentenceTransformerTrainingArguments(str(tmp_path), per_device_train_batch_size=2, report_to="none")
+    with pytest.raises(ValueError, match="NoneType"):  # stock's trainer, built on the ragged dataset
+        SentenceTransformerTrainer(model=model, args=args, train_dataset=ragged, loss=_mnrl(model))
+    losses = {"ragged": LOSSES["matryoshka"](model, in_batch_negatives=False), "pairs": LOSSES["matryoshka"](model)}
+    trainer = SentenceTransformerTrainer(model=model, args=args, loss=losses)
+    with pytest.raises(ValueError, match=r"dict of datasets whose names all have a loss \(missing: \['other'\]\)"):
+        AbsentNegativesCollator.attach(trainer, train_dataset={"ragged": ragged, "other": pairs})
+    AbsentNegativesCollator.attach(trainer, train_dataset={"ragged": ragged, "pairs": pairs})
+    assert sorted(trainer.train_dataset) == ["pairs", "ragged"]
+    stats = {card["name"]: card["stats"] for card in model.model_card_data.train_datasets}
+    assert list(stats["ragged"]) == ["anchor", "positive", "negative"]
+    batches = {batch["dataset_name"]: batch for batch in trainer.get_train_dataloader()}
+    assert sorted(batches["ragged"]["negative_present"].tolist()) == [False, True]  # the rows come shuffled
+    assert not any(key.endswith("_present") for key in batches["pairs"])
