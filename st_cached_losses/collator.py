@@ -13,6 +13,7 @@ placeholder no row's candidate, with zero gradient.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -113,12 +114,11 @@ class AbsentNegativesCollator:
         setattr(trainer, f"{split}_dataset", trainer.preprocess_dataset(dataset, dataset_name=split))
         card, key = trainer.model.model_card_data, f"{split}_datasets"
         readable = dataset.with_transform(functools.partial(_filled, placeholder=self.placeholder))
+        routes = {"router_mapping": trainer.args.router_mapping}
+        if "router_mapping" not in inspect.signature(card.extract_dataset_metadata).parameters:
+            routes = {}  # sentence-transformers 6.0.1's model card takes no router mapping
         metadata = card.extract_dataset_metadata(
-            dataset=readable,
-            dataset_metadata=getattr(card, key),
-            loss=trainer.loss,
-            dataset_type=split,
-            router_mapping=trainer.args.router_mapping,
+            dataset=readable, dataset_metadata=getattr(card, key), loss=trainer.loss, dataset_type=split, **routes
         )
         setattr(card, key, metadata)
 
