@@ -86,31 +86,28 @@ class AbsentNegativesCollator:
         as a ``DatasetDict``, checked against a dict of losses, through ``trainer.preprocess_dataset``), and its
         model-card statistics are computed with the placeholders in place of ``None``. (A ``None``-free dataset can
         go to the trainer as usual. An ``eval_dataset`` given here needs the trainer built with an evaluator or
-        ``eval_strategy="no"``, which the trainer checks when it is built.)
+        ``eval_strategy="no"``, which the trainer checks when it is built.) Where the card has no widget examples yet,
+        they are drawn as the trainer draws them, from the ``eval_dataset`` given here, else the ``train_dataset``:
+        from its rows without ``None`` among its first 2,000.
 
         Raises:
-            ValueError: a dict of losses and a dataset that is no dict of datasets, or has a name the losses lack.
+            ValueError: a dict of losses and a dataset that is no dict of datasets, or has a name the losses lack
+                (before anything of the trainer is changed).
         """
+        given = (("train", train_dataset), ("eval", eval_dataset))
+        datasets = {split: _checked(trainer, split, dataset) for split, dataset in given if dataset is not None}
         collator = cls(trainer.data_collator, placeholder)
         trainer.data_collator = collator
-        for split, dataset in (("train", train_dataset), ("eval", eval_dataset)):
-            if dataset is not None:
-                collator._set_dataset(trainer, split, dataset)
+        for split, dataset in datasets.items():
+            collator._set_dataset(trainer, split, dataset)
+        card, shown = trainer.model.model_card_data, datasets.get("eval", datasets.get("train"))
+        if shown is not None and not card.widget:  # as the trainer does when built: the eval dataset's, else train's
+            card.set_widget_examples(_complete_rows(shown))
         return collator
 
     def _set_dataset(self, trainer: Any, split: str, dataset: Any) -> None:
-        """``trainer.<split>_dataset`` as the trainer's constructor sets it, and the model card's statistics of it."""
-        from datasets import DatasetDict
-
-        if isinstance(dataset, dict) and not isinstance(dataset, DatasetDict):
-            dataset = DatasetDict(dataset)
-        if isinstance(trainer.loss, dict):
-            missing = set(dataset) - set(trainer.loss) if isinstance(dataset, DatasetDict) else None
-            if missing is None or missing:
-                raise ValueError(
-                    f"AbsentNegativesCollator.attach: the trainer has a dict of losses, so {split}_dataset must be a "
-                    f"dict of datasets whose names all have a loss (missing: {sorted(missing or [])})."
-                )
+        """``trainer.<split>_dataset`` as the trainer's constructor sets it, and the model card's statistics of it
+        (placeholders in place of ``None``)."""
         setattr(trainer, f"{split}_dataset", trainer.preprocess_dataset(dataset, dataset_name=split))
         card, key = trainer.model.model_card_data, f"{split}_datasets"
         readable = dataset.with_transform(functools.partial(_filled, placeholder=self.placeholder))
@@ -145,6 +142,37 @@ class AbsentNegativesCollator:
         columns = [column for column in row if column not in _NOT_TEXT]
         label = next((c for c in getattr(self.collator, "valid_label_columns", ()) if c in columns), None)
         return [column for column in columns if column != label]
+
+
+def _checked(trainer: Any, split: str, dataset: Any) -> Any:
+    """``dataset`` as the trainer takes it (a dict as a ``DatasetDict``), or ValueError where the trainer has a dict of
+    losses and ``dataset`` is no dict of datasets whose names all have a loss."""
+    from datasets import DatasetDict
+
+    if isinstance(dataset, dict) and not isinstance(dataset, DatasetDict):
+        dataset = DatasetDict(dataset)
+    if isinstance(trainer.loss, dict):
+        missing = set(dataset) - set(trainer.loss) if isinstance(dataset, DatasetDict) else None
+        if missing is None or missing:
+            raise ValueError(
+                f"AbsentNegativesCollator.attach: the trainer has a dict of losses, so {split}_dataset must be a "
+                f"dict of datasets whose names all have a loss (missing: {sorted(missing or [])})."
+            )
+    return dataset
+
+
+_WIDGET_ROWS = 2000  # rows of each dataset the card's widget examples are drawn from (the trainer samples 1000)
+
+
+def _complete_rows(dataset: Any) -> Any:
+    """The rows without a ``None`` among the first :data:`_WIDGET_ROWS` of ``dataset`` (of each of a
+    ``DatasetDict``): the card's widget examples show no placeholder."""
+    from datasets import DatasetDict
+
+    if isinstance(dataset, DatasetDict):
+        return DatasetDict({name: _complete_rows(part) for name, part in dataset.items()})
+    head = dataset.select(range(min(len(dataset), _WIDGET_ROWS)))
+    return head.filter(lambda row: all(value is not None for value in row.values()))
 
 
 def _filled(batch: dict[str, list], placeholder: Any) -> dict[str, list]:

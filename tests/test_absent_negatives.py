@@ -10,6 +10,7 @@ rows refused; the losses that cannot take absent documents refuse them.
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import pytest
@@ -217,19 +218,23 @@ def test_attach_takes_the_datasets_the_trainer_cannot_read(model, tmp_path):
     built, and fails on None: ``attach`` takes the datasets instead, sets them as the trainer would (a dict of them
     with a dict of losses: the dataset name column), computes the card's statistics with placeholders, and the
     trainer's data loader gives the loss its presence masks."""
-    ragged = Dataset.from_dict({"anchor": ["a", "b"], "positive": ["c", "d"], "negative": ["e", None]})
-    pairs = Dataset.from_dict({"anchor": ["f", "g"], "positive": ["h", "i"]})
-    args = SentenceTransformerTrainingArguments(str(tmp_path), per_device_train_batch_size=2, report_to="none")
+    ragged = Dataset.from_list(text_rows(6, ("anchor", "positive", "negative"), seed=9, absent={"negative": [1]}))
+    pairs = Dataset.from_list(text_rows(6, ("anchor", "positive"), seed=10))
+    args = SentenceTransformerTrainingArguments(str(tmp_path), per_device_train_batch_size=6, report_to="none")
     with pytest.raises(ValueError, match="NoneType"):  # stock's trainer, built on the ragged dataset
         SentenceTransformerTrainer(model=model, args=args, train_dataset=ragged, loss=_mnrl(model))
     losses = {"ragged": LOSSES["matryoshka"](model, in_batch_negatives=False), "pairs": LOSSES["matryoshka"](model)}
     trainer = SentenceTransformerTrainer(model=model, args=args, loss=losses)
     with pytest.raises(ValueError, match=r"dict of datasets whose names all have a loss \(missing: \['other'\]\)"):
         AbsentNegativesCollator.attach(trainer, train_dataset={"ragged": ragged, "other": pairs})
+    assert not isinstance(trainer.data_collator, AbsentNegativesCollator)  # refused before any change
+    model.model_card_data.widget = []
     AbsentNegativesCollator.attach(trainer, train_dataset={"ragged": ragged, "pairs": pairs})
+    widget = json.dumps(model.model_card_data.widget)
+    assert model.model_card_data.widget and "null" not in widget and '""' not in widget  # drawn as the trainer does
     assert sorted(trainer.train_dataset) == ["pairs", "ragged"]
     stats = {card["name"]: card["stats"] for card in model.model_card_data.train_datasets}
     assert list(stats["ragged"]) == ["anchor", "positive", "negative"]
     batches = {batch["dataset_name"]: batch for batch in trainer.get_train_dataloader()}
-    assert sorted(batches["ragged"]["negative_present"].tolist()) == [False, True]  # the rows come shuffled
+    assert sorted(batches["ragged"]["negative_present"].tolist()) == [False] + [True] * 5  # the rows come shuffled
     assert not any(key.endswith("_present") for key in batches["pairs"])
