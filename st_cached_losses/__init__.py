@@ -1,6 +1,7 @@
 """st_cached_losses: a GradCache Matryoshka InfoNCE loss for sentence-transformers.
 
-Layout: ``losses/`` (the public losses), ``gradcache/`` (what they share: GradCache's steps (1) and (3), mini-batches,
+Layout: ``losses/`` (the public losses), ``collator.py`` (``AbsentNegativesCollator``: rows with fewer hard
+negatives), ``gradcache/`` (what they share: GradCache's steps (1) and (3), mini-batches,
 activation budget, distributed, precision), ``ops/`` (the loss stage, ``matryoshka_infonce``, and its backends),
 ``cli/`` (the main job, ``st-cached-losses train``).
 """
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 from .ops import InfoNCEOutput, matryoshka_infonce, maxsim_infonce
 
 __all__ = [
+    "AbsentNegativesCollator",
     "CachedAdaptiveLayerLoss",
     "CachedLossCallback",
     "CachedMatryoshka2dLoss",
@@ -27,6 +29,7 @@ __all__ = [
 
 # Imported lazily: the losses pull in sentence_transformers (seconds), the op does not.
 _LAZY = {
+    "AbsentNegativesCollator": "collator",
     "CachedMatryoshkaLoss": "losses",
     "CachedMatryoshka2dLoss": "losses",
     "CachedAdaptiveLayerLoss": "losses",

@@ -72,6 +72,30 @@ def training_dataset(rows: int = 24, seed: int = 0):
     return Dataset.from_dict({column: texts(rows, 10 * seed + i, 2, 10) for i, column in enumerate(columns)})
 
 
+def text_rows(rows: int, columns: tuple[str, ...], seed: int = 0, absent: dict[str, list[int]] | None = None):
+    """``rows`` dataset rows ({column: text}) of :func:`texts` per column; ``absent`` {column: row indices} holds None
+    there (a row without that hard negative, as ``datasets`` gives ragged data)."""
+    table = {column: texts(rows, seed + 100 * index, 1, 12) for index, column in enumerate(columns)}
+    for column, missing in (absent or {}).items():
+        for row in missing:
+            table[column][row] = None
+    return [{column: table[column][row] for column in columns} for row in range(rows)]
+
+
+def collated(model, rows: list[dict], placeholder: str = "") -> list[dict]:
+    """The loss's features of dataset ``rows`` as the trainer hands them over: sentence-transformers' collator inside
+    ``AbsentNegativesCollator``, then the trainer's ``collect_features`` (each column's presence mask becomes its
+    features' ``"present"``)."""
+    from sentence_transformers import SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
+
+    from st_cached_losses import AbsentNegativesCollator
+
+    batch = AbsentNegativesCollator(SentenceTransformerDataCollator(model.preprocess), placeholder)(rows)
+    features, _ = SentenceTransformerTrainer.collect_features(None, batch)  # reads nothing of the trainer
+    return features
+
+
 # --------------------------------------------------------------------------------------------- gradients
 
 
@@ -91,6 +115,19 @@ def loss_and_grads(model, loss_fn, features, grad_scale: float = 1.0) -> tuple[f
     grads = parameter_grads(model)
     model.zero_grad(set_to_none=True)
     return float(total.detach()), grads
+
+
+def row_by_row(model, loss_fn, rows: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
+    """The mean over ``rows`` of ``loss_fn``'s loss and every parameter gradient on each row alone (a batch of one
+    row has no in-batch negatives), the row's None columns left out."""
+    total, mean = 0.0, {}
+    for row in rows:
+        features = [model.preprocess([text]) for text in row.values() if text is not None]
+        loss, grads = loss_and_grads(model, loss_fn, features)
+        total += loss / len(rows)
+        for name, grad in grads.items():
+            mean[name] = mean.get(name, 0) + grad / len(rows)
+    return total, mean
 
 
 def assert_grads_close(actual, expected, rtol: float = 1e-4, near_zero: float = 1e-3, extra_ok: bool = False) -> None:

@@ -43,6 +43,7 @@ TAKEN = {
     "memory_warmup_steps": 1,
     "memory_max_age": 3,
     "dual_memory": True,
+    "in_batch_negatives": False,
 }
 NEEDS = {
     "memory_warmup_steps": {"memory_size": 8},
@@ -193,6 +194,7 @@ def _bad_options(loss_case) -> dict[str, tuple[dict, str]]:
         "backend": ({"backend": "cuda"}, "backend must be one of"),
         "precision": ({"precision": "fp16"}, r"precision must be one of \('auto', 'bf16', 'tf32', 'ieee'\)"),
         "mask_duplicates": ({"mask_duplicates": "yes"}, "mask_duplicates must be True or False"),
+        "in_batch_negatives": ({"in_batch_negatives": 0}, "in_batch_negatives must be True or False"),
     }
     if loss_case.takes_dims:
         bad["n_dims_per_step_fraction"] = ({"n_dims_per_step": 1.5}, r"n_dims_per_step must be -1 \(every dim\)")
@@ -207,7 +209,7 @@ def test_bad_options_are_refused_when_the_loss_is_built_naming_the_class(models,
     for label, (options, match) in _bad_options(loss_case).items():
         with pytest.raises((ValueError, TypeError), match=rf"^{name}\b.*{match}") as error:
             loss_case.build(model, **options)
-        assert error.type is ValueError or label == "mask_duplicates", label
+        assert error.type is ValueError or label in ("mask_duplicates", "in_batch_negatives"), label
 
 
 class _NoDevice(torch.nn.Module):

@@ -111,7 +111,8 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         default="stdlib",
         help="'stdlib' (built in: code search over Python's standard library; 'stdlib-dups' keeps the docstrings "
         "several functions share), a Hub dataset id (ID or ID:SUBSET), or a local .jsonl/.json/.csv/.parquet file; "
-        "columns 'anchor', 'positive' and optionally 'negative', 'negative_1', ... (default: stdlib)",
+        "columns 'anchor', 'positive' and optionally 'negative', 'negative_1', ..., a hard negative null where a row "
+        "has fewer (default: stdlib)",
     )
     p.add_argument(
         "--dims",
@@ -229,12 +230,20 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         "off, and batches keep rows that share a text apart)",
     )
     p.add_argument(
+        "--no-in-batch-negatives",
+        dest="in_batch_negatives",
+        action="store_false",
+        help="score each anchor against its own positive and hard negatives only, not the other rows' (FlagEmbedding's "
+        "no_in_batch_neg; for data whose other rows' positives are often true matches, e.g. classification or "
+        "clustering triplets); batches then come from --batch-sampler batch_sampler (default: in-batch negatives on)",
+    )
+    p.add_argument(
         "--batch-sampler",
         choices=BATCH_SAMPLERS,
         default=None,
         help="no_duplicates: rows sharing a text never share a batch (sentence-transformers' "
         "NO_DUPLICATES); batch_sampler: plain shuffled batches (default: no_duplicates, or batch_sampler "
-        "with --mask-duplicates)",
+        "with --mask-duplicates or --no-in-batch-negatives)",
     )
     p.add_argument(
         "--memory-size",

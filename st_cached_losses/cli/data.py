@@ -3,8 +3,10 @@
 :func:`load_pairs` gives the train and held-out ``datasets.Dataset`` s with only the columns ``anchor``,
 ``positive`` and ``negative*`` (:func:`pair_columns`); a source without a held-out split is split by anchor text with
 the seed (:func:`split_held_out`). Bad data raises :class:`~st_cached_losses.cli.usage.UsageError`; rows without text
-are dropped with one logged warning per source or split (:func:`_with_text`), and a label column the loss does not read
-is named in one (:func:`_ignored_labels`); :func:`warn_degenerate` warns of data that trains or evaluates poorly.
+are dropped with one logged warning per source or split (:func:`_with_text`), except for a ``null`` hard negative: a row
+with fewer hard negatives keeps them (:func:`absent_negatives` counts the nulls, which the losses take as absent
+documents). A label column the loss does not read is named in one warning (:func:`_ignored_labels`);
+:func:`warn_degenerate` warns of data that trains or evaluates poorly.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from .usage import UsageError, first_line, warn
 
 logger = logging.getLogger(__name__)  # under "st_cached_losses", whose records the command line shows on stderr
 
-__all__ = ["load_pairs", "looks_like_path", "pair_columns", "single_pair_batches", "split_held_out", "warn_degenerate"]
+__all__ = [
+    "absent_negatives",
+    "load_pairs",
+    "looks_like_path",
+    "pair_columns",
+    "single_pair_batches",
+    "split_held_out",
+    "warn_degenerate",
+]
 
 STDLIB_DATASETS = ("stdlib", "stdlib-dups")  # the built-in data; -dups keeps shared docstrings (stdlib_data.py)
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -132,21 +142,37 @@ def _read_file(spec: str, suffix: str):
 
 
 def _with_text(data, columns: list[str], source: str) -> tuple[datasets.Dataset, str | None]:
-    """(``data`` restricted to ``columns`` and to the rows whose every one of them is a non-empty string, the
-    warning to give when that dropped rows: how many of ``source`` and why (:func:`_missing_text`), else None)."""
-    kept = data.select_columns(columns).filter(lambda row: all(isinstance(row[c], str) and row[c] for c in columns))
+    """(``data`` restricted to ``columns`` and to the rows whose every one of them is a non-empty string, a hard
+    negative (the third column on) also ``None`` (absent), the warning to give when that dropped rows: how many of
+    ``source`` and why (:func:`_missing_text`), else None)."""
+
+    def has_text(row) -> bool:
+        return all(_is_text(row[c]) or (index >= 2 and row[c] is None) for index, c in enumerate(columns))
+
+    kept = data.select_columns(columns).filter(has_text)
     if len(kept) == len(data):
         return kept, None
     dropped = f"dropped {len(data) - len(kept)} of {len(data)} rows of {source} for a missing text"
     return kept, f"{dropped}: {_missing_text(data, columns)}"
 
 
+def _is_text(value) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def absent_negatives(data) -> int:
+    """How many hard negatives (``negative*`` columns) of ``data`` are ``None``: a row with fewer hard negatives."""
+    return sum(value is None for column in data.column_names[2:] for value in data[column])
+
+
 def _missing_text(data, columns: list[str]) -> str:
     """Why rows of ``data`` lack a text, per column, with the count of rows: e.g. "empty 'anchor' (1), null or missing
-    'positive' (1)" (a row may count under several columns)."""
+    'positive' (1)" (a row may count under several columns; a null hard negative is no missing text)."""
     reasons = Counter()
-    for column in columns:
+    for index, column in enumerate(columns):
         for value in data[column]:
+            if value is None and index >= 2:
+                continue
             if value is None:
                 reasons["null or missing", column] += 1
             elif not isinstance(value, str):
@@ -199,7 +225,7 @@ def load_pairs(spec: str, seed: int, max_train: int | None = None, max_eval: int
     ID:SUBSET; refused at once when the Hub cannot be reached, :func:`~.hub.check_hub_reachable`). Rows with an
     empty or missing text are dropped, with a warning that counts them (:func:`_with_text`); a source without a
     held-out split is split by anchor (:func:`split_held_out`); ``max_train`` / ``max_eval`` keep a seeded random
-    subset.
+    subset. A ``null`` hard negative is kept (an anchor with fewer hard negatives: :func:`absent_negatives`).
 
     Raises:
         UsageError: an unknown, empty or unreadable file, directory or dataset, an unreachable Hub, missing columns,

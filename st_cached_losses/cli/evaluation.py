@@ -105,11 +105,13 @@ def evaluate_truncated(
 
 
 def _retrieval_task(test) -> tuple[dict[str, str], dict[str, str], dict[str, set[str]]]:
-    """(queries, corpus, relevant documents per query) of the held-out pairs, with ids q0, q1, ... and d0, d1, ..."""
+    """(queries, corpus, relevant documents per query) of the held-out pairs, with ids q0, q1, ... and d0, d1, ...; an
+    absent (None) hard negative is no document."""
     doc_ids: dict[str, str] = {}
     for column in test.column_names[1:]:
         for text in test[column]:
-            doc_ids.setdefault(text, f"d{len(doc_ids)}")
+            if text is not None:
+                doc_ids.setdefault(text, f"d{len(doc_ids)}")
     query_ids: dict[str, str] = {}
     relevant: dict[str, set[str]] = {}
     for anchor, positive in zip(test["anchor"], test["positive"]):

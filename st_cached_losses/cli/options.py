@@ -86,6 +86,7 @@ LOSS_FLAGS = {
     "memory_warmup_steps": "--memory-warmup-steps",
     "memory_max_age": "--memory-max-age",
     "dual_memory": "--dual-memory",
+    "in_batch_negatives": "--no-in-batch-negatives",
 }
 # sentence-transformers' BatchSamplers the main job offers: rows sharing a text never in one batch, or plain batches.
 BATCH_SAMPLERS = ("no_duplicates", "batch_sampler")
@@ -99,8 +100,9 @@ class TrainOptions:
     Raises:
         UsageError: a number that is not of its kind (:data:`NUMBER_KINDS`: e.g. a size that is not a positive
             integer), both ``bf16`` and ``fp16``, both ``multi_vector`` and ``layers`` (each chooses the loss),
-            ``mask_duplicates`` with the ``no_duplicates`` sampler, or ``compare_stock`` with an option stock's loss
-            has no counterpart of. What the loss takes is checked by the loss itself, when the job builds it.
+            ``mask_duplicates`` or in-batch negatives off with the ``no_duplicates`` sampler, or ``compare_stock`` with
+            an option stock's loss has no counterpart of. What the loss takes is checked by the loss itself, when the
+            job builds it.
     """
 
     model: str | None = None  # None: the packaged all-MiniLM-L6-v2 (default_model_path)
@@ -134,6 +136,7 @@ class TrainOptions:
     dual_memory: bool = False  # also bank the queries, as rows of the loss (ContAccum)
     multi_vector: bool = False  # a MultiVectorEncoder (MaxSim) with CachedMultiVectorMatryoshkaLoss, token dims
     sort_by_length: bool = True  # the loss's: rows of similar length share a mini-batch (False: stock's dropout)
+    in_batch_negatives: bool = True  # False: each anchor against its own positive and hard negatives only
 
     def __post_init__(self):
         self.output_dir = Path(self.output_dir)
@@ -155,8 +158,10 @@ class TrainOptions:
 
     @property
     def sampler(self) -> str:
-        """The batch sampler the run uses (``--batch-sampler``, or the default for ``--mask-duplicates``)."""
-        return self.batch_sampler or ("batch_sampler" if self.mask_duplicates else "no_duplicates")
+        """The batch sampler the run uses (``--batch-sampler``, or the default: ``no_duplicates``; ``batch_sampler``
+        with ``--mask-duplicates`` or ``--no-in-batch-negatives``, where duplicates in a batch do no harm)."""
+        plain = self.mask_duplicates or not self.in_batch_negatives
+        return self.batch_sampler or ("batch_sampler" if plain else "no_duplicates")
 
     def _check_duplicates(self) -> None:
         """--mask-duplicates and --batch-sampler: known names, and no combination where the mask does nothing."""
@@ -166,6 +171,11 @@ class TrainOptions:
             raise UsageError(
                 "--mask-duplicates removes duplicates inside the loss, and --batch-sampler no_duplicates "
                 "keeps them out of the batches, leaving the mask nothing to do: drop one of them"
+            )
+        if not self.in_batch_negatives and self.batch_sampler == "no_duplicates":
+            raise UsageError(
+                "--no-in-batch-negatives scores each anchor against its own documents only, so --batch-sampler "
+                "no_duplicates has no other row's duplicate to keep out of its softmax: drop one of them"
             )
 
     def _check_compare_stock(self) -> None:
@@ -185,6 +195,7 @@ class TrainOptions:
             "--mask-duplicates": (self.mask_duplicates, "duplicate mask"),
             "--memory-size": (bool(self.memory_size), "memory bank"),
             "--layers": (self.layers is not None, "loss that trains every layer at every step"),
+            "--no-in-batch-negatives": (not self.in_batch_negatives, "loss without in-batch negatives"),
         }
         for flag, (given, what) in stock_lacks.items():
             if given:

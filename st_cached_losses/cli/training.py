@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
+from .data import absent_negatives
 from .memory import measure_peak_memory
 from .usage import UsageError, first_line
 
@@ -54,17 +55,18 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
     """The loss the options describe, built with every option as given, so that the loss itself refuses what it
     does not take (its ValueError / TypeError; :func:`~.options.loss_usage_error` makes it a usage error).
 
-    The base loss: ``CachedGISTEmbedLoss(model, guide, margin=options.false_negative_margin or 0)`` with a ``guide``,
+    The base loss: ``CachedGISTEmbedLoss(model, guide, margin=options.false_negative_margin or 0)`` with a ``guide``
+    (its contrast blocks off with ``options.in_batch_negatives`` False),
     else ``CachedMNRL(model)`` (``CachedMultiVectorMNRL(model, scale=MULTI_VECTOR_SCALE)`` with
     ``options.multi_vector``), at ``options.mini_batch_size`` (the default size for "auto"). Ours around it:
     ``CachedMultiVectorMatryoshkaLoss`` with ``options.multi_vector``, ``CachedMatryoshka2dLoss`` with
     ``options.layers`` (every layer and dim at every step), else ``CachedMatryoshkaLoss``, with the options
     ``mini_batch_size`` ("auto" included), ``backend``, ``precision`` (``loss_precision``),
     ``false_negative_margin`` (self-guided: without a guide), ``activation_budget``, ``mask_duplicates``,
-    ``sort_by_length`` and the memory bank's. With ``stock``: stock ``MatryoshkaLoss`` around the base loss, or the
-    multi-vector base loss alone (stock has no Matryoshka loss for token vectors: it trains the full token dim). Either
-    shows progress bars inside a step where :func:`shows_progress` says a step takes long (the base loss's
-    ``show_progress_bar``, which ours reads too).
+    ``sort_by_length``, ``in_batch_negatives`` and the memory bank's. With ``stock``: stock ``MatryoshkaLoss``
+    around the base loss, or the multi-vector base loss alone (stock has no Matryoshka loss for token vectors: it
+    trains the full token dim). Either shows progress bars inside a step where :func:`shows_progress` says a step
+    takes long (the base loss's ``show_progress_bar``, which ours reads too).
     """
     base = _base_loss(model, options, guide)
     if stock:
@@ -103,6 +105,7 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
         memory_warmup_steps=options.memory_warmup_steps,
         memory_max_age=options.memory_max_age,
         dual_memory=options.dual_memory,
+        in_batch_negatives=options.in_batch_negatives,
     )
 
 
@@ -126,7 +129,9 @@ def _base_loss(model, options: TrainOptions, guide):
     size = DEFAULT_MINI_BATCH_SIZE if size == "auto" else size
     shown = dict(mini_batch_size=size, show_progress_bar=shows_progress(options, str(model.device)))
     if guide is not None:
-        return CachedGISTEmbedLoss(model, guide, margin=options.false_negative_margin or 0.0, **shown)
+        # GISTEmbed's contrast blocks score the other rows' anchors and positives: off without in-batch negatives.
+        contrast = dict(contrast_anchors=options.in_batch_negatives, contrast_positives=options.in_batch_negatives)
+        return CachedGISTEmbedLoss(model, guide, margin=options.false_negative_margin or 0.0, **contrast, **shown)
     if options.multi_vector:
         from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
 
@@ -251,7 +256,8 @@ def scratch_trainer(model, loss, train, options: TrainOptions) -> Iterator[Any]:
     """The trainer of ``model`` with ``loss`` (``MultiVectorEncoderTrainer`` with ``options.multi_vector``, whose
     collator marks the first column as queries) in a scratch folder removed on exit, with
     :class:`~st_cached_losses.CachedLossCallback` attached for ours (the masked share and the bank's fill in the
-    trainer's log, the bank's steps).
+    trainer's log, the bank's steps), and :class:`~st_cached_losses.AbsentNegativesCollator` around its collator where
+    ``train`` has null hard negatives (:func:`~.data.absent_negatives`).
 
     Raises:
         UsageError: the callback refuses the trainer (a memory bank and a transformers whose private Trainer name
@@ -262,18 +268,21 @@ def scratch_trainer(model, loss, train, options: TrainOptions) -> Iterator[Any]:
     else:
         from sentence_transformers import SentenceTransformerTrainer as Trainer
 
+    from ..collator import AbsentNegativesCollator
     from ..gradcache.steps import GradCacheSteps  # every loss of this package
     from ..losses.callback import CachedLossCallback
 
+    absent = absent_negatives(train)
     with tempfile.TemporaryDirectory(prefix="st-cached-losses-trainer-") as scratch:
-        trainer = Trainer(
-            model=model, args=_training_args(options, scratch, str(model.device)), train_dataset=train, loss=loss
-        )
+        args = _training_args(options, scratch, str(model.device))
+        trainer = Trainer(model=model, args=args, train_dataset=None if absent else train, loss=loss)
         if isinstance(loss, GradCacheSteps):
             try:
                 CachedLossCallback.attach(trainer)
             except ValueError as error:
                 raise UsageError(first_line(error)) from error
+        if absent:  # given to the collator: the trainer cannot read a None text when it is built
+            AbsentNegativesCollator.attach(trainer, train_dataset=train)
         yield trainer
 
 

@@ -39,11 +39,12 @@ def step_inputs(
     memory: MemoryBank | None,
     mask_duplicates: bool,
 ) -> dict[str, Tensor | int]:
-    """The op's inputs for one step (queries, docs, their placement, the guide's embeddings and the text ids), with
-    the bank's pairs when it is scored; in training, the pairs the step banks go to ``step.to_bank``."""
+    """The op's inputs for one step (queries, docs, their placement, the guide's embeddings, the text ids and, without
+    a bank, the absent documents), with the bank's pairs when it is scored; in training, the pairs the step banks go
+    to ``step.to_bank``. (A loss with a bank takes no absent documents: it would bank their placeholders.)"""
     ids, guide = step.duplicate_inputs(placement), step.guide_inputs()
     if memory is None:
-        return {"queries": queries, "documents": docs, **placement, **guide, **ids}
+        return {"queries": queries, "documents": docs, **placement, **guide, **ids, **step.presence_inputs()}
     world_batch = placement["world_queries"].shape[0] if "world_queries" in placement else queries.shape[0]
     if not mask_duplicates:  # without the mask, ids that catch a copy of a row's own pair, and no more
         ids = pair_mode_ids(ids, world_batch, placement.get("offset", 0))

@@ -27,6 +27,7 @@ from .kept_minibatches import StepPlan
 from .memory_bank import BankedPairs
 from .minibatches import restore_order
 from .parallel import Parallelism
+from .presence import document_present, row_present
 
 __all__ = ["Encoded", "LayerDraw", "Step", "require_step"]
 
@@ -61,6 +62,8 @@ class Step:
         parallel: the model's parallelism (DDP, FSDP2, DeepSpeed or none).
         gather: the base loss's ``gather_across_devices`` at this step.
         text_ids: per column, (rows,) int64 text ids for ``mask_duplicates`` (else None), in the batch's row order.
+        present: per column, its presence mask (rows,) bool (False: an absent hard negative) or None (every row has
+            it), in the batch's row order (:mod:`.presence`).
         features: the columns as step (1) embeds them (length-sorted views, see :mod:`.minibatches`).
         orders: per column, the length order step (1) embeds its rows in (None: the batch's order).
         ranges: per column, the (begin, end) rows of each of this rank's mini-batches.
@@ -79,6 +82,7 @@ class Step:
     parallel: Parallelism
     gather: bool = False
     text_ids: list[Tensor] | None = None
+    present: list[Tensor | None] = field(default_factory=list)
     features: list[dict[str, Any]] = field(default_factory=list)
     orders: list[Tensor | None] = field(default_factory=list)
     ranges: list[list[tuple[int, int]]] = field(default_factory=list)
@@ -199,6 +203,17 @@ class Step:
         ]
         docs = torch.cat([all_gather(doc) if self.gather else doc for doc in columns[1:]])
         return {"guide_queries": columns[0], "guide_documents": docs}
+
+    def presence_inputs(self) -> dict[str, Tensor]:
+        """The op's ``document_present`` (absent hard negatives, gathered as the documents are), or {} where every
+        row has all its documents."""
+        present = document_present(self.present, self.gather)
+        return {} if present is None else {"document_present": present}
+
+    def row_present(self) -> Tensor | None:
+        """(columns x rows,) bool of this process's embedding rows, all columns side by side (False: absent), or None
+        where every row has all its documents."""
+        return row_present(self.present)
 
     def duplicate_inputs(self, placement: dict[str, Any]) -> dict[str, Tensor]:
         """The text ids for the op's duplicate mask (``query_ids``, ``document_ids`` and, where :meth:`gathered` placed

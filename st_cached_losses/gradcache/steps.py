@@ -17,7 +17,9 @@ re-embed each mini-batch with gradients (the same dropout) and back-propagate th
   same number of mini-batches per column (a rank with fewer pads its columns with one-row mini-batches whose
   gradient is zero) and keeps the same ones, so every rank runs the same collectives in the same order;
 - a GISTEmbed guide model embedding the same mini-batches in step (1) (:mod:`.guide_model`);
-- text ids for the duplicate mask (:mod:`.text_ids`) and the autocast the encoder ran under (:mod:`.precision`).
+- text ids for the duplicate mask (:mod:`.text_ids`) and the autocast the encoder ran under (:mod:`.precision`);
+- absent hard negatives: the columns' presence masks taken out of the features before the model sees them
+  (:mod:`.presence`), for step (2).
 
 Everything one forward needs travels in its :class:`.step.Step`, built by :meth:`GradCacheSteps.run_steps`.
 """
@@ -53,6 +55,7 @@ from .minibatches import (
 )
 from .parallel import Parallelism
 from .precision import encoder_autocast_dtypes
+from .presence import take_presence
 from .step import Encoded, LayerDraw, Step
 from .text_ids import text_ids
 
@@ -118,16 +121,25 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
         ``gather_across_devices``). Returns the loss, which carries the backward hook of step (3) in training, and
         the :class:`Step` that step (2) filled (its ``components``). A training step with an activation budget first
         plans which mini-batches keep their graphs; under DDP, FSDP2 or DeepSpeed the ranks agree on the mini-batches
-        first. ``labels`` are read by no loss of this package: given, they are named in one warning.
+        first. ``labels`` are read by no loss of this package: given, they are named in one warning. A column's presence
+        mask (``"present"``: absent hard negatives) goes to ``step.present``, not to the model.
 
         Raises:
+            ValueError: a presence mask the loss refuses (:meth:`absent_documents_refusal`) or that is malformed
+                (:func:`.presence.take_presence`).
             ValueError: besides the loss's own, NaN or Inf in the model's weights where step (2) met a non-finite
                 embedding: naming the weights, and whether this loss had trained yet (:func:`_nonfinite_weights`).
         """
         if labels is not None:
             self._warn_labels()
+        owner = type(self).__name__
+        sentence_features, present = take_presence(sentence_features, owner)
+        refusal = self.absent_documents_refusal() if any(mask is not None for mask in present) else None
+        if refusal is not None:
+            raise ValueError(f"{owner} takes no absent hard negatives (presence masks in the batch): {refusal}")
         training = torch.is_grad_enabled()
         step = Step(draw=draw, training=training, parallel=Parallelism.of(self.model, self.fsdp_sync), gather=gather)
+        step.present = present
         # From the columns as given, before sorting, so that the ids follow the rows' order step (2) restores.
         step.text_ids = [text_ids(feature) for feature in sentence_features] if self.take_text_ids else None
         agree = step.parallel.needs_agreement(training)
@@ -158,6 +170,11 @@ class GradCacheSteps(CachedLossMixin, nn.Module):
             raise
         self.training_steps += training
         return loss, step
+
+    def absent_documents_refusal(self) -> str | None:
+        """Why this loss takes no presence masks (absent hard negatives), with what to do instead; None (the default):
+        it takes them, and hands the op ``step.presence_inputs()``."""
+        return None
 
     def _warn_labels(self) -> None:
         """Once per loss: the trainer passes labels (a dataset's 'label' or 'score' column) that no step reads."""

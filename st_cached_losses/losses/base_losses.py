@@ -101,6 +101,19 @@ def op_options(loss: nn.Module) -> dict[str, Any]:
     )
 
 
+def cross_row_settings(loss: nn.Module) -> dict[str, Any]:
+    """The base loss's settings that score other rows' texts, by its attribute names, for the refusals without
+    in-batch negatives (:data:`.refusals.WITHOUT_IN_BATCH_NEGATIVES`): an MNRL's ``directions`` and its
+    ``hardness_mode`` where ``hardness_strength`` > 0 (else None); a GISTEmbed loss's ``contrast_anchors`` and
+    ``contrast_positives``; {} for a multi-vector base loss."""
+    if is_gist(loss):
+        return {"contrast_anchors": loss.contrast_anchors, "contrast_positives": loss.contrast_positives}
+    if isinstance(loss, MNRL_LOSSES):
+        mode = loss.hardness_mode if loss.hardness_strength > 0 else None
+        return {"directions": tuple(loss.directions), "hardness_mode": mode}
+    return {}
+
+
 def mini_batch_defaults(loss: nn.Module, default_size: int) -> tuple[int, int | None]:
     """(mini_batch_size, mini_batch_num_tokens) a cached base loss carries (a non-cached multi-vector one: its
     mini_batch_size where set), else (``default_size``, None)."""

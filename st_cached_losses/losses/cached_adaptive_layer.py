@@ -49,6 +49,7 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         memory_warmup_steps: int = 0,
         memory_max_age: int | None = None,
         dual_memory: bool = False,
+        in_batch_negatives: bool = True,
     ) -> None:
         """
         Stock ``AdaptiveLayerLoss(model, MultipleNegativesRankingLoss(model), ...)`` with GradCache: every layer of the
@@ -71,7 +72,8 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
             kl_temperature: temperature T of the KL term, >= 0; 0 turns it off.
             layer_weighting: weight of prior layer ``l``: "uniform", "log", "linear" or a callable, as stock's.
             mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, precision, show_progress_bar,
-                activation_budget, fsdp_sync, mask_duplicates: as in :class:`CachedMatryoshkaLoss`.
+                activation_budget, fsdp_sync, mask_duplicates, in_batch_negatives: as in :class:`CachedMatryoshkaLoss`
+                (absent hard negatives as in :class:`CachedMatryoshka2dLoss`).
             false_negative_margin, false_negative_strategy, memory_size, memory_warmup_steps, memory_max_age,
                 dual_memory: refused, as in :class:`CachedMatryoshka2dLoss`.
 
@@ -143,6 +145,7 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
             memory_warmup_steps=memory_warmup_steps,
             memory_max_age=memory_max_age,
             dual_memory=dual_memory,
+            in_batch_negatives=in_batch_negatives,
         )
 
     def op_options(self, step: Step) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from ..ops.backend import backends, check_backend
 from ..ops.core import check_precision, resolve_precision
 from . import card
 
-__all__ = ["CachedLossBase", "check_model_backend", "integer", "naming_errors"]
+__all__ = ["CachedLossBase", "check_flag", "check_model_backend", "integer", "naming_errors"]
 
 
 def integer(value: Any) -> Any:
@@ -52,6 +52,13 @@ def naming_errors(owner: str) -> Iterator[None]:
         if type(error) not in (ValueError, TypeError) or owner in str(error):
             raise
         raise type(error)(f"{owner}: {error}") from error
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` of a True / False option ``name``, or a TypeError naming it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+    return value
 
 
 def check_n_dims_per_step(value: Any, num_dims: int) -> int:
@@ -101,8 +108,9 @@ class CachedLossBase(GradCacheSteps):
         default_mini_batch: (mini_batch_size, mini_batch_num_tokens) the base loss implies
             (:func:`.base_losses.mini_batch_defaults`).
         mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, precision, show_progress_bar,
-            activation_budget, fsdp_sync, mask_duplicates: the options every loss takes (the bars show when this
-            loss's or the base loss's ``show_progress_bar`` is True).
+            activation_budget, fsdp_sync, mask_duplicates, in_batch_negatives: the options every loss takes (the bars
+            show when this loss's or the base loss's ``show_progress_bar`` is True; without in-batch negatives nothing
+            is gathered across processes: :attr:`gathers`).
         guide: a GISTEmbed guide embedding step (1)'s mini-batches, or None.
         take_text_ids: take each row's text id (the duplicate mask, a memory bank).
     """
@@ -126,6 +134,7 @@ class CachedLossBase(GradCacheSteps):
         activation_budget: int | str | None,
         fsdp_sync: str,
         mask_duplicates: bool,
+        in_batch_negatives: bool = True,
         guide: GuideModel | None = None,
         take_text_ids: bool = False,
     ) -> None:
@@ -147,8 +156,8 @@ class CachedLossBase(GradCacheSteps):
             if embeddings is not None:  # "bf16" / "tf32" of an fp64 model: refused now, not at the first loss
                 resolve_precision(precision, embeddings)
             activation_budget = check_activation_budget(integer(activation_budget))
-            if not isinstance(mask_duplicates, bool):
-                raise TypeError(f"mask_duplicates must be True or False, got {mask_duplicates!r}.")
+            check_flag("mask_duplicates", mask_duplicates)
+            check_flag("in_batch_negatives", in_batch_negatives)
             dims, weights = sorted_dims(model, matryoshka_dims, matryoshka_weights, embedding_dim=embedding_dim)
             n_dims_per_step = check_n_dims_per_step(n_dims_per_step, len(dims))
             budgeted = activation_budget is not None or mini_batch_size == AUTO
@@ -173,7 +182,15 @@ class CachedLossBase(GradCacheSteps):
         self.last_precision: str | None = None  # the last step's, resolved (a report, as masked_share)
         self.activation_budget = activation_budget
         self.mask_duplicates = mask_duplicates
+        self.in_batch_negatives = in_batch_negatives
         self.masked_share: float | None = None  # the last step's share of candidates the masks removed
+
+    @property
+    def gathers(self) -> bool:
+        """Whether a step gathers the batch across processes: the base loss's ``gather_across_devices``, with in-batch
+        negatives on (without them a row scores only its own documents, which this process holds: nothing to gather,
+        and DDP's mean of the processes' gradients is that of one process on the whole batch)."""
+        return self.gather_across_devices and self.in_batch_negatives
 
     # ------------------------------------------------------------------------------------------ the step's dims
 
@@ -255,6 +272,7 @@ class CachedLossBase(GradCacheSteps):
             "activation_budget": self.activation_budget,
             **({"fsdp_sync": self.fsdp_sync} if self.fsdp_sync != "per_backward" else {}),
             **({"mask_duplicates": True} if self.mask_duplicates else {}),
+            **({"in_batch_negatives": False} if not self.in_batch_negatives else {}),
             **self.bank_settings(),
             **(self.budget.chosen if self.budget is not None else {}),
         }

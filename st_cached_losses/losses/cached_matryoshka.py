@@ -27,8 +27,14 @@ from ..gradcache.precision import nonfinite_policy
 from ..gradcache.step import Step, require_step
 from ..ops import matryoshka_infonce
 from . import base_losses, card, citations
-from .base_losses import check_base_loss, check_self_guided_filter, guide_model, mini_batch_defaults
-from .cached_loss import CachedLossBase, check_model_backend, integer, naming_errors
+from .base_losses import (
+    check_base_loss,
+    check_self_guided_filter,
+    cross_row_settings,
+    guide_model,
+    mini_batch_defaults,
+)
+from .cached_loss import CachedLossBase, check_flag, check_model_backend, integer, naming_errors
 from .refusals import check_refusals
 
 logger = logging.getLogger(__name__)
@@ -61,6 +67,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
         memory_warmup_steps: int = 0,
         memory_max_age: int | None = None,
         dual_memory: bool = False,
+        in_batch_negatives: bool = True,
     ) -> None:
         """
         A drop-in replacement for ``MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model), dims)``: the
@@ -83,6 +90,11 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
         ``forward`` returns ``{"loss_dim_<d>": weight_d * loss_d}`` (0-dim tensors, dims descending, 0 for dims not
         sampled this step): the trainer logs each entry and back-propagates their sum, the loss. In your own loop:
         ``sum(loss(features, labels).values()).backward()``; the entries carry the gradient only together.
+
+        Rows may have fewer hard negatives than the batch has columns: a column's presence mask (``"present"``, False
+        where the row lacks that negative; :class:`st_cached_losses.AbsentNegativesCollator` writes it for ``None``
+        texts) makes the row's placeholder no candidate of any row, with zero gradient: a batch whose rows all lack a
+        column gives the loss and gradients of the batch without it.
 
         Args:
             model: SentenceTransformer model (not one built on a StaticEmbedding, whose inputs cannot be cut into
@@ -135,11 +147,21 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             dual_memory: also bank the queries (ContAccum's dual memory): banked pairs join the batch as rows, each
                 with its banked positive as target, and the loss is the mean over this step's and the banked rows;
                 not with ``gather_across_devices``.
+            in_batch_negatives: True (default): each anchor's softmax runs over every document of the batch, stock's.
+                False: over its own positive and its own hard negatives only (FlagEmbedding's ``no_in_batch_neg``),
+                for data whose other rows' positives are often true matches (classification, clustering triplets),
+                the more likely the larger the batch: the loss is then the mean over rows of stock's loss on each row
+                alone. Nothing is gathered across processes (DDP's mean of the gradients is still that of one process
+                on the whole batch). Refused with it: a memory bank, and the base loss's settings that score other
+                rows' texts (directions beyond query_to_doc, GISTEmbed's contrast_anchors / contrast_positives,
+                hardness_mode="in_batch_negatives"); the filter, the duplicate mask and the hardness penalty of hard
+                negatives apply to the own documents.
 
         Raises:
             Every error names the class in use; Python and numpy integers are taken alike.
 
-            TypeError: ``loss`` of an unsupported type; a ``mask_duplicates`` that is not a bool.
+            TypeError: ``loss`` of an unsupported type; a ``mask_duplicates`` or ``in_batch_negatives`` that is not
+                a bool.
             ValueError: a StaticEmbedding model; bad dims or weights, ``n_dims_per_step``; an unsupported
                 ``similarity_fct``, ``mini_batch_size``, ``mini_batch_num_tokens``, ``activation_budget``,
                 ``fsdp_sync``, ``false_negative_margin`` (also next to a GISTEmbed base loss, which has its own) or
@@ -147,7 +169,8 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
                 ``precision``, or "bf16" / "tf32" for a float64 model. ``forward`` raises ValueError for fewer than
                 two columns or columns of different lengths, uneven rows across processes with
                 ``gather_across_devices``, FSDP1, DeepSpeed without ZeRO and ZeRO-2 with gradient accumulation;
-                with a bank, a batch of other columns or a model of another embedding dimension than it holds.
+                with a bank, a batch of other columns or a model of another embedding dimension than it holds, or
+                presence masks; ``in_batch_negatives=False`` with what it refuses (above).
             TypeError / ValueError: a negative or non-integer ``memory_size``, ``memory_warmup_steps`` or
                 ``memory_max_age``; memory options without ``memory_size``; ``dual_memory`` with a base loss that
                 gathers across devices.
@@ -204,7 +227,9 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
                 type(self),
                 false_negative_margin=false_negative_margin,
                 false_negative_strategy=false_negative_strategy,
+                in_batch_negatives=check_flag("in_batch_negatives", in_batch_negatives),
                 **memory,
+                **cross_row_settings(loss),
             )
             _check_model(model, backend, owner)
             check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
@@ -226,6 +251,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             activation_budget=activation_budget,
             fsdp_sync=fsdp_sync,
             mask_duplicates=mask_duplicates,
+            in_batch_negatives=in_batch_negatives,
             guide=guide_model(loss),
             take_text_ids=memory["memory_size"] > 0,
         )
@@ -251,7 +277,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
         if self.memory is not None and torch.is_grad_enabled():
             self.memory.check(len(sentence_features) - 1, self.model_embedding_dimension(), self.gather_across_devices)
         draw = self.draw_step()
-        total, step = self.run_steps(sentence_features, labels, draw, self.gather_across_devices)
+        total, step = self.run_steps(sentence_features, labels, draw, self.gathers)
         if self.memory is not None and step.training:
             end_training_forward(self.memory, step.to_bank)  # after the loss: a failing step banks nothing
         return self.entries(total, step)
@@ -307,13 +333,24 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
 
     def op_options(self, step: Step) -> dict[str, Any]:
         """The op's keyword arguments: the base loss's hyperparameters (read at every step, as stock does; see
-        :mod:`base_losses`), the self-guided false-negative filter, the backend and the step's non-finite policy."""
+        :mod:`base_losses`), the self-guided false-negative filter, the backend, the step's non-finite policy and
+        ``in_batch_negatives``."""
         options = base_losses.op_options(self.loss)
         if self.false_negative_margin is not None:
             options.update(
                 false_negative_margin=self.false_negative_margin, false_negative_strategy=self.false_negative_strategy
             )
-        return {**options, "backend": self.backend, "nonfinite": nonfinite_policy(step.encoder_dtypes)}
+        return {
+            **options,
+            "backend": self.backend,
+            "nonfinite": nonfinite_policy(step.encoder_dtypes),
+            "in_batch_negatives": self.in_batch_negatives,
+        }
+
+    def absent_documents_refusal(self) -> str | None:
+        if self.memory is None:
+            return None
+        return "a memory bank banks every hard negative of a row, placeholders too; use memory_size=0 for ragged data"
 
     def filter_settings(self) -> dict[str, Any]:
         if self.false_negative_margin is None:

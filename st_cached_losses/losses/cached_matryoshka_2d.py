@@ -70,6 +70,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         memory_warmup_steps: int = 0,
         memory_max_age: int | None = None,
         dual_memory: bool = False,
+        in_batch_negatives: bool = True,
     ) -> None:
         """
         Stock ``Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), dims, ...)`` (2D Matryoshka: every
@@ -109,8 +110,10 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             layer_weighting: weight of prior layer ``l``: "uniform" (1), "log" (``1 / (1 + ln(1 + l))``),
                 "linear" (``1 / (1 + l)``) or a callable ``l -> float``, as stock's AdaptiveLayerLoss.
             mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, precision, show_progress_bar,
-                activation_budget, fsdp_sync, mask_duplicates: as in :class:`CachedMatryoshkaLoss` (a kept mini-batch
-                keeps every layer's graph; the duplicate mask applies to every layer's softmax).
+                activation_budget, fsdp_sync, mask_duplicates, in_batch_negatives: as in :class:`CachedMatryoshkaLoss`
+                (a kept mini-batch keeps every layer's graph; the duplicate mask and in-batch negatives off apply to
+                every layer's softmax). Absent hard negatives (presence masks) are left out of the KL term too (its
+                mean over the embeddings present).
             false_negative_margin, false_negative_strategy: refused (None and "absolute" only): which layer would
                 guide the self-guided filter is not defined by stock or the filter's recipe; filter with
                 :class:`CachedMatryoshkaLoss`.
@@ -197,6 +200,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
             memory_warmup_steps=memory_warmup_steps,
             memory_max_age=memory_max_age,
             dual_memory=dual_memory,
+            in_batch_negatives=in_batch_negatives,
         )
         self.num_layers = num_layers  # transformer layers L: hidden states 0..L, the final layer is L
         self.n_layers_per_step = n_layers_per_step
@@ -280,10 +284,11 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         columns = step.columns(reps)
         width = columns[0].shape[1] // len(step.draw)
         queries, docs, placement = step.gathered(columns[0], columns[1:])
-        options = {  # the same precision and text ids for every layer
+        options = {  # the same precision, text ids and absent documents for every layer
             **self.op_options(step),
             "precision": self.op_precision(queries),
             **step.duplicate_inputs(placement),
+            **step.presence_inputs(),
         }
         total, teacher = 0.0, None
         for slot, draw in enumerate(step.draw):
@@ -302,7 +307,7 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                 step.components[f"loss_layer_{draw.layer}_dim_{dim}"] = (draw.weight * weight * value).detach()
             if slot and self.kl_temperature > 0:
                 teacher = self._kl_teacher(columns, width) if teacher is None else teacher
-                kl = self._kl(columns, part, teacher) * self.kl_temperature * self.kl_div_weight
+                kl = self._kl(columns, part, teacher, step.row_present()) * self.kl_temperature * self.kl_div_weight
                 total = total + kl
                 step.components[f"loss_layer_{draw.layer}_kl"] = kl.detach()
         if with_backward:
@@ -316,10 +321,15 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         final = torch.cat([column[:, :width] for column in columns])
         return F.softmax(final / self.kl_temperature, dim=-1).detach()
 
-    def _kl(self, columns: list[Tensor], part: slice, teacher: Tensor) -> Tensor:
-        """Stock's KL divergence of one prior layer's softmax from the teacher, ``batchmean`` over the rows."""
-        student = torch.cat([column[:, part] for column in columns])
-        return F.kl_div(F.log_softmax(student / self.kl_temperature, dim=-1), teacher, reduction="batchmean")
+    def _kl(self, columns: list[Tensor], part: slice, teacher: Tensor, present: Tensor | None) -> Tensor:
+        """Stock's KL divergence of one prior layer's softmax from the teacher, ``batchmean`` over the rows; with
+        absent hard negatives (``present``: (rows,) bool), the mean over the present rows (an absent row's
+        placeholder takes no part, and gets zero gradient)."""
+        student = F.log_softmax(torch.cat([column[:, part] for column in columns]) / self.kl_temperature, dim=-1)
+        if present is None:
+            return F.kl_div(student, teacher, reduction="batchmean")
+        per_row = F.kl_div(student, teacher, reduction="none").sum(dim=-1)
+        return torch.where(present, per_row, 0.0).sum() / present.sum()
 
     def get_config_dict(self) -> dict[str, Any]:
         """Stock ``Matryoshka2dLoss``'s entries in its order and types (the base loss by class name, a callable

@@ -23,7 +23,7 @@ from ..gradcache.step import Encoded, Step, require_step
 from ..ops import maxsim_infonce
 from . import card, citations
 from .base_losses import check_multi_vector_base_loss, length_normalize, mini_batch_defaults
-from .cached_loss import CachedLossBase, check_model_backend, naming_errors
+from .cached_loss import CachedLossBase, check_flag, check_model_backend, naming_errors
 from .refusals import check_refusals
 from .token_vectors import SIDES, TokenRoutes, token_routes
 
@@ -53,6 +53,7 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         memory_warmup_steps: int = 0,
         memory_max_age: int | None = None,
         dual_memory: bool = False,
+        in_batch_negatives: bool = True,
     ) -> None:
         """
         The in-batch negatives InfoNCE loss of a ``MultiVectorEncoder`` (ColBERT-style late interaction: the score of
@@ -109,6 +110,9 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             memory_size, memory_warmup_steps, memory_max_age, dual_memory: refused (0, 0, None, False only): a bank
                 of token vectors would hold (documents x tokens x D) floats and score them at every step; use
                 :class:`CachedMatryoshkaLoss` for negatives beyond the batch.
+            in_batch_negatives: True only: ``maxsim_infonce`` has no path for a row's own documents yet (False is
+                refused; train a single-vector model without in-batch negatives with :class:`CachedMatryoshkaLoss`).
+                Absent hard negatives (presence masks in the batch) are refused in ``forward`` for the same reason.
 
         Raises:
             Every error names the class in use; Python and numpy integers are taken alike.
@@ -170,6 +174,7 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
                 memory_warmup_steps=memory_warmup_steps,
                 memory_max_age=memory_max_age,
                 dual_memory=dual_memory,
+                in_batch_negatives=check_flag("in_batch_negatives", in_batch_negatives),
             )
             _check_model(model, backend, owner)
             routes = token_routes(unwrapped(model), owner)
@@ -190,6 +195,7 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             activation_budget=activation_budget,
             fsdp_sync=fsdp_sync,
             mask_duplicates=mask_duplicates,
+            in_batch_negatives=in_batch_negatives,
         )
 
     @property
@@ -233,8 +239,14 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             for column, feature in enumerate(sentence_features)
         ]
         check_columns(features, self.mini_batch_num_tokens, type(self).__name__)
-        total, step = self.run_steps(features, labels, self.draw_step(), self.gather_across_devices)
+        total, step = self.run_steps(features, labels, self.draw_step(), self.gathers)
         return self.entries(total, step)
+
+    def absent_documents_refusal(self) -> str | None:
+        return (
+            "maxsim_infonce has no document_present yet, so the placeholders would be scored as negatives; give every "
+            "row all its hard negatives, or train a single-vector model with CachedMatryoshkaLoss"
+        )
 
     def encode(self, features: dict[str, Any], step: Step | None = None) -> Encoded:
         """One mini-batch's token vectors (rows, tokens, D) and scoring mask (rows, tokens) bool, as the model
