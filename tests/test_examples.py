@@ -220,7 +220,12 @@ def _compiled(code: str, filename: str, lineno: int):
 
 def test_examples_are_found():
     ids = {param.id for param in _params()}
-    assert {"README/use-it-in-your-own-training-script", "matryoshka_infonce", "maxsim_infonce"} <= ids
+    assert {
+        "README/use-it-in-your-own-training-script",
+        "README/features",
+        "matryoshka_infonce",
+        "maxsim_infonce",
+    } <= ids
     assert {"CachedMatryoshkaLoss.__init__", "CachedMultiVectorMatryoshkaLoss.__init__", "CachedLossCallback"} <= ids
     assert len(ids) == len(_params())  # one id per example
 
