@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import importlib
+import inspect
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -59,19 +60,24 @@ class Pointer:
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch: the kernel's module and name, the grid and the arguments as the JIT sees them (tensors as
-    :class:`Pointer`)."""
+    """One launch: the kernel's module and name, the grid, the arguments as the JIT sees them (tensors as
+    :class:`Pointer`) and the names of the kernel's parameters (``params``) and of its compile-time constants
+    (``constexprs``: ``tl.constexpr`` parameters)."""
 
     module: str
     name: str
     grid: tuple
     args: tuple
     kwargs: dict = field(hash=False)
+    params: tuple = ()
+    constexprs: frozenset = frozenset()
 
     @classmethod
     def of(cls, kernel: Any, grid: Any, args: tuple, kwargs: dict) -> Launch:
         fn = kernel.fn  # a JITFunction's (or, under the interpreter, an InterpretedFunction's) Python function
-        return cls(fn.__module__, fn.__qualname__, tuple(grid), _arguments(args), dict(_arguments(kwargs.items())))
+        params, constexprs = _signature(fn)
+        arguments = _arguments(args), dict(_arguments(kwargs.items()))
+        return cls(fn.__module__, fn.__qualname__, tuple(grid), *arguments, params, constexprs)
 
     def kernel(self):
         return getattr(importlib.import_module(self.module), self.name)
@@ -81,15 +87,23 @@ class Launch:
         """Equal for launches Triton compiles alike (at least as fine as the JIT's cache key: the same kernel, each
         argument's type, its ``== 1`` and ``% 16`` properties and integer width, each pointer's dtype and 16-byte
         alignment, the compile-time constants and options by value); the grid is not part of it."""
+        named = [*zip(self.params, self.args), *sorted(self.kwargs.items())]
+        by_value = self.constexprs | (set(self.kwargs) - set(self.params))  # constants and options (num_warps)
         return (
             self.module,
             self.name,
-            _class(self.args),
-            tuple(sorted((k, repr(_class(v))) for k, v in self.kwargs.items())),
+            tuple((name, repr(value) if name in by_value else repr(_class(value))) for name, value in named),
         )
 
     def describe(self) -> str:
         return f"{self.name} ({self.module.rpartition('.')[2]})"
+
+
+def _signature(fn) -> tuple[tuple[str, ...], frozenset[str]]:
+    """The parameter names of the kernel function ``fn`` and those annotated ``tl.constexpr``."""
+    params = inspect.signature(fn).parameters.values()
+    constexprs = frozenset(p.name for p in params if "constexpr" in str(p.annotation))
+    return tuple(p.name for p in params), constexprs
 
 
 def _arguments(values) -> tuple:
