@@ -1,5 +1,5 @@
 """The one way the Triton backends launch a kernel (:func:`launch`), a record of the launches a call makes
-(:func:`recording`), and a recorded launch compiled ahead of time (:func:`compile_launch`).
+(:func:`recording`), and recorded launches compiled ahead of time (:func:`compile_launch`, :func:`compile_all`).
 
 Both hosts (``blocks.py`` through ``passes.Launcher``, ``maxsim/triton_host.py``) launch every kernel as
 ``launch(kernel, grid)(*args, **kwargs)``, which is ``kernel[grid](*args, **kwargs)`` outside a recording. Inside
@@ -13,6 +13,8 @@ ones.
 without launching, into Triton's on-disk cache) in a process whose Triton driver only reports that target: the JIT
 itself derives the signature, the ``== 1`` / ``% 16`` / alignment specialisations and the options from the recorded
 arguments, so the run's first launch computes the same cache key and loads the binary. No GPU is needed.
+:func:`compile_all` does it for many records in spawned worker processes (:func:`unique`: one per
+:attr:`Launch.key`).
 """
 
 from __future__ import annotations
