@@ -25,6 +25,7 @@ __all__ = [
     "maxsim_infonce",
     "truncate_layers",
     "truncate_token_dim",
+    "warm_up",
 ]
 
 # Imported lazily: the losses pull in sentence_transformers (seconds), the op does not.
@@ -37,6 +38,7 @@ _LAZY = {
     "CachedMultiVectorMatryoshkaLoss": "losses",
     "truncate_layers": "truncation",
     "truncate_token_dim": "truncation",
+    "warm_up": "warmup",
 }
 
 

@@ -394,6 +394,18 @@ def test_blocks_fit_the_byte_budget_and_int32_offsets():
     assert rows % passes.config("pass")["BM"] == 0 and 1 < 16384 // rows < 32
     assert 5 * rows * 16384 * 2 <= blocks.BLOCK_BYTES
     assert blocks.plan_rows(spec, 768, torch.bfloat16, tile_rows=16384) * 5 * 16384 < 2**31
+    assert blocks.plan_rows(spec, 768, torch.bfloat16, budget=4 * 2**30) == 16384  # CUDA's largest budget: one block
+
+
+@pytest.mark.parametrize("free_gib, cached_gib, budget_mib", [(80, 0, 4096), (2, 0.5, 640), (0.1, 0, 64)])
+def test_cuda_blocks_take_a_quarter_of_the_free_memory_within_bounds(monkeypatch, free_gib, cached_gib, budget_mib):
+    """On CUDA the row block's budget is a quarter of the driver's free memory and the allocator's unused cache,
+    between 64 MiB and 4 GiB; elsewhere the fixed BLOCK_BYTES."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(free_gib * 2**30), 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: int((1 + cached_gib) * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2**30)
+    assert blocks.block_bytes(torch.device("cuda")) == budget_mib * 2**20
+    assert blocks.block_bytes(torch.device("cpu")) == blocks.BLOCK_BYTES
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess:

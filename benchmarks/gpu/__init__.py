@@ -10,8 +10,9 @@
                                                           # hot loop's instructions, occupancy, launches per call)
 
 Step 0, ``precompile`` (``gpu/precompile.py``; ``--no-precompile`` skips it), records on meta tensors every Triton
-launch the chosen steps will make and compiles them, one process per CPU, into Triton's cache before the first one
-(the first GPU run spent 291 s compiling one kernel at a time on first launch). Then the steps, in order
+launch the chosen steps will make and compiles them, one process per CPU, into Triton's cache before the first one,
+with the package's public warm-up (``st_cached_losses.warmup``; the first GPU run spent 291 s compiling one kernel at
+a time on first launch). Then the steps, in order
 (``--steps`` picks some); each writes long-format CSV + PNG under --out, ``summary.md`` gets every
 table and the issues' targets (met, missed, not measured), and a short table (each step's seconds and headline) is
 printed last:

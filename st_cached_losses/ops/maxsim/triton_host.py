@@ -63,6 +63,7 @@ from torch import Tensor
 from ..duplicates import DuplicateMask
 from ..errors import TritonUnavailableError
 from ..result import InfoNCEResult
+from ..triton.launch import launch
 from ..triton.launch_errors import describe_error, is_launch_error
 from .spec import MaxSimSpec
 from .triton_kernels import (
@@ -189,7 +190,7 @@ class _Sweep:
             return self.lse.view(-1)
         plan = self.plan
         inv = torch.empty(len(normalized), x.shape[0], dtype=self.acc, device=x.device)
-        _inverse_norms_kernel[(math.ceil(x.shape[0] / plan.norm_rows),)](
+        launch(_inverse_norms_kernel, (math.ceil(x.shape[0] / plan.norm_rows),))(
             x,
             inv,
             x.shape[0],
@@ -223,7 +224,7 @@ class _Sweep:
         tokens = slice(begin * self.lq, end * self.lq)
         q, query_mask, qinv = self.q[begin:end], self.query_mask[begin:end], self._rows(self.qinv, tokens)
         common = (count, num_docs, self.lq, self.ld, self.qinv.stride(0), self.cinv.stride(0))
-        _forward_kernel[(math.ceil(count / plan.forward_queries), math.ceil(num_docs / plan.docs_per_program))](
+        launch(_forward_kernel, (math.ceil(count / plan.forward_queries), math.ceil(num_docs / plan.docs_per_program)))(
             q,
             self.c,
             query_mask,
@@ -241,7 +242,7 @@ class _Sweep:
         )
         if self.mask is not None:
             logits.masked_fill_(self.mask.tile("query_to_doc", begin, end), float("-inf"))
-        _infonce_kernel[(math.ceil(count / plan.infonce_rows), k)](
+        launch(_infonce_kernel, (math.ceil(count / plan.infonce_rows), k))(
             logits,
             self.lse[:, 0, begin:],
             self.losses[:, begin:],
@@ -260,12 +261,12 @@ class _Sweep:
         )
         if not self.need_grad:
             return
-        _query_grad_kernel[(math.ceil(count / plan.grad_queries),)](
+        launch(_query_grad_kernel, (math.ceil(count / plan.grad_queries),))(
             q, self.c, query_mask, qinv, self.cinv, logits, argmax, self.dq[begin:end], *common, **plan.query_consts
         )
         previous = self.dc if self.scratch is None else self.scratch
         out = self.dc if last or self.scratch is None else self.scratch
-        _document_grad_kernel[(num_docs, math.ceil(self.ld / plan.doc_tokens))](
+        launch(_document_grad_kernel, (num_docs, math.ceil(self.ld / plan.doc_tokens)))(
             q,
             self.c,
             query_mask,

@@ -15,34 +15,37 @@ Per block and direction (rows X, columns Y, both in the GEMM operand dtype of ``
    columns' accumulators once at the end.
 
 Loss and gradients come from one sweep (GradCache's step 2 wants both); a row's LSE is complete within its block,
-so nothing is recomputed; no atomics (deterministic). R comes from :data:`BLOCK_BYTES`, so a block's planes and
-partials stay within 256 MiB whatever B.
+so nothing is recomputed; no atomics (deterministic). R comes from a byte budget for a block's planes and partials
+(:func:`block_bytes`): on CUDA a quarter of the free memory, within 64 MiB and 4 GiB (each block re-reads the fp32
+column accumulator, so fewer blocks are cheaper, while the planes' bytes are the same whatever R); elsewhere
+:data:`BLOCK_BYTES` (256 MiB).
 
 The estimate (H100 SXM: 782 TFLOP/s measured for bf16 ``torch.mm``, 3.35 TB/s HBM3; query_to_doc, M = B columns,
-D = 768, dims 768/512/256/128/64, K = 5; R from :func:`plan_rows`):
+D = 768, dims 768/512/256/128/64, K = 5; R from :func:`plan_rows` at the 4 GiB budget, >= 16 GiB free):
 
-====================================  =====================  =====================
-bf16                                  B = 16384              B = 65536
-====================================  =====================  =====================
-FLOP floor 6 B^2 D (scores, dQ, dC)   1.24 TFLOP, 1.58 ms    19.8 TFLOP, 25.3 ms
-planes: 6 p K bytes per (row, col)    16.1 GB, 4.8 ms        258 GB, 77 ms
-fp32 dC accumulator, 8 M D per block  R = 1392: 1.2 GB, 0.4   R = 352: 75 GB, 22 ms
-predicted (bytes-bound)               ~5.5-6 ms (target 6)   ~100-110 ms (target 100)
-====================================  =====================  =====================
+====================================  =========================  =========================
+bf16                                  B = 16384                  B = 65536
+====================================  =========================  =========================
+FLOP floor 6 B^2 D (scores, dQ, dC)   1.24 TFLOP, 1.58 ms        19.8 TFLOP, 25.3 ms
+planes: 6 p K bytes per (row, col)    16.1 GB, 4.8 ms            258 GB, 77 ms
+fp32 dC accumulator, 8 M D per block  R = B, 1 block: 0.03 ms    R = 5632, 12: 4.8 GB, 1.4 ms
+predicted (bytes-bound)               ~5-5.5 ms (target 6)       ~80-85 ms (target 100)
+====================================  =========================  =========================
 
 Each band plane is written by its GEMM, read by both passes, rewritten as G and read by both gradient GEMMs: 6 p K
 = 60 bytes per (row, column) for bf16 planes (p = 2), against 6 D FLOPs = 20 bytes' worth at the card's balance
 (233 FLOP/byte): the design is bounded by bytes at about a quarter of the roofline (the issue's target). fp32 planes
 (TF32, IEEE; R halves) double the bytes: TF32 ~10-11 ms at 16384 (target <= 2x bf16); IEEE fp32 runs its GEMMs on
 the FMA units (~25 ms). bf16 planes round each band's product to bf16, as stock's bf16 scores are; the softmax,
-LSEs and sums run in fp32. Memory beyond the inputs: the planes and partials (<= 256 MiB), the fp32 column
-accumulator and the gradients: 2x the bf16 inputs + 256 MiB. The next levers: pass 1 in a Triton score GEMM's
-epilogue (-p K bytes per (row, column): -0.8 ms at 16384, -13 ms at 65536) and fewer, larger blocks for the
-accumulator at large B.
+LSEs and sums run in fp32. Memory beyond the inputs: the planes and partials (the budget: <= 4 GiB and a quarter of
+the free memory on CUDA), the fp32 column accumulator and the gradients: 2x the bf16 inputs + the budget. (At the
+former fixed 256 MiB, B = 65536 took 187 blocks, and the accumulator 75 GB, 22 ms.) The next lever: pass 1 in a
+Triton score GEMM's epilogue (-p K bytes per (row, column): -0.8 ms at 16384, -13 ms at 65536).
 
 Launches per block and direction: K score GEMMs, the pass kernel twice, 2K gradient GEMMs; per block the rows
 kernel, the finishing kernel and 3 small torch ops: 3K + 7 = 22 at K = 5. Per call 37 more (prefix norms, buffers,
-the columns' finishing): 301 at B = 16384 (12 blocks), counted by tests/test_triton.py; no host synchronisation.
+the columns' finishing): 301 at B = 16384 in 12 blocks of 256 MiB (counted by tests/test_triton.py), 59 in the one
+block of a CUDA budget of 4 GiB; no host synchronisation (``torch.cuda.mem_get_info`` is a driver query).
 """
 
 from __future__ import annotations
@@ -63,12 +66,11 @@ from .fused import MAX_DIMS
 from .launch_errors import describe_error, is_launch_error
 from .passes import Direction, Launcher, config, constants, padded
 from .probe import unusable_reason
+from .rows import BLOCK_BYTES, CUDA_BLOCK_BYTES, block_bytes, plan_rows
 
-__all__ = ["BLOCK_BYTES", "MAX_DIMS", "forward", "plan_rows", "unsupported"]
+__all__ = ["BLOCK_BYTES", "CUDA_BLOCK_BYTES", "MAX_DIMS", "block_bytes", "forward", "plan_rows", "unsupported"]
 
-BLOCK_BYTES = 256 * 2**20
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_INT32 = 2**31 - 1
 
 
 def unsupported(spec: InfoNCESpec) -> str | None:
@@ -123,36 +125,31 @@ def forward(
         with matmul_precision(spec.precision == "tf32", queries.device):
             masks = (guide, duplicates, memory, document_present)
             sweep = _Sweep(queries, docs, world_queries, spec, need_grad, masks)
-            return sweep.run(plan_rows(spec, queries.shape[1], sweep.plane_dtype, tile_rows))
+            budget = block_bytes(queries.device)
+            return sweep.run(plan_rows(spec, queries.shape[1], sweep.plane_dtype, tile_rows, budget))
     except Exception as error:
         if not is_launch_error(error):
             raise
         raise TritonUnavailableError(describe_error(error)) from error
 
 
-def plan_rows(spec: InfoNCESpec, dim: int, plane_dtype: torch.dtype, tile_rows: int | None = None) -> int:
-    """Rows per block: ``tile_rows`` if given, else as many as keep a block's planes, partials and row buffers
-    within :data:`BLOCK_BYTES` (a multiple of the pass kernel's BM), at most B; either way few enough that the
-    kernels' int32 offsets into a block's planes cannot overflow."""
-    k, bm, bn = len(spec.dims), config("pass")["BM"], config("pass")["BN"]
-    columns = [padded(spec.columns(name), "BN") for name in spec.directions]
-    plane = torch.finfo(plane_dtype).bits // 8
-    per_row = k * sum(columns) * plane + 8 * len(columns) * k * (-(-max(columns) // bn)) + 4 * (dim + 4 * k)
-    if spec.false_negatives is not None:
-        per_row += 5 * sum(columns)  # the guide's scores of a direction and the tile they drop
-    per_row += 4 * k * max(columns) // bm  # the column terms
-    rows = tile_rows or max(bm, BLOCK_BYTES // per_row // bm * bm)
-    return max(1, min(rows, spec.batch_size, _INT32 // (k * max(columns)) - bm))  # rows are padded to whole BM
-
-
-@functools.lru_cache(maxsize=16)
 def _constants(spec: InfoNCESpec, device: torch.device, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """The dims (K,) int32, each dim's gradient coefficient w_k * scale / B (K,) and the kernels' scalars
     (``passes.constants``): copied to the device once per problem, not once per call (a host-to-device copy per
     mini-batch that stock does not make)."""
-    coef = [w * spec.scale / spec.batch_size for w in spec.weights]
-    dims = torch.tensor(spec.dims, dtype=torch.int32, device=device)
-    return dims, torch.tensor(coef, dtype=acc, device=device), torch.tensor(constants(spec), dtype=acc, device=device)
+    coef = tuple(w * spec.scale / spec.batch_size for w in spec.weights)
+    return _device_constants(spec.dims, coef, tuple(constants(spec)), device, acc)
+
+
+# Keyed on the values alone (the dims drawn, not the rest of the spec): every subset a run with n_dims_per_step draws
+# (at most C(8, 4) = 70 of MAX_DIMS dims) stays cached, for a few batch sizes and scales at once.
+@functools.lru_cache(maxsize=256)
+def _device_constants(dims: tuple, coef: tuple, consts: tuple, device: torch.device, acc: torch.dtype):
+    return (
+        torch.tensor(dims, dtype=torch.int32, device=device),
+        torch.tensor(coef, dtype=acc, device=device),
+        torch.tensor(consts, dtype=acc, device=device),
+    )
 
 
 @dataclass
@@ -309,6 +306,8 @@ class _Sweep:
                 else:
                     row_terms.add_(partial.sum(-1))
             for k, lo, hi in self.bands:
+                if self.device.type == "meta":  # the warm-up's recording: cuBLAS work, no Triton launch
+                    continue
                 accumulate(row_grad[:, lo:hi], planes[k, :, :width], cols[:, lo:hi])
                 if width < self.columns[index]:
                     accumulate(row_grad[:, lo:hi], planes[k, :, width:], self.memory.op[:, lo:hi])

@@ -24,6 +24,7 @@ from .fused import (
     _pass_kernel,
     _rows_kernel,
 )
+from .launch import launch
 
 __all__ = ["CONFIGS", "Direction", "Launcher", "config", "constants", "kernel_variants", "padded"]
 
@@ -127,7 +128,7 @@ class Launcher:
         drop, row_ids, col_ids, n_forbid, present = masks
         rows, cols = planes.shape[1], planes.shape[2]
         cfg = config("pass")
-        _pass_kernel[self.pass_grid(rows, cols)](
+        launch(_pass_kernel, self.pass_grid(rows, cols))(
             planes,
             planes.stride(0),
             planes.stride(1),
@@ -181,7 +182,7 @@ class Launcher:
         rows, tiles), pos (K, rows), live (rows,) int8 -> lse (K, NDIR, B), nrm2 (NDIR, K, rows), loss (K, B)."""
         spec, cfg = self.spec, config("rows")
         ndir = len(spec.directions)
-        _rows_kernel[(triton.cdiv(rows, cfg["BR"]),)](
+        launch(_rows_kernel, (triton.cdiv(rows, cfg["BR"]),))(
             part_a,
             part_b,
             part_a.stride(0),
@@ -216,7 +217,7 @@ class Launcher:
         spec, cfg, none = self.spec, config("finish"), self.placeholder
         n, d = grad.shape
         grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(d, cfg["BD"]))
-        _finish_kernel[grid](
+        launch(_finish_kernel, grid)(
             grad,
             grad.stride(0),
             x,
@@ -294,7 +295,7 @@ def kernel_variants(precision: str = "bf16", num_dims: int = 5, input_dtype: tor
     ]
     variants = []
     for name, kernel, options in kernels:
-        launch = {key: options.pop(key) for key in ("num_warps", "num_stages")}
+        run_options = {key: options.pop(key) for key in ("num_warps", "num_stages")}
         constexprs = {key: value for key, value in options.items() if key in kernel.arg_names}
         signature, attrs = {}, {}
         for index, arg in enumerate(kernel.arg_names):
@@ -316,7 +317,7 @@ def kernel_variants(precision: str = "bf16", num_dims: int = 5, input_dtype: tor
                 attrs=attrs,
                 tensor_cores=False,
                 label=f"{precision} K={num_dims}",
-                **launch,
+                **run_options,
             )
         )
     return variants

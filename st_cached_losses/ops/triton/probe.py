@@ -21,10 +21,15 @@ def unusable_reason(device: torch.device, kernels_module: str = ".triton.fused")
     on ``device``, or None when they can be tried.
 
     CPU tensors run them only in Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported);
-    CUDA tensors need an NVIDIA GPU of compute capability 8.0 or newer.
+    CUDA tensors need an NVIDIA GPU of compute capability 8.0 or newer. While launches are recorded without running
+    (``launch.recording``: the warm-up runs the hosts on meta tensors to learn a run's launches) any device will do.
     """
     if importlib.util.find_spec("triton") is None:
         return "the triton package is not installed (it comes with the CUDA builds of torch)"
+    from .launch import recording_only
+
+    if recording_only():
+        return None
     if device.type == "cuda" and torch.version.cuda is not None:
         capability = torch.cuda.get_device_capability(device)
         if capability < MIN_CAPABILITY:
