@@ -236,8 +236,10 @@ def matryoshka_infonce(
 
     def prepare(name: str, need_grad: bool, host: HostRead) -> Callable[[], InfoNCEResult]:
         world = queries if world_queries is None else world_queries
-        args = (queries, documents, world, spec, need_grad, chunk_size, guide, duplicates, memory, document_present)
-        run = prepare_backend(REGISTRY[OP][name], host, *args)
+        options = dict(guide=guide, duplicates=duplicates, memory=memory, document_present=document_present)
+        run = prepare_backend(
+            REGISTRY[OP][name], host, queries, documents, world, spec, need_grad, tile_rows=chunk_size, **options
+        )
 
         def result() -> InfoNCEResult:
             out = run()
@@ -290,8 +292,10 @@ def run_backend(
         raise ValueError("pass memory (its spec.num_memory banked documents) exactly when spec.num_memory > 0.")
     if spec.absent_documents != (document_present is not None):
         raise ValueError("pass document_present exactly when spec.absent_documents.")
-    args = (queries, docs, world_queries, spec, need_grad, chunk_size, guide, duplicates, memory, document_present)
-    return call_backend(REGISTRY[OP][name], *args)
+    options = dict(guide=guide, duplicates=duplicates, memory=memory, document_present=document_present)
+    return call_backend(
+        REGISTRY[OP][name], queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size, **options
+    )
 
 
 def _world_gradient(grads: tuple, world_queries: Tensor | None) -> tuple:

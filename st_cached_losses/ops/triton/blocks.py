@@ -42,7 +42,9 @@ accumulator at large B.
 
 Launches per block and direction: K score GEMMs, the pass kernel twice, 2K gradient GEMMs; per block the rows
 kernel, the finishing kernel and 3 small torch ops: 3K + 7 = 22 at K = 5. Per call 37 more (prefix norms, buffers,
-the columns' finishing): 301 at B = 16384 (12 blocks), counted by tests/test_triton.py; no host synchronisation.
+the columns' finishing): 301 at B = 16384 (12 blocks), counted by tests/test_triton.py; no host synchronisation of
+its own: with duplicate ids the kernels' table of forbidden text codes takes its width from the op call's one host read
+(:func:`prepare`).
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ from torch import Tensor
 
 from .. import own
 from ..candidates import Candidates
+from ..duplicates import DuplicateMask
 from ..errors import TritonUnavailableError
 from ..gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
+from ..host_read import HostRead
 from ..result import InfoNCEResult
 from ..spec import DIRECTIONS, NORM_EPS, InfoNCESpec
 from .fused import MAX_DIMS
@@ -64,7 +68,7 @@ from .launch_errors import describe_error, is_launch_error
 from .passes import Direction, Launcher, config, constants, padded
 from .probe import unusable_reason
 
-__all__ = ["BLOCK_BYTES", "MAX_DIMS", "forward", "plan_rows", "unsupported"]
+__all__ = ["BLOCK_BYTES", "MAX_DIMS", "forward", "plan_rows", "prepare", "unsupported"]
 
 BLOCK_BYTES = 256 * 2**20
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -97,6 +101,7 @@ def forward(
 
     Args: as ``chunked.forward`` (queries (B, D), docs (M, D), world_queries (Bw, D); CUDA tensors, or CPU ones
     under ``TRITON_INTERPRET=1``); ``tile_rows``: rows per block (default :func:`plan_rows`'s budget);
+    ``duplicates``: the text ids, or their ``DuplicateMask`` with its table's sizes read (:func:`prepare`);
     ``document_present``: (M,) bool, the absent documents masked in the pass kernel (its column mask, constexpr
     ABSENT). Without in-batch negatives it runs ``own.forward``, as the chunked backend does: the own documents are
     (n, B) row-wise dot products, bandwidth-bound passes with no B x M score plane for the kernels to fuse.
@@ -128,6 +133,23 @@ def forward(
         if not is_launch_error(error):
             raise
         raise TritonUnavailableError(describe_error(error)) from error
+
+
+def prepare(*args, duplicates=None, host: HostRead, **options):
+    """:func:`forward`'s first phase (``host_read``; its arguments, the options by keyword): with duplicate ids the
+    kernels' table of each row's forbidden text codes needs its width on the host, which ``host`` reads with the op
+    call's other values. Returns the call to run after the read."""
+    spec = args[3]
+    if duplicates is None or not spec.in_batch_negatives:
+        return functools.partial(forward, *args, duplicates=duplicates, **options)
+    mask = DuplicateMask.build(spec, *duplicates, memory=options.get("memory"))
+    host.ask("forbidden table", mask.table_sizes())
+
+    def run() -> InfoNCEResult:
+        mask.read_sizes = host["forbidden table"]
+        return forward(*args, duplicates=mask, **options)
+
+    return run
 
 
 def plan_rows(spec: InfoNCESpec, dim: int, plane_dtype: torch.dtype, tile_rows: int | None = None) -> int:
