@@ -298,8 +298,8 @@ def test_no_grad_forward_matches_and_skips_gradients():
 def test_no_grad_asks_the_backend_for_no_gradients_even_of_inputs_that_require_them(monkeypatch):
     from st_cached_losses.ops import infonce
 
-    asked, run = [], infonce.run_backend
-    monkeypatch.setattr(infonce, "run_backend", lambda *args, **kw: asked.append(args[5]) or run(*args, **kw))
+    asked, prepare = [], infonce.prepare_backend  # (entry, host, queries, docs, world, spec, need_grad, ...)
+    monkeypatch.setattr(infonce, "prepare_backend", lambda *args, **kw: asked.append(args[6]) or prepare(*args, **kw))
     world_q, docs = (t.requires_grad_() for t in _inputs(30, 30, 30, 16))
     with torch.no_grad():
         out = matryoshka_infonce(world_q, docs, dims=[16, 4], backend="chunked")

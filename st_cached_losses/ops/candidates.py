@@ -67,7 +67,9 @@ class Candidates:
         self.spec, device, self.tiles = spec, queries.device, tiles
         guided = spec.false_negatives is not None
         self.guide = Guide.build(queries, docs, world_queries, spec, guide, dtype, memory) if guided else None
-        self.duplicates = None if duplicates is None else DuplicateMask.build(spec, *duplicates, memory=memory)
+        if duplicates is not None and not isinstance(duplicates, DuplicateMask):  # else built by the backend's prepare
+            duplicates = DuplicateMask.build(spec, *duplicates, memory=memory)
+        self.duplicates = duplicates
         self.removed_count = torch.zeros((), dtype=torch.int64, device=device)
         self.candidate_count = torch.zeros((), dtype=torch.int64, device=device)
         self.column_present = None

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .backend import TritonUnavailableError, fall_back, note_choice, select_backend
+from .host_read import HostRead
 from .result import InfoNCEOutput, InfoNCEResult
 
 __all__ = [
@@ -188,23 +189,16 @@ def _fp16_run(queries: Tensor) -> bool:
     return fp16_autocast or queries.dtype == torch.float16
 
 
-def _nonfinite_input(
-    nonfinite: str, inputs: dict[str, Tensor | None], conditions: Sequence[tuple[Tensor, str]] = ()
-) -> str | None:
+def _nonfinite_input(nonfinite: str, inputs: dict[str, Tensor | None], host: HostRead) -> str | None:
     """The name of the first input holding NaN or Inf when the policy propagates it (None when all are finite);
     a ValueError when the policy ("raise", or "auto" outside fp16) says the run diverged, or where one of
-    ``conditions`` (0-dim bool device tensor, message) does not hold."""
+    ``host``'s conditions does not hold. Reads every input's finiteness with ``host``'s one read (the policy decides
+    on the host)."""
     present = {name: t for name, t in inputs.items() if t is not None and t.numel()}
-    # One host synchronisation per call for all inputs and conditions (the policy decides on the host); which, then.
-    flags = [_finite(t) for t in present.values()] + [condition for condition, _ in conditions]
-    if not flags or bool(torch.stack(flags).all()):
-        return None
-    for condition, message in conditions:
-        if not bool(condition):
-            raise ValueError(message)
-    name = next(name for name, t in present.items() if not all_finite(t))
+    finite = host.read([_finite(t) for t in present.values()])
+    name = next((name for name, ok in zip(present, finite) if not ok), None)
     queries = next(iter(inputs.values()))
-    if nonfinite == "propagate" or (nonfinite == "auto" and _fp16_run(queries)):
+    if name is None or nonfinite == "propagate" or (nonfinite == "auto" and _fp16_run(queries)):
         return name
     raise ValueError(
         f"{name} contains NaN or Inf: the run diverged (lower the learning rate, or use bf16/fp32 instead of fp16); "
@@ -245,18 +239,23 @@ def _autocast_off(device: torch.device):
 # ------------------------------------------------------------------------------------------------------ the call
 
 
+# The op's first phase of backend ``name``'s call (``host_read.prepare_backend``): (name, need_grad, host) -> the run.
+Prepare = Callable[[str, bool, HostRead], Callable[[], InfoNCEResult]]
+
+
 @dataclass(frozen=True)
 class OpCall:
     """One op call, resolved: the op's name (the registry's key), the validated spec, the inputs in the backend's
-    order, the backend chosen and why, and ``forward(name, need_grad) -> InfoNCEResult`` running a backend by name
-    (its grads in ``inputs``' order, None for an input that is None)."""
+    order, the backend chosen and why, ``prepare`` (:data:`Prepare`; a run's grads in ``inputs``' order, None for an
+    input that is None) and the chosen backend's run, prepared and read (None for non-finite inputs)."""
 
     op: str
     spec: Spec
     inputs: dict[str, Tensor | None]
-    forward: Callable[[str, bool], InfoNCEResult]
+    prepare: Prepare
     backend: str
     reason: str
+    prepared: Callable[[], InfoNCEResult] | None
     num_directions: int = 1
 
     @property
@@ -265,20 +264,23 @@ class OpCall:
 
     def run(self, need_grad: bool) -> InfoNCEResult:
         """The chosen backend's result: NaN for a non-finite input (so a gradient scaler skips the step), the
-        chunked backend where an automatically chosen Triton backend cannot compile or launch (warned once), and
-        exact zeros where every row's only candidate is its positive (rounding would leave ~1e-7 there, which AdamW
-        turns into weight updates)."""
-        if self.backend == "nonfinite":
+        chunked backend where an automatically chosen Triton backend cannot compile or launch (warned once; that
+        call reads its own integers: a second synchronisation, once), and exact zeros where every row's only
+        candidate is its positive (rounding would leave ~1e-7 there, which AdamW turns into weight updates)."""
+        if self.prepared is None:
             return self._nan_result(need_grad)
         name, reason = self.backend, self.reason
         try:
-            result = self.forward(name, need_grad)
+            result = self.prepared()
         except TritonUnavailableError as error:
             if reason == "requested":
                 raise
             fall_back(self.op, self.device, error)
             name, reason = select_backend(self.device, "auto", op=self.op)
-            result = self.forward(name, need_grad)
+            host = HostRead()
+            run = self.prepare(name, need_grad, host)
+            host.read()
+            result = run()
         note_choice(name, self.device, reason, result.tile, op=self.op, precision=self.spec.precision)
         if self.spec.single_candidate:
             grads = (
@@ -303,7 +305,7 @@ def run_op(
     op: str,
     spec: Spec,
     inputs: dict[str, Tensor | None],
-    forward: Callable[[str, bool], InfoNCEResult],
+    prepare: Prepare,
     *,
     backend: str,
     nonfinite: str,
@@ -312,13 +314,16 @@ def run_op(
     supports: Callable[[str], bool] | None = None,
     conditions: Sequence[tuple[Tensor, str]] = (),
 ) -> InfoNCEOutput:
-    """Choose the backend, apply the NaN policy and run ``forward`` inside :class:`_CachedGradients`.
+    """Choose the backend, prepare its call, read the host's values once, apply the NaN policy and run the backend
+    inside :class:`_CachedGradients`.
 
     ``inputs``: the tensors the backend differentiates, by argument name (the first is the queries; a None entry is
-    an absent optional input); the gradients of those that require them reach autograd. ``checked``: other inputs
+    an absent optional input); the gradients of those that require them reach autograd. ``prepare``: the backend
+    call's first phase (:data:`Prepare`), whose integers are read with the NaN check. ``checked``: other inputs
     (without gradient) the NaN policy reads too. ``supports(name)``: whether the backend ``"auto"`` picked takes this
-    problem (else the chunked backend runs). ``conditions``: (0-dim bool device tensor, message) pairs that must hold,
-    read with the NaN check's one host synchronisation.
+    problem (else the chunked backend runs). ``conditions``: (0-dim bool device tensor, message) pairs that must hold.
+    The finiteness of every input, the conditions and the backend's integers make the call's one host
+    synchronisation (``host_read.HostRead``).
 
     Raises:
         ValueError: see the ops' docstrings (the backend, NaN/Inf inputs, ``conditions``).
@@ -327,12 +332,15 @@ def run_op(
     name, reason = select_backend(queries.device, backend, op=op)
     if backend == "auto" and supports is not None and not supports(name):
         name, reason = "chunked", f"auto: the {name} backend does not take these options"
-    nonfinite_input = _nonfinite_input(nonfinite, {**inputs, **(checked or {})}, conditions)
-    if nonfinite_input is not None:
-        name, reason = "nonfinite", f"NaN or Inf in {nonfinite_input}"
-    call = OpCall(op, spec, inputs, forward, name, reason, num_directions)
     # Under torch.no_grad the Function's needs_input_grad still follows requires_grad: decide here.
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs.values())
+    host = HostRead(conditions)
+    with _autocast_off(queries.device):
+        prepared = prepare(name, need_grad, host)
+    nonfinite_input = _nonfinite_input(nonfinite, {**inputs, **(checked or {})}, host)
+    if nonfinite_input is not None:
+        prepared, name, reason = None, "nonfinite", f"NaN or Inf in {nonfinite_input}"
+    call = OpCall(op, spec, inputs, prepare, name, reason, prepared, num_directions)
     with _autocast_off(queries.device):
         loss, per_dim, lse, masked_share = _CachedGradients.apply(call, need_grad, *inputs.values())
     return InfoNCEOutput(loss, per_dim, lse, masked_share if spec.masks else None)

@@ -26,7 +26,8 @@ A tile of rows tests its candidates against them by binary search (:meth:`Duplic
 (rows, columns) tile, set to -inf by the backends as the false-negative filter's is); the candidates each row loses
 are counted from per-code column counts, O(B + M + pairs). Every shape is known from the inputs' shapes, so nothing is
 read on the host; only the dense Triton kernels' table of each row's forbidden codes (:attr:`DuplicateMask.forbidden`)
-reads its width there, once per call, and only where that backend asks for it.
+needs its width there: that backend asks for it (:meth:`DuplicateMask.table_sizes`) in the op call's one host read
+(``host_read.HostRead``).
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ class DuplicateMask:
     pairs: dict[str, Tensor]
     num_codes: int
     _per_row: dict[str, Tensor] = field(default_factory=dict)
+    read_sizes: list[int] | None = None  # :meth:`table_sizes`' values, once read on the host
 
     @classmethod
     def build(
@@ -206,10 +208,21 @@ class DuplicateMask:
     @functools.cached_property
     def forbidden(self) -> dict[str, Tensor]:
         """Per row side the (B, L) codes each local row must not score: its own code, then the distinct targets of
-        every pair with its own text, padded with its own code (L = 1 + the most distinct targets of one own text,
-        read on the host: one synchronisation). The dense Triton kernels' table; the other backends use
-        :meth:`tile`."""
-        return {side: self._table(side) for side in self.own}
+        every pair with its own text, padded with its own code (L = 1 + the most distinct targets of one local row's
+        own text: :attr:`read_sizes`, else read here, one synchronisation). The dense Triton kernels' table; the
+        other backends use :meth:`tile`."""
+        sizes = self.table_sizes().tolist() if self.read_sizes is None else self.read_sizes
+        return {side: self._table(side, *sizes[2 * i : 2 * i + 2]) for i, side in enumerate(self.own)}
+
+    def table_sizes(self) -> Tensor:
+        """(2 x row sides,) int64 on the device, per row side in ``own``'s order: the most distinct targets of a
+        local row's own text (the table's width less one) and of any own text: :attr:`forbidden`'s shapes, for the
+        op call's one host read (then :attr:`read_sizes`)."""
+        sizes = []
+        for side in self.own:
+            per_own = self._targets_per_own(side)
+            sizes += [per_own[self.own[side]].max(), per_own.max()]
+        return torch.stack(sizes)
 
     def forbids(self, side: str, own: Tensor, code: Tensor) -> Tensor:
         """Whether text ``code`` is in forbidden(i) of a row whose own text is ``own`` (broadcast together): its own
@@ -243,12 +256,16 @@ class DuplicateMask:
             removed = removed - self.forbids(side, own[:, None], cols[kept]).sum(dim=1)
         return removed
 
-    def _table(self, side: str) -> Tensor:
-        pair_own, pair_target, first = self._distinct_pairs(side)
+    def _targets_per_own(self, side: str) -> Tensor:
+        """(num_codes,) int64: the distinct targets of each own text of ``side``'s pairs."""
+        pair_own, _, first = self._distinct_pairs(side)
         per_own = torch.zeros(self.num_codes, dtype=torch.int64, device=first.device)
-        per_own.index_add_(0, pair_own, first.long())  # distinct targets of each own text
+        return per_own.index_add_(0, pair_own, first.long())
+
+    def _table(self, side: str, width: int, widest: int) -> Tensor:
+        pair_own, pair_target, first = self._distinct_pairs(side)
+        per_own = self._targets_per_own(side)
         own = self.own[side]
-        width, widest = torch.stack([per_own[own].max(), per_own.max()]).tolist()  # the one host read
         # Each distinct pair's slot among its own text's targets (a repeated pair rewrites its first's slot).
         slot = first.long().cumsum(0) - 1 - (per_own.cumsum(0) - per_own)[pair_own]
         by_own = own.new_zeros(self.num_codes, widest)

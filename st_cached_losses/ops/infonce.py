@@ -8,7 +8,7 @@ PyTorch, or Triton) for the per-dim losses and, in the same sweep, the gradients
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -17,6 +17,7 @@ from .backend import REGISTRY
 from .candidates import check_document_present, positives_present
 from .core import check_chunk_size, check_policies, resolve_precision, run_op
 from .duplicates import check_ids
+from .host_read import HostRead, call_backend, prepare_backend
 from .memory import Memory, check_memory
 from .result import InfoNCEOutput, InfoNCEResult
 from .spec import InfoNCESpec
@@ -233,18 +234,24 @@ def matryoshka_infonce(
     guide = None if guide_queries is None else (guide_queries, guide_documents)
     duplicates = (query_ids, document_ids, world_query_ids) if spec.mask_duplicates else None
 
-    def forward(name: str, need_grad: bool) -> InfoNCEResult:
+    def prepare(name: str, need_grad: bool, host: HostRead) -> Callable[[], InfoNCEResult]:
         world = queries if world_queries is None else world_queries
-        result = run_backend(
-            name, queries, documents, world, spec, need_grad, chunk_size, guide, duplicates, memory, document_present
+        options = dict(guide=guide, duplicates=duplicates, memory=memory, document_present=document_present)
+        run = prepare_backend(
+            REGISTRY[OP][name], host, queries, documents, world, spec, need_grad, tile_rows=chunk_size, **options
         )
-        return result if result.grads is None else result._replace(grads=_world_gradient(result.grads, world_queries))
+
+        def result() -> InfoNCEResult:
+            out = run()
+            return out if out.grads is None else out._replace(grads=_world_gradient(out.grads, world_queries))
+
+        return result
 
     return run_op(
         OP,
         spec,
         {"queries": queries, "documents": documents, "world_queries": world_queries},
-        forward,
+        prepare,
         backend=backend,
         nonfinite=nonfinite,
         num_directions=len(spec.directions),
@@ -285,17 +292,9 @@ def run_backend(
         raise ValueError("pass memory (its spec.num_memory banked documents) exactly when spec.num_memory > 0.")
     if spec.absent_documents != (document_present is not None):
         raise ValueError("pass document_present exactly when spec.absent_documents.")
-    return REGISTRY[OP][name].forward(
-        queries,
-        docs,
-        world_queries,
-        spec,
-        need_grad,
-        tile_rows=chunk_size,
-        guide=guide,
-        duplicates=duplicates,
-        memory=memory,
-        document_present=document_present,
+    options = dict(guide=guide, duplicates=duplicates, memory=memory, document_present=document_present)
+    return call_backend(
+        REGISTRY[OP][name], queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size, **options
     )
 
 

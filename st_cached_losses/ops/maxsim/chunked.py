@@ -1,10 +1,9 @@
 """Row-tiled MaxSim InfoNCE: every Matryoshka dim in one sweep, on any device.
 
-A tile of queries (every token position: R = queries x Lq rows, a masked token weighted 0) meets every document in
-blocks. For each block the
-token dot products of all dims come from one GEMM's worth of work, smallest dim first in prefix bands
-[d_{k+1}, d_k): S_K = C[:, :d_K] Q[:, :d_K]^T, S_k = S_{k+1} + C[:, band_k] Q[:, band_k]^T (document tokens as
-rows; ``_Sweep._block_dots``). A cosine document side scales the document tokens by their inverse prefix norms below
+A tile of queries (their R scored tokens, compacted) meets every document in blocks. For each block the token dot
+products of all dims come from one GEMM's worth of work, smallest dim first in prefix bands [d_{k+1}, d_k):
+S_K = C[:, :d_K] Q[:, :d_K]^T, S_k = S_{k+1} + C[:, band_k] Q[:, band_k]^T (document tokens as rows;
+``_Sweep._block_dots``). A cosine document side scales the document tokens by their inverse prefix norms below
 the full dim (S_k then holds <q, ĉ>); a cosine query side's norm is a positive factor of its row, taken out of the max
 and applied to the maxima; the full dim scores the token vectors as given (``MaxSimSpec.normalized``); a masked
 document token's -inf comes in through the smallest band (a bias column), so it leaves every dim's max. Each dim
@@ -21,9 +20,10 @@ that the operands stay bf16 values) and run in TF32 on CUDA but under "ieee" (ex
 else is IEEE fp32 (fp64 for fp64 inputs), whatever the caller's TF32 flag: the prefix norms of the unrounded
 tokens, the weighted sums of the maxima, the LSEs and the gradients' gathers. On a CPU "tf32" computes "ieee".
 
-No host synchronisation: every shape follows from the inputs' shapes (no token compaction, no list of empty
-documents: masked arithmetic), the duplicate mask is a boolean tile (``ops/duplicates.py``), the per-dim gradient
-factors are Python numbers.
+One host read: each tile's count of scored query tokens (R, its GEMMs' rows: a padded token costs nothing), asked
+by :func:`prepare` in the op call's one host synchronisation (``host_read``); the tokens are then compacted with that
+size (``nonzero_static``). Nothing else is read: the empty documents and masked document tokens by masked arithmetic,
+the duplicate mask a boolean tile (``ops/duplicates.py``), the per-dim gradient factors Python numbers.
 
 Memory beyond the inputs and their gradients (budgets, logged with the tile): per tile K x R x M argmaxes (uint8 up
 to 256 document tokens) and two K x (queries) x M fp32 buffers, within ``DEFAULT_TILE_BYTES`` (64 MiB) and at most
@@ -47,6 +47,7 @@ from torch import Tensor
 
 from ..duplicates import DuplicateMask
 from ..gemm import matmul_precision, rounded_operand
+from ..host_read import HostRead
 from ..result import InfoNCEResult
 from ..spec import NORM_EPS
 from .gradients import BACKWARD_BLOCK_BYTES, TileGradients
@@ -106,6 +107,26 @@ def _index_dtype(doc_tokens: int) -> torch.dtype:
     return torch.int16 if doc_tokens <= torch.iinfo(torch.int16).max else torch.int32
 
 
+def prepare(
+    queries: Tensor,
+    documents: Tensor,
+    query_mask: Tensor,
+    document_mask: Tensor,
+    spec: MaxSimSpec,
+    need_grad: bool,
+    tile_queries: int | None = None,
+    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    *,
+    host: HostRead,
+):
+    """:func:`forward`'s first phase (``host_read``): each tile's count of scored query tokens, asked of ``host`` (the
+    op call's one read). Returns the call to run after the read."""
+    rows = _tile_queries(spec, queries, documents, tile_queries)
+    host.ask("scored tokens", _scored_per_tile(query_mask, rows))
+    args = (queries, documents, query_mask, document_mask, spec, need_grad, tile_queries, duplicates)
+    return lambda: forward(*args, scored_tokens=host["scored tokens"])
+
+
 def forward(
     queries: Tensor,
     documents: Tensor,
@@ -115,20 +136,36 @@ def forward(
     need_grad: bool,
     tile_queries: int | None = None,
     duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    scored_tokens: list[int] | None = None,
 ) -> InfoNCEResult:
     """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients of
     ``sum_k w_k L_k`` wrt. queries (B, Lq, D) and documents (M, Ld, D), in their dtype; computes in fp32 (fp64 for
     fp64 inputs), the token GEMMs' operands as ``spec.precision`` says. ``tile_queries``: queries per tile (default:
     ``default_tile_queries``); ``duplicates``: the text ids (query_ids or None, doc_ids, world_query_ids or None) of
-    ``spec.mask_duplicates``."""
+    ``spec.mask_duplicates``; ``scored_tokens``: each tile's count of scored query tokens, as read by
+    :func:`prepare` (None: read here, one host synchronisation)."""
     budgets = budgets_for(queries.device)
-    automatic = default_tile_queries(spec, queries.shape[1], documents.shape[1], budgets.tile_bytes, budgets)
-    rows = min(tile_queries or automatic, spec.batch_size)
+    rows = _tile_queries(spec, queries, documents, tile_queries)
+    if scored_tokens is None:
+        scored_tokens = _scored_per_tile(query_mask, rows).tolist()
     with matmul_precision(False, queries.device):  # IEEE but in the token GEMMs (``_Sweep.token_gemms``)
         sweep = _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, duplicates, budgets)
-        for begin in range(0, spec.batch_size, rows):
-            sweep.tile(begin, min(begin + rows, spec.batch_size))
+        for begin, scored in zip(range(0, spec.batch_size, rows), scored_tokens):
+            sweep.tile(begin, min(begin + rows, spec.batch_size), scored)
         return sweep.result()._replace(tile=_describe(rows, tile_queries is None, budgets))
+
+
+def _tile_queries(spec: MaxSimSpec, queries: Tensor, documents: Tensor, tile_queries: int | None) -> int:
+    """Queries per tile: ``tile_queries``, else :func:`default_tile_queries` with the device's budgets; at most B."""
+    budgets = budgets_for(queries.device)
+    automatic = default_tile_queries(spec, queries.shape[1], documents.shape[1], budgets.tile_bytes, budgets)
+    return min(tile_queries or automatic, spec.batch_size)
+
+
+def _scored_per_tile(query_mask: Tensor, rows: int) -> Tensor:
+    """(tiles,) int64 on the device: the scored tokens of each tile of ``rows`` queries."""
+    counts = query_mask.sum(dim=1)
+    return F.pad(counts, (0, -counts.shape[0] % rows)).view(-1, rows).sum(dim=1)
 
 
 def _describe(rows: int, automatic: bool, budgets: Budgets = CPU_BUDGETS) -> str:
@@ -152,10 +189,8 @@ class _Sweep:
         self.queries = queries.to(dtype).reshape(-1, queries.shape[2])  # (B * Lq, D) token vectors
         self.docs = documents.to(dtype).reshape(-1, documents.shape[2])  # (M * Ld, D)
         device = self.queries.device
-        # Every token position of a tile's queries is a row of its GEMM, a masked one with weight 0 (no token
-        # compaction: its size would be read on the host); each position's query, (B * Lq,).
+        # A tile's scored token positions are the rows of its GEMMs (their count read on the host, ``prepare``).
         self.query_tokens, self.scored = queries.shape[1], query_mask.reshape(-1)
-        self.owner = torch.arange(query_mask.numel(), device=device) // self.query_tokens
         counts = query_mask.sum(dim=1)
         self.denominator = (
             counts.clamp(min=1).to(dtype) if spec.length_normalize else counts.new_ones(counts.shape, dtype=dtype)
@@ -187,25 +222,25 @@ class _Sweep:
         """The token GEMMs' precision: TF32 on CUDA but for "ieee" (bf16-rounded operands are exact in it)."""
         return matmul_precision(self.spec.precision != "ieee", self.queries.device)
 
-    def tile(self, begin: int, end: int) -> None:
-        """Queries [begin, end) against every document: scores, LSEs, loss and (with gradients) their gradients."""
-        spec, count, k = self.spec, end - begin, len(self.spec.dims)
-        tokens = slice(begin * self.query_tokens, end * self.query_tokens)  # R = count * Lq token positions
-        scored = self.scored[tokens]
-        # each token's query in the tile; a masked token's is row ``count``, a row of zeros: no gradient
-        owner = torch.where(scored, self.owner[tokens] - begin, count)
+    def tile(self, begin: int, end: int, scored: int) -> None:
+        """Queries [begin, end), whose ``scored`` tokens are scored, against every document: scores, LSEs, loss and
+        (with gradients) their gradients."""
+        spec, count, k, lq = self.spec, end - begin, len(self.spec.dims), self.query_tokens
+        positions = self.scored[begin * lq : end * lq]
+        tokens = torch.nonzero_static(positions, size=scored).squeeze(1) + begin * lq  # (R,): the size is known
+        owner = torch.div(tokens, lq, rounding_mode="floor") - begin  # each token's query in the tile
         rows = self.queries[tokens]  # (R, D)
         argmax = torch.empty(k, rows.shape[0], spec.num_docs, dtype=_index_dtype(self.doc_tokens), device=rows.device)
-        buffer = rows.new_zeros(k, count + 1, spec.num_docs)
-        scores = buffer[:, :count]
-        self._scores(rows, self._token_weights(scored, tokens, begin, end), scores, argmax)
+        scores = rows.new_zeros(k, count, spec.num_docs)
+        if scored:
+            self._scores(rows, self._token_weights(tokens, owner, begin, end), scores, argmax)
         logits = self._logits(scores, begin, end)  # (K, count, M)
         lse = torch.logsumexp(logits, dim=2)
         local = torch.arange(count, device=logits.device)
         positive = logits[:, local, spec.offset + begin + local]
         self.lse[:, 0, begin:end] = lse
         self.per_dim_sum += (lse - positive).sum(dim=1)
-        if not self.need_grad:
+        if not self.need_grad or not scored:
             return
         # d(w_k L_k) / d(score): the softmax less the label, exactly 0 for a row whose only candidate is its
         # positive (exp(0) = 1) and for an empty document (its score is a constant).
@@ -214,18 +249,16 @@ class _Sweep:
         for factor, plane in zip(self.grad_factors, grad):
             plane.mul_(factor)
         grad.div_(self.denominator[begin:end][None, :, None]).masked_fill_(self.is_empty, 0.0)
-        TileGradients(self, tokens, rows).run(buffer, owner, argmax)
+        TileGradients(self, tokens, rows).run(grad, owner, argmax)
 
-    def _token_weights(self, scored: Tensor, tokens: slice, begin: int, end: int) -> Tensor:
-        """(K, count, R): d score_i / d(maximum of token t), i.e. [t in query i, scored] (1 / ||q_t[:d_k]||) /
-        denominator_i; block-diagonal (query i's Lq positions)."""
-        dims, count, lq = len(self.spec.dims), end - begin, self.query_tokens
-        weights = self.queries.new_zeros(dims, count, count * lq)
-        scale = scored.to(weights.dtype) / self.denominator[begin:end, None].expand(count, lq).reshape(-1)
+    def _token_weights(self, tokens: Tensor, owner: Tensor, begin: int, end: int) -> Tensor:
+        """(K, count, R): d score_i / d(maximum of token t), i.e. [t in query i] (1 / ||q_t[:d_k]||) /
+        denominator_i."""
+        weights = self.queries.new_zeros(len(self.spec.dims), end - begin, tokens.shape[0])
+        scale = self.denominator[begin:end][owner].reciprocal()
         if self.query_inv is not None:
             scale = self.query_inv[:, tokens] * scale
-        diagonal = torch.diagonal(weights.view(dims, count, count, lq), dim1=1, dim2=2)  # (K, Lq, count)
-        diagonal.copy_(scale.expand(dims, -1).view(dims, count, lq).transpose(1, 2))
+        weights[:, owner, torch.arange(tokens.shape[0], device=tokens.device)] = scale
         return weights
 
     def _scores(self, rows: Tensor, weights: Tensor, scores: Tensor, argmax: Tensor) -> None:

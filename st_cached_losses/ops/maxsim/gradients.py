@@ -30,7 +30,7 @@ _BYTES_PER_ENTRY = 4 + 2 * 4 + 8
 class TileGradients:
     """Accumulates one tile's query and document gradients into the sweep's (``sweep.grads``)."""
 
-    def __init__(self, sweep, tokens: slice, rows: Tensor):
+    def __init__(self, sweep, tokens: Tensor, rows: Tensor):
         self.sweep, self.tokens, self.rows = sweep, tokens, rows
         spec = sweep.spec
         self.query_inv = None if sweep.query_inv is None else sweep.query_inv[:, tokens]  # (K, R)
@@ -45,9 +45,9 @@ class TileGradients:
         return x[:, :dim].contiguous() if inv is None else x[:, :dim] * inv[:, None]
 
     def run(self, grad: Tensor, owner: Tensor, argmax: Tensor) -> None:
-        """``grad``: (K, count + 1, M) d loss / d score_ij (divided by the query's denominator: each of its tokens'
-        weight w; its last row zeros), ``owner``: (R,) each token's query (a masked token's: the zero row),
-        ``argmax``: (K, R, M) the argmaxes u* of the tile."""
+        """``grad``: (K, count, M) d loss / d score_ij (divided by the query's denominator: each of its tokens'
+        weight w), ``owner``: (R,) each scored token's query in the tile, ``argmax``: (K, R, M) the argmaxes u* of
+        the tile."""
         spec, width = self.sweep.spec, self.sweep.doc_tokens
         entries = len(spec.dims) * self.rows.shape[0] * _BYTES_PER_ENTRY + 2 * width * self.rows.shape[1] * 4
         block = max(1, self.sweep.budgets.backward_block_bytes // entries)
@@ -97,12 +97,13 @@ class TileGradients:
                 doc_grad[:, :dim].addcmul_(bags, inv[:, None]).addcmul_(unit_docs, along[:, None], value=-1.0)
 
     def _finish_rows(self) -> None:
-        total = self.sweep.grads[0][self.tokens]  # zeros: each token is in one tile
+        total = torch.zeros_like(self.rows)
         for k, dim in enumerate(self.sweep.spec.dims):
             grad = self.row_grads[k]
             if self.sweep.query_normalized[k]:
                 _project(grad, self.unit_rows[k], self.query_inv[k])
             total[:, :dim] += grad
+        self.sweep.grads[0].index_copy_(0, self.tokens, total)  # each token is in one tile
 
 
 def _project(grad: Tensor, unit: Tensor, inv: Tensor) -> None:

@@ -9,12 +9,13 @@ the weighted loss wrt. both inputs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
 from ..backend import REGISTRY
 from ..core import check_chunk_size, check_policies, resolve_precision, run_op
+from ..host_read import HostRead, call_backend, prepare_backend
 from ..result import InfoNCEOutput, InfoNCEResult
 from .spec import MaxSimSpec
 
@@ -163,16 +164,21 @@ def maxsim_infonce(
     spec = dataclasses.replace(spec, precision=resolve_precision(precision, queries))
     duplicates = (query_ids, document_ids, world_query_ids) if spec.mask_duplicates else None
 
-    def forward(name: str, need_grad: bool) -> InfoNCEResult:
+    def prepare(name: str, need_grad: bool, host: HostRead) -> Callable[[], InfoNCEResult]:
         args = (queries, documents, query_mask, document_mask, spec, need_grad, chunk_size, duplicates)
-        result = run_backend(name, *args)
-        return result if result.grads is None else result._replace(grads=result.grads[:2])
+        run = prepare_backend(REGISTRY[OP][name], host, *args)
+
+        def result() -> InfoNCEResult:
+            out = run()
+            return out if out.grads is None else out._replace(grads=out.grads[:2])
+
+        return result
 
     return run_op(
         OP,
         spec,
         {"queries": queries, "documents": documents},
-        forward,
+        prepare,
         backend=backend,
         nonfinite=nonfinite,
         supports=lambda name: REGISTRY[OP][name].unsupported(spec) is None,
@@ -183,6 +189,5 @@ def run_backend(name, queries, documents, query_mask, document_mask, spec, need_
     """One backend's forward by name (the tests compare them on the same inputs); masks boolean."""
     if name not in REGISTRY[OP]:
         raise ValueError(f"Unknown backend {name!r}: choose from {tuple(REGISTRY[OP])}.")
-    return REGISTRY[OP][name].forward(
-        queries, documents, query_mask, document_mask, spec, need_grad, chunk_size, duplicates
-    )
+    args = (queries, documents, query_mask, document_mask, spec, need_grad, chunk_size, duplicates)
+    return call_backend(REGISTRY[OP][name], *args)

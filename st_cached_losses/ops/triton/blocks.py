@@ -20,17 +20,8 @@ so nothing is recomputed; no atomics (deterministic). R comes from a byte budget
 column accumulator, so fewer blocks are cheaper, while the planes' bytes are the same whatever R); elsewhere
 :data:`BLOCK_BYTES` (256 MiB).
 
-The estimate (H100 SXM: 782 TFLOP/s measured for bf16 ``torch.mm``, 3.35 TB/s HBM3; query_to_doc, M = B columns,
-D = 768, dims 768/512/256/128/64, K = 5; R from :func:`plan_rows` at the 4 GiB budget, >= 16 GiB free):
-
-====================================  =========================  =========================
-bf16                                  B = 16384                  B = 65536
-====================================  =========================  =========================
-FLOP floor 6 B^2 D (scores, dQ, dC)   1.24 TFLOP, 1.58 ms        19.8 TFLOP, 25.3 ms
-planes: 6 p K bytes per (row, col)    16.1 GB, 4.8 ms            258 GB, 77 ms
-fp32 dC accumulator, 8 M D per block  R = B, 1 block: 0.03 ms    R = 5632, 12: 4.8 GB, 1.4 ms
-predicted (bytes-bound)               ~5-5.5 ms (target 6)       ~80-85 ms (target 100)
-====================================  =========================  =========================
+The estimate (H100 SXM, D = 768, five dims; its table is docs/design.md's "The CUDA estimate"): bf16 at B = 16384
+~5-5.5 ms (FLOP floor 1.58 ms, the planes' bytes 4.8 ms, one block), at B = 65536 ~80-85 ms (12 blocks).
 
 Each band plane is written by its GEMM, read by both passes, rewritten as G and read by both gradient GEMMs: 6 p K
 = 60 bytes per (row, column) for bf16 planes (p = 2), against 6 D FLOPs = 20 bytes' worth at the card's balance
@@ -45,7 +36,9 @@ Triton score GEMM's epilogue (-p K bytes per (row, column): -0.8 ms at 16384, -1
 Launches per block and direction: K score GEMMs, the pass kernel twice, 2K gradient GEMMs; per block the rows
 kernel, the finishing kernel and 3 small torch ops: 3K + 7 = 22 at K = 5. Per call 37 more (prefix norms, buffers,
 the columns' finishing): 301 at B = 16384 in 12 blocks of 256 MiB (counted by tests/test_triton.py), 59 in the one
-block of a CUDA budget of 4 GiB; no host synchronisation (``torch.cuda.mem_get_info`` is a driver query).
+block of a CUDA budget of 4 GiB; no host synchronisation of its own (``torch.cuda.mem_get_info`` is a driver query):
+with duplicate ids the kernels' table of forbidden text codes takes its width from the op call's one host read
+(:func:`prepare`).
 """
 
 from __future__ import annotations
@@ -58,17 +51,28 @@ from torch import Tensor
 
 from .. import own
 from ..candidates import Candidates
+from ..duplicates import DuplicateMask
 from ..errors import TritonUnavailableError
 from ..gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
+from ..host_read import HostRead
 from ..result import InfoNCEResult
 from ..spec import DIRECTIONS, NORM_EPS, InfoNCESpec
 from .fused import MAX_DIMS
 from .launch_errors import describe_error, is_launch_error
-from .passes import Direction, Launcher, config, constants, padded
+from .passes import Direction, Launcher, config, device_constants, padded
 from .probe import unusable_reason
 from .rows import BLOCK_BYTES, CUDA_BLOCK_BYTES, block_bytes, plan_rows
 
-__all__ = ["BLOCK_BYTES", "CUDA_BLOCK_BYTES", "MAX_DIMS", "block_bytes", "forward", "plan_rows", "unsupported"]
+__all__ = [
+    "BLOCK_BYTES",
+    "CUDA_BLOCK_BYTES",
+    "MAX_DIMS",
+    "block_bytes",
+    "forward",
+    "plan_rows",
+    "prepare",
+    "unsupported",
+]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -99,6 +103,7 @@ def forward(
 
     Args: as ``chunked.forward`` (queries (B, D), docs (M, D), world_queries (Bw, D); CUDA tensors, or CPU ones
     under ``TRITON_INTERPRET=1``); ``tile_rows``: rows per block (default :func:`plan_rows`'s budget);
+    ``duplicates``: the text ids, or their ``DuplicateMask`` with its table's sizes read (:func:`prepare`);
     ``document_present``: (M,) bool, the absent documents masked in the pass kernel (its column mask, constexpr
     ABSENT). Without in-batch negatives it runs ``own.forward``, as the chunked backend does: the own documents are
     (n, B) row-wise dot products, bandwidth-bound passes with no B x M score plane for the kernels to fuse.
@@ -133,23 +138,21 @@ def forward(
         raise TritonUnavailableError(describe_error(error)) from error
 
 
-def _constants(spec: InfoNCESpec, device: torch.device, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """The dims (K,) int32, each dim's gradient coefficient w_k * scale / B (K,) and the kernels' scalars
-    (``passes.constants``): copied to the device once per problem, not once per call (a host-to-device copy per
-    mini-batch that stock does not make)."""
-    coef = tuple(w * spec.scale / spec.batch_size for w in spec.weights)
-    return _device_constants(spec.dims, coef, tuple(constants(spec)), device, acc)
+def prepare(*args, duplicates=None, host: HostRead, **options):
+    """:func:`forward`'s first phase (``host_read``; its arguments, the options by keyword): with duplicate ids the
+    kernels' table of each row's forbidden text codes needs its width on the host, which ``host`` reads with the op
+    call's other values. Returns the call to run after the read."""
+    spec = args[3]
+    if duplicates is None or not spec.in_batch_negatives:
+        return functools.partial(forward, *args, duplicates=duplicates, **options)
+    mask = DuplicateMask.build(spec, *duplicates, memory=options.get("memory"))
+    host.ask("forbidden table", mask.table_sizes())
 
+    def run() -> InfoNCEResult:
+        mask.read_sizes = host["forbidden table"]
+        return forward(*args, duplicates=mask, **options)
 
-# Keyed on the values alone (the dims drawn, not the rest of the spec): every subset a run with n_dims_per_step draws
-# (at most C(8, 4) = 70 of MAX_DIMS dims) stays cached, for a few batch sizes and scales at once.
-@functools.lru_cache(maxsize=256)
-def _device_constants(dims: tuple, coef: tuple, consts: tuple, device: torch.device, acc: torch.dtype):
-    return (
-        torch.tensor(dims, dtype=torch.int32, device=device),
-        torch.tensor(coef, dtype=acc, device=device),
-        torch.tensor(consts, dtype=acc, device=device),
-    )
+    return run
 
 
 @dataclass
@@ -188,7 +191,7 @@ class _Sweep:
         self.doc_inv = self.operands["c"].inv
         if self.memory is not None and spec.cosine:  # banked columns follow the docs'
             self.doc_inv = torch.cat([self.doc_inv, self.memory.inv], dim=1)
-        self.dims, self.coef, consts = _constants(spec, self.device, acc)
+        self.dims, self.coef, consts = device_constants(spec, self.device, acc)
         self.launcher = Launcher(spec, self.device, acc, consts)
         bounds = (*spec.dims, 0)
         self.bands = [(k, bounds[k + 1], bounds[k]) for k in range(len(spec.dims))]

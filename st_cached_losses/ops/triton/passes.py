@@ -4,6 +4,7 @@ arguments. ``blocks.py`` drives them; :data:`CONFIGS` is what the compile report
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from .fused import (
 )
 from .launch import launch
 
-__all__ = ["CONFIGS", "Direction", "Launcher", "config", "constants", "kernel_variants", "padded"]
+__all__ = ["CONFIGS", "Direction", "Launcher", "config", "constants", "device_constants", "kernel_variants", "padded"]
 
 # (BM, BN) tiles of 8 warps: 8 elements per thread, one 16-byte load per bf16 plane (two for fp32). Checked with
 # ptxas for sm_90 (tests/test_triton.py): no spills at K = 8.
@@ -91,6 +92,25 @@ def config(kind: str) -> dict:
 def constants(spec: InfoNCESpec) -> list[float]:
     """The kernels' CONST: scale and hardness strength in log2 units, scale, ln 2, log2(directions)."""
     return [spec.scale * LOG2E, spec.hardness_strength * LOG2E, spec.scale, LN2, math.log2(len(spec.directions))]
+
+
+def device_constants(spec: InfoNCESpec, device: torch.device, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The dims (K,) int32, each dim's gradient coefficient w_k * scale / B (K,) and the kernels' scalars
+    (``passes.constants``): copied to the device once per problem, not once per call (a host-to-device copy per
+    mini-batch that stock does not make)."""
+    coef = tuple(w * spec.scale / spec.batch_size for w in spec.weights)
+    return _device_constants(spec.dims, coef, tuple(constants(spec)), device, acc)
+
+
+# Keyed on the values alone (the dims drawn, not the rest of the spec): every subset a run with n_dims_per_step draws
+# (at most C(8, 4) = 70 of MAX_DIMS dims) stays cached, for a few batch sizes and scales at once.
+@functools.lru_cache(maxsize=256)
+def _device_constants(dims: tuple, coef: tuple, consts: tuple, device: torch.device, acc: torch.dtype):
+    return (
+        torch.tensor(dims, dtype=torch.int32, device=device),
+        torch.tensor(coef, dtype=acc, device=device),
+        torch.tensor(consts, dtype=acc, device=device),
+    )
 
 
 class Launcher:
