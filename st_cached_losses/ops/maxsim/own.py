@@ -155,11 +155,11 @@ class _Sweep:
         d_c.scatter_add_(1, token[:, :, None].expand(-1, -1, dim), contributions)
         gv = g * values  # the normalisations' share: g v, per query token and per document token
         if spec.normalized("query")[k]:
-            d_q -= (gv.sum(dim=2) * a * a)[..., None] * q[..., :dim]
+            d_q.addcmul_((gv.sum(dim=2) * a * a)[..., None], q[..., :dim], value=-1.0)
         if spec.normalized("document")[k]:
             per_token = torch.zeros(count, self.n * self.ld, dtype=g.dtype, device=g.device)
-            per_token.scatter_add_(1, token, gv.reshape(count, -1))
-            d_c -= (per_token * self.inv_c[k, rows] ** 2)[..., None] * c[..., :dim]
+            per_token.scatter_add_(1, token, gv.reshape(count, -1)).mul_(self.inv_c[k, rows].square())
+            d_c.addcmul_(per_token[..., None], c[..., :dim], value=-1.0)
 
     def result(self, share: Tensor | None) -> InfoNCEResult:
         spec = self.spec
