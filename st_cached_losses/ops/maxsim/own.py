@@ -52,7 +52,8 @@ def forward(
 ) -> InfoNCEResult:
     """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients (d queries,
     d documents, None) of ``sum_k w_k L_k`` without in-batch negatives, in the inputs' dtype; arguments as the chunked
-    backend's. d documents is zero outside this rank's own documents. Memory: the gradients, and per tile of
+    backend's. d documents is zero outside this rank's own documents. Memory: the gradients, the own documents in
+    each query's order (B, n Ld, D) and their gradient's accumulator, both in the accumulation dtype, and per tile of
     ``tile_queries`` queries (default: within ``TILE_BYTES``) O(queries x Lq x n x Ld) floats."""
     problem = spec.infonce_spec()
     acc = accumulation_dtype(queries.dtype)
@@ -75,9 +76,9 @@ class _Sweep:
         self.spec, self.need_grad, self.input_dtype, self.acc = spec, need_grad, queries.dtype, acc
         self.n, (self.lq, self.ld, dim) = problem.num_columns, (queries.shape[1], *documents.shape[1:])
         self.q = queries.to(acc)  # (B, Lq, D)
-        own_docs = own.own_documents(documents, problem)  # (n, B, Ld, D) view
+        own_docs = own.own_documents(documents.contiguous(), problem)  # (n, B, Ld, D) view
         self.c = own_docs.transpose(0, 1).reshape(spec.batch_size, self.n * self.ld, dim).to(acc)
-        doc_mask = own.own_documents(document_mask, problem).transpose(0, 1)  # (B, n, Ld)
+        doc_mask = own.own_documents(document_mask.contiguous(), problem).transpose(0, 1)  # (B, n, Ld)
         self.doc_bias = torch.zeros(doc_mask.shape, dtype=acc, device=self.q.device)
         self.doc_bias.masked_fill_(~doc_mask, float("-inf"))
         self.doc_bias = self.doc_bias.view(spec.batch_size, 1, -1)  # (B, 1, n Ld): out of every max
