@@ -22,6 +22,8 @@ re-normalises. Computes in fp32 (fp64 for fp64 inputs), the token GEMMs' operand
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -33,10 +35,8 @@ from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec, inverse_prefix_norms
 
 __all__ = ["forward"]
 
-# A tile's budget (the chunked backend's on a CPU), and the values it holds per (query token, own document token):
-# the raw products, one dim's scaled copy and the max's temporaries.
+# A tile's budget (the chunked backend's on a CPU).
 TILE_BYTES = 64 * 2**20
-_VALUES_PER_TOKEN_PAIR = 3
 
 
 def forward(
@@ -52,9 +52,9 @@ def forward(
 ) -> InfoNCEResult:
     """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients (d queries,
     d documents, None) of ``sum_k w_k L_k`` without in-batch negatives, in the inputs' dtype; arguments as the chunked
-    backend's. d documents is zero outside this rank's own documents. Memory: the gradients, the own documents in
-    each query's order (B, n Ld, D) and their gradient's accumulator, both in the accumulation dtype, and per tile of
-    ``tile_queries`` queries (default: within ``TILE_BYTES``) O(queries x Lq x n x Ld) floats."""
+    backend's. d documents is zero outside this rank's own documents. Memory: the gradients, and per tile of
+    ``tile_queries`` queries (default: within ``TILE_BYTES``) O(queries x Lq x n x Ld) floats and a copy of its own
+    documents (and their gradient) in its queries' order."""
     problem = spec.infonce_spec()
     acc = accumulation_dtype(queries.dtype)
     excluded, removed = own.excluded_documents(queries, None, problem, None, duplicates, document_present)  # (n, B)
@@ -70,58 +70,61 @@ def forward(
 
 
 class _Sweep:
-    """The operands (the own documents as (B, n Ld, D) per query), the masks, the accumulators, then the tiles."""
+    """The operands, the per-query tables and the accumulators; then the tiles, each with its own documents in its
+    queries' order (queries, n Ld, D): a copy per tile, never of all the documents."""
 
     def __init__(self, queries, documents, query_mask, document_mask, spec, problem, need_grad, acc):
         self.spec, self.need_grad, self.input_dtype, self.acc = spec, need_grad, queries.dtype, acc
-        self.n, (self.lq, self.ld, dim) = problem.num_columns, (queries.shape[1], *documents.shape[1:])
+        self.n, (self.lq, self.ld) = problem.num_columns, (queries.shape[1], documents.shape[1])
         self.q = queries.to(acc)  # (B, Lq, D)
-        own_docs = own.own_documents(documents.contiguous(), problem)  # (n, B, Ld, D) view
-        self.c = own_docs.transpose(0, 1).reshape(spec.batch_size, self.n * self.ld, dim).to(acc)
-        doc_mask = own.own_documents(document_mask.contiguous(), problem).transpose(0, 1)  # (B, n, Ld)
-        self.doc_bias = torch.zeros(doc_mask.shape, dtype=acc, device=self.q.device)
-        self.doc_bias.masked_fill_(~doc_mask, float("-inf"))
-        self.doc_bias = self.doc_bias.view(spec.batch_size, 1, -1)  # (B, 1, n Ld): out of every max
-        self.empty = ~doc_mask.any(dim=2)  # (B, n)
+        self.own_docs = own.own_documents(documents.contiguous(), problem)  # (n, B, Ld, D) view
+        self.own_mask = own.own_documents(document_mask.contiguous(), problem)  # (n, B, Ld) view
         counts = query_mask.sum(dim=1).to(acc)
         self.denominator = counts.clamp(min=1) if spec.length_normalize else torch.ones_like(counts)
         self.token_weight = query_mask.to(acc) / self.denominator[:, None]  # (B, Lq): d score / d max
         self.inv_q = _norms(self.q, spec, "query")  # (K, B, Lq) or None
-        self.inv_c = _norms(self.c, spec, "document")  # (K, B, n Ld) or None
         self.per_dim_sum = torch.zeros(len(spec.dims), dtype=acc, device=self.q.device)
         self.lse = torch.empty(len(spec.dims), 1, spec.batch_size, dtype=acc, device=self.q.device)
         self.d_q = torch.zeros_like(self.q) if need_grad else None
-        self.d_c = torch.zeros_like(self.c) if need_grad else None
-        self.documents, self.problem = documents, problem
+        # each own document belongs to one query, so one tile writes its gradient, once, in the inputs' dtype
+        self.d_docs = torch.zeros(documents.shape, dtype=queries.dtype, device=queries.device) if need_grad else None
 
     def default_tile(self) -> int:
-        per_query = 4 * _VALUES_PER_TOKEN_PAIR * self.lq * self.n * self.ld
+        """Queries per tile within ``TILE_BYTES``: per query and own document, fp32 values for three (query token,
+        document token) planes (the raw products, a dim's scaled copy, the max's temporaries), its token vectors and
+        their gradient, and the two (query token, D) planes of the backward's gathers."""
+        lq, ld, dim = self.lq, self.ld, self.q.shape[2]
+        per_query = 4 * self.n * (3 * lq * ld + 2 * ld * dim + 2 * lq * dim)
         return max(1, TILE_BYTES // per_query)
 
     def tile(self, begin: int, end: int, excluded: Tensor, live: Tensor) -> None:
         """Queries [begin, end) against their own documents: every dim's scores, LSEs, loss and gradients.
         ``excluded`` (count, n): the documents a query does not score; ``live`` (count,): the rows with a loss."""
-        spec, rows = self.spec, slice(begin, end)
-        q, c = self.q[rows], self.c[rows]
-        q_op, c_op = rounded_operand(q, spec.precision), rounded_operand(c, spec.precision)
+        spec, rows, count = self.spec, slice(begin, end), end - begin
+        docs = _TileDocuments(self, rows, count)
+        q = self.q[rows]
+        q_op, c_op = rounded_operand(q, spec.precision), rounded_operand(docs.c, spec.precision)
         bounds, raw = (*spec.dims, 0), None
         for k in range(len(spec.dims) - 1, -1, -1):  # the smallest band first: each dim adds its band
             lo, hi = bounds[k + 1], bounds[k]
             with matmul_precision(spec.precision != "ieee", q.device):
                 band = torch.bmm(q_op[..., lo:hi], c_op[..., lo:hi].transpose(1, 2))
             raw = band if raw is None else raw.add_(band)
-            self._dim(k, raw, q, c, rows, excluded, live)
+            self._dim(k, raw, q, docs, rows, excluded, live)
+        if self.need_grad:
+            d_own = own.own_documents(self.d_docs, self.spec.infonce_spec())[:, rows]
+            d_own.copy_(docs.d_c.view(count, self.n, self.ld, -1).transpose(0, 1))
 
-    def _dim(self, k, raw, q, c, rows, excluded, live) -> None:
+    def _dim(self, k, raw, q, docs, rows, excluded, live) -> None:
         """Dim k of the tile from its raw prefix products ``raw`` (count, Lq, n Ld)."""
         spec, count = self.spec, raw.shape[0]
-        sims = raw + self.doc_bias[rows]
+        sims = raw + docs.bias
         if self.inv_q is not None:
             sims.mul_(self.inv_q[k, rows, :, None])
-        if self.inv_c is not None:
-            sims.mul_(self.inv_c[k, rows, None, :])
+        if docs.inv_c is not None:
+            sims.mul_(docs.inv_c[k, :, None, :])
         values, argmax = sims.view(count, self.lq, self.n, self.ld).max(dim=3)  # (count, Lq, n)
-        empty = self.empty[rows]
+        empty = docs.empty
         values.masked_fill_(empty[:, None, :], 0.0)  # an empty document's -inf: its score is stock's constant
         scores = torch.einsum("it,itj->ij", self.token_weight[rows], values)
         scores += empty * (EMPTY_DOCUMENT_SCORE / self.denominator[rows, None])
@@ -138,19 +141,19 @@ class _Sweep:
         grad.mul_(live[:, None].to(grad.dtype) * (spec.weights[k] * spec.scale / spec.batch_size))
         grad.masked_fill_(empty, 0.0)
         g = self.token_weight[rows, :, None] * grad[:, None, :]  # (count, Lq, n): d loss / d maximum
-        self._backward(k, g, values, argmax, q, c, rows)
+        self._backward(k, g, values, argmax, q, docs, rows)
 
-    def _backward(self, k, g, values, argmax, q, c, rows) -> None:
+    def _backward(self, k, g, values, argmax, q, docs, rows) -> None:
         """The maxima's gradient ``g`` (count, Lq, n) into the tile's query tokens and their argmax document tokens,
         on dim k's prefix."""
-        spec, dim, count = self.spec, self.spec.dims[k], g.shape[0]
+        spec, dim, count, c = self.spec, self.spec.dims[k], g.shape[0], docs.c
         token = (argmax + torch.arange(self.n, device=g.device) * self.ld).view(count, -1)  # (count, Lq n) in n Ld
         a = None if self.inv_q is None else self.inv_q[k, rows]  # (count, Lq)
-        b = None if self.inv_c is None else self.inv_c[k, rows].gather(1, token).view_as(g)  # (count, Lq, n)
+        b = None if docs.inv_c is None else docs.inv_c[k].gather(1, token).view_as(g)  # (count, Lq, n)
         scale = g if a is None else g * a[:, :, None]
         scale = scale if b is None else scale * b
         picked = c[..., :dim].gather(1, token[:, :, None].expand(-1, -1, dim)).view(count, self.lq, self.n, dim)
-        d_q, d_c = self.d_q[rows, :, :dim], self.d_c[rows, :, :dim]
+        d_q, d_c = self.d_q[rows, :, :dim], docs.d_c[..., :dim]
         d_q += torch.einsum("itj,itjd->itd", scale, picked)
         contributions = (scale[..., None] * q[:, :, None, :dim]).view(count, -1, dim)  # per (token, document)
         d_c.scatter_add_(1, token[:, :, None].expand(-1, -1, dim), contributions)
@@ -159,19 +162,28 @@ class _Sweep:
             d_q.addcmul_((gv.sum(dim=2) * a * a)[..., None], q[..., :dim], value=-1.0)
         if spec.normalized("document")[k]:
             per_token = torch.zeros(count, self.n * self.ld, dtype=g.dtype, device=g.device)
-            per_token.scatter_add_(1, token, gv.reshape(count, -1)).mul_(self.inv_c[k, rows].square())
+            per_token.scatter_add_(1, token, gv.reshape(count, -1)).mul_(docs.inv_c[k].square())
             d_c.addcmul_(per_token[..., None], c[..., :dim], value=-1.0)
 
     def result(self, share: Tensor | None) -> InfoNCEResult:
-        spec = self.spec
-        per_dim = self.per_dim_sum / spec.batch_size
-        grads = None
-        if self.need_grad:
-            d_docs = torch.zeros(self.documents.shape, dtype=self.input_dtype, device=self.q.device)
-            own_grads = self.d_c.view(spec.batch_size, self.n, self.ld, -1).transpose(0, 1)
-            own.own_documents(d_docs, self.problem).copy_(own_grads)
-            grads = (self.d_q.to(self.input_dtype), d_docs, None)
+        per_dim = self.per_dim_sum / self.spec.batch_size
+        grads = None if not self.need_grad else (self.d_q.to(self.input_dtype), self.d_docs, None)
         return InfoNCEResult(per_dim, self.lse, grads, masked_share=share)
+
+
+class _TileDocuments:
+    """A tile's own documents: token vectors ``c`` (count, n Ld, D) in the accumulation dtype, the masked tokens'
+    ``bias`` (count, 1, n Ld) (-inf: out of every max), the ``empty`` documents (count, n), the inverse prefix norms
+    ``inv_c`` (K, count, n Ld) or None, and their gradient's accumulator ``d_c``."""
+
+    def __init__(self, sweep: _Sweep, rows: slice, count: int):
+        docs, mask = sweep.own_docs[:, rows], sweep.own_mask[:, rows]
+        self.c = docs.transpose(0, 1).reshape(count, sweep.n * sweep.ld, -1).to(sweep.acc)
+        tokens = mask.transpose(0, 1).reshape(count, 1, -1)
+        self.bias = torch.zeros(tokens.shape, dtype=sweep.acc, device=tokens.device).masked_fill_(~tokens, -math.inf)
+        self.empty = ~mask.any(dim=2).T
+        self.inv_c = _norms(self.c, sweep.spec, "document")
+        self.d_c = torch.zeros_like(self.c) if sweep.need_grad else None
 
 
 def _norms(x: Tensor, spec: MaxSimSpec, side: str) -> Tensor | None:
