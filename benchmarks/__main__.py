@@ -4,8 +4,8 @@ python -m benchmarks                          # everything committed: train_step
                                               # loss_stage (1 and 2 threads, GISTEmbed, mask_duplicates,
                                               # in-batch negatives on and off),
                                               # compile_step, integrations, scale_out, memory_bank,
-                                              # multivector_loss_stage, multivector_train_step,
-                                              # loss_precision (op loss ndcg)
+                                              # multivector_loss_stage (and in-batch negatives on and off),
+                                              # multivector_train_step, loss_precision (op loss ndcg)
 python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
 python -m benchmarks loss_stage [FLAGS...]
 python -m benchmarks compile_step [FLAGS...]  # torch.compile against eager (inductor: C++ compiles, minutes)
@@ -87,6 +87,10 @@ EVERYTHING = (
     ("scale_out", []),
     ("memory_bank", ["loss-stage", "step", "ndcg"]),
     ("multivector_loss_stage", ["--sizes", "256", "512", "1024", "--stock-budget", "120"]),
+    (
+        "multivector_loss_stage",
+        ["--in-batch-negatives", "--sizes", "256", "512", "1024", "8192", "--negatives", "3", "--doc-tokens", "128"],
+    ),
     ("multivector_train_step", ["--contenders", "ours", "ours_kept", "stock", "--repeats", "2"]),
     ("loss_precision", ["op", "loss", "ndcg"]),
 )

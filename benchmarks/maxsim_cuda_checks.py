@@ -34,7 +34,8 @@ class MaxSimCase:
     ``batch`` documents of ``doc_tokens`` (1 = the positives only), token dim ``dim``; ``options``: the op's keywords
     (similarity, length_normalize, scale, weights). About a fifth of the tokens on each side is masked (a query keeps
     its first token) and the last document has no scored token; ``duplicates``: every fourth query repeats the text
-    of the one before it (the duplicate mask's ids)."""
+    of the one before it (the duplicate mask's ids); ``absent``: every third hard negative is absent
+    (``document_present``)."""
 
     name: str
     batch: int
@@ -44,6 +45,7 @@ class MaxSimCase:
     dims: tuple[int, ...]
     columns: int = 1
     duplicates: bool = False
+    absent: bool = False
     options: dict = field(default_factory=dict)
     precisions: tuple[str, ...] = tuple(PRECISIONS)
 
@@ -75,6 +77,14 @@ class MaxSimCase:
         texts[3::4] -= 1  # query 4k + 3 has the text of query 4k + 2
         documents = torch.cat([texts + self.batch * (1 + c) for c in range(self.columns)])
         return {"query_ids": texts, "document_ids": documents}
+
+    def presence(self, device) -> dict[str, torch.Tensor]:
+        """``document_present`` (every third hard negative absent), or {} without ``absent``."""
+        if not self.absent:
+            return {}
+        present = torch.ones(self.num_docs, dtype=torch.bool, device=device)
+        present[self.batch :: 3] = False
+        return {"document_present": present}
 
     def truth_bytes(self) -> int:
         """float64 bytes of the dense backend's largest dim: the token similarities, their masked copy, the max's
@@ -125,6 +135,31 @@ def maxsim_cases(size: str = "full") -> list[MaxSimCase]:
             duplicates=True,
             options=dict(similarity=("cosine", "dot"), scale=20.0),
         ),
+        # Absent hard negatives (issue 45): their logits at -inf between the Triton kernels.
+        MaxSimCase(
+            "maxsim_absent_hard_negatives",
+            n(96, 6),
+            n(32, 4),
+            n(128, 8),
+            dims[0],
+            dims[:2],
+            columns=3,
+            absent=True,
+            options=dict(scale=20.0),
+        ),
+        # In-batch negatives off (each query against its own documents: ops/maxsim/own.py), absent ones, duplicates.
+        MaxSimCase(
+            "maxsim_own_documents",
+            n(128, 8),
+            n(32, 4),
+            n(128, 8),
+            dims[0],
+            dims,
+            columns=4,
+            duplicates=True,
+            absent=True,
+            options=dict(scale=20.0, in_batch_negatives=False),
+        ),
     ]
 
 
@@ -146,6 +181,7 @@ def outputs(queries, docs, query_mask, document_mask, case: MaxSimCase, backend:
     leaves = [queries.detach().clone().requires_grad_(), docs.detach().clone().requires_grad_()]
     ids = {k: v.to(queries.device) for k, v in case.ids(queries.device).items()}
     masks = {"query_mask": query_mask.to(queries.device), "document_mask": document_mask.to(queries.device)}
+    ids |= case.presence(queries.device)
     out = maxsim_infonce(*leaves, **masks, dims=list(case.dims), backend=backend, **case.options, **ids, **extra)
     out.loss.backward()
     result = {"loss": out.loss.detach().double(), "per_dim": out.per_dim.double()}

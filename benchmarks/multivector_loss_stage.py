@@ -12,6 +12,16 @@ against every document, in blocks of 1024 x 1024 tokens (one GEMM's work, nothin
                                                            # hard negative, 2 threads; stock up to B = 1024
     python -m benchmarks.multivector_loss_stage --quick --sizes 256 --doc-tokens 128 --negatives 0   # side by side
 
+    python -m benchmarks.multivector_loss_stage --in-batch-negatives --sizes 256 512 1024 8192 --negatives 3
+                                                           # in-batch negatives on vs off (issue 45)
+
+With --in-batch-negatives ``maxsim_infonce`` (chunked, the four ``--dims``, Ld the first ``--doc-tokens``, the first
+``--negatives`` hard-negative columns) runs with in-batch negatives on ("in_batch"), off ("own_only":
+``in_batch_negatives=False``, each query against its own documents) and off with a third of the hard negatives absent
+("own_only_absent": ``document_present``), timed alternately; in-batch only up to ``--in-batch-max-batch`` (its work
+grows as B x M: at B = 8192 with 3 negatives it would take hours on a CPU), its time at larger B extrapolated as B^2 in
+the printed table (marked "~"). CSV and PNG: multivector_loss_stage_in_batch_negatives.*.
+
 One CSV (contender, B, metric, value, ...; metrics prefixed by the shape, e.g. ``Ld128_pairs/seconds_median``) and
 one PNG per shape under benchmarks/results/. Stock is skipped at a B where its predicted time (its last measured
 time times the growth of B x M) exceeds ``--stock-budget`` seconds; the profiler's exact peak, which replays every
@@ -102,6 +112,71 @@ def run(args) -> list[tuple]:
     return rows
 
 
+def in_batch_contest(args) -> list[tuple]:
+    """Rows of (contender, B, metric, value): in-batch negatives on ("in_batch", up to ``args.in_batch_max_batch``),
+    off ("own_only") and off with every third hard negative absent ("own_only_absent"), four dims, timed alternately
+    (one untimed call each first), then each one's exact tensor peak (up to ``args.peak_max_batch``)."""
+    doc_tokens, negatives, rows = args.doc_tokens[0], args.negatives[0], []
+    for batch in args.sizes:
+        inputs = problem(batch, args.query_tokens, doc_tokens, args.dim, negatives)
+        present = torch.ones(inputs[1].shape[0], dtype=torch.bool)
+        present[batch::3] = False
+        rows.append(("inputs", batch, "embedding_bytes", (inputs[0].numel() + inputs[1].numel()) * 4))
+        options = {
+            "in_batch": {},
+            "own_only": dict(in_batch_negatives=False),
+            "own_only_absent": dict(in_batch_negatives=False, document_present=present),
+        }
+        if batch > args.in_batch_max_batch:
+            del options["in_batch"]
+        runs = {
+            name: registry.build("multivector_loss_stage", "chunked4dims", inputs, args.dims, options=option)
+            for name, option in options.items()
+        }
+        timings = {name: ([], []) for name in runs}
+        for fn in runs.values():
+            fn()
+        for _ in range(1 if args.quick else args.repeats):
+            for name, fn in runs.items():
+                timed = time_calls(fn, 1, 0)
+                timings[name][0].extend(timed.wall)
+                timings[name][1].extend(timed.cpu)
+        for name, fn in runs.items():
+            stats = spread(timings[name][0])
+            rows += [(name, batch, f"seconds_{key}", value) for key, value in stats.items()]
+            rows.append((name, batch, "cpu_seconds_median", spread(timings[name][1])["median"]))
+            peak = peak_tensor_bytes(fn)[1] if batch <= args.peak_max_batch else float("nan")
+            if batch <= args.peak_max_batch:
+                rows.append((name, batch, "peak_bytes", peak))
+            rows.append((name, batch, "load_average_1min", os.getloadavg()[0]))
+            print(f"B={batch:>6} {name:>16}: {stats['median']:9.3f} s wall, peak {peak / 2**20:9.1f} MiB", flush=True)
+    return rows
+
+
+def in_batch_table(records: list[dict]) -> str:
+    """Markdown table: time without in-batch negatives against with, per B; in-batch extrapolated as B^2 from the
+    largest B it ran at (marked "~")."""
+    value = values(records)
+    measured = sorted(r["B"] for r in records if r["contender"] == "in_batch" and r["metric"] == "seconds_median")
+    lines = [
+        "| B | in-batch s | own-only s | own / in-batch | own-only absent s | in-batch peak MiB | own-only peak MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for batch in sorted({r["B"] for r in records}):
+        on, mark = value.get(("in_batch", batch, "seconds_median")), ""
+        if on is None and measured:
+            largest = measured[-1]
+            on, mark = value[("in_batch", largest, "seconds_median")] * (batch / largest) ** 2, "~"
+        off = value[("own_only", batch, "seconds_median")]
+        absent = value[("own_only_absent", batch, "seconds_median")]
+        peaks = [value.get((name, batch, "peak_bytes"), float("nan")) / 2**20 for name in ("in_batch", "own_only")]
+        lines.append(
+            f"| {batch} | {mark}{on:.2f} | {off:.3f} | {mark}{off / on:.2%} | {absent:.3f} | {peaks[0]:.1f} | "
+            f"{peaks[1]:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def summary_table(records: list[dict]) -> str:
     """Markdown table per shape and B: times, ratios to stock and to one dim, the 4-dim peak beyond the input
     gradients (as many bytes as the inputs)."""
@@ -149,11 +224,26 @@ def main(argv=None) -> None:
     parser.add_argument("--stock-budget", type=float, default=600.0, help="seconds stock may take (predicted)")
     parser.add_argument("--peak-max-batch", type=int, default=1024, help="largest B whose exact peak is measured")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--name", default="multivector_loss_stage", help="file stem of the CSV and PNGs")
+    parser.add_argument("--name", default=None, help="file stem of the CSV and PNGs")
+    parser.add_argument(
+        "--in-batch-negatives",
+        action="store_true",
+        help="in-batch negatives on vs off (and off with absent hard negatives), four dims, alternately; no stock",
+    )
+    parser.add_argument("--in-batch-max-batch", type=int, default=512, help="largest B of --in-batch-negatives' on")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if max(args.dims) > args.dim:
         parser.error(f"--dims {args.dims} must not exceed --dim {args.dim}")
+    if args.in_batch_negatives:
+        path = args.out / f"{args.name or 'multivector_loss_stage_in_batch_negatives'}.csv"
+        write_csv(in_batch_contest(args), path)
+        records = read_csv(path)
+        title = f"Multi-vector loss stage (fwd + bwd), in-batch negatives on and off, Ld {args.doc_tokens[0]}"
+        plot(records, path.with_suffix(".png"), title=title)
+        print(in_batch_table(records))
+        return
+    args.name = args.name or "multivector_loss_stage"
     rows = run(args)
     path = args.out / f"{args.name}.csv"
     write_csv(rows, path)

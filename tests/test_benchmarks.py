@@ -160,3 +160,17 @@ def test_multivector_loss_stage_smoke(tmp_path):
         assert value[(name, "Ld8_1hn/peak_bytes")] > 0 and value[(name, "Ld8_1hn/seconds_median")] > 0
     assert (tmp_path / "multivector_loss_stage_Ld8_1hn.png").stat().st_size > 0
     assert "| Ld8_1hn | 8 |" in multivector_loss_stage.summary_table(records)
+
+
+def test_multivector_in_batch_negatives_smoke(tmp_path):
+    """In-batch negatives on at B = 6 (up to --in-batch-max-batch), off at 6 and 12; the table extrapolates on at 12."""
+    sizes = ["--sizes", "6", "12", "--doc-tokens", "8", "--query-tokens", "4", "--dim", "8", "--dims", "8", "4"]
+    options = ["--negatives", "3", "--in-batch-max-batch", "6", "--out", str(tmp_path)]
+    multivector_loss_stage.main(["--in-batch-negatives", "--quick", *sizes, *options])
+    records = multivector_loss_stage.read_csv(tmp_path / "multivector_loss_stage_in_batch_negatives.csv")
+    value = {(r["contender"], r["B"], r["metric"]): r["value"] for r in records}
+    assert value[("in_batch", 6, "seconds_median")] > 0 and ("in_batch", 12, "seconds_median") not in value
+    for name in ("own_only", "own_only_absent"):
+        assert value[(name, 12, "seconds_median")] > 0 and value[(name, 12, "peak_bytes")] > 0
+    assert (tmp_path / "multivector_loss_stage_in_batch_negatives.png").stat().st_size > 0
+    assert "| 12 | ~" in multivector_loss_stage.in_batch_table(records)

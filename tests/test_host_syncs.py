@@ -8,8 +8,9 @@ function), ops whose output size depends on the values (``nonzero``, ``unique``,
 from host data (``torch.tensor``: ``aten.lift_fresh``, a host-to-device copy on a GPU).
 
 - Each op (``matryoshka_infonce``; ``maxsim_infonce`` on ragged token masks), its chunked and Triton backends, without
-  and with duplicate ids, the world's ids alone: one synchronisation per call, the NaN policy's read of its inputs'
-  finiteness, with the integers a backend sizes its work with (one ``tolist``).
+  and with duplicate ids, the world's ids alone, in-batch negatives on and off, with an absent document: one
+  synchronisation per call, the NaN policy's read of its inputs' finiteness, with the integers a backend sizes its
+  work with (one ``tolist``).
 - One training step (forward and backward) of every loss of the package against stock's cached loss on the same
   batch: ours may add one per op call and one for the per-dim entries' gradient check, never one per mini-batch or
   per column.
@@ -109,12 +110,20 @@ ID_MODES = {
     "ids": dict(query_ids=QUERY_IDS, document_ids=DOCUMENT_IDS),
     "world_ids": dict(world_query_ids=QUERY_IDS, document_ids=DOCUMENT_IDS),  # query_ids left out: no check
 }
+# Issue 45's options: without in-batch negatives, and a query lacking its hard negative (document 5 absent).
+PRESENT = torch.tensor([True] * 5 + [False] + [True] * 2)
+CANDIDATE_MODES = {
+    "in_batch": {},
+    "in_batch_absent": dict(document_present=PRESENT),
+    "own": dict(in_batch_negatives=False),
+    "own_absent": dict(in_batch_negatives=False, document_present=PRESENT),
+}
 
 
-def _dense_call(ids: str, backend: str):
+def _dense_call(ids: str, backend: str, candidates: str = "in_batch"):
     g = torch.Generator().manual_seed(0)
     queries, documents = torch.randn(4, 16, generator=g), torch.randn(8, 16, generator=g)
-    options = dict(ID_MODES[ids])
+    options = dict(ID_MODES[ids]) | CANDIDATE_MODES[candidates]
     if "world_query_ids" in options:
         options["world_queries"] = queries
 
@@ -125,7 +134,7 @@ def _dense_call(ids: str, backend: str):
     return run
 
 
-def _maxsim_call(ids: str, backend: str):
+def _maxsim_call(ids: str, backend: str, candidates: str = "in_batch"):
     """Ragged token masks: a query with two masked tokens, a document with two, one without a scored token."""
     g = torch.Generator().manual_seed(0)
     queries = F.normalize(torch.randn(4, 5, 16, generator=g), dim=-1)
@@ -144,13 +153,18 @@ def _maxsim_call(ids: str, backend: str):
             backend=backend,
             chunk_size=2,
             **ID_MODES[ids],
+            **CANDIDATE_MODES[candidates],
         )
         out.loss.backward()
 
     return run
 
 
-@pytest.mark.parametrize("ids", list(ID_MODES))
+@pytest.mark.parametrize(
+    "ids, candidates",
+    [(ids, "in_batch") for ids in ID_MODES]
+    + [(ids, mode) for ids in ("no_ids", "ids") for mode in CANDIDATE_MODES if mode != "in_batch"],
+)
 @pytest.mark.parametrize(
     "op, backend",
     [
@@ -160,14 +174,15 @@ def _maxsim_call(ids: str, backend: str):
         ("maxsim_infonce", "triton"),
     ],
 )
-def test_one_host_synchronisation_per_op_call(op, backend, ids):
-    """Forward and backward of one call, two tiles: one read (``tolist``) of the NaN policy's finiteness flags and the
-    few integers a backend sizes its work with (the dense Triton kernels' table of forbidden codes; MaxSim chunked:
-    each tile's scored query tokens); nothing for the duplicate mask (codes by a sort, candidates by binary search),
-    the tiles or the weights."""
+def test_one_host_synchronisation_per_op_call(op, backend, ids, candidates):
+    """Forward and backward of one call, two tiles: one read (``tolist``) of the NaN policy's finiteness flags, the
+    positives' presence and the few integers a backend sizes its work with (the dense Triton kernels' table of
+    forbidden codes; MaxSim chunked: each tile's scored query tokens); nothing for the duplicate mask (codes by a sort,
+    candidates by binary search), absent documents, the own documents without in-batch negatives, the tiles or the
+    weights."""
     if backend == "triton":
         pytest.importorskip("triton")
-    call = (_dense_call if op == "matryoshka_infonce" else _maxsim_call)(ids, backend)
+    call = (_dense_call if op == "matryoshka_infonce" else _maxsim_call)(ids, backend, candidates)
     assert _counted(call) == {"tolist": 1}
 
 

@@ -9,132 +9,13 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from st_cached_losses import maxsim_infonce
 from st_cached_losses.ops import backend as ops_backend
 from st_cached_losses.ops.maxsim import chunked, gradients, reference
+from tests.maxsim_oracle import MAXSIM_DIMS, MAXSIM_WEIGHTS, compare, inputs, removed_by_rule
 
-DIMS, WEIGHTS = [13, 9, 4], [1.0, 0.3, 2.0]
-
-
-def _inputs(batch, num_docs, query_tokens, doc_tokens, dim, seed=0, dtype=torch.float64, unit=True):
-    """Random token vectors (``unit``: of length 1, as a model ending in Normalize gives them) and masks: a fifth of the
-    tokens masked, document 2 without a scored token, query 1 with its first two tokens masked."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, query_tokens, dim, generator=g, dtype=torch.float64)
-    c = torch.randn(num_docs, doc_tokens, dim, generator=g, dtype=torch.float64)
-    if unit:
-        q, c = F.normalize(q, dim=-1), F.normalize(c, dim=-1)
-    q, c = q.to(dtype), c.to(dtype)
-    query_mask = torch.rand(batch, query_tokens, generator=g) > 0.2
-    document_mask = torch.rand(num_docs, doc_tokens, generator=g) > 0.2
-    query_mask[:, -1] = True
-    document_mask[:, 0] = True
-    document_mask[min(2, num_docs - 1)] = False
-    if batch > 1:
-        query_mask[1, :2] = False
-    return q, c, query_mask, document_mask
-
-
-def _definition(q, c, query_mask, document_mask, dims, weights, scale, similarity, length_normalize, offset, removed):
-    """(loss, per_dim, lse (K, B)) from the definition: per (query, document) pair the unmasked tokens' similarity
-    matrix, its max per query token, their sum (÷ the query's token count); an empty document scores -1e9. A "cosine"
-    side's prefix is divided by its norm below the full dim; the full dim is the vectors as given."""
-    batch, num_docs = q.shape[0], c.shape[0]
-    query_side, document_side = (similarity, similarity) if isinstance(similarity, str) else similarity
-    per_dim, lses = [], []
-    for dim in dims:
-        qd, cd = q[..., :dim], c[..., :dim]
-        if query_side == "cosine" and dim < q.shape[-1]:
-            qd = qd / qd.norm(dim=-1, keepdim=True)
-        if document_side == "cosine" and dim < c.shape[-1]:
-            cd = cd / cd.norm(dim=-1, keepdim=True)
-        rows = []
-        for i in range(batch):
-            tokens = qd[i][query_mask[i]]
-            row = []
-            for j in range(num_docs):
-                doc = cd[j][document_mask[j]]
-                if doc.shape[0] == 0:
-                    score = q.new_tensor(-1e9)
-                elif tokens.shape[0] == 0:
-                    score = q.new_tensor(0.0)
-                else:
-                    score = (tokens @ doc.T).max(dim=1).values.sum()
-                if length_normalize:
-                    score = score / max(tokens.shape[0], 1)
-                row.append(score)
-            rows.append(torch.stack(row))
-        logits = scale * torch.stack(rows)
-        if removed is not None:
-            logits = logits.masked_fill(removed, float("-inf"))
-        lse = torch.logsumexp(logits, dim=1)
-        positive = logits[torch.arange(batch), offset + torch.arange(batch)]
-        per_dim.append((lse - positive).mean())
-        lses.append(lse)
-    per_dim = torch.stack(per_dim)
-    return (torch.tensor(weights, dtype=per_dim.dtype) * per_dim).sum(), per_dim, torch.stack(lses)
-
-
-def _removed_by_rule(world_ids, doc_ids, offset, batch):
-    """(B, M) bool from the rule's words: row i does not score a document whose text is its query's, or the positive
-    of any world row with the same query text, except its own positive column."""
-    world, docs = world_ids.tolist(), doc_ids.tolist()
-    removed = torch.zeros(batch, len(docs), dtype=torch.bool)
-    for i in range(batch):
-        own = world[offset + i]
-        forbidden = {own} | {docs[k] for k in range(len(world)) if world[k] == own}
-        for j, text in enumerate(docs):
-            removed[i, j] = j != offset + i and text in forbidden
-    return removed
-
-
-def _compare(
-    q,
-    c,
-    query_mask,
-    document_mask,
-    removed=None,
-    rtol=1e-9,
-    runs=(("dense", None), ("chunked", 2), ("triton", None)),
-    **options,
-):
-    """Each (backend, chunk_size) run's loss, per_dim, lse and both input gradients against the definition's."""
-    options = {"dims": DIMS, "weights": WEIGHTS, "scale": 2.5, **options}
-    leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]
-    loss, per_dim, lse = _definition(
-        *leaves,
-        query_mask,
-        document_mask,
-        options["dims"],
-        options["weights"],
-        options["scale"],
-        options.get("similarity", "cosine"),
-        options.get("length_normalize", False),
-        options.get("offset", 0),
-        removed,
-    )
-    want_grads = torch.autograd.grad(loss, leaves)
-    outputs = []
-    for backend, chunk_size in runs:
-        leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]
-        out = maxsim_infonce(
-            *leaves,
-            query_mask=query_mask,
-            document_mask=document_mask,
-            backend=backend,
-            chunk_size=chunk_size,
-            **options,
-        )
-        out.loss.backward()
-        torch.testing.assert_close(out.loss, loss.detach(), rtol=rtol, atol=0, msg=backend)
-        torch.testing.assert_close(out.per_dim, per_dim.detach(), rtol=rtol, atol=0, msg=backend)
-        torch.testing.assert_close(out.lse[:, 0], lse.detach(), rtol=rtol, atol=0, msg=backend)
-        for leaf, want in zip(leaves, want_grads):
-            torch.testing.assert_close(leaf.grad, want, rtol=rtol, atol=rtol * float(want.abs().max()), msg=backend)
-        outputs.append(out)
-    return outputs
+DIMS, WEIGHTS = MAXSIM_DIMS, MAXSIM_WEIGHTS
 
 
 CASES = {
@@ -150,24 +31,24 @@ CASES = {
 
 
 @pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
-def test_backends_match_the_definition(options):
+def test_backends_match_thedefinition(options):
     """Ragged shapes: B=5 in tiles of 2, Lq=6, Ld=7, odd D=13; masked query tokens, an empty document."""
-    _compare(*_inputs(5, 5, 6, 7, 13), **options)
+    compare(*inputs(5, 5, 6, 7, 13), **options)
 
 
 def test_cosine_scores_the_full_dim_as_given():
     """Token vectors that are not unit vectors: a "cosine" side re-normalises the dims below the full one only (the
     full dim is the model's own output, scored as stock scores it)."""
-    _compare(*_inputs(5, 5, 6, 7, 13, unit=False), similarity=("cosine", "cosine"))
+    compare(*inputs(5, 5, 6, 7, 13, unit=False), similarity=("cosine", "cosine"))
 
 
 def test_a_query_without_a_scored_token():
     """Its scores are 0 (MeanMaxSim: divided by 1), its loss log of the non-empty documents, and it passes no gradient;
     with tiles of one query, a tile without a single token."""
-    q, c, query_mask, document_mask = _inputs(4, 8, 5, 6, 7, seed=11)
+    q, c, query_mask, document_mask = inputs(4, 8, 5, 6, 7, seed=11)
     query_mask[2] = False
     for length_normalize in (False, True):
-        _compare(
+        compare(
             q,
             c,
             query_mask,
@@ -183,7 +64,7 @@ def test_hard_negatives_in_a_gathered_world():
     """Rows [3, 7) of a 9-row world batch, a positive and a hard-negative block (M=18): tiles of 1 row, 3 rows (not
     dividing B) and from the byte budget."""
     runs = (("dense", None), ("chunked", 1), ("chunked", 3), ("chunked", None), ("triton", 3))
-    _compare(*_inputs(4, 18, 5, 8, 11, seed=1), dims=[11, 6], weights=[1.0, 0.5], offset=3, runs=runs)
+    compare(*inputs(4, 18, 5, 8, 11, seed=1), dims=[11, 6], weights=[1.0, 0.5], offset=3, runs=runs)
 
 
 @pytest.mark.parametrize("query_ids", [True, False], ids=["query_ids", "world_ids_alone"])
@@ -191,15 +72,15 @@ def test_duplicate_mask(query_ids):
     """Real duplicates in a gathered world (B=4 at offset 3 of Bw=9, one hard-negative block): two rows share a
     query, a hard negative copies a positive, a document copies a query text. With world_query_ids, query_ids may be
     left out (its rows [offset, offset + B) are taken)."""
-    q, c, query_mask, document_mask = _inputs(4, 18, 5, 6, 9, seed=2)
+    q, c, query_mask, document_mask = inputs(4, 18, 5, 6, 9, seed=2)
     world = torch.arange(9)
     world[4] = world[3]  # rows 3 and 4: one query, two positives
     doc_ids = torch.arange(100, 118)
     doc_ids[12] = doc_ids[4]  # a hard negative is row 4's positive
     doc_ids[7] = world[5]  # row 7's positive is row 5's query text
-    removed = _removed_by_rule(world, doc_ids, 3, 4)
+    removed = removed_by_rule(world, doc_ids, 3, 4)
     assert removed.sum() >= 4
-    outputs = _compare(
+    outputs = compare(
         q,
         c,
         query_mask,
@@ -219,7 +100,7 @@ def test_duplicate_mask(query_ids):
 
 @pytest.mark.parametrize("backend", ["dense", "chunked", "triton"])
 def test_a_row_whose_only_candidate_is_its_positive_is_exactly_zero(backend):
-    q, c, query_mask, document_mask = _inputs(3, 3, 4, 5, 8, seed=3)
+    q, c, query_mask, document_mask = inputs(3, 3, 4, 5, 8, seed=3)
     document_mask[2] = True
     ids = torch.tensor([7, 7, 7])  # one query text: every other document is another positive of it
     leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]
@@ -242,7 +123,7 @@ def test_a_row_whose_only_candidate_is_its_positive_is_exactly_zero(backend):
 
 
 def test_float_masks_and_fp32_agree_with_bool_and_fp64():
-    q, c, query_mask, document_mask = _inputs(4, 8, 5, 6, 12, seed=4)
+    q, c, query_mask, document_mask = inputs(4, 8, 5, 6, 12, seed=4)
     want = maxsim_infonce(q, c, query_mask=query_mask, document_mask=document_mask, dims=[12, 6])
     for cast in (torch.float32, torch.bfloat16):
         leaves = [q.to(cast).requires_grad_(), c.to(cast).requires_grad_()]
@@ -256,7 +137,7 @@ def test_float_masks_and_fp32_agree_with_bool_and_fp64():
 def test_each_dim_is_the_loss_of_that_dim_alone():
     """Matryoshka: per_dim[k] (in the caller's order) and lse[k] are those of a call with dims=[dims[k]], and the
     gradient is the weighted sum of theirs."""
-    q, c, query_mask, document_mask = _inputs(6, 12, 5, 6, 10, seed=5)
+    q, c, query_mask, document_mask = inputs(6, 12, 5, 6, 10, seed=5)
     dims, weights = [5, 10, 2], [0.5, 1.0, 3.0]
     leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]
     out = maxsim_infonce(*leaves, query_mask=query_mask, document_mask=document_mask, dims=dims, weights=weights)
@@ -304,7 +185,7 @@ def test_full_dim_equals_stock(negatives, similarity, length_normalize, scale):
     (the full dim scores them as given: stock's gradients exactly), "dot" on any."""
     batch, dim = 10, 16
     unit = similarity == "cosine"
-    q, c, query_mask, document_mask = _inputs(batch, batch * (1 + negatives), 6, 7, dim, 6, torch.float32, unit)
+    q, c, query_mask, document_mask = inputs(batch, batch * (1 + negatives), 6, 7, dim, 6, torch.float32, unit)
     document_mask[2] = True
     if negatives:
         document_mask[batch + 4] = False
@@ -329,7 +210,7 @@ def test_full_dim_equals_stock(negatives, similarity, length_normalize, scale):
 
 def test_an_empty_positive_scores_as_in_stock():
     """Stock's fill for a document without a scored token, divided by the query's token count under MeanMaxSim."""
-    q, c, query_mask, document_mask = _inputs(4, 4, 5, 6, 8, seed=7, dtype=torch.float32)
+    q, c, query_mask, document_mask = inputs(4, 4, 5, 6, 8, seed=7, dtype=torch.float32)
     want, _ = _stock([q, c], [query_mask, document_mask], 3.0, True)
     got = maxsim_infonce(
         q, c, query_mask=query_mask, document_mask=document_mask, dims=[8], scale=3.0, length_normalize=True
@@ -350,7 +231,7 @@ def test_the_empty_document_score_is_stocks():
 
 
 def _call(**changes):
-    q, c, query_mask, document_mask = _inputs(4, 8, 3, 5, 6, seed=8, dtype=torch.float32)
+    q, c, query_mask, document_mask = inputs(4, 8, 3, 5, 6, seed=8, dtype=torch.float32)
     arguments = dict(queries=q, documents=c, query_mask=query_mask, document_mask=document_mask, dims=[6, 3])
     arguments.update(changes)
     queries, documents = arguments.pop("queries"), arguments.pop("documents")
@@ -431,7 +312,7 @@ def test_bad_input_is_refused_before_any_work(monkeypatch, changes, error, messa
 
 
 def test_nonfinite_policies():
-    q, c, query_mask, document_mask = _inputs(4, 8, 3, 5, 6, seed=8, dtype=torch.float32)
+    q, c, query_mask, document_mask = inputs(4, 8, 3, 5, 6, seed=8, dtype=torch.float32)
     q[1, 0, 2] = float("inf")
     masks = dict(query_mask=query_mask, document_mask=document_mask, dims=[6, 3])
     with pytest.raises(ValueError, match="queries contains NaN or Inf"):
@@ -445,7 +326,7 @@ def test_nonfinite_policies():
 
 
 def test_no_grad_forward_matches_and_skips_the_gradients(monkeypatch):
-    q, c, query_mask, document_mask = _inputs(5, 10, 4, 6, 8, seed=9)
+    q, c, query_mask, document_mask = inputs(5, 10, 4, 6, 8, seed=9)
     masks = dict(query_mask=query_mask, document_mask=document_mask, dims=[8, 4], chunk_size=2)
     with_grad = maxsim_infonce(q.clone().requires_grad_(), c.clone().requires_grad_(), **masks)
 
@@ -462,7 +343,7 @@ def test_no_grad_forward_matches_and_skips_the_gradients(monkeypatch):
 
 
 def test_gradients_are_scaled_by_grad_output_and_handed_over_once():
-    q, c, query_mask, document_mask = _inputs(4, 8, 3, 5, 6, seed=10)
+    q, c, query_mask, document_mask = inputs(4, 8, 3, 5, 6, seed=10)
     masks = dict(query_mask=query_mask, document_mask=document_mask, dims=[6, 3])
     once = [q.clone().requires_grad_(), c.clone().requires_grad_()]
     maxsim_infonce(*once, **masks).loss.backward()
@@ -493,7 +374,7 @@ def test_auto_is_chunked_and_logged_once(monkeypatch, caplog):
 def _peak(batch, num_docs, backend, chunk_size=None, query_tokens=8, doc_tokens=8, dim=8):
     from benchmarks.profiling import peak_tensor_bytes
 
-    q, c, query_mask, document_mask = _inputs(batch, num_docs, query_tokens, doc_tokens, dim, dtype=torch.float32)
+    q, c, query_mask, document_mask = inputs(batch, num_docs, query_tokens, doc_tokens, dim, dtype=torch.float32)
 
     def step():
         leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]

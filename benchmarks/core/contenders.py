@@ -7,9 +7,9 @@ Families and what a contender's ``build`` returns (how it runs):
 - ``multivector_train_step``: a late-interaction loss on a ``MultiVectorEncoder``, the same arguments;
 - ``loss_stage``: ``build(queries, docs, dims, mini_batch_size, guide=None, options=None)`` -> a zero-argument
   callable: the loss stage (GradCache step 2) forward + backward once on fresh leaves of the fixed embeddings;
-- ``multivector_loss_stage``: ``build(inputs, dims, mini_batch_size, floor_block)`` with inputs (queries (B, Lq, D),
-  documents (M, Ld, D), query mask, document mask) -> a zero-argument callable returning the full dim's loss
-  (None for the floor).
+- ``multivector_loss_stage``: ``build(inputs, dims, mini_batch_size, floor_block, options=None)`` with inputs (queries
+  (B, Lq, D), documents (M, Ld, D), query mask, document mask) -> a zero-argument callable returning the full dim's
+  loss (None for the floor); ``options``: more keywords of ``maxsim_infonce`` (ours only).
 
 A suite names its contenders and calls :func:`build`; a new contender is one ``@register`` function here.
 """
@@ -302,15 +302,16 @@ def _mv_stage_stock(inputs, dims, mini_batch_size, floor_block=1024):
     return stock
 
 
-def _mv_stage_ours(inputs, dims, backend: str):
+def _mv_stage_ours(inputs, dims, backend: str, options=None):
     from st_cached_losses import maxsim_infonce
 
     queries, documents, query_mask, document_mask = inputs
+    options = dict(options or {})
 
     def ours():
         leaves = queries.detach().requires_grad_(), documents.detach().requires_grad_()
         out = maxsim_infonce(
-            *leaves, query_mask=query_mask, document_mask=document_mask, dims=list(dims), backend=backend
+            *leaves, query_mask=query_mask, document_mask=document_mask, dims=list(dims), backend=backend, **options
         )
         out.loss.backward()
         return out.per_dim[0].detach()
@@ -319,8 +320,8 @@ def _mv_stage_ours(inputs, dims, backend: str):
 
 
 def _mv_stage(backend: str, all_dims: bool):
-    def build(inputs, dims, mini_batch_size=32, floor_block=1024):
-        return _mv_stage_ours(inputs, dims if all_dims else [inputs[0].shape[-1]], backend)
+    def build(inputs, dims, mini_batch_size=32, floor_block=1024, options=None):
+        return _mv_stage_ours(inputs, dims if all_dims else [inputs[0].shape[-1]], backend, options)
 
     return build
 

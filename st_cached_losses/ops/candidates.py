@@ -142,7 +142,7 @@ class Candidates:
 
 
 def check_document_present(document_present, docs: Tensor, queries: Tensor) -> bool:
-    """``matryoshka_infonce``'s ``document_present``: None, or a (M,) torch.bool tensor on the queries' device (that
+    """Either op's ``document_present``: None, or a (M,) torch.bool tensor on the queries' device (that
     its positives are present is :func:`positives_present`, checked on the device). Returns whether it is given.
 
     Raises:
@@ -168,11 +168,11 @@ def check_document_present(document_present, docs: Tensor, queries: Tensor) -> b
     return True
 
 
-def positives_present(document_present: Tensor, spec: InfoNCESpec) -> tuple[Tensor, str]:
-    """(0-dim bool on the device, the ValueError's message): every positive (the first Bw documents) is present,
-    for ``core.run_op``'s ``conditions``."""
+def positives_present(document_present: Tensor, positives: int) -> tuple[Tensor, str]:
+    """(0-dim bool on the device, the ValueError's message): every positive (the first ``positives`` documents: Bw,
+    the positives' block) is present, for ``core.run_op``'s ``conditions``; the one rule of both ops."""
     message = (
         "document_present is False for a positive (one of the first Bw documents): a row's positive is never absent; "
         "only hard-negative columns may be."
     )
-    return document_present[: spec.world_batch_size].all(), message
+    return document_present[:positives].all(), message

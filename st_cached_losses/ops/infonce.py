@@ -257,7 +257,7 @@ def matryoshka_infonce(
         num_directions=len(spec.directions),
         checked={"memory_documents": memory_documents},
         supports=lambda name: REGISTRY[OP][name].unsupported(spec) is None,
-        conditions=() if document_present is None else (positives_present(document_present, spec),),
+        conditions=() if document_present is None else (positives_present(document_present, spec.world_batch_size),),
     )
 
 

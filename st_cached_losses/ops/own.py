@@ -29,7 +29,7 @@ from .gemm import accumulation_dtype, rounded_operand
 from .result import InfoNCEResult
 from .spec import NORM_EPS, InfoNCESpec
 
-__all__ = ["forward", "own_documents"]
+__all__ = ["excluded_documents", "forward", "masked_share", "own_documents"]
 
 
 def own_documents(x: Tensor, spec: InfoNCESpec) -> Tensor:
@@ -54,7 +54,7 @@ def forward(
     acc = accumulation_dtype(queries.dtype)
     q = rounded_operand(queries, spec.precision)
     c = rounded_operand(own_documents(docs, spec), spec.precision)
-    excluded, removed = _excluded(queries, docs, spec, guide, duplicates, document_present, acc)
+    excluded, removed = excluded_documents(queries, docs, spec, guide, duplicates, document_present, acc)
     scored = spec.num_columns - excluded.sum(0)
     live = live_rows([scored], spec.partition_mode)
     dots, inv_q, inv_c = _band_products(q, c, spec)
@@ -71,13 +71,8 @@ def forward(
         if grads is not None:
             p = torch.exp(logits - lse[k, 0])
             p[0] -= 1.0
-            grads.add_dim(k, p.mul_(live * (spec.weights[k] * spec.scale / spec.batch_size)), sim, inv_q, inv_c)
-    share = None
-    if spec.masks:  # over the present own hard negatives (a Python number without absent documents: no host tensor)
-        candidates = max((spec.num_columns - 1) * spec.batch_size, 1)
-        if document_present is not None:
-            candidates = own_documents(document_present, spec)[1:].sum().clamp_min(1).double()
-        share = (removed.sum().double() / candidates).float()
+            grads.add_dim(k, p.mul_(live.to(acc) * (spec.weights[k] * spec.scale / spec.batch_size)), sim, inv_q, inv_c)
+    share = masked_share(removed, spec, document_present) if spec.masks else None
     tile = f"own documents: {spec.batch_size} rows x {spec.num_columns} columns"
     result = None if grads is None else grads.result(queries.dtype)
     return InfoNCEResult(per_dim, lse, result, tile=tile, masked_share=share)
@@ -119,9 +114,22 @@ def _penalty(spec: InfoNCESpec, c: Tensor) -> Tensor | None:
     return factor
 
 
-def _excluded(queries, docs, spec, guide, duplicates, document_present, dtype) -> tuple[Tensor, Tensor]:
+def masked_share(removed: Tensor, spec: InfoNCESpec, document_present: Tensor | None) -> Tensor:
+    """The share (0-dim fp32) of the own hard negatives the masks removed (``removed`` (n, B), as
+    :func:`excluded_documents` gives it) over the present ones (a Python number without absent documents: no host
+    tensor)."""
+    candidates = max((spec.num_columns - 1) * spec.batch_size, 1)
+    if document_present is not None:
+        candidates = own_documents(document_present, spec)[1:].sum().clamp_min(1).double()
+    return (removed.sum().double() / candidates).float()
+
+
+def excluded_documents(
+    queries, docs, spec, guide=None, duplicates=None, document_present=None, dtype=None
+) -> tuple[Tensor, Tensor]:
     """(n, B) bool each: the own documents a row does not score (absent, or removed), and those the false-negative
-    filter and the duplicate mask removed among the present ones (never the positive)."""
+    filter and the duplicate mask removed among the present ones (never the positive). ``docs``, ``guide`` and
+    ``dtype`` serve the filter only (``maxsim_infonce`` has none: its own documents' masks are these)."""
     n, batch = spec.num_columns, spec.batch_size
     removed = torch.zeros(n, batch, dtype=torch.bool, device=queries.device)
     if spec.false_negatives is not None:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .core import check_dims, check_offset, check_scale
 
-__all__ = ["DIRECTIONS", "InfoNCESpec", "check_dims", "check_false_negative_rule"]
+__all__ = ["DIRECTIONS", "InfoNCESpec", "check_dims", "check_false_negative_rule", "check_in_batch_negatives"]
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ class InfoNCESpec:
             )
         sorted_dims, sorted_weights, order = check_dims(dims, weights, dim)
         _check_choices(similarity, directions, partition_mode, hardness_mode)
-        _check_in_batch_negatives(in_batch_negatives, directions, hardness_mode, hardness_strength)
+        check_in_batch_negatives(in_batch_negatives, directions, hardness_mode, hardness_strength)
         scale = check_scale(scale)
         if isinstance(hardness_strength, bool) or not (
             isinstance(hardness_strength, (int, float)) and math.isfinite(hardness_strength)
@@ -351,9 +351,12 @@ def _check_choices(similarity: str, directions: Sequence[str], partition_mode: s
         raise ValueError(f"hardness_mode must be one of {tuple(HARDNESS_MODES)}, got {hardness_mode!r}.")
 
 
-def _check_in_batch_negatives(in_batch_negatives, directions, hardness_mode, hardness_strength) -> None:
+def check_in_batch_negatives(
+    in_batch_negatives, directions=("query_to_doc",), hardness_mode=None, hardness_strength=0.0
+) -> None:
     """Without in-batch negatives a row scores its own positive and hard negatives only: what needs other rows'
-    texts is refused (the memory bank in ``memory.check_memory``); the partition mode is moot (one direction)."""
+    texts is refused (the memory bank in ``memory.check_memory``); the partition mode is moot (one direction). The
+    one rule of both ops (``maxsim_infonce``, one direction and no hardness penalty, checks the bool with it)."""
     if not isinstance(in_batch_negatives, bool):
         raise TypeError(f"in_batch_negatives must be True or False, got {in_batch_negatives!r}.")
     if in_batch_negatives:

@@ -45,13 +45,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..duplicates import DuplicateMask
+from ..candidates import Candidates
 from ..gemm import matmul_precision, rounded_operand
 from ..host_read import HostRead
 from ..result import InfoNCEResult
-from ..spec import NORM_EPS
+from . import own
 from .gradients import BACKWARD_BLOCK_BYTES, TileGradients
-from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
+from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec, inverse_prefix_norms
 
 DEFAULT_TILE_BYTES = 64 * 2**20
 MAX_TILE_TOKENS = 2048
@@ -116,14 +116,17 @@ def prepare(
     need_grad: bool,
     tile_queries: int | None = None,
     duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    document_present: Tensor | None = None,
     *,
     host: HostRead,
 ):
-    """:func:`forward`'s first phase (``host_read``): each tile's count of scored query tokens, asked of ``host`` (the
-    op call's one read). Returns the call to run after the read."""
+    """:func:`forward`'s first phase (``host_read``): with in-batch negatives, each tile's count of scored query
+    tokens, asked of ``host`` (the op call's one read). Returns the call to run after the read."""
+    args = (queries, documents, query_mask, document_mask, spec, need_grad, tile_queries, duplicates, document_present)
+    if not spec.in_batch_negatives:
+        return lambda: forward(*args)
     rows = _tile_queries(spec, queries, documents, tile_queries)
     host.ask("scored tokens", _scored_per_tile(query_mask, rows))
-    args = (queries, documents, query_mask, document_mask, spec, need_grad, tile_queries, duplicates)
     return lambda: forward(*args, scored_tokens=host["scored tokens"])
 
 
@@ -136,20 +139,28 @@ def forward(
     need_grad: bool,
     tile_queries: int | None = None,
     duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    document_present: Tensor | None = None,
     scored_tokens: list[int] | None = None,
 ) -> InfoNCEResult:
     """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients of
     ``sum_k w_k L_k`` wrt. queries (B, Lq, D) and documents (M, Ld, D), in their dtype; computes in fp32 (fp64 for
     fp64 inputs), the token GEMMs' operands as ``spec.precision`` says. ``tile_queries``: queries per tile (default:
     ``default_tile_queries``); ``duplicates``: the text ids (query_ids or None, doc_ids, world_query_ids or None) of
-    ``spec.mask_duplicates``; ``scored_tokens``: each tile's count of scored query tokens, as read by
-    :func:`prepare` (None: read here, one host synchronisation)."""
+    ``spec.mask_duplicates``; ``document_present``: (M,) bool of ``spec.absent_documents``, the absent documents'
+    columns at -inf in every tile; ``scored_tokens``: each tile's count of scored query tokens, as read by
+    :func:`prepare` (None: read here, one host synchronisation). Without in-batch negatives it runs ``own.forward``
+    (each query against its own documents)."""
+    if not spec.in_batch_negatives:
+        return own.forward(
+            queries, documents, query_mask, document_mask, spec, need_grad, tile_queries, duplicates, document_present
+        )
     budgets = budgets_for(queries.device)
     rows = _tile_queries(spec, queries, documents, tile_queries)
     if scored_tokens is None:
         scored_tokens = _scored_per_tile(query_mask, rows).tolist()
     with matmul_precision(False, queries.device):  # IEEE but in the token GEMMs (``_Sweep.token_gemms``)
-        sweep = _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, duplicates, budgets)
+        masks = (duplicates, document_present)
+        sweep = _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, masks, budgets)
         for begin, scored in zip(range(0, spec.batch_size, rows), scored_tokens):
             sweep.tile(begin, min(begin + rows, spec.batch_size), scored)
         return sweep.result()._replace(tile=_describe(rows, tile_queries is None, budgets))
@@ -180,9 +191,7 @@ def _describe(rows: int, automatic: bool, budgets: Budgets = CPU_BUDGETS) -> str
 class _Sweep:
     """One forward sweep's inputs, token bookkeeping, prefix norms and accumulators."""
 
-    def __init__(
-        self, queries, documents, query_mask, document_mask, spec: MaxSimSpec, need_grad: bool, duplicates, budgets
-    ):
+    def __init__(self, queries, documents, query_mask, document_mask, spec: MaxSimSpec, need_grad, masks, budgets):
         dtype = torch.promote_types(queries.dtype, torch.float32)
         self.spec, self.need_grad, self.input_dtype, self.budgets = spec, need_grad, queries.dtype, budgets
         self.doc_tokens, self.shapes = documents.shape[1], (queries.shape, documents.shape)
@@ -201,8 +210,8 @@ class _Sweep:
         self.doc_bias = torch.zeros(document_mask.numel(), dtype=dtype, device=device)
         self.doc_bias.masked_fill_(~document_mask.reshape(-1), float("-inf"))
         self.query_normalized, self.doc_normalized = spec.normalized("query"), spec.normalized("document")
-        self.query_inv = _inverse_prefix_norms(self.queries, spec.dims, self.query_normalized)  # (K, B * Lq) or None
-        self.doc_inv = _inverse_prefix_norms(self.docs, spec.dims, self.doc_normalized)  # (K, M * Ld) or None
+        self.query_inv = inverse_prefix_norms(self.queries, spec.dims, self.query_normalized)  # (K, B * Lq) or None
+        self.doc_inv = inverse_prefix_norms(self.docs, spec.dims, self.doc_normalized)  # (K, M * Ld) or None
         # "bf16": the token GEMMs multiply bf16-rounded tokens (``gemm.rounded_operand``; the norms, the gradients'
         # gathers and the maxima's sums stay fp32 on the inputs); a cosine document side's inverse norms scale their
         # products after the GEMM (``_block_dots``), so that its operands stay bf16 values, exact in TF32.
@@ -211,7 +220,7 @@ class _Sweep:
         # inv_k / inv_{k+1}: turns the dots of dim k + 1 scaled by its norms into those scaled by dim k's.
         scaled_operands = self.doc_inv is not None and not self.scale_after
         self.doc_inv_ratio = self.doc_inv[:-1] / self.doc_inv[1:] if scaled_operands else None
-        self.duplicates = None if duplicates is None else DuplicateMask.build(spec.infonce_spec(), *duplicates)
+        self.candidates, self.absent = candidate_masks(spec, queries, dtype, *masks)
         self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
         # d loss / d logit per dim: w_k * scale / B, as a (K,) tensor of the weights times the scalar would round it.
         self.grad_factors = [_product(w, spec.scale / spec.batch_size, dtype) for w in spec.weights]
@@ -311,22 +320,40 @@ class _Sweep:
                 yield k, raw
 
     def _logits(self, scores: Tensor, begin: int, end: int) -> Tensor:
-        """In place: (K, count, M) scale * MaxSim scores of queries [begin, end), the removed duplicates at -inf;
+        """In place: (K, count, M) scale * MaxSim scores of queries [begin, end), the removed duplicates and the absent
+        documents at -inf;
         an empty document's score (0 so far) is stock's constant."""
         fill = EMPTY_DOCUMENT_SCORE / self.denominator[begin:end]
         scores.add_(fill[:, None] * self.empty_docs).mul_(self.spec.scale)
-        if self.duplicates is not None:
-            scores.masked_fill_(self.duplicates.tile("query_to_doc", begin, end), float("-inf"))
+        if self.candidates is not None:
+            scores.masked_fill_(self.candidates.tile(begin, end).dropped[0], float("-inf"))
+        if self.absent is not None:
+            scores.masked_fill_(self.absent, float("-inf"))
         return scores
 
     def result(self) -> InfoNCEResult:
         per_dim = self.per_dim_sum / self.spec.batch_size
-        share = None if self.duplicates is None else self.duplicates.share()
+        share = None if self.candidates is None else self.candidates.share()
         grads = None
         if self.grads is not None:
             dq, dc = self.grads
             grads = (dq.to(self.input_dtype).view(self.shapes[0]), dc.to(self.input_dtype).view(self.shapes[1]), None)
         return InfoNCEResult(per_dim, self.lse, grads, masked_share=share)
+
+
+def candidate_masks(
+    spec: MaxSimSpec, queries: Tensor, dtype: torch.dtype, duplicates, document_present: Tensor | None
+) -> tuple[Candidates | None, Tensor | None]:
+    """The duplicate mask's removed candidates and their count (``ops/candidates.py``'s one counting, absent
+    documents not counted; None without ids) and the (M,) absent documents (None with all present): what the
+    chunked and Triton backends set to -inf in each tile's logits."""
+    absent = None if document_present is None else ~document_present
+    if duplicates is None:
+        return None, absent
+    candidates = Candidates(
+        spec.infonce_spec(), queries, None, None, dtype, duplicates=duplicates, document_present=document_present
+    )
+    return candidates, absent
 
 
 def _product(a: float, b: float, dtype: torch.dtype) -> float:
@@ -349,13 +376,3 @@ def _max_over_tokens(dots: Tensor, docs: int, width: int, pool: bool | None = No
     image = dots.view(docs, width, 1, dots.shape[1]).permute(0, 3, 1, 2)
     values, indices = F.adaptive_max_pool2d(image, 1, return_indices=True)
     return values.reshape(docs, -1), indices.reshape(docs, -1)
-
-
-def _inverse_prefix_norms(x: Tensor, dims: tuple[int, ...], normalized: tuple[bool, ...]) -> Tensor | None:
-    """(K, rows) 1 / max(||x[:, :d_k]||, eps) where dim k re-normalises (as F.normalize divides), 1 where it does not;
-    None where no dim does."""
-    if not any(normalized):
-        return None
-    ones = x.new_ones(x.shape[0])
-    norms = [torch.linalg.vector_norm(x[:, :dim], dim=1) if on else ones for dim, on in zip(dims, normalized)]
-    return torch.stack(norms).clamp_min(NORM_EPS).reciprocal()

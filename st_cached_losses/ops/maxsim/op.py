@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from torch import Tensor
 
 from ..backend import REGISTRY
+from ..candidates import check_document_present, positives_present
 from ..core import check_chunk_size, check_policies, resolve_precision, run_op
 from ..host_read import HostRead, call_backend, prepare_backend
 from ..result import InfoNCEOutput, InfoNCEResult
@@ -44,6 +45,8 @@ def maxsim_infonce(
     document_ids: Tensor | None = None,
     world_query_ids: Tensor | None = None,
     all_dims: Sequence[int] | None = None,
+    in_batch_negatives: bool = True,
+    document_present: Tensor | None = None,
 ) -> InfoNCEOutput:
     """In-batch InfoNCE over ColBERT's MaxSim scores, summed over Matryoshka token dims with weights.
 
@@ -105,22 +108,40 @@ def maxsim_infonce(
             the dims' band bounds as compile-time constants: given ``all_dims`` they compile once for those (the dims
             not drawn get weight 0 at run time: their work is done, their loss is not returned), not once per drawn
             subset. The other backends compute ``dims`` alone.
+        in_batch_negatives: True (default): every query scores every document (stock's in-batch negatives). False:
+            query i's softmax runs over its own documents only, ``documents[j * Bw + offset + i]`` for each block j
+            (its positive, then its hard negatives; FlagEmbedding's ``no_in_batch_neg``), for data whose other rows'
+            positives are often true matches. Bw is ``len(world_query_ids)`` with it, else B (this rank's documents,
+            offset 0: nothing to gather), and M must be a multiple of Bw. O(B x (M / Bw) x Lq x Ld x D) work on
+            every backend (``maxsim/own.py``: each query's token GEMM against its own documents' tokens, no B x M
+            score; "triton" runs it too, "dense" masks its full matrix); the duplicate mask, the token masks, the
+            dims, weights and ``all_dims`` apply to the own documents.
+        document_present: (M,) torch.bool on the queries' device, the documents' layout; False marks an absent
+            document (a query without its k-th hard negative: ragged data): no query scores it and its gradient is
+            exactly 0 (its token vectors must still be finite: zeros, for example). The positives must be present
+            (the first Bw documents; without a known Bw, the first offset + B). A batch whose rows all lack column k
+            gives the loss and gradients of the same batch without it; a query left with only its positive has loss
+            and gradient exactly 0. ``masked_share`` counts neither absent documents nor their removal.
 
     The op accumulates in fp32 (fp64 for fp64 inputs) whatever autocast is active, its GEMM operands as
     ``precision`` says; gradients come back in the inputs' dtype, for queries and documents. A row whose only
-    candidate is its positive has loss and gradient exactly 0. Ties in a max (exact equality only) send the gradient
+    candidate is its positive (one document, or every other one absent or removed, or without in-batch negatives
+    no hard negative) has loss and gradient exactly 0. Ties in a max (exact equality only) send the gradient
     to one token, as stock's ``max`` does.
 
     Returns:
         :class:`~st_cached_losses.ops.result.InfoNCEOutput`, every field on the queries' device in fp32 (fp64 for
         fp64 inputs): ``loss`` (0-dim; the one field with a gradient), ``per_dim`` (K,) the unweighted loss per dim
         in the order of ``dims``, ``lse`` (K, 1, B) each query's logsumexp per dim, ``masked_share`` (0-dim fp32: the
-        share of the B x (M - 1) candidates the duplicate mask removed; None without ids).
+        share of the candidates the duplicate mask removed, a query's candidates being its present documents but its
+        positive: B x (M - 1) in-batch, B x (M / Bw - 1) without; None without ids).
 
     Raises:
         ValueError / TypeError: bad shapes, masks, dtypes, devices, an empty batch, bad dims, all_dims, weights, scale,
             similarity, offset, ids, chunk_size, precision or backend, NaN/Inf inputs (see ``nonfinite``), naming the
-            argument and the fix, before any work.
+            argument and the fix, before any work; ``in_batch_negatives`` not a bool, or False with documents that
+            are not blocks of Bw (see there); ``document_present`` not a (M,) bool tensor on the queries' device, or
+            False for a positive.
         RuntimeError: a second backward through the same result (the gradients are handed over once).
 
     References:
@@ -159,14 +180,19 @@ def maxsim_infonce(
         document_ids=document_ids,
         world_query_ids=world_query_ids,
         all_dims=all_dims,
+        in_batch_negatives=in_batch_negatives,
     )
     chunk_size = check_chunk_size(chunk_size)
-    spec = dataclasses.replace(spec, precision=resolve_precision(precision, queries))
+    spec = dataclasses.replace(
+        spec,
+        precision=resolve_precision(precision, queries),
+        absent_documents=check_document_present(document_present, documents, queries),
+    )
     duplicates = (query_ids, document_ids, world_query_ids) if spec.mask_duplicates else None
 
     def prepare(name: str, need_grad: bool, host: HostRead) -> Callable[[], InfoNCEResult]:
         args = (queries, documents, query_mask, document_mask, spec, need_grad, chunk_size, duplicates)
-        run = prepare_backend(REGISTRY[OP][name], host, *args)
+        run = prepare_backend(REGISTRY[OP][name], host, *args, document_present=document_present)
 
         def result() -> InfoNCEResult:
             out = run()
@@ -182,12 +208,22 @@ def maxsim_infonce(
         backend=backend,
         nonfinite=nonfinite,
         supports=lambda name: REGISTRY[OP][name].unsupported(spec) is None,
+        conditions=() if document_present is None else (positives_present(document_present, spec.positives),),
     )
 
 
-def run_backend(name, queries, documents, query_mask, document_mask, spec, need_grad, chunk_size, duplicates):
-    """One backend's forward by name (the tests compare them on the same inputs); masks boolean."""
+def run_backend(
+    name, queries, documents, query_mask, document_mask, spec, need_grad, chunk_size, duplicates, document_present=None
+):
+    """One backend's forward by name (the tests compare them on the same inputs); masks boolean; ``document_present``
+    the (M,) bool of ``spec.absent_documents``.
+
+    Raises:
+        ValueError: an unknown name, or ``document_present`` without ``spec.absent_documents`` or the reverse.
+    """
     if name not in REGISTRY[OP]:
         raise ValueError(f"Unknown backend {name!r}: choose from {tuple(REGISTRY[OP])}.")
+    if spec.absent_documents != (document_present is not None):
+        raise ValueError("pass document_present exactly when spec.absent_documents.")
     args = (queries, documents, query_mask, document_mask, spec, need_grad, chunk_size, duplicates)
-    return call_backend(REGISTRY[OP][name], *args)
+    return call_backend(REGISTRY[OP][name], *args, document_present=document_present)

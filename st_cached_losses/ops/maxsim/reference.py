@@ -27,16 +27,23 @@ def forward(
     need_grad: bool,
     tile_queries: int | None = None,
     duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    document_present: Tensor | None = None,
 ) -> InfoNCEResult:
     """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients of
     ``sum_k w_k L_k`` wrt. queries and documents, in their dtype. Computes in fp32 (fp64 for fp64 inputs).
-    ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) of ``spec.mask_duplicates``.
-    ``tile_queries`` is unused (the backends' common signature)."""
+    ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) of ``spec.mask_duplicates``;
+    ``document_present``: (M,) bool, False for an absent document (no row scores it). Without in-batch negatives every
+    column but a row's own documents is masked in the same full matrix. ``tile_queries`` is unused (the backends'
+    common signature)."""
     dtype = torch.promote_types(queries.dtype, torch.float32)
     leaves = [t.detach().to(dtype).requires_grad_(need_grad) for t in (queries, documents)]
+    fixed = _fixed_columns(spec, queries.device, document_present)
     removed = None if duplicates is None else removed_candidates(spec, *duplicates)
+    if removed is not None and fixed is not None:
+        removed &= ~fixed  # a column a row never scores is no candidate to remove
+    masked = fixed if removed is None else removed if fixed is None else removed | fixed
     with torch.enable_grad() if need_grad else torch.no_grad():
-        losses, lses = zip(*(_one_dim(*leaves, query_mask, document_mask, spec, dim, removed) for dim in spec.dims))
+        losses, lses = zip(*(_one_dim(*leaves, query_mask, document_mask, spec, dim, masked) for dim in spec.dims))
         per_dim = torch.stack(losses)
         grads = None
         if need_grad:
@@ -45,11 +52,25 @@ def forward(
             grads = (*grads, None)
     share = None
     if removed is not None:
-        share = torch.tensor(
-            int(removed.sum()) / max(spec.batch_size * (spec.num_docs - 1), 1), dtype=torch.float32
-        ).to(queries.device)
+        never = 0 if fixed is None else int(fixed.sum())
+        candidates = spec.batch_size * (spec.num_docs - 1) - never
+        share = torch.tensor(int(removed.sum()) / max(candidates, 1), dtype=torch.float32).to(queries.device)
     lse = torch.stack(lses)[:, None, :].detach()
     return InfoNCEResult(per_dim.detach(), lse, grads, tile="dense", masked_share=share)
+
+
+def _fixed_columns(spec: MaxSimSpec, device, present: Tensor | None) -> Tensor | None:
+    """(B, M) bool: the columns row i never scores (without in-batch negatives every document but its own; absent
+    documents), or None."""
+    masked = None
+    if not spec.in_batch_negatives:
+        col = torch.arange(spec.num_docs, device=device)[None, :]
+        world_row = torch.arange(spec.batch_size, device=device)[:, None] + spec.offset
+        masked = col % spec.world_batch_size != world_row
+    if present is not None:
+        absent = ~present[None, :].expand(spec.batch_size, -1)
+        masked = absent if masked is None else masked | absent
+    return masked
 
 
 def scores(q: Tensor, c: Tensor, query_mask: Tensor, document_mask: Tensor, length_normalize: bool) -> Tensor:

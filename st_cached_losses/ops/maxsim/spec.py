@@ -14,9 +14,9 @@ from torch import Tensor
 
 from ..core import check_dims, check_offset, check_scale
 from ..duplicates import check_ids
-from ..spec import InfoNCESpec
+from ..spec import NORM_EPS, InfoNCESpec, check_in_batch_negatives
 
-__all__ = ["EMPTY_DOCUMENT_SCORE", "SIMILARITIES", "MaxSimSpec"]
+__all__ = ["EMPTY_DOCUMENT_SCORE", "SIMILARITIES", "MaxSimSpec", "inverse_prefix_norms"]
 
 # sentence-transformers' score of a document without an unmasked token (util.similarity._EMPTY_DOCUMENT_SCORE), before
 # MeanMaxSim's division; it takes no gradient. ops/ never imports sentence_transformers: the tests compare the two.
@@ -33,8 +33,11 @@ class MaxSimSpec:
     ``dims`` are sorted in descending order, ``weights`` follow them and ``order`` maps each sorted dim back to its
     position in the caller's ``dims``. ``query_cosine`` / ``document_cosine``: that side's token vectors are unit
     vectors at the full dim ``embedding_dim`` and each smaller dim re-normalises their prefix (:meth:`normalized`).
-    ``world_batch_size`` (Bw, the rows of each document block) is only known with the duplicate mask
-    (``len(world_query_ids)``, which the mask needs); None without it. ``all_dims``: every dim of the run (descending,
+    ``world_batch_size`` (Bw, the rows of each document block) is known with the duplicate mask
+    (``len(world_query_ids)``, which the mask needs, else B) and without in-batch negatives (B without ids: this
+    rank's documents); None otherwise (:meth:`positives` then bounds the positives' block by offset + B).
+    ``in_batch_negatives`` False: each query scores its own documents only (``own.py``); ``absent_documents``:
+    ``document_present`` given. ``all_dims``: every dim of the run (descending,
     a superset of ``dims``; empty: ``dims``), on which the Triton kernels specialise (:meth:`over_all_dims`).
     """
 
@@ -53,6 +56,8 @@ class MaxSimSpec:
     mask_duplicates: bool = False
     precision: str = "ieee"  # the token GEMMs' operands: "bf16", "tf32" or "ieee" (``core.resolve_precision``)
     all_dims: tuple[int, ...] = ()
+    in_batch_negatives: bool = True
+    absent_documents: bool = False
 
     def over_all_dims(self) -> MaxSimSpec:
         """This problem over every dim of the run (``all_dims``), a dim not in ``dims`` at weight 0: the same loss
@@ -75,8 +80,17 @@ class MaxSimSpec:
 
     @property
     def single_candidate(self) -> bool:
-        """Whether every query's only candidate is its positive (one document): loss and gradient exactly 0."""
+        """Whether every query's only candidate is its positive (one document; without in-batch negatives, no hard
+        negatives): loss and gradient exactly 0."""
+        if not self.in_batch_negatives:
+            return self.num_docs == self.world_batch_size
         return self.num_docs == 1
+
+    @property
+    def positives(self) -> int:
+        """How many leading documents are positives for certain: Bw where known, else up to this rank's last
+        (offset + B; the documents may be gathered)."""
+        return self.world_batch_size or self.offset + self.batch_size
 
     @property
     def masks(self) -> bool:
@@ -84,10 +98,14 @@ class MaxSimSpec:
         return self.mask_duplicates
 
     def infonce_spec(self) -> InfoNCESpec:
-        """The single-vector query_to_doc problem with the same layout: what ``ops.duplicates.DuplicateMask`` reads
-        (with the duplicate mask only: its ids give the world batch)."""
+        """The single-vector query_to_doc problem with the same layout: what ``ops.duplicates.DuplicateMask``,
+        ``ops.candidates`` and ``ops.own``'s masks read (where the world batch is known: with the duplicate mask or
+        without in-batch negatives)."""
         if self.world_batch_size is None:
-            raise ValueError("MaxSimSpec.infonce_spec needs the world batch size, known with the duplicate mask only.")
+            raise ValueError(
+                "MaxSimSpec.infonce_spec needs the world batch size, known with the duplicate mask or without "
+                "in-batch negatives only."
+            )
         return InfoNCESpec(
             dims=self.dims,
             weights=self.weights,
@@ -103,6 +121,8 @@ class MaxSimSpec:
             hardness_mode=None,
             hardness_strength=0.0,
             mask_duplicates=self.mask_duplicates,
+            in_batch_negatives=self.in_batch_negatives,
+            absent_documents=self.absent_documents,
         )
 
     @classmethod
@@ -123,6 +143,7 @@ class MaxSimSpec:
         document_ids=None,
         world_query_ids=None,
         all_dims=None,
+        in_batch_negatives=True,
     ) -> tuple[MaxSimSpec, Tensor, Tensor]:
         """The spec and the boolean (query_mask, document_mask).
 
@@ -140,7 +161,12 @@ class MaxSimSpec:
             raise TypeError(f"length_normalize must be True (MeanMaxSim) or False (MaxSim), got {length_normalize!r}.")
         offset = check_offset(offset, batch, num_docs, "M")
         mask_duplicates = check_ids(queries, documents, offset, query_ids, document_ids, world_query_ids)
-        world = (batch if world_query_ids is None else world_query_ids.shape[0]) if mask_duplicates else None
+        check_in_batch_negatives(in_batch_negatives)
+        world = None
+        if mask_duplicates or not in_batch_negatives:
+            world = batch if world_query_ids is None else world_query_ids.shape[0]
+        if not in_batch_negatives:
+            _check_own_layout(batch, num_docs, offset, world)
         spec = cls(
             dims=sorted_dims,
             weights=sorted_weights,
@@ -156,8 +182,21 @@ class MaxSimSpec:
             world_batch_size=world,
             mask_duplicates=mask_duplicates,
             all_dims=run_dims,
+            in_batch_negatives=in_batch_negatives,
         )
         return spec, query_mask, document_mask
+
+
+def _check_own_layout(batch: int, num_docs: int, offset: int, world: int) -> None:
+    """Without in-batch negatives query i's documents are row offset + i of each block of Bw documents: M a multiple
+    of Bw, offset + B <= Bw (the duplicate mask's ids check the same)."""
+    if offset + batch > world or num_docs % world != 0:
+        raise ValueError(
+            f"in_batch_negatives=False scores each query against its own documents, row offset + i of each block of "
+            f"Bw={world} documents ([positives | negatives_1 | ...]): M a multiple of Bw and offset + B <= Bw; got "
+            f"M={num_docs}, B={batch}, offset={offset}. Without world_query_ids the documents are this rank's "
+            "(Bw = B, offset 0): nothing needs gathering without in-batch negatives."
+        )
 
 
 def _check_all_dims(all_dims, dims: tuple[int, ...], dim: int) -> tuple[int, ...]:
@@ -220,3 +259,13 @@ def _check_mask(name: str, mask, tokens: Tensor, shape: str) -> Tensor:
     if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError(f"{name} must hold 0/1 (or bool) entries: 1 for a token that is scored, 0 for padding.")
     return mask.bool()
+
+
+def inverse_prefix_norms(x: Tensor, dims: tuple[int, ...], normalized: tuple[bool, ...]) -> Tensor | None:
+    """(K, rows) 1 / max(||x[:, :d_k]||, eps) where dim k re-normalises (as F.normalize divides), 1 where it does not;
+    None where no dim does."""
+    if not any(normalized):
+        return None
+    ones = x.new_ones(x.shape[0])
+    norms = [torch.linalg.vector_norm(x[:, :dim], dim=1) if on else ones for dim, on in zip(dims, normalized)]
+    return torch.stack(norms).clamp_min(NORM_EPS).reciprocal()

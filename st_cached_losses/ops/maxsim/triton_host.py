@@ -60,11 +60,12 @@ import math
 import torch
 from torch import Tensor
 
-from ..duplicates import DuplicateMask
 from ..errors import TritonUnavailableError
 from ..result import InfoNCEResult
 from ..triton.launch import launch
 from ..triton.launch_errors import describe_error, is_launch_error
+from . import own
+from .chunked import candidate_masks
 from .spec import MaxSimSpec
 from .triton_kernels import (
     MAX_DIMS,
@@ -82,9 +83,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def unsupported(spec: MaxSimSpec) -> str | None:
-    """What of ``spec`` the kernels do not take (``backend="auto"`` then runs chunked), or None."""
+    """What of ``spec`` the kernels do not take (``backend="auto"`` then runs chunked), or None; in-batch negatives
+    off runs ``own.py`` (any number of dims)."""
     dims = spec.over_all_dims().dims
-    if len(dims) > MAX_DIMS:
+    if spec.in_batch_negatives and len(dims) > MAX_DIMS:
         return f"at most {MAX_DIMS} Matryoshka token dims, got {len(dims)}"
     return None
 
@@ -98,6 +100,7 @@ def forward(
     need_grad: bool,
     tile_queries: int | None = None,
     duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    document_present: Tensor | None = None,
 ) -> InfoNCEResult:
     """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients of
     ``sum_k w_k L_k`` wrt. queries (B, Lq, D) and documents (M, Ld, D) in their dtype, as the chunked backend's.
@@ -108,6 +111,11 @@ def forward(
         need_grad: also compute the gradients (each tile's backward runs right after its forward).
         tile_queries: queries per tile (default: as many as ``TILE_BYTES`` holds).
         duplicates: the text ids (query_ids, document_ids, world_query_ids or None) of ``spec.mask_duplicates``.
+        document_present: (M,) bool of ``spec.absent_documents``: the absent documents' logits set to -inf in torch
+            between the forward and InfoNCE kernels, as the duplicate mask's (the kernels' signatures unchanged).
+
+    Without in-batch negatives it runs ``own.forward``, as the chunked backend does: each query's token GEMM against
+    its own documents, with no B x M score plane for the kernels to fuse.
 
     Returns:
         ``InfoNCEResult``; per_dim and lse in fp32 (fp64 for fp64 inputs), accumulated in that dtype, the token dot
@@ -120,9 +128,14 @@ def forward(
         TritonUnavailableError: the kernels fail to compile or launch here (``backend="auto"`` falls back).
     """
     _check_inputs(queries, documents, spec)
+    if not spec.in_batch_negatives:
+        return own.forward(
+            queries, documents, query_mask, document_mask, spec, need_grad, tile_queries, duplicates, document_present
+        )
     run = spec.over_all_dims()  # the run's dims: one compile per run, not per drawn subset
     try:
-        result = _Sweep(queries, documents, query_mask, document_mask, run, need_grad, tile_queries, duplicates).run()
+        masks = (duplicates, document_present)
+        result = _Sweep(queries, documents, query_mask, document_mask, run, need_grad, tile_queries, masks).run()
     except Exception as error:
         if not is_launch_error(error):
             raise
@@ -146,7 +159,7 @@ def _check_inputs(queries: Tensor, documents: Tensor, spec: MaxSimSpec) -> None:
     if missing is not None:
         raise NotImplementedError(f"backend='triton' supports {missing}: use backend='chunked'.")
     too_large = int32_refusal(spec.over_all_dims(), queries.shape[1], documents.shape[1])
-    if too_large is not None:
+    if too_large is not None and spec.in_batch_negatives:
         raise NotImplementedError(f"backend='triton' cannot index {too_large}: use backend='chunked'.")
     if queries.dtype not in _DTYPES:
         raise NotImplementedError(
@@ -160,7 +173,7 @@ def _check_inputs(queries: Tensor, documents: Tensor, spec: MaxSimSpec) -> None:
 class _Sweep:
     """One call: the operands, the plan, the per-call tables and outputs, then the tiles."""
 
-    def __init__(self, queries, documents, query_mask, document_mask, spec: MaxSimSpec, need_grad, tile_queries, ids):
+    def __init__(self, queries, documents, query_mask, document_mask, spec: MaxSimSpec, need_grad, tile_queries, masks):
         self.spec, self.need_grad = spec, need_grad
         self.q, self.c = queries.detach().contiguous(), documents.detach().contiguous()
         self.query_mask, self.document_mask = query_mask.contiguous(), document_mask.contiguous()
@@ -174,7 +187,7 @@ class _Sweep:
         self.losses = torch.empty(len(spec.dims), batch, dtype=self.acc, device=device)
         self.empty = torch.empty(num_docs, dtype=torch.int8, device=device)
         self.inverse_den = torch.empty(batch, dtype=self.acc, device=device)  # each query's token weight
-        self.mask = None if ids is None else DuplicateMask.build(spec.infonce_spec(), *ids)
+        self.candidates, self.absent = candidate_masks(spec, self.q, self.acc, *masks)
         self.dq = self.dc = self.scratch = None
         if need_grad:
             self.dq = torch.empty_like(self.q)
@@ -210,7 +223,7 @@ class _Sweep:
             end = min(begin + rows, batch)
             self._tile(begin, end, first=index == 0, last=end == batch)
         grads = None if not self.need_grad else (self.dq, self.dc, None)
-        share = None if self.mask is None else self.mask.share()
+        share = None if self.candidates is None else self.candidates.share()
         return InfoNCEResult(
             self.losses.mean(dim=1), self.lse, grads, tile=self.plan.describe(batch), masked_share=share
         )
@@ -240,8 +253,7 @@ class _Sweep:
             **plan.forward_consts,
             STORE_ARGMAX=self.need_grad,
         )
-        if self.mask is not None:
-            logits.masked_fill_(self.mask.tile("query_to_doc", begin, end), float("-inf"))
+        self._mask(logits, begin, end)
         launch(_infonce_kernel, (math.ceil(count / plan.infonce_rows), k))(
             logits,
             self.lse[:, 0, begin:],
@@ -281,6 +293,14 @@ class _Sweep:
             **plan.document_consts,
             LOAD_PREV=not first,
         )
+
+    def _mask(self, logits: Tensor, begin: int, end: int) -> None:
+        """The removed duplicates and the absent documents out of the tile's logits (-inf: the InfoNCE kernel's
+        softmax gives them 0, so they get no gradient)."""
+        if self.candidates is not None:
+            logits.masked_fill_(self.candidates.tile(begin, end).dropped[0], float("-inf"))
+        if self.absent is not None:
+            logits.masked_fill_(self.absent, float("-inf"))
 
     @staticmethod
     def _rows(inv: Tensor, tokens: slice) -> Tensor:
