@@ -173,3 +173,28 @@ def test_a_callback_refusal_is_one_line_before_any_work(tiny_dir, tmp_path, caps
     assert code == 2 and err.startswith(ERROR_PREFIX), err
     assert "has no Trainer._get_output_dir: pip install 'transformers>=5.17,<5.25'" in err
     assert not evaluated and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "device, multi_vector, called", [("cpu", False, False), ("cuda:0", False, True), ("cuda:0", True, False)]
+)
+def test_the_job_warms_up_the_dense_losses_kernels_on_cuda(tiny_model, monkeypatch, device, multi_vector, called):
+    """On CUDA the main job compiles the dense loss's Triton kernels before training (B and the hard-negative
+    columns from the options and the data); nothing on a CPU, nor for the multi-vector loss (its kernels follow each
+    batch's padded token counts)."""
+    import datasets
+
+    from st_cached_losses import warmup
+
+    calls = []
+
+    def fake(loss, **kwargs):
+        calls.append(kwargs)
+        return warmup.WarmUp("sm_90", "triton", seconds=1.5)
+
+    monkeypatch.setattr(warmup, "warm_up", fake)
+    train = datasets.Dataset.from_dict({"anchor": ["a"], "positive": ["b"], "negative": ["c"], "negative_1": ["d"]})
+    options = TrainOptions(output_dir="x", batch_size=16, mini_batch_size=8, multi_vector=multi_vector)
+    got = training.warm_up_kernels(object(), train, options, device)
+    assert calls == ([dict(batch_size=16, hard_negatives=2)] if called else [])
+    assert got == ({"target": "sm_90", "backend": "triton", "kernels": 0, "seconds": 1.5} if called else None)

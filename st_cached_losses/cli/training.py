@@ -35,6 +35,7 @@ __all__ = [
     "shows_progress",
     "train_measured",
     "train_once",
+    "warm_up_kernels",
 ]
 
 # --multi-vector's InfoNCE scale (1 / temperature) on MaxSim scores of unit token vectors: see _base_loss.
@@ -284,6 +285,19 @@ def scratch_trainer(model, loss, train, options: TrainOptions) -> Iterator[Any]:
         if absent:  # given to the collator: the trainer cannot read a None text when it is built
             AbsentNegativesCollator.attach(trainer, train_dataset=train)
         yield trainer
+
+
+def warm_up_kernels(loss, train, options: TrainOptions, device: str) -> dict[str, Any] | None:
+    """On CUDA, :func:`~st_cached_losses.warm_up`: the Triton kernels the dense loss's op will launch, compiled before
+    the first step (the step's time then holds no compilation); None elsewhere, and for the multi-vector loss, whose
+    kernels specialise on each batch's padded token counts (they compile at their first launch). Returns what
+    results.json records: the target, the backend, the kernel specializations compiled and the seconds."""
+    if not device.startswith("cuda") or options.multi_vector:
+        return None
+    from ..warmup import warm_up
+
+    done = warm_up(loss, batch_size=options.batch_size, hard_negatives=len(train.column_names) - 2)
+    return {"target": done.target, "backend": done.backend, "kernels": done.kernels, "seconds": done.seconds}
 
 
 def train_once(trainer) -> tuple[float, int, list[float]]:
