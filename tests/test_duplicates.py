@@ -25,6 +25,9 @@ IDS = {
         negatives=[[20, 21, 10, 23, 15, 25], [30, 31, 32, 12, 34, 35]],
     ),
     "mixed": MIXED,
+    # 18 rows of one anchor text, each with its own positive: a forbidden table 19 wide, past the width tiles
+    # compare against (the binary search instead)
+    "one_anchor_many_positives": dict(anchors=[1] * 18 + [2, 3], positives=list(range(10, 30))),
 }
 OPTIONS = {
     "query_to_doc": dict(),

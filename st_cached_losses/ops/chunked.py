@@ -19,6 +19,7 @@ References: GradCache (arXiv 2101.06983), Matryoshka (arXiv 2205.13147), FlashAt
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,7 +27,9 @@ from torch import Tensor
 
 from . import own
 from .candidates import Candidates
+from .duplicates import prepared
 from .gemm import matmul_precision, rounded_operand
+from .host_read import HostRead
 from .memory import Memory
 from .result import InfoNCEResult
 from .spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
@@ -56,6 +59,16 @@ def default_tile_rows(spec: InfoNCESpec, tile_bytes: int = DEFAULT_TILE_BYTES) -
     if spec.false_negatives is not None:
         per_row += 5 * columns  # the guide's scores of a direction and the mask they give
     return max(1, min(spec.batch_size, tile_bytes // per_row))
+
+
+def prepare(*args, duplicates=None, host: HostRead, **options):
+    """:func:`forward`'s first phase (``host_read``; its arguments, the options by keyword): with duplicate ids, the
+    width of the table of each row's forbidden text codes (the tiles compare it) is asked of ``host``, read with the
+    op call's other values (``duplicates.prepared``). Returns the call to run after the read."""
+    spec = args[3]
+    if duplicates is not None and spec.in_batch_negatives:
+        duplicates = prepared(spec, duplicates, host, options.get("memory"))
+    return functools.partial(forward, *args, duplicates=duplicates, **options)
 
 
 def forward(

@@ -22,12 +22,13 @@ Matryoshka dim.
 
 No B x M matrix and no host synchronisation: each text gets a code by sorting the ids (equal ids, equal codes), and
 forbidden(i) is read as a set of (own, target) code pairs, sorted as keys own * N + target (N the number of ids).
-A tile of rows tests its candidates against them by binary search (:meth:`DuplicateMask.tile`: a boolean
-(rows, columns) tile, set to -inf by the backends as the false-negative filter's is); the candidates each row loses
-are counted from per-code column counts, O(B + M + pairs). Every shape is known from the inputs' shapes, so nothing is
-read on the host; only the dense Triton kernels' table of each row's forbidden codes (:attr:`DuplicateMask.forbidden`)
-needs its width there: that backend asks for it (:meth:`DuplicateMask.table_sizes`) in the op call's one host read
-(``host_read.HostRead``).
+A tile of rows tests its candidates against each row's forbidden codes (:meth:`DuplicateMask.tile`: a boolean
+(rows, columns) tile, set to -inf by the backends as the false-negative filter's is): against the (B, L) table of
+each row's codes (:attr:`DuplicateMask.forbidden`, L = 2 without repeated queries: L compares per candidate) where
+its width is known, else by binary search of the sorted keys (log2(pairs) gathers per candidate). The candidates each
+row loses are counted from per-code column counts, O(B + M + pairs). Nothing of it is read on the host but the
+table's width, which the backends ask for with the op call's one host read (:func:`prepared`, ``host_read.HostRead``);
+the dense Triton kernels compare the table inside their tiles.
 """
 
 from __future__ import annotations
@@ -39,14 +40,17 @@ import torch
 from torch import Tensor
 
 from .false_negatives import kept_columns, num_candidates
+from .host_read import HostRead
 from .memory import Memory
 from .spec import DIRECTIONS, InfoNCESpec
 
-__all__ = ["DuplicateMask", "check_ids"]
+__all__ = ["DuplicateMask", "check_ids", "prepared"]
 
 
 _ABSENT = object()
 _TILE_ENTRIES = 2**22  # (rows x columns) of one binary search in a tile: ~100 MiB of int64 temporaries at most
+_TABLE_WIDTH = 16  # the widest table a tile compares against (wider: the binary search, log2(pairs) steps)
+_SIZES = "duplicate mask: table sizes"  # the key of :meth:`DuplicateMask.table_sizes` in the op call's host read
 
 
 def check_ids(
@@ -138,7 +142,7 @@ class DuplicateMask:
     pairs: dict[str, Tensor]
     num_codes: int
     _per_row: dict[str, Tensor] = field(default_factory=dict)
-    read_sizes: list[int] | None = None  # :meth:`table_sizes`' values, once read on the host
+    host: HostRead | None = None  # the op call's host read, which reads :meth:`table_sizes` (:func:`prepared`)
 
     @classmethod
     def build(
@@ -177,12 +181,18 @@ class DuplicateMask:
         ``name`` (never a column the row keeps: ``false_negatives.kept_columns``)."""
         direction = DIRECTIONS[name]
         own, cols = self.own[direction.rows][begin:end], self.codes[direction.cols]
-        removed = torch.empty(own.shape[0], cols.shape[0], dtype=torch.bool, device=cols.device)
-        step = max(1, _TILE_ENTRIES // max(1, own.shape[0]))  # bounds the search's int64 temporaries
-        for first in range(0, cols.shape[0], step):
-            removed[:, first : first + step] = self.forbids(
-                direction.rows, own[:, None], cols[None, first : first + step]
-            )
+        if self.host is not None and self.forbidden[direction.rows].shape[1] <= _TABLE_WIDTH:
+            table = self.forbidden[direction.rows][begin:end]
+            removed = table[:, :1] == cols[None]
+            for width in range(1, table.shape[1]):
+                removed |= table[:, width : width + 1] == cols[None]
+        else:
+            removed = torch.empty(own.shape[0], cols.shape[0], dtype=torch.bool, device=cols.device)
+            step = max(1, _TILE_ENTRIES // max(1, own.shape[0]))  # bounds the search's int64 temporaries
+            for first in range(0, cols.shape[0], step):
+                removed[:, first : first + step] = self.forbids(
+                    direction.rows, own[:, None], cols[None, first : first + step]
+                )
         kept = kept_columns(direction, self.spec, begin, end, cols.device)
         if kept is not None:
             removed.scatter_(1, kept, False)
@@ -209,15 +219,15 @@ class DuplicateMask:
     def forbidden(self) -> dict[str, Tensor]:
         """Per row side the (B, L) codes each local row must not score: its own code, then the distinct targets of
         every pair with its own text, padded with its own code (L = 1 + the most distinct targets of one local row's
-        own text: :attr:`read_sizes`, else read here, one synchronisation). The dense Triton kernels' table; the
-        other backends use :meth:`tile`."""
-        sizes = self.table_sizes().tolist() if self.read_sizes is None else self.read_sizes
+        own text: from :attr:`host`'s read, else read here, one synchronisation). The dense Triton kernels' table,
+        and :meth:`tile`'s where it is narrow."""
+        sizes = self.table_sizes().tolist() if self.host is None else self.host[_SIZES]
         return {side: self._table(side, *sizes[2 * i : 2 * i + 2]) for i, side in enumerate(self.own)}
 
     def table_sizes(self) -> Tensor:
         """(2 x row sides,) int64 on the device, per row side in ``own``'s order: the most distinct targets of a
         local row's own text (the table's width less one) and of any own text: :attr:`forbidden`'s shapes, for the
-        op call's one host read (then :attr:`read_sizes`)."""
+        op call's one host read (:func:`prepared`)."""
         sizes = []
         for side in self.own:
             per_own = self._targets_per_own(side)
@@ -273,6 +283,16 @@ class DuplicateMask:
         index = torch.arange(width, device=own.device)
         targets = torch.where(index < per_own[own][:, None], by_own[own][:, :width], own[:, None])
         return torch.cat([own[:, None], targets], dim=1)
+
+
+def prepared(spec: InfoNCESpec, duplicates, host: HostRead, memory: Memory | None = None) -> DuplicateMask:
+    """The op call's duplicate mask, built from its text ids ``duplicates`` (query_ids or None, doc_ids,
+    world_query_ids or None) before the host read, its table's sizes asked of ``host`` (read with the op call's one
+    read): a backend's ``prepare`` (``host_read``)."""
+    mask = DuplicateMask.build(spec, *duplicates, memory=memory)
+    mask.host = host
+    host.ask(_SIZES, mask.table_sizes())
+    return mask
 
 
 def _codes(ids: Tensor) -> Tensor:

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..candidates import Candidates
+from ..duplicates import prepared
 from ..gemm import matmul_precision, rounded_operand
 from ..host_read import HostRead
 from ..result import InfoNCEResult
@@ -121,12 +122,15 @@ def prepare(
     host: HostRead,
 ):
     """:func:`forward`'s first phase (``host_read``): with in-batch negatives, each tile's count of scored query
-    tokens, asked of ``host`` (the op call's one read). Returns the call to run after the read."""
+    tokens, and with duplicate ids the width of the table of each row's forbidden codes, asked of ``host`` (the op
+    call's one read). Returns the call to run after the read."""
     args = (queries, documents, query_mask, document_mask, spec, need_grad, tile_queries, duplicates, document_present)
     if not spec.in_batch_negatives:
         return lambda: forward(*args)
     rows = _tile_queries(spec, queries, documents, tile_queries)
     host.ask("scored tokens", _scored_per_tile(query_mask, rows))
+    if duplicates is not None:  # the tiles compare each row's forbidden codes: the table's width read too
+        args = (*args[:7], prepared(spec.infonce_spec(), duplicates, host), document_present)
     return lambda: forward(*args, scored_tokens=host["scored tokens"])
 
 

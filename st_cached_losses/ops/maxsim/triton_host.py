@@ -55,12 +55,15 @@ them yet.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
 
+from ..duplicates import prepared
 from ..errors import TritonUnavailableError
+from ..host_read import HostRead
 from ..result import InfoNCEResult
 from ..triton.launch import launch
 from ..triton.launch_errors import describe_error, is_launch_error
@@ -77,7 +80,7 @@ from .triton_kernels import (
 )
 from .triton_plan import TILE_BYTES, Plan, index_dtype, int32_refusal
 
-__all__ = ["TILE_BYTES", "forward", "unsupported"]
+__all__ = ["TILE_BYTES", "forward", "prepare", "unsupported"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -89,6 +92,16 @@ def unsupported(spec: MaxSimSpec) -> str | None:
     if spec.in_batch_negatives and len(dims) > MAX_DIMS:
         return f"at most {MAX_DIMS} Matryoshka token dims, got {len(dims)}"
     return None
+
+
+def prepare(*args, document_present: Tensor | None = None, host: HostRead):
+    """:func:`forward`'s first phase (``host_read``; its arguments as the op passes them): with duplicate ids the width
+    of the table of each row's forbidden codes (the tiles compare it) is asked of ``host``, read with the op call's
+    other values (``duplicates.prepared``). Returns the call to run after the read."""
+    spec, duplicates = args[4], args[7] if len(args) > 7 else None
+    if duplicates is not None and spec.in_batch_negatives:
+        args = (*args[:7], prepared(spec.infonce_spec(), duplicates, host))
+    return functools.partial(forward, *args, document_present=document_present)
 
 
 def forward(

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from .. import own
 from ..candidates import Candidates
-from ..duplicates import DuplicateMask
+from ..duplicates import prepared
 from ..errors import TritonUnavailableError
 from ..gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
 from ..host_read import HostRead
@@ -103,7 +103,7 @@ def forward(
 
     Args: as ``chunked.forward`` (queries (B, D), docs (M, D), world_queries (Bw, D); CUDA tensors, or CPU ones
     under ``TRITON_INTERPRET=1``); ``tile_rows``: rows per block (default :func:`plan_rows`'s budget);
-    ``duplicates``: the text ids, or their ``DuplicateMask`` with its table's sizes read (:func:`prepare`);
+    ``duplicates``: the text ids, or their ``DuplicateMask`` with its table's sizes asked (:func:`prepare`);
     ``document_present``: (M,) bool, the absent documents masked in the pass kernel (its column mask, constexpr
     ABSENT). Without in-batch negatives it runs ``own.forward``, as the chunked backend does: the own documents are
     (n, B) row-wise dot products, bandwidth-bound passes with no B x M score plane for the kernels to fuse.
@@ -141,18 +141,11 @@ def forward(
 def prepare(*args, duplicates=None, host: HostRead, **options):
     """:func:`forward`'s first phase (``host_read``; its arguments, the options by keyword): with duplicate ids the
     kernels' table of each row's forbidden text codes needs its width on the host, which ``host`` reads with the op
-    call's other values. Returns the call to run after the read."""
+    call's other values (``duplicates.prepared``). Returns the call to run after the read."""
     spec = args[3]
-    if duplicates is None or not spec.in_batch_negatives:
-        return functools.partial(forward, *args, duplicates=duplicates, **options)
-    mask = DuplicateMask.build(spec, *duplicates, memory=options.get("memory"))
-    host.ask("forbidden table", mask.table_sizes())
-
-    def run() -> InfoNCEResult:
-        mask.read_sizes = host["forbidden table"]
-        return forward(*args, duplicates=mask, **options)
-
-    return run
+    if duplicates is not None and spec.in_batch_negatives:
+        duplicates = prepared(spec, duplicates, host, options.get("memory"))
+    return functools.partial(forward, *args, duplicates=duplicates, **options)
 
 
 @dataclass
