@@ -95,19 +95,7 @@ def mask_contest(sizes, dim=384, dims=(384, 256, 128, 64, 32), repeats=5, device
         for backend in ("chunked", "triton") if device == "cuda" else ("chunked",):
             runs[backend] = registry.build("loss_stage", backend, q, c, dims, 0)
             runs[f"{backend}_mask_duplicates"] = registry.build("loss_stage", backend, q, c, dims, 0, options=ids)
-        timings = {name: Timings() for name in runs}
-        for fn in runs.values():
-            fn()
-        for _ in range(repeats):
-            for name, fn in runs.items():
-                timed = time_calls(fn, 1, 0, device)
-                timings[name].wall.extend(timed.wall)
-                timings[name].cpu.extend(timed.cpu)
-        for name, fn in runs.items():
-            stats, peak = spread(timings[name].wall), peak_tensor_bytes(fn, device)[1]
-            rows += [(name, batch, f"seconds_{key}", value) for key, value in stats.items()]
-            rows.append((name, batch, "cpu_seconds_median", spread(timings[name].cpu)["median"]))
-            rows += [(name, batch, "peak_bytes", peak), (name, batch, "load_average_1min", os.getloadavg()[0])]
+        for name, stats, peak in _alternated(runs, batch, repeats, device, rows):
             print(
                 f"B={batch:>6} {name:>24}: {stats['median']:8.3f} s wall (median of {repeats}), peak "
                 f"{peak / 2**20:8.2f} MiB",
@@ -163,21 +151,31 @@ def in_batch_contest(sizes, dim=384, dims=(384, 256, 128, 64, 32), negatives=3, 
             "own_only_absent": dict(in_batch_negatives=False, document_present=present),
         }
         runs = {name: registry.build("loss_stage", "auto", q, docs, dims, 0, options=o) for name, o in options.items()}
-        timings = {name: Timings() for name in runs}
-        for fn in runs.values():
-            fn()
-        for _ in range(repeats):
-            for name, fn in runs.items():
-                timed = time_calls(fn, 1, 0, device)
-                timings[name].wall.extend(timed.wall)
-                timings[name].cpu.extend(timed.cpu)
-        for name, fn in runs.items():
-            stats, peak = spread(timings[name].wall), peak_tensor_bytes(fn, device)[1]
-            rows += [(name, batch, f"seconds_{key}", value) for key, value in stats.items()]
-            rows.append((name, batch, "cpu_seconds_median", spread(timings[name].cpu)["median"]))
-            rows += [(name, batch, "peak_bytes", peak), (name, batch, "load_average_1min", os.getloadavg()[0])]
+        for name, stats, peak in _alternated(runs, batch, repeats, device, rows):
             print(f"B={batch:>6} {name:>16}: {stats['median']:9.4f} s wall, peak {peak / 2**20:9.2f} MiB", flush=True)
     return rows
+
+
+def _alternated(runs: dict, batch: int, repeats: int, device: str, rows: list) -> list[tuple[str, dict, int]]:
+    """Time ``runs`` (name -> call) alternately, round by round (one warm-up call each first), append their rows
+    (wall seconds' spread, CPU seconds' median, tensor peak, load average) to ``rows``; returns (name, wall spread,
+    peak) per run."""
+    timings = {name: Timings() for name in runs}
+    for fn in runs.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            timed = time_calls(fn, 1, 0, device)
+            timings[name].wall.extend(timed.wall)
+            timings[name].cpu.extend(timed.cpu)
+    done = []
+    for name, fn in runs.items():
+        stats, peak = spread(timings[name].wall), peak_tensor_bytes(fn, device)[1]
+        rows += [(name, batch, f"seconds_{key}", value) for key, value in stats.items()]
+        rows.append((name, batch, "cpu_seconds_median", spread(timings[name].cpu)["median"]))
+        rows += [(name, batch, "peak_bytes", peak), (name, batch, "load_average_1min", os.getloadavg()[0])]
+        done.append((name, stats, peak))
+    return done
 
 
 def in_batch_table(records: list[dict]) -> str:
