@@ -95,7 +95,9 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             matryoshka_dims: token dims to train, e.g. [128, 96, 64, 32]; each in [1, token dim], no duplicates.
             matryoshka_weights: one weight per dim (default 1 each).
             n_dims_per_step: a positive int: sample that many dims per step with ``random.sample``, as
-                MatryoshkaLoss does (the number of dims or more: every dim); -1: every dim.
+                MatryoshkaLoss does (the number of dims or more: every dim); -1: every dim. The Triton kernels are
+                compiled once for every dim of the run, not per drawn subset (the op's ``all_dims``; they then do
+                every dim's work in each call, the dims not drawn at weight 0).
             mini_batch_size: rows per embedding mini-batch, or "auto" (the largest whose activations fit
                 ``activation_budget``, measured at the first training step); None: the base loss's (above), else 32.
             mini_batch_num_tokens: pack mini-batches by non-padding tokens instead.
