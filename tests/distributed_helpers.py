@@ -62,3 +62,20 @@ def child_setup(rank: int, port: int) -> None:
 def init_process_group(rank: int, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
     """The gloo process group of the WORLD_SIZE processes (after ``child_setup``)."""
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=timeout_s))
+
+
+class CountGathers:
+    """Counts torch.distributed's all-gathers while inside (what gathering the batch, the ids or the masks calls)."""
+
+    def __enter__(self):
+        self.count, self.original = 0, dist.all_gather
+
+        def counting(*args, **kwargs):
+            self.count += 1
+            return self.original(*args, **kwargs)
+
+        dist.all_gather = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather = self.original

@@ -82,16 +82,29 @@ def text_rows(rows: int, columns: tuple[str, ...], seed: int = 0, absent: dict[s
     return [{column: table[column][row] for column in columns} for row in range(rows)]
 
 
+def preprocess(model, batch: list[str], column: int) -> dict:
+    """Column ``column``'s features of ``batch`` as the collator tokenizes them: for a MultiVectorEncoder, for the
+    column's task (the first column "query", the others "document")."""
+    from sentence_transformers import MultiVectorEncoder
+
+    if isinstance(model, MultiVectorEncoder):
+        return model.preprocess(batch, task="query" if column == 0 else "document")
+    return model.preprocess(batch)
+
+
 def collated(model, rows: list[dict], placeholder: str = "") -> list[dict]:
-    """The loss's features of dataset ``rows`` as the trainer hands them over: sentence-transformers' collator inside
-    ``AbsentNegativesCollator``, then the trainer's ``collect_features`` (each column's presence mask becomes its
-    features' ``"present"``)."""
-    from sentence_transformers import SentenceTransformerTrainer
+    """The loss's features of dataset ``rows`` as the trainer hands them over: sentence-transformers' collator of the
+    model's family (a MultiVectorEncoder's stamps each column's task) inside ``AbsentNegativesCollator``, then the
+    trainer's ``collect_features`` (each column's presence mask becomes its features' ``"present"``)."""
+    from sentence_transformers import MultiVectorEncoder, SentenceTransformerTrainer
+    from sentence_transformers.multi_vector_encoder.data_collator import MultiVectorEncoderDataCollator
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
     from st_cached_losses import AbsentNegativesCollator
 
-    batch = AbsentNegativesCollator(SentenceTransformerDataCollator(model.preprocess), placeholder)(rows)
+    multi_vector = isinstance(model, MultiVectorEncoder)
+    family = MultiVectorEncoderDataCollator if multi_vector else SentenceTransformerDataCollator
+    batch = AbsentNegativesCollator(family(model.preprocess), placeholder)(rows)
     features, _ = SentenceTransformerTrainer.collect_features(None, batch)  # reads nothing of the trainer
     return features
 
@@ -122,7 +135,8 @@ def row_by_row(model, loss_fn, rows: list[dict]) -> tuple[float, dict[str, torch
     row has no in-batch negatives), the row's None columns left out."""
     total, mean = 0.0, {}
     for row in rows:
-        features = [model.preprocess([text]) for text in row.values() if text is not None]
+        present = [text for text in row.values() if text is not None]
+        features = [preprocess(model, [text], column) for column, text in enumerate(present)]
         loss, grads = loss_and_grads(model, loss_fn, features)
         total += loss / len(rows)
         for name, grad in grads.items():

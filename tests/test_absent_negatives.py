@@ -196,22 +196,6 @@ def test_the_collator_pickles():
     assert copy.placeholder == "" and copy(rows)["negative_present"].tolist() == [False, True]
 
 
-def test_the_multi_vector_loss_refuses_absent_negatives():
-    """maxsim_infonce takes no absent documents yet: refused in one line before any work, not scored."""
-    from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
-
-    from st_cached_losses import CachedMultiVectorMatryoshkaLoss
-    from st_cached_losses.testing import tiny_multi_vector_encoder
-
-    encoder = tiny_multi_vector_encoder(token_dim=48)
-    loss_fn = CachedMultiVectorMatryoshkaLoss(encoder, CachedMultiVectorMultipleNegativesRankingLoss(encoder), [48])
-    rows = text_rows(3, COLUMNS[:3], seed=2)
-    features = [encoder.preprocess([row[c] for row in rows], task="document") for c in COLUMNS[:3]]
-    features[2]["present"] = torch.tensor([True, False, True])
-    with pytest.raises(ValueError, match=r"^CachedMultiVectorMatryoshkaLoss takes no absent hard negatives .*"):
-        loss_fn(features, None)
-
-
 @pytest.mark.oldest_st  # the trainer's collator and model card differ between releases
 def test_attach_takes_the_datasets_the_trainer_cannot_read(model, tmp_path):
     """sentence-transformers' trainer tokenizes the first rows of each text column for its model card when it is

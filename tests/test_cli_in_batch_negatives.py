@@ -129,17 +129,25 @@ def test_null_negatives_the_run_cannot_take_are_one_line(case, tiny_dir, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("in_batch", [False, True], ids=["no_in_batch", "in_batch"])
-def test_triplets_with_null_negatives_train(in_batch, tiny_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "in_batch, multi_vector",
+    [(False, False), (True, False), (False, True)],
+    ids=["no_in_batch", "in_batch", "multi_vector_no_in_batch"],
+)
+def test_triplets_with_null_negatives_train(in_batch, multi_vector, tiny_dir, tmp_path, monkeypatch):
     """--no-in-batch-negatives on a triplets file whose rows have fewer hard negatives runs (in-batch negatives too,
-    with the plain sampler): the loss built with it, the absent negatives counted in results.json."""
+    with the plain sampler; and with --multi-vector): the loss built with it, the absent negatives counted in
+    results.json."""
     made = record_losses(monkeypatch)
     data = str(_triplets(tmp_path / "triplets.jsonl"))
     extra = ["--batch-sampler", "batch_sampler"] if in_batch else ["--no-in-batch-negatives"]
+    extra += ["--multi-vector", "--dims", "128", "32"] if multi_vector else []
     assert train_cli(tiny_dir, tmp_path / "out", "--dataset", data, *extra) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["config"]["in_batch_negatives"] is in_batch and made[0].in_batch_negatives is in_batch
     assert results["config"]["batch_sampler"] == ("batch_sampler" if in_batch else None)
     assert 0 < results["config"]["absent_negatives"] < 41 and results["config"]["steps"] == 2
+    name = "CachedMultiVectorMatryoshkaLoss" if multi_vector else "CachedMatryoshkaLoss"
+    assert type(made[0]).__name__ == name
     card = (tmp_path / "out" / "model" / "README.md").read_text()  # the loss's config in the model card
-    assert "CachedMatryoshkaLoss" in card and ('"in_batch_negatives": false' in card) is not in_batch
+    assert f"st_cached_losses.{name}" in card and ('"in_batch_negatives": false' in card) is not in_batch

@@ -64,13 +64,6 @@ LOSS_REFUSES = {  # the options CachedMultiVectorMatryoshkaLoss refuses: its own
     "--memory-warmup-steps": (["--memory-warmup-steps", "1"], "does not take a memory bank (--memory-size and its"),
     "--memory-max-age": (["--memory-max-age", "2"], "does not take a memory bank (--memory-size and its"),
     "--dual-memory": (["--dual-memory"], "does not take a memory bank (--memory-size and its options)"),
-    "--no-in-batch-negatives": (
-        ["--no-in-batch-negatives"],
-        (
-            "--multi-vector: CachedMultiVectorMatryoshkaLoss does not take in-batch negatives off "
-            "(--no-in-batch-negatives) (given: --no-in-batch-negatives): maxsim_infonce scores"
-        ),
-    ),
     "--guide": (
         ["--guide", "TINY"],  # TINY: the tiny model
         (

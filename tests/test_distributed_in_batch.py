@@ -18,7 +18,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed_helpers import ROWS, WORLD_SIZE, child_setup, init_process_group, local_rows, spawn
+from tests.distributed_helpers import (
+    ROWS,
+    WORLD_SIZE,
+    CountGathers,
+    child_setup,
+    init_process_group,
+    local_rows,
+    spawn,
+)
 from tests.helpers import assert_grads_close, collated, loss_and_grads, text_rows
 
 pytestmark = pytest.mark.slow  # 2 spawned gloo processes
@@ -46,23 +54,6 @@ def _make_loss(model, case):
     return CachedMatryoshkaLoss(model, base, [48, 16], mini_batch_size=3, in_batch_negatives=CASES[case][0])
 
 
-class _CountGathers:
-    """Counts torch.distributed's all-gathers while inside (what gathering the batch, the ids or the masks calls)."""
-
-    def __enter__(self):
-        self.count, self.original = 0, dist.all_gather
-
-        def counting(*args, **kwargs):
-            self.count += 1
-            return self.original(*args, **kwargs)
-
-        dist.all_gather = counting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_gather = self.original
-
-
 def _worker(rank, port, state_path, out_dir):
     child_setup(rank, port)
     from torch.nn.parallel import DistributedDataParallel
@@ -79,7 +70,7 @@ def _worker(rank, port, state_path, out_dir):
             loss_fn = _make_loss(model, case)
             if mode == "ddp":
                 loss_fn.model = DistributedDataParallel(model, find_unused_parameters=True)
-            with _CountGathers() as gathers:
+            with CountGathers() as gathers:
                 loss, grads = loss_and_grads(model, loss_fn, features)
             if mode == "plain":
                 for grad in grads.values():

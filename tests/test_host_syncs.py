@@ -13,7 +13,8 @@ from host data (``torch.tensor``: ``aten.lift_fresh``, a host-to-device copy on 
   work with (one ``tolist``).
 - One training step (forward and backward) of every loss of the package against stock's cached loss on the same
   batch: ours may add one per op call and one for the per-dim entries' gradient check, never one per mini-batch or
-  per column.
+  per column; the same for the single-vector and the multi-vector loss with absent hard negatives, in-batch negatives
+  on and off.
 """
 
 from __future__ import annotations
@@ -211,12 +212,16 @@ def _stock(family: str, model, mini_batch_size: int):
     return MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch_size), DIMS)
 
 
-def _extra(name: str, model, rows: int, columns: int, mini_batch_size: int, monkeypatch):
-    """(our step's synchronising ops less stock's, our op calls in the step)."""
+def _extra(name: str, model, rows: int, columns: int, mini_batch_size: int, monkeypatch, absent=False, **options):
+    """(our step's synchronising ops less stock's, our op calls in the step); ``options`` to our loss, and with
+    ``absent`` a presence mask on each hard-negative column (every other row lacks it; stock gets no mask)."""
     loss_case = case(name)
     features = loss_case.features(model, rows=rows, columns=columns)
     stock = _counted(lambda: loss_and_grads(model, _stock(loss_case.family, model, mini_batch_size), features))
-    ours = loss_case.build(model, mini_batch_size=mini_batch_size)
+    if absent:
+        present = torch.arange(rows) % 2 == 0
+        features = features[:2] + [{**feature, "present": present} for feature in features[2:]]
+    ours = loss_case.build(model, mini_batch_size=mini_batch_size, **options)
     calls, run = [], core.OpCall.run
     monkeypatch.setattr(core.OpCall, "run", lambda self, need_grad: calls.append(1) or run(self, need_grad))
     counted = _counted(lambda: loss_and_grads(model, ours, features))
@@ -230,6 +235,27 @@ def test_no_host_synchronisation_per_mini_batch_or_column(name, models, monkeypa
     model = models[case(name).family]
     few, calls = _extra(name, model, rows=8, columns=2, mini_batch_size=4, monkeypatch=monkeypatch)
     many, _ = _extra(name, model, rows=16, columns=3, mini_batch_size=2, monkeypatch=monkeypatch)
+    assert few == many, (few, many)
+    assert sum(few.values()) <= calls + 1, (few, calls)
+    assert few["aten.lift_fresh"] == 0 and few["aten.nonzero"] == 0, few
+
+
+LOSS_MODES = {  # issue 45's options on the losses: our options, and whether hard negatives are absent
+    "in_batch_absent": ({}, True),
+    "own_absent": ({"in_batch_negatives": False}, True),
+}
+
+
+@pytest.mark.parametrize("mode", LOSS_MODES)
+@pytest.mark.parametrize("name", ["CachedMatryoshkaLoss", "CachedMultiVectorMatryoshkaLoss"])
+def test_in_batch_negatives_off_and_absent_negatives_add_no_synchronisation(name, mode, models, monkeypatch):
+    """Absent hard negatives (presence masks), with in-batch negatives on or off: as above, 3 columns of 8 rows in
+    mini-batches of 4 against 4 columns of 16 in mini-batches of 2."""
+    options, absent = LOSS_MODES[mode]
+    model = models[case(name).family]
+    run = dict(monkeypatch=monkeypatch, absent=absent, **options)
+    few, calls = _extra(name, model, rows=8, columns=3, mini_batch_size=4, **run)
+    many, _ = _extra(name, model, rows=16, columns=4, mini_batch_size=2, **run)
     assert few == many, (few, many)
     assert sum(few.values()) <= calls + 1, (few, calls)
     assert few["aten.lift_fresh"] == 0 and few["aten.nonzero"] == 0, few

@@ -375,3 +375,28 @@ def test_the_multi_vector_loss_takes_the_triton_backend():
         results[backend] = loss_and_grads(model, loss, features)
     assert results["triton"][0] == pytest.approx(results["chunked"][0], rel=1e-5)
     assert_grads_close(results["triton"][1], results["chunked"][1], rtol=1e-4)
+
+
+def test_the_loss_drawing_n_dims_per_step_compiles_once(monkeypatch):
+    """CachedMultiVectorMatryoshkaLoss(backend="triton", n_dims_per_step=1) over four token dims: every step's
+    kernel specialisations are the first step's (the loss passes its dims as ``all_dims``), whatever dim it draws."""
+    from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
+
+    from st_cached_losses import CachedMultiVectorMatryoshkaLoss
+    from st_cached_losses.testing import tiny_multi_vector_encoder
+    from tests.helpers import loss_and_grads, texts
+
+    model = tiny_multi_vector_encoder(token_dim=16, seed=3)
+    tasks = ("query", "document", "document")
+    features = [model.preprocess(texts(4, 100 * column, 1, 6), task=task) for column, task in enumerate(tasks)]
+    base = CachedMultiVectorMultipleNegativesRankingLoss(model, mini_batch_size=4)
+    loss = CachedMultiVectorMatryoshkaLoss(model, base, [16, 12, 8, 4], n_dims_per_step=1, backend="triton")
+    drawn, draw = [], loss.draw_step
+    monkeypatch.setattr(loss, "draw_step", lambda: drawn.append(draw()) or drawn[-1])
+    launches, first = _Specialisations(monkeypatch), None
+    random.seed(0)
+    for _ in range(8):
+        loss_and_grads(model, loss, features)  # the stand-in kernels write nothing: the values are not checked
+        first = first or set(launches.seen)
+    assert launches.seen == first and {launch[0] for launch in first} == set(KERNELS)
+    assert len({draw[0].dims for draw in drawn}) > 1 and all(len(draw[0].dims) == 1 for draw in drawn)

@@ -80,6 +80,11 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         ``forward`` returns ``{"loss_dim_<d>": weight_d * loss_d}`` (dims descending, 0 for dims not sampled this
         step): the trainer logs each entry and back-propagates their sum, the loss.
 
+        Rows may have fewer hard negatives than the batch has columns: a column's presence mask (``"present"``, False
+        where the row lacks that negative; :class:`st_cached_losses.AbsentNegativesCollator` writes it for ``None``
+        texts) makes the row's placeholder no candidate of any row, with zero gradient, with in-batch negatives on or
+        off: a batch whose rows all lack a column gives the loss and gradients of the batch without it.
+
         Args:
             model: a MultiVectorEncoder.
             loss: a MultiVectorMultipleNegativesRankingLoss or CachedMultiVectorMultipleNegativesRankingLoss holding
@@ -90,7 +95,9 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             matryoshka_dims: token dims to train, e.g. [128, 96, 64, 32]; each in [1, token dim], no duplicates.
             matryoshka_weights: one weight per dim (default 1 each).
             n_dims_per_step: a positive int: sample that many dims per step with ``random.sample``, as
-                MatryoshkaLoss does (the number of dims or more: every dim); -1: every dim.
+                MatryoshkaLoss does (the number of dims or more: every dim); -1: every dim. The Triton kernels are
+                compiled once for every dim of the run, not per drawn subset (the op's ``all_dims``; they then do
+                every dim's work in each call, the dims not drawn at weight 0).
             mini_batch_size: rows per embedding mini-batch, or "auto" (the largest whose activations fit
                 ``activation_budget``, measured at the first training step); None: the base loss's (above), else 32.
             mini_batch_num_tokens: pack mini-batches by non-padding tokens instead.
@@ -110,22 +117,26 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             memory_size, memory_warmup_steps, memory_max_age, dual_memory: refused (0, 0, None, False only): a bank
                 of token vectors would hold (documents x tokens x D) floats and score them at every step; use
                 :class:`CachedMatryoshkaLoss` for negatives beyond the batch.
-            in_batch_negatives: True only: ``maxsim_infonce`` has no path for a row's own documents yet (False is
-                refused; train a single-vector model without in-batch negatives with :class:`CachedMatryoshkaLoss`).
-                Absent hard negatives (presence masks in the batch) are refused in ``forward`` for the same reason.
+            in_batch_negatives: True (default): each query's softmax runs over every document of the batch, stock's.
+                False: over its own positive and its own hard negatives only (FlagEmbedding's ``no_in_batch_neg``),
+                for data whose other rows' positives are often true matches: the loss is then the mean over rows of
+                stock's loss on each row alone, O(B x (1 + negatives)) MaxSim scores instead of B x M. Nothing is
+                gathered across processes (DDP's mean of the gradients is still that of one process on the whole
+                batch); the duplicate mask, the token masks and the Matryoshka dims apply to the own documents.
 
         Raises:
             Every error names the class in use; Python and numpy integers are taken alike.
 
             TypeError: ``model`` that is no MultiVectorEncoder, ``loss`` of another type, a non-bool
-                ``mask_duplicates``.
+                ``mask_duplicates`` or ``in_batch_negatives``.
             ValueError: a ``similarity_fct`` other than colbert_scores / mean_colbert_scores (XTR scores only the
                 top-k retrieved tokens, not a MaxSim over every token); a model whose routes end in token vectors of
                 different dims, or whose similarity on a side cannot be decided (a module of unknown effect after the
                 last one known to write the token vectors); bad dims or weights, ``n_dims_per_step``,
                 ``mini_batch_size``, ``mini_batch_num_tokens``, ``activation_budget``, ``fsdp_sync``, an unknown
                 ``backend`` or ``precision``, and the refused options; ``forward``: fewer than two columns or columns
-                of different lengths, uneven rows across processes with ``gather_across_devices``.
+                of different lengths, uneven rows across processes with ``gather_across_devices``, a malformed
+                presence mask or one on the query or positive column.
 
         References:
             - ColBERT: https://arxiv.org/abs/2004.12832; ColBERTv2: https://arxiv.org/abs/2112.01488
@@ -242,12 +253,6 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         total, step = self.run_steps(features, labels, self.draw_step(), self.gathers)
         return self.entries(total, step)
 
-    def absent_documents_refusal(self) -> str | None:
-        return (
-            "maxsim_infonce has no document_present yet, so the placeholders would be scored as negatives; give every "
-            "row all its hard negatives, or train a single-vector model with CachedMatryoshkaLoss"
-        )
-
     def encode(self, features: dict[str, Any], step: Step | None = None) -> Encoded:
         """One mini-batch's token vectors (rows, tokens, D) and scoring mask (rows, tokens) bool, as the model
         routes its task (stock's ``embed_minibatch`` of the cached multi-vector loss)."""
@@ -263,9 +268,10 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         step: Step | None = None,
     ) -> Tensor:
         """Step (2) (CachedLossMixin's hook): the weighted Matryoshka MaxSim InfoNCE loss of the whole batch from the
-        per-mini-batch token vectors of ``step``, in one call of the op; the per-dim entries go to
-        ``step.components``. With ``with_backward`` it back-propagates to the token vectors and returns the detached
-        loss.
+        per-mini-batch token vectors of ``step``, in one call of the op (with ``in_batch_negatives``, the absent
+        documents, and every dim of the loss as ``all_dims``, so that the Triton kernels compile once per run however
+        ``n_dims_per_step`` draws); the per-dim entries go to ``step.components``. With ``with_backward`` it
+        back-propagates to the token vectors and returns the detached loss.
 
         Raises:
             ValueError: without the ``step`` of the forward that embedded ``reps`` (call the loss, not this hook).
@@ -283,6 +289,9 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             backend=self.backend,
             precision=self.op_precision(inputs["queries"]),
             nonfinite=nonfinite_policy(step.encoder_dtypes),
+            all_dims=self.matryoshka_dims,
+            in_batch_negatives=self.in_batch_negatives,
+            **step.presence_inputs(),
         )
         self.record_dims(step, step.dims, weights, out.per_dim)
         if out.masked_share is not None:

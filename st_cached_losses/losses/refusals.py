@@ -69,13 +69,6 @@ _TOKENS = (
     ),
 )
 
-_TOKENS_IN_BATCH = Refusal(
-    {"in_batch_negatives": True},
-    "in-batch negatives off (in_batch_negatives)",
-    "maxsim_infonce scores every query against every row's documents: it has no path for a row's own documents yet",
-    "Train a single-vector model without in-batch negatives with CachedMatryoshkaLoss.",
-)
-
 # What every loss refuses with in_batch_negatives=False: its options, and (by the base loss's attribute names) the
 # settings of its base loss that score other rows' texts (hardness_mode counts with hardness_strength > 0 only).
 WITHOUT_IN_BATCH_NEGATIVES = (
@@ -114,7 +107,7 @@ REFUSALS: dict[str, tuple[Refusal, ...]] = {
     "CachedMatryoshkaLoss": (),
     "CachedMatryoshka2dLoss": _LAYERS,
     "CachedAdaptiveLayerLoss": _LAYERS,
-    "CachedMultiVectorMatryoshkaLoss": (*_TOKENS, _TOKENS_IN_BATCH),
+    "CachedMultiVectorMatryoshkaLoss": _TOKENS,
 }
 
 
