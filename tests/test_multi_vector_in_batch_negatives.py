@@ -124,3 +124,14 @@ def test_what_the_loss_still_refuses_is_refused_with_in_batch_negatives_off(mode
         _ours(model, memory_size=16, in_batch_negatives=False)
     with pytest.raises(TypeError, match="in_batch_negatives must be True or False"):
         _ours(model, in_batch_negatives=0)
+
+
+def test_triton_with_more_dims_than_its_kernels_take_is_refused_when_built(model):
+    """backend="triton" compiles for every dim of the run (all_dims): more than 8 token dims with in-batch negatives
+    are refused when the loss is built, not at its first step; without in-batch negatives, or with 8, it is built."""
+    nine = [32, 28, 24, 20, 16, 12, 8, 6, 4]
+    with pytest.raises(ValueError, match=r"^CachedMultiVectorMatryoshkaLoss with backend='triton' .* at most 8, got 9"):
+        _ours(model, dims=nine, n_dims_per_step=2, backend="triton")
+    assert _ours(model, dims=nine, n_dims_per_step=2, backend="triton", in_batch_negatives=False)
+    assert _ours(model, dims=nine[:8], backend="triton")
+    assert _ours(model, dims=nine, n_dims_per_step=2, backend="auto")

@@ -21,6 +21,7 @@ from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
 from ..gradcache.step import Encoded, Step, require_step
 from ..ops import maxsim_infonce
+from ..ops.maxsim.spec import TRITON_MAX_DIMS
 from . import card, citations
 from .base_losses import check_multi_vector_base_loss, length_normalize, mini_batch_defaults
 from .cached_loss import CachedLossBase, check_flag, check_model_backend, naming_errors
@@ -134,7 +135,8 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
                 different dims, or whose similarity on a side cannot be decided (a module of unknown effect after the
                 last one known to write the token vectors); bad dims or weights, ``n_dims_per_step``,
                 ``mini_batch_size``, ``mini_batch_num_tokens``, ``activation_budget``, ``fsdp_sync``, an unknown
-                ``backend`` or ``precision``, and the refused options; ``forward``: fewer than two columns or columns
+                ``backend`` or ``precision``, ``backend="triton"`` with more than 8 dims (in-batch negatives on: the
+                kernels' most), and the refused options; ``forward``: fewer than two columns or columns
                 of different lengths, uneven rows across processes with ``gather_across_devices``, a malformed
                 presence mask or one on the query or positive column.
 
@@ -208,6 +210,12 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             mask_duplicates=mask_duplicates,
             in_batch_negatives=in_batch_negatives,
         )
+        if backend == "triton" and in_batch_negatives and len(self.matryoshka_dims) > TRITON_MAX_DIMS:
+            raise ValueError(
+                f"{owner} with backend='triton' compiles its kernels once for every token dim of the run (the op's "
+                f"all_dims): at most {TRITON_MAX_DIMS}, got {len(self.matryoshka_dims)}. Use backend='auto' (the "
+                f"chunked backend then) or at most {TRITON_MAX_DIMS} dims."
+            )
 
     @property
     def similarity(self) -> str | tuple[str, str]:

@@ -31,12 +31,12 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..spec import NORM_EPS
-from .spec import EMPTY_DOCUMENT_SCORE
+from .spec import EMPTY_DOCUMENT_SCORE, TRITON_MAX_DIMS
 from .triton_reads import argmax_vectors, load_rows, operand, query_rows
 
 __all__ = ["INTERPRETED", "MAX_DIMS"]
 
-MAX_DIMS = 8  # the backward's band slots (a power of two >= K) multiply its one-hot tile
+MAX_DIMS = TRITON_MAX_DIMS
 _EPS = tl.constexpr(NORM_EPS)
 _EMPTY = tl.constexpr(EMPTY_DOCUMENT_SCORE)
 
