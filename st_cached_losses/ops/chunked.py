@@ -19,7 +19,6 @@ References: GradCache (arXiv 2101.06983), Matryoshka (arXiv 2205.13147), FlashAt
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -27,9 +26,8 @@ from torch import Tensor
 
 from . import own
 from .candidates import Candidates
-from .duplicates import prepared
+from .duplicates import prepare_dense
 from .gemm import matmul_precision, rounded_operand
-from .host_read import HostRead
 from .memory import Memory
 from .result import InfoNCEResult
 from .spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
@@ -61,14 +59,10 @@ def default_tile_rows(spec: InfoNCESpec, tile_bytes: int = DEFAULT_TILE_BYTES) -
     return max(1, min(spec.batch_size, tile_bytes // per_row))
 
 
-def prepare(*args, duplicates=None, host: HostRead, **options):
-    """:func:`forward`'s first phase (``host_read``; its arguments, the options by keyword): with duplicate ids, the
-    width of the table of each row's forbidden text codes (the tiles compare it) is asked of ``host``, read with the
-    op call's other values (``duplicates.prepared``). Returns the call to run after the read."""
-    spec = args[3]
-    if duplicates is not None and spec.in_batch_negatives:
-        duplicates = prepared(spec, duplicates, host, options.get("memory"))
-    return functools.partial(forward, *args, duplicates=duplicates, **options)
+def prepare(*args, **kwargs):
+    """:func:`forward`'s first phase (``duplicates.prepare_dense``): the tiles compare the duplicate mask's code table,
+    whose width is read with the op call's one host read."""
+    return prepare_dense(forward, *args, **kwargs)
 
 
 def forward(

@@ -44,7 +44,7 @@ from .host_read import HostRead
 from .memory import Memory
 from .spec import DIRECTIONS, InfoNCESpec
 
-__all__ = ["DuplicateMask", "check_ids", "prepared"]
+__all__ = ["DuplicateMask", "check_ids", "prepare_dense", "prepared"]
 
 
 _ABSENT = object()
@@ -293,6 +293,16 @@ def prepared(spec: InfoNCESpec, duplicates, host: HostRead, memory: Memory | Non
     mask.host = host
     host.ask(_SIZES, mask.table_sizes())
     return mask
+
+
+def prepare_dense(forward, *args, duplicates=None, host: HostRead, **options):
+    """The ``prepare`` (``host_read``) of a ``matryoshka_infonce`` backend around its ``forward`` (its arguments, the
+    options by keyword): with duplicate ids and in-batch negatives, their mask built now and its table's width asked
+    of ``host`` (:func:`prepared`). Returns the call to run after the read."""
+    spec = args[3]
+    if duplicates is not None and spec.in_batch_negatives:
+        duplicates = prepared(spec, duplicates, host, options.get("memory"))
+    return functools.partial(forward, *args, duplicates=duplicates, **options)
 
 
 def _codes(ids: Tensor) -> Tensor:

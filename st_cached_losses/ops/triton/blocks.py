@@ -43,7 +43,6 @@ with duplicate ids the kernels' table of forbidden text codes takes its width fr
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,10 +50,9 @@ from torch import Tensor
 
 from .. import own
 from ..candidates import Candidates
-from ..duplicates import prepared
+from ..duplicates import prepare_dense
 from ..errors import TritonUnavailableError
 from ..gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
-from ..host_read import HostRead
 from ..result import InfoNCEResult
 from ..spec import DIRECTIONS, NORM_EPS, InfoNCESpec
 from .fused import MAX_DIMS
@@ -138,14 +136,10 @@ def forward(
         raise TritonUnavailableError(describe_error(error)) from error
 
 
-def prepare(*args, duplicates=None, host: HostRead, **options):
-    """:func:`forward`'s first phase (``host_read``; its arguments, the options by keyword): with duplicate ids the
-    kernels' table of each row's forbidden text codes needs its width on the host, which ``host`` reads with the op
-    call's other values (``duplicates.prepared``). Returns the call to run after the read."""
-    spec = args[3]
-    if duplicates is not None and spec.in_batch_negatives:
-        duplicates = prepared(spec, duplicates, host, options.get("memory"))
-    return functools.partial(forward, *args, duplicates=duplicates, **options)
+def prepare(*args, **kwargs):
+    """:func:`forward`'s first phase (``duplicates.prepare_dense``): the kernels compare the duplicate mask's code
+    table, whose width is read with the op call's one host read."""
+    return prepare_dense(forward, *args, **kwargs)
 
 
 @dataclass
