@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["AbsentNegativesCollator"]
+__all__ = ["AbsentNegativesCollator", "check_data_loader", "null_negatives"]
 
 _NOT_TEXT = ("dataset_name",)  # the column the trainer adds for a dict of datasets
+_LABEL_COLUMNS = ("label", "score")  # sentence-transformers' collator's valid_label_columns, where none is known
 
 
 class AbsentNegativesCollator:
@@ -41,7 +42,8 @@ class AbsentNegativesCollator:
         AbsentNegativesCollator.attach(trainer, train_dataset=ragged)
 
     Other attributes (``valid_label_columns``, ``prompts``, ...) are the wrapped collator's. Label columns and the
-    trainer's ``dataset_name`` column are not texts. A column of ``None`` anchors or positives is refused.
+    trainer's ``dataset_name`` column are not texts. A column of ``None`` anchors or positives is refused, and so is a
+    placeholder bound for a loss that would score it (:meth:`attach`).
 
     Args:
         collator: the collator to wrap: sentence-transformers' (or any callable of a list of rows giving a batch dict
@@ -51,7 +53,8 @@ class AbsentNegativesCollator:
             pass an input the model takes.
 
     Raises:
-        ValueError: in ``__call__``, a ``None`` anchor or positive, naming the column and how many rows.
+        ValueError: in ``__call__``, a ``None`` anchor or positive, naming the column and how many rows; a placeholder
+            in a batch for a loss that :meth:`attach` found would score it (a dataset it could not count).
 
     Example:
         ::
@@ -72,6 +75,8 @@ class AbsentNegativesCollator:
     def __init__(self, collator: Callable[[list[dict[str, Any]]], dict[str, Any]], placeholder: Any = "") -> None:
         self.collator = collator
         self.placeholder = placeholder
+        # dataset name (None: the trainer's one loss) -> why its loss cannot take a placeholder; set by attach
+        self.refusals: dict[str | None, str] = {}
 
     @classmethod
     def attach(
@@ -90,13 +95,25 @@ class AbsentNegativesCollator:
         they are drawn as the trainer draws them, from the ``eval_dataset`` given here, else the ``train_dataset``:
         from its rows without ``None`` among its first 2,000.
 
+        The placeholders must reach only losses that leave them out: those of this package that take absent
+        documents. sentence-transformers' own losses would score the placeholder as a real hard negative, and a
+        memory bank would bank it; so a dataset (given here, else the trainer's own) whose Arrow table holds a
+        ``None`` hard negative (:func:`null_negatives`) for such a loss is refused. A dataset that cannot be counted
+        (an ``IterableDataset``) is refused in the first batch that puts a placeholder for such a loss.
+
         Raises:
-            ValueError: a dict of losses and a dataset that is no dict of datasets, or has a name the losses lack
-                (before anything of the trainer is changed).
+            ValueError: a dict of losses and a dataset that is no dict of datasets, or has a name the losses lack; a
+                dataset with ``None`` hard negatives for a loss that would score the placeholder, naming the loss and
+                what to use (all before anything of the trainer is changed).
         """
         given = (("train", train_dataset), ("eval", eval_dataset))
         datasets = {split: _checked(trainer, split, dataset) for split, dataset in given if dataset is not None}
+        refusals = _refusals(trainer.loss)
+        labels = getattr(trainer.data_collator, "valid_label_columns", _LABEL_COLUMNS)
+        for split in ("train", "eval"):  # the datasets the trainer will batch: those given, else its own
+            _check_receivers(split, datasets.get(split, getattr(trainer, f"{split}_dataset", None)), refusals, labels)
         collator = cls(trainer.data_collator, placeholder)
+        collator.refusals = refusals
         trainer.data_collator = collator
         for split, dataset in datasets.items():
             collator._set_dataset(trainer, split, dataset)
@@ -130,18 +147,112 @@ class AbsentNegativesCollator:
         columns = self._text_columns(features[0])
         _check_anchors_and_positives(features, columns[:2])
         negatives = columns[2:]
+        if self.refusals and any(row[c] is None for row in features for c in negatives):
+            self._refuse(features[0].get("dataset_name"))
         rows = [{**row, **{c: self.placeholder for c in negatives if row[c] is None}} for row in features]
         batch = self.collator(rows)
         for column in negatives:
             batch[f"{column}_present"] = torch.tensor([row[column] is not None for row in features], dtype=torch.bool)
         return batch
 
+    def _refuse(self, name: str | None) -> None:
+        """Raises ValueError where a batch of the dataset ``name`` (None: a single loss's) puts a placeholder for a
+        loss that would score it."""
+        reason = self.refusals.get(None, self.refusals.get(name))
+        if reason is not None:
+            where = "the training data" if name is None else f"the dataset {name!r}"
+            raise ValueError(f"AbsentNegativesCollator: a batch of {where} has a None hard negative, and {reason}.")
+
     def _text_columns(self, row: dict[str, Any]) -> list[str]:
-        """The row's text columns in order, as the wrapped collator reads them: without the trainer's
-        ``dataset_name`` and the first of its ``valid_label_columns`` present (sentence-transformers' rule)."""
-        columns = [column for column in row if column not in _NOT_TEXT]
-        label = next((c for c in getattr(self.collator, "valid_label_columns", ()) if c in columns), None)
-        return [column for column in columns if column != label]
+        """The row's text columns in order, as the wrapped collator reads them (:func:`_text_columns`)."""
+        return _text_columns(list(row), getattr(self.collator, "valid_label_columns", ()))
+
+
+def _text_columns(columns: list[str], label_columns: Any) -> list[str]:
+    """``columns`` that are texts, in order: without the trainer's ``dataset_name`` and the first of
+    ``label_columns`` present (sentence-transformers' collator's rule)."""
+    columns = [column for column in columns if column not in _NOT_TEXT]
+    label = next((c for c in label_columns or () if c in columns), None)
+    return [column for column in columns if column != label]
+
+
+def null_negatives(dataset: Any, label_columns: Any = _LABEL_COLUMNS) -> dict[str, int | None]:
+    """Per hard-negative column of ``dataset`` (its text columns from the third on, as the collator reads a row's:
+    without ``dataset_name`` and the first of ``label_columns`` present), how many of its rows are ``None`` there:
+    the Arrow arrays' null counts (no row is read into Python). A dataset that is no ``datasets.Dataset`` (an
+    ``IterableDataset``, a torch dataset) has no counts: None per column."""
+    from datasets import Dataset
+
+    columns = _text_columns(list(getattr(dataset, "column_names", None) or ()), label_columns)[2:]
+    if not isinstance(dataset, Dataset):
+        return dict.fromkeys(columns)
+    arrays = dataset.with_format("arrow")  # follows an indices mapping (a filtered or selected dataset)
+    return {column: arrays[column].null_count for column in columns}
+
+
+def _refusals(loss: Any) -> dict[str | None, str]:
+    """Dataset name (None: ``loss`` is one loss) -> why its loss cannot take a placeholder, for each loss that
+    would score it: one not of this package (sentence-transformers' own), or one of this package that refuses
+    absent documents (:meth:`~st_cached_losses.gradcache.steps.GradCacheSteps.absent_documents_refusal`)."""
+    from .gradcache.steps import GradCacheSteps
+
+    refusals = {}
+    for name, part in loss.items() if isinstance(loss, dict) else [(None, loss)]:
+        which = type(part).__name__ if name is None else f"{name!r}, {type(part).__name__},"
+        if not isinstance(part, GradCacheSteps):
+            refusals[name] = (
+                f"its loss {which} is no loss of st_cached_losses: it would train the placeholder as a real hard "
+                "negative. Give rows with None hard negatives to a loss of st_cached_losses (e.g. "
+                "CachedMatryoshkaLoss, which leaves them out), or drop those negatives from the dataset"
+            )
+        elif part.absent_documents_refusal() is not None:
+            refusals[name] = f"its loss {which} takes no absent hard negatives: {part.absent_documents_refusal()}"
+    return refusals
+
+
+def _check_receivers(split: str, dataset: Any, refusals: dict[str | None, str], labels: Any) -> None:
+    """Raises ValueError where ``dataset`` (the ``split`` data: a dataset or a ``DatasetDict``) has ``None`` hard
+    negatives for a loss of ``refusals``."""
+    from datasets import DatasetDict
+
+    if dataset is None or not refusals:
+        return
+    for name, part in dataset.items() if isinstance(dataset, DatasetDict) else [(None, dataset)]:
+        reason = refusals.get(None, refusals.get(name))
+        counts = {column: count for column, count in null_negatives(part, labels).items() if count}
+        if reason is not None and counts:
+            where = f"{split}_dataset" if name is None else f"{split}_dataset[{name!r}]"
+            raise ValueError(
+                f"AbsentNegativesCollator.attach: {where} has None hard negatives ({_counted(counts)}), and {reason}."
+            )
+
+
+def _counted(counts: dict[str, int]) -> str:
+    """E.g. "'negative_2': 3 rows"."""
+    return ", ".join(f"{column!r}: {count} row{'s' * (count != 1)}" for column, count in counts.items())
+
+
+def check_data_loader(loader: Any) -> None:
+    """Raises ValueError where a trainer's training data loader would hand its collator ``None`` hard negatives that
+    it cannot read: ``loader.dataset`` (a ``datasets.Dataset``, or the ``ConcatDataset`` of them the trainer builds
+    for a dict of datasets) has ``None`` in a hard-negative column (:func:`null_negatives`) and ``loader.collate_fn``
+    is no :class:`AbsentNegativesCollator` (sentence-transformers' collator would fail with "Unsupported input type:
+    NoneType" at that batch). Names ``AbsentNegativesCollator.attach``. A loader without datasets it can count
+    passes."""
+    collate = getattr(loader, "collate_fn", None)
+    if loader is None or isinstance(collate, AbsentNegativesCollator):
+        return
+    labels = getattr(collate, "valid_label_columns", _LABEL_COLUMNS)
+    dataset = getattr(loader, "dataset", None)
+    for part in getattr(dataset, "datasets", [dataset]):  # a ConcatDataset's parts
+        counts = {column: count for column, count in null_negatives(part, labels).items() if count}
+        if counts:
+            raise ValueError(
+                f"The training data has None hard negatives ({_counted(counts)}), which the trainer's data collator "
+                f"({type(collate).__name__}) cannot read (sentence-transformers: 'Unsupported input type: NoneType'): "
+                "build the trainer without that dataset and call AbsentNegativesCollator.attach(trainer, "
+                "train_dataset=...) before trainer.train(), which batches None as absent negatives."
+            )
 
 
 def _checked(trainer: Any, split: str, dataset: Any) -> Any:
@@ -151,13 +262,14 @@ def _checked(trainer: Any, split: str, dataset: Any) -> Any:
 
     if isinstance(dataset, dict) and not isinstance(dataset, DatasetDict):
         dataset = DatasetDict(dataset)
-    if isinstance(trainer.loss, dict):
-        missing = set(dataset) - set(trainer.loss) if isinstance(dataset, DatasetDict) else None
-        if missing is None or missing:
-            raise ValueError(
-                f"AbsentNegativesCollator.attach: the trainer has a dict of losses, so {split}_dataset must be a "
-                f"dict of datasets whose names all have a loss (missing: {sorted(missing or [])})."
-            )
+    if not isinstance(trainer.loss, dict):
+        return dataset
+    need = f"AbsentNegativesCollator.attach: the trainer has a dict of losses, so {split}_dataset must be a dict of "
+    if not isinstance(dataset, DatasetDict):
+        raise ValueError(f"{need}datasets whose names all have a loss, got a {type(dataset).__name__}.")
+    missing = sorted(set(dataset) - set(trainer.loss))
+    if missing:
+        raise ValueError(f"{need}datasets whose names all have a loss (missing: {missing}).")
     return dataset
 
 

@@ -176,7 +176,8 @@ def test_attach_keeps_the_trainers_prompts(model, tmp_path):
     prompts = {"anchor": "query: "}
     dataset = Dataset.from_dict({"anchor": ["a b"], "positive": ["c"], "negative": [None]})
     args = SentenceTransformerTrainingArguments(output_dir=str(tmp_path), prompts=prompts, report_to="none")
-    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=_mnrl(model))
+    loss = LOSSES["matryoshka"](model)  # a loss that leaves the placeholder out (stock's is refused: below)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
     collate = AbsentNegativesCollator.attach(trainer)
     assert trainer.data_collator is collate and collate.valid_label_columns == collate.collator.valid_label_columns
     rows = [{"anchor": "a b", "positive": "c", "negative": None}, {"anchor": "d", "positive": "e", "negative": "f"}]
@@ -211,6 +212,8 @@ def test_attach_takes_the_datasets_the_trainer_cannot_read(model, tmp_path):
     trainer = SentenceTransformerTrainer(model=model, args=args, loss=losses)
     with pytest.raises(ValueError, match=r"dict of datasets whose names all have a loss \(missing: \['other'\]\)"):
         AbsentNegativesCollator.attach(trainer, train_dataset={"ragged": ragged, "other": pairs})
+    with pytest.raises(ValueError, match=r"dict of datasets whose names all have a loss, got a Dataset\.$"):
+        AbsentNegativesCollator.attach(trainer, train_dataset=ragged)
     assert not isinstance(trainer.data_collator, AbsentNegativesCollator)  # refused before any change
     model.model_card_data.widget = []
     AbsentNegativesCollator.attach(trainer, train_dataset={"ragged": ragged, "pairs": pairs})
@@ -222,3 +225,60 @@ def test_attach_takes_the_datasets_the_trainer_cannot_read(model, tmp_path):
     batches = {batch["dataset_name"]: batch for batch in trainer.get_train_dataloader()}
     assert sorted(batches["ragged"]["negative_present"].tolist()) == [False] + [True] * 5  # the rows come shuffled
     assert not any(key.endswith("_present") for key in batches["pairs"])
+
+
+# ------------------------------------------------------------------------------------------ who receives placeholders
+
+
+def _trainer(model, tmp_path, loss, train_dataset=None):
+    args = SentenceTransformerTrainingArguments(str(tmp_path), per_device_train_batch_size=6, report_to="none")
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=train_dataset, loss=loss)
+
+
+def _ragged(seed: int = 9):
+    return Dataset.from_list(text_rows(6, ("anchor", "positive", "negative"), seed=seed, absent={"negative": [1, 4]}))
+
+
+STOCK_REFUSAL = r"its loss {} is no loss of st_cached_losses: it would train the placeholder as a real hard negative"
+
+
+@pytest.mark.oldest_st  # the trainer's constructor differs between releases
+def test_attach_refuses_a_stock_loss_that_would_score_placeholders(model, tmp_path):
+    """sentence-transformers' own losses would train the placeholder as a real negative: a dataset whose Arrow
+    table holds None hard negatives for one is refused, naming the loss and the fix, before the trainer changes."""
+    trainer = _trainer(model, tmp_path, _mnrl(model))
+    message = r"^AbsentNegativesCollator.attach: train_dataset has None hard negatives \('negative': 2 rows\), and "
+    with pytest.raises(ValueError, match=message + STOCK_REFUSAL.format("MultipleNegativesRankingLoss")):
+        AbsentNegativesCollator.attach(trainer, train_dataset=_ragged())
+    with pytest.raises(ValueError, match=r"train_dataset has None hard negatives \('negative': 1 row\)"):
+        AbsentNegativesCollator.attach(trainer, train_dataset=_ragged().select([0, 2, 3, 4]))  # an indices mapping
+    assert not isinstance(trainer.data_collator, AbsentNegativesCollator)
+    complete = Dataset.from_list(text_rows(6, ("anchor", "positive", "negative"), seed=3))
+    collate = AbsentNegativesCollator.attach(trainer, train_dataset=complete)  # no placeholder reaches it
+    rows = [{"anchor": "a", "positive": "b", "negative": None}, {"anchor": "c", "positive": "d", "negative": "e"}]
+    with pytest.raises(ValueError, match=r"^AbsentNegativesCollator: a batch of the training data has a None hard "):
+        collate(rows)  # a dataset attach could not count (an IterableDataset): refused at its first such batch
+    banked = _trainer(model, tmp_path, CachedMatryoshkaLoss(model, _mnrl(model), DIMS, memory_size=16))
+    with pytest.raises(ValueError, match=r"its loss CachedMatryoshkaLoss takes no absent hard negatives: a memory"):
+        AbsentNegativesCollator.attach(banked, train_dataset=_ragged())
+
+
+@pytest.mark.oldest_st  # the trainer's constructor differs between releases
+def test_attach_refuses_the_stock_loss_of_a_dict_that_would_score_placeholders(model, tmp_path):
+    """A dict of losses: only the datasets of stock losses must be free of None; the collator's own check of a
+    batch reads its dataset name."""
+    triplets = Dataset.from_list(text_rows(6, ("anchor", "positive", "negative"), seed=5))
+    losses = {"ragged": _mnrl(model), "triplets": LOSSES["matryoshka"](model)}
+    trainer = _trainer(model, tmp_path, losses)
+    with pytest.raises(
+        ValueError,
+        match=r"train_dataset\['ragged'\] has None hard negatives .*"
+        + STOCK_REFUSAL.format("'ragged', MultipleNegativesRankingLoss,"),
+    ):
+        AbsentNegativesCollator.attach(trainer, train_dataset={"ragged": _ragged(), "triplets": triplets})
+    trainer = _trainer(model, tmp_path, {"ragged": LOSSES["matryoshka"](model), "triplets": _mnrl(model)})
+    collate = AbsentNegativesCollator.attach(trainer, train_dataset={"ragged": _ragged(), "triplets": triplets})
+    rows = [{"anchor": "a", "positive": "b", "negative": None}, {"anchor": "c", "positive": "d", "negative": "e"}]
+    assert collate([{**row, "dataset_name": "ragged"} for row in rows])["negative_present"].tolist() == [False, True]
+    with pytest.raises(ValueError, match=r"a batch of the dataset 'triplets' has a None hard negative, and its loss"):
+        collate([{**row, "dataset_name": "triplets"} for row in rows])

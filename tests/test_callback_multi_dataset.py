@@ -1,7 +1,8 @@
 """A dict of datasets and losses, ours beside a plain loss: sentence-transformers' trainer logs a loss's entries
 (``loss_dim_*``) as 0 / 0 = nan in a logging window that holds only the plain loss's steps (its
 ``track_loss_components``); ``CachedLossCallback`` leaves them out of such a window's log, and keeps them, as the
-trainer computed them, in a window where ours ran."""
+trainer computed them, in a window where ours ran. And training data with None hard negatives but no
+``AbsentNegativesCollator``: the callback names it when training begins."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from sentence_transformers.sentence_transformer.losses import (
     MultipleNegativesRankingLoss,
 )
 
-from st_cached_losses import CachedLossCallback, CachedMatryoshkaLoss
+from st_cached_losses import AbsentNegativesCollator, CachedLossCallback, CachedMatryoshkaLoss
 from tests.helpers import texts
 
 DIMS = [48, 16]
@@ -71,3 +72,32 @@ def test_round_robin_with_a_plain_loss_logs_no_nan(tiny_model, tmp_path):
     with_entries = [entry for entry in logs if "loss_dim_48" in entry]
     assert len(with_entries) == 2  # round robin: every other step is ours
     assert all(math.isfinite(entry[key]) for entry in with_entries for key in ("loss_dim_48", "loss_dim_16"))
+
+
+@pytest.mark.parametrize("several", [False, True], ids=["one_dataset", "dict_of_datasets"])
+def test_none_negatives_without_the_collator_are_named_when_training_begins(several, tmp_path):
+    """A column of None hard negatives passes the trainer's constructor (a column of nulls is no text it reads for
+    the card) and then fails in stock's collator with "Unsupported input type: NoneType": the callback names
+    ``AbsentNegativesCollator.attach`` before the first step (for a dict of datasets, the trainer's ConcatDataset)."""
+    from st_cached_losses.testing import tiny_sentence_transformer
+
+    model = tiny_sentence_transformer(seed=4)
+    ragged = Dataset.from_dict({"anchor": texts(8, 1), "positive": texts(8, 2), "negative": [None] * 8})
+    data = {"ours": ragged, "plain": Dataset.from_dict({"anchor": texts(8, 3), "positive": texts(8, 4)})}
+    losses = _losses(model)
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to="none", use_cpu=True
+    )
+    train = data if several else ragged
+    trainer = SentenceTransformerTrainer(model, args, train_dataset=train, loss=losses if several else losses["ours"])
+    CachedLossCallback.attach(trainer)
+    message = (
+        r"^The training data has None hard negatives \('negative': 8 rows\), which the trainer's data collator "
+        r"\(SentenceTransformerDataCollator\) cannot read .* AbsentNegativesCollator.attach\(trainer, train_dataset="
+    )
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    AbsentNegativesCollator.attach(trainer)  # the trainer's own dataset: the same run now trains
+    trainer.train()
+    assert trainer.state.global_step == 1

@@ -19,6 +19,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ..collator import check_data_loader
 from ..gradcache.steps import GradCacheSteps
 from . import _transformers_compat
 
@@ -70,8 +71,13 @@ class CachedLossCallback(TrainerCallback):
             :class:`~st_cached_losses.gradcache.steps.GradCacheSteps`, the engine every cached loss here subclasses)
             is served; the others are left to the trainer.
 
+    When training begins it also checks the trainer's training data: ``None`` hard negatives need
+    :class:`~st_cached_losses.AbsentNegativesCollator` (:func:`~st_cached_losses.collator.check_data_loader`).
+
     Raises:
         TypeError: no loss of this package among ``losses``.
+        ValueError: in ``on_train_begin``, training data with ``None`` hard negatives whose collator is no
+            ``AbsentNegativesCollator``, naming ``AbsentNegativesCollator.attach`` (before the first step).
 
     Example:
         ::
@@ -165,6 +171,7 @@ class CachedLossCallback(TrainerCallback):
         return entries - ran
 
     def on_train_begin(self, args, state, control, **kwargs):
+        check_data_loader(kwargs.get("train_dataloader"))  # rather than stock's NoneType error at that batch
         self.logged_steps = self.training_steps()
         banks = self.banks()
         if not banks:
