@@ -92,6 +92,22 @@ def test_the_command_line_builds_the_loss_and_the_trainer(tiny_dir, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_no_in_batch_negatives_on_null_negatives_only_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Hard-negative columns null in every row leave each anchor its positive alone too: every loss 0."""
+    monkeypatch.setattr(job, "evaluate_truncated", lambda *args: pytest.fail("the run started"))
+    data = _triplets(tmp_path / "triplets.jsonl")
+    rows = [{**json.loads(line), "negative_1": None, "negative_2": None} for line in data.read_text().splitlines()]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert train_cli(tiny_dir, tmp_path / "out", "--dataset", str(data), "--no-in-batch-negatives") == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"{ERROR_PREFIX}--no-in-batch-negatives scores each anchor against its own positive and hard negatives only, "
+        f"and --dataset {str(data)!r} has no hard negatives (negative_1, negative_2 null in every row): every loss "
+        "would be 0; give data with 'negative' columns, or drop --no-in-batch-negatives\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 NULLS_REFUSED = {  # extra flags: the one line
     "no_duplicates_sampler": ([], "and the no_duplicates batch sampler takes a null for a text those rows share"),
     "memory_bank": (

@@ -5,8 +5,9 @@
 the seed (:func:`split_held_out`). Bad data raises :class:`~st_cached_losses.cli.usage.UsageError`; rows without text
 are dropped with one logged warning per source or split (:func:`_with_text`), except for a ``null`` hard negative: a row
 with fewer hard negatives keeps them (:func:`absent_negatives` counts the nulls, which the losses take as absent
-documents). A label column the loss does not read is named in one warning (:func:`_ignored_labels`);
-:func:`warn_degenerate` warns of data that trains or evaluates poorly.
+documents; :func:`check_negatives` refuses hard negatives the run cannot take as asked). A label column the loss does
+not read is named in one warning (:func:`_ignored_labels`); :func:`warn_degenerate` warns of data that trains or
+evaluates poorly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import datasets
 
+from ..collator import null_negatives
 from .hub import check_hub_reachable
+from .options import TrainOptions, loss_usage_error
 from .stdlib_data import load_stdlib_dataset
 from .usage import UsageError, first_line, warn
 
@@ -28,6 +31,7 @@ logger = logging.getLogger(__name__)  # under "st_cached_losses", whose records 
 
 __all__ = [
     "absent_negatives",
+    "check_negatives",
     "load_pairs",
     "looks_like_path",
     "pair_columns",
@@ -161,8 +165,54 @@ def _is_text(value) -> bool:
 
 
 def absent_negatives(data) -> int:
-    """How many hard negatives (``negative*`` columns) of ``data`` are ``None``: a row with fewer hard negatives."""
-    return sum(value is None for column in data.column_names[2:] for value in data[column])
+    """How many hard negatives (``negative*`` columns) of ``data`` are ``None``: a row with fewer hard negatives
+    (the Arrow null counts, :func:`~st_cached_losses.collator.null_negatives`)."""
+    return sum(count or 0 for count in null_negatives(data).values())
+
+
+def check_negatives(train, options: TrainOptions, loss) -> None:
+    """Raises UsageError where the training data's hard negatives cannot be trained as ``options`` ask:
+    ``--no-in-batch-negatives`` with no hard negative in any row (:func:`_check_own_negatives`), or null hard
+    negatives the run cannot take (:func:`_check_absent_negatives`)."""
+    absent = absent_negatives(train)
+    _check_own_negatives(train, options, absent)
+    _check_absent_negatives(absent, options, loss)
+
+
+def _check_own_negatives(train, options: TrainOptions, absent: int) -> None:
+    """Raises UsageError for ``--no-in-batch-negatives`` on training data without a hard negative: no hard-negative
+    column, or (``absent`` nulls) every one null in every row. Each anchor's softmax would hold its own positive
+    alone, and every loss and gradient would be 0."""
+    columns = train.column_names
+    if options.in_batch_negatives or (len(columns) > 2 and absent < len(train) * (len(columns) - 2)):
+        return
+    found = f"columns {', '.join(columns)}" if len(columns) < 3 else f"{', '.join(columns[2:])} null in every row"
+    raise UsageError(
+        f"--no-in-batch-negatives scores each anchor against its own positive and hard negatives only, and "
+        f"--dataset {options.dataset!r} has no hard negatives ({found}): every loss would be 0; give data with "
+        "'negative' columns, or drop --no-in-batch-negatives"
+    )
+
+
+def _check_absent_negatives(count: int, options: TrainOptions, loss) -> None:
+    """Raises UsageError where the training data's ``count`` null hard negatives (rows with fewer hard negatives,
+    which the losses take as absent documents) cannot be trained as asked: a loss that takes no absent documents
+    (its reason), ``--compare-stock`` (stock's loss would score the placeholders), or the no-duplicates sampler (it
+    takes a null for a text those rows share, and never batches two of them together)."""
+    if not count:
+        return
+    where = f"--dataset {options.dataset!r} has {count} null hard negative(s) (rows with fewer hard negatives)"
+    refusal = loss.absent_documents_refusal()
+    if refusal is not None:
+        raise loss_usage_error(ValueError(f"{where}, which {type(loss).__name__} refuses: {refusal}"), options)
+    if options.compare_stock:
+        raise UsageError(f"{where}, which stock's loss cannot leave out: drop --compare-stock or those negatives")
+    if options.sampler == "no_duplicates":
+        raise UsageError(
+            f"{where}, and the no_duplicates batch sampler takes a null for a text those rows share, never batching "
+            "two of them together: pass --batch-sampler batch_sampler (with --mask-duplicates to keep duplicates out "
+            "of the softmax), or --no-in-batch-negatives"
+        )
 
 
 def _missing_text(data, columns: list[str]) -> str:

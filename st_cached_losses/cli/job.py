@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 from ..ops import recorded_choices
 from .comparison import compare_stock
-from .data import absent_negatives, load_pairs, looks_like_path, warn_degenerate
+from .data import absent_negatives, check_negatives, load_pairs, looks_like_path, warn_degenerate
 from .data import logger as data_logger
 from .evaluation import AFTER, BEFORE, METRICS, build_evaluate, build_multi_vector_evaluate, evaluate_truncated
 from .hub import check_hub_reachable
@@ -148,9 +148,8 @@ def prepare(options: TrainOptions) -> Prepared:
         UsageError: see :func:`~st_cached_losses.cli.run_dir.check_output_dir`, :func:`check_batch_sizes`,
             :func:`check_fp16`, :func:`default_model_path`, :func:`~st_cached_losses.cli.data.load_pairs`,
             :func:`load_model`, :func:`resolve_dims` and :func:`check_layers`; the loss's own ValueError / TypeError
-            on the options, as :func:`~st_cached_losses.cli.options.loss_usage_error` words it; null hard negatives
-            the run cannot take (:func:`_check_absent_negatives`); ``--no-in-batch-negatives`` on data without hard
-            negatives (:func:`_check_own_negatives`).
+            on the options, as :func:`~st_cached_losses.cli.options.loss_usage_error` words it; hard negatives the
+            run cannot take as asked (:func:`~st_cached_losses.cli.data.check_negatives`).
     """
     check_output_dir(options.output_dir, options.overwrite)
     if options.mini_batch_size != "auto":
@@ -168,44 +167,11 @@ def prepare(options: TrainOptions) -> Prepared:
             loss = make_loss(model, dims, options, guide=guide)
         except (TypeError, ValueError) as error:
             raise loss_usage_error(error, options) from error
-        _check_absent_negatives(absent_negatives(train), options, loss)
-        _check_own_negatives(train, options)
+        check_negatives(train, options, loss)
         release()
     evaluate = (build_multi_vector_evaluate if options.multi_vector else build_evaluate)(test, dims)
     warn_degenerate(train, test, options.batch_size, options.seed, options.sampler)
     return Prepared(model, model_spec, dims, train, evaluate, loss, guide)
-
-
-def _check_absent_negatives(count: int, options: TrainOptions, loss) -> None:
-    """Raises UsageError where the training data's ``count`` null hard negatives (rows with fewer hard negatives,
-    which the losses take as absent documents) cannot be trained as asked: a loss that takes no absent documents
-    (its reason), ``--compare-stock`` (stock's loss would score the placeholders), or the no-duplicates sampler (it
-    takes a null for a text those rows share, and never batches two of them together)."""
-    if not count:
-        return
-    where = f"--dataset {options.dataset!r} has {count} null hard negative(s) (rows with fewer hard negatives)"
-    refusal = loss.absent_documents_refusal()
-    if refusal is not None:
-        raise loss_usage_error(ValueError(f"{where}, which {type(loss).__name__} refuses: {refusal}"), options)
-    if options.compare_stock:
-        raise UsageError(f"{where}, which stock's loss cannot leave out: drop --compare-stock or those negatives")
-    if options.sampler == "no_duplicates":
-        raise UsageError(
-            f"{where}, and the no_duplicates batch sampler takes a null for a text those rows share, never batching "
-            "two of them together: pass --batch-sampler batch_sampler (with --mask-duplicates to keep duplicates out "
-            "of the softmax), or --no-in-batch-negatives"
-        )
-
-
-def _check_own_negatives(train, options: TrainOptions) -> None:
-    """Raises UsageError for ``--no-in-batch-negatives`` on training data without a hard-negative column: each
-    anchor's softmax would hold its own positive alone, and every loss and gradient would be 0."""
-    if not options.in_batch_negatives and len(train.column_names) < 3:
-        raise UsageError(
-            f"--no-in-batch-negatives scores each anchor against its own positive and hard negatives only, and "
-            f"--dataset {options.dataset!r} has no hard negatives (columns {', '.join(train.column_names)}): every "
-            "loss would be 0; give data with 'negative' columns, or drop --no-in-batch-negatives"
-        )
 
 
 @contextlib.contextmanager
