@@ -728,6 +728,13 @@ def test_a_loss_error_names_flags_and_the_options_that_chose_the_loss():
     assert str(loss_usage_error(TypeError("backend must be one of ('auto',)."), TrainOptions(output_dir="x"))) == (
         "--backend must be one of ('auto',)"
     )
+    booleans = ValueError(
+        "Use in_batch_negatives=True, in_batch_negatives=False, mask_duplicates=True, dual_memory=False"
+    )
+    assert str(loss_usage_error(booleans, TrainOptions(output_dir="x"))) == (
+        "Use in-batch negatives (no --no-in-batch-negatives), --no-in-batch-negatives, --mask-duplicates, "
+        "no --dual-memory"
+    )
 
 
 @pytest.mark.parametrize(

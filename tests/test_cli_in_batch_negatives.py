@@ -108,6 +108,20 @@ def test_no_in_batch_negatives_on_null_negatives_only_is_one_line(tiny_dir, tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_a_loss_refusal_names_the_boolean_flags_as_given(tiny_dir, tmp_path, capsys):
+    """The loss's "in_batch_negatives=False" is the flag --no-in-batch-negatives, and its "in_batch_negatives=True"
+    is that flag left out: no "--no-in-batch-negatives True", a value the flag does not take, of the other polarity."""
+    assert train_cli(tiny_dir, tmp_path / "out", "--no-in-batch-negatives", "--memory-size", "16") == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"{ERROR_PREFIX}CachedMatryoshkaLoss does not take a memory bank (--memory-size and its options) with "
+        "--no-in-batch-negatives (given: --memory-size): banked documents are earlier rows' texts, and without "
+        "in-batch negatives a row scores only its own. Use --memory-size 0, or in-batch negatives (no "
+        "--no-in-batch-negatives) with a bank\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 NULLS_REFUSED = {  # extra flags: the one line
     "no_duplicates_sampler": ([], "and the no_duplicates batch sampler takes a null for a text those rows share"),
     "memory_bank": (

@@ -88,6 +88,16 @@ LOSS_FLAGS = {
     "dual_memory": "--dual-memory",
     "in_batch_negatives": "--no-in-batch-negatives",
 }
+# The boolean arguments: "name=True" / "name=False" in a loss's message, as the command line says them (a flag that
+# stores True, or --no-in-batch-negatives, which stores False).
+BOOLEAN_FLAGS = {
+    "in_batch_negatives": {
+        "True": "in-batch negatives (no --no-in-batch-negatives)",
+        "False": "--no-in-batch-negatives",
+    },
+    "mask_duplicates": {"True": "--mask-duplicates", "False": "no --mask-duplicates"},
+    "dual_memory": {"True": "--dual-memory", "False": "no --dual-memory"},
+}
 # sentence-transformers' BatchSamplers the main job offers: rows sharing a text never in one batch, or plain batches.
 BATCH_SAMPLERS = ("no_duplicates", "batch_sampler")
 
@@ -255,25 +265,29 @@ def check_batch_sizes(batch_size: int, mini_batch_size: int) -> None:
 def loss_usage_error(error: Exception, options: TrainOptions) -> UsageError:
     """The usage error for a loss's own ValueError / TypeError on the options (see :func:`~.training.make_loss`):
     its message on one line with the loss's argument names as flags (:data:`LOSS_FLAGS`, e.g. ``memory_size`` ->
-    ``--memory-size``), after the flags that chose the loss and its base loss (``--multi-vector``, ``--layers``,
-    ``--guide``), e.g. "--layers: CachedMatryoshka2dLoss does not take a memory bank (--memory-size and its
-    options): ..."."""
+    ``--memory-size``; a boolean's value as its flag says it, :data:`BOOLEAN_FLAGS`, e.g.
+    ``in_batch_negatives=False`` -> ``--no-in-batch-negatives``), after the flags that chose the loss and its base
+    loss (``--multi-vector``, ``--layers``, ``--guide``), e.g. "--layers: CachedMatryoshka2dLoss does not take a
+    memory bank (--memory-size and its options): ..."."""
     message = _ARGUMENT_NAME.sub(_flag, " ".join(str(error).split())).rstrip(".")
     chosen = {"--multi-vector": options.multi_vector, "--layers": options.layers is not None, "--guide": options.guide}
     flags = " ".join(flag for flag, value in chosen.items() if value)
     return UsageError(f"{flags}: {message}" if flags else message)
 
 
-# An argument name of LOSS_FLAGS in a message; "name=value" becomes "--flag value". A name without an underscore is
-# also a word ("the chunked backend"): it is an argument only as "name=" or "name must".
-_ARGUMENT_NAME = re.compile(r"(?<![\w-])(" + "|".join(LOSS_FLAGS) + r")(=|(?= must)|(?![\w-]))")
+# An argument name of LOSS_FLAGS in a message; "name=value" becomes "--flag value", "name=True" of a boolean its
+# BOOLEAN_FLAGS wording. A name without an underscore is also a word ("the chunked backend"): it is an argument only
+# as "name=" or "name must".
+_ARGUMENT_NAME = re.compile(r"(?<![\w-])(" + "|".join(LOSS_FLAGS) + r")(=(?:True|False)\b|=|(?= must)|(?![\w-]))")
 
 
 def _flag(match: re.Match) -> str:
     name, equals = match[1], match[2]
     if "_" not in name and not equals and not match.string.startswith(" must", match.end()):
         return match[0]
-    return LOSS_FLAGS[name] + (" " if equals else "")
+    if equals[1:] in BOOLEAN_FLAGS.get(name, {}):
+        return BOOLEAN_FLAGS[name][equals[1:]]
+    return LOSS_FLAGS[name] + (" " + equals[1:] if equals else "")
 
 
 def model_device() -> str:
