@@ -202,8 +202,8 @@ def _refusals(loss: Any) -> dict[str | None, str]:
         if not isinstance(part, GradCacheSteps):
             refusals[name] = (
                 f"its loss {which} is no loss of st_cached_losses: it would train the placeholder as a real hard "
-                "negative. Give rows with None hard negatives to a loss of st_cached_losses (e.g. "
-                "CachedMatryoshkaLoss, which leaves them out), or drop those negatives from the dataset"
+                "negative. Give that dataset to a loss of st_cached_losses (e.g. CachedMatryoshkaLoss, which leaves "
+                "absent negatives out), or drop its rows with None hard negatives"
             )
         elif part.absent_documents_refusal() is not None:
             refusals[name] = f"its loss {which} takes no absent hard negatives: {part.absent_documents_refusal()}"
