@@ -214,7 +214,7 @@ def test_after_the_warm_up_the_real_launches_compile_nothing(model, tmp_path, mo
     compiled the same way, then write nothing there: each found its kernel under the same cache key."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     loss = _dense_loss(model, precision="bf16")
-    done = warm_up(loss, batch_size=12, hard_negatives=1, target=H100, workers=2)
+    done = warm_up(loss, batch_size=12, hard_negatives=1, absent_negatives=False, target=H100, workers=2)
     assert done.kernels == 4 and not done.errors
     written = _cache_files(tmp_path)
     assert written, "the warm-up writes Triton's cache"
