@@ -26,6 +26,7 @@ import inspect
 import os
 import pickle
 import queue
+import site
 import subprocess
 import sys
 import tempfile
@@ -248,9 +249,10 @@ class _Worker:
     died where it does."""
 
     def __init__(self, fields: tuple) -> None:
-        package = str(Path(__file__).resolve().parents[3])  # this copy of the package, whatever sys.path the child has
         env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package, env.get("PYTHONPATH")]))
+        root = Path(__file__).resolve().parents[3]
+        if str(root) not in _site_dirs():  # a source tree: the child imports this copy (never site-packages first)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close(), with the process)
         pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr)
         self.process = subprocess.Popen([sys.executable, "-c", _SERVE], env=env, **pipes)
@@ -283,6 +285,13 @@ class _Worker:
 
 
 _SERVE = "from st_cached_losses.ops.triton import launch; launch.serve()"
+
+
+def _site_dirs() -> set[str]:
+    """The site-packages folders a fresh interpreter finds by itself."""
+    return {str(Path(path).resolve()) for path in [*site.getsitepackages(), site.getusersitepackages()]}
+
+
 _DIED = (OSError, EOFError, pickle.UnpicklingError)  # a broken pipe, or a reply cut short
 
 
