@@ -55,8 +55,8 @@ class WarmUp:
     errors: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
     seconds: float = 0.0
-    uncovered: tuple[str, ...] = ()
     reason: str = ""
+    uncovered: tuple[str, ...] = ()  # last: the fields before keep their positions
 
     @property
     def kernels(self) -> int:
