@@ -162,6 +162,7 @@ def test_nothing_to_compile_is_said_not_raised(model, caplog):
         ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
         ({"batch_size": 8.0}, TypeError, "batch_size must be an int"),
         ({"batch_size": 8, "hard_negatives": -1}, ValueError, "hard_negatives"),
+        ({"batch_size": 8, "absent_negatives": 1}, TypeError, "absent_negatives must be a bool"),
         ({"batch_size": 8, "dtype": "bf16"}, TypeError, "torch.dtype"),
         ({"batch_size": 8, "dtype": torch.int64}, ValueError, "dtype must be one of"),
         ({"batch_size": 8, "target": (7, 5)}, ValueError, "compute capability >= 8.0"),
