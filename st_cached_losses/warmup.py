@@ -16,6 +16,7 @@ multiples of 16), so a record on meta tensors compiles what the GPU run launches
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import itertools
 import logging
@@ -28,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .ops.backend import REGISTRY, select_backend
-from .ops.triton.ahead import cuda_precision, op_launches, record_launches
+from .ops.triton.ahead import TABLE_WIDTHS, cuda_precision, op_launches, record_launches
 from .ops.triton.launch import Launch, compile_all, unique
 from .ops.triton.probe import MIN_CAPABILITY
 
@@ -45,8 +46,8 @@ class WarmUp:
     """What :func:`warm_up` did: ``target`` ("sm_90"; None when it compiled nothing, ``reason`` says why), the op's
     ``backend`` in the run, the ``launches`` (one per kernel specialization, each compiled unless ``dry_run``), the
     ``errors`` (one line per specialization that did not compile: its launch raises as it would have), the op calls
-    ``skipped`` (not recordable on meta tensors: their kernels compile at their first launch) and the wall-clock
-    ``seconds``."""
+    ``skipped`` (not recordable on meta tensors), ``uncovered`` (one line per kind of step whose kernels were not
+    recorded, ``skipped`` included: they compile at their first launch in training) and the wall-clock ``seconds``."""
 
     target: str | None
     backend: str
@@ -55,6 +56,7 @@ class WarmUp:
     skipped: tuple[str, ...] = ()
     seconds: float = 0.0
     reason: str = ""
+    uncovered: tuple[str, ...] = ()  # last: the fields before keep their positions
 
     @property
     def kernels(self) -> int:
@@ -67,6 +69,7 @@ def warm_up(
     *,
     batch_size: int,
     hard_negatives: int = 0,
+    absent_negatives: bool | None = None,
     query_tokens: int | Sequence[int] | None = None,
     document_tokens: int | Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
@@ -88,10 +91,14 @@ def warm_up(
         loss: a :class:`~st_cached_losses.CachedMatryoshkaLoss` (or its 2d / adaptive-layer variants: the dense op,
             ``matryoshka_infonce``) or :class:`~st_cached_losses.CachedMultiVectorMatryoshkaLoss` (``maxsim_infonce``);
             its dims, ``n_dims_per_step`` (every drawn subset of the dense op; the multi-vector kernels take all dims),
-            precision, backend, duplicate mask and base loss's hyperparameters are read.
+            precision, backend, duplicate mask (:data:`~st_cached_losses.ops.triton.ahead.TABLE_WIDTHS`: every width
+            of its table), memory bank, in-batch negatives and base loss's hyperparameters are read.
         batch_size: rows per training batch (B, the op's queries), a positive int. A last batch of another size
             may compile again unless ``dataloader_drop_last``.
         hard_negatives: hard-negative columns per row beyond (anchor, positive): the op scores B x (1 + n) documents.
+        absent_negatives: whether batches may lack hard negatives (``None`` ones, through
+            :class:`~st_cached_losses.AbsentNegativesCollator`): their steps launch other kernels, compiled too.
+            Default: with ``hard_negatives`` > 0 and a loss that takes absent documents.
         query_tokens, document_tokens: the multi-vector loss's padded token counts per batch (Lq, Ld), an int or a
             sequence of them (each pair is warmed up); required there, ignored by the dense op. Batches padded to
             other lengths may compile again.
@@ -105,11 +112,12 @@ def warm_up(
         dry_run: record the launches only (``WarmUp.launches``), compile nothing.
 
     Returns:
-        :class:`WarmUp` (also logged at INFO: the count of specializations and the seconds).
+        :class:`WarmUp` (also logged at INFO: the count of specializations and the seconds, and each line of
+        ``WarmUp.uncovered``: the steps whose kernels compile at their first launch, such as a memory bank's).
 
     Raises:
-        TypeError: ``loss`` not one of this package's cached losses; a non-int size or count; a ``dtype`` that is no
-            torch.dtype; a ``target`` of another type.
+        TypeError: ``loss`` not one of this package's cached losses; a non-int size or count; a non-bool
+            ``absent_negatives``; a ``dtype`` that is no torch.dtype; a ``target`` of another type.
         ValueError: a size or count out of range, missing token counts for the multi-vector loss, an embeddings dtype
             the op does not take, a target that is not an NVIDIA GPU of compute capability >= 8.0.
     """
@@ -117,6 +125,7 @@ def warm_up(
     op = _op(loss)
     batch_size = _count("batch_size", batch_size, 1)
     hard_negatives = _count("hard_negatives", hard_negatives, 0)
+    absent = _absent(loss, absent_negatives, hard_negatives)
     tokens = _token_counts(op, query_tokens, document_tokens)
     dtype = _dtype(loss, dtype)
     gpu = _target(target)
@@ -127,14 +136,18 @@ def warm_up(
     backend = _backend(loss.backend, op, explicit=target is not None, target=gpu)
     if backend != "triton":
         return _skip(backend, f"the loss's {op} runs backend {backend!r} on sm_{gpu.arch}, which compiles nothing")
-    launches, skipped = record_launches(_loss_calls(loss, op, batch_size, hard_negatives, tokens, dtype))
-    for line in skipped:
-        logger.info("warm-up: not recorded (compiles at its first launch): %s", line)
+    calls = _loss_calls(loss, op, batch_size, hard_negatives, tokens, dtype, absent)
+    launches, skipped = record_launches(calls)
+    uncovered = (*_uncovered(loss), *(f"not recordable: {line}" for line in skipped))
+    for line in uncovered:
+        logger.info("warm-up: not covered (compiles at its first launch): %s", line)
     errors = []
     if not dry_run:
         errors = compile_launches(launches, target=gpu, workers=workers, show_progress_bar=show_progress_bar)
     seconds = time.perf_counter() - start
-    done = WarmUp(f"sm_{gpu.arch}", backend, tuple(launches), tuple(errors), tuple(skipped), seconds)
+    done = WarmUp(
+        f"sm_{gpu.arch}", backend, tuple(launches), tuple(errors), tuple(skipped), seconds, uncovered=uncovered
+    )
     if dry_run:
         return done
     logger.info(
@@ -171,16 +184,15 @@ def compile_launches(
 # ---------------------------------------------------------------------------------------------- from the loss
 
 
-def _loss_calls(loss, op: str, batch: int, negatives: int, tokens, dtype) -> list[tuple[str, Callable[[], object]]]:
-    """(label, zero-argument callable) pairs making the op calls of ``loss``'s training steps on meta tensors."""
+def _loss_calls(
+    loss, op: str, batch: int, negatives: int, tokens, dtype, absent: bool
+) -> list[tuple[str, Callable[[], object]]]:
+    """(label, zero-argument callable) pairs making the op calls of ``loss``'s training steps on meta tensors, each in
+    every variant of :func:`_variants`."""
     columns = batch * (1 + negatives)
     meta = dict(dtype=dtype, device="meta")
-    ids = {}
-    if loss.mask_duplicates:
-        ids = {
-            k: torch.empty(n, dtype=torch.int64, device="meta")
-            for k, n in (("query_ids", batch), ("document_ids", columns))
-        }
+    variants = _variants(loss, batch, columns, absent)
+    shared = {"in_batch_negatives": loss.in_batch_negatives}
     if op == "maxsim_infonce":
         from .losses.base_losses import length_normalize
 
@@ -192,21 +204,22 @@ def _loss_calls(loss, op: str, batch: int, negatives: int, tokens, dtype) -> lis
             dims=loss.matryoshka_dims,
             weights=loss.matryoshka_weights,
             all_dims=loss.matryoshka_dims,
-            **ids,
+            **shared,
         )
         shapes = [((batch, lq, dim), (columns, ld, dim)) for lq, ld in itertools.product(*tokens)]
         return [
             (
-                f"{op} B={batch} Lq={q[1]} Ld={c[1]}",
-                lambda q=q, c=c: op_launches(
-                    op, torch.empty(q, **meta), torch.empty(c, **meta), precision=loss.precision, **options
+                f"{op} B={batch} Lq={q[1]} Ld={c[1]}{label}",
+                lambda q=q, c=c, more=more: op_launches(
+                    op, torch.empty(q, **meta), torch.empty(c, **meta), precision=loss.precision, **options, **more
                 ),
             )
             for q, c in shapes
+            for label, more in variants
         ]
     from .losses import base_losses
 
-    options = {**base_losses.op_options(loss.loss), **loss.filter_settings(), **ids}
+    options = {**base_losses.op_options(loss.loss), **loss.filter_settings(), **shared}
     if getattr(loss.loss, "guide", None) is not None and base_losses.is_gist(loss.loss):
         guide = loss.loss.guide
         guide_meta = dict(dtype=next(guide.parameters()).dtype, device="meta")
@@ -217,15 +230,54 @@ def _loss_calls(loss, op: str, batch: int, negatives: int, tokens, dtype) -> lis
         )
     dim = _model_dim(loss)
     queries, documents = torch.empty(batch, dim, **meta), torch.empty(columns, dim, **meta)
+    run = functools.partial(op_launches, op, queries, documents, precision=loss.precision, **options)
     return [
         (
-            f"{op} B={batch} dims={list(dims)}",
-            lambda dims=dims: op_launches(
-                op, queries, documents, precision=loss.precision, dims=dims, weights=loss.dim_weights(dims), **options
-            ),
+            f"{op} B={batch} dims={list(dims)}{label}",
+            functools.partial(run, dims=dims, weights=loss.dim_weights(dims), **more),
         )
         for dims in _drawn(loss)
+        for label, more in variants
     ]
+
+
+def _variants(loss, batch: int, columns: int, absent: bool) -> list[tuple[str, dict]]:
+    """(label, op options) of each kind of step the data decides: with text ids (the duplicate mask; a memory bank's
+    pair ids), each width class of the mask's table (``TABLE_WIDTHS``); with ``absent``, batches with and without
+    absent documents."""
+    ids: list[tuple[str, dict]] = [("", {})]
+    if loss.mask_duplicates or getattr(loss, "memory", None) is not None:
+        ids = [
+            (
+                f" table width {width}",
+                dict(
+                    table_width=width,
+                    query_ids=torch.empty(batch, dtype=torch.int64, device="meta"),
+                    document_ids=torch.empty(columns, dtype=torch.int64, device="meta"),
+                ),
+            )
+            for width in TABLE_WIDTHS
+        ]
+    presence: list[tuple[str, dict]] = [("", {})]
+    if absent:
+        presence.append(
+            (" absent documents", dict(document_present=torch.empty(columns, dtype=torch.bool, device="meta")))
+        )
+    return [(a + b, {**x, **y}) for (a, x), (b, y) in itertools.product(ids, presence)]
+
+
+def _uncovered(loss) -> list[str]:
+    """The kinds of training step of ``loss`` whose launches the warm-up does not record."""
+    lines = []
+    if getattr(loss, "memory", None) is not None:
+        lines.append(
+            "steps that score the memory bank's documents (memory_size > 0): the banked columns' kernels (the "
+            "steps before the bank has any are covered)"
+        )
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if getattr(loss, "gathers", False) and distributed and torch.distributed.get_world_size() > 1:
+        lines.append("batches gathered across processes (gather_across_devices): recorded as one process's")
+    return lines
 
 
 def _drawn(loss) -> list[tuple[int, ...]]:
@@ -267,6 +319,15 @@ def _count(name: str, value: Any, least: int) -> int:
     if value < least:
         raise ValueError(f"{name} must be >= {least}, got {value}.")
     return value
+
+
+def _absent(loss, absent_negatives, negatives: int) -> bool:
+    """Whether steps may hold absent documents (see :func:`warm_up`'s ``absent_negatives``)."""
+    if absent_negatives is not None and not isinstance(absent_negatives, bool):
+        raise TypeError(f"absent_negatives must be a bool or None, got {type(absent_negatives).__name__}.")
+    refusal = getattr(loss, "absent_documents_refusal", None)
+    takes = negatives > 0 and (refusal is None or refusal() is None)
+    return takes if absent_negatives is None else absent_negatives and takes
 
 
 def _token_counts(op: str, query_tokens, document_tokens) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -190,11 +190,12 @@ def test_the_job_warms_up_the_dense_losses_kernels_on_cuda(tiny_model, monkeypat
 
     def fake(loss, **kwargs):
         calls.append(kwargs)
-        return warmup.WarmUp("sm_90", "triton", seconds=1.5)
+        return warmup.WarmUp("sm_90", "triton", seconds=1.5, uncovered=("banked columns",))
 
     monkeypatch.setattr(warmup, "warm_up", fake)
     train = datasets.Dataset.from_dict({"anchor": ["a"], "positive": ["b"], "negative": ["c"], "negative_1": ["d"]})
     options = TrainOptions(output_dir="x", batch_size=16, mini_batch_size=8, multi_vector=multi_vector)
     got = training.warm_up_kernels(object(), train, options, device)
-    assert calls == ([dict(batch_size=16, hard_negatives=2)] if called else [])
-    assert got == ({"target": "sm_90", "backend": "triton", "kernels": 0, "seconds": 1.5} if called else None)
+    assert calls == ([dict(batch_size=16, hard_negatives=2, absent_negatives=False)] if called else [])
+    done = {"target": "sm_90", "backend": "triton", "kernels": 0, "seconds": 1.5, "uncovered": ["banked columns"]}
+    assert got == (done if called else None)

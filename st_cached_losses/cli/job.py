@@ -215,7 +215,7 @@ def run(options: TrainOptions) -> dict[str, Any]:
     ``compare_stock`` holds every run's time, peak and per-step losses, and ``first_step`` says whether ours equals
     stock at step 1, and if not, why. On CUDA the dense loss's Triton kernels are compiled before training
     (:func:`~st_cached_losses.cli.training.warm_up_kernels`; ``warm_up`` records it), so ``train_seconds`` holds no
-    compilation.
+    compilation but for the steps ``warm_up.uncovered`` lists (a memory bank's banked columns, for one).
 
     Raises:
         UsageError: bad input (:func:`prepare`), or a trainer the callback refuses

@@ -289,15 +289,18 @@ def scratch_trainer(model, loss, train, options: TrainOptions) -> Iterator[Any]:
 
 def warm_up_kernels(loss, train, options: TrainOptions, device: str) -> dict[str, Any] | None:
     """On CUDA, :func:`~st_cached_losses.warm_up`: the Triton kernels the dense loss's op will launch, compiled before
-    the first step (the step's time then holds no compilation); None elsewhere, and for the multi-vector loss, whose
-    kernels specialise on each batch's padded token counts (they compile at their first launch). Returns what
-    results.json records: the target, the backend, the kernel specializations compiled and the seconds."""
+    the first step (the step's time then holds no compilation but for the steps ``uncovered`` lists); None elsewhere,
+    and for the multi-vector loss, whose kernels specialise on each batch's padded token counts (they compile at their
+    first launch). Returns what results.json records: the target, the backend, the kernel specializations compiled,
+    the seconds and ``uncovered`` (``WarmUp.uncovered``: the steps whose kernels compile at their first launch)."""
     if not device.startswith("cuda") or options.multi_vector:
         return None
     from ..warmup import warm_up
 
-    done = warm_up(loss, batch_size=options.batch_size, hard_negatives=len(train.column_names) - 2)
-    return {"target": done.target, "backend": done.backend, "kernels": done.kernels, "seconds": done.seconds}
+    negatives = dict(hard_negatives=len(train.column_names) - 2, absent_negatives=absent_negatives(train) > 0)
+    done = warm_up(loss, batch_size=options.batch_size, **negatives)
+    warmed = {"target": done.target, "backend": done.backend, "kernels": done.kernels, "seconds": done.seconds}
+    return {**warmed, "uncovered": list(done.uncovered)}
 
 
 def train_once(trainer) -> tuple[float, int, list[float]]:

@@ -5,6 +5,10 @@
 spec built by the op's own builder from the op's keywords (its defaults for the others), the precision as the op
 resolves it on CUDA (:func:`cuda_precision`); inside :func:`record_launches` (``launch.recording``) each launch is
 kept instead of run, so the hosts' own code says which kernels a run launches and with which arguments.
+
+The one value of an op call read from the data that enters a launch is the width of the duplicate mask's table of
+forbidden text codes (``duplicates.DuplicateMask.forbidden``: 1 + the most distinct targets of a row's text), asked of
+the call's host read; on meta tensors it is stipulated (``table_width``): :data:`TABLE_WIDTHS` cover every width.
 """
 
 from __future__ import annotations
@@ -17,9 +21,16 @@ from typing import NamedTuple
 import torch
 
 from ..core import resolve_precision
+from ..duplicates import _SIZES as TABLE_SIZES
+from ..host_read import HostRead, prepare_backend
 from .launch import Launch, recording, unique
 
-__all__ = ["cuda_precision", "op_launches", "record_launches"]
+__all__ = ["TABLE_WIDTHS", "cuda_precision", "op_launches", "record_launches"]
+
+# The dense kernels take the table's width as a runtime int (``n_forbid``), which Triton's JIT specialises on its
+# ``== 1`` and ``% 16 == 0`` classes only; the width is never 1 (a row's own text and its target), so 2 stands for
+# every width that is no multiple of 16 and 16 for every one that is.
+TABLE_WIDTHS = (2, 16)
 
 
 def record_launches(calls: Iterable[tuple[str, Callable[[], object]]]) -> tuple[list[Launch], list[str]]:
@@ -50,14 +61,26 @@ class _OnCuda(NamedTuple):
     dtype: torch.dtype
 
 
-def op_launches(op: str, queries, documents, *, precision: str = "auto", chunk_size: int | None = None, **options):
+def op_launches(
+    op: str,
+    queries,
+    documents,
+    *,
+    precision: str = "auto",
+    chunk_size: int | None = None,
+    table_width: int = TABLE_WIDTHS[0],
+    **options,
+):
     """Run ``op``'s Triton backend once, forward and backward, on ``queries`` and ``documents`` (meta tensors of the
     run's shapes and dtype) with the op's keyword ``options`` (its defaults for the others; the multi-vector op's
-    ``query_mask`` / ``document_mask`` default to all tokens) and ``precision`` as it resolves on CUDA; meant for
-    :func:`record_launches`, which keeps the launches instead of running them.
+    ``query_mask`` / ``document_mask`` default to all tokens; ``document_present``, meta too, turns the absent
+    documents on) and ``precision`` as it resolves on CUDA; meant for :func:`record_launches`, which keeps the
+    launches instead of running them. With duplicate ids, ``table_width`` is the width of the duplicate mask's table
+    the data would give (see :data:`TABLE_WIDTHS`).
 
     Raises:
         ValueError / TypeError: an unknown op, or options the op refuses.
+        NotImplementedError: the call reads another value of the data on the host (it cannot be recorded).
     """
     from ..infonce import matryoshka_infonce
     from ..maxsim.op import maxsim_infonce
@@ -67,9 +90,9 @@ def op_launches(op: str, queries, documents, *, precision: str = "auto", chunk_s
     if unknown:
         raise TypeError(f"op_launches got keywords {op!r} does not take: {unknown}.")
     if op == "matryoshka_infonce":
-        return _dense_call(queries, documents, precision, chunk_size, options)
+        return _dense_call(queries, documents, precision, chunk_size, _Stipulated(table_width), options)
     if op == "maxsim_infonce":
-        return _maxsim_call(queries, documents, precision, chunk_size, options)
+        return _maxsim_call(queries, documents, precision, chunk_size, _Stipulated(table_width), options)
     raise ValueError(f"op must be 'matryoshka_infonce' or 'maxsim_infonce', got {op!r}.")
 
 
@@ -80,23 +103,56 @@ def _spec_options(op: Callable, build: Callable, options: dict) -> dict:
     return {p.name: options.get(p.name, defaults[p.name].default) for p in keywords if p.name in defaults}
 
 
-def _dense_call(queries, documents, precision, chunk_size, options):
-    from ..infonce import matryoshka_infonce, run_backend
+class _Stipulated(HostRead):
+    """An op call's host read on meta tensors: the duplicate mask's table sizes are ``table_width`` less one (its
+    widest row's and every row's); any other value read from the data raises NotImplementedError."""
+
+    def __init__(self, table_width: int):
+        super().__init__()
+        self.width, self.sizes = table_width, {}
+
+    def ask(self, key: str, ints) -> None:
+        if key != TABLE_SIZES:
+            raise NotImplementedError(f"the call reads {key!r} from the data")
+        self.sizes[key] = ints.numel()
+
+    def __getitem__(self, key: str) -> list[int]:
+        return [self.width - 1] * self.sizes[key]
+
+    def read(self, flags=()) -> list[bool]:
+        return [True] * len(flags)
+
+
+def _triton(op: str, host: HostRead, *args, **kwargs):
+    """Both phases of ``op``'s Triton backend on these arguments, ``host`` read between them (``host_read``)."""
+    from ..backend import REGISTRY
+
+    run = prepare_backend(REGISTRY[op]["triton"], host, *args, **kwargs)
+    host.read()
+    return run()
+
+
+def _dense_call(queries, documents, precision, chunk_size, host, options):
+    from ..infonce import matryoshka_infonce
     from ..spec import InfoNCESpec
 
     world = options.get("world_queries")
     ids = {k: options[k] for k in ("query_ids", "document_ids", "world_query_ids") if options.get(k) is not None}
+    present = options.get("document_present")
     spec_options = _spec_options(matryoshka_infonce, InfoNCESpec.build, options)
     spec = InfoNCESpec.build(queries, documents, world, **spec_options, mask_duplicates=bool(ids))
-    spec = dataclasses.replace(spec, precision=cuda_precision(precision, queries.dtype))
+    spec = dataclasses.replace(
+        spec, precision=cuda_precision(precision, queries.dtype), absent_documents=present is not None
+    )
     guide = (options["guide_queries"], options["guide_documents"]) if options.get("guide_queries") is not None else None
-    duplicates = (ids["query_ids"], ids["document_ids"], ids.get("world_query_ids")) if ids else None
+    duplicates = (ids.get("query_ids"), ids["document_ids"], ids.get("world_query_ids")) if ids else None
     world = queries if world is None else world
-    return run_backend("triton", queries, documents, world, spec, True, chunk_size, guide, duplicates)
+    masks = dict(guide=guide, duplicates=duplicates, memory=None, document_present=present)
+    return _triton("matryoshka_infonce", host, queries, documents, world, spec, True, tile_rows=chunk_size, **masks)
 
 
-def _maxsim_call(queries, documents, precision, chunk_size, options):
-    from ..maxsim.op import maxsim_infonce, run_backend
+def _maxsim_call(queries, documents, precision, chunk_size, host, options):
+    from ..maxsim.op import maxsim_infonce
     from ..maxsim.spec import MaxSimSpec
 
     masks = [options.get(name) for name in ("query_mask", "document_mask")]
@@ -105,8 +161,12 @@ def _maxsim_call(queries, documents, precision, chunk_size, options):
         for m, x in zip(masks, (queries, documents))
     ]
     ids = {k: options.get(k) for k in ("query_ids", "document_ids", "world_query_ids")}
+    present = options.get("document_present")
     spec_options = _spec_options(maxsim_infonce, MaxSimSpec.build, options)
     spec, query_mask, document_mask = MaxSimSpec.build(queries, documents, *masks, **spec_options)
-    spec = dataclasses.replace(spec, precision=cuda_precision(precision, queries.dtype))
+    spec = dataclasses.replace(
+        spec, precision=cuda_precision(precision, queries.dtype), absent_documents=present is not None
+    )
     duplicates = tuple(ids.values()) if spec.mask_duplicates else None
-    return run_backend("triton", queries, documents, query_mask, document_mask, spec, True, chunk_size, duplicates)
+    args = (queries, documents, query_mask, document_mask, spec, True, chunk_size, duplicates)
+    return _triton("maxsim_infonce", host, *args, document_present=present)

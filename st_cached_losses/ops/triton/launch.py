@@ -13,21 +13,27 @@ ones.
 without launching, into Triton's on-disk cache) in a process whose Triton driver only reports that target: the JIT
 itself derives the signature, the ``== 1`` / ``% 16`` / alignment specialisations and the options from the recorded
 arguments, so the run's first launch computes the same cache key and loads the binary. No GPU is needed.
-:func:`compile_all` does it for many records in spawned worker processes (:func:`unique`: one per
-:attr:`Launch.key`).
+:func:`compile_all` does it for many records in compiler processes started with ``python -c`` (:func:`serve`), which
+never import the caller's ``__main__`` (:func:`unique`: one record per :attr:`Launch.key`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import contextvars
 import importlib
 import inspect
-import multiprocessing
 import os
+import pickle
+import queue
+import site
+import subprocess
+import sys
+import tempfile
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +46,7 @@ __all__ = [
     "launch",
     "recording",
     "recording_only",
+    "serve",
     "unique",
     "use_target",
 ]
@@ -217,29 +224,146 @@ def _compile(item: Launch) -> str | None:
     return None
 
 
-def _start_worker(backend: str, arch: int, warp_size: int) -> None:
-    """A worker compiles, so Triton's interpreter (which has no compiler) is off before triton is imported (the
-    target comes as plain values: unpickling a ``GPUTarget`` would import it first)."""
+def serve() -> None:
+    """A compiler process (:func:`compile_all`'s, started as ``python -c``: it never imports the caller's
+    ``__main__``): reads the target's fields, then launches, pickled on stdin; writes one :func:`_compile` result per
+    launch, pickled on stdout. Triton's interpreter (which has no compiler) is off before triton is imported."""
     os.environ.pop("TRITON_INTERPRET", None)
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever the compiler prints goes to stderr, not into the replies
+    requests = sys.stdin.buffer
     from triton.backends.compiler import GPUTarget
 
-    use_target(GPUTarget(backend, arch, warp_size))
+    use_target(GPUTarget(*pickle.load(requests)))
+    while True:
+        try:
+            item = pickle.load(requests)
+        except EOFError:  # the caller closed stdin: no more launches
+            return
+        pickle.dump(_compile(item), replies)
+        replies.flush()
+
+
+class _Worker:
+    """One compiler process (:func:`serve`) and its pipes; its stderr goes to a file, whose last line says why it
+    died where it does."""
+
+    def __init__(self, fields: tuple) -> None:
+        env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+        root = Path(__file__).resolve().parents[3]
+        if str(root) not in _site_dirs():  # a source tree: the child imports this copy (never site-packages first)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close(), with the process)
+        pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr)
+        self.process = subprocess.Popen([sys.executable, "-c", _SERVE], env=env, **pipes)
+        self.fields: tuple | None = fields  # sent with the first launch
+        self.compiled = 0
+
+    def compile(self, item: Launch) -> str | None:
+        """:func:`_compile`'s line for ``item``, compiled in this process. Raises one of :data:`_DIED` if it died."""
+        for value in (self.fields, item) if self.fields is not None else (item,):
+            pickle.dump(value, self.process.stdin)
+        self.process.stdin.flush()
+        self.fields = None
+        reply = pickle.load(self.process.stdout)
+        self.compiled += 1
+        return reply
+
+    def death(self, item: Launch) -> str:
+        """The error line of ``item``, whose compilation the process did not survive."""
+        code = self.process.wait()
+        self.stderr.seek(0)
+        lines = self.stderr.read().decode(errors="replace").strip().splitlines()
+        said = f": {lines[-1]}" if lines else ""
+        return f"{item.describe()}: its compiler process died (exit code {code}){said}"
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        self.process.wait()
+        self.stderr.close()
+
+
+_SERVE = "from st_cached_losses.ops.triton import launch; launch.serve()"
+
+
+def _site_dirs() -> set[str]:
+    """The site-packages folders a fresh interpreter finds by itself."""
+    return {str(Path(path).resolve()) for path in [*site.getsitepackages(), site.getusersitepackages()]}
+
+
+_DIED = (OSError, EOFError, pickle.UnpicklingError)  # a broken pipe, or a reply cut short
+
+
+def _taken(todo: queue.SimpleQueue) -> Iterator[Launch]:
+    """The launches left in ``todo``, each taken by one thread."""
+    while True:
+        try:
+            yield todo.get_nowait()
+        except queue.Empty:
+            return
+
+
+def _drain(todo: queue.SimpleQueue, fields: tuple, done: Callable[[str | None], None]) -> None:
+    """One worker's thread: compile launches from ``todo`` in a compiler process until none is left, ``done`` with
+    each one's result. A process that dies fails its launch and is replaced for the next; one that died before
+    compiling anything (it could not start: every process would fail so) fails every launch left."""
+    worker = None
+    try:
+        for item in _taken(todo):
+            worker = worker or _Worker(fields)
+            try:
+                done(worker.compile(item))
+                continue
+            except _DIED:
+                line = worker.death(item)
+            done(line)
+            worker.close()
+            if not worker.compiled:
+                for rest in _taken(todo):
+                    done(f"{rest.describe()}: not compiled, no compiler process started ({line})")
+            worker = None
+    finally:
+        if worker is not None:
+            worker.close()
 
 
 def compile_all(
     launches: Sequence[Launch], target, workers: int, progress: Callable[[], None] | None = None
 ) -> list[str]:
     """Compile each launch (:func:`compile_launch`) for ``target`` into Triton's cache (``TRITON_CACHE_DIR``, else
-    Triton's default), in ``workers`` fresh processes (spawned: no fork of a process holding a CUDA context), calling
-    ``progress()`` as each finishes. Returns one line per launch that failed to compile."""
-    context = multiprocessing.get_context("spawn")
-    fields = (target.backend, target.arch, target.warp_size)
-    with concurrent.futures.ProcessPoolExecutor(workers, context, _start_worker, fields) as pool:
-        futures = [pool.submit(_compile, item) for item in launches]
-        errors = []
-        for future in concurrent.futures.as_completed(futures):
-            if future.result() is not None:
-                errors.append(future.result())
+    Triton's default), in ``workers`` fresh processes, calling ``progress()`` as each finishes. Returns one line per
+    launch that failed to compile, one naming its kernel where the process compiling it died (the others go on).
+
+    The processes run ``python -c`` (:func:`serve`), the launches pickled over their pipes: unlike
+    ``multiprocessing``'s spawned workers they never import the caller's ``__main__``, so a training script without
+    an ``if __name__ == "__main__":`` guard runs once (and no process forks one holding a CUDA context). Threads here
+    only wait on the pipes: compiling in threads gains nothing (the GIL)."""
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for item in launches:
+        todo.put(item)
+    errors: list[str] = []
+    raised: list[BaseException] = []
+    lock = threading.Lock()
+
+    def done(error: str | None) -> None:
+        with lock:
+            if error is not None:
+                errors.append(error)
             if progress is not None:
                 progress()
+
+    def drain() -> None:
+        try:
+            _drain(todo, (target.backend, target.arch, target.warp_size), done)
+        except BaseException as error:  # raised in the caller's thread below, not lost with this one
+            raised.append(error)
+
+    threads = [threading.Thread(target=drain, daemon=True) for _ in range(min(workers, len(launches)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if raised:
+        raise raised[0]
     return errors
