@@ -171,7 +171,7 @@ def test_a_callback_refusal_is_one_line_before_any_work(tiny_dir, tmp_path, caps
     code = main(["train", "--model", str(tiny_dir), *SMALL, "--memory-size", "16", "--output-dir", str(out)])
     (err,) = _visible_lines(capsys.readouterr().err)  # the trainer's own bar clears itself
     assert code == 2 and err.startswith(ERROR_PREFIX), err
-    assert "has no Trainer._get_output_dir: pip install 'transformers>=5.17,<5.25'" in err
+    assert "has no Trainer._get_output_dir: pip install 'transformers>=5.17,<5.26'" in err
     assert not evaluated and not out.exists()
 
 

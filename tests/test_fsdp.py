@@ -7,7 +7,8 @@ gradient-sync modes, parameters resharded after forward or not, hard negatives, 
 loss, an activation budget, and ranks whose own data would run different numbers of mini-batches (token budgets that
 cut their texts differently, budgets that keep different mini-batches): those must finish (a collective mismatch would
 abort or hang; the process group's timeout is short) and stay exact. The collectives are counted: ``per_step``
-reduce-scatters once per FSDP unit and step, ``per_backward`` once per backward.
+reduce-scatters once per FSDP unit and step, ``per_backward`` once per backward; after a ``per_step`` step FSDP2's
+own settings are back (later forwards all-gather as after a ``per_backward`` step).
 """
 
 from __future__ import annotations
@@ -146,12 +147,21 @@ def _worker(rank, port, out_dir):
         loss = total.detach().clone()
         dist.all_reduce(loss)
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.grad is not None}
+        after = _Collectives()
+        if case in (
+            "per_step",
+            "per_backward",
+        ):  # then two forwards (gradients read first): what the restored settings gather
+            with torch.no_grad(), after:
+                for _ in range(2):
+                    model(features[0])
         report = getattr(loss_fn, "activation_report", None)
         results[case] = {
             "loss": float(loss) / WORLD_SIZE,
             "grads": grads,
             "forwards": forwards[0],
             "collectives": collectives.counts,
+            "gathers_after": after.counts["all_gather"],
             "units": sum(1 for _ in _fsdp_units(model)),
             "kept": None if report is None else sorted(report.kept),
             "kept_bytes": None if report is None else report.kept_bytes,
@@ -279,6 +289,15 @@ def test_per_step_reduce_scatters_once_per_unit_and_step(spawned):
         # per_backward: one reduce-scatter per unit and backward (2 columns x 2 mini-batches of 4 rows).
         assert every["collectives"]["reduce_scatter"] == every["units"] * 2 * 2
         assert every["collectives"]["all_gather"] > once["collectives"]["all_gather"]
+
+
+@pytest.mark.slow
+def test_per_step_gives_fsdp2_its_own_settings_back(spawned):
+    """After a ``per_step`` step (the first, so FSDP2's lazy init ran inside it), two forwards all-gather as after a
+    ``per_backward`` one: the root keeps its parameters after forward (FSDP2's rule for it), the layers reshard."""
+    for rank in range(WORLD_SIZE):
+        after_step, after_backward = (spawned[rank][case]["gathers_after"] for case in ("per_step", "per_backward"))
+        assert after_step == after_backward, (after_step, after_backward)
 
 
 def test_fsdp_sync_is_checked_up_front_and_on_the_card():

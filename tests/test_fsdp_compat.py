@@ -60,7 +60,7 @@ def _group(**changes):
 
 def test_a_state_with_every_name_is_read_and_restored():
     group = _group()
-    state = SimpleNamespace(_auto_reshard_after_forward=None, _fsdp_param_groups=[group])
+    state = SimpleNamespace(_auto_reshard_after_forward=None, _is_root=None, _fsdp_param_groups=[group])
     settings = _fsdp_compat.saved_settings([_module(state)])
     _fsdp_compat.reduce_in_next_backward([_module(state)], settings, reduce=False)
     assert group.reduce_grads is False
@@ -68,17 +68,40 @@ def test_a_state_with_every_name_is_read_and_restored():
     assert group.reduce_grads is True and group.all_reduce_grads is False and state._auto_reshard_after_forward is None
 
 
+@pytest.mark.parametrize("is_root, kept", [(True, None), (False, "mesh")])
+def test_a_root_lazily_initialized_during_the_step_gets_lazy_inits_setting_back(is_root, kept):
+    """Read before the root's first forward (its mesh still set), restored after FSDP2's lazy init: an automatic
+    root keeps its parameters after forward (no post-forward mesh), as FSDP2 itself leaves it; a non-root its mesh."""
+    group = _group(post_forward_mesh_info="mesh")
+    state = SimpleNamespace(_auto_reshard_after_forward=True, _is_root=None, _fsdp_param_groups=[group])
+    settings = _fsdp_compat.saved_settings([_module(state)])
+    state._is_root = is_root  # the lazy init, in step (1)
+    _fsdp_compat.restore([_module(state)], settings)
+    assert group.post_forward_mesh_info == kept and state._auto_reshard_after_forward is True
+
+
+def test_a_root_the_user_set_to_reshard_after_forward_keeps_its_mesh():
+    """``set_reshard_after_forward(True)`` on the root turns the automatic rule off: its mesh is given back."""
+    group = _group(post_forward_mesh_info="mesh")
+    state = SimpleNamespace(_auto_reshard_after_forward=False, _is_root=True, _fsdp_param_groups=[group])
+    _fsdp_compat.restore([_module(state)], _fsdp_compat.saved_settings([_module(state)]))
+    assert group.post_forward_mesh_info == "mesh"
+
+
 @pytest.mark.parametrize(
     "state, message",
     [
-        (SimpleNamespace(_fsdp_param_groups=[]), r"has no FSDPState\._auto_reshard_after_forward"),
-        (SimpleNamespace(_auto_reshard_after_forward=True), r"has no FSDPState\._fsdp_param_groups"),
+        (SimpleNamespace(_is_root=None, _fsdp_param_groups=[]), r"has no FSDPState\._auto_reshard_after_forward"),
+        (SimpleNamespace(_auto_reshard_after_forward=True, _is_root=None), r"has no FSDPState\._fsdp_param_groups"),
+        (SimpleNamespace(_auto_reshard_after_forward=True, _fsdp_param_groups=[]), r"has no FSDPState\._is_root"),
         (
-            SimpleNamespace(_auto_reshard_after_forward=True, _fsdp_param_groups=[SimpleNamespace()]),
+            SimpleNamespace(_auto_reshard_after_forward=True, _is_root=True, _fsdp_param_groups=[SimpleNamespace()]),
             r"has no FSDPParamGroup\.post_forward_mesh_info, no FSDPParamGroup\.reshard_after_backward",
         ),
         (
-            SimpleNamespace(_auto_reshard_after_forward=True, _fsdp_param_groups=[_group(reduce_grads="yes")]),
+            SimpleNamespace(
+                _auto_reshard_after_forward=True, _is_root=False, _fsdp_param_groups=[_group(reduce_grads="yes")]
+            ),
             r"has FSDPParamGroup\.reduce_grads of type str",
         ),
     ],

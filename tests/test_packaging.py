@@ -179,3 +179,21 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_the_main_job(built, tiny_dir, 
     proc = subprocess.run(train, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "results.json").read_text())["config"]["steps"] == 2
+
+
+def test_the_readme_stays_under_20_kib():
+    """The README is the package's PyPI page and the first thing a user reads: detail goes to docs/ (linked)."""
+    assert len((ROOT / "README.md").read_bytes()) <= 20 * 1024
+
+
+def test_the_install_page_names_each_doors_tested_range():
+    """docs/install.md, linked from the README's install paragraph, states the range each door into private names
+    was tested with, and the oldest supported sentence-transformers, as the code says them."""
+    from st_cached_losses.gradcache import _deepspeed_compat, _fsdp_compat, _st_compat
+    from st_cached_losses.losses import _transformers_compat
+
+    page = (ROOT / "docs" / "install.md").read_text()
+    assert "(docs/install.md)" in (ROOT / "README.md").read_text()
+    for door in (_transformers_compat, _fsdp_compat, _deepspeed_compat):
+        assert f"`{door.TESTED}`" in page, door.__name__
+    assert f"`{_st_compat.SUPPORTED}`" in page and _st_compat.OLDEST in page

@@ -8,6 +8,7 @@ alone. That the trainer writes its checkpoints in the run folder, beside the ban
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,13 +55,13 @@ def fresh_warnings(monkeypatch):
     monkeypatch.setattr(_transformers_compat.RANGE, "warned", set())
 
 
-@pytest.mark.parametrize("version", ["5.17.0", "5.23.0", "5.24.0", "5.24.0.dev0", "5.20.1"])
+@pytest.mark.parametrize("version", ["5.17.0", "5.23.0", "5.24.0", "5.25.0", "5.25.0.dev0", "5.20.1"])
 def test_the_tested_range_is_used_silently(trainer, version, fresh_warnings, caplog):
     _transformers_compat.check_trainer(trainer, version)
     assert not caplog.records
 
 
-@pytest.mark.parametrize("version", ["5.16.2", "5.25.0", "4.57.1", "6.0.0"])
+@pytest.mark.parametrize("version", ["5.16.2", "5.26.0", "4.57.1", "6.0.0"])
 def test_a_release_outside_the_tested_range_is_used_with_one_warning(trainer, version, fresh_warnings, caplog):
     """Its trainer has the name and gives the checkpoints' folder: used, and said once per process."""
     for _ in range(2):
@@ -68,7 +69,7 @@ def test_a_release_outside_the_tested_range_is_used_with_one_warning(trainer, ve
     (record,) = caplog.records
     assert record.levelname == "WARNING"
     assert re.search(
-        rf"Trainer\._get_output_dir, checked with transformers >=5\.17,<5\.25; the installed {re.escape(version)} has "
+        rf"Trainer\._get_output_dir, checked with transformers >=5\.17,<5\.26; the installed {re.escape(version)} has "
         r"it and it gives the checkpoints' folder, so it is used",
         record.getMessage(),
     )
@@ -125,3 +126,17 @@ def test_transformers_private_names_are_written_in_the_door_alone(trainer):
     }
     assert not offenders
     assert all(f".{name}(" in COMPAT.read_text() for name in _transformers_compat.BORROWED)
+
+
+def test_a_memory_bank_run_under_the_installed_transformers_logs_no_range_warning(trainer, fresh_warnings, caplog):
+    """The installed transformers is one the door was tested with: attaching the callback and training a loss with a
+    memory bank says nothing of the tested range. Failing here after an upgrade: run this file and
+    tests/test_memory_bank*.py under the new release, then widen ``TESTED``."""
+    import transformers
+
+    CachedLossCallback.attach(trainer)
+    with caplog.at_level(logging.WARNING, logger=_transformers_compat.__name__):
+        trainer.train()
+    assert trainer.state.global_step > 0 and trainer.loss.memory.step > 0
+    assert not [r.getMessage() for r in caplog.records if "checked with transformers" in r.getMessage()]
+    assert transformers.__version__ in _transformers_compat.RANGE, transformers.__version__

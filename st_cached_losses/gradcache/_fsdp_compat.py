@@ -5,9 +5,13 @@ API, reached here alone, with the torch range it was tested with.
 backward: it turns FSDP2's resharding and gradient reduction off for the step with the public setters
 (``set_reshard_after_forward``, ``set_reshard_after_backward``) and must then give the user's own settings back. FSDP2
 has setters but no getters, so those settings are read from its state: ``module._get_fsdp_state()``, the state's
-``_auto_reshard_after_forward`` and ``_fsdp_param_groups``, and each group's ``post_forward_mesh_info``,
+``_auto_reshard_after_forward``, ``_is_root`` and ``_fsdp_param_groups``, and each group's ``post_forward_mesh_info``,
 ``reshard_after_backward``, ``reduce_grads`` and ``all_reduce_grads`` (which are also how the last backward alone is
 made to reduce). ``fsdp_sync="per_backward"`` (the default) uses none of them.
+
+The first step's settings are read before FSDP2's lazy init (at the root's first forward, inside step (1)), which
+keeps the root's parameters gathered after forward when its reshard-after-forward is automatic (the default): the
+root's settings are given back as that init leaves them, not as they were before it (:func:`restore`).
 
 Each name is checked where it is first read: ``FSDPModule._get_fsdp_state`` when the loss is built
 (:func:`check_per_step`), the state's and its groups' names, with their types (flags are bools), at the first
@@ -35,7 +39,11 @@ logger = logging.getLogger(__name__)
 TESTED = ">=2.13,<2.14"  # torch releases whose FSDP2 state layout below was checked (2.13.0 in CI)
 RANGE = TestedRange(TESTED)
 # The names read, each with the types its values may have (None: the name must exist, any value).
-STATE_NAMES = {"_auto_reshard_after_forward": (bool, type(None)), "_fsdp_param_groups": (list,)}
+STATE_NAMES = {
+    "_auto_reshard_after_forward": (bool, type(None)),
+    "_is_root": (bool, type(None)),  # None until FSDP2's lazy init at the root's first forward
+    "_fsdp_param_groups": (list,),
+}
 GROUP_NAMES = {
     "post_forward_mesh_info": None,
     "reshard_after_backward": (bool,),
@@ -113,7 +121,8 @@ def saved_settings(modules: list[nn.Module]) -> FsdpSettings:
 
 
 def restore(modules: list[nn.Module], settings: FsdpSettings) -> None:
-    """Give every module the settings :func:`saved_settings` read."""
+    """Give every module the settings :func:`saved_settings` read; a root whose reshard-after-forward is automatic
+    keeps its parameters after forward (no post-forward mesh), as FSDP2's lazy init set it if that ran in between."""
     for module, (auto, groups) in zip(modules, settings.modules):
         state = module._get_fsdp_state()
         state._auto_reshard_after_forward = auto
@@ -121,6 +130,8 @@ def restore(modules: list[nn.Module], settings: FsdpSettings) -> None:
             group.post_forward_mesh_info, group.reshard_after_backward, group.reduce_grads, group.all_reduce_grads = (
                 values
             )
+            if auto and state._is_root:  # FSDPState._lazy_init's rule for the root
+                group.post_forward_mesh_info = None
 
 
 def reduce_in_next_backward(modules: list[nn.Module], settings: FsdpSettings, reduce: bool) -> None:
