@@ -80,8 +80,9 @@ def matryoshka_infonce(
             0 <= offset, offset + B <= Bw.
         directions: any of "query_to_doc" (required), "query_to_query", "doc_to_query", "doc_to_doc",
             as in sentence-transformers' MultipleNegativesRankingLoss, and GISTEmbed's blocks "anchor_to_anchor"
-            (this rank's queries against themselves, no self mask) and "positive_to_positive" (positives
-            against the positives), as in CachedGISTEmbedLoss's contrast_anchors / contrast_positives.
+            (this rank's queries against themselves) and "positive_to_positive" (positives against the
+            positives), as in CachedGISTEmbedLoss's contrast_anchors / contrast_positives, neither scoring the row
+            itself (sentence-transformers 6.3's rule, on every release).
         partition_mode: "joint" (one softmax over all directions) or "per_direction" (mean of their LSEs).
         hardness_mode: None, "in_batch_negatives", "hard_negatives" or "all_negatives": adds
             ``hardness_strength * stop_grad(similarity)`` to those negatives' logits.
