@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .backend import TritonUnavailableError, fall_back, note_choice, select_backend
 from .host_read import HostRead
+from .precision import PRECISIONS, check_precision, decide_precision, resolve_precision
 from .result import InfoNCEOutput, InfoNCEResult
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "check_dims",
     "check_precision",
     "check_scale",
+    "decide_precision",
     "live_rows",
     "resolve_precision",
     "run_op",
@@ -42,8 +44,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NONFINITE_POLICIES = ("auto", "raise", "propagate")
-# The score GEMMs' operands on CUDA: bf16 (fp32 accumulation), TF32, or IEEE fp32 (fp64 for fp64 inputs).
-PRECISIONS = ("auto", "bf16", "tf32", "ieee")
 
 
 class Spec(Protocol):
@@ -148,13 +148,6 @@ def check_policies(nonfinite: Any, precision: Any) -> None:
     check_precision(precision)
 
 
-def check_precision(precision: Any) -> str:
-    """``precision`` as given, or a ValueError: one of :data:`PRECISIONS` (the ops' and the losses' one rule)."""
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}.")
-    return precision
-
-
 def live_rows(scored: Sequence[Tensor], partition_mode: str = "joint") -> Tensor:
     """(rows,) bool: False for a row left with only its positive, whose loss and gradient are exactly 0 (stock's are;
     rounding would leave ~1e-7, which AdamW turns into weight updates): the one rule of every backend that counts.
@@ -204,28 +197,6 @@ def _nonfinite_input(nonfinite: str, inputs: dict[str, Tensor | None], host: Hos
         f"{name} contains NaN or Inf: the run diverged (lower the learning rate, or use bf16/fp32 instead of fp16); "
         "under fp16 mixed precision pass nonfinite='propagate' so that the gradient scaler skips the step."
     )
-
-
-def resolve_precision(precision: str, queries: Tensor) -> str:
-    """The score GEMMs' precision: "bf16" (bf16 operands, fp32 accumulation), "tf32" or "ieee" (fp32, or fp64 for fp64
-    inputs). ``precision="auto"``: on CUDA "bf16" under bf16 autocast or for bf16 inputs, else "tf32" where
-    ``torch.backends.cuda.matmul.allow_tf32`` allows it, else "ieee"; on other devices always "ieee" (the CPU's
-    results stay what they were). A forced mode is checked against the inputs (no bf16 or TF32 for fp64).
-
-    Raises:
-        ValueError: an unknown mode, or "bf16" / "tf32" with fp64 inputs.
-    """
-    if check_precision(precision) != "auto":
-        if precision != "ieee" and queries.dtype == torch.float64:
-            raise ValueError(f"precision={precision!r} needs fp32, bf16 or fp16 inputs, not fp64: use 'ieee'.")
-        return precision
-    device = queries.device.type
-    if device != "cuda" or queries.dtype == torch.float64:
-        return "ieee"
-    bf16_autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
-    if bf16_autocast or queries.dtype == torch.bfloat16:
-        return "bf16"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def _autocast_off(device: torch.device):

@@ -100,10 +100,12 @@ def matryoshka_infonce(
             non-finite embedding means the run diverged). "propagate": the loss and every gradient are NaN,
             so that fp16 mixed precision's gradient scaler skips the step, as it does with stock losses.
             "auto" (default): "propagate" under fp16 autocast or for fp16 inputs, else "raise".
-        precision: the score GEMMs' operands on CUDA (``core.resolve_precision``): "bf16" (fp32 accumulation and
-            LSEs), "tf32" or "ieee" (fp32; fp64 for fp64 inputs); "auto" (default): "bf16" under bf16 autocast or for
-            bf16 inputs, else "tf32" where ``torch.backends.cuda.matmul.allow_tf32`` allows it, else "ieee"; always
-            "ieee" off CUDA. Logged at INFO with the backend.
+        precision: the score GEMMs' operands, by one rule (``precision.decide_precision``): "bf16" (fp32
+            accumulation and LSEs; a CPU computes it exactly), "tf32" or "ieee" (fp32; fp64 for fp64 inputs); "auto"
+            (default): on CUDA "bf16" under bf16 autocast or for bf16 inputs, else "tf32" where torch's TF32 flag
+            (``torch.backends.fp32_precision``, the trainer's ``tf32=True``) allows it, else "ieee"; "ieee" off CUDA,
+            under a CPU autocast too. "tf32" runs on CUDA only (compute capability >= 8.0): elsewhere it runs, and is
+            recorded, as "ieee". Logged at INFO with the backend.
         false_negative_margin: turns GISTEmbed's false-negative filter on (any finite number; with a guide the
             default is 0): row i scores no candidate but its partner whose guide similarity exceeds
             ``s_i - margin`` (``s_i - |s_i| * margin`` with false_negative_strategy="relative"), s_i the guide
