@@ -283,7 +283,7 @@ def run_op(
     num_directions: int = 1,
     checked: dict[str, Tensor | None] | None = None,
     supports: Callable[[str], bool] | None = None,
-    conditions: Sequence[tuple[Tensor, str]] = (),
+    conditions: Sequence[tuple[Tensor, str] | None] = (),
 ) -> InfoNCEOutput:
     """Choose the backend, prepare its call, read the host's values once, apply the NaN policy and run the backend
     inside :class:`_CachedGradients`.
@@ -292,7 +292,8 @@ def run_op(
     an absent optional input); the gradients of those that require them reach autograd. ``prepare``: the backend
     call's first phase (:data:`Prepare`), whose integers are read with the NaN check. ``checked``: other inputs
     (without gradient) the NaN policy reads too. ``supports(name)``: whether the backend ``"auto"`` picked takes this
-    problem (else the chunked backend runs). ``conditions``: (0-dim bool device tensor, message) pairs that must hold.
+    problem (else the chunked backend runs). ``conditions``: (0-dim bool device tensor, message) pairs that must hold
+    (None: a condition that does not apply).
     The finiteness of every input, the conditions and the backend's integers make the call's one host
     synchronisation (``host_read.HostRead``).
 
@@ -305,7 +306,7 @@ def run_op(
         name, reason = "chunked", f"auto: the {name} backend does not take these options"
     # Under torch.no_grad the Function's needs_input_grad still follows requires_grad: decide here.
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs.values())
-    host = HostRead(conditions)
+    host = HostRead([condition for condition in conditions if condition is not None])
     with _autocast_off(queries.device):
         prepared = prepare(name, need_grad, host)
     nonfinite_input = _nonfinite_input(nonfinite, {**inputs, **(checked or {})}, host)

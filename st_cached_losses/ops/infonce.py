@@ -16,7 +16,7 @@ from torch import Tensor
 from .backend import REGISTRY
 from .candidates import check_document_present, positives_present
 from .core import check_chunk_size, check_policies, resolve_precision, run_op
-from .duplicates import check_ids
+from .duplicates import check_ids, ids_agree
 from .host_read import HostRead, call_backend, prepare_backend
 from .memory import Memory, check_memory
 from .result import InfoNCEOutput, InfoNCEResult
@@ -260,7 +260,10 @@ def matryoshka_infonce(
         num_directions=len(spec.directions),
         checked={"memory_documents": memory_documents},
         supports=lambda name: REGISTRY[OP][name].unsupported(spec) is None,
-        conditions=() if document_present is None else (positives_present(document_present, spec.world_batch_size),),
+        conditions=(
+            None if document_present is None else positives_present(document_present, spec.world_batch_size),
+            ids_agree(query_ids, world_query_ids, spec.offset),
+        ),
     )
 
 

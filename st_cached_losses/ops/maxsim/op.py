@@ -16,6 +16,7 @@ from torch import Tensor
 from ..backend import REGISTRY
 from ..candidates import check_document_present, positives_present
 from ..core import check_chunk_size, check_policies, resolve_precision, run_op
+from ..duplicates import ids_agree
 from ..host_read import HostRead, call_backend, prepare_backend
 from ..result import InfoNCEOutput, InfoNCEResult
 from .spec import MaxSimSpec
@@ -208,7 +209,10 @@ def maxsim_infonce(
         backend=backend,
         nonfinite=nonfinite,
         supports=lambda name: REGISTRY[OP][name].unsupported(spec) is None,
-        conditions=() if document_present is None else (positives_present(document_present, spec.positives),),
+        conditions=(
+            None if document_present is None else positives_present(document_present, spec.positives),
+            ids_agree(query_ids, world_query_ids, spec.offset),
+        ),
     )
 
 
