@@ -79,3 +79,30 @@ def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "model"
     tiny_sentence_transformer(hidden_size=64).save(str(path))
     return path
+
+
+@pytest.fixture
+def tf32_as_transformers_sets_it():
+    """torch's TF32 flag set as transformers' ``TrainingArguments(tf32=True)`` sets it in a fresh process
+    (``enable_tf32(True)``: on torch >= 2.9 ``torch.backends.fp32_precision = "tf32"``, which cuBLAS's matmuls inherit
+    and after which reading the legacy ``torch.backends.cuda.matmul.allow_tf32`` raises RuntimeError); the previous
+    settings restored after (legacy reads work again)."""
+    import torch
+    from transformers.utils import import_utils
+
+    backends, matmul = torch.backends, torch.backends.cuda.matmul
+    # transformers' own code, run each time: its enable_tf32 is an lru_cache, which sets the flag once per process.
+    enable_tf32 = getattr(import_utils.enable_tf32, "__wrapped__", import_utils.enable_tf32)
+    if not hasattr(backends, "fp32_precision"):  # torch < 2.9: transformers writes the legacy flags
+        previous = matmul.allow_tf32, backends.cudnn.allow_tf32
+        enable_tf32(True)
+        yield
+        matmul.allow_tf32, backends.cudnn.allow_tf32 = previous
+        return
+    previous = backends.fp32_precision, matmul.fp32_precision
+    matmul.fp32_precision = "none"  # a fresh process's: inherit the global setting (an earlier test may have set it)
+    enable_tf32(True)
+    try:
+        yield
+    finally:
+        backends.fp32_precision, matmul.fp32_precision = previous

@@ -29,6 +29,17 @@ BLOCKS = {
 }
 
 
+def _structural(name, i, j, world, offset):
+    """Whether local row i never scores column j in direction ``name``: the row itself (query_to_query, and
+    GISTEmbed's blocks, whose anchors are local columns), or its own documents (doc_to_doc)."""
+    w = offset + i
+    if name in ("query_to_query", "positive_to_positive"):
+        return j == w
+    if name == "anchor_to_anchor":
+        return j == i
+    return name == "doc_to_doc" and j % world == w
+
+
 def masks(anchor_ids, doc_ids, batch, offset, directions, duplicates=True):
     """({direction: (batch, columns) bool} of the candidates each local row does not score (the direction's own masks,
     and with ``duplicates`` the duplicates), duplicates removed, candidates). ``anchor_ids``: the world's query ids
@@ -52,7 +63,7 @@ def masks(anchor_ids, doc_ids, batch, offset, directions, duplicates=True):
             own, target = (anchor_ids, positive_ids) if side == "q" else (positive_ids, anchor_ids)
             forbidden = {own[w], target[w]} | {target[k] for k in range(world) if own[k] == own[w]}
             for j, text in enumerate(column_texts):
-                structural = (name == "query_to_query" and j == w) or (name == "doc_to_doc" and j % world == w)
+                structural = _structural(name, i, j, world, offset)
                 partner = name in ("query_to_doc", "doc_to_query") and j == w
                 duplicate = duplicates and text in forbidden and not partner and not structural
                 removed += duplicate
@@ -80,7 +91,7 @@ def filtered(guide_queries, guide_docs, guide_world, offset, directions, margin)
         for i in range(batch):
             for j in range(drop.shape[1]):
                 w = offset + i
-                structural = (name == "query_to_query" and j == w) or (name == "doc_to_doc" and j % world == w)
+                structural = _structural(name, i, j, world, offset)
                 if structural or (name in ("query_to_doc", "doc_to_query") and j == w):
                     drop[i, j] = False
         out[name] = drop

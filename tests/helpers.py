@@ -144,6 +144,17 @@ def row_by_row(model, loss_fn, rows: list[dict]) -> tuple[float, dict[str, torch
     return total, mean
 
 
+def skip_on_stock_before(version: str, reason: str) -> None:
+    """Skip the calling test where the installed sentence-transformers is older than ``version`` (e.g. "6.3"), saying
+    ``reason``: what that release changed, which ours follows on every release, so older stock is no oracle there."""
+    import sentence_transformers
+    from packaging.version import Version
+
+    installed = sentence_transformers.__version__
+    if Version(Version(installed).base_version) < Version(version):
+        pytest.skip(f"stock sentence-transformers {installed} < {version}: {reason}")
+
+
 def assert_grads_close(actual, expected, rtol: float = 1e-4, near_zero: float = 1e-3, extra_ok: bool = False) -> None:
     """Gradients against a reference: {parameter name: gradient}, or a list of them (one per input column), none
     missing, none extra unless ``extra_ok`` (DeepSpeed reads back a gradient for parameters no rank used: BERT's

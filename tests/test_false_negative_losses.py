@@ -17,7 +17,7 @@ from sentence_transformers.sentence_transformer.losses import (
 from st_cached_losses import CachedMatryoshkaLoss, matryoshka_infonce
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.distributed_helpers import ROWS, WORLD_SIZE, child_setup, init_process_group, spawn
-from tests.helpers import assert_grads_close, loss_and_grads, parameter_grads, texts
+from tests.helpers import assert_grads_close, loss_and_grads, parameter_grads, skip_on_stock_before, texts
 
 DIMS, WEIGHTS = [48, 24, 8], [1.0, 0.5, 2.0]
 
@@ -36,6 +36,11 @@ def _features(model, negatives: int, rows: int = 11, seed: int = 0):
     return [model.preprocess(texts) for texts in columns]
 
 
+# Why older stock is no oracle with a negative margin and GISTEmbed's anchor-anchor / positive-positive blocks.
+SELF_NEGATIVE = (
+    "before 6.3 CachedGISTEmbedLoss scored a text against itself in the anchor-anchor and positive-positive "
+    "blocks unless the guide dropped it, which a negative margin may not; ours never scores it (6.3's rule)"
+)
 GIST = {
     "pairs": dict(),
     "triplets_relative": dict(negatives=1, margin_strategy="relative", margin=0.05),
@@ -50,6 +55,8 @@ GIST = {
 def test_matches_stock_matryoshka_cached_gist(models, case, sort_by_length):
     model, guide = models
     case = dict(case)
+    if case.get("margin", 0) < 0:
+        skip_on_stock_before("6.3", SELF_NEGATIVE)
     features = _features(model, case.pop("negatives", 0))
     stock = MatryoshkaLoss(
         model, CachedGISTEmbedLoss(model, guide, temperature=0.05, mini_batch_size=4, **case), DIMS, WEIGHTS

@@ -13,7 +13,7 @@ from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops.infonce import run_backend
 from st_cached_losses.ops.spec import InfoNCESpec
 from st_cached_losses.testing import tiny_sentence_transformer
-from tests.helpers import ALL_DIRECTIONS
+from tests.helpers import ALL_DIRECTIONS, skip_on_stock_before
 
 PARTNER = {"query_to_doc", "doc_to_query"}  # column offset + i is the row's own pair: never filtered
 
@@ -244,12 +244,20 @@ def test_chunked_matches_dense_on_ragged_tiles():
 
 # ------------------------------------------------------------------------------------------ guided: GISTEmbed
 
+# Why older stock is no oracle with a negative margin and GISTEmbed's anchor-anchor / positive-positive blocks.
+SELF_NEGATIVE = (
+    "before 6.3 CachedGISTEmbedLoss scored a text against itself in the anchor-anchor and positive-positive "
+    "blocks unless the guide dropped it, which a negative margin may not; ours never scores it (6.3's rule)"
+)
 GIST = {
     "pairs_absolute": dict(),
     "triplets_relative": dict(negatives=1, margin_strategy="relative", margin=0.05),
     "no_anchor_contrast": dict(contrast_anchors=False, margin=0.1),
     "no_positive_contrast_two_negatives": dict(contrast_positives=False, negatives=2, margin=0.1),
     "negative_margin_no_contrast": dict(contrast_anchors=False, contrast_positives=False, negatives=1, margin=-0.1),
+    # Qwen3's "+ 0.1": the guide keeps a text's own copy in the anchor-anchor and positive-positive blocks, which
+    # never score the row itself (6.3's rule).
+    "negative_margin": dict(negatives=1, margin=-0.1),
 }
 
 
@@ -258,9 +266,17 @@ def gist_models():
     return tiny_sentence_transformer(seed=0), tiny_sentence_transformer(seed=1)
 
 
+@pytest.mark.oldest_st  # before 6.3 too (.ci/run): the negative-margin contrast cases skip there, saying why
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
 @pytest.mark.parametrize("mini_batch_size", [5, 4096])
 @pytest.mark.parametrize("case", GIST.values(), ids=GIST.keys())
-def test_guided_matches_stock_matryoshka_cached_gist(gist_models, case, mini_batch_size):
+def test_guided_matches_stock_matryoshka_cached_gist(gist_models, case, mini_batch_size, backend):
+    """Both backends (Triton in its CPU interpreter) against stock on the same embeddings: loss and gradients."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    contrasts = case.get("contrast_anchors", True) or case.get("contrast_positives", True)
+    if case.get("margin", 0) < 0 and contrasts:
+        skip_on_stock_before("6.3", SELF_NEGATIVE)
     model, guide = gist_models
     case = {
         "negatives": 0,
@@ -278,6 +294,7 @@ def test_guided_matches_stock_matryoshka_cached_gist(gist_models, case, mini_bat
     guided = [torch.randn(batch, 32, generator=g) for _ in range(columns)]
     guided[1] = guided[0] + 0.5 * guided[1]
     guided[2:] = [guided[0] + 0.2 * x for x in guided[2:]]  # guide-close negatives: dropped
+    guided[1][3] = guided[0][7]  # a false negative of row 7 for the guide: dropped in every case
 
     stock = CachedGISTEmbedLoss(
         model,
@@ -311,6 +328,7 @@ def test_guided_matches_stock_matryoshka_cached_gist(gist_models, case, mini_bat
         guide_documents=torch.cat(guided[1:]),
         false_negative_margin=case["margin"],
         false_negative_strategy=case["margin_strategy"],
+        backend=backend,
     )
     loss, share = out.loss, out.masked_share
     loss.backward()
@@ -349,6 +367,37 @@ def test_gist_directions_and_the_filter_run_on_triton_as_on_chunked():
     for a, b in zip(got.grads, want.grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert backend_module.select_backend(torch.device("cpu"), "auto")[0] == "chunked"
+
+
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+def test_gist_blocks_of_a_rank_at_an_offset_never_score_the_row_itself(backend):
+    """Rows [4, 9) of a world batch of 12, GISTEmbed's blocks with a negative margin (the guide keeps the row's own
+    copy): the anchor-anchor block's row itself is a local column, the positive-positive block's a world one. Each
+    backend (Triton in its CPU interpreter) against the dense oracle, which masks the row by its own rule."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    batch, world, offset = 5, 12, 4
+    world_q, docs = _embeddings(batch, 16, columns=2, world=world, seed=3)
+    queries = world_q[offset : offset + batch]
+    guide = _embeddings(batch, 8, columns=2, world=world, seed=4)
+    options = dict(
+        dims=[16, 8],
+        offset=offset,
+        directions=("query_to_doc", "anchor_to_anchor", "positive_to_positive"),
+        guide_queries=guide[0][offset : offset + batch],
+        guide_documents=guide[1],
+        false_negative_margin=-0.1,
+        chunk_size=2,
+    )
+    results = {}
+    for name in ("dense", backend):
+        q, c, w = (t.clone().requires_grad_() for t in (queries, docs, world_q))
+        out = matryoshka_infonce(q, c, world_queries=w, backend=name, **options)
+        out.loss.backward()
+        results[name] = (out.loss, out.masked_share, q.grad, c.grad)
+    for got, want in zip(results[backend], results["dense"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert 0 < float(results["dense"][1]) < 1
 
 
 # ------------------------------------------------------------------------------------------ bad input

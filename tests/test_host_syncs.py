@@ -8,7 +8,8 @@ function), ops whose output size depends on the values (``nonzero``, ``unique``,
 from host data (``torch.tensor``: ``aten.lift_fresh``, a host-to-device copy on a GPU).
 
 - Each op (``matryoshka_infonce``; ``maxsim_infonce`` on ragged token masks), its chunked and Triton backends, without
-  and with duplicate ids, the world's ids alone, in-batch negatives on and off, with an absent document: one
+  and with duplicate ids, the world's ids alone or with this rank's (their agreement checked by that read too),
+  in-batch negatives on and off, with an absent document: one
   synchronisation per call, the NaN policy's read of its inputs' finiteness, with the integers a backend sizes its
   work with (one ``tolist``).
 - One training step (forward and backward) of every loss of the package against stock's cached loss on the same
@@ -110,6 +111,8 @@ ID_MODES = {
     "no_ids": {},
     "ids": dict(query_ids=QUERY_IDS, document_ids=DOCUMENT_IDS),
     "world_ids": dict(world_query_ids=QUERY_IDS, document_ids=DOCUMENT_IDS),  # query_ids left out: no check
+    # What the losses pass under DDP with mask_duplicates: the two agree, checked on the device, read with the rest.
+    "both_ids": dict(query_ids=QUERY_IDS, world_query_ids=QUERY_IDS, document_ids=DOCUMENT_IDS),
 }
 # Issue 45's options: without in-batch negatives, and a query lacking its hard negative (document 5 absent).
 PRESENT = torch.tensor([True] * 5 + [False] + [True] * 2)
@@ -187,14 +190,27 @@ def test_one_host_synchronisation_per_op_call(op, backend, ids, candidates):
     assert _counted(call) == {"tolist": 1}
 
 
-def test_the_world_ids_check_is_the_one_more():
-    """Both query_ids and world_query_ids given: their agreement is checked (one ``equal``), and nothing else."""
+@pytest.mark.parametrize("op", ["matryoshka_infonce", "maxsim_infonce"])
+def test_query_ids_that_disagree_with_the_worlds_are_refused_by_the_one_read(op):
+    """query_ids other than world_query_ids[offset:offset + B]: a ValueError naming both, from the op call's one read
+    (no ``equal`` of its own), before any backend work."""
+    wrong = dict(ID_MODES["both_ids"], query_ids=QUERY_IDS.flip(0))
     g = torch.Generator().manual_seed(0)
-    q, c = torch.randn(4, 3, 8, generator=g), torch.randn(8, 3, 8, generator=g)
-    masks = dict(query_mask=torch.ones(4, 3, dtype=torch.bool), document_mask=torch.ones(8, 3, dtype=torch.bool))
-    both = dict(query_ids=QUERY_IDS, world_query_ids=QUERY_IDS, document_ids=DOCUMENT_IDS)
-    counts = _counted(lambda: maxsim_infonce(q, c, **masks, dims=[8], **both))
-    assert counts == {"tolist": 1, "aten.equal": 1}, counts
+    if op == "matryoshka_infonce":
+        q, c = torch.randn(4, 16, generator=g), torch.randn(8, 16, generator=g)
+
+        def run():
+            matryoshka_infonce(q, c, dims=[16], world_queries=q, **wrong)
+    else:
+        q, c = torch.randn(4, 3, 8, generator=g), torch.randn(8, 3, 8, generator=g)
+        masks = dict(query_mask=torch.ones(4, 3, dtype=torch.bool), document_mask=torch.ones(8, 3, dtype=torch.bool))
+
+        def run():
+            maxsim_infonce(q, c, **masks, dims=[8], **wrong)
+
+    with CountSyncs() as count, pytest.raises(ValueError, match=r"query_ids must equal world_query_ids\[offset"):
+        run()
+    assert count.counts == {"tolist": 1}, count.counts
 
 
 # ----------------------------------------------------------------------------------------------------- the losses

@@ -22,7 +22,8 @@ from tests.every_loss import DIMS, case, exported_losses, tiny_model
 from tests.helpers import assert_grads_close, autocast_forward, loss_and_grads, texts
 
 LOSSES = exported_losses()
-RESOLVED = {"auto": "ieee", "bf16": "bf16"}  # on a CPU, and on CUDA without the TF32 flag: "auto" is IEEE
+# On a CPU (and "auto" on CUDA without the TF32 flag): "auto" is IEEE, and so is "tf32" (a CPU has no TF32).
+RESOLVED = {"auto": "ieee", "bf16": "bf16", "tf32": "ieee"}
 
 
 def _precisions(run) -> set[str]:
@@ -32,11 +33,12 @@ def _precisions(run) -> set[str]:
     return {choice["precision"] for choice in made}
 
 
-@pytest.mark.parametrize("precision", ["auto", "bf16"])
+@pytest.mark.parametrize("precision", ["auto", "bf16", "tf32"])
 @pytest.mark.parametrize("name", LOSSES)
 def test_under_the_trainers_autocast_the_op_runs_in_the_precision_asked(name, precision):
     """The model's forward under bf16 autocast with fp32 outputs, as accelerate runs the trainer's ``bf16=True``: the
-    op sees fp32 embeddings outside autocast, "auto" resolves to IEEE as stock's fp32 scores, "bf16" is bf16."""
+    op sees fp32 embeddings outside autocast, "auto" resolves to IEEE as stock's fp32 scores, "bf16" is bf16, "tf32"
+    is what a CPU runs, IEEE; the loss and its config (the model card's) record what ran."""
     loss_case = case(name)
     model = tiny_model(loss_case.family)
     autocast_forward(model)
@@ -46,7 +48,7 @@ def test_under_the_trainers_autocast_the_op_runs_in_the_precision_asked(name, pr
     assert loss_fn.resolved_precision == RESOLVED[precision]
     config = loss_fn.get_config_dict()
     assert config["precision"] == precision
-    assert config.get("auto_precision") == (RESOLVED[precision] if precision == "auto" else None)
+    assert config["resolved_precision"] == RESOLVED[precision]
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -135,10 +137,10 @@ def test_a_bf16_trainer_step_runs_the_op_in_bf16_only_when_asked(tmp_path, famil
     fp32 scores ("ieee" on a CPU), with ``precision="bf16"`` it computes in bf16; the model card says which."""
     choices, card = _train_one_step(tmp_path / "auto", family, None)
     assert choices == {"ieee"}
-    assert '"precision": "auto"' in card and '"auto_precision": "ieee"' in card
+    assert '"precision": "auto"' in card and '"resolved_precision": "ieee"' in card
     choices, card = _train_one_step(tmp_path / "bf16", family, "bf16")
     assert choices == {"bf16"}
-    assert '"precision": "bf16"' in card and "auto_precision" not in card
+    assert '"precision": "bf16"' in card and '"resolved_precision": "bf16"' in card
 
 
 def test_the_main_jobs_loss_precision_reaches_the_loss(tiny_model, tmp_path):
@@ -183,3 +185,22 @@ def test_the_precision_benchmark_smoke(tmp_path):
     assert value[("autocast", 16, "param_grad_rel_err")] > 1e-5  # the encoder's own bf16 rounding
     assert (tmp_path / "loss_precision.png").stat().st_size > 0
     assert "| 16 |" in (tmp_path / "loss_precision.md").read_text()
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_every_loss_and_its_warm_up_run_under_transformers_tf32_flag(name, tf32_as_transformers_sets_it):
+    """After ``TrainingArguments(tf32=True)``'s ``torch.backends.fp32_precision = "tf32"`` (legacy reads of the TF32
+    flag then raise): a training step, the config (the model card's), and ``warm_up`` for sm_90 (its launches
+    recorded for "auto" as it resolves on CUDA, where the flag is read: TF32)."""
+    pytest.importorskip("triton")
+    from st_cached_losses import warm_up
+
+    loss_case = case(name)
+    model = tiny_model(loss_case.family)
+    loss_fn = loss_case.build(model, backend="triton")
+    features = loss_case.features(model, rows=4)
+    sum(loss_fn(features, None).values()).backward()
+    assert loss_fn.get_config_dict()["resolved_precision"] == "ieee"  # a CPU
+    tokens = dict(query_tokens=8, document_tokens=12) if loss_case.family == "multi_vector" else {}
+    done = warm_up(loss_fn, batch_size=4, target=90, dry_run=True, **tokens)
+    assert done.kernels > 0 and not done.errors, done

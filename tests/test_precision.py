@@ -1,9 +1,10 @@
 """The precision policy's GEMMs (``ops/gemm.py``) and the chunked backends (dense and MaxSim) under it on a CPU:
-"auto" and "ieee" are today's IEEE fp32 bit for bit, "tf32" is IEEE (a CPU has no TF32), "bf16" multiplies
-bf16-rounded operands exactly; the TF32 switch is scoped to the op and restores the caller's setting; the bf16
-accumulation path follows from the device and torch alone; the chunked backend's CUDA-sized tiles. The Triton
-backends' modes are in tests/test_triton.py and tests/test_maxsim_triton.py (interpreter: there the MaxSim chunked
-backend's bf16 is compared with the kernels') and tests/test_cuda.py (GPU)."""
+"auto" and "ieee" are today's IEEE fp32 bit for bit, "tf32" is IEEE (a CPU has no TF32) and recorded so, "bf16"
+multiplies bf16-rounded operands exactly; the one rule of the precision, its CUDA branch included (a pure function
+of flags), and torch's TF32 flag set as transformers sets it; the TF32 switch is scoped to the op and restores the
+caller's setting; the bf16 accumulation path follows from the device and torch alone; the chunked backend's
+CUDA-sized tiles. The Triton backends' modes are in tests/test_triton.py and tests/test_maxsim_triton.py
+(interpreter: there the MaxSim chunked backend's bf16 is compared with the kernels') and tests/test_cuda.py (GPU)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from st_cached_losses import matryoshka_infonce, maxsim_infonce
 from st_cached_losses.ops import chunked, gemm
 from st_cached_losses.ops.infonce import run_backend
+from st_cached_losses.ops.precision import decide_precision, resolve_precision
 from st_cached_losses.ops.spec import InfoNCESpec
 from tests.helpers import ALL_DIRECTIONS, assert_close_to_scale
 
@@ -181,3 +183,74 @@ def test_chunked_tiles_are_cuda_sized_on_a_gpu():
     queries, docs = _inputs()
     spec = InfoNCESpec.build(queries, docs, None, dims=[40], **PLAIN)
     assert run_backend("chunked", queries, docs, queries, spec, need_grad=False).tile == "21 rows"
+
+
+# (precision, dtype, device, autocast, tf32 flag, capability) -> what runs; the CUDA rows need no GPU (flags only).
+DECISIONS = [
+    ("auto", torch.float32, "cuda", None, True, (9, 0), "tf32"),
+    ("auto", torch.float32, "cuda", None, False, (9, 0), "ieee"),
+    ("auto", torch.float32, "cuda", None, True, (7, 0), "ieee"),  # V100: no TF32
+    ("auto", torch.float32, "cuda", None, True, None, "tf32"),  # a plan for a GPU elsewhere (warm_up's target)
+    ("auto", torch.float32, "cuda", torch.bfloat16, False, (9, 0), "bf16"),
+    ("auto", torch.float32, "cuda", torch.float16, True, (9, 0), "tf32"),
+    ("auto", torch.bfloat16, "cuda", None, False, (8, 0), "bf16"),
+    ("auto", torch.float16, "cuda", None, False, (8, 0), "ieee"),
+    ("auto", torch.float64, "cuda", torch.bfloat16, True, (9, 0), "ieee"),
+    ("auto", torch.float32, "cpu", torch.bfloat16, True, None, "ieee"),  # a CPU autocast: still IEEE
+    ("auto", torch.bfloat16, "cpu", None, True, None, "ieee"),
+    ("tf32", torch.float32, "cuda", None, False, (8, 0), "tf32"),  # asked for: the flag does not matter
+    ("tf32", torch.float32, "cuda", None, True, (7, 5), "ieee"),
+    ("tf32", torch.float32, "cpu", None, True, None, "ieee"),  # what the CPU computes
+    ("tf32", torch.float16, "mps", None, True, None, "ieee"),
+    ("bf16", torch.float32, "cpu", None, False, None, "bf16"),  # exact by emulation
+    ("bf16", torch.float32, "cuda", None, False, (7, 0), "bf16"),
+    ("ieee", torch.bfloat16, "cuda", torch.bfloat16, True, (9, 0), "ieee"),
+    ("ieee", torch.float64, "cpu", None, False, None, "ieee"),
+]
+
+
+@pytest.mark.parametrize("precision, dtype, device, autocast, tf32, capability, want", DECISIONS)
+def test_the_precision_rule(precision, dtype, device, autocast, tf32, capability, want):
+    got = decide_precision(precision, dtype, device, autocast=autocast, tf32=tf32, capability=capability)
+    assert got == want
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_the_precision_rule_refuses_fp64_for_bf16_and_tf32(precision):
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ValueError, match="use 'ieee'"):
+            decide_precision(precision, torch.float64, device, capability=(9, 0))
+    with pytest.raises(ValueError, match="precision must be one of"):
+        decide_precision("fp8", torch.float32, "cuda")
+
+
+def test_tf32_on_the_cpu_is_recorded_as_what_runs():
+    """``precision="tf32"`` on a CPU runs IEEE (the same numbers as "ieee", above) and says so: the op's resolved
+    precision (the losses' ``resolved_precision``, results.json and the card read it) is "ieee"."""
+    queries, docs = _inputs()
+    assert resolve_precision("tf32", queries) == "ieee"
+    spec = InfoNCESpec.build(queries, docs, None, dims=[40], **PLAIN)
+    assert spec.precision == "ieee"
+
+
+class _CudaEmbeddings:
+    """What the rule reads of CUDA embeddings (device, dtype), without a GPU: the warm-up's question."""
+
+    device = torch.device("cuda")
+    dtype = torch.float32
+
+
+def test_the_tf32_flag_as_transformers_sets_it(tf32_as_transformers_sets_it):
+    """``TrainingArguments(tf32=True)`` sets ``torch.backends.fp32_precision``; the legacy flag then raises on reading
+    (torch >= 2.9), and the rule reads the new API once: "auto" on CUDA resolves to "tf32", no error."""
+    if hasattr(torch.backends, "fp32_precision"):
+        assert torch.backends.fp32_precision == "tf32"
+        with pytest.raises(RuntimeError):
+            _ = torch.backends.cuda.matmul.allow_tf32
+    assert gemm.cuda_tf32()
+    assert resolve_precision("auto", _CudaEmbeddings()) == "tf32"
+
+
+def test_without_the_flag_auto_on_cuda_is_ieee():
+    assert not gemm.cuda_tf32()
+    assert resolve_precision("auto", _CudaEmbeddings()) == "ieee"

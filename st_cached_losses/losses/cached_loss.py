@@ -215,7 +215,7 @@ class CachedLossBase(GradCacheSteps):
         """The op's ``precision`` for this step's ``queries``: the loss's, resolved by the ops' one rule
         (:func:`~st_cached_losses.ops.core.resolve_precision`, in the op's context: "auto" is "ieee" for the fp32
         embeddings the trainer hands over outside autocast, "tf32" on CUDA where torch's flag allows it, "bf16" under
-        a bf16 autocast of your own), kept as :attr:`resolved_precision`."""
+        a bf16 autocast of your own on CUDA), kept as :attr:`resolved_precision`."""
         self.last_precision = resolve_precision(self.precision, queries)
         return self.last_precision
 
@@ -253,9 +253,9 @@ class CachedLossBase(GradCacheSteps):
     def get_config_dict(self) -> dict[str, Any]:
         """The loss's settings for the model card, JSON values: stock ``MatryoshkaLoss``'s keys and value types (the
         base loss by class name, the dims and weights), the base loss's own settings as stock ``Matryoshka2dLoss``
-        lists them, then this loss's own (the mini-batch settings in effect; with ``precision="auto"``, the precision
-        it resolves to as ``auto_precision``: :attr:`resolved_precision`)."""
-        auto = self.resolved_precision if self.precision == "auto" else None
+        lists them, then this loss's own (the mini-batch settings in effect; ``precision`` as asked and
+        ``resolved_precision``, what runs: :attr:`resolved_precision`)."""
+        resolved = self.resolved_precision
         return {
             "loss": type(self.loss).__name__,
             "matryoshka_dims": self.matryoshka_dims,
@@ -267,7 +267,7 @@ class CachedLossBase(GradCacheSteps):
             "sort_by_length": self.sort_by_length,
             "backend": self.backend,
             "precision": self.precision,
-            **({"auto_precision": auto} if auto else {}),
+            **({"resolved_precision": resolved} if resolved else {}),
             **self.filter_settings(),
             "activation_budget": self.activation_budget,
             **({"fsdp_sync": self.fsdp_sync} if self.fsdp_sync != "per_backward" else {}),

@@ -118,8 +118,8 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
                 fp32 embeddings outside autocast: IEEE fp32, or TF32 on CUDA where torch's flag, the trainer's
                 ``tf32=True``, allows it; "bf16" under a bf16 autocast of your own around the loss); "bf16" (bf16
                 operands, fp32 accumulation and logsumexp: the tensor cores' fast path; what it costs in accuracy:
-                ``docs/features.md``), "tf32" or "ieee" whatever the context. Logged at INFO with the backend; the
-                mode "auto" resolves to: ``resolved_precision``, the model card's ``auto_precision``.
+                ``docs/features.md``), "tf32" (on CUDA; elsewhere it runs as "ieee") or "ieee". Logged at INFO with
+                the backend; the mode that runs: ``resolved_precision``, the model card's too.
             show_progress_bar: a progress bar over the embedding mini-batches.
             false_negative_margin: with an MNRL base loss, the self-guided false-negative filter (Qwen3-Embedding's
                 recipe): a row scores no candidate whose detached full-dim similarity exceeds its positive's minus

@@ -243,7 +243,7 @@ class _TileDirection:
         self.memory = memory  # banked columns after ``cols`` (no gradient), or None
         count = rows.shape[0]
         self.row_index = torch.arange(count, device=rows.device)
-        own = self.row_index + (begin if direction.cols == "q" else spec.offset + begin)  # "q": local columns
+        own = self.row_index + (direction.pair_column(spec.offset) + begin)
         # The columns of each row's own documents (positive, then its hard negatives): (count, columns).
         if direction.cols == "c":
             self.own_cols = own[:, None] + spec.world_batch_size * torch.arange(spec.num_columns, device=rows.device)

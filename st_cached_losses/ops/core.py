@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .backend import TritonUnavailableError, fall_back, note_choice, select_backend
 from .host_read import HostRead
+from .precision import PRECISIONS, check_precision, decide_precision, resolve_precision
 from .result import InfoNCEOutput, InfoNCEResult
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "check_dims",
     "check_precision",
     "check_scale",
+    "decide_precision",
     "live_rows",
     "resolve_precision",
     "run_op",
@@ -42,8 +44,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NONFINITE_POLICIES = ("auto", "raise", "propagate")
-# The score GEMMs' operands on CUDA: bf16 (fp32 accumulation), TF32, or IEEE fp32 (fp64 for fp64 inputs).
-PRECISIONS = ("auto", "bf16", "tf32", "ieee")
 
 
 class Spec(Protocol):
@@ -148,13 +148,6 @@ def check_policies(nonfinite: Any, precision: Any) -> None:
     check_precision(precision)
 
 
-def check_precision(precision: Any) -> str:
-    """``precision`` as given, or a ValueError: one of :data:`PRECISIONS` (the ops' and the losses' one rule)."""
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}.")
-    return precision
-
-
 def live_rows(scored: Sequence[Tensor], partition_mode: str = "joint") -> Tensor:
     """(rows,) bool: False for a row left with only its positive, whose loss and gradient are exactly 0 (stock's are;
     rounding would leave ~1e-7, which AdamW turns into weight updates): the one rule of every backend that counts.
@@ -204,28 +197,6 @@ def _nonfinite_input(nonfinite: str, inputs: dict[str, Tensor | None], host: Hos
         f"{name} contains NaN or Inf: the run diverged (lower the learning rate, or use bf16/fp32 instead of fp16); "
         "under fp16 mixed precision pass nonfinite='propagate' so that the gradient scaler skips the step."
     )
-
-
-def resolve_precision(precision: str, queries: Tensor) -> str:
-    """The score GEMMs' precision: "bf16" (bf16 operands, fp32 accumulation), "tf32" or "ieee" (fp32, or fp64 for fp64
-    inputs). ``precision="auto"``: on CUDA "bf16" under bf16 autocast or for bf16 inputs, else "tf32" where
-    ``torch.backends.cuda.matmul.allow_tf32`` allows it, else "ieee"; on other devices always "ieee" (the CPU's
-    results stay what they were). A forced mode is checked against the inputs (no bf16 or TF32 for fp64).
-
-    Raises:
-        ValueError: an unknown mode, or "bf16" / "tf32" with fp64 inputs.
-    """
-    if check_precision(precision) != "auto":
-        if precision != "ieee" and queries.dtype == torch.float64:
-            raise ValueError(f"precision={precision!r} needs fp32, bf16 or fp16 inputs, not fp64: use 'ieee'.")
-        return precision
-    device = queries.device.type
-    if device != "cuda" or queries.dtype == torch.float64:
-        return "ieee"
-    bf16_autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
-    if bf16_autocast or queries.dtype == torch.bfloat16:
-        return "bf16"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def _autocast_off(device: torch.device):
@@ -312,7 +283,7 @@ def run_op(
     num_directions: int = 1,
     checked: dict[str, Tensor | None] | None = None,
     supports: Callable[[str], bool] | None = None,
-    conditions: Sequence[tuple[Tensor, str]] = (),
+    conditions: Sequence[tuple[Tensor, str] | None] = (),
 ) -> InfoNCEOutput:
     """Choose the backend, prepare its call, read the host's values once, apply the NaN policy and run the backend
     inside :class:`_CachedGradients`.
@@ -321,7 +292,8 @@ def run_op(
     an absent optional input); the gradients of those that require them reach autograd. ``prepare``: the backend
     call's first phase (:data:`Prepare`), whose integers are read with the NaN check. ``checked``: other inputs
     (without gradient) the NaN policy reads too. ``supports(name)``: whether the backend ``"auto"`` picked takes this
-    problem (else the chunked backend runs). ``conditions``: (0-dim bool device tensor, message) pairs that must hold.
+    problem (else the chunked backend runs). ``conditions``: (0-dim bool device tensor, message) pairs that must hold
+    (None: a condition that does not apply).
     The finiteness of every input, the conditions and the backend's integers make the call's one host
     synchronisation (``host_read.HostRead``).
 
@@ -334,7 +306,7 @@ def run_op(
         name, reason = "chunked", f"auto: the {name} backend does not take these options"
     # Under torch.no_grad the Function's needs_input_grad still follows requires_grad: decide here.
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs.values())
-    host = HostRead(conditions)
+    host = HostRead([condition for condition in conditions if condition is not None])
     with _autocast_off(queries.device):
         prepared = prepare(name, need_grad, host)
     nonfinite_input = _nonfinite_input(nonfinite, {**inputs, **(checked or {})}, host)

@@ -44,7 +44,7 @@ from .host_read import HostRead
 from .memory import Memory
 from .spec import DIRECTIONS, InfoNCESpec
 
-__all__ = ["DuplicateMask", "check_ids", "prepare_dense", "prepared"]
+__all__ = ["DuplicateMask", "check_ids", "ids_agree", "prepare_dense", "prepared"]
 
 
 _ABSENT = object()
@@ -67,15 +67,14 @@ def check_ids(
     both ops. ``queries`` and ``documents`` are (B, ...) and (M, ...) of either op; ``world_queries``: the dense op's
     gathered queries (None when not gathered), absent for the MaxSim op, whose documents alone are gathered. With
     ``world_query_ids``, ``query_ids`` may be None (they are its rows ``[offset, offset + B)``): given, they are
-    compared with those rows, the one check that reads the ids on the host (a synchronisation on a GPU).
+    compared with those rows on the device (:func:`ids_agree`: the op call's one host read reads the result).
 
     Raises:
         ValueError / TypeError: document_ids without query_ids (or world_query_ids), or the reverse; world_query_ids
             missing where the queries are
             a slice of a gathered batch (``world_queries`` given, or ``offset`` > 0), or given with ``world_queries``
             None; an id tensor that is not 1-D int64 on the queries' device with one id per row; documents that are
-            not blocks of Bw rows with offset + B <= Bw; ``world_query_ids[offset:offset + B]`` other than
-            ``query_ids``.
+            not blocks of Bw rows with offset + B <= Bw.
     """
     if query_ids is None and document_ids is None and world_query_ids is None:
         return False
@@ -120,10 +119,19 @@ def check_ids(
             f"with the duplicate mask the documents are blocks of Bw={world} rows ([positives | negatives_1 | ...]) "
             f"and offset + B <= Bw; got M={documents.shape[0]}, B={batch}, offset={offset}."
         )
-    given = query_ids is not None and world_query_ids is not None
-    if given and not torch.equal(world_query_ids[offset : offset + batch], query_ids):
-        raise ValueError("query_ids must equal world_query_ids[offset:offset + B] (this rank's rows of the world's).")
     return True
+
+
+def ids_agree(query_ids: Tensor | None, world_query_ids: Tensor | None, offset: int) -> tuple[Tensor, str] | None:
+    """With both ``query_ids`` (B,) and ``world_query_ids`` (Bw,) (checked by :func:`check_ids`): the condition that
+    the former are the latter's rows ``[offset, offset + B)``, for ``core.run_op``'s ``conditions`` ((0-dim bool on
+    the device, the ValueError's message): read with the op call's one host read, no synchronisation of its own).
+    None with either missing: nothing to compare."""
+    if query_ids is None or world_query_ids is None:
+        return None
+    rows = world_query_ids[offset : offset + query_ids.shape[0]]
+    message = "query_ids must equal world_query_ids[offset:offset + B] (this rank's rows of the world's)."
+    return (rows == query_ids).all(), message
 
 
 @dataclass

@@ -78,7 +78,7 @@ class Guide:
 def kept_columns(direction: Direction, spec: InfoNCESpec, begin: int, end: int, device=None) -> Tensor | None:
     """(rows, n) column indices the filter never drops for rows [begin, end): the row's partner, and the
     columns the direction masks itself (the row; its own docs). None where there are none."""
-    own = torch.arange(begin, end, device=device) + spec.offset
+    own = torch.arange(begin, end, device=device) + direction.pair_column(spec.offset)
     if direction.mask == "own_docs":
         return own[:, None] + spec.world_batch_size * torch.arange(spec.num_columns, device=device)
     if direction.partner or direction.mask == "self":

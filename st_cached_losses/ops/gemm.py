@@ -1,4 +1,4 @@
-"""The precision policy's matrix products: what ``spec.precision`` (``core.resolve_precision``: "bf16", "tf32" or
+"""The precision policy's matrix products: what ``spec.precision`` (``precision.resolve_precision``: "bf16", "tf32" or
 "ieee") means for the GEMMs of the dense backends, in one place.
 
 - "bf16": bf16 operands, fp32 accumulation (cuBLAS's ``CUBLAS_COMPUTE_32F``), fp32 softmax and LSE;
@@ -6,9 +6,9 @@
 - "ieee": fp32 operands (fp64 for fp64 inputs), IEEE products.
 
 The TF32 switch is scoped to the op's own GEMMs (:func:`matmul_precision`), the caller's setting restored after.
-Off CUDA nothing is switched: CPU matmuls are IEEE, so "tf32" there computes "ieee" (at least as precise), and
-"bf16" is exact by emulation: bf16 operands upcast to fp32 multiply exactly and accumulate in fp32, as the GPU's
-tensor cores do (up to the order of the sums).
+Off CUDA nothing is switched: CPU matmuls are IEEE, so the rule (``precision.decide_precision``) never gives "tf32"
+there ("tf32" asked for runs, and is recorded, as "ieee"), and "bf16" is exact by emulation: bf16 operands upcast to
+fp32 multiply exactly and accumulate in fp32, as the GPU's tensor cores do (up to the order of the sums).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch.torch_version import TorchVersion
 __all__ = [
     "accumulate",
     "accumulation_dtype",
+    "cuda_tf32",
     "fused_accumulation",
     "matmul_precision",
     "operand_dtype",
@@ -54,6 +55,19 @@ def rounded_operand(x: Tensor, precision: str) -> Tensor:
     if precision == "bf16" and x.dtype != torch.bfloat16:
         return x.to(torch.bfloat16).to(dtype)
     return x.to(dtype)
+
+
+def cuda_tf32() -> bool:
+    """Whether the caller lets CUDA's fp32 matmuls run in TF32: the one read of torch's flag.
+
+    torch >= 2.9: ``torch.backends.cuda.matmul.fp32_precision == "tf32"``, which reflects every way of setting it
+    (``torch.backends.fp32_precision``, as transformers' ``TrainingArguments(tf32=True)`` does; the legacy
+    ``allow_tf32``; ``torch.set_float32_matmul_precision``). The legacy ``allow_tf32`` is not read there: after the new
+    API has set the flag, reading it raises RuntimeError. Older torch: ``allow_tf32``."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        return matmul.fp32_precision == "tf32"
+    return bool(matmul.allow_tf32)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from torch import Tensor
 from .backend import REGISTRY
 from .candidates import check_document_present, positives_present
 from .core import check_chunk_size, check_policies, resolve_precision, run_op
-from .duplicates import check_ids
+from .duplicates import check_ids, ids_agree
 from .host_read import HostRead, call_backend, prepare_backend
 from .memory import Memory, check_memory
 from .result import InfoNCEOutput, InfoNCEResult
@@ -80,8 +80,9 @@ def matryoshka_infonce(
             0 <= offset, offset + B <= Bw.
         directions: any of "query_to_doc" (required), "query_to_query", "doc_to_query", "doc_to_doc",
             as in sentence-transformers' MultipleNegativesRankingLoss, and GISTEmbed's blocks "anchor_to_anchor"
-            (this rank's queries against themselves, no self mask) and "positive_to_positive" (positives
-            against the positives), as in CachedGISTEmbedLoss's contrast_anchors / contrast_positives.
+            (this rank's queries against themselves) and "positive_to_positive" (positives against the
+            positives), as in CachedGISTEmbedLoss's contrast_anchors / contrast_positives, neither scoring the row
+            itself (sentence-transformers 6.3's rule, on every release).
         partition_mode: "joint" (one softmax over all directions) or "per_direction" (mean of their LSEs).
         hardness_mode: None, "in_batch_negatives", "hard_negatives" or "all_negatives": adds
             ``hardness_strength * stop_grad(similarity)`` to those negatives' logits.
@@ -99,10 +100,12 @@ def matryoshka_infonce(
             non-finite embedding means the run diverged). "propagate": the loss and every gradient are NaN,
             so that fp16 mixed precision's gradient scaler skips the step, as it does with stock losses.
             "auto" (default): "propagate" under fp16 autocast or for fp16 inputs, else "raise".
-        precision: the score GEMMs' operands on CUDA (``core.resolve_precision``): "bf16" (fp32 accumulation and
-            LSEs), "tf32" or "ieee" (fp32; fp64 for fp64 inputs); "auto" (default): "bf16" under bf16 autocast or for
-            bf16 inputs, else "tf32" where ``torch.backends.cuda.matmul.allow_tf32`` allows it, else "ieee"; always
-            "ieee" off CUDA. Logged at INFO with the backend.
+        precision: the score GEMMs' operands, by one rule (``precision.decide_precision``): "bf16" (fp32
+            accumulation and LSEs; a CPU computes it exactly), "tf32" or "ieee" (fp32; fp64 for fp64 inputs); "auto"
+            (default): on CUDA "bf16" under bf16 autocast or for bf16 inputs, else "tf32" where torch's TF32 flag
+            (``torch.backends.fp32_precision``, the trainer's ``tf32=True``) allows it, else "ieee"; "ieee" off CUDA,
+            under a CPU autocast too. "tf32" runs on CUDA only (compute capability >= 8.0): elsewhere it runs, and is
+            recorded, as "ieee". Logged at INFO with the backend.
         false_negative_margin: turns GISTEmbed's false-negative filter on (any finite number; with a guide the
             default is 0): row i scores no candidate but its partner whose guide similarity exceeds
             ``s_i - margin`` (``s_i - |s_i| * margin`` with false_negative_strategy="relative"), s_i the guide
@@ -257,7 +260,10 @@ def matryoshka_infonce(
         num_directions=len(spec.directions),
         checked={"memory_documents": memory_documents},
         supports=lambda name: REGISTRY[OP][name].unsupported(spec) is None,
-        conditions=() if document_present is None else (positives_present(document_present, spec.world_batch_size),),
+        conditions=(
+            None if document_present is None else positives_present(document_present, spec.world_batch_size),
+            ids_agree(query_ids, world_query_ids, spec.offset),
+        ),
     )
 
 

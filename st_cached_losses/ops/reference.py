@@ -40,8 +40,9 @@ class Block(NamedTuple):
     """One direction's block of logits. ``rows``: "q" (this rank's queries) or "d" (its positives, docs
     ``[offset, offset + B)``); ``cols``: "c" (every doc, then the bank), "w" (the world's queries), "q" (this rank's
     queries) or "p" (the world's positives, docs ``[0, Bw)``); ``masked``: the columns the block never scores,
-    None, "self" (the row's own query) or "own_docs" (its positive and its hard negatives); ``partner``: column
-    offset + i is row i's partner (its positive; in doc_to_query its own query), which no mask removes."""
+    None, "self" (the row itself: column i of this rank's queries "q", else column offset + i) or "own_docs" (its
+    positive and its hard negatives); ``partner``: column offset + i is row i's partner (its positive; in
+    doc_to_query its own query), which no mask removes."""
 
     rows: str
     cols: str
@@ -54,8 +55,8 @@ BLOCKS = {
     "query_to_query": Block("q", "w", "self", partner=False),
     "doc_to_query": Block("d", "w", None, partner=True),
     "doc_to_doc": Block("d", "c", "own_docs", partner=False),
-    "anchor_to_anchor": Block("q", "q", None, partner=False),  # GISTEmbed's: the filter drops the row itself
-    "positive_to_positive": Block("d", "p", None, partner=False),
+    "anchor_to_anchor": Block("q", "q", "self", partner=False),  # GISTEmbed's (6.3: never the row itself)
+    "positive_to_positive": Block("d", "p", "self", partner=False),
 }
 
 
@@ -119,10 +120,11 @@ def _fixed_columns(block: Block, spec: InfoNCESpec, device, present: Tensor | No
     """(B, columns) bool each: the columns row i never scores in the block (those it masks itself; without in-batch
     negatives every document but the row's own; absent documents), and row i's partner column."""
     col = torch.arange(_num_columns(block, spec), device=device)[None, :]
-    at_row = col == torch.arange(spec.batch_size, device=device)[:, None] + spec.offset  # column offset + i
+    row = torch.arange(spec.batch_size, device=device)[:, None]
+    at_row = col == row + spec.offset  # column offset + i
     nothing = torch.zeros_like(at_row)
     if block.masked == "self":
-        masked = at_row
+        masked = col == row + (0 if block.cols == "q" else spec.offset)  # this rank's queries: local columns
     elif block.masked == "own_docs":
         masked = _own_docs(spec, device)
     else:

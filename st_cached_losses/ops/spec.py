@@ -24,7 +24,8 @@ class Direction:
     ``rows``: "q" (this rank's queries) or "d" (this rank's positive docs, docs rows [offset, offset + B));
     ``cols``: "c" (all docs: positives, then each hard-negative column), "p" (the positives: the first Bw
     docs), "w" (the world's queries) or "q" (this rank's queries); ``mask``: which columns a row does not
-    score: None, "self" (the row itself) or "own_docs" (the row's positive and its hard negatives);
+    score: None, "self" (the row itself, column :meth:`pair_column` + i) or "own_docs" (the row's positive and
+    its hard negatives);
     ``label``: the row's positive is this block's label column (the cross-entropy target), and the hardness
     penalty applies here.
     """
@@ -40,17 +41,23 @@ class Direction:
         a false-negative filter never drops; in the other blocks that column is the row itself, or none."""
         return (self.rows == "q") == (self.cols in ("c", "p"))
 
+    def pair_column(self, offset: int) -> int:
+        """Row i's pair column (its partner, or the row itself) is ``pair_column(offset) + i``: ``offset`` (this
+        rank's first row in the world batch) in the world's columns, 0 in this rank's queries ("q": local)."""
+        return 0 if self.cols == "q" else offset
+
 
 # In sentence-transformers' order (the order of the joint softmax's columns). The last two are GISTEmbed's
-# anchor-anchor and positive-positive blocks (CachedGISTEmbedLoss's contrast_anchors / contrast_positives):
-# no structural mask (the guide's rule drops the row itself), this rank's anchors only, the positives only.
+# anchor-anchor and positive-positive blocks (CachedGISTEmbedLoss's contrast_anchors / contrast_positives): this
+# rank's anchors only, the positives only, the row itself never scored (sentence-transformers 6.3's rule: before
+# it, the guide's filter alone dropped it, and a negative margin could keep it; we take 6.3's on every release).
 DIRECTIONS = {
     "query_to_doc": Direction("q", "c", None, label=True),
     "query_to_query": Direction("q", "w", "self", label=False),
     "doc_to_query": Direction("d", "w", None, label=False),
     "doc_to_doc": Direction("d", "c", "own_docs", label=False),
-    "anchor_to_anchor": Direction("q", "q", None, label=False),
-    "positive_to_positive": Direction("d", "p", None, label=False),
+    "anchor_to_anchor": Direction("q", "q", "self", label=False),
+    "positive_to_positive": Direction("d", "p", "self", label=False),
 }
 GIST_DIRECTIONS = ("anchor_to_anchor", "positive_to_positive")
 FALSE_NEGATIVE_STRATEGIES = ("absolute", "relative")
@@ -163,13 +170,11 @@ class InfoNCESpec:
     def single_candidate(self) -> bool:
         """Whether every row's only candidate is its positive, so the loss and its gradient are exactly 0:
         one pair in the world batch and no hard negatives, with no direction that adds the positive again
-        ("doc_to_query" does under a joint partition; "query_to_query" and "doc_to_doc" mask theirs); without
-        in-batch negatives, no hard negatives."""
+        ("doc_to_query" does under a joint partition; the others mask theirs); without in-batch negatives, no hard
+        negatives."""
         if not self.in_batch_negatives:
             return self.num_columns == 1
         if self.world_batch_size != 1 or self.num_columns != 1 or self.num_memory:
-            return False
-        if set(GIST_DIRECTIONS) & set(self.directions):
             return False
         return self.partition_mode == "per_direction" or "doc_to_query" not in self.directions
 

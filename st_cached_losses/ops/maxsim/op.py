@@ -16,6 +16,7 @@ from torch import Tensor
 from ..backend import REGISTRY
 from ..candidates import check_document_present, positives_present
 from ..core import check_chunk_size, check_policies, resolve_precision, run_op
+from ..duplicates import ids_agree
 from ..host_read import HostRead, call_backend, prepare_backend
 from ..result import InfoNCEOutput, InfoNCEResult
 from .spec import MaxSimSpec
@@ -91,10 +92,10 @@ def maxsim_infonce(
             gradients are NaN, so fp16's gradient scaler skips the step), "auto" (default: "propagate" under fp16
             autocast or for fp16 inputs, else "raise").
         precision: the token GEMMs' operands, as ``matryoshka_infonce``'s (``ops/gemm.py``), on every backend:
-            "bf16" (bf16-rounded token vectors, fp32 accumulation; a CPU computes it exactly), "tf32" (TF32 on CUDA,
-            IEEE on a CPU), "ieee" or "auto" (default: "bf16" under bf16 autocast or for bf16 inputs, else "tf32"
-            where allowed, else "ieee"; always "ieee" off CUDA). The prefix norms, the sums of the maxima, the LSEs
-            and the chunked backend's gradients stay fp32.
+            "bf16" (bf16-rounded token vectors, fp32 accumulation; a CPU computes it exactly), "tf32" (TF32 on CUDA;
+            elsewhere it runs, and is recorded, as "ieee"), "ieee" or "auto" (default: on CUDA "bf16" under bf16
+            autocast or for bf16 inputs, else "tf32" where torch's flag allows it, else "ieee"; "ieee" off CUDA).
+            The prefix norms, the sums of the maxima, the LSEs and the chunked backend's gradients stay fp32.
         query_ids, document_ids, world_query_ids: turn the duplicate mask on (exact duplicates are not negatives), as
             ``matryoshka_infonce``'s direction query_to_doc: 1-D torch.int64 text ids on the queries' device,
             ``query_ids`` (B,), ``document_ids`` (M,) in the documents' layout (then M is a multiple of Bw), and, when
@@ -208,7 +209,10 @@ def maxsim_infonce(
         backend=backend,
         nonfinite=nonfinite,
         supports=lambda name: REGISTRY[OP][name].unsupported(spec) is None,
-        conditions=() if document_present is None else (positives_present(document_present, spec.positives),),
+        conditions=(
+            None if document_present is None else positives_present(document_present, spec.positives),
+            ids_agree(query_ids, world_query_ids, spec.offset),
+        ),
     )
 
 

@@ -243,7 +243,6 @@ class _Sweep:
                     torch.mm(rows[:, lo:hi], self.memory.op[:, lo:hi].T, out=planes[k, :, width:])
             pos = self.pos if direction.consts["LABEL"] else None
             masks = self._kernel_masks(direction, drops[index], begin, end)
-            world0 = self.spec.offset + begin
             self.launcher.run_pass(
                 1,
                 direction,
@@ -254,7 +253,7 @@ class _Sweep:
                 self.part_b[index],
                 pos,
                 masks=masks,
-                world0=world0,
+                pair0=self._pair0(direction, begin),
             )
         self.launcher.run_rows(
             self.part_a, self.part_b, self.tiles, self.pos, live, self.lse, self.nrm2, self.loss, end - begin, begin
@@ -285,7 +284,7 @@ class _Sweep:
                 coef=self.coef,
                 col_terms=col_terms,
                 masks=self._kernel_masks(direction, drops[index], begin, end),
-                world0=spec.offset + begin,
+                pair0=self._pair0(direction, begin),
             )
             col_grad, col_term_sums = self._col_targets(direction, width)
             if spec.cosine:
@@ -367,6 +366,10 @@ class _Sweep:
         and a gradient (int8 (rows,)): not those left with only their positive (``candidates.Candidates``)."""
         masks = self.candidates.tile(begin, end)
         return masks.dropped, masks.live.to(torch.int8)
+
+    def _pair0(self, direction: Direction, begin: int) -> int:
+        """The pair column of the block's first row ``begin`` (``spec.Direction.pair_column``)."""
+        return DIRECTIONS[direction.name].pair_column(self.spec.offset) + begin
 
     def _kernel_masks(self, direction: Direction, drop: Tensor | None, begin: int, end: int) -> tuple:
         """``passes.Launcher.run_pass``'s masks: (dropped tile, forbidden codes, column codes, their count, the

@@ -48,7 +48,7 @@ def _removed(
     cols,
     row_ok,
     col_ok,
-    world0,
+    pair0,
     n_docs,
     bw,
     DROP,
@@ -63,14 +63,15 @@ def _removed(
     FILTER: tl.constexpr,
     ABSENT: tl.constexpr,
 ):
-    """(BM, BN) bool: the candidates a row does not score. Row r's world index is world0 + r: its partner (its
-    positive; its query in doc_to_query) is column world0 + r, its own documents the columns j < n_docs with
-    j % bw == world0 + r. ROW_IDS (rows, n_forbid) int32: each row's forbidden text codes; COL_IDS (cols,) int32;
+    """(BM, BN) bool: the candidates a row does not score. Row r's pair column is pair0 + r
+    (``spec.Direction.pair_column``): its partner (its positive; its query in doc_to_query) or the row itself (MASK
+    1); in the document columns pair0 + r is its world index, its own documents the columns j < n_docs with
+    j % bw == pair0 + r. ROW_IDS (rows, n_forbid) int32: each row's forbidden text codes; COL_IDS (cols,) int32;
     PRESENT (n_docs,) uint8: 0 for an absent document (a column mask; banked columns j >= n_docs are present)."""
-    world = (world0 + rows)[:, None]
+    world = (pair0 + rows)[:, None]
     c = cols[None, :]
     out = ~(row_ok[:, None] & col_ok[None, :])
-    if MASK == 1:  # query_to_query: the query itself
+    if MASK == 1:  # query_to_query, anchor_to_anchor, positive_to_positive: the row itself
         out = out | (c == world)
     if MASK == 2:  # doc_to_doc: the doc itself and its hard negatives
         out = out | ((c < n_docs) & (c % bw == world))
@@ -90,10 +91,10 @@ def _removed(
 
 
 @triton.jit
-def _logit_scale(rows, cols, world0, n_docs, bw, scale2, strength2, HARD: tl.constexpr):
+def _logit_scale(rows, cols, pair0, n_docs, bw, scale2, strength2, HARD: tl.constexpr):
     """(BM, BN) the logit's factor on the similarity in log2 units under a hardness mode (HARD != 0): scale, plus the
     hardness strength on penalised negatives (a stop-gradient penalty: the gradient sees the scale alone)."""
-    world = (world0 + rows)[:, None]
+    world = (pair0 + rows)[:, None]
     c = cols[None, :]
     own = (c < n_docs) & (c % bw == world)
     if HARD == 1:  # other rows' documents, banked ones included
@@ -135,7 +136,7 @@ def _pass_kernel(
     n_rows,
     n_cols,
     n_docs,
-    world0,
+    pair0,
     bw,
     CONST,
     K: tl.constexpr,
@@ -176,7 +177,7 @@ def _pass_kernel(
         cols,
         row_ok,
         col_ok,
-        world0,
+        pair0,
         n_docs,
         bw,
         DROP,
@@ -193,8 +194,8 @@ def _pass_kernel(
     )
     scale = tl.load(CONST)
     if HARD != 0:
-        scale = _logit_scale(rows, cols, world0, n_docs, bw, scale, tl.load(CONST + 1), HARD)
-    positive = cols[None, :] == (world0 + rows)[:, None]
+        scale = _logit_scale(rows, cols, pair0, n_docs, bw, scale, tl.load(CONST + 1), HARD)
+    positive = cols[None, :] == (pair0 + rows)[:, None]
     ab = 1.0
     dot = tl.zeros((BM, BN), ACC)
     for i in tl.static_range(K):  # dot_j from the smallest band up: S[j] + ... + S[K-1]
@@ -214,7 +215,7 @@ def _pass_kernel(
             tl.store(PART_A + part, top, mask=row_ok)
             tl.store(PART_B + part, tl.sum(tl.exp2(t - shift[:, None]), 1), mask=row_ok)
             if LABEL:
-                here = row_ok & (world0 + rows >= pid_c * BN) & (world0 + rows < pid_c * BN + BN)
+                here = row_ok & (pair0 + rows >= pid_c * BN) & (pair0 + rows < pid_c * BN + BN)
                 tl.store(POS + j * stride_pos + rows, tl.sum(tl.where(positive, sim, 0.0), 1), mask=here)
     if PASS == 2:
         total = tl.zeros((BM, BN), ACC)

@@ -139,11 +139,12 @@ class Launcher:
         coef: Tensor | None = None,
         col_terms: Tensor | None = None,
         masks: tuple = (None, None, None, 1, None),
-        world0: int = 0,
+        pair0: int = 0,
     ) -> None:
         """Pass ``which`` (1 or 2) over ``planes`` (K, rows, cols); see ``fused._pass_kernel``. ``masks``: (dropped
         tile (rows, cols) uint8, the rows' forbidden codes (rows, n) int32, the columns' codes (cols,) int32, n, the
-        documents' presence (M,) uint8 (0: absent))."""
+        documents' presence (M,) uint8 (0: absent)); ``pair0``: the first row's pair column
+        (``spec.Direction.pair_column`` + the block's first row)."""
         spec, none = self.spec, self.placeholder
         drop, row_ids, col_ids, n_forbid, present = masks
         rows, cols = planes.shape[1], planes.shape[2]
@@ -177,7 +178,7 @@ class Launcher:
             rows,
             cols,
             spec.num_docs,
-            world0,
+            pair0,
             spec.world_batch_size,
             self.consts,
             PASS=which,
