@@ -260,3 +260,31 @@ def test_sentence_transformers_private_names_are_written_in_the_door_alone():
         if (used := sorted(_attributes(path) & private - allowed.get(path, set())))
     }
     assert not offenders
+
+
+def test_untruncated_embedding_dimension_is_the_bound_stock_matryoshka_checks_dims_against():
+    """Stock MatryoshkaLoss checks its dims against 6.3's ``_get_untruncated_embedding_dimension()`` (``truncate_dim``
+    aside) and against ``get_embedding_dimension()`` before (``truncate_dim`` included): the door's value is that bound
+    on the installed release, and CachedMatryoshkaLoss accepts and refuses the dims stock does."""
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss, MultipleNegativesRankingLoss
+
+    from st_cached_losses import CachedMatryoshkaLoss
+    from st_cached_losses.testing import tiny_sentence_transformer
+
+    model = tiny_sentence_transformer()
+    model.truncate_dim = 16
+    bound = _st_compat.untruncated_embedding_dimension(model)
+    base = MultipleNegativesRankingLoss(model)
+    for loss in (MatryoshkaLoss, CachedMatryoshkaLoss):
+        assert loss(model, base, [bound, 8]).matryoshka_dims == (bound, 8)
+        with pytest.raises(ValueError, match=str(bound)):
+            loss(model, base, [bound + 1, 8])
+
+
+def test_untruncated_embedding_dimension_of_a_model_that_does_not_say():
+    class Silent:
+        def get_embedding_dimension(self):
+            return None
+
+    assert _st_compat.untruncated_embedding_dimension(Silent()) is None
+    assert _st_compat.untruncated_embedding_dimension(object()) is None

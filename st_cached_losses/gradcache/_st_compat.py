@@ -22,6 +22,8 @@ What each is for:
 - :func:`layer_weight`: stock ``AdaptiveLayerLoss``'s prior-layer weighting ("uniform", "log", "linear", callable).
 - :func:`router_route`: the route a ``Router`` takes for a task and modality (``Router._resolve_route``), which the
   multi-vector loss follows to find what writes each side's token vectors.
+- :func:`untruncated_embedding_dimension`: the dimension the Matryoshka dims are checked against, read as stock's
+  Matryoshka losses read it (``_get_untruncated_embedding_dimension`` from 6.3, ``get_embedding_dimension`` before).
 """
 
 from __future__ import annotations
@@ -79,3 +81,17 @@ def router_route(router: Any, task: str | None, modality: str | tuple[str, ...] 
     Raises:
         ValueError: stock's, for a task no route serves, or no route at all (no default)."""
     return _resolve_route(router, task=task, modality=modality)
+
+
+def untruncated_embedding_dimension(model: Any) -> int | None:
+    """The dimension stock's Matryoshka losses check their dims against, for ``model`` (a SentenceTransformer's
+    embeddings, a MultiVectorEncoder's token vectors): 6.3's private ``_get_untruncated_embedding_dimension()`` (the
+    modules' dimension, whatever ``truncate_dim`` says), else ``get_embedding_dimension()`` (6.0-6.2's stock check),
+    else the older ``get_sentence_embedding_dimension()``: the first of them the model has. None where it gives no
+    int (stock then bounds no dim)."""
+    for name in ("_get_untruncated_embedding_dimension", "get_embedding_dimension", "get_sentence_embedding_dimension"):
+        method = getattr(model, name, None)
+        if callable(method):
+            dim = method()
+            return dim if isinstance(dim, int) and not isinstance(dim, bool) else None
+    return None
