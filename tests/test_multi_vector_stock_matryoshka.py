@@ -152,3 +152,35 @@ def test_token_vectors_are_normalised_as_stock_shrink_does(dtype):
     else:
         assert torch.equal(got, want)
     assert torch.equal(got[:, -1], torch.zeros_like(got[:, -1]))
+
+
+@needs_stock_matryoshka
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_token_vectors_are_stock_6_3_shrink_bit_for_bit(dtype):
+    from sentence_transformers.sentence_transformer.losses.matryoshka import shrink
+
+    tokens = (torch.randn(2, 6, 24, generator=torch.Generator().manual_seed(1)) * 30).to(dtype)
+    assert torch.equal(unit_token_vectors(tokens), shrink(tokens, 24))
+
+
+@pytest.mark.oldest_st
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dense_prefixes_of_half_embeddings_are_normalised_in_fp32_at_least(dtype):
+    """The dense op's Matryoshka prefixes of fp16 / bf16 embeddings (stock 6.3's shrink normalises them in fp32): the
+    loss is a float64 reference's on the same half embeddings (prefixes normalised in float64) to 1e-5."""
+    from st_cached_losses import matryoshka_infonce
+
+    generator = torch.Generator().manual_seed(0)
+    queries = (torch.randn(16, 64, generator=generator) * 3).to(dtype)
+    documents = (torch.randn(32, 64, generator=generator) * 3).to(dtype)
+    dims = [64, 16, 8]
+    want = sum(
+        F.cross_entropy(
+            20.0 * F.normalize(queries.double()[:, :dim], dim=-1) @ F.normalize(documents.double()[:, :dim], dim=-1).T,
+            torch.arange(16),
+        )
+        for dim in dims
+    )
+    for backend in ("dense", "chunked"):
+        out = matryoshka_infonce(queries, documents, dims=dims, scale=20.0, similarity="cosine", backend=backend)
+        assert float(out.loss) == pytest.approx(float(want), rel=1e-5)
