@@ -20,8 +20,6 @@ What each is for:
 - ``TransformerDecorator``: stock's ``AdaptiveLayerLoss`` hook that runs the transformer once with hidden states
   and serves each layer's from the cache (the 2D losses).
 - :func:`layer_weight`: stock ``AdaptiveLayerLoss``'s prior-layer weighting ("uniform", "log", "linear", callable).
-- :func:`router_route`: the route a ``Router`` takes for a task and modality (``Router._resolve_route``), which the
-  multi-vector loss follows to find what writes each side's token vectors.
 - :func:`untruncated_embedding_dimension`: the dimension the Matryoshka dims are checked against, read as stock's
   Matryoshka losses read it (``_get_untruncated_embedding_dimension`` from 6.3, ``get_embedding_dimension`` before).
 """
@@ -52,7 +50,6 @@ def _borrow(module: str, name: str) -> Any:
 
 _GRADCACHE = "sentence_transformers.base.losses.gradcache"
 _ADAPTIVE_LAYER = "sentence_transformers.sentence_transformer.losses.adaptive_layer"
-_ROUTER = "sentence_transformers.base.modules.router"
 
 CachedLossMixin = _borrow(_GRADCACHE, "CachedLossMixin")
 backward_hook = _borrow(_GRADCACHE, "_backward_hook")
@@ -64,7 +61,6 @@ get_batch_size = _borrow(_GRADCACHE, "_get_batch_size")
 has_static_embedding_input = _borrow(_GRADCACHE, "has_static_embedding_input")
 TransformerDecorator = _borrow(_ADAPTIVE_LAYER, "TransformerDecorator")
 _get_layer_weight = _borrow(_ADAPTIVE_LAYER, "AdaptiveLayerLoss").get_layer_weight
-_resolve_route = _borrow(_ROUTER, "Router")._resolve_route
 
 
 def layer_weight(layer_weighting: Any, layer: int) -> Any:
@@ -72,15 +68,6 @@ def layer_weight(layer_weighting: Any, layer: int) -> Any:
     1 / (1 + ln(1 + layer)), "linear": 1 / (1 + layer), or a callable's value) at hidden-state index ``layer``.
     Called on a stand-in holding the one attribute the method reads, not on our loss (which is no AdaptiveLayerLoss)."""
     return _get_layer_weight(SimpleNamespace(layer_weighting=layer_weighting), layer)
-
-
-def router_route(router: Any, task: str | None, modality: str | tuple[str, ...] | None) -> str:
-    """The key of the route stock ``Router`` takes for an input of ``task`` and ``modality``: its ``route_mappings``
-    (exact, then by task, then by modality), then the route named as the task (or modality), then its default route.
-
-    Raises:
-        ValueError: stock's, for a task no route serves, or no route at all (no default)."""
-    return _resolve_route(router, task=task, modality=modality)
 
 
 def untruncated_embedding_dimension(model: Any) -> int | None:
