@@ -184,3 +184,19 @@ def test_dense_prefixes_of_half_embeddings_are_normalised_in_fp32_at_least(dtype
     for backend in ("dense", "chunked"):
         out = matryoshka_infonce(queries, documents, dims=dims, scale=20.0, similarity="cosine", backend=backend)
         assert float(out.loss) == pytest.approx(float(want), rel=1e-5)
+
+
+@needs_stock_matryoshka
+def test_n_dims_per_step_draws_stock_s_dims():
+    """A seed draws the dims stock draws (``random.sample`` over the dims, descending), so the step is stock's."""
+    import random
+
+    model, features = _model("hard_negatives")
+    dims, weights = [TOKEN_DIM, 24, 16, 8], [1.0, 2.0, 0.5, 1.5]
+    stock = MultiVectorMatryoshkaLoss(model, _base(model), dims, weights, n_dims_per_step=2)
+    ours = CachedMultiVectorMatryoshkaLoss(model, _base(model), dims, weights, n_dims_per_step=2, mini_batch_size=3)
+    for seed in (0, 1, 2):
+        random.seed(seed)
+        want = loss_and_grads(model, stock, features)
+        random.seed(seed)
+        _assert_close(loss_and_grads(model, ours, features), want)
