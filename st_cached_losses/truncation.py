@@ -1,7 +1,7 @@
 """Deploying a Matryoshka-trained model cut down: :func:`truncate_layers` cuts a SentenceTransformer to its first ``n``
 transformer layers, which is what :class:`~st_cached_losses.CachedMatryoshka2dLoss` and stock ``Matryoshka2dLoss``
 train as layer ``n`` (:func:`num_layers` says how many it has); :func:`truncate_token_dim` makes a MultiVectorEncoder
-emit the first ``d`` coordinates of each token vector, which is what
+emit the first ``d`` coordinates of each token vector, L2-normalised, which is what
 :class:`~st_cached_losses.CachedMultiVectorMatryoshkaLoss` trains as token dim ``d``."""
 
 from __future__ import annotations
@@ -71,21 +71,20 @@ def num_layers(model: SentenceTransformer) -> int:
 
 
 def truncate_token_dim(model: MultiVectorEncoder, dim: int) -> MultiVectorEncoder:
-    """A copy of ``model`` whose token vectors are the first ``dim`` coordinates of the model's, re-normalised on each
-    side (queries, documents) whose route normalises its token vectors, as is on the other
-    (:mod:`st_cached_losses.losses.token_vectors`: the rule :class:`~st_cached_losses.CachedMultiVectorMatryoshkaLoss`
-    trains token dim ``dim`` by); ``model`` is left as is. ``encode``, ``encode_query`` / ``encode_document`` and the
-    multi-vector evaluators then serve ``dim``-dim tokens.
+    """A copy of ``model`` whose token vectors are the first ``dim`` coordinates of the model's, L2-normalised, on
+    both sides (queries, documents): what :class:`~st_cached_losses.CachedMultiVectorMatryoshkaLoss` and stock
+    ``MultiVectorMatryoshkaLoss`` train as token dim ``dim`` (the full dim included), and what 6.3's
+    ``encode(truncate_dim=dim)`` serves; ``model`` is left as is. ``encode``, ``encode_query`` / ``encode_document``
+    and the multi-vector evaluators then serve ``dim``-dim tokens.
 
-    The copy appends sentence-transformers' own modules after the model's last: a ``Dense`` that keeps the first
-    ``dim`` coordinates (the first rows of an identity matrix, no bias) and, where both sides normalise, a
-    ``Normalize`` of the token vectors; where one side does, a ``HierarchicalTokenPooling(pool_factor=1,
-    normalize_embeddings=True, tasks=[that side's task])``, which normalises that task's token vectors and merges
-    none. At the model's own token dim nothing is appended (a copy that serves what the model serves). It saves and
-    loads as any MultiVectorEncoder, without this package.
+    The copy appends sentence-transformers' own modules after the model's last: below the model's token dim a
+    ``Dense`` that keeps the first ``dim`` coordinates (the first rows of an identity matrix, no bias), then a
+    ``Normalize`` of the token vectors, left out at the full dim of a model whose last module already normalises them
+    (the default MultiVectorEncoder's: the copy then serves what the model serves). It saves and loads as any
+    MultiVectorEncoder, without this package.
 
     Args:
-        model: a MultiVectorEncoder (its ``get_embedding_dimension()``: the token dim).
+        model: a MultiVectorEncoder (its untruncated token dim: :func:`untruncated_embedding_dimension`).
         dim: the token dim to keep, in [1, the model's token dim] (a Python or numpy integer).
 
     Returns:
@@ -94,37 +93,32 @@ def truncate_token_dim(model: MultiVectorEncoder, dim: int) -> MultiVectorEncode
 
     Raises:
         TypeError: ``model`` is no MultiVectorEncoder.
-        ValueError: ``dim`` not an int in [1, the model's token dim], a model that does not say its token dim, or
-            one whose sides' similarity or token dims the rule cannot decide (the reason in the message).
+        ValueError: ``dim`` not an int in [1, the model's token dim], or a model that does not say its token dim.
     """
     from sentence_transformers.base.modules import Dense, Normalize
     from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
-    from sentence_transformers.multi_vector_encoder.modules import HierarchicalTokenPooling
 
+    from .gradcache._st_compat import untruncated_embedding_dimension
     from .losses.cached_loss import integer
-    from .losses.token_vectors import SIDES, token_routes
+    from .losses.token_vectors import TOKENS, normalises_token_vectors
 
     if not isinstance(model, MultiVectorEncoder):
         raise TypeError(f"truncate_token_dim needs a MultiVectorEncoder, got {type(model).__name__}.")
-    routes = token_routes(model, "truncate_token_dim")
-    full = routes.dim if routes.dim is not None else model.get_embedding_dimension()
+    full = untruncated_embedding_dimension(model)
     if full is None:
         raise ValueError("truncate_token_dim needs a model that says its token dim (get_embedding_dimension()).")
     dim = integer(dim)
     if not isinstance(dim, int) or isinstance(dim, bool) or not 1 <= dim <= full:
         raise ValueError(f"dim must be an int in [1, {full}] (the model's token dim), got {dim!r}.")
     truncated = copy.deepcopy(model)
-    if dim == full:
-        return truncated
-    keep = Dense(full, dim, bias=False, activation_function=nn.Identity(), module_input_name="token_embeddings")
-    with torch.no_grad():
-        keep.linear.weight.copy_(torch.eye(full)[:dim])
-    appended = [keep]
-    cosine = [task for task, route in zip(SIDES, (routes.query, routes.document)) if route.similarity == "cosine"]
-    if len(cosine) == len(SIDES):
-        appended.append(Normalize(module_input_name="token_embeddings"))
-    elif cosine:
-        appended.append(HierarchicalTokenPooling(1.0, num_protected_tokens=0, normalize_embeddings=True, tasks=cosine))
+    appended = []
+    if dim < full:
+        keep = Dense(full, dim, bias=False, activation_function=nn.Identity(), module_input_name=TOKENS)
+        with torch.no_grad():
+            keep.linear.weight.copy_(torch.eye(full)[:dim])
+        appended.append(keep)
+    if appended or not normalises_token_vectors(model):
+        appended.append(Normalize(module_input_name=TOKENS))
     for module in appended:
         truncated.append(module.to(device=model.device, dtype=model.dtype))
     return truncated

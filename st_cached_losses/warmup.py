@@ -196,11 +196,11 @@ def _loss_calls(
     if op == "maxsim_infonce":
         from .losses.base_losses import length_normalize
 
-        dim = loss.token_routes().document.dim or max(loss.matryoshka_dims)
+        dim = loss.token_dim or max(loss.matryoshka_dims)
         options = dict(
             scale=loss.loss.scale,
             similarity=loss.similarity,
-            length_normalize=length_normalize(loss.loss.similarity_fct, type(loss).__name__),
+            length_normalize=length_normalize(loss.loss, type(loss).__name__),
             dims=loss.matryoshka_dims,
             weights=loss.matryoshka_weights,
             all_dims=loss.matryoshka_dims,

@@ -144,9 +144,9 @@ def test_shared_encoding_is_stock_s_evaluator_on_each_cut_model():
         assert shared[str(dim)] == pytest.approx(_maxsim_metrics(model, test, dim), abs=1e-6)
 
 
-def test_shared_encoding_re_normalises_only_the_side_that_normalises():
+def test_shared_encoding_of_a_model_normalising_one_side():
     """A model whose queries only are normalised (a pooling for the query task): each dim's shared encoding is still
-    stock's evaluator on the cut model, which re-normalises the queries' prefixes and leaves the documents'."""
+    stock's evaluator on the cut model, which normalises both sides' prefixes (as the loss trains them)."""
     model = tiny_multi_vector_encoder(token_dim=32, seed=5, normalize=False)
     model.append(HierarchicalTokenPooling(1.0, num_protected_tokens=0, normalize_embeddings=True, tasks=["query"]))
     _, test = load_pairs("stdlib", seed=0, max_eval=20)

@@ -117,6 +117,9 @@ class _UnknownDimensionModel:
     def get_embedding_dimension(self):
         return None
 
+    def _get_untruncated_embedding_dimension(self):  # what stock 6.3's Matryoshka losses read
+        return None
+
 
 def test_a_model_of_unknown_embedding_dimension_skips_the_dims_check_as_stock(tiny_model):
     base = CachedMultipleNegativesRankingLoss(tiny_model)

@@ -86,11 +86,20 @@ def test_the_model_s_masks_are_stock_s_skiplist_and_query_expansion():
     _assert_stocks(expansion, features)
 
 
-def test_unnormalised_token_vectors_are_plain_prefixes():
-    """A model without Normalize: the op scores plain prefixes ("dot"); at the full dim stock's scores."""
+def test_unnormalised_token_vectors_are_normalised_as_stock_matryoshka_does():
+    """A model without Normalize: the loss L2-normalises its token vectors at the full dim too (stock
+    MultiVectorMatryoshkaLoss's shrink): stock's loss and every gradient on ``truncate_token_dim``'s copy, which appends
+    a Normalize (the copy's parameters are the model's)."""
     model = tiny_multi_vector_encoder(token_dim=TOKEN_DIM, seed=4, normalize=False)
-    ours = _assert_stocks(model, _features(model))
-    assert ours.similarity == "dot"
+    features = _features(model)
+    cut = truncate_token_dim(model, TOKEN_DIM)
+    assert len(cut) == len(model) + 1
+    want_loss, want_grads = loss_and_grads(cut, _stock(cut), features)
+    ours = CachedMultiVectorMatryoshkaLoss(model, _stock(model), [TOKEN_DIM], mini_batch_size=3)
+    loss, grads = loss_and_grads(model, ours, features)
+    assert ours.similarity == "cosine"
+    assert loss == pytest.approx(want_loss, rel=1e-4)
+    assert_grads_close(grads, want_grads)
 
 
 def test_a_left_padded_bert_keeps_its_leading_padding_and_stock_s_loss():
@@ -241,7 +250,9 @@ def test_config_and_citation(model):
     config = ours.get_config_dict()
     assert config["loss"] == "CachedMultiVectorMultipleNegativesRankingLoss"
     assert config["matryoshka_dims"] == (TOKEN_DIM, 8) and config["scale"] == 2.0
-    assert config["similarity_fct"] == "colbert_scores" and config["mini_batch_size"] == 3
+    # stock's base loss's own value: "colbert_scores" up to 6.2, None (the model's similarity) from 6.3
+    assert config["similarity_fct"] == _stock(model).get_config_dict()["similarity_fct"]
+    assert config["mini_batch_size"] == 3
     assert "khattab2020colbert" in ours.citation and "gao2021scaling" in ours.citation
     assert type(ours).__module__ == "st_cached_losses"
 
@@ -297,8 +308,8 @@ def test_truncate_token_dim_serves_the_first_coordinates_re_normalised(model, tm
     loaded = MultiVectorEncoder(str(tmp_path / "cut"))
     torch.testing.assert_close(loaded.encode_document(sentences)[0], served[0])
     unnormalised = tiny_multi_vector_encoder(token_dim=TOKEN_DIM, seed=4, normalize=False)
-    plain = truncate_token_dim(unnormalised, 8).encode_query(sentences)
-    torch.testing.assert_close(plain[0], unnormalised.encode_query(sentences)[0][:, :8])
+    plain = truncate_token_dim(unnormalised, 8).encode_query(sentences)  # normalised too, as the loss trains it
+    torch.testing.assert_close(plain[0], torch.nn.functional.normalize(unnormalised.encode_query(sentences)[0][:, :8]))
     for bad in (0, TOKEN_DIM + 1, 2.0):
         with pytest.raises(ValueError, match=r"dim must be an int in \[1, 32\]"):
             truncate_token_dim(model, bad)

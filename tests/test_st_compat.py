@@ -185,20 +185,6 @@ def test_layer_weight_is_stocks_weighting(weighting, layer, expected):
     assert _st_compat.layer_weight(weighting, layer) == pytest.approx(expected)
 
 
-def test_router_route_is_stocks_lookup():
-    """Route mappings first (by task), then the route named as the task, then the default route; a task no route
-    serves is stock's ValueError."""
-    from sentence_transformers.base.modules import Normalize, Router
-
-    routes = {"query": [Normalize()], "document": [Normalize()]}
-    router = Router(routes, route_mappings={("search", None): "document"})
-    assert _st_compat.router_route(router, "search", None) == "document"
-    assert _st_compat.router_route(router, "query", "text") == "query"
-    with pytest.raises(ValueError, match="No route found for task type 'other'"):
-        _st_compat.router_route(router, "other", "text")
-    assert _st_compat.router_route(Router(routes, default_route="document"), None, "text") == "document"
-
-
 def _sentence_transformers_private_names() -> set[str]:
     """The private attribute names (one leading underscore) of sentence-transformers' objects: those its classes
     define (not the ones they override of torch's or transformers' classes: those are the other doors'), its
@@ -252,7 +238,7 @@ def test_sentence_transformers_private_names_are_written_in_the_door_alone():
     door = Path(_st_compat.__file__)
     borrowed = set(re.findall(r'_borrow\(\w+, "(_\w+)"\)', door.read_text()))
     borrowed |= set(re.findall(r"\)\.(_\w+)\n", door.read_text()))
-    assert {"_backward_hook", "_resolve_route", "_minibatch_ranges"} <= borrowed <= private
+    assert {"_backward_hook", "_minibatch_ranges"} <= borrowed <= private
     allowed = {door: private, Path(_transformers_compat.__file__): set(_transformers_compat.BORROWED)}
     offenders = {
         str(path.relative_to(ROOT)): used
@@ -260,3 +246,31 @@ def test_sentence_transformers_private_names_are_written_in_the_door_alone():
         if (used := sorted(_attributes(path) & private - allowed.get(path, set())))
     }
     assert not offenders
+
+
+def test_untruncated_embedding_dimension_is_the_bound_stock_matryoshka_checks_dims_against():
+    """Stock MatryoshkaLoss checks its dims against 6.3's ``_get_untruncated_embedding_dimension()`` (``truncate_dim``
+    aside) and against ``get_embedding_dimension()`` before (``truncate_dim`` included): the door's value is that bound
+    on the installed release, and CachedMatryoshkaLoss accepts and refuses the dims stock does."""
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss, MultipleNegativesRankingLoss
+
+    from st_cached_losses import CachedMatryoshkaLoss
+    from st_cached_losses.testing import tiny_sentence_transformer
+
+    model = tiny_sentence_transformer()
+    model.truncate_dim = 16
+    bound = _st_compat.untruncated_embedding_dimension(model)
+    base = MultipleNegativesRankingLoss(model)
+    for loss in (MatryoshkaLoss, CachedMatryoshkaLoss):
+        assert loss(model, base, [bound, 8]).matryoshka_dims == (bound, 8)
+        with pytest.raises(ValueError, match=str(bound)):
+            loss(model, base, [bound + 1, 8])
+
+
+def test_untruncated_embedding_dimension_of_a_model_that_does_not_say():
+    class Silent:
+        def get_embedding_dimension(self):
+            return None
+
+    assert _st_compat.untruncated_embedding_dimension(Silent()) is None
+    assert _st_compat.untruncated_embedding_dimension(object()) is None

@@ -20,8 +20,8 @@ What each is for:
 - ``TransformerDecorator``: stock's ``AdaptiveLayerLoss`` hook that runs the transformer once with hidden states
   and serves each layer's from the cache (the 2D losses).
 - :func:`layer_weight`: stock ``AdaptiveLayerLoss``'s prior-layer weighting ("uniform", "log", "linear", callable).
-- :func:`router_route`: the route a ``Router`` takes for a task and modality (``Router._resolve_route``), which the
-  multi-vector loss follows to find what writes each side's token vectors.
+- :func:`untruncated_embedding_dimension`: the dimension the Matryoshka dims are checked against, read as stock's
+  Matryoshka losses read it (``_get_untruncated_embedding_dimension`` from 6.3, ``get_embedding_dimension`` before).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ def _borrow(module: str, name: str) -> Any:
 
 _GRADCACHE = "sentence_transformers.base.losses.gradcache"
 _ADAPTIVE_LAYER = "sentence_transformers.sentence_transformer.losses.adaptive_layer"
-_ROUTER = "sentence_transformers.base.modules.router"
 
 CachedLossMixin = _borrow(_GRADCACHE, "CachedLossMixin")
 backward_hook = _borrow(_GRADCACHE, "_backward_hook")
@@ -62,7 +61,6 @@ get_batch_size = _borrow(_GRADCACHE, "_get_batch_size")
 has_static_embedding_input = _borrow(_GRADCACHE, "has_static_embedding_input")
 TransformerDecorator = _borrow(_ADAPTIVE_LAYER, "TransformerDecorator")
 _get_layer_weight = _borrow(_ADAPTIVE_LAYER, "AdaptiveLayerLoss").get_layer_weight
-_resolve_route = _borrow(_ROUTER, "Router")._resolve_route
 
 
 def layer_weight(layer_weighting: Any, layer: int) -> Any:
@@ -72,10 +70,15 @@ def layer_weight(layer_weighting: Any, layer: int) -> Any:
     return _get_layer_weight(SimpleNamespace(layer_weighting=layer_weighting), layer)
 
 
-def router_route(router: Any, task: str | None, modality: str | tuple[str, ...] | None) -> str:
-    """The key of the route stock ``Router`` takes for an input of ``task`` and ``modality``: its ``route_mappings``
-    (exact, then by task, then by modality), then the route named as the task (or modality), then its default route.
-
-    Raises:
-        ValueError: stock's, for a task no route serves, or no route at all (no default)."""
-    return _resolve_route(router, task=task, modality=modality)
+def untruncated_embedding_dimension(model: Any) -> int | None:
+    """The dimension stock's Matryoshka losses check their dims against, for ``model`` (a SentenceTransformer's
+    embeddings, a MultiVectorEncoder's token vectors): 6.3's private ``_get_untruncated_embedding_dimension()`` (the
+    modules' dimension, whatever ``truncate_dim`` says), else ``get_embedding_dimension()`` (6.0-6.2's stock check),
+    else the older ``get_sentence_embedding_dimension()``: the first of them the model has. None where it gives no
+    int (stock then bounds no dim)."""
+    for name in ("_get_untruncated_embedding_dimension", "get_embedding_dimension", "get_sentence_embedding_dimension"):
+        method = getattr(model, name, None)
+        if callable(method):
+            dim = method()
+            return dim if isinstance(dim, int) and not isinstance(dim, bool) else None
+    return None

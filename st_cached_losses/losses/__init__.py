@@ -3,12 +3,13 @@
 - ``cached_matryoshka.py``: ``CachedMatryoshkaLoss`` for ``MatryoshkaLoss(model, CachedMNRL / CachedGISTEmbedLoss)``;
 - ``cached_matryoshka_2d.py``: ``CachedMatryoshka2dLoss`` for ``Matryoshka2dLoss(model, MNRL)``;
 - ``cached_adaptive_layer.py``: ``CachedAdaptiveLayerLoss`` for ``AdaptiveLayerLoss(model, MNRL)``;
-- ``cached_multi_vector.py``: ``CachedMultiVectorMatryoshkaLoss`` for a ``MultiVectorEncoder``'s
-  ``CachedMultiVectorMultipleNegativesRankingLoss``, with Matryoshka token dims (``maxsim_infonce``);
+- ``cached_multi_vector.py``: ``CachedMultiVectorMatryoshkaLoss`` for ``MultiVectorMatryoshkaLoss(model,
+  CachedMultiVectorMultipleNegativesRankingLoss)``, a ``MultiVectorEncoder``'s Matryoshka token dims
+  (``maxsim_infonce``);
 - ``cached_loss.py``: ``CachedLossBase``, what every loss shares (mini-batch settings, dims, weights, the dims' draw,
   the per-dim entries, the card's settings, the activation report, option checks naming the class);
 - ``refusals.py``: the one table of the options each loss refuses, with the reason;
-- ``token_vectors.py``: a MultiVectorEncoder's similarity and token dim per side (query route, document route);
+- ``token_vectors.py``: the token vectors the multi-vector loss scores (L2-normalised as stock's Matryoshka shrink);
 - ``base_losses.py``: which base losses (of both families) are accepted and what their hyperparameters mean for the
   op; the guide;
 - ``callback.py``: ``CachedLossCallback``, the losses' step reports in the trainer's log, the bank in its checkpoints;

@@ -10,8 +10,9 @@ A base loss is not called: it holds the InfoNCE hyperparameters, read at every s
   gather_across_devices; cosine similarity; one joint softmax.
 - ``MultiVectorMultipleNegativesRankingLoss`` / ``CachedMultiVectorMultipleNegativesRankingLoss`` (a
   MultiVectorEncoder's, for :class:`~st_cached_losses.CachedMultiVectorMatryoshkaLoss`): scale, similarity_fct
-  (``colbert_scores``: MaxSim, or ``mean_colbert_scores``: MeanMaxSim, ``maxsim_infonce``'s ``length_normalize``),
-  gather_across_devices (every rank's documents), and the mini-batch settings.
+  (``colbert_scores``: MaxSim, or ``mean_colbert_scores``: MeanMaxSim, ``maxsim_infonce``'s ``length_normalize``;
+  None, 6.3's default: the model's similarity, read from ``model.similarity_fn_name`` at every step as stock reads
+  ``model.similarity``), gather_across_devices (every rank's documents), and the mini-batch settings.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.util import cos_sim, dot_score
 from torch import nn
 
+from ..gradcache.distributed import unwrapped
 from ..gradcache.guide_model import GuideModel
 from ..ops.spec import check_false_negative_rule
 
@@ -45,8 +47,9 @@ MULTI_VECTOR_LOSSES = (MultiVectorMultipleNegativesRankingLoss, CachedMultiVecto
 # and dot_score score the prefixes by cosine similarity.
 _PREFIX_SIMILARITY = {cos_sim: "cosine", dot_score: "cosine"}
 # A multi-vector base loss's similarity_fct -> maxsim_infonce's length_normalize (MeanMaxSim divides by the query's
-# scored tokens).
+# scored tokens); with similarity_fct=None, the model's similarity_fn_name -> the same.
 _LENGTH_NORMALIZE = {colbert_scores: False, mean_colbert_scores: True}
+_MODEL_LENGTH_NORMALIZE = {"maxsim": False, "meanmaxsim": True}
 
 
 def check_base_loss(
@@ -126,25 +129,40 @@ def mini_batch_defaults(loss: nn.Module, default_size: int) -> tuple[int, int | 
 
 def check_multi_vector_base_loss(loss: nn.Module, owner: str) -> None:
     """The multi-vector loss's check of its base loss: TypeError for another type, ValueError for a similarity_fct
-    the MaxSim op does not compute."""
+    the MaxSim op does not compute (:func:`length_normalize`)."""
     if not isinstance(loss, MULTI_VECTOR_LOSSES):
         names = ", ".join(cls.__name__ for cls in MULTI_VECTOR_LOSSES)
         raise TypeError(
             f"{owner} supports loss={names}, got {type(loss).__name__}: for a SentenceTransformer use "
             "CachedMatryoshkaLoss."
         )
-    length_normalize(loss.similarity_fct, owner)
+    length_normalize(loss, owner)
 
 
-def length_normalize(similarity_fct, owner: str = "CachedMultiVectorMatryoshkaLoss") -> bool:
-    """maxsim_infonce's ``length_normalize`` for a multi-vector base loss's similarity_fct, or a ValueError."""
+def length_normalize(loss: nn.Module, owner: str = "CachedMultiVectorMatryoshkaLoss") -> bool:
+    """maxsim_infonce's ``length_normalize`` (MeanMaxSim) for a multi-vector base loss, read now: its
+    ``similarity_fct`` (colbert_scores: False, mean_colbert_scores: True), or where that is None (6.3's default,
+    stock then scores with ``loss.model.similarity``) its model's ``similarity_fn_name`` ("maxsim" / "meanmaxsim").
+
+    Raises:
+        ValueError: another similarity_fct or similarity_fn_name, naming ``owner``.
+    """
+    similarity_fct = loss.similarity_fct
+    if similarity_fct is None:
+        name = getattr(unwrapped(loss.model), "similarity_fn_name", None)
+        if name in _MODEL_LENGTH_NORMALIZE:
+            return _MODEL_LENGTH_NORMALIZE[name]
+        raise ValueError(
+            f"{owner} scores with the model's similarity when the base loss's similarity_fct is None, which must be "
+            f"'maxsim' or 'meanmaxsim', got similarity_fn_name={name!r}: set model.similarity_fn_name to one of them."
+        )
     if similarity_fct in _LENGTH_NORMALIZE:
         return _LENGTH_NORMALIZE[similarity_fct]
     name = getattr(similarity_fct, "__name__", type(similarity_fct).__name__)
     raise ValueError(
-        f"{owner} supports similarity_fct=colbert_scores (MaxSim) or mean_colbert_scores (MeanMaxSim) on the base "
-        f"loss, got {name}: the op computes a MaxSim over every token (XTR scores only the top-k retrieved tokens). "
-        "Use the stock loss for other scores."
+        f"{owner} supports similarity_fct=None (the model's similarity), colbert_scores (MaxSim) or "
+        f"mean_colbert_scores (MeanMaxSim) on the base loss, got {name}: the op computes a MaxSim over every token "
+        "(XTR scores only the top-k retrieved tokens). Use the stock loss for other scores."
     )
 
 

@@ -13,6 +13,7 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from sentence_transformers.util import cos_sim, dot_score
 
+from ..gradcache._st_compat import untruncated_embedding_dimension
 from ..gradcache.step import Step
 from . import card, citations
 from .cached_matryoshka_2d import CachedMatryoshka2dLoss
@@ -115,7 +116,7 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
         """
-        dim = model.get_embedding_dimension() if isinstance(model, SentenceTransformer) else None
+        dim = untruncated_embedding_dimension(model) if isinstance(model, SentenceTransformer) else None
         if dim is None:
             raise ValueError(f"{type(self).__name__} needs a model that reports its embedding dimension.")
         super().__init__(

@@ -17,7 +17,7 @@ import torch
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from torch import Tensor, nn
 
-from ..gradcache._st_compat import has_static_embedding_input
+from ..gradcache._st_compat import has_static_embedding_input, untruncated_embedding_dimension
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..gradcache.distributed import unwrapped
 from ..gradcache.memory_bank import MemoryBank, check_memory_options, end_training_forward
@@ -240,7 +240,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             matryoshka_dims,
             matryoshka_weights,
             n_dims_per_step,
-            embedding_dim=None,
+            embedding_dim=untruncated_embedding_dimension(unwrapped(model)),  # stock's bound, truncate_dim aside
             default_mini_batch=mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE),
             mini_batch_size=mini_batch_size,
             mini_batch_num_tokens=mini_batch_num_tokens,
@@ -314,9 +314,9 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
         return loss
 
     def model_embedding_dimension(self) -> int | None:
-        """The model's embedding dimension, when it says (a wrapped model is looked through)."""
-        get = getattr(unwrapped(self.model), "get_embedding_dimension", None)
-        return None if get is None else get()
+        """The model's embedding dimension (its forward's, ``truncate_dim`` aside), when it says (a wrapped model is
+        looked through)."""
+        return untruncated_embedding_dimension(unwrapped(self.model))
 
     def note_masked_share(self, step: Step, masked_share: Tensor | None) -> None:
         """Keep the share of candidates the false-negative filter and the duplicate mask removed this step (in

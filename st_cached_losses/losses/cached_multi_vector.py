@@ -15,6 +15,7 @@ from typing import Any
 from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
 from torch import Tensor, nn
 
+from ..gradcache._st_compat import untruncated_embedding_dimension
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..gradcache.distributed import unwrapped
 from ..gradcache.minibatches import check_columns
@@ -26,7 +27,7 @@ from . import card, citations
 from .base_losses import check_multi_vector_base_loss, length_normalize, mini_batch_defaults
 from .cached_loss import CachedLossBase, check_flag, check_model_backend, naming_errors
 from .refusals import check_refusals
-from .token_vectors import SIDES, TokenRoutes, token_routes
+from .token_vectors import check_one_token_dim, unit_token_vectors
 
 
 @card.public_class
@@ -59,24 +60,23 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         """
         The in-batch negatives InfoNCE loss of a ``MultiVectorEncoder`` (ColBERT-style late interaction: the score of
         a query and a document is MaxSim, the sum over query tokens of the best-matching document token) at several
-        Matryoshka token dims, with GradCache: a drop-in for stock
-        ``CachedMultiVectorMultipleNegativesRankingLoss(model, ...)`` at the full token dim (the same loss value and
-        parameter gradients; with dropout, stock's masks only with ``sort_by_length=False``), which trains every
-        token dim of ``matryoshka_dims`` as well (jina-colbert-v2 serves 128, 96 and 64). (1) every mini-batch is
-        embedded without gradients (rows of similar length together), (2) the loss of every dim is computed in one
-        sweep of :func:`~st_cached_losses.maxsim_infonce`, which never holds the token-by-token score tensor nor the
-        queries x documents score matrix beyond one tile, caching d loss / d token vectors, (3) the backward
-        re-embeds each mini-batch with gradients (the same dropout) and back-propagates the cached gradient.
+        Matryoshka token dims, with GradCache: a drop-in for stock 6.3's ``MultiVectorMatryoshkaLoss(model,
+        CachedMultiVectorMultipleNegativesRankingLoss(model, ...), dims, weights)`` (the same loss value and parameter
+        gradients at every dim; with dropout, stock's masks only with ``sort_by_length=False``), and for a model whose
+        token vectors are unit length (the default, ending in ``Normalize``) of stock's cached loss itself at the full
+        dim (jina-colbert-v2 serves 128, 96 and 64). (1) every mini-batch is embedded without gradients (rows of
+        similar length together), (2) the loss of every dim is computed in one sweep of
+        :func:`~st_cached_losses.maxsim_infonce`, which never holds the token-by-token score tensor nor the queries x
+        documents score matrix beyond one tile, caching d loss / d token vectors, (3) the backward re-embeds each
+        mini-batch with gradients (the same dropout) and back-propagates the cached gradient.
 
-        For each dim d each token vector keeps its first d coordinates, re-normalised on a side (queries, documents)
-        whose route normalises its token vectors, as they are on the other: the last module on each route that
-        writes them decides (a ``Normalize`` of the token embeddings, as the default ``MultiVectorEncoder`` ends, or a
-        normalising ``HierarchicalTokenPooling``: "cosine"; a ``Dense``, merged cluster means: "dot";
-        :mod:`st_cached_losses.losses.token_vectors`). At the full dim the token vectors are scored as the model gives
-        them, stock's scores. Serve a truncated model with :func:`st_cached_losses.truncate_token_dim` (the same
-        rule). The scoring masks are the model's own (``MultiVectorMask``: skiplist, query expansion), the columns'
-        tasks as stock stamps them (the first column "query", the others "document", unless a column carries its
-        own).
+        For each dim d, the full one included, every token vector (queries and documents) is scored by its first d
+        coordinates, L2-normalised (fp16 / bf16 in fp32), as stock's ``MultiVectorMatryoshkaLoss`` shrinks them on
+        every release (:mod:`st_cached_losses.losses.token_vectors`). Serve a truncated model with
+        :func:`st_cached_losses.truncate_token_dim` (the same rule; 6.3's ``model.truncate_dim`` too). The scoring
+        masks are the model's own (``MultiVectorMask``: skiplist, query expansion), the columns' tasks as stock stamps
+        them (the first column "query", the others "document", unless a column carries its own). Stock's
+        ``MultiVectorTokenPoolingLoss`` cannot wrap it (refused: it replaces ``calculate_loss``).
 
         ``forward`` returns ``{"loss_dim_<d>": weight_d * loss_d}`` (dims descending, 0 for dims not sampled this
         step): the trainer logs each entry and back-propagates their sum, the loss.
@@ -89,8 +89,9 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         Args:
             model: a MultiVectorEncoder.
             loss: a MultiVectorMultipleNegativesRankingLoss or CachedMultiVectorMultipleNegativesRankingLoss holding
-                the hyperparameters (it is not called): ``scale``, ``similarity_fct`` (``colbert_scores``, MaxSim, or
-                ``mean_colbert_scores``, MeanMaxSim), ``gather_across_devices`` (every rank's documents, as stock),
+                the hyperparameters (it is not called): ``scale``, ``similarity_fct`` (``colbert_scores``, MaxSim,
+                ``mean_colbert_scores``, MeanMaxSim, or None, 6.3's default: the model's ``similarity_fn_name``,
+                "maxsim" or "meanmaxsim", read at every step), ``gather_across_devices`` (every rank's documents),
                 and its ``mini_batch_size`` (the cached one's, or a non-cached one's where set) and the cached one's
                 ``mini_batch_num_tokens`` when not given here.
             matryoshka_dims: token dims to train, e.g. [128, 96, 64, 32]; each in [1, token dim], no duplicates.
@@ -130,13 +131,14 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
 
             TypeError: ``model`` that is no MultiVectorEncoder, ``loss`` of another type, a non-bool
                 ``mask_duplicates`` or ``in_batch_negatives``.
-            ValueError: a ``similarity_fct`` other than colbert_scores / mean_colbert_scores (XTR scores only the
-                top-k retrieved tokens, not a MaxSim over every token); a model whose routes end in token vectors of
-                different dims, or whose similarity on a side cannot be decided (a module of unknown effect after the
-                last one known to write the token vectors); bad dims or weights, ``n_dims_per_step``,
+            ValueError: a ``similarity_fct`` other than None / colbert_scores / mean_colbert_scores (XTR scores only
+                the top-k retrieved tokens, not a MaxSim over every token); a model whose Router's routes end in token
+                vectors of different dims; bad dims or weights (bounded by the model's untruncated token dim, as
+                stock), ``n_dims_per_step``,
                 ``mini_batch_size``, ``mini_batch_num_tokens``, ``activation_budget``, ``fsdp_sync``, an unknown
                 ``backend`` or ``precision``, ``backend="triton"`` with more than 8 dims (in-batch negatives on: the
-                kernels' most), and the refused options; ``forward``: fewer than two columns or columns
+                kernels' most), and the refused options; stock's MultiVectorTokenPoolingLoss or
+                MultiVectorMatryoshkaLoss wrapping it; ``forward``: fewer than two columns or columns
                 of different lengths, uneven rows across processes with ``gather_across_devices``, a malformed
                 presence mask or one on the query or positive column.
 
@@ -174,7 +176,7 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
                 loss = CachedMultiVectorMatryoshkaLoss(model, base, [128, 96, 64, 32])
                 trainer = MultiVectorEncoderTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
-                small = truncate_token_dim(model, 64)  # 64-dim token vectors, as the loss trained them
+                small = truncate_token_dim(model, 64)  # 64-dim unit token vectors, as the loss trained them
         """
         owner = type(self).__name__
         with naming_errors(owner):
@@ -190,14 +192,14 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
                 in_batch_negatives=check_flag("in_batch_negatives", in_batch_negatives),
             )
             _check_model(model, backend, owner)
-            routes = token_routes(unwrapped(model), owner)
+            check_one_token_dim(unwrapped(model), owner)
         super().__init__(
             model,
             loss,
             matryoshka_dims,
             matryoshka_weights,
             n_dims_per_step,
-            embedding_dim=routes.dim,
+            embedding_dim=untruncated_embedding_dimension(unwrapped(model)),  # stock's bound
             default_mini_batch=mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE),
             mini_batch_size=mini_batch_size,
             mini_batch_num_tokens=mini_batch_num_tokens,
@@ -218,30 +220,35 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             )
 
     @property
-    def similarity(self) -> str | tuple[str, str]:
-        """The op's token similarity of the queries' and the documents' routes (:mod:`.token_vectors`): "cosine" for a
-        side whose last module writing its token vectors normalises them (each Matryoshka prefix re-normalised), else
-        "dot" (raw prefixes); one name where both sides agree, else (query's, document's). At the full dim both are
-        stock's scores."""
-        return self.token_routes().similarity
+    def similarity(self) -> str:
+        """The op's token similarity: "cosine" on both sides. :meth:`encode` L2-normalises the token vectors and the
+        op re-normalises each smaller prefix: stock ``MultiVectorMatryoshkaLoss``'s ``shrink`` at every dim."""
+        return "cosine"
 
-    def token_routes(self, step: Step | None = None) -> TokenRoutes:
-        """Both sides' :class:`~.token_vectors.TokenRoute`, for the tasks of ``step``'s columns (the query column's,
-        the document columns'), by default "query" and "document".
+    @property
+    def length_normalize(self) -> bool:
+        """Whether the scores are MeanMaxSim (divided by the query's scored tokens), read now from the base loss
+        (:func:`.base_losses.length_normalize`: its similarity_fct, or None: the model's similarity_fn_name)."""
+        return length_normalize(self.loss, type(self).__name__)
 
-        Raises:
-            ValueError: what :func:`~.token_vectors.token_routes` refuses, or document columns of different tasks
-                whose routes score differently.
-        """
-        tasks = [feature.get("task") for feature in step.features] if step is not None else list(SIDES)
-        owner = type(self).__name__
-        routes = {task: token_routes(unwrapped(self.model), owner, tasks[0], task) for task in dict.fromkeys(tasks[1:])}
-        if len({(r.document.similarity, r.document.dim) for r in routes.values()}) > 1:
+    @property
+    def token_dim(self) -> int | None:
+        """The model's token dim, ``truncate_dim`` aside (None where the model does not say)."""
+        return untruncated_embedding_dimension(unwrapped(self.model))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Stock's MultiVectorTokenPoolingLoss and MultiVectorMatryoshkaLoss wrap a cached loss by replacing its
+        # calculate_loss with their CachedLossDecorator, which calls it with other arguments (token pooling: the masks
+        # as labels; Matryoshka: shrunk inputs, dims twice): refuse it where it happens. A wrapper of stock's
+        # calculate_loss signature (reps, labels, **kwargs) is taken.
+        if name == "calculate_loss" and type(value).__module__.startswith("sentence_transformers."):
             raise ValueError(
-                f"{owner} scores every document column alike, but their tasks {sorted(routes)} take routes whose token "
-                "vectors differ in similarity or dim: give the document columns one task."
+                f"{type(self).__name__} cannot be wrapped in sentence-transformers' MultiVectorTokenPoolingLoss or "
+                "MultiVectorMatryoshkaLoss (it trains the token dims itself): use it alone, or for token pooling stock "
+                "MultiVectorTokenPoolingLoss(model, MultiVectorMatryoshkaLoss(model, "
+                "CachedMultiVectorMultipleNegativesRankingLoss(model), dims), poolings)."
             )
-        return next(iter(routes.values()))
+        super().__setattr__(name, value)
 
     @property
     def gather_across_devices(self) -> bool:
@@ -262,10 +269,11 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         return self.entries(total, step)
 
     def encode(self, features: dict[str, Any], step: Step | None = None) -> Encoded:
-        """One mini-batch's token vectors (rows, tokens, D) and scoring mask (rows, tokens) bool, as the model
-        routes its task (stock's ``embed_minibatch`` of the cached multi-vector loss)."""
+        """One mini-batch's token vectors (rows, tokens, D), L2-normalised (:func:`.token_vectors.unit_token_vectors`:
+        stock ``MultiVectorMatryoshkaLoss``'s shrink at the full dim), and scoring mask (rows, tokens) bool, as the
+        model routes its task (stock's ``embed_minibatch`` of the cached multi-vector loss)."""
         output = self.model(features, task=features.get("task"))
-        return Encoded(output["token_embeddings"], output["attention_mask"].bool())
+        return Encoded(unit_token_vectors(output["token_embeddings"]), output["attention_mask"].bool())
 
     def calculate_loss(
         self,
@@ -292,8 +300,8 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             dims=step.dims,
             weights=weights,
             scale=self.loss.scale,
-            similarity=self.token_routes(step).similarity,
-            length_normalize=length_normalize(self.loss.similarity_fct, type(self).__name__),
+            similarity=self.similarity,
+            length_normalize=self.length_normalize,
             backend=self.backend,
             precision=self.op_precision(inputs["queries"]),
             nonfinite=nonfinite_policy(step.encoder_dtypes),
