@@ -21,7 +21,7 @@ def fresh_warnings(monkeypatch):
     monkeypatch.setattr(_fsdp_compat.RANGE, "warned", set())
 
 
-@pytest.mark.parametrize("version", ["2.11.0", "2.12.1", "2.14.0", "3.0.0", "2.10.0+cu128"])
+@pytest.mark.parametrize("version", ["2.11.0", "2.12.1", "2.16.0", "3.0.0", "2.10.0+cu128"])
 def test_per_step_outside_the_tested_range_warns_once(version, fresh_warnings, caplog):
     for _ in range(2):
         _fsdp_compat.check_per_step(version)
@@ -29,7 +29,7 @@ def test_per_step_outside_the_tested_range_warns_once(version, fresh_warnings, c
     assert f"checked with torch {_fsdp_compat.TESTED}; the installed torch {version} is outside" in record.getMessage()
 
 
-@pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.13.1+cu130"])
+@pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.13.1+cu130", "2.14.1+cu130", "2.15.0+cu132"])
 def test_per_step_inside_the_tested_range_is_silent(version, fresh_warnings, caplog):
     _fsdp_compat.check_per_step(version)
     assert not caplog.records

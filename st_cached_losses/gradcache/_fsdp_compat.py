@@ -36,7 +36,7 @@ __all__ = ["TESTED", "FsdpSettings", "check_per_step", "reduce_in_next_backward"
 
 logger = logging.getLogger(__name__)
 
-TESTED = ">=2.13,<2.14"  # torch releases whose FSDP2 state layout below was checked (2.13.0 in CI)
+TESTED = ">=2.13,<2.16"  # torch releases whose FSDP2 state layout below was checked (2.13.0 in CI; 2.14.1, 2.15.0)
 RANGE = TestedRange(TESTED)
 # The names read, each with the types its values may have (None: the name must exist, any value).
 STATE_NAMES = {
