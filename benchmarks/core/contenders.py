@@ -291,7 +291,13 @@ def _stage_floor(queries, docs, dims=(), mini_batch_size=0, guide=None, options=
 def _mv_stage_stock(inputs, dims, mini_batch_size, floor_block=1024):
     queries, documents, query_mask, document_mask = inputs
     batch = queries.shape[0]
-    loss = _mv_stock(None, mini_batch_size)  # the model is not read by calculate_loss
+    from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
+    from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
+
+    # No model: MaxSim named, as 6.3's default (similarity_fct=None) reads the model's similarity at every call.
+    loss = CachedMultiVectorMultipleNegativesRankingLoss(
+        None, similarity_fct=colbert_scores, mini_batch_size=mini_batch_size
+    )
     columns, masks = [queries, *documents.split(batch)], [query_mask, *document_mask.split(batch)]
 
     def stock():
