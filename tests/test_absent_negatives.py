@@ -122,6 +122,21 @@ def test_the_features_keep_their_masks(model):
     assert all(after[key] is was[key] for after, was in zip(features, before) for key in was)
 
 
+def test_a_batch_encoding_carries_its_mask_as_a_dict_does(model):
+    """model.tokenize's output is a BatchEncoding (a UserDict, no dict): its "present" is read, never ignored."""
+    from transformers import BatchEncoding
+
+    features = collated(model, text_rows(4, COLUMNS[:3], seed=1, absent={"negative_1": [2]}))
+    wrapped = [BatchEncoding(dict(feature)) for feature in features]
+    as_dicts, _ = loss_and_grads(model, LOSSES["matryoshka"](model), features)
+    as_encodings, _ = loss_and_grads(model, LOSSES["matryoshka"](model), wrapped)
+    placeholder_scored, _ = loss_and_grads(
+        model, LOSSES["matryoshka"](model), [*features[:2], {k: v for k, v in features[2].items() if k != "present"}]
+    )
+    assert as_encodings == pytest.approx(as_dicts, rel=1e-6)
+    assert placeholder_scored != pytest.approx(as_dicts, rel=1e-4)
+
+
 def test_masks_on_anchors_or_malformed_are_refused(model):
     features = collated(model, text_rows(4, COLUMNS[:3], seed=1))
     loss_fn = LOSSES["matryoshka"](model)

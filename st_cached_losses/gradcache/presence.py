@@ -15,6 +15,7 @@ No host synchronisation: the masks stay on their device.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ def take_presence(
     """
     columns, masks = [], []
     for index, feature in enumerate(sentence_features):
-        mask = feature.get(PRESENT) if isinstance(feature, dict) else None
+        # Any mapping: a BatchEncoding (model.tokenize's output) is a UserDict, not a dict.
+        mask = feature.get(PRESENT) if isinstance(feature, Mapping) else None
         if mask is None:
             columns.append(feature)
             masks.append(None)
