@@ -1,7 +1,8 @@
 """maxsim_infonce's Triton backend (issue 39) in Triton's CPU interpreter, beyond the cases tests/test_maxsim_op.py
 runs on every backend: ties in the max, the precision policy (bf16 operands emulated), bf16 / fp16 inputs, documents
-longer than one token chunk (int16 argmaxes), the refusals, the loss on a tiny model. The truth is a float64 definition
-written here. (The launches per call and the kernels compiled for sm_90: ``tests/benchmarks/test_compile_report.py``.)"""
+longer than one token chunk (int16 argmaxes), the refusals, the loss on a tiny model. The truth is a float64
+definition written here. (The launches per call and the kernels compiled for sm_90:
+``tests/benchmarks/test_compile_report.py``.)"""
 
 from __future__ import annotations
 

@@ -278,7 +278,7 @@ def test_bf16_planes_are_as_precise_as_plain_bf16_pytorch():
     """ "bf16": bf16 operands, each band's product rounded to bf16 (the planes, as stock's bf16 scores are), the
     softmax, LSEs and sums in fp32. On bf16 inputs (the operands exactly) against the float64 truth: within the
     error model (a logit is off by at most scale * 2^-8 |cos|, summed over the bands) and no worse than the dense
-    reference computed in bf16, plain PyTorch's precision (benchmarks/cuda_checks.py's rule)."""
+    reference computed in bf16, plain PyTorch's precision (tests/cuda/cuda_checks.py's rule)."""
     queries, docs, world, spec, _ = _problem(
         batch=37, dim=48, dims=[48, 24, 8], dtype=torch.bfloat16, directions=ALL_DIRECTIONS, precision="bf16"
     )
