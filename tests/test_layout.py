@@ -3,13 +3,16 @@ no import circle; the library (losses, gradcache, ops) never imports the command
 losses; ops never imports sentence-transformers; the losses never import triton (the op chooses its backend);
 sentence-transformers' and DeepSpeed's internals each come through one module; no module over 400 lines. The
 benchmarks' (``benchmarks/``): no import circle, no module over 400 lines, no module importing another's private
-(underscore) name, and the shared core (``benchmarks/core/``) never importing a suite. And the tests': a test module
-shares code through the helper modules only, never by importing another test module."""
+(underscore) name, and the shared core (``benchmarks/core/``) never importing a suite; ``ops/`` defines none of the
+benchmarks' code. And the tests': a test module shares code through the helper modules only, never by importing
+another test module; only the benchmarks' tests (``tests/benchmarks/``) import ``benchmarks``."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -267,8 +270,73 @@ def test_test_modules_share_code_through_the_helpers_only():
     duplicates_reference.py) or in conftest.py, under a public name: no file in tests/ imports a test_*.py module, or
     a private name from any module of tests/."""
     offenders = []
-    for path in sorted(TESTS.glob("*.py")):
+    for path in sorted(TESTS.rglob("*.py")):
         for module, name in _test_imports(path):
             if module.split(".")[-1].startswith("test_") or name.startswith("_"):
                 offenders.append(f"{path.name}: {module}" + (f".{name}" if name else ""))
     assert not offenders, offenders
+
+
+def _benchmark_imports(source: str, scripts: bool = True) -> list[str]:
+    """Every module of ``benchmarks`` that ``source`` imports, module level or inside a function, and (``scripts``) in
+    the code of its string constants that parse as Python (the scripts a test runs in a fresh interpreter)."""
+    trees = [ast.parse(source)]
+    if scripts:
+        for node in ast.walk(trees[0]):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "benchmarks" in node.value:
+                with contextlib.suppress(SyntaxError):  # prose
+                    trees.append(ast.parse(textwrap.dedent(node.value)))
+    found = []
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found += [alias.name for alias in node.names if alias.name.split(".")[0] == BENCHMARKS.name]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found += [node.module] if node.module.split(".")[0] == BENCHMARKS.name else []
+    return found
+
+
+def test_only_the_benchmarks_tests_import_benchmarks():
+    """The library's tests (all of tests/ but tests/benchmarks/, whose subject is a benchmark script or tool) import
+    nothing from ``benchmarks/``: a check of the library stands without them. This file's strings are the checks'
+    own fixtures, not scripts."""
+    offenders = {
+        str(path.relative_to(TESTS)): found
+        for path in sorted(TESTS.rglob("*.py"))
+        if not path.is_relative_to(TESTS / "benchmarks")
+        and (found := _benchmark_imports(path.read_text(), scripts=path != Path(__file__).resolve()))
+    }
+    assert not offenders
+
+
+def test_the_benchmark_import_check_sees_imports_in_functions_and_scripts():
+    script = '"""\n    import benchmarks.core\n"""'
+    source = f"def test():\n    from benchmarks.gpu import kernels\n    run({script})\n"
+    assert _benchmark_imports(source) == ["benchmarks.gpu", "benchmarks.core"]
+    assert _benchmark_imports("import benchmarksx\nfrom st_cached_losses import benchmarks\n") == []
+
+
+BENCHMARK_ONLY = ("kernel_specs", "kernel_variants", "KernelSpec")  # the compile report's: benchmarks/gpu/specs.py
+
+
+def _defined(path: Path) -> set[str]:
+    """Names a module defines at its top level: functions, classes, assignments."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def test_ops_defines_no_benchmark_only_code():
+    """The compile report's kernel descriptions live in ``benchmarks/gpu/specs.py``, not in ``ops/``."""
+    offenders = {
+        name: sorted(found)
+        for name, path in MODULES.items()
+        if _within(name, ["st_cached_losses.ops"]) and (found := _defined(path) & set(BENCHMARK_ONLY))
+    }
+    assert not offenders
+    assert set(BENCHMARK_ONLY) <= _defined(BENCHMARKS / "gpu" / "specs.py")

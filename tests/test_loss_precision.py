@@ -171,22 +171,6 @@ def test_the_main_job_records_the_precision_it_ran_in(tiny_dir, tmp_path):
     assert {choice["precision"] for choice in results["loss_stage"]} == {"bf16"}
 
 
-@pytest.mark.slow  # embeds and trains a model
-def test_the_precision_benchmark_smoke(tmp_path):
-    """benchmarks/loss_precision.py at a tiny size: IEEE is float64's within fp32 rounding, bf16 within its own (the
-    bf16 rows are the rounding of the operands, well above fp32's and below 2%)."""
-    from benchmarks import loss_precision
-    from benchmarks.core.report import read_csv, values
-
-    loss_precision.main(["op", "loss", "--model", "tiny", "--sizes", "16", "--out", str(tmp_path)])
-    value = values([*read_csv(tmp_path / "loss_precision_op.csv"), *read_csv(tmp_path / "loss_precision_loss.csv")])
-    for metric in ("op_grad_rel_err", "param_grad_rel_err"):
-        assert value[("ieee", 16, metric)] < 1e-5 < 1e-3 < value[("bf16", 16, metric)] < 2e-2
-    assert value[("autocast", 16, "param_grad_rel_err")] > 1e-5  # the encoder's own bf16 rounding
-    assert (tmp_path / "loss_precision.png").stat().st_size > 0
-    assert "| 16 |" in (tmp_path / "loss_precision.md").read_text()
-
-
 @pytest.mark.parametrize("name", LOSSES)
 def test_every_loss_and_its_warm_up_run_under_transformers_tf32_flag(name, tf32_as_transformers_sets_it):
     """After ``TrainingArguments(tf32=True)``'s ``torch.backends.fp32_precision = "tf32"`` (legacy reads of the TF32

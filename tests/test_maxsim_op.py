@@ -372,7 +372,7 @@ def test_auto_is_chunked_and_logged_once(monkeypatch, caplog):
 
 
 def _peak(batch, num_docs, backend, chunk_size=None, query_tokens=8, doc_tokens=8, dim=8):
-    from benchmarks.profiling import peak_tensor_bytes
+    from st_cached_losses.testing import peak_tensor_bytes
 
     q, c, query_mask, document_mask = inputs(batch, num_docs, query_tokens, doc_tokens, dim, dtype=torch.float32)
 

@@ -1,18 +1,15 @@
 """maxsim_infonce's Triton backend (issue 39) in Triton's CPU interpreter, beyond the cases tests/test_maxsim_op.py
 runs on every backend: ties in the max, the precision policy (bf16 operands emulated), bf16 / fp16 inputs, documents
-longer than one token chunk (int16 argmaxes), the launches per call, the refusals, the loss on a tiny model, and (slow)
-the kernels compiled for sm_90 with ptxas. The truth is a float64 definition written here."""
+longer than one token chunk (int16 argmaxes), the refusals, the loss on a tiny model. The truth is a float64
+definition written here. (The launches per call and the kernels compiled for sm_90:
+``tests/benchmarks/test_compile_report.py``.)"""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import inspect
-import os
 import random
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -20,10 +17,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from benchmarks.gpu.launches import count_call
 from st_cached_losses import maxsim_infonce
 from st_cached_losses.ops.maxsim import triton_host, triton_kernels, triton_plan
-from st_cached_losses.ops.maxsim.op import run_backend
 from st_cached_losses.ops.maxsim.spec import MaxSimSpec
 
 
@@ -179,30 +174,6 @@ def _spec(q, c, query_mask, document_mask, dims):
     return spec
 
 
-def test_launches_per_call():
-    """What a call launches on a GPU, counted as the compile report counts (``benchmarks/gpu/launches.py``): one tile
-    with gradients in single digits (the chunked backend: ~5,400 at B = 512); each further tile four kernels
-    (forward, InfoNCE rows, the two gradients); without gradients two; the loss bit for bit the same either way."""
-    q, c, query_mask, document_mask = _inputs(4, 5, 3, 4, 8, seed=5)
-    spec = _spec(q, c, query_mask, document_mask, [8, 4])
-    results = {}
-
-    def count(need_grad, tile):
-        def call():
-            results[need_grad, tile] = run_backend(
-                "triton", q, c, query_mask, document_mask, spec, need_grad, tile, None
-            )
-
-        launches, torch_ops = count_call(call)
-        return {"triton": sum(launches.values()), "total": sum(launches.values()) + torch_ops}
-
-    one_tile, two_tiles, forward_only = count(True, None), count(True, 2), count(False, None)
-    assert one_tile["total"] <= 9, one_tile
-    assert two_tiles["triton"] - one_tile["triton"] == 4
-    assert one_tile["triton"] - forward_only["triton"] == 2
-    assert torch.equal(results[True, None].per_dim, results[False, None].per_dim)
-
-
 class _Specialisations:
     """Stands in for the host's kernels and records each launch's specialisation, what Triton's JIT compiles one
     kernel per: the constexprs' values and the run-time arguments' kinds (tensor dtype and 16-byte alignment; an
@@ -320,40 +291,6 @@ def test_more_dims_than_the_kernels_take():
     assert "at most 8" in REGISTRY["maxsim_infonce"]["triton"].unsupported(_spec(q, c, query_mask, document_mask, dims))
     with pytest.raises(NotImplementedError, match=r"at most 8 Matryoshka token dims.*backend='chunked'"):
         maxsim_infonce(q, c, query_mask=query_mask, document_mask=document_mask, dims=dims, backend="triton")
-
-
-@pytest.mark.slow  # a fresh interpreter and Triton's ahead-of-time compile (about a minute)
-def test_kernels_compile_for_hopper_without_spills():
-    """The interpreter runs programs the compiler rejects: compile every kernel for sm_90 (no GPU needed) with the
-    compile report's tools (``benchmarks/gpu/compile_report.py``), bf16, TF32, IEEE fp32 and fp16, four dims and one,
-    Ld 128 and 256; ptxas reports no spills (but in the forward's variants listed in the script), the forward and the
-    one-hot product issue tensor-core instructions (not IEEE fp32's: CUDA cores), and the forward and the query
-    gradient load 16-byte vectors or through cp.async."""
-    pytest.importorskip("triton.backends.nvidia")
-    script = textwrap.dedent("""
-        from benchmarks.gpu.compile_report import measure
-        from benchmarks.gpu.kernels import KERNELS, maxsim_variants
-        problems = ({}, {"dims": (128,)}, {"ld": 256})
-        # Spill 4 B (192 B: TF32) under Triton 3.9's ptxas options (--regAllocOptLevel=2), none without them: the
-        # forward's running max over two 128-token chunks, or its IEEE tile at one dim (untuned, issue 39).
-        spilling = {("ld", "forward", label) for label in ("bf16", "tf32", "fp16")} | {("dims", "forward", "ieee")}
-        for problem in problems:
-            for entry in (e for e in KERNELS if e.name.startswith("maxsim/")):
-                for v in maxsim_variants(entry.name.removeprefix("maxsim/"), **problem):
-                    row = measure(entry, v)
-                    spilled = row["spill_stores"] + row["spill_loads"]
-                    known = (*problem, entry.name.removeprefix("maxsim/"), v.label) in spilling
-                    assert known or not spilled, (problem, entry.name, v.label, row["spill_stores"])
-                    if entry.name in ("maxsim/forward", "maxsim/document_grad"):  # IEEE fp32: FMA dots
-                        assert v.tensor_cores == (v.label != "ieee"), (entry.name, v.label)
-                    assert not v.tensor_cores or row["loop_wgmma"] + row["loop_mma"] > 0, (entry.name, v.label)
-                    if entry.name in ("maxsim/forward", "maxsim/query_grad"):
-                        assert row["ld_vector"] + row["cp_async"] > 0, (problem, entry.name, v.label)
-        print("ok")
-    """)
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
 def test_the_multi_vector_loss_takes_the_triton_backend():

@@ -329,7 +329,7 @@ def test_low_precision_inputs_against_fp32_truth(dtype):
 def test_the_default_tile_holds_its_temporaries_within_the_byte_budget():
     """The rows a byte budget gives (every direction: four blocks of columns) keep the sweep's temporaries within it:
     the exact peak of fwd + bwd is the gradients, O((B + M) K) scalars and at most the budget, with several tiles."""
-    from benchmarks.profiling import peak_tensor_bytes
+    from st_cached_losses.testing import peak_tensor_bytes
 
     world_q, docs = _inputs(256, 256, 768, 16)
     spec = _spec(world_q, docs, world_q, [16, 8, 4], directions=ALL_DIRECTIONS)
@@ -455,7 +455,7 @@ def test_more_than_2_pow_31_logits_matches_float64():
 
 def test_chunked_peak_memory_is_gradients_plus_one_tile():
     """Exact peak of tensor bytes allocated by fwd + bwd: at most 1.5x the embeddings plus one tile."""
-    from benchmarks.profiling import peak_tensor_bytes
+    from st_cached_losses.testing import peak_tensor_bytes
 
     world_q, docs = _inputs(1024, 1024, 1024, 96)
     q, c = world_q.requires_grad_(), docs.requires_grad_()

@@ -243,30 +243,3 @@ REFUSED = {
 def test_refusals_name_the_reason(overrides, error, message):
     with pytest.raises(error, match=message):
         _call(**overrides)
-
-
-@pytest.mark.slow  # a benchmark's smoke run
-def test_the_loss_stage_contest_runs(tmp_path):
-    """benchmarks/loss_stage.py --in-batch-negatives at a tiny size: a CSV row per contender and metric, the table."""
-    from benchmarks import loss_stage
-
-    loss_stage.main(
-        [
-            "--in-batch-negatives",
-            "--sizes",
-            "16",
-            "--dim",
-            "8",
-            "--dims",
-            "8",
-            "4",
-            "--repeats",
-            "1",
-            "--out",
-            str(tmp_path),
-        ]
-    )
-    records = loss_stage.read_csv(tmp_path / "loss_stage_in_batch_negatives.csv")
-    assert {r["contender"] for r in records} == {"inputs", "in_batch", "own_only", "own_only_absent"}
-    assert (tmp_path / "loss_stage_in_batch_negatives.png").stat().st_size > 0
-    assert "| 16 |" in loss_stage.in_batch_table(records)

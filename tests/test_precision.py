@@ -4,7 +4,8 @@ multiplies bf16-rounded operands exactly; the one rule of the precision, its CUD
 of flags), and torch's TF32 flag set as transformers sets it; the TF32 switch is scoped to the op and restores the
 caller's setting; the bf16 accumulation path follows from the device and torch alone; the chunked backend's
 CUDA-sized tiles. The Triton backends' modes are in tests/test_triton.py and tests/test_maxsim_triton.py
-(interpreter: there the MaxSim chunked backend's bf16 is compared with the kernels') and tests/test_cuda.py (GPU)."""
+(interpreter: there the MaxSim chunked backend's bf16 is compared with the kernels') and tests/cuda/test_cuda.py
+(GPU)."""
 
 from __future__ import annotations
 

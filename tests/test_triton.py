@@ -1,7 +1,7 @@
 """The Triton backend (``ops/triton/blocks.py``: cuBLAS GEMMs around fused Triton passes) under Triton's CPU
 interpreter, against the float64 reference (``ops/reference.py``) on the same inputs: loss, LSE, d queries, d docs,
 d world queries, every option, ragged shapes and blocks; the precision modes' numerics where a CPU can emulate them;
-the kernels' sm_90 compilation (registers, spills, vector loads) and the launches of one op call.
+the launches of one op call. (The kernels' sm_90 compilation: ``tests/benchmarks/test_compile_report.py``.)
 
 TRITON_INTERPRET must be set before the kernels are decorated (triton.jit picks the interpreter at decoration time),
 so it is set here, before the backend is imported; if another test module imported the backend first without it,
@@ -17,10 +17,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 import collections
 import dataclasses
 import importlib
-import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -282,7 +278,7 @@ def test_bf16_planes_are_as_precise_as_plain_bf16_pytorch():
     """ "bf16": bf16 operands, each band's product rounded to bf16 (the planes, as stock's bf16 scores are), the
     softmax, LSEs and sums in fp32. On bf16 inputs (the operands exactly) against the float64 truth: within the
     error model (a logit is off by at most scale * 2^-8 |cos|, summed over the bands) and no worse than the dense
-    reference computed in bf16, plain PyTorch's precision (benchmarks/cuda_checks.py's rule)."""
+    reference computed in bf16, plain PyTorch's precision (tests/cuda/cuda_checks.py's rule)."""
     queries, docs, world, spec, _ = _problem(
         batch=37, dim=48, dims=[48, 24, 8], dtype=torch.bfloat16, directions=ALL_DIRECTIONS, precision="bf16"
     )
@@ -406,45 +402,6 @@ def test_cuda_blocks_take_a_quarter_of_the_free_memory_within_bounds(monkeypatch
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2**30)
     assert blocks.block_bytes(torch.device("cuda")) == budget_mib * 2**20
     assert blocks.block_bytes(torch.device("cpu")) == blocks.BLOCK_BYTES
-
-
-def _run_python(code: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True, timeout=600
-    )
-
-
-@pytest.mark.slow  # a fresh interpreter and Triton's ahead-of-time compile
-def test_kernels_compile_for_hopper_without_spills_and_with_vector_loads():
-    """The interpreter runs programs the compiler rejects: compile every kernel the sweep launches for sm_90 (no GPU
-    needed: Triton's LLVM and bundled ptxas), in a process without TRITON_INTERPRET, for bf16 and fp32 planes at
-    five and eight dims. ptxas must report no spills; the pass kernel must read and write the planes with 16-byte
-    vector accesses (``ld.global.v4``), never scalar 16-bit loads (the first H100 run's 2%-of-roofline kernels read
-    every embedding with a scalar ``ld.global.b16``)."""
-    pytest.importorskip("triton.backends.nvidia")
-    result = _run_python("""
-        import json
-        from benchmarks.gpu.compile_report import measure
-        from benchmarks.gpu.kernels import KERNELS, dense_variants
-        rows = []
-        for entry in (e for e in KERNELS if e.name.startswith("dense/")):
-            for dims in (5, 8):
-                for v in dense_variants(entry.name, dims):
-                    if v.label in ("bf16", "fp32"):
-                        got = measure(entry, v)
-                        rows.append(dict(name=entry.name, precision=v.label, dims=dims, registers=got["registers"],
-                                         spills=got["spill_stores"] + got["spill_loads"], vector=got["ld_vector"],
-                                         scalar16=got["ld_scalar_b16"]))
-        print(json.dumps(rows))
-    """)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(rows) == 16
-    for row in rows:
-        assert row["spills"] == 0 and row["registers"] <= 255, row
-        if row["name"].startswith("dense/pass"):
-            assert row["scalar16"] == 0 and row["vector"] >= row["dims"], row  # each plane's tile: vector loads
 
 
 # Ops that only make views or allocate: no kernel launch on a GPU.

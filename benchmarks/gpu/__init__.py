@@ -18,7 +18,7 @@ table and the issues' targets (met, missed, not measured), and a short table (ea
 printed last:
 
 1. ``correctness`` (``gpu/correctness.py``, ``correctness.csv``): the Triton and chunked backends against a float64
-   truth on ``benchmarks/cuda_checks.py``'s cases (those of ``python -m pytest -m cuda``), then ``maxsim_infonce``'s
+   truth on ``tests/cuda/cuda_checks.py``'s cases (those of ``python -m pytest -m cuda``), then ``maxsim_infonce``'s
    Triton and chunked backends on its MaxSim cases; short by default (three dense and two MaxSim cases in fp32, bf16
    and under bf16 autocast), ``--correctness full`` for every case, precision and forced block size.
 2. ``loss_stage`` (``gpu/loss_stage.py``, ``loss_stage.csv``): ``matryoshka_infonce`` (auto, triton, chunked) against

@@ -1,6 +1,6 @@
 """Correctness of the loss-stage backends against a float64 truth: step 1 of ``python -m benchmarks.gpu``.
 
-The cases are ``benchmarks/cuda_checks.py``'s (those of ``python -m pytest -m cuda``), each for the Triton and the
+The cases are ``tests/cuda/cuda_checks.py``'s (those of ``python -m pytest -m cuda``), each for the Triton and the
 chunked backend, under apple/ml-cross-entropy's rule (at most a stated margin above plain PyTorch's error in the same
 precision). Two lists:
 
@@ -24,8 +24,8 @@ import math
 import time
 from pathlib import Path
 
-from benchmarks import cuda_checks, maxsim_cuda_checks
 from benchmarks.core import report
+from tests.cuda import cuda_checks, maxsim_cuda_checks
 
 __all__ = ["LISTS", "SHORT_CASES", "SHORT_MAXSIM", "SHORT_PRECISIONS", "plan", "run", "runs", "write"]
 

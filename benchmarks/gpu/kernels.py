@@ -2,15 +2,16 @@
 for sm_90 without a GPU, and what its test holds to the rules (no register spills; tensor-core instructions in the
 hot loop where a variant declares them).
 
-Each kernel's variants come from the module that launches it, so the report compiles what a call runs:
+Each kernel's variants come from the configs and plan of the module that launches it (through ``specs.py``), so
+the report compiles what a call runs:
 
 - ``matryoshka_infonce`` (``ops/triton/blocks.py``): the fused pass kernel (PASS 1 and 2), the rows kernel and the
-  finishing kernel of ``ops/triton/fused.py``, as ``passes.kernel_variants`` builds them (the launch configs
+  finishing kernel of ``ops/triton/fused.py``, as ``specs.kernel_variants`` builds them (the launch configs
   ``passes.CONFIGS``), per input dtype: bf16 (bf16 planes), fp16 and fp32 (fp32 planes; TF32 and IEEE launch the
   same Triton kernels, the GEMMs are cuBLAS'). Elementwise: no tensor cores declared. The problem: the training
   default (cosine, query_to_doc, five dims 768 ... 64) at B = M = 16384, D = 768, in the row blocks ``plan_rows``
   gives;
-- ``maxsim_infonce`` (``ops/maxsim/triton_host.py``): its five kernels from ``triton_plan.kernel_specs`` (the plan the
+- ``maxsim_infonce`` (``ops/maxsim/triton_host.py``): its five kernels from ``specs.kernel_specs`` (the plan the
   host chooses), per precision bf16, TF32 (fp32 inputs), IEEE (fp32: FMA dots, no tensor cores) and fp16 inputs (its
   operands on tensor cores); the problem of the host's prediction: B = M = 512, Lq 32, Ld 128, D 128, dims
   128/96/64/32, both sides cosine.
@@ -126,7 +127,7 @@ def _dense_grid(name: str, constexprs: dict, rows: int) -> int:
 @functools.cache
 def dense_variants(name: str, num_dims: int = len(DENSE["dims"])) -> tuple[Variant, ...]:
     """The variants of dense kernel ``name`` ("dense/pass1", ...) per :data:`DENSE_PRECISIONS` label."""
-    from st_cached_losses.ops.triton.passes import kernel_variants
+    from benchmarks.gpu.specs import kernel_variants
 
     out = []
     for label, (precision, dtype) in DENSE_PRECISIONS.items():
@@ -178,7 +179,7 @@ MAXSIM_PRECISIONS = {
 def maxsim_variants(name: str, **problem) -> tuple[Variant, ...]:
     """The variants of MaxSim kernel ``name`` ("forward", ...) per :data:`MAXSIM_PRECISIONS` label, at ``problem``
     (``kernel_specs``' keywords over :data:`MAXSIM`)."""
-    from st_cached_losses.ops.maxsim.triton_plan import kernel_specs
+    from benchmarks.gpu.specs import kernel_specs
 
     size = {**MAXSIM, **problem}
     out = []

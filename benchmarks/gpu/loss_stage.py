@@ -28,8 +28,8 @@ from benchmarks.core.data import embeddings
 from benchmarks.core.memory import peak_tensor_bytes
 from benchmarks.core.rounds import choice_rows
 from benchmarks.core.timing import Budget, Timer, bench
-from benchmarks.cuda_checks import matmul_precision
 from st_cached_losses.ops import recorded_choices
+from tests.cuda.cuda_checks import matmul_precision
 
 __all__ = ["INPUTS", "Plan", "matmul_peak", "plan", "run", "summary_lines", "write"]
 

@@ -64,9 +64,9 @@ def op_calls(mode: str, steps, correctness_list: str = "short") -> list[Call]:
 
 
 def _correctness_calls(mode: str, which: str) -> list[Call]:
-    from benchmarks import cuda_checks, maxsim_cuda_checks
     from benchmarks.gpu import correctness
     from st_cached_losses.ops.infonce import run_backend
+    from tests.cuda import cuda_checks, maxsim_cuda_checks
 
     def call(case, precision, block_rows):
         with cuda_checks.matmul_precision(cuda_checks.PRECISIONS[precision][1]):
@@ -89,8 +89,8 @@ def _correctness_calls(mode: str, which: str) -> list[Call]:
 
 
 def _loss_stage_calls(mode: str) -> list[Call]:
-    from benchmarks.cuda_checks import matmul_precision
     from benchmarks.gpu import loss_stage
+    from tests.cuda.cuda_checks import matmul_precision
 
     plan = loss_stage.plan(mode)
 

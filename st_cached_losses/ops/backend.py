@@ -96,8 +96,9 @@ def _registry(*entries: Backend) -> dict[str, dict[str, Backend]]:
     return registry
 
 
-# Verified sets: the CUDA compute capabilities on which a Triton backend passed the CUDA suite (tests/test_cuda.py via
-# ``python -m benchmarks.gpu``) with results committed under benchmarks/results/gpu/; "auto" picks it only there.
+# Verified sets: the CUDA compute capabilities on which a Triton backend passed the CUDA suite
+# (tests/cuda/test_cuda.py via ``python -m benchmarks.gpu``) with results committed under benchmarks/results/gpu/;
+# "auto" picks it only there.
 # Both Triton backends (matryoshka_infonce's row blocks, maxsim_infonce's fused kernels) have not run on a GPU yet
 # (the first, retired matryoshka_infonce kernels passed the quick suite on one H100, 2026-11-26): empty.
 REGISTRY: dict[str, dict[str, Backend]] = _registry(

@@ -77,7 +77,7 @@ def forward(
 
     Computes in ``compute_dtype``, by default fp32 (fp64 for fp64 inputs); gradients come back in the inputs'
     dtype. ``compute_dtype=queries.dtype`` is plain PyTorch in the inputs' precision, the yardstick of the
-    GPU checks (``benchmarks/cuda_checks.py``). ``guide``: a guide model's (queries, docs) embeddings for
+    GPU checks (``tests/cuda/cuda_checks.py``). ``guide``: a guide model's (queries, docs) embeddings for
     ``spec.false_negatives``; ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) for
     ``spec.mask_duplicates``; ``memory``: banked documents, more columns after the docs', without gradient;
     ``document_present``: (M,) bool, False for an absent document (no row scores it).

@@ -4,8 +4,7 @@ in one sweep, and its backends.
 - ``op.py``: the op (its autograd Function is the op core's, ``ops/core.py``); ``spec.py``: the validated problem;
 - ``reference.py`` (dense, the test oracle), ``chunked.py`` (query tiles against document blocks, any device) and
   ``gradients.py`` (the chunked backend's gathers and scatter-adds at the argmaxes);
-- ``triton_host.py`` (the Triton backend: ``triton_kernels.py``'s kernels, shapes from ``triton_plan.py``,
-  ``kernel_specs`` for the compile report).
+- ``triton_host.py`` (the Triton backend: ``triton_kernels.py``'s kernels, shapes from ``triton_plan.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The Triton MaxSim backend's shapes: query tiles, each kernel's program shape, dtypes and compile-time constants.
 
-One :class:`Plan` per call (``Plan.choose``), read by ``triton_host.py``'s launches and, through
-:func:`kernel_specs`, by the compile report (``python -m benchmarks.gpu --compile-report``). The sizes are H100-minded
+One :class:`Plan` per call (``Plan.choose``), read by ``triton_host.py``'s launches and by the compile report
+(``python -m benchmarks.gpu --compile-report``, through ``benchmarks/gpu/specs.py``). The sizes are H100-minded
 guesses (see ``triton_host.py``'s prediction), not tuned: no GPU has run them yet.
 """
 
@@ -15,16 +15,9 @@ import triton
 import triton.language as tl
 
 from .spec import MaxSimSpec
-from .triton_kernels import (
-    INTERPRETED,
-    _document_grad_kernel,
-    _forward_kernel,
-    _infonce_kernel,
-    _inverse_norms_kernel,
-    _query_grad_kernel,
-)
+from .triton_kernels import INTERPRETED
 
-__all__ = ["TILE_BYTES", "KernelSpec", "Plan", "index_dtype", "int32_refusal", "int32_tile_queries", "kernel_specs"]
+__all__ = ["TILE_BYTES", "Plan", "index_dtype", "int32_refusal", "int32_tile_queries"]
 
 # A tile's buffers: per (dim, query, document) its logits (then their gradients), and with gradients per (dim,
 # document, query token) the argmax. 64 MiB: B = 512 (Lq 32, M 1024, four dims) in one tile.
@@ -259,113 +252,3 @@ def _types(dtype: torch.dtype, precision: str) -> dict:
         PREC_GRAD=tf32 if grad == tl.float32 else "ieee",
         UPCAST_GRAD=INTERPRETED and grad == tl.bfloat16,
     )
-
-
-# ------------------------------------------------------------------------------------------ the compile report
-
-_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-# What Triton's launcher specialises at run time (16-byte aligned pointers; sizes and strides that are multiples of
-# 16): the report problem's (Lq 32, Ld 128, M 512) are.
-_MULTIPLES_OF_16 = {"num_docs", "Lq", "Ld", "q_stride", "c_stride", "inv_stride", "out_stride", "rows"}
-
-
-@dataclass(frozen=True)
-class KernelSpec:
-    """One kernel as a call launches it: ``fn`` (the ``@triton.jit`` function), ``signature`` (argument -> Triton
-    type, "constexpr" for compile-time ones), ``constexprs``, ``attrs`` (what the launches guarantee: {(arg index,):
-    [["tt.divisibility", 16]]}), ``options`` (num_warps, num_stages), ``tensor_cores`` (whether its hot loop must
-    issue mma / wgmma: the forward and the one-hot product, unless their dots are IEEE fp32 / fp64 ones, which run on
-    the FMA units), ``grid`` (programs of one launch) and ``tiles`` (query tiles of the call)."""
-
-    name: str
-    fn: object
-    signature: dict
-    constexprs: dict
-    attrs: dict
-    options: dict
-    tensor_cores: bool
-    grid: int
-    tiles: int
-
-
-def kernel_specs(
-    dtype: torch.dtype = torch.bfloat16,
-    dims=(128, 96, 64, 32),
-    lq: int = 32,
-    ld: int = 128,
-    dim: int = 128,
-    batch: int = 512,
-    num_docs: int = 512,
-    similarity=("cosine", "cosine"),
-    length_normalize: bool = False,
-    precision: str = "bf16",
-) -> list[KernelSpec]:
-    """Every kernel a call with gradients launches for (``batch``, ``lq``, ``dim``) ``dtype`` queries against
-    (``num_docs``, ``ld``, ``dim``) documents in ``precision`` (cosine sides re-normalise the dims below ``dim``),
-    from the :class:`Plan` the host would choose. The default: triton_host.py's prediction's problem (bf16)."""
-    spec = MaxSimSpec(
-        dims=tuple(sorted(dims, reverse=True)),
-        weights=(1.0,) * len(dims),
-        order=tuple(range(len(dims))),
-        scale=20.0,
-        query_cosine=similarity[0] == "cosine",
-        document_cosine=similarity[1] == "cosine",
-        embedding_dim=dim,
-        length_normalize=length_normalize,
-        offset=0,
-        batch_size=batch,
-        num_docs=num_docs,
-        precision=precision,
-    )
-    plan = Plan.choose(spec, dtype, lq, ld, dim, need_grad=True)
-    acc = "*fp64" if dtype == torch.float64 else "*fp32"
-    pointers = dict.fromkeys(("Q", "C", "X", "DQ", "DC_OUT"), "*" + _NAMES[dtype])
-    pointers.update(dict.fromkeys(("QINV", "CINV", "INV", "LOGITS", "G", "LSE", "LOSS", "DC_PREV", "INVDEN"), acc))
-    index = {torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32"}[plan.index]
-    pointers.update(QMASK="*i1", CMASK="*i1", EMPTY="*i8", ARGMAX=index)
-    fma = {tl.float32, tl.float64}
-    forward_tc = not (plan.types["OPD"] in fma and plan.types["PREC"] == "ieee")
-    document_tc = not (plan.types["GD"] in fma and plan.types["PREC_GRAD"] == "ieee")
-    rows, k = min(plan.tile_queries, batch), len(spec.dims)
-    norms = {**plan.bands, "NORM": plan.consts["CN"], "D": dim, "BR": plan.norm_rows, "BD": plan.block_d}
-    infonce = dict(K=k, NEED_GRAD=True, BR=plan.infonce_rows, BN=plan.infonce_cols)
-    launches = [
-        (
-            "inverse_norms",
-            _inverse_norms_kernel,
-            {**norms, "ACC": plan.acc},
-            False,
-            math.ceil(num_docs * ld / plan.norm_rows),
-        ),  # the documents' launch (the queries': B Lq rows)
-        (
-            "forward",
-            _forward_kernel,
-            {**plan.forward_consts, "STORE_ARGMAX": True},
-            forward_tc,
-            math.ceil(rows / plan.forward_queries) * math.ceil(num_docs / plan.docs_per_program),
-        ),
-        ("infonce", _infonce_kernel, {**infonce, "ACC": plan.acc}, False, math.ceil(rows / plan.infonce_rows) * k),
-        ("query_grad", _query_grad_kernel, plan.query_consts, False, math.ceil(rows / plan.grad_queries)),
-        (
-            "document_grad",
-            _document_grad_kernel,
-            {**plan.document_consts, "LOAD_PREV": True},
-            document_tc,
-            num_docs * math.ceil(ld / plan.doc_tokens),
-        ),
-    ]
-    specs = []
-    for name, fn, consts, tensor_cores, grid in launches:
-        options = {"num_warps": 4, "num_stages": 1}
-        options.update({key: consts.pop(key) for key in ("num_warps", "num_stages") if key in consts})
-        constexprs = {key: value for key, value in consts.items() if key in fn.arg_names}
-        scalar = {arg: "fp32" if arg in ("scale", "grad_factor") else "i32" for arg in fn.arg_names}
-        scalar["WEIGHTS"] = ("fp32",) * k  # the dims' weights: a tuple of run-time floats
-        signature = {arg: "constexpr" if arg in constexprs else pointers.get(arg, scalar[arg]) for arg in fn.arg_names}
-        attrs = {
-            (i,): [["tt.divisibility", 16]]
-            for i, (arg, kind) in enumerate(signature.items())
-            if str(kind).startswith("*") or arg in _MULTIPLES_OF_16
-        }
-        specs.append(KernelSpec(name, fn, signature, constexprs, attrs, options, tensor_cores, grid, plan.tiles(batch)))
-    return specs

@@ -20,7 +20,7 @@ S[k] + ... + S[K-1]. Then:
 No atomics: every output is written by the one program that owns it, and the partial sums are reduced in a fixed
 order (deterministic). Decorated at import: under ``TRITON_INTERPRET=1`` (set before triton is imported) they run in
 Triton's CPU interpreter on CPU tensors (:data:`INTERPRETED`: the process's Triton mode, which ``probe.py`` reads).
-``passes.kernel_variants`` describes each kernel for the compile report.
+``benchmarks/gpu/specs.py`` describes each kernel for the compile report.
 """
 
 from __future__ import annotations

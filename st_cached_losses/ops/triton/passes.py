@@ -27,7 +27,7 @@ from .fused import (
 )
 from .launch import launch
 
-__all__ = ["CONFIGS", "Direction", "Launcher", "config", "constants", "device_constants", "kernel_variants", "padded"]
+__all__ = ["CONFIGS", "Direction", "Launcher", "config", "constants", "device_constants", "padded"]
 
 # (BM, BN) tiles of 8 warps: 8 elements per thread, one 16-byte load per bf16 plane (two for fp32). Checked with
 # ptxas for sm_90 (tests/test_triton.py): no spills at K = 8.
@@ -259,86 +259,3 @@ class Launcher:
             ACC=_ACC[self.acc],
             **cfg,
         )
-
-
-# ------------------------------------------------------------------------------------------ the compile report
-
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
-# Pointer arguments of each kernel that hold the embeddings' dtype ("input"), the planes' ("plane"), or a fixed one.
-_POINTERS = {
-    "S": "plane",
-    "X": "input",
-    "OUT": "input",
-    "DROP": "u8",
-    "ROW_IDS": "i32",
-    "COL_IDS": "i32",
-    "DIMS": "i32",
-    "LIVE": "i8",
-    "PRESENT": "u8",
-}
-# What every launch guarantees (the planes, the columns' inverse norms and the column terms are allocations of their
-# own, padded to whole tiles: ``padded``): 16-byte aligned pointers and 16-element strides, as Triton's JIT
-# specialises them at run time; the finishing kernel's for D = 768 (other D specialise their own at run time).
-_ALIGNED = {
-    "dense/pass1": ("S", "stride_band", "stride_row", "COL_INV", "stride_col_inv"),
-    "dense/pass2": (
-        "S",
-        "stride_band",
-        "stride_row",
-        "COL_INV",
-        "stride_col_inv",
-        "COL_T",
-        "stride_col_t_k",
-        "stride_col_t_r",
-    ),
-    "dense/rows": (),
-    "dense/finish": ("G", "stride_g", "X", "stride_x", "OUT", "stride_out", "d"),
-}
-
-
-def kernel_variants(precision: str = "bf16", num_dims: int = 5, input_dtype: torch.dtype | None = None) -> list[dict]:
-    """The kernels one op call launches, as the compile report compiles them for sm_90 without a GPU: one dict per
-    kernel with its name, ``kernel`` (the @triton.jit function), ``signature`` ({arg: Triton type or "constexpr"}),
-    ``constexprs``, ``attrs`` ({(arg index,): [["tt.divisibility", 16]]}: what the launches guarantee), num_warps,
-    num_stages and ``tensor_cores`` (False: elementwise, no dot). The training default: cosine, query_to_doc, no
-    hardness or masks, ``num_dims`` dims; ``precision`` "bf16" (bf16 planes), "tf32"/"ieee" (fp32) or "fp64"."""
-    plane = {"bf16": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
-    acc = torch.float64 if plane == torch.float64 else torch.float32
-    inputs = input_dtype or (torch.float32 if plane != torch.bfloat16 else torch.bfloat16)
-    types = {"plane": _TYPES[plane], "input": _TYPES[inputs]}
-    problem = dict(K=num_dims, COSINE=True, ACC=_ACC[acc])
-    direction = dict(MASK=0, HARD=0, LABEL=True, DUP=False, PARTNER=False, FILTER=False, ABSENT=False)
-    kernels = [
-        ("dense/pass1", _pass_kernel, {**problem, **direction, "PASS": 1, **CONFIGS["pass"]}),
-        ("dense/pass2", _pass_kernel, {**problem, **direction, "PASS": 2, **CONFIGS["pass"]}),
-        ("dense/rows", _rows_kernel, {**problem, "NDIR": 1, "JOINT": True, **CONFIGS["rows"]}),
-        ("dense/finish", _finish_kernel, {**problem, **CONFIGS["finish"]}),
-    ]
-    variants = []
-    for name, kernel, options in kernels:
-        run_options = {key: options.pop(key) for key in ("num_warps", "num_stages")}
-        constexprs = {key: value for key, value in options.items() if key in kernel.arg_names}
-        signature, attrs = {}, {}
-        for index, arg in enumerate(kernel.arg_names):
-            if arg in constexprs:
-                signature[arg] = "constexpr"
-            elif arg.isupper():  # a pointer
-                kind = _POINTERS.get(arg, _TYPES[acc])
-                signature[arg] = "*" + types.get(kind, kind)
-            else:
-                signature[arg] = "i32"
-            if arg in _ALIGNED[name]:
-                attrs[(index,)] = [["tt.divisibility", 16]]
-        variants.append(
-            dict(
-                name=name,
-                kernel=kernel,
-                signature=signature,
-                constexprs=constexprs,
-                attrs=attrs,
-                tensor_cores=False,
-                label=f"{precision} K={num_dims}",
-                **run_options,
-            )
-        )
-    return variants

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from benchmarks import cuda_checks, maxsim_cuda_checks
 from benchmarks.gpu import run
+from tests.cuda import cuda_checks, maxsim_cuda_checks
 
 
 # The whole dry run, minutes on a CPU: the tests that take it are marked slow.

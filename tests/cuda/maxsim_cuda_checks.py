@@ -1,10 +1,10 @@
 """Correctness of ``maxsim_infonce``'s backends on a GPU, case by case, against a float64 truth.
 
-The rule is ``benchmarks/cuda_checks.py``'s (apple/ml-cross-entropy's): for the loss, the per-dim losses and both
+The rule is ``tests/cuda/cuda_checks.py``'s (apple/ml-cross-entropy's): for the loss, the per-dim losses and both
 token gradients, a backend's relative error may exceed plain PyTorch's in the same precision by the precision's
 margin. The truth is the op's dense backend (every token similarity materialised) in float64 on the token vectors as
 the backend sees them; plain PyTorch is that backend on the operands as the precision mode rounds them (bf16), its
-einsums in fp32 or TF32. Used by ``tests/test_cuda.py`` and by ``python -m benchmarks.gpu`` (its ``--dry-run`` runs
+einsums in fp32 or TF32. Used by ``tests/cuda/test_cuda.py`` and by ``python -m benchmarks.gpu`` (its ``--dry-run`` runs
 the cases at tiny sizes on the CPU, the chunked backend standing in for Triton).
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from benchmarks.cuda_checks import (
+from tests.cuda.cuda_checks import (
     PLAIN_DTYPE,
     PRECISIONS,
     TRUTH_DEVICE_MAX_BYTES,

@@ -8,9 +8,9 @@ direction reads them, d world queries) with relative error ``||x - truth|| / ||t
 
 The truth is the dense reference (``ops/reference.py``) in float64 on the inputs as the backend sees them
 (cast to the precision, then upcast); plain PyTorch is the same reference computed in the inputs' own dtype
-(matmuls in bf16 / fp16 / TF32). ``benchmarks/maxsim_cuda_checks.py`` holds ``maxsim_infonce`` to the same rule.
+(matmuls in bf16 / fp16 / TF32). ``tests/cuda/maxsim_cuda_checks.py`` holds ``maxsim_infonce`` to the same rule.
 
-Used by ``tests/test_cuda.py`` (``python -m pytest -m cuda``) and by ``python -m benchmarks.gpu``, whose
+Used by ``tests/cuda/test_cuda.py`` (``python -m pytest -m cuda``) and by ``python -m benchmarks.gpu``, whose
 ``--dry-run`` runs every case at tiny sizes on the CPU with the chunked backend standing in for Triton, so that
 this code runs in CI.
 """

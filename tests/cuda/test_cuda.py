@@ -3,9 +3,9 @@ each precision mode of ``spec.precision``.
 
 Run with ``python -m pytest -m cuda`` on a machine with an NVIDIA GPU (``python -m benchmarks.gpu`` runs it). The
 default run never collects this module: it switches Triton's interpreter on for the CPU tests
-(``tests/conftest.py``). The problems come from ``benchmarks/cuda_checks.py`` (ragged, gathered, every direction and
+(``tests/conftest.py``). The problems come from ``tests/cuda/cuda_checks.py`` (ragged, gathered, every direction and
 hardness mode, dot, scale 100, one dim, and 8 queries against 2.4M documents: offsets past 2^31 elements) and, for
-``maxsim_infonce``, ``benchmarks/maxsim_cuda_checks.py`` (ragged masks with four weighted dims, a hard-negative
+``maxsim_infonce``, ``tests/cuda/maxsim_cuda_checks.py`` (ragged masks with four weighted dims, a hard-negative
 column with MeanMaxSim past 256 document tokens, the duplicate mask).
 
 The documented error (apple/ml-cross-entropy's rule, ``cuda_checks.TOLERANCES``): for the loss, the per-dim losses
@@ -23,11 +23,11 @@ import math
 import pytest
 import torch
 
-from benchmarks.cuda_checks import TOLERANCES, TRUTH_DEVICE_MAX_BYTES, cases, failures
-from benchmarks.maxsim_cuda_checks import maxsim_cases
-from benchmarks.maxsim_cuda_checks import run_case as run_maxsim_case
 from st_cached_losses.ops import gemm, reference
 from st_cached_losses.ops.infonce import run_backend
+from tests.cuda.cuda_checks import TOLERANCES, TRUTH_DEVICE_MAX_BYTES, cases, failures
+from tests.cuda.maxsim_cuda_checks import maxsim_cases
+from tests.cuda.maxsim_cuda_checks import run_case as run_maxsim_case
 
 pytestmark = pytest.mark.cuda
 

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("triton.backends.nvidia")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("correctness", "loss_stage", "multivector")
 
 

@@ -174,3 +174,44 @@ def test_multivector_in_batch_negatives_smoke(tmp_path):
         assert value[(name, 12, "seconds_median")] > 0 and value[(name, 12, "peak_bytes")] > 0
     assert (tmp_path / "multivector_loss_stage_in_batch_negatives.png").stat().st_size > 0
     assert "| 12 | ~" in multivector_loss_stage.in_batch_table(records)
+
+
+@pytest.mark.slow  # a benchmark's smoke run
+def test_the_loss_stage_contest_runs(tmp_path):
+    """benchmarks/loss_stage.py --in-batch-negatives at a tiny size: a CSV row per contender and metric, the table."""
+    loss_stage.main(
+        [
+            "--in-batch-negatives",
+            "--sizes",
+            "16",
+            "--dim",
+            "8",
+            "--dims",
+            "8",
+            "4",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    records = loss_stage.read_csv(tmp_path / "loss_stage_in_batch_negatives.csv")
+    assert {r["contender"] for r in records} == {"inputs", "in_batch", "own_only", "own_only_absent"}
+    assert (tmp_path / "loss_stage_in_batch_negatives.png").stat().st_size > 0
+    assert "| 16 |" in loss_stage.in_batch_table(records)
+
+
+@pytest.mark.slow  # embeds and trains a model
+def test_the_precision_benchmark_smoke(tmp_path):
+    """benchmarks/loss_precision.py at a tiny size: IEEE is float64's within fp32 rounding, bf16 within its own (the
+    bf16 rows are the rounding of the operands, well above fp32's and below 2%)."""
+    from benchmarks import loss_precision
+    from benchmarks.core.report import read_csv, values
+
+    loss_precision.main(["op", "loss", "--model", "tiny", "--sizes", "16", "--out", str(tmp_path)])
+    value = values([*read_csv(tmp_path / "loss_precision_op.csv"), *read_csv(tmp_path / "loss_precision_loss.csv")])
+    for metric in ("op_grad_rel_err", "param_grad_rel_err"):
+        assert value[("ieee", 16, metric)] < 1e-5 < 1e-3 < value[("bf16", 16, metric)] < 2e-2
+    assert value[("autocast", 16, "param_grad_rel_err")] > 1e-5  # the encoder's own bf16 rounding
+    assert (tmp_path / "loss_precision.png").stat().st_size > 0
+    assert "| 16 |" in (tmp_path / "loss_precision.md").read_text()
