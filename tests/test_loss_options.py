@@ -285,3 +285,19 @@ def test_each_loss_reads_its_options_from_one_object(tiny_model):
     model = tiny_multi_vector_encoder(token_dim=32)
     multi = CachedMultiVectorMatryoshkaLoss(model, CachedMultiVectorMultipleNegativesRankingLoss(model), [32, 8])
     assert multi.options.matryoshka_dims == (32, 8) and not hasattr(multi, "false_negative_margin")
+
+
+@pytest.mark.parametrize(
+    ("dims", "per_step", "draws"),
+    [
+        ([8, 4, 2], -1, [(8, 4, 2)]),
+        ([2, 8, 4], 3, [(8, 4, 2)]),
+        ([2, 8, 4], 7, [(8, 4, 2)]),
+        ([2, 8, 4], 2, [(8, 4), (8, 2), (4, 2)]),
+        ([2, 8, 4], 1, [(8,), (4,), (2,)]),
+    ],
+)
+def test_dim_draws_are_every_subset_a_step_may_train(dims, per_step, draws):
+    # As stock MatryoshkaLoss: 0 < n_dims_per_step < the number of dims samples, anything else trains every dim.
+    options = LossOptions(dims, n_dims_per_step=per_step)
+    assert options.dim_draws() == draws and options.draws_every_dim == (len(draws) == 1)

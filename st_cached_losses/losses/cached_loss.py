@@ -140,7 +140,7 @@ class CachedLossBase(GradCacheSteps):
     def _sample_dims(self) -> tuple[int, ...]:
         # The same random.sample call as MatryoshkaLoss, so a seed picks the same dims as stock.
         dim_indices = range(len(self.matryoshka_dims))
-        if 0 < self.n_dims_per_step < len(dim_indices):
+        if not self.options.draws_every_dim:
             dim_indices = sorted(random.sample(dim_indices, self.n_dims_per_step))
         return tuple(self.matryoshka_dims[i] for i in dim_indices)
 

@@ -8,6 +8,7 @@ signature (public: written out, for readers and type checkers) and the place tha
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, fields
@@ -151,6 +152,18 @@ class LossOptions:
         check_fsdp_sync(self.fsdp_sync)
         memory = ("memory_size", "memory_warmup_steps", "memory_max_age")
         self._set(**{name: integer(getattr(self, name)) for name in memory})
+
+    @property
+    def draws_every_dim(self) -> bool:
+        """Whether every step trains every dim: ``n_dims_per_step`` -1, or the number of dims or more (as stock
+        ``MatryoshkaLoss``, which then draws nothing)."""
+        return not 0 < self.n_dims_per_step < len(self.matryoshka_dims)
+
+    def dim_draws(self) -> list[tuple[int, ...]]:
+        """Every dims subset a step may train, dims descending (what a warm-up compiles for)."""
+        if self.draws_every_dim:
+            return [tuple(self.matryoshka_dims)]
+        return list(itertools.combinations(self.matryoshka_dims, self.n_dims_per_step))
 
     def _set(self, **values: Any) -> None:
         # A checked value in place of the given one (the dataclass is frozen once built).
