@@ -194,24 +194,25 @@ class CachedLossBase(GradCacheSteps):
         base loss by class name, the dims and weights), the base loss's own settings as stock ``Matryoshka2dLoss``
         lists them, then this loss's own (the mini-batch settings in effect; ``precision`` as asked and
         ``resolved_precision``, what runs: :attr:`resolved_precision`)."""
-        resolved = self.resolved_precision
+        resolved, options = self.resolved_precision, self.options
         return {
             "loss": type(self.loss).__name__,
-            "matryoshka_dims": self.matryoshka_dims,
-            "matryoshka_weights": self.matryoshka_weights,
-            "n_dims_per_step": self.n_dims_per_step,
+            "matryoshka_dims": options.matryoshka_dims,
+            "matryoshka_weights": options.matryoshka_weights,
+            "n_dims_per_step": options.n_dims_per_step,
             **card.base_loss_settings(self.loss),
+            # The mini-batch settings and fsdp_sync as the engine (GradCacheSteps) runs them: "auto" is measured.
             "mini_batch_size": AUTO if self.auto_mini_batch else self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "sort_by_length": self.sort_by_length,
-            "backend": self.backend,
-            "precision": self.precision,
+            "backend": options.backend,
+            "precision": options.precision,
             **({"resolved_precision": resolved} if resolved else {}),
             **self.filter_settings(),
-            "activation_budget": self.activation_budget,
+            "activation_budget": options.activation_budget,
             **({"fsdp_sync": self.fsdp_sync} if self.fsdp_sync != "per_backward" else {}),
-            **({"mask_duplicates": True} if self.mask_duplicates else {}),
-            **({"in_batch_negatives": False} if not self.in_batch_negatives else {}),
+            **({"mask_duplicates": True} if options.mask_duplicates else {}),
+            **({"in_batch_negatives": False} if not options.in_batch_negatives else {}),
             **self.bank_settings(),
             **(self.budget.chosen if self.budget is not None else {}),
         }

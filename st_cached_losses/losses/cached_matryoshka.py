@@ -225,14 +225,8 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
         }
         with naming_errors(owner):
             check_base_loss(loss, owner)
-            check_refusals(
-                type(self),
-                false_negative_margin=false_negative_margin,
-                false_negative_strategy=false_negative_strategy,
-                in_batch_negatives=check_flag("in_batch_negatives", in_batch_negatives),
-                **memory,
-                **cross_row_settings(loss),
-            )
+            flag = check_flag("in_batch_negatives", in_batch_negatives)
+            check_refusals(type(self), **{**options, **memory, "in_batch_negatives": flag}, **cross_row_settings(loss))
             _check_model(model, backend, owner)
             check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
             check_memory_options(*memory.values(), loss.gather_across_devices)

@@ -184,14 +184,7 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         with naming_errors(owner):
             check_multi_vector_base_loss(loss, owner)
             check_refusals(
-                type(self),
-                false_negative_margin=false_negative_margin,
-                false_negative_strategy=false_negative_strategy,
-                memory_size=memory_size,
-                memory_warmup_steps=memory_warmup_steps,
-                memory_max_age=memory_max_age,
-                dual_memory=dual_memory,
-                in_batch_negatives=check_flag("in_batch_negatives", in_batch_negatives),
+                type(self), **{**options, "in_batch_negatives": check_flag("in_batch_negatives", in_batch_negatives)}
             )
             _check_model(model, backend, owner)
             check_one_token_dim(unwrapped(model), owner)
