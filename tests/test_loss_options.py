@@ -11,6 +11,7 @@ import typing
 import numpy
 import pytest
 from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
+from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
 from sentence_transformers.sentence_transformer.losses import (
     CachedMultipleNegativesRankingLoss,
     MultipleNegativesRankingLoss,
@@ -35,6 +36,10 @@ from st_cached_losses.ops.backend import backends
 from st_cached_losses.ops.precision import PRECISIONS
 from st_cached_losses.ops.spec import FALSE_NEGATIVE_STRATEGIES
 from st_cached_losses.testing import tiny_multi_vector_encoder, tiny_sentence_transformer
+
+# Also run against the oldest supported sentence-transformers (.ci/run: python -m pytest -m oldest_st): the public
+# signatures and the card's settings are the same on every supported release.
+pytestmark = pytest.mark.oldest_st
 
 _KEYWORDS = (
     "*, mini_batch_size: 'int | str | None' = None, mini_batch_num_tokens: 'int | None' = None, "
@@ -201,7 +206,8 @@ def test_layer_config_dicts_are_as_before(tiny_model):
 
 def test_multi_vector_config_dict_is_as_before():
     model = tiny_multi_vector_encoder(token_dim=32)
-    base = CachedMultiVectorMultipleNegativesRankingLoss(model, mini_batch_size=16)
+    # similarity_fct given: its default is stock's, and changed in 6.3 (colbert_scores before, None since).
+    base = CachedMultiVectorMultipleNegativesRankingLoss(model, mini_batch_size=16, similarity_fct=colbert_scores)
     loss = CachedMultiVectorMatryoshkaLoss(model, base, [8, 32], [0.5, 1], 1, mask_duplicates=True)
     assert _config(loss) == [
         ("loss", "CachedMultiVectorMultipleNegativesRankingLoss"),
@@ -209,7 +215,7 @@ def test_multi_vector_config_dict_is_as_before():
         ("matryoshka_weights", (1, 0.5)),
         ("n_dims_per_step", 1),
         ("scale", 1.0),
-        ("similarity_fct", None),
+        ("similarity_fct", "colbert_scores"),
         ("mini_batch_size", 16),
         ("mini_batch_num_tokens", None),
         ("score_mini_batch_size", 16),
