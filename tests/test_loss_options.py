@@ -307,3 +307,12 @@ def test_dim_draws_are_every_subset_a_step_may_train(dims, per_step, draws):
     # As stock MatryoshkaLoss: 0 < n_dims_per_step < the number of dims samples, anything else trains every dim.
     options = LossOptions(dims, n_dims_per_step=per_step)
     assert options.dim_draws() == draws and options.draws_every_dim == (len(draws) == 1)
+
+
+def test_assigning_an_option_still_works_with_a_deprecation(tiny_model):
+    """Before the options object these were plain attributes that a script could assign: it still takes effect
+    (read by the next step through ``loss.options``), with a FutureWarning naming the constructor keyword."""
+    loss = CachedMatryoshkaLoss(tiny_model, MultipleNegativesRankingLoss(tiny_model), [48, 16])
+    with pytest.warns(FutureWarning, match=r"CachedMatryoshkaLoss\.backend after construction is deprecated.*backend="):
+        loss.backend = "dense"
+    assert loss.backend == "dense" and loss.options.backend == "dense"

@@ -10,6 +10,7 @@ Each loss adds its base losses (:mod:`.base_losses`), what it embeds (``encode``
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -58,8 +59,19 @@ def check_model_backend(model: nn.Module, backend: Any, op: str) -> None:
 
 
 def option_attribute(name: str, doc: str) -> property:
-    """A read-only attribute of the loss that is the option ``name`` of its :class:`.options.LossOptions`."""
-    return property(lambda self: getattr(self.options, name), doc=doc)
+    """The loss's attribute ``name``: the option of its :class:`.options.LossOptions`. Assigning it still works, as
+    the attribute did before the options object, but is deprecated (a FutureWarning): the value is not checked."""
+
+    def assign(self, value: Any) -> None:
+        warnings.warn(
+            f"Assigning {type(self).__name__}.{name} after construction is deprecated and unchecked: pass "
+            f"{name}=... when building the loss.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.options._set(**{name: value})
+
+    return property(lambda self: getattr(self.options, name), assign, doc=doc)
 
 
 class CachedLossBase(GradCacheSteps):
