@@ -132,8 +132,8 @@ def warm_up(
     workers = None if workers is None else _count("workers", workers, 1)
     if gpu is None:
         reason = "no CUDA GPU here and no target given: the loss runs no compiled Triton kernels"
-        return _skip(loss.backend, reason)
-    backend = _backend(loss.backend, op, explicit=target is not None, target=gpu)
+        return _skip(loss.options.backend, reason)
+    backend = _backend(loss.options.backend, op, explicit=target is not None, target=gpu)
     if backend != "triton":
         return _skip(backend, f"the loss's {op} runs backend {backend!r} on sm_{gpu.arch}, which compiles nothing")
     calls = _loss_calls(loss, op, batch_size, hard_negatives, tokens, dtype, absent)
@@ -192,18 +192,19 @@ def _loss_calls(
     columns = batch * (1 + negatives)
     meta = dict(dtype=dtype, device="meta")
     variants = _variants(loss, batch, columns, absent)
-    shared = {"in_batch_negatives": loss.in_batch_negatives}
+    asked = loss.options  # the loss's options (losses.options.LossOptions), as its steps read them
+    shared = {"in_batch_negatives": asked.in_batch_negatives}
     if op == "maxsim_infonce":
         from .losses.base_losses import length_normalize
 
-        dim = loss.token_dim or max(loss.matryoshka_dims)
+        dim = loss.token_dim or max(asked.matryoshka_dims)
         options = dict(
             scale=loss.loss.scale,
             similarity=loss.similarity,
             length_normalize=length_normalize(loss.loss, type(loss).__name__),
-            dims=loss.matryoshka_dims,
-            weights=loss.matryoshka_weights,
-            all_dims=loss.matryoshka_dims,
+            dims=asked.matryoshka_dims,
+            weights=asked.matryoshka_weights,
+            all_dims=asked.matryoshka_dims,
             **shared,
         )
         shapes = [((batch, lq, dim), (columns, ld, dim)) for lq, ld in itertools.product(*tokens)]
@@ -211,7 +212,7 @@ def _loss_calls(
             (
                 f"{op} B={batch} Lq={q[1]} Ld={c[1]}{label}",
                 lambda q=q, c=c, more=more: op_launches(
-                    op, torch.empty(q, **meta), torch.empty(c, **meta), precision=loss.precision, **options, **more
+                    op, torch.empty(q, **meta), torch.empty(c, **meta), precision=asked.precision, **options, **more
                 ),
             )
             for q, c in shapes
@@ -230,13 +231,13 @@ def _loss_calls(
         )
     dim = _model_dim(loss)
     queries, documents = torch.empty(batch, dim, **meta), torch.empty(columns, dim, **meta)
-    run = functools.partial(op_launches, op, queries, documents, precision=loss.precision, **options)
+    run = functools.partial(op_launches, op, queries, documents, precision=asked.precision, **options)
     return [
         (
             f"{op} B={batch} dims={list(dims)}{label}",
             functools.partial(run, dims=dims, weights=loss.dim_weights(dims), **more),
         )
-        for dims in _drawn(loss)
+        for dims in asked.dim_draws()
         for label, more in variants
     ]
 
@@ -246,7 +247,7 @@ def _variants(loss, batch: int, columns: int, absent: bool) -> list[tuple[str, d
     pair ids), each width class of the mask's table (``TABLE_WIDTHS``); with ``absent``, batches with and without
     absent documents."""
     ids: list[tuple[str, dict]] = [("", {})]
-    if loss.mask_duplicates or getattr(loss, "memory", None) is not None:
+    if loss.options.mask_duplicates or getattr(loss, "memory", None) is not None:
         ids = [
             (
                 f" table width {width}",
@@ -280,21 +281,12 @@ def _uncovered(loss) -> list[str]:
     return lines
 
 
-def _drawn(loss) -> list[tuple[int, ...]]:
-    """Every dims subset a training step of ``loss`` may draw (``n_dims_per_step``), dims descending."""
-    dims = sorted(loss.matryoshka_dims, reverse=True)
-    per_step = loss.n_dims_per_step
-    if per_step is None or per_step < 0 or per_step >= len(dims):
-        return [tuple(dims)]
-    return list(itertools.combinations(dims, per_step))
-
-
 def _model_dim(loss) -> int:
     from .gradcache.distributed import unwrapped
 
     get = getattr(unwrapped(loss.model), "get_embedding_dimension", None)
     dim = None if get is None else get()
-    return max(loss.matryoshka_dims) if dim is None else dim
+    return max(loss.options.matryoshka_dims) if dim is None else dim
 
 
 # ------------------------------------------------------------------------------------------------ the inputs

@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 
 def sorted_dims(
-    model: SentenceTransformer,
+    model: SentenceTransformer | None,
     dims: Sequence[int],
     weights: Sequence[float] | None,
     *,
@@ -25,7 +25,7 @@ def sorted_dims(
     not trained. A model whose embedding dimension is unknown (``get_embedding_dimension()`` None) bounds no dim, as
     in stock. ``embedding_dim``: the dimension to check against where the loss knows it better than the model's
     ``get_embedding_dimension()`` (a multi-vector model's token dim, read from its routes)."""
-    if embedding_dim is None:
+    if embedding_dim is None and model is not None:  # None: no model (options checked alone)
         embedding_dim = model.get_embedding_dimension()
     dims, _, order = check_dims(dims, weights, embedding_dim, "matryoshka_dims", "matryoshka_weights")
     weights = (1,) * len(dims) if weights is None else tuple(weights[i] for i in order)

@@ -8,6 +8,7 @@
   (``maxsim_infonce``);
 - ``cached_loss.py``: ``CachedLossBase``, what every loss shares (mini-batch settings, dims, weights, the dims' draw,
   the per-dim entries, the card's settings, the activation report, option checks naming the class);
+- ``options.py``: ``LossOptions``, the options every loss takes as one frozen dataclass, with their checks;
 - ``refusals.py``: the one table of the options each loss refuses, with the reason;
 - ``token_vectors.py``: the token vectors the multi-vector loss scores (L2-normalised as stock's Matryoshka shrink);
 - ``base_losses.py``: which base losses (of both families) are accepted and what their hyperparameters mean for the

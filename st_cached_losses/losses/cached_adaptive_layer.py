@@ -17,6 +17,7 @@ from ..gradcache._st_compat import untruncated_embedding_dimension
 from ..gradcache.step import Step
 from . import card, citations
 from .cached_matryoshka_2d import CachedMatryoshka2dLoss
+from .options import given_options
 
 # Without Matryoshka truncation the base loss's similarity_fct applies as is.
 _FULL_DIM_SIMILARITY = {cos_sim: "cosine", dot_score: "dot"}
@@ -120,33 +121,15 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         if dim is None:
             raise ValueError(f"{type(self).__name__} needs a model that reports its embedding dimension.")
         super().__init__(
-            model=model,
-            loss=loss,
-            matryoshka_dims=[dim],
-            matryoshka_weights=None,
+            model,
+            loss,
             n_layers_per_step=n_layers_per_step,
-            n_dims_per_step=-1,
             last_layer_weight=last_layer_weight,
             prior_layers_weight=prior_layers_weight,
             kl_div_weight=kl_div_weight,
             kl_temperature=kl_temperature,
             layer_weighting=layer_weighting,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            sort_by_length=sort_by_length,
-            backend=backend,
-            precision=precision,
-            show_progress_bar=show_progress_bar,
-            false_negative_margin=false_negative_margin,
-            false_negative_strategy=false_negative_strategy,
-            activation_budget=activation_budget,
-            fsdp_sync=fsdp_sync,
-            mask_duplicates=mask_duplicates,
-            memory_size=memory_size,
-            memory_warmup_steps=memory_warmup_steps,
-            memory_max_age=memory_max_age,
-            dual_memory=dual_memory,
-            in_batch_negatives=in_batch_negatives,
+            **given_options(locals(), matryoshka_dims=[dim], matryoshka_weights=None, n_dims_per_step=-1),
         )
 
     def op_options(self, step: Step) -> dict[str, Any]:

@@ -1,45 +1,35 @@
 """What every cached loss of this package shares on top of the GradCache engine (:class:`GradCacheSteps`): the
 mini-batch settings and their defaults, the Matryoshka dims and weights, the ``n_dims_per_step`` draw (stock
 MatryoshkaLoss's ``random.sample`` call), the op's precision, the per-dim entries ``forward`` returns, the model card's
-settings, the activation report, and the checks of the options every loss takes (numpy integers taken as ints, every
-error naming the class in use, the backend's one rule, the refused options from :mod:`.refusals`).
+settings, the activation report, the options every loss takes (:class:`.options.LossOptions`, built here, every
+error naming the class in use) and the backend's one rule; the refused options are :mod:`.refusals`'s.
 
 Each loss adds its base losses (:mod:`.base_losses`), what it embeds (``encode``) and step (2) (``calculate_loss``).
 """
 
 from __future__ import annotations
 
-import numbers
 import random
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-from ..gradcache._st_compat import validate_mini_batch_num_tokens
-from ..gradcache.activation_budget import AUTO, ActivationBudget, check_activation_budget, check_mini_batch_size
+from ..gradcache.activation_budget import AUTO, ActivationBudget
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
-from ..gradcache.dims import sorted_dims
 from ..gradcache.guide_model import GuideModel
 from ..gradcache.kept_minibatches import StepPlan
 from ..gradcache.loss_components import loss_components
-from ..gradcache.parallel import check_fsdp_sync
 from ..gradcache.step import LayerDraw, Step
 from ..gradcache.steps import GradCacheSteps
 from ..ops.backend import backends, check_backend
-from ..ops.core import check_precision, resolve_precision
+from ..ops.core import resolve_precision
 from . import card
+from .options import LossOptions, check_flag, integer, model_embeddings
 
-__all__ = ["CachedLossBase", "check_flag", "check_model_backend", "integer", "naming_errors"]
-
-
-def integer(value: Any) -> Any:
-    """A Python or numpy integer as an int (a bool stays a bool); anything else as given, for its check to refuse."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    return value
+__all__ = ["CachedLossBase", "check_flag", "check_model_backend", "integer", "naming_errors", "option_attribute"]
 
 
 @contextmanager
@@ -52,25 +42,6 @@ def naming_errors(owner: str) -> Iterator[None]:
         if type(error) not in (ValueError, TypeError) or owner in str(error):
             raise
         raise type(error)(f"{owner}: {error}") from error
-
-
-def check_flag(name: str, value: Any) -> bool:
-    """``value`` of a True / False option ``name``, or a TypeError naming it."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}.")
-    return value
-
-
-def check_n_dims_per_step(value: Any, num_dims: int) -> int:
-    """``n_dims_per_step`` as accepted: -1 (every dim) or a positive int (dims drawn per step; as in stock
-    ``MatryoshkaLoss``, one >= the number of dims draws every dim)."""
-    value = integer(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or value >= 1):
-        raise ValueError(
-            f"n_dims_per_step must be -1 (every dim) or a positive int (dims drawn per step, of the {num_dims} "
-            f"matryoshka_dims), got {value!r}."
-        )
-    return value
 
 
 def check_model_backend(model: nn.Module, backend: Any, op: str) -> None:
@@ -87,14 +58,20 @@ def check_model_backend(model: nn.Module, backend: Any, op: str) -> None:
         check_backend(backend, "cpu" if device is None else device, op=op)  # a name alone: refused before the device
 
 
-def _model_embeddings(model: nn.Module) -> Tensor | None:
-    """An empty tensor as the model's embeddings reach the loss under the trainer (its device, its parameters' dtype:
-    accelerate hands fp32 outputs of an fp32 model, outside autocast), or None for a model that does not say."""
-    device = getattr(model, "device", None)
-    parameter = next(iter(model.parameters()), None) if isinstance(model, nn.Module) else None
-    if device is None or parameter is None:
-        return None
-    return torch.empty(0, dtype=parameter.dtype, device=device)
+def option_attribute(name: str, doc: str) -> property:
+    """The loss's attribute ``name``: the option of its :class:`.options.LossOptions`. Assigning it still works, as
+    the attribute did before the options object, but is deprecated (a FutureWarning): the value is not checked."""
+
+    def assign(self, value: Any) -> None:
+        warnings.warn(
+            f"Assigning {type(self).__name__}.{name} after construction is deprecated and unchecked: pass "
+            f"{name}=... when building the loss.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.options._set(**{name: value})
+
+    return property(lambda self: getattr(self.options, name), assign, doc=doc)
 
 
 class CachedLossBase(GradCacheSteps):
@@ -102,15 +79,15 @@ class CachedLossBase(GradCacheSteps):
     InfoNCE hyperparameters.
 
     Args:
-        model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step: as the losses take them.
+        model, loss: as the losses take them.
+        options: the keywords of :class:`.options.LossOptions` as the loss was given them
+            (:func:`.options.given_options`), built into ``self.options`` here, with the model (the bars show when
+            this loss's or the base loss's ``show_progress_bar`` is True; without in-batch negatives nothing is
+            gathered across processes: :attr:`gathers`).
         embedding_dim: the dims' bound where the loss knows it (a multi-vector model's token dim), else None for the
             model's ``get_embedding_dimension()``.
         default_mini_batch: (mini_batch_size, mini_batch_num_tokens) the base loss implies
             (:func:`.base_losses.mini_batch_defaults`).
-        mini_batch_size, mini_batch_num_tokens, sort_by_length, backend, precision, show_progress_bar,
-            activation_budget, fsdp_sync, mask_duplicates, in_batch_negatives: the options every loss takes (the bars
-            show when this loss's or the base loss's ``show_progress_bar`` is True; without in-batch negatives nothing
-            is gathered across processes: :attr:`gathers`).
         guide: a GISTEmbed guide embedding step (1)'s mini-batches, or None.
         take_text_ids: take each row's text id (the duplicate mask, a memory bank).
     """
@@ -119,71 +96,45 @@ class CachedLossBase(GradCacheSteps):
         self,
         model: nn.Module,
         loss: nn.Module,
-        matryoshka_dims: Sequence[int],
-        matryoshka_weights: Sequence[float] | None,
-        n_dims_per_step: int,
+        options: Mapping[str, Any],
         *,
         embedding_dim: int | None,
         default_mini_batch: tuple[int, int | None],
-        mini_batch_size: int | str | None,
-        mini_batch_num_tokens: int | None,
-        sort_by_length: bool,
-        backend: str,
-        precision: str,
-        show_progress_bar: bool,
-        activation_budget: int | str | None,
-        fsdp_sync: str,
-        mask_duplicates: bool,
-        in_batch_negatives: bool = True,
         guide: GuideModel | None = None,
         take_text_ids: bool = False,
     ) -> None:
         with naming_errors(type(self).__name__):
-            default_size, default_tokens = default_mini_batch
-            mini_batch_size = check_mini_batch_size(
-                default_size if mini_batch_size is None else integer(mini_batch_size)
+            checked = LossOptions(
+                **options, model=model, embedding_dim=embedding_dim, default_mini_batch=default_mini_batch
             )
-            mini_batch_num_tokens = default_tokens if mini_batch_num_tokens is None else integer(mini_batch_num_tokens)
-            if mini_batch_num_tokens is not None and (
-                isinstance(mini_batch_num_tokens, bool) or not isinstance(mini_batch_num_tokens, int)
-            ):
-                raise ValueError(
-                    f"mini_batch_num_tokens must be a positive int or None, got {mini_batch_num_tokens!r}."
-                )
-            validate_mini_batch_num_tokens(mini_batch_num_tokens)
-            check_precision(precision)
-            embeddings = _model_embeddings(model)
-            if embeddings is not None:  # "bf16" / "tf32" of an fp64 model: refused now, not at the first loss
-                resolve_precision(precision, embeddings)
-            activation_budget = check_activation_budget(integer(activation_budget))
-            check_flag("mask_duplicates", mask_duplicates)
-            check_flag("in_batch_negatives", in_batch_negatives)
-            dims, weights = sorted_dims(model, matryoshka_dims, matryoshka_weights, embedding_dim=embedding_dim)
-            n_dims_per_step = check_n_dims_per_step(n_dims_per_step, len(dims))
-            budgeted = activation_budget is not None or mini_batch_size == AUTO
+            budgeted = checked.activation_budget is not None or checked.mini_batch_size == AUTO
             super().__init__(
                 model,
-                mini_batch_size=mini_batch_size,
+                mini_batch_size=checked.mini_batch_size,
                 default_mini_batch_size=DEFAULT_MINI_BATCH_SIZE,
-                mini_batch_num_tokens=mini_batch_num_tokens,
-                sort_by_length=sort_by_length,
+                mini_batch_num_tokens=checked.mini_batch_num_tokens,
+                sort_by_length=checked.sort_by_length,
                 # Either's, as stock's cached base loss shows its bars when the wrapper runs it.
-                show_progress_bar=show_progress_bar or bool(getattr(loss, "show_progress_bar", False)),
-                budget=ActivationBudget(activation_budget) if budgeted else None,
+                show_progress_bar=checked.show_progress_bar or bool(getattr(loss, "show_progress_bar", False)),
+                budget=ActivationBudget(checked.activation_budget) if budgeted else None,
                 guide=guide,
-                take_text_ids=take_text_ids or mask_duplicates,
-                fsdp_sync=check_fsdp_sync(fsdp_sync),
+                take_text_ids=take_text_ids or checked.mask_duplicates,
+                fsdp_sync=checked.fsdp_sync,
             )
         self.loss = loss
-        self.matryoshka_dims, self.matryoshka_weights = dims, weights
-        self.n_dims_per_step = n_dims_per_step
-        self.backend = backend
-        self.precision = precision
+        self.options = checked
         self.last_precision: str | None = None  # the last step's, resolved (a report, as masked_share)
-        self.activation_budget = activation_budget
-        self.mask_duplicates = mask_duplicates
-        self.in_batch_negatives = in_batch_negatives
         self.masked_share: float | None = None  # the last step's share of candidates the masks removed
+
+    # The shared options, read from ``self.options`` (the attributes the losses have always had).
+    matryoshka_dims = option_attribute("matryoshka_dims", "The dims, descending (a tuple).")
+    matryoshka_weights = option_attribute("matryoshka_weights", "Each dim's weight, in the dims' order (a tuple).")
+    n_dims_per_step = option_attribute("n_dims_per_step", "Dims drawn per step; -1: every dim.")
+    backend = option_attribute("backend", "The op's backend, as asked.")
+    precision = option_attribute("precision", "The op's precision, as asked (what runs: :attr:`resolved_precision`).")
+    activation_budget = option_attribute("activation_budget", "Bytes of kept activations, 'auto' or None.")
+    mask_duplicates = option_attribute("mask_duplicates", "Whether exact duplicates are kept out of the negatives.")
+    in_batch_negatives = option_attribute("in_batch_negatives", "Whether a row scores the other rows' documents.")
 
     @property
     def gathers(self) -> bool:
@@ -201,7 +152,7 @@ class CachedLossBase(GradCacheSteps):
     def _sample_dims(self) -> tuple[int, ...]:
         # The same random.sample call as MatryoshkaLoss, so a seed picks the same dims as stock.
         dim_indices = range(len(self.matryoshka_dims))
-        if 0 < self.n_dims_per_step < len(dim_indices):
+        if not self.options.draws_every_dim:
             dim_indices = sorted(random.sample(dim_indices, self.n_dims_per_step))
         return tuple(self.matryoshka_dims[i] for i in dim_indices)
 
@@ -226,7 +177,7 @@ class CachedLossBase(GradCacheSteps):
         model that does not say its device."""
         if self.last_precision is not None:
             return self.last_precision
-        embeddings = _model_embeddings(self.model)
+        embeddings = model_embeddings(self.model)
         return None if embeddings is None else resolve_precision(self.precision, embeddings)
 
     # ------------------------------------------------------------------------------------------ the entries
@@ -255,24 +206,25 @@ class CachedLossBase(GradCacheSteps):
         base loss by class name, the dims and weights), the base loss's own settings as stock ``Matryoshka2dLoss``
         lists them, then this loss's own (the mini-batch settings in effect; ``precision`` as asked and
         ``resolved_precision``, what runs: :attr:`resolved_precision`)."""
-        resolved = self.resolved_precision
+        resolved, options = self.resolved_precision, self.options
         return {
             "loss": type(self.loss).__name__,
-            "matryoshka_dims": self.matryoshka_dims,
-            "matryoshka_weights": self.matryoshka_weights,
-            "n_dims_per_step": self.n_dims_per_step,
+            "matryoshka_dims": options.matryoshka_dims,
+            "matryoshka_weights": options.matryoshka_weights,
+            "n_dims_per_step": options.n_dims_per_step,
             **card.base_loss_settings(self.loss),
+            # The mini-batch settings and fsdp_sync as the engine (GradCacheSteps) runs them: "auto" is measured.
             "mini_batch_size": AUTO if self.auto_mini_batch else self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "sort_by_length": self.sort_by_length,
-            "backend": self.backend,
-            "precision": self.precision,
+            "backend": options.backend,
+            "precision": options.precision,
             **({"resolved_precision": resolved} if resolved else {}),
             **self.filter_settings(),
-            "activation_budget": self.activation_budget,
+            "activation_budget": options.activation_budget,
             **({"fsdp_sync": self.fsdp_sync} if self.fsdp_sync != "per_backward" else {}),
-            **({"mask_duplicates": True} if self.mask_duplicates else {}),
-            **({"in_batch_negatives": False} if not self.in_batch_negatives else {}),
+            **({"mask_duplicates": True} if options.mask_duplicates else {}),
+            **({"in_batch_negatives": False} if not options.in_batch_negatives else {}),
             **self.bank_settings(),
             **(self.budget.chosen if self.budget is not None else {}),
         }

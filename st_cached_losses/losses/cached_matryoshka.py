@@ -34,7 +34,8 @@ from .base_losses import (
     guide_model,
     mini_batch_defaults,
 )
-from .cached_loss import CachedLossBase, check_flag, check_model_backend, integer, naming_errors
+from .cached_loss import CachedLossBase, check_flag, check_model_backend, integer, naming_errors, option_attribute
+from .options import given_options
 from .refusals import check_refusals
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
                 trainer.train()
         """
         owner = type(self).__name__
+        options = given_options(locals())
         memory = {
             "memory_size": integer(memory_size),
             "memory_warmup_steps": integer(memory_warmup_steps),
@@ -223,48 +225,37 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
         }
         with naming_errors(owner):
             check_base_loss(loss, owner)
-            check_refusals(
-                type(self),
-                false_negative_margin=false_negative_margin,
-                false_negative_strategy=false_negative_strategy,
-                in_batch_negatives=check_flag("in_batch_negatives", in_batch_negatives),
-                **memory,
-                **cross_row_settings(loss),
-            )
+            flag = check_flag("in_batch_negatives", in_batch_negatives)
+            check_refusals(type(self), **{**options, **memory, "in_batch_negatives": flag}, **cross_row_settings(loss))
             _check_model(model, backend, owner)
             check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
             check_memory_options(*memory.values(), loss.gather_across_devices)
         super().__init__(
             model,
             loss,
-            matryoshka_dims,
-            matryoshka_weights,
-            n_dims_per_step,
+            options,
             embedding_dim=untruncated_embedding_dimension(unwrapped(model)),  # stock's bound, truncate_dim aside
             default_mini_batch=mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE),
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            sort_by_length=sort_by_length,
-            backend=backend,
-            precision=precision,
-            show_progress_bar=show_progress_bar,
-            activation_budget=activation_budget,
-            fsdp_sync=fsdp_sync,
-            mask_duplicates=mask_duplicates,
-            in_batch_negatives=in_batch_negatives,
             guide=guide_model(loss),
             take_text_ids=memory["memory_size"] > 0,
         )
-        self.false_negative_margin = false_negative_margin
-        self.false_negative_strategy = false_negative_strategy
-        size = memory["memory_size"]
+        size = self.options.memory_size
         self.memory = (
             MemoryBank(
-                size, warmup_steps=memory["memory_warmup_steps"], max_age=memory["memory_max_age"], dual=dual_memory
+                size,
+                warmup_steps=self.options.memory_warmup_steps,
+                max_age=self.options.memory_max_age,
+                dual=self.options.dual_memory,
             )
             if size
             else None
         )
+
+    # The self-guided filter's options, read from ``self.options`` (the attributes this loss has always had).
+    false_negative_margin = option_attribute("false_negative_margin", "The filter's margin, or None: no filter.")
+    false_negative_strategy = option_attribute(
+        "false_negative_strategy", "How the margin applies: 'absolute' or 'relative'."
+    )
 
     def forward(
         self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None

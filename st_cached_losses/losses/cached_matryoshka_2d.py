@@ -34,6 +34,7 @@ from . import card, citations
 from .base_losses import MNRL_LOSSES, check_base_loss
 from .cached_loss import integer, naming_errors
 from .cached_matryoshka import CachedMatryoshkaLoss
+from .options import given_options
 
 SUPPORTED_LOSSES = MNRL_LOSSES  # (Cached)MultipleNegativesRankingLoss, as stock's layer-wise losses take
 LAYER_WEIGHTINGS = ("uniform", "log", "linear")
@@ -179,29 +180,8 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                 prior_layers_weight=prior_layers_weight,
                 kl_div_weight=kl_div_weight,
             )
-        super().__init__(  # checks what CachedMatryoshkaLoss takes, and refuses (.refusals) the filter and a bank
-            model=model,
-            loss=loss,
-            matryoshka_dims=matryoshka_dims,
-            matryoshka_weights=matryoshka_weights,
-            n_dims_per_step=n_dims_per_step,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            sort_by_length=sort_by_length,
-            backend=backend,
-            precision=precision,
-            show_progress_bar=show_progress_bar,
-            false_negative_margin=false_negative_margin,
-            false_negative_strategy=false_negative_strategy,
-            activation_budget=activation_budget,
-            fsdp_sync=fsdp_sync,
-            mask_duplicates=mask_duplicates,
-            memory_size=memory_size,
-            memory_warmup_steps=memory_warmup_steps,
-            memory_max_age=memory_max_age,
-            dual_memory=dual_memory,
-            in_batch_negatives=in_batch_negatives,
-        )
+        # CachedMatryoshkaLoss checks the options it takes, and refuses (.refusals) the filter and a bank.
+        super().__init__(model, loss, **given_options(locals()))
         self.num_layers = num_layers  # transformer layers L: hidden states 0..L, the final layer is L
         self.n_layers_per_step = n_layers_per_step
         self.last_layer_weight = last_layer_weight

@@ -26,6 +26,7 @@ from ..ops.maxsim.spec import TRITON_MAX_DIMS
 from . import card, citations
 from .base_losses import check_multi_vector_base_loss, length_normalize, mini_batch_defaults
 from .cached_loss import CachedLossBase, check_flag, check_model_backend, naming_errors
+from .options import given_options
 from .refusals import check_refusals
 from .token_vectors import check_one_token_dim, unit_token_vectors
 
@@ -179,38 +180,20 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
                 small = truncate_token_dim(model, 64)  # 64-dim unit token vectors, as the loss trained them
         """
         owner = type(self).__name__
+        options = given_options(locals())
         with naming_errors(owner):
             check_multi_vector_base_loss(loss, owner)
             check_refusals(
-                type(self),
-                false_negative_margin=false_negative_margin,
-                false_negative_strategy=false_negative_strategy,
-                memory_size=memory_size,
-                memory_warmup_steps=memory_warmup_steps,
-                memory_max_age=memory_max_age,
-                dual_memory=dual_memory,
-                in_batch_negatives=check_flag("in_batch_negatives", in_batch_negatives),
+                type(self), **{**options, "in_batch_negatives": check_flag("in_batch_negatives", in_batch_negatives)}
             )
             _check_model(model, backend, owner)
             check_one_token_dim(unwrapped(model), owner)
         super().__init__(
             model,
             loss,
-            matryoshka_dims,
-            matryoshka_weights,
-            n_dims_per_step,
+            options,
             embedding_dim=untruncated_embedding_dimension(unwrapped(model)),  # stock's bound
             default_mini_batch=mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE),
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            sort_by_length=sort_by_length,
-            backend=backend,
-            precision=precision,
-            show_progress_bar=show_progress_bar,
-            activation_budget=activation_budget,
-            fsdp_sync=fsdp_sync,
-            mask_duplicates=mask_duplicates,
-            in_batch_negatives=in_batch_negatives,
         )
         if backend == "triton" and in_batch_negatives and len(self.matryoshka_dims) > TRITON_MAX_DIMS:
             raise ValueError(
