@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from . import own
+from .bands import band
 from .candidates import Candidates
 from .duplicates import prepare_dense
 from .gemm import matmul_precision, rounded_operand
@@ -342,7 +343,7 @@ class _TileDirection:
     def band_gradients(self, k: int, row_grad: Tensor, col_grad: Tensor) -> None:
         """Backpropagate A_1 + ... + A_k through band k's matmul into both operands' gradients."""
         dims = self.spec.dims
-        lo, hi = (dims[k + 1] if k + 1 < len(dims) else 0), dims[k]
+        lo, hi = band(dims, k)
         total, width = self.buffers[0], self.cols.shape[0]
         row_grad[:, lo:hi].addmm_(total[:, :width], self.cols[:, lo:hi])
         col_grad[:, lo:hi].addmm_(total[:, :width].T, self.rows[:, lo:hi])
@@ -361,7 +362,7 @@ def _band_dots(rows: Tensor, cols: Tensor, dims: tuple[int, ...], out: list[Tens
     smallest = len(dims) - 1
     torch.mm(rows[:, : dims[smallest]], cols[:, : dims[smallest]].T, out=out[smallest])
     for k in range(smallest - 1, -1, -1):
-        lo, hi = dims[k + 1], dims[k]
+        lo, hi = band(dims, k)
         torch.addmm(out[k + 1], rows[:, lo:hi], cols[:, lo:hi].T, out=out[k])
 
 

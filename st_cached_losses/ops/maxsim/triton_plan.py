@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..bands import band_width
 from .spec import MaxSimSpec
 from .triton_kernels import (
     INTERPRETED,
@@ -96,7 +97,7 @@ class Plan:
         forward_queries = max(least, min(max(1, rows // lqp), cap))
         # fp32 / fp64 operands and gathers: half the elements per program (registers: no spills on sm_90)
         wide = 2 if spec.precision != "bf16" and dtype.itemsize > 2 else 1
-        slots, width = _pow2(k), _pow2(max(bounds[i] - bounds[i + 1] for i in range(k)), 16)
+        slots, width = _pow2(k), _pow2(band_width(spec.dims), 16)
         words = 2 if dtype == torch.float64 else 1  # registers per accumulator element
         if slots == 1:  # one band: the accumulator is the register budget
             doc_tokens, block_tokens = max(16, min(128, ldp, _FORWARD_ELEMENTS // words // width)), 32
@@ -196,7 +197,7 @@ class Plan:
             ANY_CN=any(self.consts["CN"]),
             BT=self.block_tokens,
             BU=self.doc_tokens,
-            BW=_pow2(max(bounds[i] - bounds[i + 1] for i in range(k)), 16),
+            BW=_pow2(band_width(bounds[:k]), 16),
             KB=_pow2(k),
             DP=_pow2(self.consts["D"]),
             GD=self.types["GD"],

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from .. import own
+from ..bands import band_bounds
 from ..candidates import Candidates
 from ..duplicates import prepare_dense
 from ..errors import TritonUnavailableError
@@ -180,8 +181,7 @@ class _Sweep:
             self.doc_inv = torch.cat([self.doc_inv, self.memory.inv], dim=1)
         self.dims, self.coef, consts = device_constants(spec, self.device, acc)
         self.launcher = Launcher(spec, self.device, acc, consts)
-        bounds = (*spec.dims, 0)
-        self.bands = [(k, bounds[k + 1], bounds[k]) for k in range(len(spec.dims))]
+        self.bands = band_bounds(spec.dims)
         self.row_finished = not any(d.cols == "q" for d in self.directions)  # no column gradient into the queries
         if need_grad:
             for key, operand in self.operands.items():
