@@ -25,13 +25,13 @@ import torch
 from torch import Tensor
 
 from . import own
-from .bands import band
+from .bands import band, inverse_prefix_norms
 from .candidates import Candidates
 from .duplicates import prepare_dense
 from .gemm import matmul_precision, rounded_operand
 from .memory import Memory
 from .result import InfoNCEResult
-from .spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
+from .spec import DIRECTIONS, Direction, InfoNCESpec
 
 DEFAULT_TILE_BYTES = 64 * 2**20
 # On a GPU a tile of 64 MiB is ~170 rows at B = 16384 (96 tiles of ~80 launches each): 256 MiB cuts the launches 4x
@@ -370,9 +370,7 @@ def _inverse_prefix_norms(x: Tensor, spec: InfoNCESpec) -> Tensor:
     """(K, rows) 1 / max(||x[:, :d_k]||, eps), as F.normalize divides; ones for dot similarity."""
     if not spec.cosine:
         return torch.ones(len(spec.dims), x.shape[0], dtype=x.dtype, device=x.device)
-    # vector_norm reduces without a (rows, d) temporary of squares: a memory bank's rows are many.
-    norms = torch.stack([torch.linalg.vector_norm(x[:, :dim], dim=1) for dim in spec.dims])
-    return norms.clamp_min(NORM_EPS).reciprocal()
+    return inverse_prefix_norms(x, spec.dims, (True,) * len(spec.dims))
 
 
 def _penalty_plan(direction: Direction, spec: InfoNCESpec) -> tuple[float, list[float] | None]:

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..bands import band_bounds
+from ..bands import band_bounds, inverse_prefix_norms
 from ..candidates import Candidates
 from ..duplicates import prepared
 from ..gemm import matmul_precision, rounded_operand
@@ -53,7 +53,7 @@ from ..host_read import HostRead
 from ..result import InfoNCEResult
 from . import own
 from .gradients import BACKWARD_BLOCK_BYTES, TileGradients
-from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec, inverse_prefix_norms
+from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
 
 DEFAULT_TILE_BYTES = 64 * 2**20
 MAX_TILE_TOKENS = 2048

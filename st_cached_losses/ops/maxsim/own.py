@@ -28,11 +28,11 @@ import torch
 from torch import Tensor
 
 from .. import own
-from ..bands import band_bounds
+from ..bands import band_bounds, inverse_prefix_norms
 from ..core import live_rows
 from ..gemm import accumulation_dtype, matmul_precision, rounded_operand
 from ..result import InfoNCEResult
-from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec, inverse_prefix_norms
+from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
 
 __all__ = ["forward"]
 

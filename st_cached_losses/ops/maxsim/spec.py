@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..bands import inverse_prefix_norms  # re-exported: its home was here
 from ..core import check_dims, check_offset, check_scale
 from ..duplicates import check_ids
-from ..spec import NORM_EPS, InfoNCESpec, check_in_batch_negatives
+from ..spec import InfoNCESpec, check_in_batch_negatives
 
 __all__ = ["EMPTY_DOCUMENT_SCORE", "SIMILARITIES", "TRITON_MAX_DIMS", "MaxSimSpec", "inverse_prefix_norms"]
 
@@ -263,13 +264,3 @@ def _check_mask(name: str, mask, tokens: Tensor, shape: str) -> Tensor:
     if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError(f"{name} must hold 0/1 (or bool) entries: 1 for a token that is scored, 0 for padding.")
     return mask.bool()
-
-
-def inverse_prefix_norms(x: Tensor, dims: tuple[int, ...], normalized: tuple[bool, ...]) -> Tensor | None:
-    """(K, rows) 1 / max(||x[:, :d_k]||, eps) where dim k re-normalises (as F.normalize divides), 1 where it does not;
-    None where no dim does."""
-    if not any(normalized):
-        return None
-    ones = x.new_ones(x.shape[0])
-    norms = [torch.linalg.vector_norm(x[:, :dim], dim=1) if on else ones for dim, on in zip(dims, normalized)]
-    return torch.stack(norms).clamp_min(NORM_EPS).reciprocal()

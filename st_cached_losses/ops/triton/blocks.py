@@ -49,13 +49,13 @@ import torch
 from torch import Tensor
 
 from .. import own
-from ..bands import band_bounds
+from ..bands import band_bounds, inverse_prefix_norms
 from ..candidates import Candidates
 from ..duplicates import prepare_dense
 from ..errors import TritonUnavailableError
 from ..gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
 from ..result import InfoNCEResult
-from ..spec import DIRECTIONS, NORM_EPS, InfoNCESpec
+from ..spec import DIRECTIONS, InfoNCESpec
 from .fused import MAX_DIMS
 from .launch_errors import describe_error, is_launch_error
 from .passes import Direction, Launcher, config, device_constants, padded
@@ -190,10 +190,8 @@ class _Sweep:
                     operand.terms = torch.zeros(len(spec.dims), operand.x.shape[0], dtype=acc, device=self.device)
 
     def _operand(self, x: Tensor) -> _Operand:
-        inv = None
-        if self.spec.cosine:  # F.normalize's x / max(|x|, eps), per prefix
-            inv = torch.stack([torch.linalg.vector_norm(x[:, :d], dim=1, dtype=self.acc) for d in self.spec.dims])
-            inv = inv.clamp_min(NORM_EPS).reciprocal()
+        # F.normalize's x / max(|x|, eps), per prefix (cosine), or None
+        inv = inverse_prefix_norms(x, self.spec.dims, (self.spec.cosine,) * len(self.spec.dims), dtype=self.acc)
         return _Operand(x, x.detach().to(self.plane_dtype), inv)
 
     # ------------------------------------------------------------------------------------------ the call
