@@ -27,13 +27,13 @@ from torch import Tensor
 from . import own
 from .bands import band, inverse_prefix_norms
 from .candidates import Candidates
+from .core import TILE_BYTES as DEFAULT_TILE_BYTES
 from .duplicates import prepare_dense
 from .gemm import matmul_precision, rounded_operand
 from .memory import Memory
 from .result import InfoNCEResult
 from .spec import DIRECTIONS, Direction, InfoNCESpec
 
-DEFAULT_TILE_BYTES = 64 * 2**20
 # On a GPU a tile of 64 MiB is ~170 rows at B = 16384 (96 tiles of ~80 launches each): 256 MiB cuts the launches 4x
 # and stays within the op's memory target (2x the inputs + 256 MiB).
 CUDA_TILE_BYTES = 256 * 2**20

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from ..bands import band_bounds, inverse_prefix_norms
 from ..candidates import Candidates
+from ..core import TILE_BYTES as DEFAULT_TILE_BYTES
 from ..duplicates import prepared
 from ..gemm import matmul_precision, rounded_operand
 from ..host_read import HostRead
@@ -55,7 +56,6 @@ from . import own
 from .gradients import BACKWARD_BLOCK_BYTES, TileGradients
 from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
 
-DEFAULT_TILE_BYTES = 64 * 2**20
 MAX_TILE_TOKENS = 2048
 FORWARD_BLOCK_BYTES = 8 * 2**20
 

@@ -29,15 +29,12 @@ from torch import Tensor
 
 from .. import own
 from ..bands import band_bounds, inverse_prefix_norms
-from ..core import live_rows
+from ..core import TILE_BYTES, live_rows  # TILE_BYTES: the chunked backend's on a CPU
 from ..gemm import accumulation_dtype, matmul_precision, rounded_operand
 from ..result import InfoNCEResult
 from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
 
 __all__ = ["forward"]
-
-# A tile's budget (the chunked backend's on a CPU).
-TILE_BYTES = 64 * 2**20
 
 
 def forward(
