@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..bands import inverse_prefix_norms  # re-exported: its home was here
-from ..core import check_dims, check_offset, check_scale
+from ..core import DTYPES, check_dims, check_offset, check_scale
 from ..duplicates import check_ids
 from ..spec import InfoNCESpec, check_in_batch_negatives
 
@@ -27,7 +27,6 @@ TRITON_MAX_DIMS = 8
 # MeanMaxSim's division; it takes no gradient. ops/ never imports sentence_transformers: the tests compare the two.
 EMPTY_DOCUMENT_SCORE = -1e9
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SIMILARITIES = ("cosine", "dot")
 
 
@@ -232,7 +231,7 @@ def _check_embeddings(queries: Tensor, documents: Tensor) -> None:
             raise TypeError(f"{name} must be a torch.Tensor {shape}, got {type(tensor).__name__}.")
         if tensor.ndim != 3:
             raise ValueError(f"{name} must be 3-D {shape} token vectors, got shape {tuple(tensor.shape)}.")
-        if tensor.dtype not in _DTYPES:
+        if tensor.dtype not in DTYPES:
             raise TypeError(f"{name} must be fp32, bf16, fp16 or fp64, got {tensor.dtype}: cast it with .float().")
         if tensor.shape[0] == 0:
             raise ValueError(f"{name} is empty (0 rows): the InfoNCE loss needs at least one (query, document) pair.")

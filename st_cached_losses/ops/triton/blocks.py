@@ -51,6 +51,7 @@ from torch import Tensor
 from .. import own
 from ..bands import band_bounds, inverse_prefix_norms
 from ..candidates import Candidates
+from ..core import DTYPES
 from ..duplicates import prepare_dense
 from ..errors import TritonUnavailableError
 from ..gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
@@ -72,8 +73,6 @@ __all__ = [
     "prepare",
     "unsupported",
 ]
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def unsupported(spec: InfoNCESpec) -> str | None:
@@ -118,7 +117,7 @@ def forward(
     missing = unsupported(spec)
     if missing is not None:
         raise NotImplementedError(f"backend='triton' supports {missing}: use backend='chunked'.")
-    if queries.dtype not in _DTYPES:
+    if queries.dtype not in DTYPES:
         raise NotImplementedError(f"backend='triton' takes fp32/bf16/fp16/fp64 embeddings, got {queries.dtype}.")
     reason = unusable_reason(queries.device, ".triton.fused")
     if reason is not None:
