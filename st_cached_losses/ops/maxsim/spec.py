@@ -15,7 +15,7 @@ from torch import Tensor
 from ..bands import inverse_prefix_norms  # re-exported: its home was here
 from ..core import DTYPES, check_dims, check_offset, check_scale
 from ..duplicates import check_ids
-from ..spec import InfoNCESpec, check_in_batch_negatives
+from ..spec import SIMILARITIES, InfoNCESpec, check_in_batch_negatives  # SIMILARITIES re-exported
 
 __all__ = ["EMPTY_DOCUMENT_SCORE", "SIMILARITIES", "TRITON_MAX_DIMS", "MaxSimSpec", "inverse_prefix_norms"]
 
@@ -26,8 +26,6 @@ TRITON_MAX_DIMS = 8
 # sentence-transformers' score of a document without an unmasked token (util.similarity._EMPTY_DOCUMENT_SCORE), before
 # MeanMaxSim's division; it takes no gradient. ops/ never imports sentence_transformers: the tests compare the two.
 EMPTY_DOCUMENT_SCORE = -1e9
-
-SIMILARITIES = ("cosine", "dot")
 
 
 @dataclass(frozen=True)
