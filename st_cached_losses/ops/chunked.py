@@ -27,9 +27,9 @@ from torch import Tensor
 from . import own
 from .bands import band, inverse_prefix_norms
 from .candidates import Candidates
-from .core import TILE_BYTES as DEFAULT_TILE_BYTES
 from .duplicates import prepare_dense
 from .gemm import matmul_precision, rounded_operand
+from .limits import TILE_BYTES as DEFAULT_TILE_BYTES
 from .memory import Memory
 from .result import InfoNCEResult
 from .spec import DIRECTIONS, Direction, InfoNCESpec

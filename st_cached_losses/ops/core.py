@@ -44,11 +44,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NONFINITE_POLICIES = ("auto", "raise", "propagate")
-# One tile's working set where no device-specific budget applies: the chunked backends on a CPU, the own-document
-# backends, the MaxSim Triton tile (each module names it as it always has: DEFAULT_TILE_BYTES / TILE_BYTES).
-TILE_BYTES = 64 * 2**20
-# The floating-point dtypes MaxSim's token vectors and the Triton kernels take (the dense op takes any float).
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class Spec(Protocol):

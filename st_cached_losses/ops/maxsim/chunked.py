@@ -47,10 +47,10 @@ from torch import Tensor
 
 from ..bands import band_bounds, inverse_prefix_norms
 from ..candidates import Candidates
-from ..core import TILE_BYTES as DEFAULT_TILE_BYTES
 from ..duplicates import prepared
 from ..gemm import matmul_precision, rounded_operand
 from ..host_read import HostRead
+from ..limits import TILE_BYTES as DEFAULT_TILE_BYTES
 from ..result import InfoNCEResult
 from . import own
 from .gradients import BACKWARD_BLOCK_BYTES, TileGradients

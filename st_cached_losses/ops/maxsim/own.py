@@ -29,8 +29,9 @@ from torch import Tensor
 
 from .. import own
 from ..bands import band_bounds, inverse_prefix_norms
-from ..core import TILE_BYTES, live_rows  # TILE_BYTES: the chunked backend's on a CPU
+from ..core import live_rows
 from ..gemm import accumulation_dtype, matmul_precision, rounded_operand
+from ..limits import TILE_BYTES  # the chunked backend's on a CPU
 from ..result import InfoNCEResult
 from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
 

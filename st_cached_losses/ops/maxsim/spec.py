@@ -13,15 +13,12 @@ import torch
 from torch import Tensor
 
 from ..bands import inverse_prefix_norms  # re-exported: its home was here
-from ..core import DTYPES, check_dims, check_offset, check_scale
+from ..core import check_dims, check_offset, check_scale  # TRITON_MAX_DIMS re-exported
 from ..duplicates import check_ids
+from ..limits import DTYPES, TRITON_MAX_DIMS  # TRITON_MAX_DIMS re-exported: its home was here
 from ..spec import SIMILARITIES, InfoNCESpec, check_in_batch_negatives  # SIMILARITIES re-exported
 
 __all__ = ["EMPTY_DOCUMENT_SCORE", "SIMILARITIES", "TRITON_MAX_DIMS", "MaxSimSpec", "inverse_prefix_norms"]
-
-# The Triton kernels' most Matryoshka dims of a run (``all_dims``): the backward's band slots (a power of two >= K)
-# multiply its one-hot tile. Here, not in triton_kernels.py, so that the losses can check it without Triton.
-TRITON_MAX_DIMS = 8
 
 # sentence-transformers' score of a document without an unmasked token (util.similarity._EMPTY_DOCUMENT_SCORE), before
 # MeanMaxSim's division; it takes no gradient. ops/ never imports sentence_transformers: the tests compare the two.

@@ -61,10 +61,10 @@ import math
 import torch
 from torch import Tensor
 
-from ..core import DTYPES
 from ..duplicates import prepared
 from ..errors import TritonUnavailableError
 from ..host_read import HostRead
+from ..limits import DTYPES
 from ..result import InfoNCEResult
 from ..triton.launch import launch
 from ..triton.launch_errors import describe_error, is_launch_error

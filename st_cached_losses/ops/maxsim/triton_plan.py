@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..bands import band_width
-from ..core import TILE_BYTES
+from ..limits import TILE_BYTES
 from .spec import MaxSimSpec
 from .triton_kernels import (
     INTERPRETED,
@@ -28,7 +28,7 @@ from .triton_kernels import (
 
 __all__ = ["TILE_BYTES", "KernelSpec", "Plan", "index_dtype", "int32_refusal", "int32_tile_queries", "kernel_specs"]
 
-# TILE_BYTES (core's 64 MiB) bounds a tile's buffers: per (dim, query, document) its logits (then their gradients),
+# TILE_BYTES (limits.py: 64 MiB) bounds a tile's buffers: per (dim, query, document) its logits (then their gradients),
 # and with gradients per (dim, document, query token) the argmax. B = 512 (Lq 32, M 1024, four dims) in one tile.
 
 _FORWARD_ELEMENTS = 16384  # token rows x document tokens of the forward's accumulator (8 warps: 64 fp32 per thread)

@@ -51,10 +51,10 @@ from torch import Tensor
 from .. import own
 from ..bands import band_bounds, inverse_prefix_norms
 from ..candidates import Candidates
-from ..core import DTYPES
 from ..duplicates import prepare_dense
 from ..errors import TritonUnavailableError
 from ..gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
+from ..limits import DTYPES
 from ..result import InfoNCEResult
 from ..spec import DIRECTIONS, InfoNCESpec
 from .fused import MAX_DIMS
