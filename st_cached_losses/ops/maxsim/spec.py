@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..bands import inverse_prefix_norms  # re-exported: its home was here
-from ..core import check_dims, check_offset, check_scale  # TRITON_MAX_DIMS re-exported
+# SIMILARITIES, TRITON_MAX_DIMS and inverse_prefix_norms live in the shared modules; imported here by their old home.
+from ..bands import inverse_prefix_norms
+from ..core import check_dims, check_like_queries, check_offset, check_scale
 from ..duplicates import check_ids
-from ..limits import DTYPES, TRITON_MAX_DIMS  # TRITON_MAX_DIMS re-exported: its home was here
-from ..spec import SIMILARITIES, InfoNCESpec, check_in_batch_negatives  # SIMILARITIES re-exported
+from ..limits import DTYPES, TRITON_MAX_DIMS
+from ..spec import SIMILARITIES, InfoNCESpec, check_in_batch_negatives
 
 __all__ = ["EMPTY_DOCUMENT_SCORE", "SIMILARITIES", "TRITON_MAX_DIMS", "MaxSimSpec", "inverse_prefix_norms"]
 
@@ -236,10 +237,7 @@ def _check_embeddings(queries: Tensor, documents: Tensor) -> None:
         raise ValueError(
             f"documents has D={documents.shape[2]} but queries has D={queries.shape[2]}: embed both with one model."
         )
-    if documents.dtype != queries.dtype:
-        raise ValueError(f"documents is {documents.dtype} but queries is {queries.dtype}: cast them to one dtype.")
-    if documents.device != queries.device:
-        raise ValueError(f"documents is on {documents.device} but queries is on {queries.device}: move them together.")
+    check_like_queries("documents", documents, queries)
 
 
 def _check_mask(name: str, mask, tokens: Tensor, shape: str) -> Tensor:
