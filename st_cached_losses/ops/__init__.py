@@ -2,6 +2,8 @@
 ``maxsim_infonce`` (its late-interaction counterpart), and their backends. Never imports sentence_transformers.
 
 - ``core.py``: what both ops share: the arguments' rules, the NaN and precision policies, the autograd Function;
+  ``limits.py``: the tile budget, dtypes and Triton dims cap both read; ``bands.py``: the Matryoshka band bounds and
+  inverse prefix norms;
 - ``backend.py``: the one registry of backends, keyed by op, ``"auto"``, the Triton fallback and the log of choices;
 - ``infonce.py``: ``matryoshka_infonce``; ``spec.py``: its validated problem (dims, directions, hardness,
   false-negative rule); ``result.py``: what both ops return (``InfoNCEOutput``) and what a backend returns to them

@@ -25,14 +25,15 @@ import torch
 from torch import Tensor
 
 from . import own
+from .bands import band, inverse_prefix_norms
 from .candidates import Candidates
 from .duplicates import prepare_dense
 from .gemm import matmul_precision, rounded_operand
+from .limits import TILE_BYTES as DEFAULT_TILE_BYTES
 from .memory import Memory
 from .result import InfoNCEResult
-from .spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
+from .spec import DIRECTIONS, Direction, InfoNCESpec
 
-DEFAULT_TILE_BYTES = 64 * 2**20
 # On a GPU a tile of 64 MiB is ~170 rows at B = 16384 (96 tiles of ~80 launches each): 256 MiB cuts the launches 4x
 # and stays within the op's memory target (2x the inputs + 256 MiB).
 CUDA_TILE_BYTES = 256 * 2**20
@@ -342,7 +343,7 @@ class _TileDirection:
     def band_gradients(self, k: int, row_grad: Tensor, col_grad: Tensor) -> None:
         """Backpropagate A_1 + ... + A_k through band k's matmul into both operands' gradients."""
         dims = self.spec.dims
-        lo, hi = (dims[k + 1] if k + 1 < len(dims) else 0), dims[k]
+        lo, hi = band(dims, k)
         total, width = self.buffers[0], self.cols.shape[0]
         row_grad[:, lo:hi].addmm_(total[:, :width], self.cols[:, lo:hi])
         col_grad[:, lo:hi].addmm_(total[:, :width].T, self.rows[:, lo:hi])
@@ -361,7 +362,7 @@ def _band_dots(rows: Tensor, cols: Tensor, dims: tuple[int, ...], out: list[Tens
     smallest = len(dims) - 1
     torch.mm(rows[:, : dims[smallest]], cols[:, : dims[smallest]].T, out=out[smallest])
     for k in range(smallest - 1, -1, -1):
-        lo, hi = dims[k + 1], dims[k]
+        lo, hi = band(dims, k)
         torch.addmm(out[k + 1], rows[:, lo:hi], cols[:, lo:hi].T, out=out[k])
 
 
@@ -369,9 +370,7 @@ def _inverse_prefix_norms(x: Tensor, spec: InfoNCESpec) -> Tensor:
     """(K, rows) 1 / max(||x[:, :d_k]||, eps), as F.normalize divides; ones for dot similarity."""
     if not spec.cosine:
         return torch.ones(len(spec.dims), x.shape[0], dtype=x.dtype, device=x.device)
-    # vector_norm reduces without a (rows, d) temporary of squares: a memory bank's rows are many.
-    norms = torch.stack([torch.linalg.vector_norm(x[:, :dim], dim=1) for dim in spec.dims])
-    return norms.clamp_min(NORM_EPS).reciprocal()
+    return inverse_prefix_norms(x, spec.dims, (True,) * len(spec.dims))
 
 
 def _penalty_plan(direction: Direction, spec: InfoNCESpec) -> tuple[float, list[float] | None]:

@@ -133,6 +133,14 @@ def check_chunk_size(chunk_size: Any) -> int | None:
     return operator.index(chunk_size)
 
 
+def check_like_queries(name: str, tensor: Tensor, queries: Tensor) -> None:
+    """``tensor`` in the queries' dtype and on their device; else a ValueError naming the fix."""
+    if tensor.dtype != queries.dtype:
+        raise ValueError(f"{name} is {tensor.dtype} but queries is {queries.dtype}: cast them to one dtype.")
+    if tensor.device != queries.device:
+        raise ValueError(f"{name} is on {tensor.device} but queries is on {queries.device}: move them together.")
+
+
 def check_offset(offset: Any, batch: int, limit: int, limit_name: str) -> int:
     """This rank's first row in the gathered batch: an int with 0 <= offset and offset + B <= ``limit``."""
     rule = f"an int with 0 <= offset and offset + B <= {limit_name}"

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .bands import band, band_bounds
 from .core import live_rows
 from .duplicates import DuplicateMask
 from .gemm import accumulation_dtype, rounded_operand
@@ -78,18 +79,12 @@ def forward(
     return InfoNCEResult(per_dim, lse, result, tile=tile, masked_share=share)
 
 
-def _bands(spec: InfoNCESpec) -> list[tuple[int, int, int]]:
-    """(k, lo, hi) of each band [d_{k+1}, d_k), the largest dim's first."""
-    bounds = (*spec.dims, 0)
-    return [(k, bounds[k + 1], bounds[k]) for k in range(len(spec.dims))]
-
-
 def _band_products(q: Tensor, c: Tensor, spec: InfoNCESpec) -> tuple[list[Tensor], Tensor | None, Tensor | None]:
     """Per dim the raw prefix dot products (n, B), accumulated from the smallest band up, and (cosine) the inverse
     prefix norms of the queries (K, B) and the documents (K, n, B), as F.normalize divides (by max(norm, eps))."""
     k_dims = len(spec.dims)
     dots, sq_q, sq_c = [None] * k_dims, [None] * k_dims, [None] * k_dims
-    for k, lo, hi in reversed(_bands(spec)):
+    for k, lo, hi in reversed(band_bounds(spec.dims)):
         band_q, band_c = q[:, lo:hi], c[:, :, lo:hi]
         dot = torch.linalg.vecdot(band_c, band_q[None])
         dots[k] = dot if k == k_dims - 1 else dots[k + 1] + dot
@@ -183,7 +178,7 @@ class _Gradients:
             self.col_terms += a_sim * inv_c[k] ** 2
             a = a * (inv_q[k] * inv_c[k])
         self.total += a
-        _, lo, hi = _bands(spec)[k]
+        lo, hi = band(spec.dims, k)
         d_q, d_c = self.d_queries[:, lo:hi], self.d_own[:, :, lo:hi]
         for j in range(spec.num_columns):
             d_q.addcmul_(self.total[j, :, None], c[j, :, lo:hi])

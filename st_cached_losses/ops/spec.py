@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .core import check_dims, check_offset, check_scale
+from .core import check_dims, check_like_queries, check_offset, check_scale
 
 __all__ = ["DIRECTIONS", "InfoNCESpec", "check_dims", "check_false_negative_rule", "check_in_batch_negatives"]
 
@@ -326,10 +326,7 @@ def _check_tensors(queries: Tensor, docs: Tensor, world_queries: Tensor | None) 
             raise ValueError(
                 f"{name} has D={tensor.shape[1]} but queries has D={queries.shape[1]}: embed both with the same model."
             )
-        if tensor.dtype != queries.dtype:
-            raise ValueError(f"{name} is {tensor.dtype} but queries is {queries.dtype}: cast them to one dtype.")
-        if tensor.device != queries.device:
-            raise ValueError(f"{name} is on {tensor.device} but queries is on {queries.device}: move them together.")
+        check_like_queries(name, tensor, queries)
 
 
 def _check_choices(similarity: str, directions: Sequence[str], partition_mode: str, hardness_mode: str | None) -> None:

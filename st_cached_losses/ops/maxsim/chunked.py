@@ -45,16 +45,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..bands import band_bounds, inverse_prefix_norms
 from ..candidates import Candidates
 from ..duplicates import prepared
 from ..gemm import matmul_precision, rounded_operand
 from ..host_read import HostRead
+from ..limits import TILE_BYTES as DEFAULT_TILE_BYTES
 from ..result import InfoNCEResult
 from . import own
 from .gradients import BACKWARD_BLOCK_BYTES, TileGradients
-from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec, inverse_prefix_norms
+from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
 
-DEFAULT_TILE_BYTES = 64 * 2**20
 MAX_TILE_TOKENS = 2048
 FORWARD_BLOCK_BYTES = 8 * 2**20
 
@@ -305,8 +306,7 @@ class _Sweep:
         tokens' -inf (``rows`` has a column of ones after it): no pass of its own."""
         dims, docs, inv = self.spec.dims, self.token_docs[span], self.doc_inv
         raw, scaled = out[0], out[-1]
-        for k in range(len(dims) - 1, -1, -1):
-            lo, hi = (dims[k + 1] if k + 1 < len(dims) else 0), dims[k]
+        for k, lo, hi in reversed(band_bounds(dims)):
             band = docs[:, lo:hi]
             if inv is not None and not self.scale_after:
                 band = band * inv[k, span, None]

@@ -28,15 +28,14 @@ import torch
 from torch import Tensor
 
 from .. import own
+from ..bands import band_bounds, inverse_prefix_norms
 from ..core import live_rows
 from ..gemm import accumulation_dtype, matmul_precision, rounded_operand
+from ..limits import TILE_BYTES  # the chunked backend's on a CPU
 from ..result import InfoNCEResult
-from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec, inverse_prefix_norms
+from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
 
 __all__ = ["forward"]
-
-# A tile's budget (the chunked backend's on a CPU).
-TILE_BYTES = 64 * 2**20
 
 
 def forward(
@@ -104,9 +103,8 @@ class _Sweep:
         docs = _TileDocuments(self, rows, count)
         q = self.q[rows]
         q_op, c_op = rounded_operand(q, spec.precision), rounded_operand(docs.c, spec.precision)
-        bounds, raw = (*spec.dims, 0), None
-        for k in range(len(spec.dims) - 1, -1, -1):  # the smallest band first: each dim adds its band
-            lo, hi = bounds[k + 1], bounds[k]
+        raw = None
+        for k, lo, hi in reversed(band_bounds(spec.dims)):  # the smallest band first: each dim adds its band
             with matmul_precision(spec.precision != "ieee", q.device):
                 band = torch.bmm(q_op[..., lo:hi], c_op[..., lo:hi].transpose(1, 2))
             raw = band if raw is None else raw.add_(band)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..reference import _duplicates as dense_duplicates
 from ..result import InfoNCEResult
 from ..spec import NORM_EPS
 from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
@@ -109,13 +110,9 @@ def removed_candidates(
     """(B, M) bool: the candidates the duplicate mask removes (direction query_to_doc). Row i (world row
     offset + i) owns its query's text a and targets its positive's; it does not score a document whose text is a, or
     the positive text p_k of any world row k whose query text is a (its own positive among them), except its own
-    positive column offset + i."""
-    world = query_ids if world_query_ids is None else world_query_ids
-    own = world[spec.offset + torch.arange(spec.batch_size, device=world.device)]  # (B,)
-    positives = doc_ids[: spec.world_batch_size]  # (Bw,) p_k
-    same_query = (world[None, :] == own[:, None]).to(torch.float64)  # (B, Bw): rows k sharing row i's query text
-    copies = (positives[:, None] == doc_ids[None, :]).to(torch.float64)  # (Bw, M): column j holds p_k's text
-    removed = (doc_ids[None, :] == own[:, None]) | (same_query @ copies > 0)
-    rows = torch.arange(spec.batch_size, device=world.device)
+    positive column offset + i. The dense oracle's rule (``reference._duplicates``), on the query_to_doc problem of
+    the same layout."""
+    removed = dense_duplicates(spec.infonce_spec(), query_ids, doc_ids, world_query_ids, None)["query_to_doc"]
+    rows = torch.arange(spec.batch_size, device=removed.device)
     removed[rows, spec.offset + rows] = False
     return removed

@@ -12,22 +12,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core import check_dims, check_offset, check_scale
+# SIMILARITIES, TRITON_MAX_DIMS and inverse_prefix_norms live in the shared modules; imported here by their old home.
+from ..bands import inverse_prefix_norms
+from ..core import check_dims, check_like_queries, check_offset, check_scale
 from ..duplicates import check_ids
-from ..spec import NORM_EPS, InfoNCESpec, check_in_batch_negatives
+from ..limits import DTYPES, TRITON_MAX_DIMS
+from ..spec import SIMILARITIES, InfoNCESpec, check_in_batch_negatives
 
 __all__ = ["EMPTY_DOCUMENT_SCORE", "SIMILARITIES", "TRITON_MAX_DIMS", "MaxSimSpec", "inverse_prefix_norms"]
-
-# The Triton kernels' most Matryoshka dims of a run (``all_dims``): the backward's band slots (a power of two >= K)
-# multiply its one-hot tile. Here, not in triton_kernels.py, so that the losses can check it without Triton.
-TRITON_MAX_DIMS = 8
 
 # sentence-transformers' score of a document without an unmasked token (util.similarity._EMPTY_DOCUMENT_SCORE), before
 # MeanMaxSim's division; it takes no gradient. ops/ never imports sentence_transformers: the tests compare the two.
 EMPTY_DOCUMENT_SCORE = -1e9
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-SIMILARITIES = ("cosine", "dot")
 
 
 @dataclass(frozen=True)
@@ -231,7 +227,7 @@ def _check_embeddings(queries: Tensor, documents: Tensor) -> None:
             raise TypeError(f"{name} must be a torch.Tensor {shape}, got {type(tensor).__name__}.")
         if tensor.ndim != 3:
             raise ValueError(f"{name} must be 3-D {shape} token vectors, got shape {tuple(tensor.shape)}.")
-        if tensor.dtype not in _DTYPES:
+        if tensor.dtype not in DTYPES:
             raise TypeError(f"{name} must be fp32, bf16, fp16 or fp64, got {tensor.dtype}: cast it with .float().")
         if tensor.shape[0] == 0:
             raise ValueError(f"{name} is empty (0 rows): the InfoNCE loss needs at least one (query, document) pair.")
@@ -241,10 +237,7 @@ def _check_embeddings(queries: Tensor, documents: Tensor) -> None:
         raise ValueError(
             f"documents has D={documents.shape[2]} but queries has D={queries.shape[2]}: embed both with one model."
         )
-    if documents.dtype != queries.dtype:
-        raise ValueError(f"documents is {documents.dtype} but queries is {queries.dtype}: cast them to one dtype.")
-    if documents.device != queries.device:
-        raise ValueError(f"documents is on {documents.device} but queries is on {queries.device}: move them together.")
+    check_like_queries("documents", documents, queries)
 
 
 def _check_mask(name: str, mask, tokens: Tensor, shape: str) -> Tensor:
@@ -263,13 +256,3 @@ def _check_mask(name: str, mask, tokens: Tensor, shape: str) -> Tensor:
     if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError(f"{name} must hold 0/1 (or bool) entries: 1 for a token that is scored, 0 for padding.")
     return mask.bool()
-
-
-def inverse_prefix_norms(x: Tensor, dims: tuple[int, ...], normalized: tuple[bool, ...]) -> Tensor | None:
-    """(K, rows) 1 / max(||x[:, :d_k]||, eps) where dim k re-normalises (as F.normalize divides), 1 where it does not;
-    None where no dim does."""
-    if not any(normalized):
-        return None
-    ones = x.new_ones(x.shape[0])
-    norms = [torch.linalg.vector_norm(x[:, :dim], dim=1) if on else ones for dim, on in zip(dims, normalized)]
-    return torch.stack(norms).clamp_min(NORM_EPS).reciprocal()

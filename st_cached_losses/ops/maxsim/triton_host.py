@@ -64,6 +64,7 @@ from torch import Tensor
 from ..duplicates import prepared
 from ..errors import TritonUnavailableError
 from ..host_read import HostRead
+from ..limits import DTYPES
 from ..result import InfoNCEResult
 from ..triton.launch import launch
 from ..triton.launch_errors import describe_error, is_launch_error
@@ -81,8 +82,6 @@ from .triton_kernels import (
 from .triton_plan import TILE_BYTES, Plan, index_dtype, int32_refusal
 
 __all__ = ["TILE_BYTES", "forward", "prepare", "unsupported"]
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def unsupported(spec: MaxSimSpec) -> str | None:
@@ -174,7 +173,7 @@ def _check_inputs(queries: Tensor, documents: Tensor, spec: MaxSimSpec) -> None:
     too_large = int32_refusal(spec.over_all_dims(), queries.shape[1], documents.shape[1])
     if too_large is not None and spec.in_batch_negatives:
         raise NotImplementedError(f"backend='triton' cannot index {too_large}: use backend='chunked'.")
-    if queries.dtype not in _DTYPES:
+    if queries.dtype not in DTYPES:
         raise NotImplementedError(
             f"backend='triton' takes fp32, bf16, fp16 or fp64 token vectors, got {queries.dtype}."
         )

@@ -14,14 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ..bands import band_width
+from ..limits import TILE_BYTES
 from .spec import MaxSimSpec
 from .triton_kernels import INTERPRETED
 
 __all__ = ["TILE_BYTES", "Plan", "index_dtype", "int32_refusal", "int32_tile_queries"]
 
-# A tile's buffers: per (dim, query, document) its logits (then their gradients), and with gradients per (dim,
-# document, query token) the argmax. 64 MiB: B = 512 (Lq 32, M 1024, four dims) in one tile.
-TILE_BYTES = 64 * 2**20
+# TILE_BYTES (limits.py: 64 MiB) bounds a tile's buffers: per (dim, query, document) its logits (then their gradients),
+# and with gradients per (dim, document, query token) the argmax. B = 512 (Lq 32, M 1024, four dims) in one tile.
 
 _FORWARD_ELEMENTS = 16384  # token rows x document tokens of the forward's accumulator (8 warps: 64 fp32 per thread)
 _CHUNK = 128  # the forward's document tokens per chunk (a running max over the chunks of a longer document)
@@ -89,7 +90,7 @@ class Plan:
         forward_queries = max(least, min(max(1, rows // lqp), cap))
         # fp32 / fp64 operands and gathers: half the elements per program (registers: no spills on sm_90)
         wide = 2 if spec.precision != "bf16" and dtype.itemsize > 2 else 1
-        slots, width = _pow2(k), _pow2(max(bounds[i] - bounds[i + 1] for i in range(k)), 16)
+        slots, width = _pow2(k), _pow2(band_width(spec.dims), 16)
         words = 2 if dtype == torch.float64 else 1  # registers per accumulator element
         if slots == 1:  # one band: the accumulator is the register budget
             doc_tokens, block_tokens = max(16, min(128, ldp, _FORWARD_ELEMENTS // words // width)), 32
@@ -189,7 +190,7 @@ class Plan:
             ANY_CN=any(self.consts["CN"]),
             BT=self.block_tokens,
             BU=self.doc_tokens,
-            BW=_pow2(max(bounds[i] - bounds[i + 1] for i in range(k)), 16),
+            BW=_pow2(band_width(bounds[:k]), 16),
             KB=_pow2(k),
             DP=_pow2(self.consts["D"]),
             GD=self.types["GD"],

@@ -49,12 +49,14 @@ import torch
 from torch import Tensor
 
 from .. import own
+from ..bands import band_bounds, inverse_prefix_norms
 from ..candidates import Candidates
 from ..duplicates import prepare_dense
 from ..errors import TritonUnavailableError
 from ..gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
+from ..limits import DTYPES
 from ..result import InfoNCEResult
-from ..spec import DIRECTIONS, NORM_EPS, InfoNCESpec
+from ..spec import DIRECTIONS, InfoNCESpec
 from .fused import MAX_DIMS
 from .launch_errors import describe_error, is_launch_error
 from .passes import Direction, Launcher, config, device_constants, padded
@@ -71,8 +73,6 @@ __all__ = [
     "prepare",
     "unsupported",
 ]
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def unsupported(spec: InfoNCESpec) -> str | None:
@@ -117,7 +117,7 @@ def forward(
     missing = unsupported(spec)
     if missing is not None:
         raise NotImplementedError(f"backend='triton' supports {missing}: use backend='chunked'.")
-    if queries.dtype not in _DTYPES:
+    if queries.dtype not in DTYPES:
         raise NotImplementedError(f"backend='triton' takes fp32/bf16/fp16/fp64 embeddings, got {queries.dtype}.")
     reason = unusable_reason(queries.device, ".triton.fused")
     if reason is not None:
@@ -180,8 +180,7 @@ class _Sweep:
             self.doc_inv = torch.cat([self.doc_inv, self.memory.inv], dim=1)
         self.dims, self.coef, consts = device_constants(spec, self.device, acc)
         self.launcher = Launcher(spec, self.device, acc, consts)
-        bounds = (*spec.dims, 0)
-        self.bands = [(k, bounds[k + 1], bounds[k]) for k in range(len(spec.dims))]
+        self.bands = band_bounds(spec.dims)
         self.row_finished = not any(d.cols == "q" for d in self.directions)  # no column gradient into the queries
         if need_grad:
             for key, operand in self.operands.items():
@@ -190,10 +189,8 @@ class _Sweep:
                     operand.terms = torch.zeros(len(spec.dims), operand.x.shape[0], dtype=acc, device=self.device)
 
     def _operand(self, x: Tensor) -> _Operand:
-        inv = None
-        if self.spec.cosine:  # F.normalize's x / max(|x|, eps), per prefix
-            inv = torch.stack([torch.linalg.vector_norm(x[:, :d], dim=1, dtype=self.acc) for d in self.spec.dims])
-            inv = inv.clamp_min(NORM_EPS).reciprocal()
+        # F.normalize's x / max(|x|, eps), per prefix (cosine), or None
+        inv = inverse_prefix_norms(x, self.spec.dims, (self.spec.cosine,) * len(self.spec.dims), dtype=self.acc)
         return _Operand(x, x.detach().to(self.plane_dtype), inv)
 
     # ------------------------------------------------------------------------------------------ the call

@@ -29,11 +29,11 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from ..limits import TRITON_MAX_DIMS
+
 __all__ = ["HARD_OTHERS", "HARD_OWN_HARD_NEGATIVES", "INTERPRETED", "LN2", "LOG2E", "MASK_CODES", "MAX_DIMS"]
 
-# A pass keeps one running dot product and one running gradient per element whatever K, but unrolls its dims:
-# the code (and the compile) grows with K. Eight covers every Matryoshka recipe published (768 ... 32 is six).
-MAX_DIMS = 8
+MAX_DIMS = TRITON_MAX_DIMS  # a pass unrolls its dims: the code (and the compile) grows with K
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # Constexpr codes of ``spec``'s tables: MASK for ``Direction.mask``; HARD for ``spec.penalised`` as bit flags,

@@ -121,6 +121,13 @@ class Launcher:
         self.spec, self.acc, self.consts = spec, acc, consts
         self.placeholder = torch.zeros(1, dtype=torch.int32, device=device)
 
+    def _optional(self, t: Tensor | None, *dims: int) -> tuple:
+        """A kernel's optional pointer and its strides along ``dims``: the placeholder and 0s where ``t`` is None (the
+        kernel's constexprs then never read it)."""
+        if t is None:
+            return (self.placeholder, *(0 for _ in dims))
+        return (t, *(t.stride(d) for d in dims))
+
     def pass_grid(self, rows: int, cols: int) -> tuple[int, int]:
         cfg = config("pass")
         return triton.cdiv(rows, cfg["BM"]), triton.cdiv(cols, cfg["BN"])
@@ -145,7 +152,7 @@ class Launcher:
         tile (rows, cols) uint8, the rows' forbidden codes (rows, n) int32, the columns' codes (cols,) int32, n, the
         documents' presence (M,) uint8 (0: absent)); ``pair0``: the first row's pair column
         (``spec.Direction.pair_column`` + the block's first row)."""
-        spec, none = self.spec, self.placeholder
+        spec, opt = self.spec, self._optional
         drop, row_ids, col_ids, n_forbid, present = masks
         rows, cols = planes.shape[1], planes.shape[2]
         cfg = config("pass")
@@ -153,28 +160,21 @@ class Launcher:
             planes,
             planes.stride(0),
             planes.stride(1),
-            none if row_inv is None else row_inv,
-            0 if row_inv is None else row_inv.stride(0),
-            none if col_inv is None else col_inv,
-            0 if col_inv is None else col_inv.stride(0),
-            none if nrm2 is None else nrm2,
-            0 if nrm2 is None else nrm2.stride(0),
-            none if coef is None else coef,
+            *opt(row_inv, 0),
+            *opt(col_inv, 0),
+            *opt(nrm2, 0),
+            *opt(coef),
             part_a,
-            none if part_b is None else part_b,
+            *opt(part_b),
             part_a.stride(0),
             part_a.stride(1),
-            none if pos is None else pos,
-            0 if pos is None else pos.stride(0),
-            none if col_terms is None else col_terms,
-            0 if col_terms is None else col_terms.stride(0),
-            0 if col_terms is None else col_terms.stride(1),
-            none if drop is None else drop,
-            0 if drop is None else drop.stride(0),
-            none if row_ids is None else row_ids,
-            none if col_ids is None else col_ids,
+            *opt(pos, 0),
+            *opt(col_terms, 0, 1),
+            *opt(drop, 0),
+            *opt(row_ids),
+            *opt(col_ids),
             n_forbid,
-            none if present is None else present,
+            *opt(present),
             rows,
             cols,
             spec.num_docs,
@@ -235,7 +235,7 @@ class Launcher:
         self, grad: Tensor, x: Tensor, inv: Tensor | None, terms: Tensor | None, dims: Tensor, out: Tensor
     ) -> None:
         """``fused._finish_kernel``: out = grad minus the cosine normalisation's share (terms (K, rows, parts))."""
-        spec, cfg, none = self.spec, config("finish"), self.placeholder
+        spec, cfg = self.spec, config("finish")
         n, d = grad.shape
         grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(d, cfg["BD"]))
         launch(_finish_kernel, grid)(
@@ -243,11 +243,8 @@ class Launcher:
             grad.stride(0),
             x,
             x.stride(0),
-            none if inv is None else inv,
-            0 if inv is None else inv.stride(0),
-            none if terms is None else terms,
-            0 if terms is None else terms.stride(0),
-            0 if terms is None else terms.stride(1),
+            *self._optional(inv, 0),
+            *self._optional(terms, 0, 1),
             0 if terms is None else terms.shape[2],
             dims,
             out,
