@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .ops.backend import REGISTRY, select_backend
+from .ops.limits import DTYPES
 from .ops.triton.ahead import TABLE_WIDTHS, cuda_precision, op_launches, record_launches
 from .ops.triton.launch import Launch, compile_all, unique
 from .ops.triton.probe import MIN_CAPABILITY
@@ -38,7 +39,6 @@ __all__ = ["WarmUp", "compile_launches", "cuda_precision", "op_launches", "recor
 logger = logging.getLogger(__name__)
 
 MAX_WORKERS = 32  # compiler processes at most (each holds torch and Triton: ~0.5 GB)
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,8 +343,8 @@ def _dtype(loss, dtype) -> torch.dtype:
         dtype = torch.float32 if parameter is None else parameter.dtype
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}.")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES} (the embeddings' dtype), got {dtype}.")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES} (the embeddings' dtype), got {dtype}.")
     return dtype
 
 
