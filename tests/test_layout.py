@@ -1,11 +1,15 @@
 """The package's layering, read from its source (every import statement, module level or inside a function):
 no import circle; the library (losses, gradcache, ops) never imports the command line; gradcache never imports the
 losses; ops never imports sentence-transformers; the losses never import triton (the op chooses its backend);
-sentence-transformers' and DeepSpeed's internals each come through one module; no module over 400 lines. The
-benchmarks' (``benchmarks/``): no import circle, no module over 400 lines, no module importing another's private
-(underscore) name, and the shared core (``benchmarks/core/``) never importing a suite; ``ops/`` defines none of the
-benchmarks' code. And the tests': a test module shares code through the helper modules only, never by importing
-another test module; only the benchmarks' tests (``tests/benchmarks/``) import ``benchmarks``."""
+sentence-transformers' and DeepSpeed's internals each come through one module. The benchmarks' (``benchmarks/``): no
+import circle, no module importing another's private (underscore) name, and the shared core (``benchmarks/core/``)
+never importing a suite; ``ops/`` defines none of the benchmarks' code. And the tests': a test module shares code
+through the helper modules only, never by importing another test module; only the benchmarks' tests
+(``tests/benchmarks/``) import ``benchmarks``.
+
+Module length, package and benchmarks alike: modules are split by meaning, not by length, so a module over 400 lines
+is a warning (:class:`LongModuleWarning`, naming them) for a look at whether it holds two things; one over 800 lines
+fails, so that nothing balloons."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import ast
 import contextlib
 import re
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,7 +31,8 @@ DEEPSPEED_COMPAT = "st_cached_losses.gradcache._deepspeed_compat"
 FSDP_COMPAT = "st_cached_losses.gradcache._fsdp_compat"
 FSDP_INTERNALS = ("_get_fsdp_state", "_fsdp_param_groups", "_auto_reshard_after_forward")
 DEEPSPEED_INTERNALS = ("_backward_epilogue", "inside_no_sync_ctxt")
-MAX_LINES = 400
+LONG_LINES = 400  # over this: a warning
+MAX_LINES = 800  # over this: a failure
 
 
 def _module_name(path: Path) -> str:
@@ -186,9 +192,31 @@ def test_sentence_transformers_internals_come_through_one_module():
     assert not offenders
 
 
-@pytest.mark.parametrize("path", [*MODULES.values(), *BENCHMARK_MODULES.values()], ids=[*MODULES, *BENCHMARK_MODULES])
-def test_no_module_over_400_lines(path):
-    assert len(path.read_text().splitlines()) <= MAX_LINES
+class LongModuleWarning(UserWarning):
+    """Modules over ``LONG_LINES`` lines: worth a look at whether each holds one thing, not an error."""
+
+
+def _lengths() -> dict[str, int]:
+    modules = {**MODULES, **BENCHMARK_MODULES}
+    return {name: len(path.read_text().splitlines()) for name, path in modules.items()}
+
+
+def _long(lengths: dict[str, int], limit: int) -> dict[str, int]:
+    return {name: n for name, n in sorted(lengths.items()) if n > limit}
+
+
+def test_no_module_over_800_lines_and_long_ones_warn():
+    lengths = _lengths()
+    assert not _long(lengths, MAX_LINES)
+    if long := _long(lengths, LONG_LINES):
+        listed = ", ".join(f"{name} ({n})" for name, n in long.items())
+        warnings.warn(f"modules over {LONG_LINES} lines: {listed}", LongModuleWarning, stacklevel=1)
+
+
+def test_the_length_check_warns_over_400_and_fails_over_800():
+    lengths = {"a": LONG_LINES, "b": LONG_LINES + 1, "c": MAX_LINES + 1}
+    assert _long(lengths, LONG_LINES) == {"b": LONG_LINES + 1, "c": MAX_LINES + 1}
+    assert _long(lengths, MAX_LINES) == {"c": MAX_LINES + 1}
 
 
 def _private_names_borrowed(own: str, path: Path, modules: dict[str, Path]) -> list[str]:

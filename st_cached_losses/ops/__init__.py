@@ -7,9 +7,10 @@
 - ``backend.py``: the one registry of backends, keyed by op, ``"auto"``, the Triton fallback and the log of choices;
 - ``infonce.py``: ``matryoshka_infonce``; ``spec.py``: its validated problem (dims, directions, hardness,
   false-negative rule); ``result.py``: what both ops return (``InfoNCEOutput``) and what a backend returns to them
-  (``InfoNCEResult``); ``errors.py``: the ops' exception;
+  (``InfoNCEResult``);
 - its backends: ``reference.py`` (dense, the test oracle: every rule computed on its own), ``chunked.py`` (row
-  tiles, any device), ``triton/`` (GPU kernels);
+  tiles, any device), ``triton/`` (GPU kernels; ``triton/probe.py`` holds the ops' exception,
+  ``TritonUnavailableError``);
 - the rules the tiled backends share: ``false_negatives.py`` (GISTEmbed's per-tile mask of dropped candidates),
   ``duplicates.py`` (the duplicate mask from text ids, and its arguments' one check), ``memory.py`` (banked
   documents as extra columns);
@@ -22,10 +23,10 @@ from __future__ import annotations
 
 from .backend import backends, choices, recorded_choices
 from .core import NONFINITE_POLICIES, PRECISIONS
-from .errors import TritonUnavailableError
 from .infonce import matryoshka_infonce
 from .maxsim import maxsim_infonce
 from .result import InfoNCEOutput
+from .triton.probe import TritonUnavailableError
 
 __all__ = [
     "NONFINITE_POLICIES",

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .errors import TritonUnavailableError
+from .triton.probe import TritonUnavailableError
 from .triton.probe import unusable_reason as triton_unusable_reason
 
 __all__ = [

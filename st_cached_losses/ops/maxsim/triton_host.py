@@ -62,12 +62,11 @@ import torch
 from torch import Tensor
 
 from ..duplicates import prepared
-from ..errors import TritonUnavailableError
 from ..host_read import HostRead
 from ..limits import DTYPES
 from ..result import InfoNCEResult
 from ..triton.launch import launch
-from ..triton.launch_errors import describe_error, is_launch_error
+from ..triton.probe import TritonUnavailableError, describe_error, is_launch_error, unusable_reason
 from . import own
 from .chunked import candidate_masks
 from .spec import MaxSimSpec
@@ -165,8 +164,6 @@ def _drawn(result: InfoNCEResult, spec: MaxSimSpec, run: MaxSimSpec) -> InfoNCER
 
 
 def _check_inputs(queries: Tensor, documents: Tensor, spec: MaxSimSpec) -> None:
-    from ..triton.probe import unusable_reason
-
     missing = unsupported(spec)
     if missing is not None:
         raise NotImplementedError(f"backend='triton' supports {missing}: use backend='chunked'.")

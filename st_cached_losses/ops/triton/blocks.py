@@ -52,15 +52,13 @@ from .. import own
 from ..bands import band_bounds, inverse_prefix_norms
 from ..candidates import Candidates
 from ..duplicates import prepare_dense
-from ..errors import TritonUnavailableError
 from ..gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
 from ..limits import DTYPES
 from ..result import InfoNCEResult
 from ..spec import DIRECTIONS, InfoNCESpec
 from .fused import MAX_DIMS
-from .launch_errors import describe_error, is_launch_error
 from .passes import Direction, Launcher, config, device_constants, padded
-from .probe import unusable_reason
+from .probe import TritonUnavailableError, describe_error, is_launch_error, unusable_reason
 from .rows import BLOCK_BYTES, CUDA_BLOCK_BYTES, block_bytes, plan_rows
 
 __all__ = [

@@ -1,6 +1,10 @@
-"""Whether the Triton kernels can run on a device: the package, the GPU's compute capability, the interpreter.
+"""Whether the Triton kernels can run here: asked before a run (:func:`unusable_reason`: the package, the GPU's
+compute capability, the interpreter) and learned from a failed one (:class:`TritonUnavailableError`, which
+``backend="auto"`` falls back on; :func:`is_launch_error`: which exceptions mean it; :func:`describe_error`: their
+one line for the warning and the log).
 
-Imports nothing of Triton at module level, so the dispatcher (``ops/backend.py``) can ask on any machine.
+Imports nothing of Triton at module level, so the dispatcher (``ops/backend.py``) can ask on any machine, and the
+dispatcher and both Triton hosts raise and catch the one exception without importing each other.
 """
 
 from __future__ import annotations
@@ -10,10 +14,15 @@ import importlib.util
 
 import torch
 
-__all__ = ["MIN_CAPABILITY", "unusable_reason"]
+__all__ = ["MIN_CAPABILITY", "TritonUnavailableError", "describe_error", "is_launch_error", "unusable_reason"]
 
 # tl.dot on bf16 operands and TF32 need tensor cores of Ampere (sm_80) or newer.
 MIN_CAPABILITY = (8, 0)
+
+
+class TritonUnavailableError(RuntimeError):
+    """The Triton kernels cannot compile or launch here (old GPU, a kernel out of resources, a Triton
+    version lacking a feature). ``backend="auto"`` falls back to the chunked backend on it."""
 
 
 def unusable_reason(device: torch.device, kernels_module: str = ".triton.fused") -> str | None:
@@ -52,3 +61,19 @@ def unusable_reason(device: torch.device, kernels_module: str = ".triton.fused")
     if device.type == "cuda" and fused.INTERPRETED:
         return "Triton's CPU interpreter is on (TRITON_INTERPRET=1 at import), which cannot launch on a GPU"
     return None
+
+
+def is_launch_error(error: Exception) -> bool:
+    """A Triton compile or launch failure (the driver's errors reach Python as "Triton Error [CUDA]: ...")."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return isinstance(error, (CompilationError, OutOfResources)) or (
+        isinstance(error, RuntimeError) and str(error).startswith("Triton Error")
+    )
+
+
+def describe_error(error: Exception) -> str:
+    """ "ErrorType: its first line"."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
