@@ -219,12 +219,19 @@ def _check_receivers(split: str, dataset: Any, refusals: dict[str | None, str], 
         return
     for name, part in dataset.items() if isinstance(dataset, DatasetDict) else [(None, dataset)]:
         reason = refusals.get(None, refusals.get(name))
-        counts = {column: count for column, count in null_negatives(part, labels).items() if count}
-        if reason is not None and counts:
+        if reason is None:  # its loss leaves placeholders out: nothing to count (a filtered dataset's count copies)
+            continue
+        counts = _null_counts(part, labels)
+        if counts:
             where = f"{split}_dataset" if name is None else f"{split}_dataset[{name!r}]"
             raise ValueError(
                 f"AbsentNegativesCollator.attach: {where} has None hard negatives ({_counted(counts)}), and {reason}."
             )
+
+
+def _null_counts(dataset: Any, labels: Any) -> dict[str, int]:
+    """:func:`null_negatives` of ``dataset``, only the columns with a ``None``."""
+    return {column: count for column, count in null_negatives(dataset, labels).items() if count}
 
 
 def _counted(counts: dict[str, int]) -> str:
@@ -245,7 +252,7 @@ def check_data_loader(loader: Any) -> None:
     labels = getattr(collate, "valid_label_columns", _LABEL_COLUMNS)
     dataset = getattr(loader, "dataset", None)
     for part in getattr(dataset, "datasets", [dataset]):  # a ConcatDataset's parts
-        counts = {column: count for column, count in null_negatives(part, labels).items() if count}
+        counts = _null_counts(part, labels)
         if counts:
             raise ValueError(
                 f"The training data has None hard negatives ({_counted(counts)}), which the trainer's data collator "
