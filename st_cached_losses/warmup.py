@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import itertools
 import logging
 import os
@@ -32,7 +31,7 @@ from .ops.backend import REGISTRY, select_backend
 from .ops.limits import DTYPES
 from .ops.triton.ahead import TABLE_WIDTHS, cuda_precision, op_launches, record_launches
 from .ops.triton.launch import Launch, compile_all, unique
-from .ops.triton.probe import MIN_CAPABILITY
+from .ops.triton.probe import gpu_target
 
 __all__ = ["WarmUp", "compile_launches", "cuda_precision", "op_launches", "record_launches", "warm_up"]
 
@@ -128,7 +127,7 @@ def warm_up(
     absent = _absent(loss, absent_negatives, hard_negatives)
     tokens = _token_counts(op, query_tokens, document_tokens)
     dtype = _dtype(loss, dtype)
-    gpu = _target(target)
+    gpu = gpu_target(target)
     workers = None if workers is None else _count("workers", workers, 1)
     if gpu is None:
         reason = "no CUDA GPU here and no target given: the loss runs no compiled Triton kernels"
@@ -168,7 +167,7 @@ def compile_launches(
 ) -> list[str]:
     """Compile ``launches`` for ``target`` (as :func:`warm_up`'s) into Triton's cache in ``workers`` processes.
     Returns one line per launch that failed to compile (its launch will raise as it would have)."""
-    gpu = _target(target)
+    gpu = gpu_target(target)
     if gpu is None:
         raise ValueError("compile_launches needs a target: no CUDA GPU here (pass target=(9, 0) for an H100).")
     launches = unique(launches)
@@ -346,27 +345,6 @@ def _dtype(loss, dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES} (the embeddings' dtype), got {dtype}.")
     return dtype
-
-
-def _target(target):
-    """A ``GPUTarget`` for ``target`` (see :func:`warm_up`), or None (no CUDA, none given, or no Triton)."""
-    if target is None and (not torch.cuda.is_available() or importlib.util.find_spec("triton") is None):
-        return None
-    from triton.backends.compiler import GPUTarget
-
-    if target is None:
-        major, minor = torch.cuda.get_device_capability()
-        target = (major, minor)
-    if isinstance(target, tuple) and len(target) == 2 and all(isinstance(v, int) for v in target):
-        target = GPUTarget("cuda", 10 * target[0] + target[1], 32)
-    elif isinstance(target, int) and not isinstance(target, bool):
-        target = GPUTarget("cuda", target, 32)
-    elif not isinstance(target, GPUTarget):
-        raise TypeError(f"target must be a triton GPUTarget, (major, minor) or an int such as 90, got {target!r}.")
-    least = 10 * MIN_CAPABILITY[0] + MIN_CAPABILITY[1]
-    if target.backend != "cuda" or not isinstance(target.arch, int) or target.arch < least:
-        raise ValueError(f"the Triton kernels need an NVIDIA GPU of compute capability >= 8.0, got {target}.")
-    return target
 
 
 def _backend(backend: str, op: str, explicit: bool, target) -> str:

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from typing import Any
 
 import torch
 
-__all__ = ["MIN_CAPABILITY", "TritonUnavailableError", "describe_error", "is_launch_error", "unusable_reason"]
+__all__ = [
+    "MIN_CAPABILITY",
+    "TritonUnavailableError",
+    "describe_error",
+    "gpu_target",
+    "is_launch_error",
+    "unusable_reason",
+]
 
 # tl.dot on bf16 operands and TF32 need tensor cores of Ampere (sm_80) or newer.
 MIN_CAPABILITY = (8, 0)
@@ -77,3 +85,30 @@ def describe_error(error: Exception) -> str:
     """ "ErrorType: its first line"."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def gpu_target(target: Any):
+    """A ``GPUTarget`` for ``target`` (``warm_up``'s: a ``GPUTarget``, (major, minor) or an int such as 90; None:
+    the current CUDA device's), or None (no CUDA, none given, or no Triton).
+
+    Raises:
+        TypeError: a ``target`` of another type.
+        ValueError: a target that is no NVIDIA GPU of compute capability >= 8.0.
+    """
+    if target is None and (not torch.cuda.is_available() or importlib.util.find_spec("triton") is None):
+        return None
+    from triton.backends.compiler import GPUTarget
+
+    if target is None:
+        major, minor = torch.cuda.get_device_capability()
+        target = (major, minor)
+    if isinstance(target, tuple) and len(target) == 2 and all(isinstance(v, int) for v in target):
+        target = GPUTarget("cuda", 10 * target[0] + target[1], 32)
+    elif isinstance(target, int) and not isinstance(target, bool):
+        target = GPUTarget("cuda", target, 32)
+    elif not isinstance(target, GPUTarget):
+        raise TypeError(f"target must be a triton GPUTarget, (major, minor) or an int such as 90, got {target!r}.")
+    least = 10 * MIN_CAPABILITY[0] + MIN_CAPABILITY[1]
+    if target.backend != "cuda" or not isinstance(target.arch, int) or target.arch < least:
+        raise ValueError(f"the Triton kernels need an NVIDIA GPU of compute capability >= 8.0, got {target}.")
+    return target
