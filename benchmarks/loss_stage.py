@@ -47,7 +47,7 @@ from benchmarks.core.memory import peak_tensor_bytes
 from benchmarks.core.report import RESULTS, plot, read_csv, values, write_csv
 from benchmarks.core.timing import Timings, spread, time_calls
 from st_cached_losses import matryoshka_infonce
-from st_cached_losses.ops.chunked import DEFAULT_TILE_BYTES
+from st_cached_losses.ops.dense.chunked import DEFAULT_TILE_BYTES
 
 __all__ = [
     "contenders",

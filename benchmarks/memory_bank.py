@@ -33,7 +33,7 @@ from benchmarks.core.memory import peak_tensor_bytes
 from benchmarks.core.report import RESULTS, read_csv, style, values, write_csv
 from benchmarks.core.timing import Timer, spread, time_calls
 from st_cached_losses import matryoshka_infonce
-from st_cached_losses.ops.chunked import DEFAULT_TILE_BYTES
+from st_cached_losses.ops.dense.chunked import DEFAULT_TILE_BYTES
 
 DIMS = (384, 256, 128, 64, 32)
 DIM = 384

@@ -23,9 +23,9 @@ def block_rows(
     """Rows per block the Triton backend takes for ``batch_size`` queries of ``dim`` features against as many
     documents (``blocks.plan_rows``, with this process's launch configs); ``options``: ``InfoNCESpec.build``'s
     (directions, ...). ``precision``: "bf16" (bf16 planes), "tf32" or "ieee" (default: bf16 for bf16 inputs)."""
-    from st_cached_losses.ops.gemm import operand_dtype
-    from st_cached_losses.ops.spec import InfoNCESpec
-    from st_cached_losses.ops.triton.blocks import plan_rows
+    from st_cached_losses.ops.core.gemm import operand_dtype
+    from st_cached_losses.ops.core.spec import InfoNCESpec
+    from st_cached_losses.ops.dense.triton_blocks import plan_rows
 
     precision = precision or ("bf16" if dtype == torch.bfloat16 else "tf32")
     q = torch.empty(batch_size, dim, dtype=dtype, device="meta")

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .ops.backend import REGISTRY, select_backend
-from .ops.limits import DTYPES
+from st_cached_losses.ops.core.backend import REGISTRY, select_backend
+from st_cached_losses.ops.core.limits import DTYPES
+
 from .ops.triton.ahead import TABLE_WIDTHS, cuda_precision, op_launches, record_launches
 from .ops.triton.launch import Launch, compile_all, unique
 from .ops.triton.probe import gpu_target

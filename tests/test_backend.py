@@ -11,10 +11,10 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from st_cached_losses import matryoshka_infonce
-from st_cached_losses.ops import TritonUnavailableError, backend
-from st_cached_losses.ops.backend import check_backend
-from st_cached_losses.ops.triton import blocks as triton_blocks
-from st_cached_losses.ops.triton import fused as triton_fused
+from st_cached_losses.ops import TritonUnavailableError
+from st_cached_losses.ops.core import backend
+from st_cached_losses.ops.core.backend import check_backend
+from st_cached_losses.ops.dense import triton_blocks, triton_fused
 
 
 def _pairs(batch=6, dim=8, seed=0, dtype=torch.float32, negatives=0):
@@ -49,7 +49,7 @@ def fresh_choices(monkeypatch):
 
 def test_auto_is_chunked_on_cpu_and_says_why(fresh_choices, caplog):
     queries, docs = _pairs()
-    with caplog.at_level(logging.INFO, logger="st_cached_losses.ops.backend"):
+    with caplog.at_level(logging.INFO, logger="st_cached_losses.ops.core.backend"):
         matryoshka_infonce(queries, docs, dims=[8, 4])
         matryoshka_infonce(queries, docs, dims=[8, 4])
     (choice,) = backend.choices()

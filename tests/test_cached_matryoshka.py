@@ -519,7 +519,7 @@ def test_error_bad_options(tiny_model, kwargs, match):
 
 def test_error_triton_backend_on_cpu_at_construction(tiny_model, monkeypatch):
     """Outside Triton's interpreter the kernels cannot run on a CPU model: say so now, not after a batch is embedded."""
-    from st_cached_losses.ops.triton import fused as triton_fused
+    from st_cached_losses.ops.dense import triton_fused
 
     monkeypatch.setattr(triton_fused, "INTERPRETED", False)
     with pytest.raises(ValueError, match=r"backend='triton' cannot run here: .*cpu.*Use backend='chunked' or 'auto'"):

@@ -538,7 +538,7 @@ TRITON_ON_CPU = f"{ERROR_PREFIX}CachedMatryoshkaLoss: --backend 'triton' cannot 
 
 def test_triton_backend_on_cpu_is_refused_before_anything_runs(tiny_dir, tmp_path, capsys, monkeypatch):
     """Refused by the loss when the job builds it, before any evaluation or training."""
-    from st_cached_losses.ops.triton import fused as triton_fused
+    from st_cached_losses.ops.dense import triton_fused
 
     monkeypatch.setattr(triton_fused, "INTERPRETED", False)  # the tests run Triton's CPU interpreter; a user does not
     monkeypatch.setattr(job, "build_evaluate", lambda *args: pytest.fail("the evaluation was built"))

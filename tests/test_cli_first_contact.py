@@ -123,7 +123,7 @@ def test_log_lines_never_land_inside_a_progress_bar(monkeypatch, tmp_path, capsy
     def run(options):
         with tqdm.tqdm(total=4, desc="Embed mini-batches") as bar:
             bar.update()
-            logging.getLogger("st_cached_losses.ops.backend").info("chose the chunked backend")
+            logging.getLogger("st_cached_losses.ops.core.backend").info("chose the chunked backend")
             logging.getLogger("transformers.trainer").warning("a transformers warning")
             bar.update()
 

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
 
 from st_cached_losses import matryoshka_infonce
-from st_cached_losses.ops.infonce import run_backend
-from st_cached_losses.ops.spec import InfoNCESpec
+from st_cached_losses.ops.core.spec import InfoNCESpec
+from st_cached_losses.ops.dense.op import run_backend
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.helpers import ALL_DIRECTIONS, skip_on_stock_before
 
@@ -201,7 +201,7 @@ def test_a_duplicate_text_is_dropped():
         hardness_strength=0.0,
         false_negative_margin=0.05,
     )
-    from st_cached_losses.ops.false_negatives import Guide
+    from st_cached_losses.ops.candidates.false_negatives import Guide
 
     dropped = Guide.build(queries, docs, queries, spec, None, torch.float32).dropped(spec, 0, 8)["query_to_doc"]
     assert dropped[3, 5] and not dropped[5, 5] and not dropped[3, 3]
@@ -341,7 +341,7 @@ def test_guided_matches_stock_matryoshka_cached_gist(gist_models, case, mini_bat
 def test_gist_directions_and_the_filter_run_on_triton_as_on_chunked():
     """The Triton backend (its CPU interpreter here) takes GISTEmbed's directions and the filter: the same loss,
     LSEs, gradients and masked share as the chunked backend."""
-    from st_cached_losses.ops import backend as backend_module
+    from st_cached_losses.ops.core import backend as backend_module
 
     queries, docs = _embeddings(6, 8)
     spec = InfoNCESpec.build(

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from st_cached_losses import matryoshka_infonce, maxsim_infonce
-from st_cached_losses.ops import core
+from st_cached_losses.ops.core import call as core
 from tests.every_loss import DIMS, Models, case, exported_losses
 from tests.helpers import loss_and_grads
 

@@ -228,7 +228,7 @@ def test_one_backend_rule_for_every_loss(models, name, monkeypatch):
     """Outside Triton's interpreter "triton" cannot run on a CPU model: refused when the loss is built. A model that
     does not say its device (the losses that take one: the 2D losses need a SentenceTransformer's layers) has the
     backend's name checked alone: its first step runs it where the embeddings are."""
-    from st_cached_losses.ops.triton import fused
+    from st_cached_losses.ops.dense import triton_fused as fused
 
     monkeypatch.setattr(fused, "INTERPRETED", False)
     loss_case = case(name)

@@ -32,9 +32,9 @@ from st_cached_losses.losses.options import (
     LossOptions,
     Precision,
 )
-from st_cached_losses.ops.backend import backends
-from st_cached_losses.ops.precision import PRECISIONS
-from st_cached_losses.ops.spec import FALSE_NEGATIVE_STRATEGIES
+from st_cached_losses.ops.core.backend import backends
+from st_cached_losses.ops.core.precision import PRECISIONS
+from st_cached_losses.ops.core.spec import FALSE_NEGATIVE_STRATEGIES
 from st_cached_losses.testing import tiny_multi_vector_encoder, tiny_sentence_transformer
 
 # Also run against the oldest supported sentence-transformers (.ci/run: python -m pytest -m oldest_st): the public

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from st_cached_losses import maxsim_infonce
-from st_cached_losses.ops import backend as ops_backend
+from st_cached_losses.ops.core import backend as ops_backend
 from st_cached_losses.ops.maxsim import chunked, gradients, reference
 from tests.maxsim_oracle import MAXSIM_DIMS, MAXSIM_WEIGHTS, compare, inputs, removed_by_rule
 
@@ -358,7 +358,7 @@ def test_gradients_are_scaled_by_grad_output_and_handed_over_once():
 
 def test_auto_is_chunked_and_logged_once(monkeypatch, caplog):
     monkeypatch.setattr(ops_backend, "_CHOICES", {})
-    with caplog.at_level(logging.INFO, logger="st_cached_losses.ops.backend"):
+    with caplog.at_level(logging.INFO, logger="st_cached_losses.ops.core.backend"):
         _call()
         _call()
     messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("maxsim_infonce:")]

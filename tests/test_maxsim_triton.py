@@ -284,7 +284,7 @@ def test_flat_offsets_fit_int32_or_the_problem_is_refused():
 
 def test_more_dims_than_the_kernels_take():
     """Nine dims: an explicit backend="triton" says what is missing and what to use; "auto" runs chunked."""
-    from st_cached_losses.ops.backend import REGISTRY
+    from st_cached_losses.ops.core.backend import REGISTRY
 
     q, c, query_mask, document_mask = _inputs(2, 2, 2, 3, 16, seed=6)
     dims = list(range(16, 7, -1))

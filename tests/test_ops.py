@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from st_cached_losses import matryoshka_infonce
-from st_cached_losses.ops.chunked import default_tile_rows as tile_rows
-from st_cached_losses.ops.infonce import run_backend
-from st_cached_losses.ops.memory import Memory
-from st_cached_losses.ops.spec import InfoNCESpec
+from st_cached_losses.ops.candidates.memory import Memory
+from st_cached_losses.ops.core.spec import InfoNCESpec
+from st_cached_losses.ops.dense.chunked import default_tile_rows as tile_rows
+from st_cached_losses.ops.dense.op import run_backend
 from tests.helpers import ALL_DIRECTIONS
 
 OPTIONS = {
@@ -296,7 +296,7 @@ def test_no_grad_forward_matches_and_skips_gradients():
 
 
 def test_no_grad_asks_the_backend_for_no_gradients_even_of_inputs_that_require_them(monkeypatch):
-    from st_cached_losses.ops import infonce
+    from st_cached_losses.ops.dense import op as infonce
 
     asked, prepare = [], infonce.prepare_backend  # (entry, host, queries, docs, world, spec, need_grad, ...)
     monkeypatch.setattr(infonce, "prepare_backend", lambda *args, **kw: asked.append(args[6]) or prepare(*args, **kw))

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from st_cached_losses import matryoshka_infonce, maxsim_infonce
-from st_cached_losses.ops import chunked, gemm
-from st_cached_losses.ops.infonce import run_backend
-from st_cached_losses.ops.precision import decide_precision, resolve_precision
-from st_cached_losses.ops.spec import InfoNCESpec
+from st_cached_losses.ops.core import gemm
+from st_cached_losses.ops.core.precision import decide_precision, resolve_precision
+from st_cached_losses.ops.core.spec import InfoNCESpec
+from st_cached_losses.ops.dense import chunked
+from st_cached_losses.ops.dense.op import run_backend
 from tests.helpers import ALL_DIRECTIONS, assert_close_to_scale
 
 # InfoNCESpec.build's options for one direction, no hardness (the plain InfoNCE problem).

@@ -24,11 +24,13 @@ import torch
 pytest.importorskip("triton")
 
 from st_cached_losses import matryoshka_infonce
-from st_cached_losses.ops import reference
-from st_cached_losses.ops.infonce import run_backend
-from st_cached_losses.ops.memory import Memory
-from st_cached_losses.ops.spec import InfoNCESpec
-from st_cached_losses.ops.triton import blocks, fused, passes
+from st_cached_losses.ops.candidates.memory import Memory
+from st_cached_losses.ops.core.spec import InfoNCESpec
+from st_cached_losses.ops.dense import reference
+from st_cached_losses.ops.dense import triton_blocks as blocks
+from st_cached_losses.ops.dense import triton_fused as fused
+from st_cached_losses.ops.dense import triton_passes as passes
+from st_cached_losses.ops.dense.op import run_backend
 from tests import duplicates_reference, infonce_oracle
 from tests.helpers import ALL_DIRECTIONS, assert_close_to_scale
 

@@ -251,7 +251,7 @@ def rows(arch: int = 90, entries=KERNELS, counts: dict | None = None) -> list[di
 def main(out: Path, arch: int = 90, count_launches: bool = True) -> int:
     """Write ``compile_report.csv`` under ``out``; 0 (the rules are the test's to enforce, the report records).
     ``count_launches``: run ``launches.py`` (else launches_per_call stays empty)."""
-    from st_cached_losses.ops.triton.fused import INTERPRETED
+    from st_cached_losses.ops.dense.triton_fused import INTERPRETED
 
     if INTERPRETED:
         print(

@@ -102,9 +102,9 @@ DENSE_PRECISIONS = {"bf16": ("bf16", torch.bfloat16), "fp16": ("tf32", torch.flo
 
 def _dense_rows(precision: str, dtype: torch.dtype) -> int:
     """Rows per block at :data:`DENSE` (``blocks.plan_rows``: the launch configs of this process)."""
-    from st_cached_losses.ops.gemm import operand_dtype
-    from st_cached_losses.ops.spec import InfoNCESpec
-    from st_cached_losses.ops.triton.blocks import plan_rows
+    from st_cached_losses.ops.core.gemm import operand_dtype
+    from st_cached_losses.ops.core.spec import InfoNCESpec
+    from st_cached_losses.ops.dense.triton_blocks import plan_rows
 
     q = torch.empty(DENSE["batch"], DENSE["dim"], dtype=dtype, device="meta")
     plain = dict(scale=20.0, similarity="cosine", offset=0, directions=("query_to_doc",), partition_mode="joint")
@@ -153,7 +153,7 @@ def dense_variants(name: str, num_dims: int = len(DENSE["dims"])) -> tuple[Varia
 
 def _dense(name: str, kernel_name: str, launch: str = "") -> Entry:
     def kernel():
-        from st_cached_losses.ops.triton import fused
+        from st_cached_losses.ops.dense import triton_fused as fused
 
         return getattr(fused, kernel_name)
 

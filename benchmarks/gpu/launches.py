@@ -133,7 +133,7 @@ def model(op: str, backend: str) -> dict:
 
 
 def main() -> int:
-    from st_cached_losses.ops.triton.fused import INTERPRETED
+    from st_cached_losses.ops.dense.triton_fused import INTERPRETED
 
     if not INTERPRETED:
         print("benchmarks.gpu.launches: error: run with TRITON_INTERPRET=1 (counts come from the interpreter)")

@@ -65,7 +65,7 @@ def op_calls(mode: str, steps, correctness_list: str = "short") -> list[Call]:
 
 def _correctness_calls(mode: str, which: str) -> list[Call]:
     from benchmarks.gpu import correctness
-    from st_cached_losses.ops.infonce import run_backend
+    from st_cached_losses.ops.dense.op import run_backend
     from tests.cuda import cuda_checks, maxsim_cuda_checks
 
     def call(case, precision, block_rows):
@@ -127,7 +127,7 @@ def _multivector_calls(mode: str) -> list[Call]:
 def run(mode: str, steps, correctness_list: str = "short", compile_kernels: bool = True) -> dict:
     """Record the run's Triton launches and (``compile_kernels``) compile them in one process per CPU: {"records",
     "skipped", "errors"} (one line each for the last two) and "seconds", printed as it goes."""
-    from st_cached_losses.ops.triton.fused import INTERPRETED
+    from st_cached_losses.ops.dense.triton_fused import INTERPRETED
 
     if INTERPRETED:
         print("  Triton's interpreter is on (TRITON_INTERPRET=1): nothing to compile", flush=True)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from st_cached_losses.ops.dense.triton_fused import _finish_kernel, _pass_kernel, _rows_kernel
+from st_cached_losses.ops.dense.triton_passes import _ACC, CONFIGS
 from st_cached_losses.ops.maxsim.spec import MaxSimSpec
 from st_cached_losses.ops.maxsim.triton_kernels import (
     _document_grad_kernel,
@@ -21,8 +23,6 @@ from st_cached_losses.ops.maxsim.triton_kernels import (
     _query_grad_kernel,
 )
 from st_cached_losses.ops.maxsim.triton_plan import Plan
-from st_cached_losses.ops.triton.fused import _finish_kernel, _pass_kernel, _rows_kernel
-from st_cached_losses.ops.triton.passes import _ACC, CONFIGS
 
 __all__ = ["KernelSpec", "kernel_specs", "kernel_variants"]
 

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from st_cached_losses.ops.core.spec import check_dims
+
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
-from ..ops.spec import check_dims
 from .usage import UsageError
 
 __all__ = [
@@ -299,7 +300,7 @@ def model_device() -> str:
 
 def check_fp16(fp16: bool, device: str) -> None:
     """Raises UsageError for ``fp16`` on a CPU, where the trainer has no fp16. (Whether ``--backend`` runs on the
-    device is the loss's rule, the op's registry's: :func:`st_cached_losses.ops.backend.check_backend`.)"""
+    device is the loss's rule, the op's registry's: :func:`st_cached_losses.ops.core.backend.check_backend`.)"""
     if fp16 and device == "cpu":
         raise UsageError(
             "--fp16 needs a GPU (the trainer's fp16 mixed precision does not run on a CPU); use --bf16 on a CPU"
@@ -330,7 +331,7 @@ def resolve_dims(dims: Sequence[int] | None, model_dim: int, min_dim: int = MIN_
     a MultiVectorEncoder's token dim with :data:`MIN_DEFAULT_TOKEN_DIM`: 128 -> 128 64 32 16).
 
     Raises:
-        UsageError: dims that :func:`st_cached_losses.ops.spec.check_dims` refuses (larger than ``model_dim``,
+        UsageError: dims that :func:`st_cached_losses.ops.core.spec.check_dims` refuses (larger than ``model_dim``,
             repeated, not positive).
     """
     if dims is None:

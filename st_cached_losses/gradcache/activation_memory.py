@@ -15,7 +15,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import get_device_states
 
-from ..ops.chunked import DEFAULT_TILE_BYTES
+from st_cached_losses.ops.dense.chunked import DEFAULT_TILE_BYTES
+
 from .distributed import without_gradient_sync
 from .minibatches import column_modality
 

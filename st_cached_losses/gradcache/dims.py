@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from sentence_transformers.sentence_transformer.model import SentenceTransformer
 
-from ..ops.spec import check_dims
+from st_cached_losses.ops.core.spec import check_dims
 
 logger = logging.getLogger(__name__)
 

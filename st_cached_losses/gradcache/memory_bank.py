@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..ops.core import all_finite
+from st_cached_losses.ops.core.call import all_finite
 
 logger = logging.getLogger(__name__)
 

@@ -33,9 +33,10 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.util import cos_sim, dot_score
 from torch import nn
 
+from st_cached_losses.ops.core.spec import check_false_negative_rule
+
 from ..gradcache.distributed import unwrapped
 from ..gradcache.guide_model import GuideModel
-from ..ops.spec import check_false_negative_rule
 
 MNRL_LOSSES = (MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss)
 GIST_LOSSES = (GISTEmbedLoss, CachedGISTEmbedLoss)

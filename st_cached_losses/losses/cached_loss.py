@@ -17,6 +17,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from st_cached_losses.ops.core.backend import backends, check_backend
+from st_cached_losses.ops.core.precision import resolve_precision
+
 from ..gradcache.activation_budget import AUTO, ActivationBudget
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..gradcache.guide_model import GuideModel
@@ -24,8 +27,6 @@ from ..gradcache.kept_minibatches import StepPlan
 from ..gradcache.loss_components import loss_components
 from ..gradcache.step import LayerDraw, Step
 from ..gradcache.steps import GradCacheSteps
-from ..ops.backend import backends, check_backend
-from ..ops.core import resolve_precision
 from . import card
 from .options import LossOptions, check_flag, integer, model_embeddings
 
@@ -46,9 +47,9 @@ def naming_errors(owner: str) -> Iterator[None]:
 
 def check_model_backend(model: nn.Module, backend: Any, op: str) -> None:
     """The backend rule of every loss, when it is built: ``backend`` is "auto" or a name of ``op``'s backends
-    (:func:`~st_cached_losses.ops.backend.check_backend`), one that can run on the model's device ("triton" on a CPU:
-    now, not after the first batch). A model that does not say its device (a stand-in) has the name checked alone: its
-    first step runs the backend where the embeddings are, or raises there.
+    (:func:`~st_cached_losses.ops.core.backend.check_backend`), one that can run on the model's device ("triton" on
+    a CPU: now, not after the first batch). A model that does not say its device (a stand-in) has the name checked
+    alone: its first step runs the backend where the embeddings are, or raises there.
 
     Raises:
         ValueError: an unknown name, or a backend that cannot run on the model's device.
@@ -164,7 +165,8 @@ class CachedLossBase(GradCacheSteps):
 
     def op_precision(self, queries: Tensor) -> str:
         """The op's ``precision`` for this step's ``queries``: the loss's, resolved by the ops' one rule
-        (:func:`~st_cached_losses.ops.core.resolve_precision`, in the op's context: "auto" is "ieee" for the fp32
+        (:func:`~st_cached_losses.ops.core.precision.resolve_precision`, in the op's context: "auto" is "ieee" for
+        the fp32
         embeddings the trainer hands over outside autocast, "tf32" on CUDA where torch's flag allows it, "bf16" under
         a bf16 autocast of your own on CUDA), kept as :attr:`resolved_precision`."""
         self.last_precision = resolve_precision(self.precision, queries)

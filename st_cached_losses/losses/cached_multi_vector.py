@@ -105,7 +105,8 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
                 ``activation_budget``, measured at the first training step); None: the base loss's (above), else 32.
             mini_batch_num_tokens: pack mini-batches by non-padding tokens instead.
             sort_by_length: cut each column into mini-batches in length order (restored for the loss).
-            backend: the op's backend: "auto" or a name of ``st_cached_losses.ops.backend.backends("maxsim_infonce")``
+            backend: the op's backend: "auto" or a name of
+                ``st_cached_losses.ops.core.backend.backends("maxsim_infonce")``
                 ("triton": the fused MaxSim kernels, CUDA; "chunked"; "dense": the test oracle).
             precision: the token GEMMs' operands, as :class:`CachedMatryoshkaLoss` takes it.
             show_progress_bar: a progress bar over the embedding mini-batches.

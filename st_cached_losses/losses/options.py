@@ -17,12 +17,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from st_cached_losses.ops.core.precision import check_precision, resolve_precision
+
 from ..gradcache._st_compat import validate_mini_batch_num_tokens
 from ..gradcache.activation_budget import check_activation_budget, check_mini_batch_size
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..gradcache.dims import sorted_dims
 from ..gradcache.parallel import check_fsdp_sync
-from ..ops.core import check_precision, resolve_precision
 
 __all__ = [
     "OPTION_NAMES",

@@ -21,11 +21,12 @@ The public names are below; everything else is reached through its module (``ops
 
 from __future__ import annotations
 
-from .backend import backends, choices, recorded_choices
-from .core import NONFINITE_POLICIES, PRECISIONS
-from .infonce import matryoshka_infonce
+from .core.backend import backends, choices, recorded_choices
+from .core.checks import NONFINITE_POLICIES
+from .core.precision import PRECISIONS
+from .core.result import InfoNCEOutput
+from .dense.op import matryoshka_infonce
 from .maxsim import maxsim_infonce
-from .result import InfoNCEOutput
 from .triton.probe import TritonUnavailableError
 
 __all__ = [

@@ -411,8 +411,8 @@ def test_every_registered_kernel_is_complete():
     """Names unique; each kernel's function has the registered name; its variants compile every argument; known
     failures name real variants; every kernel the two ops' Triton backends define is registered."""
     from benchmarks.gpu.kernels import KERNELS
+    from st_cached_losses.ops.dense import triton_fused as fused
     from st_cached_losses.ops.maxsim import triton_kernels
-    from st_cached_losses.ops.triton import fused
 
     assert len({entry.name for entry in KERNELS}) == len(KERNELS)
     for entry in KERNELS:

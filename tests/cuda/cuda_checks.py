@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from st_cached_losses.ops import reference
-from st_cached_losses.ops.core import resolve_precision
-from st_cached_losses.ops.infonce import run_backend
-from st_cached_losses.ops.spec import InfoNCESpec
+from st_cached_losses.ops.core.precision import resolve_precision
+from st_cached_losses.ops.core.spec import InfoNCESpec
+from st_cached_losses.ops.dense import reference
+from st_cached_losses.ops.dense.op import run_backend
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 

@@ -23,8 +23,9 @@ import math
 import pytest
 import torch
 
-from st_cached_losses.ops import gemm, reference
-from st_cached_losses.ops.infonce import run_backend
+from st_cached_losses.ops.core import gemm
+from st_cached_losses.ops.dense import reference
+from st_cached_losses.ops.dense.op import run_backend
 from tests.cuda.cuda_checks import TOLERANCES, TRUTH_DEVICE_MAX_BYTES, cases, failures
 from tests.cuda.maxsim_cuda_checks import maxsim_cases
 from tests.cuda.maxsim_cuda_checks import run_case as run_maxsim_case
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from st_cached_losses.ops.triton import fused  # noqa: E402
+from st_cached_losses.ops.dense import triton_fused as fused  # noqa: E402
 
 # mode -> (input dtype, spec.precision, cuda_checks.TOLERANCES key); "bf16_fp32_inputs": bf16 autocast's case.
 MODES = {
@@ -145,7 +146,7 @@ def test_deterministic_and_the_precision_is_recorded():
 
 
 def test_auto_picks_triton_exactly_on_verified_gpus():
-    from st_cached_losses.ops import backend
+    from st_cached_losses.ops.core import backend
 
     name, _ = backend.select_backend(torch.device("cuda"), "auto")
     verified = torch.cuda.get_device_capability() in backend.REGISTRY["matryoshka_infonce"]["triton"].verified

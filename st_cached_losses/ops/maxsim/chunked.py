@@ -45,13 +45,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..bands import band_bounds, inverse_prefix_norms
-from ..candidates import Candidates
-from ..duplicates import prepared
-from ..gemm import matmul_precision, rounded_operand
-from ..host_read import HostRead
-from ..limits import TILE_BYTES as DEFAULT_TILE_BYTES
-from ..result import InfoNCEResult
+from ..candidates.duplicates import prepared
+from ..candidates.layout import Candidates
+from ..core.bands import band_bounds, inverse_prefix_norms
+from ..core.gemm import matmul_precision, rounded_operand
+from ..core.host_read import HostRead
+from ..core.limits import TILE_BYTES as DEFAULT_TILE_BYTES
+from ..core.result import InfoNCEResult
 from . import own
 from .gradients import BACKWARD_BLOCK_BYTES, TileGradients
 from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec

@@ -13,12 +13,14 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from ..backend import REGISTRY
-from ..candidates import check_document_present, positives_present
-from ..core import check_chunk_size, check_policies, resolve_precision, run_op
-from ..duplicates import ids_agree
-from ..host_read import HostRead, call_backend, prepare_backend
-from ..result import InfoNCEOutput, InfoNCEResult
+from ..candidates.duplicates import ids_agree
+from ..candidates.layout import check_document_present, positives_present
+from ..core.backend import REGISTRY
+from ..core.call import run_op
+from ..core.checks import check_chunk_size, check_policies
+from ..core.host_read import HostRead, call_backend, prepare_backend
+from ..core.precision import resolve_precision
+from ..core.result import InfoNCEOutput, InfoNCEResult
 from .spec import MaxSimSpec
 
 __all__ = ["maxsim_infonce", "run_backend"]
@@ -131,7 +133,7 @@ def maxsim_infonce(
     to one token, as stock's ``max`` does.
 
     Returns:
-        :class:`~st_cached_losses.ops.result.InfoNCEOutput`, every field on the queries' device in fp32 (fp64 for
+        :class:`~st_cached_losses.ops.core.result.InfoNCEOutput`, every field on the queries' device in fp32 (fp64 for
         fp64 inputs): ``loss`` (0-dim; the one field with a gradient), ``per_dim`` (K,) the unweighted loss per dim
         in the order of ``dims``, ``lse`` (K, 1, B) each query's logsumexp per dim, ``masked_share`` (0-dim fp32: the
         share of the candidates the duplicate mask removed, a query's candidates being its present documents but its

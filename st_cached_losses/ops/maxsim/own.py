@@ -27,12 +27,12 @@ import math
 import torch
 from torch import Tensor
 
-from .. import own
-from ..bands import band_bounds, inverse_prefix_norms
-from ..core import live_rows
-from ..gemm import accumulation_dtype, matmul_precision, rounded_operand
-from ..limits import TILE_BYTES  # the chunked backend's on a CPU
-from ..result import InfoNCEResult
+from ..candidates import own
+from ..candidates.layout import live_rows
+from ..core.bands import band_bounds, inverse_prefix_norms
+from ..core.gemm import accumulation_dtype, matmul_precision, rounded_operand
+from ..core.limits import TILE_BYTES
+from ..core.result import InfoNCEResult
 from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
 
 __all__ = ["forward"]

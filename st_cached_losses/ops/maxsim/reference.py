@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..reference import _duplicates as dense_duplicates
-from ..result import InfoNCEResult
-from ..spec import NORM_EPS
+from ..core.result import InfoNCEResult
+from ..core.spec import NORM_EPS
+from ..dense.reference import _duplicates as dense_duplicates
 from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
 
 

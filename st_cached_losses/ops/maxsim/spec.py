@@ -12,12 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..candidates.duplicates import check_ids
+
 # SIMILARITIES, TRITON_MAX_DIMS and inverse_prefix_norms live in the shared modules; imported here by their old home.
-from ..bands import inverse_prefix_norms
-from ..core import check_dims, check_like_queries, check_offset, check_scale
-from ..duplicates import check_ids
-from ..limits import DTYPES, TRITON_MAX_DIMS
-from ..spec import SIMILARITIES, InfoNCESpec, check_in_batch_negatives
+from ..core.bands import inverse_prefix_norms
+from ..core.checks import check_dims, check_like_queries, check_offset, check_scale
+from ..core.limits import DTYPES, TRITON_MAX_DIMS
+from ..core.spec import SIMILARITIES, InfoNCESpec, check_in_batch_negatives
 
 __all__ = ["EMPTY_DOCUMENT_SCORE", "SIMILARITIES", "TRITON_MAX_DIMS", "MaxSimSpec", "inverse_prefix_norms"]
 

@@ -61,10 +61,10 @@ import math
 import torch
 from torch import Tensor
 
-from ..duplicates import prepared
-from ..host_read import HostRead
-from ..limits import DTYPES
-from ..result import InfoNCEResult
+from ..candidates.duplicates import prepared
+from ..core.host_read import HostRead
+from ..core.limits import DTYPES
+from ..core.result import InfoNCEResult
 from ..triton.launch import launch
 from ..triton.probe import TritonUnavailableError, describe_error, is_launch_error, unusable_reason
 from . import own

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..spec import NORM_EPS
+from ..core.spec import NORM_EPS
 from .spec import EMPTY_DOCUMENT_SCORE, TRITON_MAX_DIMS
 from .triton_reads import argmax_vectors, load_rows, operand, query_rows
 

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..bands import band_width
-from ..limits import TILE_BYTES
+from ..core.bands import band_width
+from ..core.limits import TILE_BYTES
 from .spec import MaxSimSpec
 from .triton_kernels import INTERPRETED
 

@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..core import resolve_precision
-from ..duplicates import _SIZES as TABLE_SIZES
-from ..host_read import HostRead, prepare_backend
+from ..candidates.duplicates import _SIZES as TABLE_SIZES
+from ..core.host_read import HostRead, prepare_backend
+from ..core.precision import resolve_precision
 from .launch import Launch, recording, unique
 
 __all__ = ["TABLE_WIDTHS", "cuda_precision", "op_launches", "record_launches"]
@@ -82,7 +82,7 @@ def op_launches(
         ValueError / TypeError: an unknown op, or options the op refuses.
         NotImplementedError: the call reads another value of the data on the host (it cannot be recorded).
     """
-    from ..infonce import matryoshka_infonce
+    from ..dense.op import matryoshka_infonce
     from ..maxsim.op import maxsim_infonce
 
     known = {"matryoshka_infonce": matryoshka_infonce, "maxsim_infonce": maxsim_infonce}
@@ -125,7 +125,7 @@ class _Stipulated(HostRead):
 
 def _triton(op: str, host: HostRead, *args, **kwargs):
     """Both phases of ``op``'s Triton backend on these arguments, ``host`` read between them (``host_read``)."""
-    from ..backend import REGISTRY
+    from ..core.backend import REGISTRY
 
     run = prepare_backend(REGISTRY[op]["triton"], host, *args, **kwargs)
     host.read()
@@ -133,8 +133,8 @@ def _triton(op: str, host: HostRead, *args, **kwargs):
 
 
 def _dense_call(queries, documents, precision, chunk_size, host, options):
-    from ..infonce import matryoshka_infonce
-    from ..spec import InfoNCESpec
+    from ..core.spec import InfoNCESpec
+    from ..dense.op import matryoshka_infonce
 
     world = options.get("world_queries")
     ids = {k: options[k] for k in ("query_ids", "document_ids", "world_query_ids") if options.get(k) is not None}

@@ -33,7 +33,7 @@ class TritonUnavailableError(RuntimeError):
     version lacking a feature). ``backend="auto"`` falls back to the chunked backend on it."""
 
 
-def unusable_reason(device: torch.device, kernels_module: str = ".triton.fused") -> str | None:
+def unusable_reason(device: torch.device, kernels_module: str = ".dense.triton_fused") -> str | None:
     """Why the Triton kernels of ``kernels_module`` (a module path relative to ``st_cached_losses.ops``) cannot run
     on ``device``, or None when they can be tried.
 
@@ -58,7 +58,7 @@ def unusable_reason(device: torch.device, kernels_module: str = ".triton.fused")
         return f"the kernels are written for NVIDIA GPUs, got {device}"
     try:  # importing them is the check: an old Triton may lack what they use
         importlib.import_module(kernels_module, __package__.rpartition(".")[0])
-        from . import fused  # INTERPRETED: the process's Triton mode, the same for every kernel module
+        from ..dense import triton_fused as fused
     except Exception as error:
         return f"the Triton kernels cannot be imported ({type(error).__name__}: {error})"
     if device.type == "cpu" and not fused.INTERPRETED:

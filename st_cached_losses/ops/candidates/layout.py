@@ -17,16 +17,16 @@ Row i of a direction scores its columns less
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .core import live_rows
+from ..core.spec import DIRECTIONS, Direction, InfoNCESpec
 from .duplicates import DuplicateMask
 from .false_negatives import Guide, num_candidates
 from .memory import Memory
-from .spec import DIRECTIONS, Direction, InfoNCESpec
 
 __all__ = ["Candidates", "TileMasks", "check_document_present", "positives_present"]
 
@@ -176,3 +176,13 @@ def positives_present(document_present: Tensor, positives: int) -> tuple[Tensor,
         "only hard-negative columns may be."
     )
     return document_present[:positives].all(), message
+
+
+def live_rows(scored: Sequence[Tensor], partition_mode: str = "joint") -> Tensor:
+    """(rows,) bool: False for a row left with only its positive, whose loss and gradient are exactly 0 (stock's are;
+    rounding would leave ~1e-7, which AdamW turns into weight updates): the one rule of every backend that counts.
+    ``scored``: per direction, (rows,) int, the columns each row scores, its partner included, after every mask
+    (the direction's own, absent documents, the filter, duplicates; without in-batch negatives, other rows' columns).
+    Left with only its positive: its joint softmax holds one column ("joint"), or each direction's does."""
+    counts = torch.stack(list(scored))
+    return counts.sum(0) != 1 if partition_mode == "joint" else ~counts.eq(1).all(0)

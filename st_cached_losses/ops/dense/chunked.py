@@ -24,15 +24,15 @@ import math
 import torch
 from torch import Tensor
 
+from ..candidates.duplicates import prepare_dense
+from ..candidates.layout import Candidates
+from ..candidates.memory import Memory
+from ..core.bands import band, inverse_prefix_norms
+from ..core.gemm import matmul_precision, rounded_operand
+from ..core.limits import TILE_BYTES as DEFAULT_TILE_BYTES
+from ..core.result import InfoNCEResult
+from ..core.spec import DIRECTIONS, Direction, InfoNCESpec
 from . import own
-from .bands import band, inverse_prefix_norms
-from .candidates import Candidates
-from .duplicates import prepare_dense
-from .gemm import matmul_precision, rounded_operand
-from .limits import TILE_BYTES as DEFAULT_TILE_BYTES
-from .memory import Memory
-from .result import InfoNCEResult
-from .spec import DIRECTIONS, Direction, InfoNCESpec
 
 # On a GPU a tile of 64 MiB is ~170 rows at B = 16384 (96 tiles of ~80 launches each): 256 MiB cuts the launches 4x
 # and stays within the op's memory target (2x the inputs + 256 MiB).

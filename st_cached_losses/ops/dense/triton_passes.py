@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..spec import DIRECTIONS, InfoNCESpec
-from .fused import (
+from ..core.spec import DIRECTIONS, InfoNCESpec
+from ..triton.launch import launch
+from .triton_fused import (
     HARD_OTHERS,
     HARD_OWN_HARD_NEGATIVES,
     INTERPRETED,
@@ -25,7 +26,6 @@ from .fused import (
     _pass_kernel,
     _rows_kernel,
 )
-from .launch import launch
 
 __all__ = ["CONFIGS", "Direction", "Launcher", "config", "constants", "device_constants", "padded"]
 

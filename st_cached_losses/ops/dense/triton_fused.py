@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..limits import TRITON_MAX_DIMS
+from ..core.limits import TRITON_MAX_DIMS
 
 __all__ = ["HARD_OTHERS", "HARD_OWN_HARD_NEGATIVES", "INTERPRETED", "LN2", "LOG2E", "MASK_CODES", "MAX_DIMS"]
 

@@ -13,14 +13,16 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .backend import REGISTRY
-from .candidates import check_document_present, positives_present
-from .core import check_chunk_size, check_policies, resolve_precision, run_op
-from .duplicates import check_ids, ids_agree
-from .host_read import HostRead, call_backend, prepare_backend
-from .memory import Memory, check_memory
-from .result import InfoNCEOutput, InfoNCEResult
-from .spec import InfoNCESpec
+from ..candidates.duplicates import check_ids, ids_agree
+from ..candidates.layout import check_document_present, positives_present
+from ..candidates.memory import Memory, check_memory
+from ..core.backend import REGISTRY
+from ..core.call import run_op
+from ..core.checks import check_chunk_size, check_policies
+from ..core.host_read import HostRead, call_backend, prepare_backend
+from ..core.precision import resolve_precision
+from ..core.result import InfoNCEOutput, InfoNCEResult
+from ..core.spec import InfoNCESpec
 
 __all__ = ["matryoshka_infonce", "run_backend"]
 
@@ -161,7 +163,7 @@ def matryoshka_infonce(
     negatives, a row without hard negatives) has loss and gradient exactly 0 (``core.live_rows``).
 
     Returns:
-        :class:`~st_cached_losses.ops.result.InfoNCEOutput`: ``loss`` (0-dim, fp32; fp64 for fp64 inputs; the one
+        :class:`~st_cached_losses.ops.core.result.InfoNCEOutput`: ``loss`` (0-dim, fp32; fp64 for fp64 inputs; the one
         field with a gradient), ``per_dim`` (K,) the unweighted loss per dim in the order of ``dims``, ``lse``
         (K, ndir, B) each row's logsumexp per dim and direction, and ``masked_share`` (the share of candidates the
         false-negative filter and the duplicate mask removed together, where a row's candidates are its columns in

@@ -48,18 +48,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import own
-from ..bands import band_bounds, inverse_prefix_norms
-from ..candidates import Candidates
-from ..duplicates import prepare_dense
-from ..gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
-from ..limits import DTYPES
-from ..result import InfoNCEResult
-from ..spec import DIRECTIONS, InfoNCESpec
-from .fused import MAX_DIMS
-from .passes import Direction, Launcher, config, device_constants, padded
-from .probe import TritonUnavailableError, describe_error, is_launch_error, unusable_reason
-from .rows import BLOCK_BYTES, CUDA_BLOCK_BYTES, block_bytes, plan_rows
+from ..candidates.duplicates import prepare_dense
+from ..candidates.layout import Candidates
+from ..core.bands import band_bounds, inverse_prefix_norms
+from ..core.gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
+from ..core.limits import DTYPES
+from ..core.result import InfoNCEResult
+from ..core.spec import DIRECTIONS, InfoNCESpec
+from ..triton.probe import TritonUnavailableError, describe_error, is_launch_error, unusable_reason
+from . import own
+from .triton_fused import MAX_DIMS
+from .triton_passes import Direction, Launcher, config, device_constants, padded
+from .triton_rows import BLOCK_BYTES, CUDA_BLOCK_BYTES, block_bytes, plan_rows
 
 __all__ = [
     "BLOCK_BYTES",
@@ -117,7 +117,7 @@ def forward(
         raise NotImplementedError(f"backend='triton' supports {missing}: use backend='chunked'.")
     if queries.dtype not in DTYPES:
         raise NotImplementedError(f"backend='triton' takes fp32/bf16/fp16/fp64 embeddings, got {queries.dtype}.")
-    reason = unusable_reason(queries.device, ".triton.fused")
+    reason = unusable_reason(queries.device, ".dense.triton_fused")
     if reason is not None:
         raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
     if not spec.in_batch_negatives:

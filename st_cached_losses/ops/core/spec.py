@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .core import check_dims, check_like_queries, check_offset, check_scale
+from .checks import check_dims, check_like_queries, check_offset, check_scale
 
 __all__ = ["DIRECTIONS", "InfoNCESpec", "check_dims", "check_false_negative_rule", "check_in_batch_negatives"]
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
 from .memory import Memory
-from .spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
 
 
 @dataclass

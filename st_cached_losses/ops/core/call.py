@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import numbers
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -26,24 +23,9 @@ from .host_read import HostRead
 from .precision import PRECISIONS, check_precision, decide_precision, resolve_precision
 from .result import InfoNCEOutput, InfoNCEResult
 
-__all__ = [
-    "NONFINITE_POLICIES",
-    "PRECISIONS",
-    "all_finite",
-    "as_int",
-    "check_chunk_size",
-    "check_dims",
-    "check_precision",
-    "check_scale",
-    "decide_precision",
-    "live_rows",
-    "resolve_precision",
-    "run_op",
-]
+__all__ = ["PRECISIONS", "all_finite", "check_precision", "decide_precision", "resolve_precision", "run_op"]
 
 logger = logging.getLogger(__name__)
-
-NONFINITE_POLICIES = ("auto", "raise", "propagate")
 
 
 class Spec(Protocol):
@@ -63,107 +45,6 @@ class Spec(Protocol):
 
 
 # ---------------------------------------------------------------------------------------------------- the arguments
-
-
-def as_int(value: Any, name: str, rule: str) -> int:
-    """``value`` as a Python int (numpy integers included; not bool, not a float), else a ValueError naming ``name``
-    and ``rule`` (e.g. "a positive int")."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be {rule}, got {value!r}.")
-    return operator.index(value)
-
-
-def check_dims(
-    dims: Sequence[int],
-    weights: Sequence[float] | None,
-    dim: int | None,
-    name: str = "dims",
-    weights_name: str = "weights",
-) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]:
-    """Validate Matryoshka dims and their weights against the embedding (or token) dimension ``dim`` (None: unknown,
-    no bound): the one rule both ops, the losses and the command line share; ``name`` and ``weights_name`` are the
-    caller's argument names. Numpy integers count as ints.
-
-    Returns:
-        (dims in descending order, their weights (default 1.0 each), ``order``: each sorted dim's index in ``dims``)
-
-    Raises:
-        ValueError: empty or not a sequence, a dim that is not a positive int or exceeds ``dim``, duplicates,
-            weights of another length or not finite.
-    """
-    if isinstance(dims, (numbers.Number, str)) or not isinstance(dims, Sequence) or len(dims) == 0:
-        example = dim or 768
-        raise ValueError(f"{name} must be a non-empty list of ints such as [{example}, {example // 2}], got {dims!r}.")
-    bad = [d for d in dims if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d <= 0]
-    if bad:
-        raise ValueError(f"{name} must hold positive ints, got {bad[0]!r} in {list(dims)}.")
-    dims = [operator.index(d) for d in dims]
-    too_large = [d for d in dims if dim is not None and d > dim]
-    if too_large:
-        verb = "is" if len(too_large) == 1 else "are"
-        raise ValueError(f"{name} {too_large} {verb} larger than the embedding dimension {dim}: use dims <= {dim}.")
-    if len(set(dims)) != len(dims):
-        raise ValueError(f"{name} holds duplicates: {dims}; list each Matryoshka dim once.")
-    if weights is None:
-        weights = [1.0] * len(dims)
-    if isinstance(weights, (numbers.Number, str)) or len(weights) != len(dims):
-        count = "one number" if isinstance(weights, (numbers.Number, str)) else f"{len(weights)} entries"
-        raise ValueError(f"{weights_name} has {count} but {name} has {len(dims)}: give one weight per dim.")
-    for w in weights:
-        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
-            raise ValueError(f"{weights_name} must be finite numbers, got {list(weights)}.")
-    order = tuple(sorted(range(len(dims)), key=lambda i: -dims[i]))
-    return tuple(dims[i] for i in order), tuple(float(weights[i]) for i in order), order
-
-
-def check_scale(scale: Any) -> float:
-    """The logit scale (= 1 / temperature) as a float, or a ValueError: a finite number > 0."""
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite number > 0 (scale = 1 / temperature), got {scale!r}.")
-    return float(scale)
-
-
-def check_chunk_size(chunk_size: Any) -> int | None:
-    """Query rows per tile of a tiled backend, or None (automatic); else a ValueError."""
-    rule = "a positive int (query rows per tile) or None (automatic)"
-    if chunk_size is None:
-        return None
-    if as_int(chunk_size, "chunk_size", rule) <= 0:
-        raise ValueError(f"chunk_size must be {rule}, got {chunk_size!r}.")
-    return operator.index(chunk_size)
-
-
-def check_like_queries(name: str, tensor: Tensor, queries: Tensor) -> None:
-    """``tensor`` in the queries' dtype and on their device; else a ValueError naming the fix."""
-    if tensor.dtype != queries.dtype:
-        raise ValueError(f"{name} is {tensor.dtype} but queries is {queries.dtype}: cast them to one dtype.")
-    if tensor.device != queries.device:
-        raise ValueError(f"{name} is on {tensor.device} but queries is on {queries.device}: move them together.")
-
-
-def check_offset(offset: Any, batch: int, limit: int, limit_name: str) -> int:
-    """This rank's first row in the gathered batch: an int with 0 <= offset and offset + B <= ``limit``."""
-    rule = f"an int with 0 <= offset and offset + B <= {limit_name}"
-    offset = as_int(offset, "offset", rule)
-    if offset < 0 or offset + batch > limit:
-        raise ValueError(f"offset must be {rule}, got offset={offset}, B={batch}, {limit_name}={limit}.")
-    return offset
-
-
-def check_policies(nonfinite: Any, precision: Any) -> None:
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
-    check_precision(precision)
-
-
-def live_rows(scored: Sequence[Tensor], partition_mode: str = "joint") -> Tensor:
-    """(rows,) bool: False for a row left with only its positive, whose loss and gradient are exactly 0 (stock's are;
-    rounding would leave ~1e-7, which AdamW turns into weight updates): the one rule of every backend that counts.
-    ``scored``: per direction, (rows,) int, the columns each row scores, its partner included, after every mask
-    (the direction's own, absent documents, the filter, duplicates; without in-batch negatives, other rows' columns).
-    Left with only its positive: its joint softmax holds one column ("joint"), or each direction's does."""
-    counts = torch.stack(list(scored))
-    return counts.sum(0) != 1 if partition_mode == "joint" else ~counts.eq(1).all(0)
 
 
 # --------------------------------------------------------------------------------------------- NaN and precision

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .memory import Memory
-from .result import InfoNCEResult
-from .spec import NORM_EPS, InfoNCESpec
+from ..candidates.memory import Memory
+from ..core.result import InfoNCEResult
+from ..core.spec import NORM_EPS, InfoNCESpec
 
 
 class Block(NamedTuple):

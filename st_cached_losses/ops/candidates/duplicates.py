@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..core.host_read import HostRead
+from ..core.spec import DIRECTIONS, InfoNCESpec
 from .false_negatives import kept_columns, num_candidates
-from .host_read import HostRead
 from .memory import Memory
-from .spec import DIRECTIONS, InfoNCESpec
 
 __all__ = ["DuplicateMask", "check_ids", "ids_agree", "prepare_dense", "prepared"]
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from .triton.probe import TritonUnavailableError
-from .triton.probe import unusable_reason as triton_unusable_reason
+from ..triton.probe import TritonUnavailableError
+from ..triton.probe import unusable_reason as triton_unusable_reason
 
 __all__ = [
     "OPS",
@@ -65,7 +65,7 @@ class Backend:
     verified: frozenset[tuple[int, int]] = frozenset()
 
     def load(self) -> Any:
-        return importlib.import_module(self.module, __package__)
+        return importlib.import_module(self.module, __package__.rpartition(".")[0])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.load().forward(*args, **kwargs)
@@ -105,12 +105,12 @@ REGISTRY: dict[str, dict[str, Backend]] = _registry(
     Backend(
         "matryoshka_infonce",
         "triton",
-        ".triton.blocks",
+        ".dense.triton_blocks",
         "row blocks against all columns: cuBLAS GEMMs and a fused Triton pass (CUDA; CPU in the interpreter)",
-        kernels=".triton.fused",
+        kernels=".dense.triton_fused",
     ),
-    Backend("matryoshka_infonce", "chunked", ".chunked", "row tiles against all columns in PyTorch (any device)"),
-    Backend("matryoshka_infonce", "dense", ".reference", "the whole score matrix in PyTorch: the test oracle"),
+    Backend("matryoshka_infonce", "chunked", ".dense.chunked", "row tiles against all columns in PyTorch (any device)"),
+    Backend("matryoshka_infonce", "dense", ".dense.reference", "the whole score matrix in PyTorch: the test oracle"),
     Backend(
         "maxsim_infonce",
         "triton",

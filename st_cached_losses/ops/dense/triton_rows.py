@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import InfoNCESpec
-from .passes import config, padded
+from ..core.spec import InfoNCESpec
+from .triton_passes import config, padded
 
 __all__ = ["BLOCK_BYTES", "CUDA_BLOCK_BYTES", "FREE_SHARE", "block_bytes", "plan_rows"]
 
