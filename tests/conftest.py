@@ -32,6 +32,9 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported before this file
+    from tests.oracles import register
+
+    register()  # backend="dense": the oracles (tests/oracles/), which the library no longer ships
 
 
 def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:

@@ -11,9 +11,9 @@ from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLos
 
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops.core.spec import InfoNCESpec
-from st_cached_losses.ops.dense.op import run_backend
 from st_cached_losses.testing import tiny_sentence_transformer
 from tests.helpers import ALL_DIRECTIONS, skip_on_stock_before
+from tests.oracles.dense import run_backend
 
 PARTNER = {"query_to_doc", "doc_to_query"}  # column offset + i is the row's own pair: never filtered
 

@@ -13,8 +13,8 @@ from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops.candidates.memory import Memory
 from st_cached_losses.ops.core.spec import InfoNCESpec
 from st_cached_losses.ops.dense.chunked import default_tile_rows as tile_rows
-from st_cached_losses.ops.dense.op import run_backend
 from tests.helpers import ALL_DIRECTIONS
+from tests.oracles.dense import run_backend
 
 OPTIONS = {
     "default": {},
@@ -296,10 +296,10 @@ def test_no_grad_forward_matches_and_skips_gradients():
 
 
 def test_no_grad_asks_the_backend_for_no_gradients_even_of_inputs_that_require_them(monkeypatch):
-    from st_cached_losses.ops.dense import op as infonce
+    from st_cached_losses.ops.core import call
 
-    asked, prepare = [], infonce.prepare_backend  # (entry, host, queries, docs, world, spec, need_grad, ...)
-    monkeypatch.setattr(infonce, "prepare_backend", lambda *args, **kw: asked.append(args[6]) or prepare(*args, **kw))
+    asked, prepare = [], call.prepare_backend  # (entry, problem, host)
+    monkeypatch.setattr(call, "prepare_backend", lambda *args: asked.append(args[1].need_grad) or prepare(*args))
     world_q, docs = (t.requires_grad_() for t in _inputs(30, 30, 30, 16))
     with torch.no_grad():
         out = matryoshka_infonce(world_q, docs, dims=[16, 4], backend="chunked")

@@ -17,8 +17,8 @@ from st_cached_losses.ops.core import gemm
 from st_cached_losses.ops.core.precision import decide_precision, resolve_precision
 from st_cached_losses.ops.core.spec import InfoNCESpec
 from st_cached_losses.ops.dense import chunked
-from st_cached_losses.ops.dense.op import run_backend
 from tests.helpers import ALL_DIRECTIONS, assert_close_to_scale
+from tests.oracles.dense import run_backend
 
 # InfoNCESpec.build's options for one direction, no hardness (the plain InfoNCE problem).
 PLAIN = dict(

@@ -26,13 +26,13 @@ pytest.importorskip("triton")
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops.candidates.memory import Memory
 from st_cached_losses.ops.core.spec import InfoNCESpec
-from st_cached_losses.ops.dense import reference
 from st_cached_losses.ops.dense import triton_blocks as blocks
 from st_cached_losses.ops.dense import triton_fused as fused
 from st_cached_losses.ops.dense import triton_passes as passes
-from st_cached_losses.ops.dense.op import run_backend
 from tests import duplicates_reference, infonce_oracle
 from tests.helpers import ALL_DIRECTIONS, assert_close_to_scale
+from tests.oracles import dense as reference
+from tests.oracles.dense import run_backend
 
 if not fused.INTERPRETED:  # imported earlier in this process without the interpreter
     fused = importlib.reload(fused)
@@ -287,7 +287,7 @@ def test_bf16_planes_are_as_precise_as_plain_bf16_pytorch():
     got = run_backend("triton", queries, docs, world, spec, True, chunk_size=16)
     assert got.tile.endswith("bfloat16 planes")
     truth = _truth(queries, docs, world, spec)
-    plain = reference.forward(queries, docs, world, spec, True, compute_dtype=torch.bfloat16)
+    plain = reference.reference(queries, docs, world, spec, True, compute_dtype=torch.bfloat16)
     assert (got.per_dim.double() - truth.per_dim).abs().max() < spec.scale * 2**-8
     assert (got.lse.double() - truth.lse).abs().max() < spec.scale * 2**-8
     for quantity in ("per_dim", "lse"):

@@ -65,8 +65,8 @@ def op_calls(mode: str, steps, correctness_list: str = "short") -> list[Call]:
 
 def _correctness_calls(mode: str, which: str) -> list[Call]:
     from benchmarks.gpu import correctness
-    from st_cached_losses.ops.dense.op import run_backend
     from tests.cuda import cuda_checks, maxsim_cuda_checks
+    from tests.oracles.dense import run_backend
 
     def call(case, precision, block_rows):
         with cuda_checks.matmul_precision(cuda_checks.PRECISIONS[precision][1]):

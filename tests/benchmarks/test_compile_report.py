@@ -17,9 +17,9 @@ import torch
 pytest.importorskip("triton")
 
 from benchmarks.gpu.launches import count_call
-from st_cached_losses.ops.maxsim.op import run_backend
 from st_cached_losses.ops.maxsim.spec import MaxSimSpec
 from tests.maxsim_oracle import inputs
+from tests.oracles.maxsim import run_backend
 
 
 def test_launches_per_call():

@@ -139,9 +139,9 @@ def test_a_maxsim_backend_off_by_one_percent_fails_its_case(monkeypatch):
 
     real = chunked.forward
 
-    def off_by_one_percent(queries, *args, **kwargs):
-        result = real(queries, *args, **kwargs)
-        if queries.dtype == torch.float64:
+    def off_by_one_percent(problem, *args, **kwargs):
+        result = real(problem, *args, **kwargs)
+        if problem.queries.dtype == torch.float64:
             return result
         return result._replace(grads=(result.grads[0], result.grads[1] * 1.01, result.grads[2]))
 

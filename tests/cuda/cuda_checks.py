@@ -27,8 +27,8 @@ import torch
 
 from st_cached_losses.ops.core.precision import resolve_precision
 from st_cached_losses.ops.core.spec import InfoNCESpec
-from st_cached_losses.ops.dense import reference
-from st_cached_losses.ops.dense.op import run_backend
+from tests.oracles import dense as reference
+from tests.oracles.dense import run_backend
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
@@ -276,7 +276,7 @@ def run_case(
         inputs, spec = prepare(case, precision, device)
         got = _outputs(run_backend(stand_in or backend, *inputs, spec, need_grad=True, chunk_size=block_rows), spec)
         plain_dtype = PLAIN_DTYPE.get(precision, dtype)
-        plain = _outputs(reference.forward(*inputs, spec, need_grad=True, compute_dtype=plain_dtype), spec)
+        plain = _outputs(reference.reference(*inputs, spec, need_grad=True, compute_dtype=plain_dtype), spec)
     truth = _truth(case, inputs, spec)
     label = case.name if block_rows is None else f"{case.name} {block_rows}"
     return rule_rows(label, backend, precision, got, truth, plain)

@@ -24,11 +24,11 @@ import pytest
 import torch
 
 from st_cached_losses.ops.core import gemm
-from st_cached_losses.ops.dense import reference
-from st_cached_losses.ops.dense.op import run_backend
 from tests.cuda.cuda_checks import TOLERANCES, TRUTH_DEVICE_MAX_BYTES, cases, failures
 from tests.cuda.maxsim_cuda_checks import maxsim_cases
 from tests.cuda.maxsim_cuda_checks import run_case as run_maxsim_case
+from tests.oracles import dense as reference
+from tests.oracles.dense import run_backend
 
 pytestmark = pytest.mark.cuda
 
@@ -79,7 +79,7 @@ def _errors(case, backend: str, mode: str) -> list[str]:
     truth = _outputs(run_backend(case.truth_backend, *exact, dataclasses.replace(spec, precision="ieee"), True), spec)
     plain_dtype = torch.bfloat16 if precision == "bf16" else dtype
     with gemm.matmul_precision(precision == "tf32", torch.device("cuda")):
-        plain = reference.forward(*(t.to(plain_dtype) for t in inputs), spec, True, compute_dtype=plain_dtype)
+        plain = reference.reference(*(t.to(plain_dtype) for t in inputs), spec, True, compute_dtype=plain_dtype)
     plain = _outputs(plain, spec)
     failed = []
     for quantity, want in truth.items():

@@ -34,17 +34,19 @@ the dense Triton kernels compare the table inside their tiles.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ..core.host_read import HostRead
+from ..core.problem import Problem
 from ..core.spec import DIRECTIONS, InfoNCESpec
 from .false_negatives import kept_columns, num_candidates
 from .memory import Memory
 
-__all__ = ["DuplicateMask", "check_ids", "ids_agree", "prepare_dense", "prepared"]
+__all__ = ["DuplicateMask", "check_ids", "ids_agree", "prepared", "with_duplicate_mask"]
 
 
 _ABSENT = object()
@@ -303,14 +305,16 @@ def prepared(spec: InfoNCESpec, duplicates, host: HostRead, memory: Memory | Non
     return mask
 
 
-def prepare_dense(forward, *args, duplicates=None, host: HostRead, **options):
-    """The ``prepare`` (``host_read``) of a ``matryoshka_infonce`` backend around its ``forward`` (its arguments, the
-    options by keyword): with duplicate ids and in-batch negatives, their mask built now and its table's width asked
-    of ``host`` (:func:`prepared`). Returns the call to run after the read."""
-    spec = args[3]
-    if duplicates is not None and spec.in_batch_negatives:
-        duplicates = prepared(spec, duplicates, host, options.get("memory"))
-    return functools.partial(forward, *args, duplicates=duplicates, **options)
+def with_duplicate_mask(problem: Problem, host: HostRead, layout: Callable[[], InfoNCESpec] | None = None) -> Problem:
+    """A backend's ``prepare`` step (``host_read``): with text ids and in-batch negatives, ``problem`` with their
+    :class:`DuplicateMask` built now and its table's sizes asked of ``host`` (:func:`prepared`); else ``problem``
+    itself. ``layout``: gives the InfoNCE spec the mask follows (MaxSim's ``spec.infonce_spec``; default: the
+    problem's spec)."""
+    inputs = problem.candidates
+    if inputs.duplicates is None or not problem.spec.in_batch_negatives or isinstance(inputs.duplicates, DuplicateMask):
+        return problem
+    spec = problem.spec if layout is None else layout()
+    return problem.replace(duplicates=prepared(spec, inputs.duplicates, host, inputs.memory))
 
 
 def _codes(ids: Tensor) -> Tensor:

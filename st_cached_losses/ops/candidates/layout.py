@@ -5,8 +5,8 @@ beyond a direction's own, tile by tile, and the counts behind the exact-zeros ru
 Row i of a direction scores its columns less
 
 1. the columns the direction masks itself (``false_negatives.kept_columns``, its partner aside);
-2. absent documents (``document_present`` False: hard negatives a query lacks; no row scores them, in any direction
-   that scores documents);
+2. absent documents (``present`` False in the candidate inputs: hard negatives a query lacks; no row scores them,
+   in any direction that scores documents);
 3. the candidates the false-negative filter (``false_negatives.Guide``) and the duplicate mask
    (``duplicates.DuplicateMask``) remove: never its partner, and never counted twice (a candidate both remove, or an
    absent document one removes, counts once).
@@ -23,12 +23,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..core.problem import Problem
 from ..core.spec import DIRECTIONS, Direction, InfoNCESpec
 from .duplicates import DuplicateMask
 from .false_negatives import Guide, num_candidates
-from .memory import Memory
 
-__all__ = ["Candidates", "TileMasks", "check_document_present", "positives_present"]
+__all__ = [
+    "Candidates",
+    "TileMasks",
+    "check_document_present",
+    "duplicate_and_absent_masks",
+    "live_rows",
+    "positives_present",
+]
 
 
 @dataclass
@@ -44,39 +51,31 @@ class TileMasks:
 class Candidates:
     """The candidate masks of one op call (in-batch negatives on), read tile by tile.
 
-    ``guide``: a guide model's (queries, docs) for ``spec.false_negatives``; ``duplicates``: the text ids of
-    ``spec.mask_duplicates``; ``document_present``: (M,) bool of ``spec.absent_documents``; ``tiles``: the duplicate
-    mask's removed candidates as a boolean tile in each ``TileMasks.dropped`` (the chunked backend sets them to
-    -inf; the Triton kernels compare text codes themselves and need only the counts). Counts are int64 on the
-    device: no host synchronisation.
+    ``spec``: the InfoNCE layout the masks follow (MaxSim's ``infonce_spec()``); ``problem``: the op call, whose
+    candidate inputs (``core.problem.CandidateInputs``) say which masks apply; ``dtype``: the guide's scores';
+    ``tiles``: the duplicate mask's removed candidates as a boolean tile in each ``TileMasks.dropped`` (the chunked
+    backend sets them to -inf; the Triton kernels compare text codes themselves and need only the counts). Counts
+    are int64 on the device: no host synchronisation.
     """
 
-    def __init__(
-        self,
-        spec: InfoNCESpec,
-        queries: Tensor,
-        docs: Tensor,
-        world_queries: Tensor,
-        dtype: torch.dtype,
-        guide: tuple[Tensor, Tensor] | None = None,
-        duplicates=None,
-        memory: Memory | None = None,
-        document_present: Tensor | None = None,
-        tiles: bool = True,
-    ):
-        self.spec, device, self.tiles = spec, queries.device, tiles
-        guided = spec.false_negatives is not None
-        self.guide = Guide.build(queries, docs, world_queries, spec, guide, dtype, memory) if guided else None
+    def __init__(self, spec: InfoNCESpec, problem: Problem, dtype: torch.dtype, tiles: bool = True):
+        inputs = problem.candidates
+        self.spec, device, self.tiles = spec, problem.queries.device, tiles
+        self.guide = None
+        if spec.false_negatives is not None:
+            queries, docs, world = problem.queries, problem.documents, problem.world_queries
+            self.guide = Guide.build(queries, docs, world, spec, inputs.guide, dtype, inputs.memory)
+        duplicates = inputs.duplicates
         if duplicates is not None and not isinstance(duplicates, DuplicateMask):  # else built by the backend's prepare
-            duplicates = DuplicateMask.build(spec, *duplicates, memory=memory)
+            duplicates = DuplicateMask.build(spec, *duplicates, memory=inputs.memory)
         self.duplicates = duplicates
         self.removed_count = torch.zeros((), dtype=torch.int64, device=device)
         self.candidate_count = torch.zeros((), dtype=torch.int64, device=device)
         self.column_present = None
-        if document_present is not None:  # the banked columns after the docs' are present
+        if inputs.present is not None:  # the banked columns after the docs' are present
             banked = torch.ones(spec.num_memory, dtype=torch.bool, device=device)
-            self.column_present = torch.cat([document_present, banked])
-            absent = ~document_present
+            self.column_present = torch.cat([inputs.present, banked])
+            absent = ~inputs.present
             self.absent_total = absent.sum()
             self.own_absent = absent.view(spec.num_columns, spec.world_batch_size).sum(0)  # (Bw,) per world row
 
@@ -139,6 +138,17 @@ class Candidates:
             offset = self.spec.offset
             absent = absent - self.own_absent[offset + begin : offset + end]
         return absent
+
+
+def duplicate_and_absent_masks(problem: Problem, dtype: torch.dtype) -> tuple[Candidates | None, Tensor | None]:
+    """For a backend that sets the masked logits to -inf itself (MaxSim's, whose spec gives its InfoNCE layout by
+    ``infonce_spec()``): the duplicate mask's removed candidates and their count (:class:`Candidates`, absent
+    documents not counted; None without ids) and the (M,) absent documents (None with all present)."""
+    present = problem.candidates.present
+    absent = None if present is None else ~present
+    if problem.candidates.duplicates is None:
+        return None, absent
+    return Candidates(problem.spec.infonce_spec(), problem, dtype), absent
 
 
 def check_document_present(document_present, docs: Tensor, queries: Tensor) -> bool:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.problem import Problem
 from ..core.spec import NORM_EPS, InfoNCESpec
 from .duplicates import DuplicateMask
 
@@ -19,34 +20,34 @@ def own_documents(x: Tensor, spec: InfoNCESpec) -> Tensor:
     return blocks[:, spec.offset : spec.offset + spec.batch_size]
 
 
-def masked_share(removed: Tensor, spec: InfoNCESpec, document_present: Tensor | None) -> Tensor:
+def masked_share(removed: Tensor, spec: InfoNCESpec, present: Tensor | None) -> Tensor:
     """The share (0-dim fp32) of the own hard negatives the masks removed (``removed`` (n, B), as
-    :func:`excluded_documents` gives it) over the present ones (a Python number without absent documents: no host
-    tensor)."""
+    :func:`excluded_documents` gives it) over the present ones (``present``: the candidate inputs' (M,) bool, or
+    None; a Python number without absent documents: no host tensor)."""
     candidates = max((spec.num_columns - 1) * spec.batch_size, 1)
-    if document_present is not None:
-        candidates = own_documents(document_present, spec)[1:].sum().clamp_min(1).double()
+    if present is not None:
+        candidates = own_documents(present, spec)[1:].sum().clamp_min(1).double()
     return (removed.sum().double() / candidates).float()
 
 
-def excluded_documents(
-    queries, docs, spec, guide=None, duplicates=None, document_present=None, dtype=None
-) -> tuple[Tensor, Tensor]:
+def excluded_documents(spec: InfoNCESpec, problem: Problem, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """(n, B) bool each: the own documents a row does not score (absent, or removed), and those the false-negative
-    filter and the duplicate mask removed among the present ones (never the positive). ``docs``, ``guide`` and
-    ``dtype`` serve the filter only (``maxsim_infonce`` has none: its own documents' masks are these)."""
+    filter and the duplicate mask removed among the present ones (never the positive). ``spec``: the InfoNCE layout
+    (MaxSim's ``infonce_spec()``); ``problem``'s embeddings, guide and ``dtype`` serve the filter only
+    (``maxsim_infonce`` has none: its own documents' masks are these)."""
+    inputs = problem.candidates
     n, batch = spec.num_columns, spec.batch_size
-    removed = torch.zeros(n, batch, dtype=torch.bool, device=queries.device)
+    removed = torch.zeros(n, batch, dtype=torch.bool, device=problem.queries.device)
     if spec.false_negatives is not None:
-        removed |= _filtered(queries, docs, spec, guide, dtype)
-    if duplicates is not None:
-        mask = DuplicateMask.build(spec, *duplicates)
+        removed |= _filtered(problem.queries, problem.documents, spec, inputs.guide, dtype)
+    if inputs.duplicates is not None:
+        mask = DuplicateMask.build(spec, *inputs.duplicates)
         codes = own_documents(mask.codes["c"], spec)  # (n, B): each own document's text
         removed |= mask.forbids("q", mask.own["q"][None], codes)
     removed[0].fill_(False)  # the positive, the row's partner (fill_: no host-built tensor)
-    if document_present is None:
+    if inputs.present is None:
         return removed, removed
-    present = own_documents(document_present, spec)
+    present = own_documents(inputs.present, spec)
     return removed | ~present, removed & present
 
 

@@ -33,6 +33,7 @@ from ..triton.probe import TritonUnavailableError
 from ..triton.probe import unusable_reason as triton_unusable_reason
 
 __all__ = [
+    "DEPRECATED",
     "OPS",
     "REGISTRY",
     "Backend",
@@ -52,8 +53,9 @@ OPS = ("matryoshka_infonce", "maxsim_infonce")
 
 @dataclass(frozen=True)
 class Backend:
-    """One backend of one op. ``module`` (relative to ``st_cached_losses.ops``) defines ``forward(...)`` with its
-    op's backend signature and may define ``unsupported(spec) -> str | None``; it is imported at its first use, so
+    """One backend of one op. ``module`` (relative to ``st_cached_losses.ops``) defines ``forward(problem)`` (and,
+    where it reads integers on the host, ``prepare(problem, host)``: ``host_read``) and may define
+    ``unsupported(spec) -> str | None``; it is imported at its first use, so
     Triton is imported only where it runs. ``kernels``: the Triton module whose import is the usability check
     (None: plain PyTorch, any device). ``verified``: the CUDA compute capabilities where ``"auto"`` picks it."""
 
@@ -66,9 +68,6 @@ class Backend:
 
     def load(self) -> Any:
         return importlib.import_module(self.module, __package__.rpartition(".")[0])
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.load().forward(*args, **kwargs)
 
     def unusable_reason(self, device: torch.device) -> str | None:
         """Why this backend cannot run on ``device``, or None."""
@@ -110,7 +109,6 @@ REGISTRY: dict[str, dict[str, Backend]] = _registry(
         kernels=".dense.triton_fused",
     ),
     Backend("matryoshka_infonce", "chunked", ".dense.chunked", "row tiles against all columns in PyTorch (any device)"),
-    Backend("matryoshka_infonce", "dense", ".dense.reference", "the whole score matrix in PyTorch: the test oracle"),
     Backend(
         "maxsim_infonce",
         "triton",
@@ -120,13 +118,22 @@ REGISTRY: dict[str, dict[str, Backend]] = _registry(
         kernels=".maxsim.triton_kernels",
     ),
     Backend("maxsim_infonce", "chunked", ".maxsim.chunked", "query tiles against document blocks in PyTorch"),
-    Backend("maxsim_infonce", "dense", ".maxsim.reference", "every token similarity in PyTorch: the test oracle"),
 )
 
 
+# Names still taken, with a FutureWarning, that run another backend: "dense" was the test oracle, now in
+# tests/oracles/ (the tests register it; see docs/design.md, "Deprecations").
+DEPRECATED = {"dense": "chunked"}
+
+
 def backends(op: str = "matryoshka_infonce") -> tuple[str, ...]:
-    """The names ``op``'s ``backend=`` argument takes: "auto" and its registry's backends."""
-    return ("auto", *_entries(op))
+    """The names ``op``'s ``backend=`` argument takes: "auto", its registry's backends and the deprecated names."""
+    return tuple(dict.fromkeys(("auto", *_entries(op), *DEPRECATED)))
+
+
+def _deprecated(backend: str, op: str) -> bool:
+    """Whether ``backend`` is a deprecated name with no registered backend of ``op`` (it then runs its successor)."""
+    return backend in DEPRECATED and backend not in REGISTRY[op]
 
 
 def _entries(op: str) -> dict[str, Backend]:
@@ -151,6 +158,14 @@ def check_backend(backend: str, device: torch.device | str, op: str = "matryoshk
         raise ValueError(f"backend must be one of {names} for {op}, got {backend!r}.")
     if backend == "auto":
         return
+    if _deprecated(backend, op):
+        warnings.warn(
+            f"backend={backend!r} is deprecated and runs backend={DEPRECATED[backend]!r} (the dense backends were "
+            "the test oracles; they live in the tests now). Pass backend='auto' or 'chunked'.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return
     reason = REGISTRY[op][backend].unusable_reason(torch.device(device))
     if reason is not None:
         raise ValueError(f"backend={backend!r} cannot run here: {reason}. Use backend='chunked' or 'auto'.")
@@ -167,6 +182,8 @@ def select_backend(device: torch.device, backend: str, op: str = "matryoshka_inf
         ValueError: see :func:`check_backend`.
     """
     check_backend(backend, device, op)
+    if _deprecated(backend, op):
+        return DEPRECATED[backend], f"requested {backend!r}, deprecated: runs {DEPRECATED[backend]!r}"
     if backend != "auto":
         return backend, "requested"
     if (op, str(device)) in _FAILED:

@@ -18,9 +18,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .backend import TritonUnavailableError, fall_back, note_choice, select_backend
-from .host_read import HostRead
+from .backend import REGISTRY, TritonUnavailableError, fall_back, note_choice, select_backend
+from .host_read import HostRead, prepare_backend
 from .precision import PRECISIONS, check_precision, decide_precision, resolve_precision
+from .problem import Problem
 from .result import InfoNCEOutput, InfoNCEResult
 
 __all__ = ["PRECISIONS", "all_finite", "check_precision", "decide_precision", "resolve_precision", "run_op"]
@@ -99,7 +100,7 @@ def _autocast_off(device: torch.device):
 # ------------------------------------------------------------------------------------------------------ the call
 
 
-# The op's first phase of backend ``name``'s call (``host_read.prepare_backend``): (name, need_grad, host) -> the run.
+# Backend ``name``'s first phase (``host_read.prepare_backend``): (name, need_grad, host) -> the run.
 Prepare = Callable[[str, bool, HostRead], Callable[[], InfoNCEResult]]
 
 
@@ -163,35 +164,37 @@ class OpCall:
 
 def run_op(
     op: str,
-    spec: Spec,
+    problem: Problem,
     inputs: dict[str, Tensor | None],
-    prepare: Prepare,
     *,
     backend: str,
     nonfinite: str,
     num_directions: int = 1,
+    finish: Callable[[InfoNCEResult], InfoNCEResult] | None = None,
     checked: dict[str, Tensor | None] | None = None,
-    supports: Callable[[str], bool] | None = None,
     conditions: Sequence[tuple[Tensor, str] | None] = (),
 ) -> InfoNCEOutput:
     """Choose the backend, prepare its call, read the host's values once, apply the NaN policy and run the backend
     inside :class:`_CachedGradients`.
 
+    ``problem``: the validated call every backend receives (``problem.Problem``; its ``need_grad`` set here).
     ``inputs``: the tensors the backend differentiates, by argument name (the first is the queries; a None entry is
-    an absent optional input); the gradients of those that require them reach autograd. ``prepare``: the backend
-    call's first phase (:data:`Prepare`), whose integers are read with the NaN check. ``checked``: other inputs
-    (without gradient) the NaN policy reads too. ``supports(name)``: whether the backend ``"auto"`` picked takes this
-    problem (else the chunked backend runs). ``conditions``: (0-dim bool device tensor, message) pairs that must hold
-    (None: a condition that does not apply).
+    an absent optional input); the gradients of those that require them reach autograd. ``finish``: maps a backend's
+    result to the op's (its grads in ``inputs``' order, None for an input that is None). ``checked``: other inputs
+    (without gradient) the NaN policy reads too. ``conditions``: (0-dim bool device tensor, message) pairs that must
+    hold (None: a condition that does not apply). A backend ``"auto"`` picked that does not take the problem
+    (its ``unsupported``) gives way to the chunked backend.
     The finiteness of every input, the conditions and the backend's integers make the call's one host
     synchronisation (``host_read.HostRead``).
 
     Raises:
         ValueError: see the ops' docstrings (the backend, NaN/Inf inputs, ``conditions``).
     """
+    spec = problem.spec
+    prepare = _prepare(op, problem, finish)
     queries = next(iter(inputs.values()))
     name, reason = select_backend(queries.device, backend, op=op)
-    if backend == "auto" and supports is not None and not supports(name):
+    if backend == "auto" and REGISTRY[op][name].unsupported(spec) is not None:
         name, reason = "chunked", f"auto: the {name} backend does not take these options"
     # Under torch.no_grad the Function's needs_input_grad still follows requires_grad: decide here.
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs.values())
@@ -205,6 +208,16 @@ def run_op(
     with _autocast_off(queries.device):
         loss, per_dim, lse, masked_share = _CachedGradients.apply(call, need_grad, *inputs.values())
     return InfoNCEOutput(loss, per_dim, lse, masked_share if spec.masks else None)
+
+
+def _prepare(op: str, problem: Problem, finish: Callable[[InfoNCEResult], InfoNCEResult] | None) -> Prepare:
+    """The op's :data:`Prepare`: backend ``name``'s first phase on ``problem`` (``host_read.prepare_backend``)."""
+
+    def prepare(name: str, need_grad: bool, host: HostRead) -> Callable[[], InfoNCEResult]:
+        run = prepare_backend(REGISTRY[op][name], problem.replace(need_grad=need_grad), host)
+        return run if finish is None else lambda: finish(run())
+
+    return prepare
 
 
 def _in_callers_order(result: InfoNCEResult, spec: Spec) -> tuple[Tensor, Tensor, Tensor]:

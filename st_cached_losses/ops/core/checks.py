@@ -3,10 +3,11 @@ scale, the tile size, tensors that must match the queries, the gathered batch's 
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -22,6 +23,8 @@ __all__ = [
     "check_offset",
     "check_policies",
     "check_scale",
+    "keywords_of",
+    "with_defaults",
 ]
 
 NONFINITE_POLICIES = ("auto", "raise", "propagate")
@@ -116,3 +119,23 @@ def check_policies(nonfinite: Any, precision: Any) -> None:
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
     check_precision(precision)
+
+
+def with_defaults(op: Callable, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` (keywords of ``op``) with ``op``'s defaults for the others: a call read once, by name.
+
+    Raises:
+        TypeError: a keyword ``op`` does not take.
+    """
+    parameters = inspect.signature(op).parameters
+    unknown = sorted(set(options) - set(parameters))
+    if unknown:
+        raise TypeError(f"{op.__name__} got keywords it does not take: {unknown}.")
+    keywords = (p for p in parameters.values() if p.kind is p.KEYWORD_ONLY)
+    return {p.name: options.get(p.name, p.default) for p in keywords}
+
+
+def keywords_of(build: Callable, options: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``options`` that ``build`` takes by keyword (a spec builder's share of an op's options)."""
+    names = {p.name for p in inspect.signature(build).parameters.values() if p.kind is p.KEYWORD_ONLY}
+    return {name: value for name, value in options.items() if name in names}

@@ -7,11 +7,10 @@ count of scored query tokens, which it compacts; the dense Triton kernels: the w
 codes). All of them are computed on the device first and read by one
 ``tolist``: one synchronisation per call, however many tiles, ids or masks.
 
-A backend module that needs such integers defines, besides ``forward``, ``prepare(*forward's arguments, host)``: it
+A backend module that needs such integers defines, besides ``forward(problem)``, ``prepare(problem, host)``: it
 computes them on the device, asks ``host`` for them (:meth:`HostRead.ask`) and returns the call to run after the read,
 which takes their values (``host[key]``). :func:`prepare_backend` is that first phase for any backend (a module
-without ``prepare`` asks nothing), :func:`call_backend` both phases with a read of its own (the tests run a backend by
-name so).
+without ``prepare`` asks nothing), :func:`call_backend` both phases with a read of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from .problem import Problem
 
 __all__ = ["HostRead", "call_backend", "prepare_backend"]
 
@@ -67,20 +68,20 @@ class HostRead:
         return [bool(value) for value in values[: len(flags)]]
 
 
-def prepare_backend(entry: Any, host: HostRead, *args: Any, **kwargs: Any) -> Callable[[], Any]:
-    """The first phase of ``entry``'s (an ``ops.backend.Backend``) call on these arguments: its module's
-    ``prepare(*args, host=host, **kwargs)`` where it has one, else nothing to do. Returns the call to run once
-    ``host`` has been read."""
+def prepare_backend(entry: Any, problem: Problem, host: HostRead) -> Callable[[], Any]:
+    """The first phase of ``entry``'s (an ``ops.core.backend.Backend``) call on ``problem``: its module's
+    ``prepare(problem, host)`` where it has one, else nothing to do. Returns the call to run once ``host`` has been
+    read."""
     module = entry.load()
     prepare = getattr(module, "prepare", None)
     if prepare is None:
-        return functools.partial(module.forward, *args, **kwargs)
-    return prepare(*args, host=host, **kwargs)
+        return functools.partial(module.forward, problem)
+    return prepare(problem, host)
 
 
-def call_backend(entry: Any, *args: Any, **kwargs: Any) -> Any:
-    """``entry``'s call on these arguments, the integers it asks for read here (one synchronisation, if any)."""
+def call_backend(entry: Any, problem: Problem) -> Any:
+    """``entry``'s call on ``problem``, the integers it asks for read here (one synchronisation, if any)."""
     host = HostRead()
-    run = prepare_backend(entry, host, *args, **kwargs)
+    run = prepare_backend(entry, problem, host)
     host.read()
     return run()

@@ -19,17 +19,20 @@ References: GradCache (arXiv 2101.06983), Matryoshka (arXiv 2205.13147), FlashAt
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from ..candidates.duplicates import prepare_dense
+from ..candidates.duplicates import with_duplicate_mask
 from ..candidates.layout import Candidates
-from ..candidates.memory import Memory
 from ..core.bands import band, inverse_prefix_norms
 from ..core.gemm import matmul_precision, rounded_operand
+from ..core.host_read import HostRead
 from ..core.limits import TILE_BYTES as DEFAULT_TILE_BYTES
+from ..core.problem import Problem
 from ..core.result import InfoNCEResult
 from ..core.spec import DIRECTIONS, Direction, InfoNCESpec
 from . import own
@@ -60,45 +63,29 @@ def default_tile_rows(spec: InfoNCESpec, tile_bytes: int = DEFAULT_TILE_BYTES) -
     return max(1, min(spec.batch_size, tile_bytes // per_row))
 
 
-def prepare(*args, **kwargs):
-    """:func:`forward`'s first phase (``duplicates.prepare_dense``): the tiles compare the duplicate mask's code table,
-    whose width is read with the op call's one host read."""
-    return prepare_dense(forward, *args, **kwargs)
+def prepare(problem: Problem, host: HostRead) -> Callable[[], InfoNCEResult]:
+    """:func:`forward`'s first phase (``host_read``): the tiles compare the duplicate mask's code table, whose width
+    is read with the op call's one host read (``duplicates.with_duplicate_mask``)."""
+    return functools.partial(forward, with_duplicate_mask(problem, host))
 
 
-def forward(
-    queries: Tensor,
-    docs: Tensor,
-    world_queries: Tensor,
-    spec: InfoNCESpec,
-    need_grad: bool,
-    tile_rows: int | None = None,
-    guide: tuple[Tensor, Tensor] | None = None,
-    duplicates=None,
-    memory: Memory | None = None,
-    document_present: Tensor | None = None,
-) -> InfoNCEResult:
-    """Per-dim losses, per-row LSEs and (if ``need_grad``) gradients, one sweep over row tiles.
+def forward(problem: Problem) -> InfoNCEResult:
+    """Per-dim losses, per-row LSEs and (if ``problem.need_grad``) gradients, one sweep over row tiles.
 
     Shapes: queries (B, D), docs (M, D), world_queries (Bw, D). Computes in fp32 (fp64 for fp64 inputs,
     upcasting bf16/fp16 once); gradients come back in the inputs' dtype. GEMMs as ``spec.precision`` says
-    (``gemm.py``): "bf16" rounds the operands to bf16 once, held in fp32 and multiplied in TF32 on CUDA (exact for
-    such operands); "tf32"/"ieee" switch TF32 on/off on CUDA (IEEE on CPU). Memory beyond the inputs: their gradients,
-    O((B + M) * K) scalars and one tile of ``chunk x columns x (K + 1)`` scores, from a 64 MiB budget on CPU and
-    256 MiB on CUDA (``tile_budget``).
-    ``guide``: a guide model's (queries, docs) embeddings for ``spec.false_negatives`` (whose mask each tile
-    computes once, for all dims); ``duplicates``: the text ids (query_ids, doc_ids, world_query_ids or None) of
-    ``spec.mask_duplicates``, whose removed candidates are set to -inf in each tile (a boolean tile);
-    ``memory``: banked documents, scored as columns after the docs' in the same tiles, with no gradient computed for
-    them (no column-gradient matmul, no copy next to the docs); ``document_present``: (M,) bool of
-    ``spec.absent_documents``, the absent documents' columns at -inf in every tile (the counts: ``candidates.py``).
-    Without in-batch negatives (``spec.in_batch_negatives`` False) it runs ``own.forward``: O(B n D), no tiles.
+    (``gemm.py``). Memory beyond the inputs: their gradients, O((B + M) * K) scalars and one tile of
+    ``rows x columns x (K + 1)`` scores (``problem.tile`` rows, default from ``tile_budget``). The candidate inputs:
+    the guide's mask is computed once per tile for all dims; the duplicate mask's and the absent documents' removed
+    candidates are set to -inf in each tile; banked documents are scored as columns after the docs' in the same
+    tiles, with no gradient computed for them. Without in-batch negatives it runs ``own.forward``: O(B n D), no tiles.
     """
+    spec, queries = problem.spec, problem.queries
     if not spec.in_batch_negatives:
-        return own.forward(queries, docs, spec, need_grad, guide, duplicates, document_present)
-    rows = tile_rows or default_tile_rows(spec, tile_budget(queries.device))
+        return own.forward(problem)
+    rows = problem.tile or default_tile_rows(spec, tile_budget(queries.device))
     with matmul_precision(spec.precision != "ieee", queries.device):
-        sweep = _Sweep(queries, docs, world_queries, spec, need_grad, guide, duplicates, memory, document_present)
+        sweep = _Sweep(problem)
         for begin in range(0, spec.batch_size, rows):
             sweep.tile(begin, min(begin + rows, spec.batch_size))
         return sweep.result()._replace(tile=f"{min(rows, spec.batch_size)} rows")
@@ -107,9 +94,9 @@ def forward(
 class _Sweep:
     """State of one forward sweep: inputs, prefix norms, workspaces and gradient accumulators."""
 
-    def __init__(
-        self, queries, docs, world_queries, spec: InfoNCESpec, need_grad: bool, guide, duplicates, memory, present
-    ):
+    def __init__(self, problem: Problem):
+        spec, need_grad, memory = problem.spec, problem.need_grad, problem.candidates.memory
+        queries, docs, world_queries = problem.queries, problem.documents, problem.world_queries
         dtype = torch.promote_types(queries.dtype, torch.float32)
         device, positives = queries.device, slice(0, spec.world_batch_size)
         self.spec, self.need_grad, self.input_dtype = spec, need_grad, queries.dtype
@@ -128,8 +115,7 @@ class _Sweep:
         self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
         self.lse = torch.empty(len(spec.dims), len(self.directions), spec.batch_size, dtype=dtype, device=device)
         self.workspaces: dict[int, list[Tensor]] = {}  # direction index -> K + 1 tile buffers
-        masks = (guide, duplicates, memory, present)
-        self.candidates = Candidates(spec, queries, docs, world_queries, dtype, *masks)
+        self.candidates = Candidates(spec, problem, dtype)
         if need_grad:
             uses_world = any(d.cols == "w" for d in self.directions)
             self.grads = {

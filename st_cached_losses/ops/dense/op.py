@@ -1,30 +1,29 @@
 """Matryoshka InfoNCE: in-batch cross-entropy over several Matryoshka dims in one sweep.
 
-``matryoshka_infonce`` is the public entry point: it validates the problem (``spec.py``) and hands it to the op core
-(``core.run_op``), which asks a backend (``backend.REGISTRY["matryoshka_infonce"]``: dense reference, row-tiled
-PyTorch, or Triton) for the per-dim losses and, in the same sweep, the gradients of the weighted loss wrt. its inputs.
+``matryoshka_infonce`` is the public entry point: it validates its arguments once into a ``core.problem.Problem`` and
+hands it to the op core (``core.call.run_op``), which asks a backend (``core.backend.REGISTRY``: row-tiled PyTorch or
+Triton) for the per-dim losses and, in the same sweep, the gradients of the weighted loss wrt. its inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from ..candidates.duplicates import check_ids, ids_agree
 from ..candidates.layout import check_document_present, positives_present
-from ..candidates.memory import Memory, check_memory
-from ..core.backend import REGISTRY
+from ..candidates.memory import check_memory
 from ..core.call import run_op
-from ..core.checks import check_chunk_size, check_policies
-from ..core.host_read import HostRead, call_backend, prepare_backend
+from ..core.checks import check_chunk_size, check_policies, keywords_of, with_defaults
 from ..core.precision import resolve_precision
-from ..core.result import InfoNCEOutput, InfoNCEResult
+from ..core.problem import CandidateInputs, Problem
+from ..core.result import InfoNCEOutput
 from ..core.spec import InfoNCESpec
 
-__all__ = ["matryoshka_infonce", "run_backend"]
+__all__ = ["matryoshka_infonce", "validate"]
 
 OP = "matryoshka_infonce"
 
@@ -196,113 +195,69 @@ def matryoshka_infonce(
             out.loss.backward()
             out.per_dim  # (5,) the loss of each dim, in the order of dims
     """
-    check_policies(nonfinite, precision)
+    problem = validate(**locals())
+    return run_op(
+        OP,
+        problem,
+        {"queries": queries, "documents": documents, "world_queries": world_queries},
+        backend=backend,
+        nonfinite=nonfinite,
+        num_directions=len(problem.spec.directions),
+        finish=lambda out: out if out.grads is None else out._replace(grads=_world_gradient(out.grads, world_queries)),
+        checked={"memory_documents": memory_documents},
+        conditions=(
+            None if document_present is None else positives_present(document_present, problem.spec.world_batch_size),
+            ids_agree(query_ids, world_query_ids, problem.spec.offset),
+        ),
+    )
+
+
+def validate(queries: Tensor, documents: Tensor, **options) -> Problem:
+    """:func:`matryoshka_infonce`'s arguments (its keywords in ``options``, its defaults for the others) checked once
+    into the :class:`~st_cached_losses.ops.core.problem.Problem` every backend receives (``need_grad`` unset).
+
+    Raises:
+        ValueError / TypeError: as :func:`matryoshka_infonce`.
+    """
+    o = with_defaults(matryoshka_infonce, options)
+    check_policies(o["nonfinite"], o["precision"])
+    ids = (o["query_ids"], o["document_ids"], o["world_query_ids"])
+    world = o["world_queries"]
     spec = InfoNCESpec.build(
         queries,
         documents,
-        world_queries,
-        dims=dims,
-        weights=weights,
-        scale=scale,
-        similarity=similarity,
-        offset=offset,
-        directions=directions,
-        partition_mode=partition_mode,
-        hardness_mode=hardness_mode,
-        hardness_strength=hardness_strength,
-        false_negative_margin=false_negative_margin,
-        false_negative_strategy=false_negative_strategy,
-        guide_queries=guide_queries,
-        guide_documents=guide_documents,
-        mask_duplicates=check_ids(
-            queries, documents, offset, query_ids, document_ids, world_query_ids, world_queries=world_queries
-        ),
-        in_batch_negatives=in_batch_negatives,
+        world,
+        **keywords_of(InfoNCESpec.build, o),
+        mask_duplicates=check_ids(queries, documents, o["offset"], *ids, world_queries=world),
     )
     memory = check_memory(
-        memory_documents,
-        memory_document_ids,
-        memory_pair_ids,
-        memory_guide_documents,
+        o["memory_documents"],
+        o["memory_document_ids"],
+        o["memory_pair_ids"],
+        o["memory_guide_documents"],
         queries,
         mask_duplicates=spec.mask_duplicates,
         guided=spec.false_negatives is not None and spec.false_negatives.guided,
         in_batch_negatives=spec.in_batch_negatives,
     )
-    chunk_size = check_chunk_size(chunk_size)
+    chunk_size = check_chunk_size(o["chunk_size"])
+    present = o["document_present"]
     spec = dataclasses.replace(
         spec,
         num_memory=0 if memory is None else memory.size,
-        precision=resolve_precision(precision, queries),
-        absent_documents=check_document_present(document_present, documents, queries),
+        precision=resolve_precision(o["precision"], queries),
+        absent_documents=check_document_present(present, documents, queries),
     )
-    guide = None if guide_queries is None else (guide_queries, guide_documents)
-    duplicates = (query_ids, document_ids, world_query_ids) if spec.mask_duplicates else None
-
-    def prepare(name: str, need_grad: bool, host: HostRead) -> Callable[[], InfoNCEResult]:
-        world = queries if world_queries is None else world_queries
-        options = dict(guide=guide, duplicates=duplicates, memory=memory, document_present=document_present)
-        run = prepare_backend(
-            REGISTRY[OP][name], host, queries, documents, world, spec, need_grad, tile_rows=chunk_size, **options
-        )
-
-        def result() -> InfoNCEResult:
-            out = run()
-            return out if out.grads is None else out._replace(grads=_world_gradient(out.grads, world_queries))
-
-        return result
-
-    return run_op(
-        OP,
+    guide = None if o["guide_queries"] is None else (o["guide_queries"], o["guide_documents"])
+    return Problem(
         spec,
-        {"queries": queries, "documents": documents, "world_queries": world_queries},
-        prepare,
-        backend=backend,
-        nonfinite=nonfinite,
-        num_directions=len(spec.directions),
-        checked={"memory_documents": memory_documents},
-        supports=lambda name: REGISTRY[OP][name].unsupported(spec) is None,
-        conditions=(
-            None if document_present is None else positives_present(document_present, spec.world_batch_size),
-            ids_agree(query_ids, world_query_ids, spec.offset),
+        queries,
+        documents,
+        world_queries=queries if world is None else world,
+        candidates=CandidateInputs(
+            guide=guide, duplicates=ids if spec.mask_duplicates else None, memory=memory, present=present
         ),
-    )
-
-
-def run_backend(
-    name: str,
-    queries: Tensor,
-    docs: Tensor,
-    world_queries: Tensor,
-    spec: InfoNCESpec,
-    need_grad: bool,
-    chunk_size: int | None = None,
-    guide: tuple[Tensor, Tensor] | None = None,
-    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
-    memory: Memory | None = None,
-    document_present: Tensor | None = None,
-) -> InfoNCEResult:
-    """One backend's forward by name (no "auto", no fallback; the tests compare them on the same inputs):
-    ``chunk_size`` as in ``matryoshka_infonce``, ``guide`` the guide model's (queries, docs) embeddings,
-    ``duplicates`` the text ids ``(query_ids, doc_ids, world_query_ids or None)`` of ``spec.mask_duplicates``,
-    ``memory`` the banked documents (``spec.num_memory`` of them), ``document_present`` the (M,) bool of
-    ``spec.absent_documents``.
-
-    Raises:
-        ValueError: an unknown name; ids without ``spec.mask_duplicates``, a memory without ``spec.num_memory``, a
-            ``document_present`` without ``spec.absent_documents``, or the reverse.
-    """
-    if name not in REGISTRY[OP]:
-        raise ValueError(f"Unknown backend {name!r}: choose from {tuple(REGISTRY[OP])}.")
-    if spec.mask_duplicates != (duplicates is not None):
-        raise ValueError("pass duplicates=(query_ids, doc_ids, world_query_ids) exactly when spec.mask_duplicates.")
-    if spec.num_memory != (0 if memory is None else memory.size):
-        raise ValueError("pass memory (its spec.num_memory banked documents) exactly when spec.num_memory > 0.")
-    if spec.absent_documents != (document_present is not None):
-        raise ValueError("pass document_present exactly when spec.absent_documents.")
-    options = dict(guide=guide, duplicates=duplicates, memory=memory, document_present=document_present)
-    return call_backend(
-        REGISTRY[OP][name], queries, docs, world_queries, spec, need_grad, tile_rows=chunk_size, **options
+        tile=chunk_size,
     )
 
 

@@ -26,36 +26,30 @@ from ..candidates.layout import live_rows
 from ..candidates.own import excluded_documents, masked_share, own_documents
 from ..core.bands import band, band_bounds
 from ..core.gemm import accumulation_dtype, rounded_operand
+from ..core.problem import Problem
 from ..core.result import InfoNCEResult
 from ..core.spec import NORM_EPS, InfoNCESpec
 
 __all__ = ["forward"]
 
 
-def forward(
-    queries: Tensor,
-    docs: Tensor,
-    spec: InfoNCESpec,
-    need_grad: bool,
-    guide: tuple[Tensor, Tensor] | None = None,
-    duplicates=None,
-    document_present: Tensor | None = None,
-) -> InfoNCEResult:
-    """Per-dim losses, per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients (d queries, d docs, None) of
-    ``sum_k w_k L_k`` without in-batch negatives; arguments as ``chunked.forward``. Computes in fp32 (fp64 for fp64
-    inputs; bf16-rounded operands under ``spec.precision`` "bf16"), gradients in the inputs' dtype; d docs is zero
-    outside this rank's own documents. Memory: the gradients, and O(B n D) temporaries."""
+def forward(problem: Problem) -> InfoNCEResult:
+    """Per-dim losses, per-row LSEs (K, 1, B) and (if ``problem.need_grad``) the gradients (d queries, d docs, None) of
+    ``sum_k w_k L_k`` without in-batch negatives. Computes in fp32 (fp64 for fp64 inputs; bf16-rounded operands under
+    ``spec.precision`` "bf16"), gradients in the inputs' dtype; d docs is zero outside this rank's own documents.
+    Memory: the gradients, and O(B n D) temporaries."""
+    spec, queries, docs = problem.spec, problem.queries, problem.documents
     acc = accumulation_dtype(queries.dtype)
     q = rounded_operand(queries, spec.precision)
     c = rounded_operand(own_documents(docs, spec), spec.precision)
-    excluded, removed = excluded_documents(queries, docs, spec, guide, duplicates, document_present, acc)
+    excluded, removed = excluded_documents(spec, problem, acc)
     scored = spec.num_columns - excluded.sum(0)
     live = live_rows([scored], spec.partition_mode)
     dots, inv_q, inv_c = _band_products(q, c, spec)
     k_dims = len(spec.dims)
     per_dim = torch.empty(k_dims, dtype=acc, device=q.device)
     lse = torch.empty(k_dims, 1, spec.batch_size, dtype=acc, device=q.device)
-    grads = _Gradients(q, c, spec, docs) if need_grad else None
+    grads = _Gradients(q, c, spec, docs) if problem.need_grad else None
     factor = _penalty(spec, c)
     for k in range(k_dims):
         sim = dots[k] * (inv_q[k] * inv_c[k]) if spec.cosine else dots[k]
@@ -66,7 +60,7 @@ def forward(
             p = torch.exp(logits - lse[k, 0])
             p[0] -= 1.0
             grads.add_dim(k, p.mul_(live.to(acc) * (spec.weights[k] * spec.scale / spec.batch_size)), sim, inv_q, inv_c)
-    share = masked_share(removed, spec, document_present) if spec.masks else None
+    share = masked_share(removed, spec, problem.candidates.present) if spec.masks else None
     tile = f"own documents: {spec.batch_size} rows x {spec.num_columns} columns"
     result = None if grads is None else grads.result(queries.dtype)
     return InfoNCEResult(per_dim, lse, result, tile=tile, masked_share=share)

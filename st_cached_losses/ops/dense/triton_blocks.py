@@ -43,16 +43,20 @@ with duplicate ids the kernels' table of forbidden text codes takes its width fr
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..candidates.duplicates import prepare_dense
+from ..candidates.duplicates import with_duplicate_mask
 from ..candidates.layout import Candidates
 from ..core.bands import band_bounds, inverse_prefix_norms
 from ..core.gemm import accumulate, accumulation_dtype, matmul_precision, operand_dtype
+from ..core.host_read import HostRead
 from ..core.limits import DTYPES
+from ..core.problem import Problem
 from ..core.result import InfoNCEResult
 from ..core.spec import DIRECTIONS, InfoNCESpec
 from ..triton.probe import TritonUnavailableError, describe_error, is_launch_error, unusable_reason
@@ -83,26 +87,13 @@ def unsupported(spec: InfoNCESpec) -> str | None:
     return None
 
 
-def forward(
-    queries: Tensor,
-    docs: Tensor,
-    world_queries: Tensor,
-    spec: InfoNCESpec,
-    need_grad: bool,
-    tile_rows: int | None = None,
-    guide: tuple[Tensor, Tensor] | None = None,
-    duplicates=None,
-    memory=None,
-    document_present: Tensor | None = None,
-) -> InfoNCEResult:
-    """Per-dim losses, per-row LSEs and (if ``need_grad``) the gradients of ``sum_k w_k L_k``, one sweep.
+def forward(problem: Problem) -> InfoNCEResult:
+    """Per-dim losses, per-row LSEs and (if ``problem.need_grad``) the gradients of ``sum_k w_k L_k``, one sweep.
 
-    Args: as ``chunked.forward`` (queries (B, D), docs (M, D), world_queries (Bw, D); CUDA tensors, or CPU ones
-    under ``TRITON_INTERPRET=1``); ``tile_rows``: rows per block (default :func:`plan_rows`'s budget);
-    ``duplicates``: the text ids, or their ``DuplicateMask`` with its table's sizes asked (:func:`prepare`);
-    ``document_present``: (M,) bool, the absent documents masked in the pass kernel (its column mask, constexpr
-    ABSENT). Without in-batch negatives it runs ``own.forward``, as the chunked backend does: the own documents are
-    (n, B) row-wise dot products, bandwidth-bound passes with no B x M score plane for the kernels to fuse.
+    ``problem`` as ``chunked.forward`` takes it (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``);
+    ``problem.tile``: rows per block (default :func:`plan_rows`'s budget); its duplicate ids, or their
+    ``DuplicateMask`` with its table's sizes asked (:func:`prepare`); absent documents masked in the pass kernel (its
+    column mask, constexpr ABSENT). Without in-batch negatives it runs ``own.forward``, as the chunked backend does.
 
     Returns:
         ``InfoNCEResult``: per_dim (K,), lse (K, ndir, B) fp32 (fp64 for fp64 inputs); grads in the inputs' dtype.
@@ -112,6 +103,7 @@ def forward(
         ValueError: tensors the kernels cannot run on (``probe.unusable_reason``).
         TritonUnavailableError: the kernels fail to compile or launch here (``backend="auto"`` falls back).
     """
+    spec, queries = problem.spec, problem.queries
     missing = unsupported(spec)
     if missing is not None:
         raise NotImplementedError(f"backend='triton' supports {missing}: use backend='chunked'.")
@@ -121,23 +113,22 @@ def forward(
     if reason is not None:
         raise ValueError(f"backend='triton' cannot run here: {reason}. Use backend='chunked' or 'auto'.")
     if not spec.in_batch_negatives:
-        return own.forward(queries, docs, spec, need_grad, guide, duplicates, document_present)
+        return own.forward(problem)
     try:
         with matmul_precision(spec.precision == "tf32", queries.device):
-            masks = (guide, duplicates, memory, document_present)
-            sweep = _Sweep(queries, docs, world_queries, spec, need_grad, masks)
+            sweep = _Sweep(problem)
             budget = block_bytes(queries.device)
-            return sweep.run(plan_rows(spec, queries.shape[1], sweep.plane_dtype, tile_rows, budget))
+            return sweep.run(plan_rows(spec, queries.shape[1], sweep.plane_dtype, problem.tile, budget))
     except Exception as error:
         if not is_launch_error(error):
             raise
         raise TritonUnavailableError(describe_error(error)) from error
 
 
-def prepare(*args, **kwargs):
-    """:func:`forward`'s first phase (``duplicates.prepare_dense``): the kernels compare the duplicate mask's code
-    table, whose width is read with the op call's one host read."""
-    return prepare_dense(forward, *args, **kwargs)
+def prepare(problem: Problem, host: HostRead) -> Callable[[], InfoNCEResult]:
+    """:func:`forward`'s first phase (``duplicates.with_duplicate_mask``): the kernels compare the duplicate mask's
+    code table, whose width is read with the op call's one host read."""
+    return functools.partial(forward, with_duplicate_mask(problem, host))
 
 
 @dataclass
@@ -155,14 +146,14 @@ class _Operand:
 class _Sweep:
     """One op call: operands, per-call buffers, and the blocks (:meth:`run`)."""
 
-    def __init__(self, queries, docs, world_queries, spec: InfoNCESpec, need_grad, masks):
+    def __init__(self, problem: Problem):
+        spec, need_grad, queries = problem.spec, problem.need_grad, problem.queries
+        docs, world_queries, memory = problem.documents, problem.world_queries, problem.candidates.memory
+        present = problem.candidates.present
         self.spec, self.need_grad, self.device = spec, need_grad, queries.device
         acc = self.acc = accumulation_dtype(queries.dtype)
         self.plane_dtype = operand_dtype(spec.precision, queries.dtype)
-        guide, duplicates, memory, present = masks
-        self.candidates = Candidates(
-            spec, queries, docs, world_queries, acc, guide, duplicates, memory, present, tiles=False
-        )
+        self.candidates = Candidates(spec, problem, acc, tiles=False)
         self.duplicates = self.candidates.duplicates
         self.present = None if present is None else present.view(torch.uint8)
         guided = spec.false_negatives is not None

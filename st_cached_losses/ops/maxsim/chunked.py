@@ -38,19 +38,22 @@ GradCache (arXiv 2101.06983), Liger-Kernel's fused linear cross-entropy (forward
 
 from __future__ import annotations
 
+import functools
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..candidates.duplicates import prepared
-from ..candidates.layout import Candidates
+from ..candidates.duplicates import with_duplicate_mask
+from ..candidates.layout import duplicate_and_absent_masks
 from ..core.bands import band_bounds, inverse_prefix_norms
 from ..core.gemm import matmul_precision, rounded_operand
 from ..core.host_read import HostRead
 from ..core.limits import TILE_BYTES as DEFAULT_TILE_BYTES
+from ..core.problem import Problem
 from ..core.result import InfoNCEResult
 from . import own
 from .gradients import BACKWARD_BLOCK_BYTES, TileGradients
@@ -109,66 +112,40 @@ def _index_dtype(doc_tokens: int) -> torch.dtype:
     return torch.int16 if doc_tokens <= torch.iinfo(torch.int16).max else torch.int32
 
 
-def prepare(
-    queries: Tensor,
-    documents: Tensor,
-    query_mask: Tensor,
-    document_mask: Tensor,
-    spec: MaxSimSpec,
-    need_grad: bool,
-    tile_queries: int | None = None,
-    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
-    document_present: Tensor | None = None,
-    *,
-    host: HostRead,
-):
+def prepare(problem: Problem, host: HostRead) -> Callable[[], InfoNCEResult]:
     """:func:`forward`'s first phase (``host_read``): with in-batch negatives, each tile's count of scored query
     tokens, and with duplicate ids the width of the table of each row's forbidden codes, asked of ``host`` (the op
     call's one read). Returns the call to run after the read."""
-    args = (queries, documents, query_mask, document_mask, spec, need_grad, tile_queries, duplicates, document_present)
+    spec = problem.spec
     if not spec.in_batch_negatives:
-        return lambda: forward(*args)
-    rows = _tile_queries(spec, queries, documents, tile_queries)
-    host.ask("scored tokens", _scored_per_tile(query_mask, rows))
-    if duplicates is not None:  # the tiles compare each row's forbidden codes: the table's width read too
-        args = (*args[:7], prepared(spec.infonce_spec(), duplicates, host), document_present)
-    return lambda: forward(*args, scored_tokens=host["scored tokens"])
+        return functools.partial(forward, problem)
+    rows = _tile_queries(spec, problem.queries, problem.documents, problem.tile)
+    host.ask("scored tokens", _scored_per_tile(problem.query_mask, rows))
+    # the tiles compare each row's forbidden codes: the table's width read too
+    problem = with_duplicate_mask(problem, host, spec.infonce_spec)
+    return lambda: forward(problem, scored_tokens=host["scored tokens"])
 
 
-def forward(
-    queries: Tensor,
-    documents: Tensor,
-    query_mask: Tensor,
-    document_mask: Tensor,
-    spec: MaxSimSpec,
-    need_grad: bool,
-    tile_queries: int | None = None,
-    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
-    document_present: Tensor | None = None,
-    scored_tokens: list[int] | None = None,
-) -> InfoNCEResult:
-    """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients of
+def forward(problem: Problem, scored_tokens: list[int] | None = None) -> InfoNCEResult:
+    """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``problem.need_grad``) the gradients of
     ``sum_k w_k L_k`` wrt. queries (B, Lq, D) and documents (M, Ld, D), in their dtype; computes in fp32 (fp64 for
-    fp64 inputs), the token GEMMs' operands as ``spec.precision`` says. ``tile_queries``: queries per tile (default:
-    ``default_tile_queries``); ``duplicates``: the text ids (query_ids or None, doc_ids, world_query_ids or None) of
-    ``spec.mask_duplicates``; ``document_present``: (M,) bool of ``spec.absent_documents``, the absent documents'
-    columns at -inf in every tile; ``scored_tokens``: each tile's count of scored query tokens, as read by
-    :func:`prepare` (None: read here, one host synchronisation). Without in-batch negatives it runs ``own.forward``
-    (each query against its own documents)."""
+    fp64 inputs), the token GEMMs' operands as ``spec.precision`` says. ``problem.tile``: queries per tile (default:
+    ``default_tile_queries``); the duplicate mask's and the absent documents' columns at -inf in every tile;
+    ``scored_tokens``: each tile's count of scored query tokens, as read by :func:`prepare` (None: read here, one
+    host synchronisation). Without in-batch negatives it runs ``own.forward`` (each query against its own
+    documents)."""
+    spec, queries, documents = problem.spec, problem.queries, problem.documents
     if not spec.in_batch_negatives:
-        return own.forward(
-            queries, documents, query_mask, document_mask, spec, need_grad, tile_queries, duplicates, document_present
-        )
+        return own.forward(problem)
     budgets = budgets_for(queries.device)
-    rows = _tile_queries(spec, queries, documents, tile_queries)
+    rows = _tile_queries(spec, queries, documents, problem.tile)
     if scored_tokens is None:
-        scored_tokens = _scored_per_tile(query_mask, rows).tolist()
+        scored_tokens = _scored_per_tile(problem.query_mask, rows).tolist()
     with matmul_precision(False, queries.device):  # IEEE but in the token GEMMs (``_Sweep.token_gemms``)
-        masks = (duplicates, document_present)
-        sweep = _Sweep(queries, documents, query_mask, document_mask, spec, need_grad, masks, budgets)
+        sweep = _Sweep(problem, budgets)
         for begin, scored in zip(range(0, spec.batch_size, rows), scored_tokens):
             sweep.tile(begin, min(begin + rows, spec.batch_size), scored)
-        return sweep.result()._replace(tile=_describe(rows, tile_queries is None, budgets))
+        return sweep.result()._replace(tile=_describe(rows, problem.tile is None, budgets))
 
 
 def _tile_queries(spec: MaxSimSpec, queries: Tensor, documents: Tensor, tile_queries: int | None) -> int:
@@ -196,7 +173,9 @@ def _describe(rows: int, automatic: bool, budgets: Budgets = CPU_BUDGETS) -> str
 class _Sweep:
     """One forward sweep's inputs, token bookkeeping, prefix norms and accumulators."""
 
-    def __init__(self, queries, documents, query_mask, document_mask, spec: MaxSimSpec, need_grad, masks, budgets):
+    def __init__(self, problem: Problem, budgets: Budgets):
+        spec, need_grad, queries, documents = problem.spec, problem.need_grad, problem.queries, problem.documents
+        query_mask, document_mask = problem.query_mask, problem.document_mask
         dtype = torch.promote_types(queries.dtype, torch.float32)
         self.spec, self.need_grad, self.input_dtype, self.budgets = spec, need_grad, queries.dtype, budgets
         self.doc_tokens, self.shapes = documents.shape[1], (queries.shape, documents.shape)
@@ -225,7 +204,7 @@ class _Sweep:
         # inv_k / inv_{k+1}: turns the dots of dim k + 1 scaled by its norms into those scaled by dim k's.
         scaled_operands = self.doc_inv is not None and not self.scale_after
         self.doc_inv_ratio = self.doc_inv[:-1] / self.doc_inv[1:] if scaled_operands else None
-        self.candidates, self.absent = candidate_masks(spec, queries, dtype, *masks)
+        self.candidates, self.absent = duplicate_and_absent_masks(problem, dtype)
         self.per_dim_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
         # d loss / d logit per dim: w_k * scale / B, as a (K,) tensor of the weights times the scalar would round it.
         self.grad_factors = [_product(w, spec.scale / spec.batch_size, dtype) for w in spec.weights]
@@ -343,21 +322,6 @@ class _Sweep:
             dq, dc = self.grads
             grads = (dq.to(self.input_dtype).view(self.shapes[0]), dc.to(self.input_dtype).view(self.shapes[1]), None)
         return InfoNCEResult(per_dim, self.lse, grads, masked_share=share)
-
-
-def candidate_masks(
-    spec: MaxSimSpec, queries: Tensor, dtype: torch.dtype, duplicates, document_present: Tensor | None
-) -> tuple[Candidates | None, Tensor | None]:
-    """The duplicate mask's removed candidates and their count (``ops/candidates.py``'s one counting, absent
-    documents not counted; None without ids) and the (M,) absent documents (None with all present): what the
-    chunked and Triton backends set to -inf in each tile's logits."""
-    absent = None if document_present is None else ~document_present
-    if duplicates is None:
-        return None, absent
-    candidates = Candidates(
-        spec.infonce_spec(), queries, None, None, dtype, duplicates=duplicates, document_present=document_present
-    )
-    return candidates, absent
 
 
 def _product(a: float, b: float, dtype: torch.dtype) -> float:

@@ -1,29 +1,28 @@
 """MaxSim (late-interaction) InfoNCE over Matryoshka token dims: ``maxsim_infonce``.
 
-It validates the problem (``spec.py``) and hands it to the op core (``ops.core.run_op``), which asks a backend
-(``ops.backend.REGISTRY["maxsim_infonce"]``: "chunked", the default on every device, "triton" (CUDA; the CPU in
-Triton's interpreter), or "dense", the test oracle) for the per-dim losses and, in the same sweep, the gradients of
-the weighted loss wrt. both inputs.
+It validates its arguments once into a ``core.problem.Problem`` (the spec: ``spec.py``) and hands it to the op core
+(``core.call.run_op``), which asks a backend (``core.backend.REGISTRY``: "chunked", the default on every device, or
+"triton": CUDA, the CPU in Triton's interpreter) for the per-dim losses and, in the same sweep, the gradients of the
+weighted loss wrt. both inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from torch import Tensor
 
 from ..candidates.duplicates import ids_agree
 from ..candidates.layout import check_document_present, positives_present
-from ..core.backend import REGISTRY
 from ..core.call import run_op
-from ..core.checks import check_chunk_size, check_policies
-from ..core.host_read import HostRead, call_backend, prepare_backend
+from ..core.checks import check_chunk_size, check_policies, keywords_of, with_defaults
 from ..core.precision import resolve_precision
-from ..core.result import InfoNCEOutput, InfoNCEResult
+from ..core.problem import CandidateInputs, Problem
+from ..core.result import InfoNCEOutput
 from .spec import MaxSimSpec
 
-__all__ = ["maxsim_infonce", "run_backend"]
+__all__ = ["maxsim_infonce", "validate"]
 
 OP = "maxsim_infonce"
 
@@ -167,69 +166,46 @@ def maxsim_infonce(
             out.loss.backward()
             out.per_dim  # (4,) the loss of each token dim, in the order of dims
     """
-    check_policies(nonfinite, precision)
-    spec, query_mask, document_mask = MaxSimSpec.build(
-        queries,
-        documents,
-        query_mask,
-        document_mask,
-        dims=dims,
-        weights=weights,
-        scale=scale,
-        similarity=similarity,
-        length_normalize=length_normalize,
-        offset=offset,
-        query_ids=query_ids,
-        document_ids=document_ids,
-        world_query_ids=world_query_ids,
-        all_dims=all_dims,
-        in_batch_negatives=in_batch_negatives,
-    )
-    chunk_size = check_chunk_size(chunk_size)
-    spec = dataclasses.replace(
-        spec,
-        precision=resolve_precision(precision, queries),
-        absent_documents=check_document_present(document_present, documents, queries),
-    )
-    duplicates = (query_ids, document_ids, world_query_ids) if spec.mask_duplicates else None
-
-    def prepare(name: str, need_grad: bool, host: HostRead) -> Callable[[], InfoNCEResult]:
-        args = (queries, documents, query_mask, document_mask, spec, need_grad, chunk_size, duplicates)
-        run = prepare_backend(REGISTRY[OP][name], host, *args, document_present=document_present)
-
-        def result() -> InfoNCEResult:
-            out = run()
-            return out if out.grads is None else out._replace(grads=out.grads[:2])
-
-        return result
-
+    problem = validate(**locals())
     return run_op(
         OP,
-        spec,
+        problem,
         {"queries": queries, "documents": documents},
-        prepare,
         backend=backend,
         nonfinite=nonfinite,
-        supports=lambda name: REGISTRY[OP][name].unsupported(spec) is None,
+        finish=lambda out: out if out.grads is None else out._replace(grads=out.grads[:2]),
         conditions=(
-            None if document_present is None else positives_present(document_present, spec.positives),
-            ids_agree(query_ids, world_query_ids, spec.offset),
+            None if document_present is None else positives_present(document_present, problem.spec.positives),
+            ids_agree(query_ids, world_query_ids, problem.spec.offset),
         ),
     )
 
 
-def run_backend(
-    name, queries, documents, query_mask, document_mask, spec, need_grad, chunk_size, duplicates, document_present=None
-):
-    """One backend's forward by name (the tests compare them on the same inputs); masks boolean; ``document_present``
-    the (M,) bool of ``spec.absent_documents``.
+def validate(queries: Tensor, documents: Tensor, **options) -> Problem:
+    """:func:`maxsim_infonce`'s arguments (its keywords in ``options``, its defaults for the others) checked once
+    into the :class:`~st_cached_losses.ops.core.problem.Problem` every backend receives (``need_grad`` unset).
 
     Raises:
-        ValueError: an unknown name, or ``document_present`` without ``spec.absent_documents`` or the reverse.
+        ValueError / TypeError: as :func:`maxsim_infonce`.
     """
-    if name not in REGISTRY[OP]:
-        raise ValueError(f"Unknown backend {name!r}: choose from {tuple(REGISTRY[OP])}.")
-    if spec.absent_documents != (document_present is not None):
-        raise ValueError("pass document_present exactly when spec.absent_documents.")
-    args = (queries, documents, query_mask, document_mask, spec, need_grad, chunk_size, duplicates)
-    return call_backend(REGISTRY[OP][name], *args, document_present=document_present)
+    o = with_defaults(maxsim_infonce, options)
+    check_policies(o["nonfinite"], o["precision"])
+    spec, query_mask, document_mask = MaxSimSpec.build(
+        queries, documents, o["query_mask"], o["document_mask"], **keywords_of(MaxSimSpec.build, o)
+    )
+    present = o["document_present"]
+    spec = dataclasses.replace(
+        spec,
+        precision=resolve_precision(o["precision"], queries),
+        absent_documents=check_document_present(present, documents, queries),
+    )
+    ids = (o["query_ids"], o["document_ids"], o["world_query_ids"])
+    return Problem(
+        spec,
+        queries,
+        documents,
+        query_mask=query_mask,
+        document_mask=document_mask,
+        candidates=CandidateInputs(duplicates=ids if spec.mask_duplicates else None, present=present),
+        tile=check_chunk_size(o["chunk_size"]),
+    )

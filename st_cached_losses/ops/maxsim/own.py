@@ -32,52 +32,45 @@ from ..candidates.layout import live_rows
 from ..core.bands import band_bounds, inverse_prefix_norms
 from ..core.gemm import accumulation_dtype, matmul_precision, rounded_operand
 from ..core.limits import TILE_BYTES
+from ..core.problem import Problem
 from ..core.result import InfoNCEResult
 from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
 
 __all__ = ["forward"]
 
 
-def forward(
-    queries: Tensor,
-    documents: Tensor,
-    query_mask: Tensor,
-    document_mask: Tensor,
-    spec: MaxSimSpec,
-    need_grad: bool,
-    tile_queries: int | None = None,
-    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
-    document_present: Tensor | None = None,
-) -> InfoNCEResult:
-    """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients (d queries,
-    d documents, None) of ``sum_k w_k L_k`` without in-batch negatives, in the inputs' dtype; arguments as the chunked
-    backend's. d documents is zero outside this rank's own documents. Memory: the gradients, and per tile of
-    ``tile_queries`` queries (default: within ``TILE_BYTES``) O(queries x Lq x n x Ld) floats and a copy of its own
-    documents (and their gradient) in its queries' order."""
-    problem = spec.infonce_spec()
+def forward(problem: Problem) -> InfoNCEResult:
+    """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``problem.need_grad``) the gradients
+    (d queries, d documents, None) of ``sum_k w_k L_k`` without in-batch negatives, in the inputs' dtype. d documents
+    is zero outside this rank's own documents. Memory: the gradients, and per tile of ``problem.tile`` queries
+    (default: within ``TILE_BYTES``) O(queries x Lq x n x Ld) floats and a copy of its own documents (and their
+    gradient) in its queries' order."""
+    spec, queries = problem.spec, problem.queries
+    layout = spec.infonce_spec()
     acc = accumulation_dtype(queries.dtype)
-    excluded, removed = own.excluded_documents(queries, None, problem, None, duplicates, document_present)  # (n, B)
-    live = live_rows([problem.num_columns - excluded.sum(0)])
-    sweep = _Sweep(queries, documents, query_mask, document_mask, spec, problem, need_grad, acc)
-    rows = min(tile_queries or sweep.default_tile(), spec.batch_size)
+    excluded, removed = own.excluded_documents(layout, problem)  # (n, B)
+    live = live_rows([layout.num_columns - excluded.sum(0)])
+    masks = (problem.query_mask, problem.document_mask)
+    sweep = _Sweep(queries, problem.documents, *masks, spec, layout, problem.need_grad, acc)
+    rows = min(problem.tile or sweep.default_tile(), spec.batch_size)
     for begin in range(0, spec.batch_size, rows):
         end = min(begin + rows, spec.batch_size)
         sweep.tile(begin, end, excluded[:, begin:end].T, live[begin:end])
-    share = own.masked_share(removed, problem, document_present) if spec.masks else None
+    share = own.masked_share(removed, layout, problem.candidates.present) if spec.masks else None
     result = sweep.result(share)
-    return result._replace(tile=f"own documents: {rows} queries x {problem.num_columns} documents per tile")
+    return result._replace(tile=f"own documents: {rows} queries x {layout.num_columns} documents per tile")
 
 
 class _Sweep:
     """The operands, the per-query tables and the accumulators; then the tiles, each with its own documents in its
     queries' order (queries, n Ld, D): a copy per tile, never of all the documents."""
 
-    def __init__(self, queries, documents, query_mask, document_mask, spec, problem, need_grad, acc):
+    def __init__(self, queries, documents, query_mask, document_mask, spec, layout, need_grad, acc):
         self.spec, self.need_grad, self.input_dtype, self.acc = spec, need_grad, queries.dtype, acc
-        self.n, (self.lq, self.ld) = problem.num_columns, (queries.shape[1], documents.shape[1])
+        self.n, (self.lq, self.ld) = layout.num_columns, (queries.shape[1], documents.shape[1])
         self.q = queries.to(acc)  # (B, Lq, D)
-        self.own_docs = own.own_documents(documents.contiguous(), problem)  # (n, B, Ld, D) view
-        self.own_mask = own.own_documents(document_mask.contiguous(), problem)  # (n, B, Ld) view
+        self.own_docs = own.own_documents(documents.contiguous(), layout)  # (n, B, Ld, D) view
+        self.own_mask = own.own_documents(document_mask.contiguous(), layout)  # (n, B, Ld) view
         counts = query_mask.sum(dim=1).to(acc)
         self.denominator = counts.clamp(min=1) if spec.length_normalize else torch.ones_like(counts)
         self.token_weight = query_mask.to(acc) / self.denominator[:, None]  # (B, Lq): d score / d max

@@ -57,18 +57,20 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from ..candidates.duplicates import prepared
+from ..candidates.duplicates import with_duplicate_mask
+from ..candidates.layout import duplicate_and_absent_masks
 from ..core.host_read import HostRead
 from ..core.limits import DTYPES
+from ..core.problem import Problem
 from ..core.result import InfoNCEResult
 from ..triton.launch import launch
 from ..triton.probe import TritonUnavailableError, describe_error, is_launch_error, unusable_reason
 from . import own
-from .chunked import candidate_masks
 from .spec import MaxSimSpec
 from .triton_kernels import (
     MAX_DIMS,
@@ -92,41 +94,22 @@ def unsupported(spec: MaxSimSpec) -> str | None:
     return None
 
 
-def prepare(*args, document_present: Tensor | None = None, host: HostRead):
-    """:func:`forward`'s first phase (``host_read``; its arguments as the op passes them): with duplicate ids the width
-    of the table of each row's forbidden codes (the tiles compare it) is asked of ``host``, read with the op call's
-    other values (``duplicates.prepared``). Returns the call to run after the read."""
-    spec, duplicates = args[4], args[7] if len(args) > 7 else None
-    if duplicates is not None and spec.in_batch_negatives:
-        args = (*args[:7], prepared(spec.infonce_spec(), duplicates, host))
-    return functools.partial(forward, *args, document_present=document_present)
+def prepare(problem: Problem, host: HostRead) -> Callable[[], InfoNCEResult]:
+    """:func:`forward`'s first phase (``host_read``): with duplicate ids the width of the table of each row's
+    forbidden codes (the tiles compare it) is asked of ``host``, read with the op call's other values
+    (``duplicates.with_duplicate_mask``). Returns the call to run after the read."""
+    return functools.partial(forward, with_duplicate_mask(problem, host, problem.spec.infonce_spec))
 
 
-def forward(
-    queries: Tensor,
-    documents: Tensor,
-    query_mask: Tensor,
-    document_mask: Tensor,
-    spec: MaxSimSpec,
-    need_grad: bool,
-    tile_queries: int | None = None,
-    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
-    document_present: Tensor | None = None,
-) -> InfoNCEResult:
-    """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``need_grad``) the gradients of
+def forward(problem: Problem) -> InfoNCEResult:
+    """Per-dim losses (descending dims), per-row LSEs (K, 1, B) and (if ``problem.need_grad``) the gradients of
     ``sum_k w_k L_k`` wrt. queries (B, Lq, D) and documents (M, Ld, D) in their dtype, as the chunked backend's.
 
-    Args:
-        queries, documents, query_mask, document_mask, spec: as ``maxsim_infonce`` validated them (boolean masks);
-            CUDA tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported).
-        need_grad: also compute the gradients (each tile's backward runs right after its forward).
-        tile_queries: queries per tile (default: as many as ``TILE_BYTES`` holds).
-        duplicates: the text ids (query_ids, document_ids, world_query_ids or None) of ``spec.mask_duplicates``.
-        document_present: (M,) bool of ``spec.absent_documents``: the absent documents' logits set to -inf in torch
-            between the forward and InfoNCE kernels, as the duplicate mask's (the kernels' signatures unchanged).
-
-    Without in-batch negatives it runs ``own.forward``, as the chunked backend does: each query's token GEMM against
-    its own documents, with no B x M score plane for the kernels to fuse.
+    ``problem`` as ``maxsim_infonce`` validated it (boolean masks; CUDA tensors, or CPU tensors under Triton's
+    interpreter, ``TRITON_INTERPRET=1`` before triton is imported); ``problem.tile``: queries per tile (default: as
+    many as ``TILE_BYTES`` holds). Each tile's backward runs right after its forward. The absent documents' logits
+    are set to -inf in torch between the forward and InfoNCE kernels, as the duplicate mask's. Without in-batch
+    negatives it runs ``own.forward``, as the chunked backend does.
 
     Returns:
         ``InfoNCEResult``; per_dim and lse in fp32 (fp64 for fp64 inputs), accumulated in that dtype, the token dot
@@ -138,15 +121,13 @@ def forward(
         ValueError: tensors the kernels cannot run on (``ops.triton.probe.unusable_reason``).
         TritonUnavailableError: the kernels fail to compile or launch here (``backend="auto"`` falls back).
     """
-    _check_inputs(queries, documents, spec)
+    spec = problem.spec
+    _check_inputs(problem.queries, problem.documents, spec)
     if not spec.in_batch_negatives:
-        return own.forward(
-            queries, documents, query_mask, document_mask, spec, need_grad, tile_queries, duplicates, document_present
-        )
+        return own.forward(problem)
     run = spec.over_all_dims()  # the run's dims: one compile per run, not per drawn subset
     try:
-        masks = (duplicates, document_present)
-        result = _Sweep(queries, documents, query_mask, document_mask, run, need_grad, tile_queries, masks).run()
+        result = _Sweep(problem.replace(spec=run)).run()
     except Exception as error:
         if not is_launch_error(error):
             raise
@@ -182,12 +163,12 @@ def _check_inputs(queries: Tensor, documents: Tensor, spec: MaxSimSpec) -> None:
 class _Sweep:
     """One call: the operands, the plan, the per-call tables and outputs, then the tiles."""
 
-    def __init__(self, queries, documents, query_mask, document_mask, spec: MaxSimSpec, need_grad, tile_queries, masks):
-        self.spec, self.need_grad = spec, need_grad
-        self.q, self.c = queries.detach().contiguous(), documents.detach().contiguous()
-        self.query_mask, self.document_mask = query_mask.contiguous(), document_mask.contiguous()
+    def __init__(self, problem: Problem):
+        spec, need_grad = self.spec, self.need_grad = problem.spec, problem.need_grad
+        self.q, self.c = problem.queries.detach().contiguous(), problem.documents.detach().contiguous()
+        self.query_mask, self.document_mask = problem.query_mask.contiguous(), problem.document_mask.contiguous()
         (batch, self.lq, dim), (num_docs, self.ld, _) = self.q.shape, self.c.shape
-        self.plan = Plan.choose(spec, self.q.dtype, self.lq, self.ld, dim, need_grad, tile_queries)
+        self.plan = Plan.choose(spec, self.q.dtype, self.lq, self.ld, dim, need_grad, problem.tile)
         self.acc = torch.float64 if self.q.dtype == torch.float64 else torch.float32
         device = self.q.device
         self.lse = torch.empty(len(spec.dims), 1, batch, dtype=self.acc, device=device)
@@ -196,7 +177,7 @@ class _Sweep:
         self.losses = torch.empty(len(spec.dims), batch, dtype=self.acc, device=device)
         self.empty = torch.empty(num_docs, dtype=torch.int8, device=device)
         self.inverse_den = torch.empty(batch, dtype=self.acc, device=device)  # each query's token weight
-        self.candidates, self.absent = candidate_masks(spec, self.q, self.acc, *masks)
+        self.candidates, self.absent = duplicate_and_absent_masks(problem, self.acc)
         self.dq = self.dc = self.scratch = None
         if need_grad:
             self.dq = torch.empty_like(self.q)

@@ -23,6 +23,7 @@ import torch
 from ..candidates.duplicates import _SIZES as TABLE_SIZES
 from ..core.host_read import HostRead, prepare_backend
 from ..core.precision import resolve_precision
+from ..core.problem import Problem
 from .launch import Launch, recording, unique
 
 __all__ = ["TABLE_WIDTHS", "cuda_precision", "op_launches", "record_launches"]
@@ -82,25 +83,24 @@ def op_launches(
         ValueError / TypeError: an unknown op, or options the op refuses.
         NotImplementedError: the call reads another value of the data on the host (it cannot be recorded).
     """
-    from ..dense.op import matryoshka_infonce
-    from ..maxsim.op import maxsim_infonce
+    from ..dense import op as dense
+    from ..maxsim import op as maxsim
 
-    known = {"matryoshka_infonce": matryoshka_infonce, "maxsim_infonce": maxsim_infonce}
-    unknown = sorted(set(options) - set(inspect.signature(known.get(op, matryoshka_infonce)).parameters))
+    families = {"matryoshka_infonce": dense, "maxsim_infonce": maxsim}
+    function = getattr(families.get(op, dense), op if op in families else "matryoshka_infonce")
+    unknown = sorted(set(options) - set(inspect.signature(function).parameters))
     if unknown:
         raise TypeError(f"op_launches got keywords {op!r} does not take: {unknown}.")
-    if op == "matryoshka_infonce":
-        return _dense_call(queries, documents, precision, chunk_size, _Stipulated(table_width), options)
-    if op == "maxsim_infonce":
-        return _maxsim_call(queries, documents, precision, chunk_size, _Stipulated(table_width), options)
-    raise ValueError(f"op must be 'matryoshka_infonce' or 'maxsim_infonce', got {op!r}.")
-
-
-def _spec_options(op: Callable, build: Callable, options: dict) -> dict:
-    """The keywords of the spec builder ``build`` from ``options`` and, for the others, ``op``'s defaults."""
-    defaults = inspect.signature(op).parameters
-    keywords = [p for p in inspect.signature(build).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    return {p.name: options.get(p.name, defaults[p.name].default) for p in keywords if p.name in defaults}
+    family = families.get(op)
+    if family is None:
+        raise ValueError(f"op must be 'matryoshka_infonce' or 'maxsim_infonce', got {op!r}.")
+    if family is maxsim:  # every token scored unless the caller says otherwise
+        for name, x in (("query_mask", queries), ("document_mask", documents)):
+            if options.get(name) is None:
+                options[name] = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+    problem = family.validate(queries, documents, chunk_size=chunk_size, **options)
+    spec = dataclasses.replace(problem.spec, precision=cuda_precision(precision, queries.dtype))
+    return _triton(op, _Stipulated(table_width), problem.replace(spec=spec, need_grad=True))
 
 
 class _Stipulated(HostRead):
@@ -123,50 +123,10 @@ class _Stipulated(HostRead):
         return [True] * len(flags)
 
 
-def _triton(op: str, host: HostRead, *args, **kwargs):
-    """Both phases of ``op``'s Triton backend on these arguments, ``host`` read between them (``host_read``)."""
+def _triton(op: str, host: HostRead, problem: Problem):
+    """Both phases of ``op``'s Triton backend on ``problem``, ``host`` read between them (``host_read``)."""
     from ..core.backend import REGISTRY
 
-    run = prepare_backend(REGISTRY[op]["triton"], host, *args, **kwargs)
+    run = prepare_backend(REGISTRY[op]["triton"], problem, host)
     host.read()
     return run()
-
-
-def _dense_call(queries, documents, precision, chunk_size, host, options):
-    from ..core.spec import InfoNCESpec
-    from ..dense.op import matryoshka_infonce
-
-    world = options.get("world_queries")
-    ids = {k: options[k] for k in ("query_ids", "document_ids", "world_query_ids") if options.get(k) is not None}
-    present = options.get("document_present")
-    spec_options = _spec_options(matryoshka_infonce, InfoNCESpec.build, options)
-    spec = InfoNCESpec.build(queries, documents, world, **spec_options, mask_duplicates=bool(ids))
-    spec = dataclasses.replace(
-        spec, precision=cuda_precision(precision, queries.dtype), absent_documents=present is not None
-    )
-    guide = (options["guide_queries"], options["guide_documents"]) if options.get("guide_queries") is not None else None
-    duplicates = (ids.get("query_ids"), ids["document_ids"], ids.get("world_query_ids")) if ids else None
-    world = queries if world is None else world
-    masks = dict(guide=guide, duplicates=duplicates, memory=None, document_present=present)
-    return _triton("matryoshka_infonce", host, queries, documents, world, spec, True, tile_rows=chunk_size, **masks)
-
-
-def _maxsim_call(queries, documents, precision, chunk_size, host, options):
-    from ..maxsim.op import maxsim_infonce
-    from ..maxsim.spec import MaxSimSpec
-
-    masks = [options.get(name) for name in ("query_mask", "document_mask")]
-    masks = [
-        torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if m is None else m
-        for m, x in zip(masks, (queries, documents))
-    ]
-    ids = {k: options.get(k) for k in ("query_ids", "document_ids", "world_query_ids")}
-    present = options.get("document_present")
-    spec_options = _spec_options(maxsim_infonce, MaxSimSpec.build, options)
-    spec, query_mask, document_mask = MaxSimSpec.build(queries, documents, *masks, **spec_options)
-    spec = dataclasses.replace(
-        spec, precision=cuda_precision(precision, queries.dtype), absent_documents=present is not None
-    )
-    duplicates = tuple(ids.values()) if spec.mask_duplicates else None
-    args = (queries, documents, query_mask, document_mask, spec, True, chunk_size, duplicates)
-    return _triton("maxsim_infonce", host, *args, document_present=present)

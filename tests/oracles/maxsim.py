@@ -13,13 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.result import InfoNCEResult
-from ..core.spec import NORM_EPS
-from ..dense.reference import _duplicates as dense_duplicates
-from .spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
+from st_cached_losses.ops.core.backend import REGISTRY
+from st_cached_losses.ops.core.host_read import call_backend
+from st_cached_losses.ops.core.problem import CandidateInputs, Problem
+from st_cached_losses.ops.core.result import InfoNCEResult
+from st_cached_losses.ops.core.spec import NORM_EPS
+from st_cached_losses.ops.maxsim.spec import EMPTY_DOCUMENT_SCORE, MaxSimSpec
+from tests.oracles.dense import duplicate_masks as dense_duplicates
 
 
-def forward(
+def reference(
     queries: Tensor,
     documents: Tensor,
     query_mask: Tensor,
@@ -110,9 +113,37 @@ def removed_candidates(
     """(B, M) bool: the candidates the duplicate mask removes (direction query_to_doc). Row i (world row
     offset + i) owns its query's text a and targets its positive's; it does not score a document whose text is a, or
     the positive text p_k of any world row k whose query text is a (its own positive among them), except its own
-    positive column offset + i. The dense oracle's rule (``reference._duplicates``), on the query_to_doc problem of
+    positive column offset + i. The dense oracle's rule (``reference.duplicate_masks``), on the query_to_doc problem of
     the same layout."""
     removed = dense_duplicates(spec.infonce_spec(), query_ids, doc_ids, world_query_ids, None)["query_to_doc"]
     rows = torch.arange(spec.batch_size, device=removed.device)
     removed[rows, spec.offset + rows] = False
     return removed
+
+
+def forward(problem: Problem) -> InfoNCEResult:
+    """The registry's entry (``backend="dense"`` in the tests): :func:`reference` on ``problem``."""
+    masks = (problem.query_mask, problem.document_mask)
+    inputs = problem.candidates
+    return reference(
+        problem.queries,
+        problem.documents,
+        *masks,
+        problem.spec,
+        problem.need_grad,
+        duplicates=inputs.duplicates,
+        document_present=inputs.present,
+    )
+
+
+def run_backend(
+    name, queries, documents, query_mask, document_mask, spec, need_grad, chunk_size, duplicates, document_present=None
+) -> InfoNCEResult:
+    """One ``maxsim_infonce`` backend by name on the same inputs (the tests compare them so); masks boolean;
+    ``document_present`` the (M,) bool of ``spec.absent_documents``."""
+    if spec.absent_documents != (document_present is not None):
+        raise ValueError("pass document_present exactly when spec.absent_documents.")
+    inputs = CandidateInputs(duplicates=duplicates, present=document_present)
+    masks = {"query_mask": query_mask, "document_mask": document_mask}
+    problem = Problem(spec, queries, documents, **masks, candidates=inputs, tile=chunk_size, need_grad=need_grad)
+    return call_backend(REGISTRY["maxsim_infonce"][name], problem)

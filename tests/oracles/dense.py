@@ -10,7 +10,7 @@ itself, from docs/design.md "The math" and ``matryoshka_infonce``'s docstring:
   the hardness penalty and a memory bank's columns after the docs' (``memory.py``): :data:`BLOCKS` restates the
   table of directions rather than reading ``spec.DIRECTIONS``;
 - the duplicate mask: per direction a (B, columns) boolean of the candidates whose text id is in the row's forbidden
-  set, by broadcast comparisons of the ids (:func:`_duplicates`);
+  set, by broadcast comparisons of the ids (:func:`duplicate_masks`);
 - GISTEmbed's false-negative filter, guided (a guide model's embeddings, cosine) or self-guided (the model's
   full-dim embeddings, detached, the loss's similarity), absolute or relative, from the whole matrix of guide
   similarities (:func:`_false_negatives`);
@@ -31,9 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..candidates.memory import Memory
-from ..core.result import InfoNCEResult
-from ..core.spec import NORM_EPS, InfoNCESpec
+from st_cached_losses.ops.candidates.memory import Memory
+from st_cached_losses.ops.core.backend import REGISTRY
+from st_cached_losses.ops.core.host_read import call_backend
+from st_cached_losses.ops.core.problem import CandidateInputs, Problem
+from st_cached_losses.ops.core.result import InfoNCEResult
+from st_cached_losses.ops.core.spec import NORM_EPS, InfoNCESpec
 
 
 class Block(NamedTuple):
@@ -60,7 +63,7 @@ BLOCKS = {
 }
 
 
-def forward(
+def reference(
     queries: Tensor,
     docs: Tensor,
     world_queries: Tensor,
@@ -144,7 +147,7 @@ def _masks(q, c, wq, spec: InfoNCESpec, guide, duplicates, memory, present) -> t
     if spec.false_negatives is None and not spec.mask_duplicates:
         return {}, None
     dropped = {} if spec.false_negatives is None else _false_negatives(q, c, wq, spec, guide, memory)
-    doubles = {} if not spec.mask_duplicates else _duplicates(spec, *duplicates, memory)
+    doubles = {} if not spec.mask_duplicates else duplicate_masks(spec, *duplicates, memory)
     removed, num_removed, num_candidates = {}, 0, 0
     for name in spec.directions:
         masked, partner = _fixed_columns(BLOCKS[name], spec, q.device, present)
@@ -160,7 +163,7 @@ def _masks(q, c, wq, spec: InfoNCESpec, guide, duplicates, memory, present) -> t
     return removed, share
 
 
-def _duplicates(
+def duplicate_masks(
     spec: InfoNCESpec, query_ids: Tensor, doc_ids: Tensor, world_query_ids: Tensor | None, memory: Memory | None
 ) -> dict[str, Tensor]:
     """{direction: (B, columns) bool}: the candidates whose text is in the row's forbidden set.
@@ -272,3 +275,46 @@ def _penalised(spec: InfoNCESpec, device) -> Tensor:
     if spec.penalised.own_hard_negatives:
         mask |= own_doc & hard_negative_column
     return mask
+
+
+def forward(problem: Problem) -> InfoNCEResult:
+    """The registry's entry (``backend="dense"`` in the tests): :func:`reference` on ``problem``."""
+    inputs = problem.candidates
+    return reference(
+        problem.queries,
+        problem.documents,
+        problem.world_queries,
+        problem.spec,
+        problem.need_grad,
+        guide=inputs.guide,
+        duplicates=inputs.duplicates,
+        memory=inputs.memory,
+        document_present=inputs.present,
+    )
+
+
+def run_backend(
+    name: str,
+    queries: Tensor,
+    docs: Tensor,
+    world_queries: Tensor,
+    spec: InfoNCESpec,
+    need_grad: bool,
+    chunk_size: int | None = None,
+    guide: tuple[Tensor, Tensor] | None = None,
+    duplicates: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    memory: Memory | None = None,
+    document_present: Tensor | None = None,
+) -> InfoNCEResult:
+    """One ``matryoshka_infonce`` backend by name on the same inputs (no "auto", no fallback): the tests compare
+    them so. ``duplicates``: the text ids of ``spec.mask_duplicates``; ``memory``: its ``spec.num_memory`` banked
+    documents; ``document_present``: the (M,) bool of ``spec.absent_documents``."""
+    if spec.mask_duplicates != (duplicates is not None):
+        raise ValueError("pass duplicates=(query_ids, doc_ids, world_query_ids) exactly when spec.mask_duplicates.")
+    if spec.num_memory != (0 if memory is None else memory.size):
+        raise ValueError("pass memory (its spec.num_memory banked documents) exactly when spec.num_memory > 0.")
+    if spec.absent_documents != (document_present is not None):
+        raise ValueError("pass document_present exactly when spec.absent_documents.")
+    inputs = CandidateInputs(guide=guide, duplicates=duplicates, memory=memory, present=document_present)
+    problem = Problem(spec, queries, docs, world_queries, candidates=inputs, tile=chunk_size, need_grad=need_grad)
+    return call_backend(REGISTRY["matryoshka_infonce"][name], problem)
