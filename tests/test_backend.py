@@ -226,3 +226,26 @@ def test_recorded_choices_hold_the_choices_made_inside_the_block(fresh_choices):
         matryoshka_infonce(queries, docs, dims=[8, 4])
         matryoshka_infonce(queries, docs, dims=[8, 4], backend="dense")
     assert [(c["backend"], c["tile"]) for c in made] == [("chunked", "6 rows"), ("dense", "dense")]
+
+
+@pytest.mark.parametrize("op", backend.OPS)
+def test_dense_outside_the_tests_is_deprecated_and_runs_chunked(monkeypatch, fresh_choices, op):
+    """The library no longer ships the dense oracles (tests/oracles/ registers them here): without them,
+    backend="dense" warns FutureWarning, says so in its recorded reason and gives exactly the chunked result."""
+    monkeypatch.delitem(backend.REGISTRY[op], "dense")
+    assert "dense" in backend.backends(op)  # still a name the losses and the command line accept
+    with pytest.warns(FutureWarning, match="backend='dense' is deprecated and runs backend='chunked'"):
+        check_backend("dense", "cpu", op)
+    with pytest.warns(FutureWarning):
+        name, reason = backend.select_backend(torch.device("cpu"), "dense", op)
+    assert (name, reason) == ("chunked", "requested 'dense', deprecated: runs 'chunked'")
+    if op != "matryoshka_infonce":
+        return
+    queries, docs = _pairs()
+    with pytest.warns(FutureWarning):
+        deprecated = _op_loss_and_grads(queries, docs, backend="dense")
+    chunked = _op_loss_and_grads(queries, docs, backend="chunked")
+    for got, want in zip(deprecated, chunked):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    recorded = [(c["backend"], c["reason"]) for c in backend.choices()]
+    assert recorded == [("chunked", "requested 'dense', deprecated: runs 'chunked'"), ("chunked", "requested")]

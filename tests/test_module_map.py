@@ -1,7 +1,7 @@
 """docs/design.md's module map ("Layout") against the tree, both ways.
 
 The map is one table per root, under a heading that names the root in backticks (``### `st_cached_losses/` ``); each
-row's first cell is one path in backticks, relative to that root: a module (``ops/bands.py``) or a package folder
+row's first cell is one path in backticks, relative to that root: a module (``ops/core/bands.py``) or a package folder
 (``ops/maxsim/``, standing for its ``__init__.py``). Every ``*.py`` under a root except ``__init__.py`` and every
 package folder below a root must have a row, and every row must name one that exists."""
 

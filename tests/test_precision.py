@@ -1,4 +1,4 @@
-"""The precision policy's GEMMs (``ops/gemm.py``) and the chunked backends (dense and MaxSim) under it on a CPU:
+"""The precision policy's GEMMs (``ops/core/gemm.py``) and the chunked backends (dense and MaxSim) under it on a CPU:
 "auto" and "ieee" are today's IEEE fp32 bit for bit, "tf32" is IEEE (a CPU has no TF32) and recorded so, "bf16"
 multiplies bf16-rounded operands exactly; the one rule of the precision, its CUDA branch included (a pure function
 of flags), and torch's TF32 flag set as transformers sets it; the TF32 switch is scoped to the op and restores the

@@ -1,5 +1,5 @@
-"""The Triton backend (``ops/triton/blocks.py``: cuBLAS GEMMs around fused Triton passes) under Triton's CPU
-interpreter, against the float64 reference (``ops/reference.py``) on the same inputs: loss, LSE, d queries, d docs,
+"""The Triton backend (``ops/dense/triton_blocks.py``: cuBLAS GEMMs around fused Triton passes) under Triton's CPU
+interpreter, against the float64 reference (``tests/oracles/dense.py``) on the same inputs: loss, LSE, d queries, d docs,
 d world queries, every option, ragged shapes and blocks; the precision modes' numerics where a CPU can emulate them;
 the launches of one op call. (The kernels' sm_90 compilation: ``tests/benchmarks/test_compile_report.py``.)
 
@@ -481,7 +481,7 @@ def test_launches_per_op_call(monkeypatch):
 # ------------------------------------------------------------------- in-batch negatives off, absent documents
 
 # The kernels with absent documents (their column mask) and with each mask beside it; without in-batch negatives the
-# backend runs ``ops/own.py`` (no kernel): one case each way is enough there.
+# backend runs ``ops/dense/own.py`` (no kernel): one case each way is enough there.
 OWN_CASES = {
     "absent_self_guided_filter_duplicates": ("self_guided_filter_duplicates", True),
     "absent_duplicates_in_kernel_hardness": ("hard_negatives_hardness_duplicates", True),

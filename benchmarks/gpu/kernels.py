@@ -5,8 +5,8 @@ hot loop where a variant declares them).
 Each kernel's variants come from the configs and plan of the module that launches it (through ``specs.py``), so
 the report compiles what a call runs:
 
-- ``matryoshka_infonce`` (``ops/triton/blocks.py``): the fused pass kernel (PASS 1 and 2), the rows kernel and the
-  finishing kernel of ``ops/triton/fused.py``, as ``specs.kernel_variants`` builds them (the launch configs
+- ``matryoshka_infonce`` (``ops/dense/triton_blocks.py``): the fused pass kernel (PASS 1 and 2), the rows kernel and the
+  finishing kernel of ``ops/dense/triton_fused.py``, as ``specs.kernel_variants`` builds them (the launch configs
   ``passes.CONFIGS``), per input dtype: bf16 (bf16 planes), fp16 and fp32 (fp32 planes; TF32 and IEEE launch the
   same Triton kernels, the GEMMs are cuBLAS'). Elementwise: no tensor cores declared. The problem: the training
   default (cosine, query_to_doc, five dims 768 ... 64) at B = M = 16384, D = 768, in the row blocks ``plan_rows``

@@ -1,22 +1,16 @@
 """The loss stage: ``matryoshka_infonce`` (the in-batch InfoNCE loss of every Matryoshka dim in one sweep) and
 ``maxsim_infonce`` (its late-interaction counterpart), and their backends. Never imports sentence_transformers.
 
-- ``core.py``: what both ops share: the arguments' rules, the NaN and precision policies, the autograd Function;
-  ``limits.py``: the tile budget, dtypes and Triton dims cap both read; ``bands.py``: the Matryoshka band bounds and
-  inverse prefix norms;
-- ``backend.py``: the one registry of backends, keyed by op, ``"auto"``, the Triton fallback and the log of choices;
-- ``infonce.py``: ``matryoshka_infonce``; ``spec.py``: its validated problem (dims, directions, hardness,
-  false-negative rule); ``result.py``: what both ops return (``InfoNCEOutput``) and what a backend returns to them
-  (``InfoNCEResult``);
-- its backends: ``reference.py`` (dense, the test oracle: every rule computed on its own), ``chunked.py`` (row
-  tiles, any device), ``triton/`` (GPU kernels; ``triton/probe.py`` holds the ops' exception,
-  ``TritonUnavailableError``);
-- the rules the tiled backends share: ``false_negatives.py`` (GISTEmbed's per-tile mask of dropped candidates),
-  ``duplicates.py`` (the duplicate mask from text ids, and its arguments' one check), ``memory.py`` (banked
-  documents as extra columns);
-- ``maxsim/``: ``maxsim_infonce``, the late-interaction (ColBERT MaxSim) loss over Matryoshka token dims.
+- ``core/``: what every family shares: the call and its autograd Function, the problem every backend receives, the
+  argument checks, the backend registry, the one host read, the precision and NaN policies, the band arithmetic;
+- ``candidates/``: who scores whom: the layout's masks, absent documents, duplicates, false negatives, the memory
+  bank, own candidates (in-batch negatives off);
+- ``dense/``: ``matryoshka_infonce`` and its backends (chunked, own candidates, Triton);
+- ``maxsim/``: ``maxsim_infonce`` and its backends;
+- ``triton/``: launch, ahead-of-time compile and probe, shared by the families' Triton backends.
 
-The public names are below; everything else is reached through its module (``ops.backend.REGISTRY``, ...).
+``dense/`` and ``maxsim/`` import from ``core/`` and ``candidates/``, never from each other. The public names are
+below; everything else is reached through its module (``ops.core.backend.REGISTRY``, ...).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ direction reads them, d world queries) with relative error ``||x - truth|| / ||t
 
     error(backend) <= error(plain PyTorch) + TOLERANCES[precision][loss | grad]
 
-The truth is the dense reference (``ops/reference.py``) in float64 on the inputs as the backend sees them
+The truth is the dense reference (``tests/oracles/dense.py``) in float64 on the inputs as the backend sees them
 (cast to the precision, then upcast); plain PyTorch is the same reference computed in the inputs' own dtype
 (matmuls in bf16 / fp16 / TF32). ``tests/cuda/maxsim_cuda_checks.py`` holds ``maxsim_infonce`` to the same rule.
 
@@ -163,7 +163,7 @@ def cases(size: str = "full") -> list[Case]:
             columns=2,
             options=dict(similarity="dot", directions=ALL_DIRECTIONS),
         ),
-        # In-batch negatives off: each query against its own positive and 3 hard negatives (``ops/own.py``), gathered.
+        # In-batch negatives off: each query against its own positive and 3 hard negatives (``ops/dense/own.py``), gathered.
         Case(
             "own_documents_hard_negatives_hardness",
             n(1000, 40),

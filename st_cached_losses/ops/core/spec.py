@@ -131,7 +131,7 @@ class InfoNCESpec:
     num_memory: int = 0  # Km: banked documents scored after the docs' columns, without gradient (``memory.py``)
     precision: str = "ieee"  # the score GEMMs' operands: "bf16", "tf32" or "ieee" (``core.resolve_precision``)
     in_batch_negatives: bool = True  # False: each row scores its own documents only (``own.py``)
-    absent_documents: bool = False  # ``document_present`` given: some hard-negative documents may be absent
+    absent_documents: bool = False  # the op was given a presence mask: some hard-negative documents may be absent
 
     @property
     def num_docs(self) -> int:

@@ -88,8 +88,8 @@ def matryoshka_infonce(
         hardness_mode: None, "in_batch_negatives", "hard_negatives" or "all_negatives": adds
             ``hardness_strength * stop_grad(similarity)`` to those negatives' logits.
         hardness_strength: >= 0.
-        backend: "auto" or a name of ``ops.backends("matryoshka_infonce")``: "triton", "chunked", "dense". "auto"
-            runs the Triton kernels only on a GPU where they have been verified (``ops.backend.REGISTRY``'s
+        backend: "auto" or a name of ``ops.backends("matryoshka_infonce")``: "triton", "chunked" ("dense" is
+            deprecated: it warns and runs "chunked"). "auto" runs the Triton kernels only on a GPU where they have been verified (``ops.backend.REGISTRY``'s
             ``verified``), else the chunked backend on the same device, and falls back to chunked (warning once) if
             Triton cannot compile or launch; the choice is logged once at INFO (``ops.choices()`` lists them).
         chunk_size: query rows per tile of the tiled backends, a positive int (chunked: as given, default from a
@@ -128,7 +128,7 @@ def matryoshka_infonce(
             positive of the same query), except its partner column (its positive in query_to_doc, its query in
             doc_to_query), which is never removed. The mask is built per tile from the ids (no B x M matrix), is
             the same for every Matryoshka dim, and combines with the false-negative filter (a candidate either
-            removes is removed). See ``ops/duplicates.py``.
+            removes is removed). See ``ops/candidates/duplicates.py``.
         memory_documents: (Km, D) banked document embeddings of earlier steps (a cross-batch memory: XBM, MoCo's queue),
             scored as extra candidates of the directions that score documents (query_to_doc, doc_to_doc), after the
             documents' columns, with the same dims, similarity and hardness penalty; detached: they get no gradient, and
@@ -143,7 +143,7 @@ def matryoshka_infonce(
             i's softmax runs over its own documents only, ``documents[j * Bw + offset + i]`` for each block j (its
             positive, then its hard negatives; FlagEmbedding's ``no_in_batch_neg``), for data whose other rows'
             positives are often true matches (classification, clustering triplets). O(B x columns x D) work and
-            memory (``ops/own.py``; no B x B nor B x M score), on every backend ("dense" masks its full matrix).
+            memory (``ops/dense/own.py``; no B x B nor B x M score), on every backend.
             What needs other rows' texts is refused: a direction other than "query_to_doc", a memory bank,
             hardness_mode="in_batch_negatives" with a strength > 0. The partition mode is moot (one direction);
             the duplicate mask, the false-negative filter (guided or self-guided), the hardness penalty on the own

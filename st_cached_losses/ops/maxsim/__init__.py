@@ -1,9 +1,9 @@
 """Late interaction: ``maxsim_infonce``, the InfoNCE loss over ColBERT's MaxSim scores for every Matryoshka token dim
 in one sweep, and its backends.
 
-- ``op.py``: the op (its autograd Function is the op core's, ``ops/core.py``); ``spec.py``: the validated problem;
-- ``reference.py`` (dense, the test oracle), ``chunked.py`` (query tiles against document blocks, any device) and
-  ``gradients.py`` (the chunked backend's gathers and scatter-adds at the argmaxes);
+- ``op.py``: the op (its autograd Function is the op core's, ``ops/core/call.py``); ``spec.py``: the validated spec;
+- ``chunked.py`` (query tiles against document blocks, any device), ``gradients.py`` (its gathers and scatter-adds at
+  the argmaxes) and ``own.py`` (in-batch negatives off);
 - ``triton_host.py`` (the Triton backend: ``triton_kernels.py``'s kernels, shapes from ``triton_plan.py``).
 """
 

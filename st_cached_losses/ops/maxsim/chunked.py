@@ -23,7 +23,7 @@ tokens, the weighted sums of the maxima, the LSEs and the gradients' gathers. On
 One host read: each tile's count of scored query tokens (R, its GEMMs' rows: a padded token costs nothing), asked
 by :func:`prepare` in the op call's one host synchronisation (``host_read``); the tokens are then compacted with that
 size (``nonzero_static``). Nothing else is read: the empty documents and masked document tokens by masked arithmetic,
-the duplicate mask a boolean tile (``ops/duplicates.py``), the per-dim gradient factors Python numbers.
+the duplicate mask a boolean tile (``ops/candidates/duplicates.py``), the per-dim gradient factors Python numbers.
 
 Memory beyond the inputs and their gradients (budgets, logged with the tile): per tile K x R x M argmaxes (uint8 up
 to 256 document tokens) and two K x (queries) x M fp32 buffers, within ``DEFAULT_TILE_BYTES`` (64 MiB) and at most

@@ -83,8 +83,8 @@ def maxsim_infonce(
         offset: this rank's first query in the world batch (its positive's column); 0 <= offset, offset + B <= M.
         backend: "auto" or a name of ``ops.backends("maxsim_infonce")``: "chunked" (the default on every device;
             the choice is logged once at INFO), "triton" (fused kernels on a CUDA GPU of compute capability >= 8.0,
-            at most 8 dims; "auto" picks it once verified on that GPU) or "dense" (materialises the (B, M, Lq, Ld)
-            token similarities: the test oracle).
+            at most 8 dims; "auto" picks it once verified on that GPU); "dense" is deprecated: it warns and runs
+            "chunked".
         chunk_size: query rows per tile of the tiled backends, a positive int (default: within a byte budget for
             the tile's per-(dim, query token, document) argmaxes and per-(dim, query, document) scores and a cap on
             its query tokens, 64 MiB and 2048 on a CPU, 256 MiB and 32768 on CUDA: ``chunked.default_tile_queries``;
@@ -92,7 +92,7 @@ def maxsim_infonce(
         nonfinite: what NaN or Inf in the token vectors do: "raise" (ValueError), "propagate" (the loss and the
             gradients are NaN, so fp16's gradient scaler skips the step), "auto" (default: "propagate" under fp16
             autocast or for fp16 inputs, else "raise").
-        precision: the token GEMMs' operands, as ``matryoshka_infonce``'s (``ops/gemm.py``), on every backend:
+        precision: the token GEMMs' operands, as ``matryoshka_infonce``'s (``ops/core/gemm.py``), on every backend:
             "bf16" (bf16-rounded token vectors, fp32 accumulation; a CPU computes it exactly), "tf32" (TF32 on CUDA;
             elsewhere it runs, and is recorded, as "ieee"), "ieee" or "auto" (default: on CUDA "bf16" under bf16
             autocast or for bf16 inputs, else "tf32" where torch's flag allows it, else "ieee"; "ieee" off CUDA).
@@ -104,7 +104,7 @@ def maxsim_infonce(
             ``[offset, offset + B)`` (``query_ids`` may then be left out; given, they are compared with those rows,
             one more host synchronisation). Query i does not score a document whose text is its own query's, or the
             positive of any world row with the same query text (its own positive's copies among them), except its own
-            positive column. See ``ops/duplicates.py``.
+            positive column. See ``ops/candidates/duplicates.py``.
         all_dims: every Matryoshka dim the run draws ``dims`` from (a superset of ``dims``; a loss passes its
             ``matryoshka_dims`` when it draws ``n_dims_per_step`` of them), or None (``dims``). The Triton kernels take
             the dims' band bounds as compile-time constants: given ``all_dims`` they compile once for those (the dims
@@ -116,7 +116,7 @@ def maxsim_infonce(
             positives are often true matches. Bw is ``len(world_query_ids)`` with it, else B (this rank's documents,
             offset 0: nothing to gather), and M must be a multiple of Bw. O(B x (M / Bw) x Lq x Ld x D) work on
             every backend (``maxsim/own.py``: each query's token GEMM against its own documents' tokens, no B x M
-            score; "triton" runs it too, "dense" masks its full matrix); the duplicate mask, the token masks, the
+            score; "triton" runs it too); the duplicate mask, the token masks, the
             dims, weights and ``all_dims`` apply to the own documents.
         document_present: (M,) torch.bool on the queries' device, the documents' layout; False marks an absent
             document (a query without its k-th hard negative: ragged data): no query scores it and its gradient is

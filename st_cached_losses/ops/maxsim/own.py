@@ -4,9 +4,9 @@ With ``in_batch_negatives=False`` query i's softmax runs over its own documents,
 documents (``[positives | negatives_1 | ...]``, n = M / Bw of them): its positive and its hard negatives. Per tile of
 queries that is a batched GEMM of each query's tokens against its own n documents' tokens (count, Lq, n Ld), not a
 B x M sweep: nothing B x B nor B x M is allocated. The chunked and Triton backends both run this module, as they run
-``ops/own.py`` for the dense op (no B x M score plane for the kernels to fuse); the dense reference masks its full
+``ops/dense/own.py`` for the dense op (no B x M score plane for the kernels to fuse); the dense reference masks its full
 matrix instead. The masks of the own documents (absent ones, the duplicate mask) and the rows that take a loss
-(``core.live_rows``) are ``ops/own.py``'s, on the single-vector problem of the same layout
+(``live_rows``) are ``ops/candidates/``', on the single-vector problem of the same layout
 (``MaxSimSpec.infonce_spec``).
 
 Per dim k (descending; bands [d_{k+1}, d_k) as in ``chunked.py``, so the GEMM work of all dims is that of the

@@ -38,7 +38,7 @@ class MaxSimSpec:
     (``len(world_query_ids)``, which the mask needs, else B) and without in-batch negatives (B without ids: this
     rank's documents); None otherwise (:meth:`positives` then bounds the positives' block by offset + B).
     ``in_batch_negatives`` False: each query scores its own documents only (``own.py``); ``absent_documents``:
-    ``document_present`` given. ``all_dims``: every dim of the run (descending,
+    a presence mask given. ``all_dims``: every dim of the run (descending,
     a superset of ``dims``; empty: ``dims``), on which the Triton kernels specialise (:meth:`over_all_dims`).
     """
 

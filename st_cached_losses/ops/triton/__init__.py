@@ -1,4 +1,3 @@
-"""The Triton backend of ``matryoshka_infonce`` (GPU; on CPU tensors in Triton's interpreter): ``probe`` (can it run
-here; ``TritonUnavailableError`` and which exceptions mean it cannot), ``blocks`` (the backend's forward: row blocks
-against all columns, cuBLAS GEMMs), ``fused`` (its Triton kernels), ``passes`` (their launches and compile-report
-variants). Importing this package imports no Triton; the modules do."""
+"""Triton infrastructure shared by the families' Triton backends: ``launch`` (recorded, compiled or run launches and
+the compiler workers), ``ahead`` (an op's launches on meta tensors, for the warm-up) and ``probe`` (can the kernels run
+here; ``TritonUnavailableError``). Importing this package imports no Triton; the modules do."""

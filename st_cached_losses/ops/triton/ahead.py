@@ -74,7 +74,7 @@ def op_launches(
 ):
     """Run ``op``'s Triton backend once, forward and backward, on ``queries`` and ``documents`` (meta tensors of the
     run's shapes and dtype) with the op's keyword ``options`` (its defaults for the others; the multi-vector op's
-    ``query_mask`` / ``document_mask`` default to all tokens; ``document_present``, meta too, turns the absent
+    ``query_mask`` / ``document_mask`` default to all tokens; a presence mask, meta too, turns the absent
     documents on) and ``precision`` as it resolves on CUDA; meant for :func:`record_launches`, which keeps the
     launches instead of running them. With duplicate ids, ``table_width`` is the width of the duplicate mask's table
     the data would give (see :data:`TABLE_WIDTHS`).

@@ -3,7 +3,7 @@ compute capability, the interpreter) and learned from a failed one (:class:`Trit
 ``backend="auto"`` falls back on; :func:`is_launch_error`: which exceptions mean it; :func:`describe_error`: their
 one line for the warning and the log).
 
-Imports nothing of Triton at module level, so the dispatcher (``ops/backend.py``) can ask on any machine, and the
+Imports nothing of Triton at module level, so the dispatcher (``ops/core/backend.py``) can ask on any machine, and the
 dispatcher and both Triton hosts raise and catch the one exception without importing each other.
 """
 
