@@ -1,5 +1,6 @@
 """The duplicate mask's loss written from its definition, one row and one candidate at a time with Python sets: the
-oracle of tests/test_duplicates.py, test_duplicate_losses.py and test_triton.py (independent of ops/candidates/duplicates.py).
+oracle of tests/test_duplicates.py, test_duplicate_losses.py and test_triton.py (independent of
+ops/candidates/duplicates.py).
 
 The rule (issue 21): for each loss row, a candidate other than the row's own target leaves the row's softmax if
 (1) its text equals the row's target text, (2) its text equals the row's own text, or (3) it is the target text of

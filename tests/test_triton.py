@@ -1,7 +1,7 @@
 """The Triton backend (``ops/dense/triton_blocks.py``: cuBLAS GEMMs around fused Triton passes) under Triton's CPU
-interpreter, against the float64 reference (``tests/oracles/dense.py``) on the same inputs: loss, LSE, d queries, d docs,
-d world queries, every option, ragged shapes and blocks; the precision modes' numerics where a CPU can emulate them;
-the launches of one op call. (The kernels' sm_90 compilation: ``tests/benchmarks/test_compile_report.py``.)
+interpreter, against the float64 reference (``tests/oracles/dense.py``) on the same inputs: loss, LSE, d queries,
+d docs, d world queries, every option, ragged shapes and blocks; the precision modes' numerics where a CPU can emulate
+them; the launches of one op call. (The kernels' sm_90 compilation: ``tests/benchmarks/test_compile_report.py``.)
 
 TRITON_INTERPRET must be set before the kernels are decorated (triton.jit picks the interpreter at decoration time),
 so it is set here, before the backend is imported; if another test module imported the backend first without it,

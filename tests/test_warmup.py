@@ -112,8 +112,8 @@ def test_warm_up_covers_absent_documents(model):
 
 
 def test_without_in_batch_negatives_nothing_is_recorded(model):
-    """Without in-batch negatives a row scores its own documents in torch (``ops/dense/own.py``), launching no kernel: the
-    warm-up records none either (it compiled the in-batch kernels for nothing)."""
+    """Without in-batch negatives a row scores its own documents in torch (``ops/dense/own.py``), launching no kernel:
+    the warm-up records none either (it compiled the in-batch kernels for nothing)."""
     loss = _dense_loss(model, precision="ieee", in_batch_negatives=False, mask_duplicates=True)
     done = warm_up(loss, batch_size=8, hard_negatives=1, target=H100, dry_run=True)
     assert _dense_step(model, loss, 8, 1) == [] and done.kernels == 0 and not done.uncovered

@@ -1,8 +1,8 @@
-"""The kernels a call launches, as the compile report compiles them for sm_90 without a GPU
-(``python -m benchmarks.gpu --compile-report``; ``kernels.py`` turns them into its variants): the dense block
-sweep's (``ops/dense/triton_fused.py``, launched by ``ops/dense/triton_passes.py``) and MaxSim's (``ops/maxsim/triton_kernels.py``,
-shaped by ``ops/maxsim/triton_plan.py``'s :class:`Plan`). Each gives the kernel's Triton signature, constexprs,
-the divisibility its launches guarantee, and its launch options."""
+"""The kernels a call launches, as the compile report compiles them for sm_90 without a GPU (``python -m benchmarks.gpu
+--compile-report``; ``kernels.py`` turns them into its variants): the dense block sweep's
+(``ops/dense/triton_fused.py``, launched by ``ops/dense/triton_passes.py``) and MaxSim's
+(``ops/maxsim/triton_kernels.py``, shaped by ``ops/maxsim/triton_plan.py``'s :class:`Plan`). Each gives the kernel's
+Triton signature, constexprs, the divisibility its launches guarantee, and its launch options."""
 
 from __future__ import annotations
 

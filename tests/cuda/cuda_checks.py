@@ -163,7 +163,8 @@ def cases(size: str = "full") -> list[Case]:
             columns=2,
             options=dict(similarity="dot", directions=ALL_DIRECTIONS),
         ),
-        # In-batch negatives off: each query against its own positive and 3 hard negatives (``ops/dense/own.py``), gathered.
+        # In-batch negatives off: each query against its own positive and 3 hard negatives (``ops/dense/own.py``),
+        # gathered.
         Case(
             "own_documents_hard_negatives_hardness",
             n(1000, 40),

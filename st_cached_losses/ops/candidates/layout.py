@@ -25,13 +25,14 @@ from torch import Tensor
 
 from ..core.problem import Problem
 from ..core.spec import DIRECTIONS, Direction, InfoNCESpec
-from .duplicates import DuplicateMask
+from .duplicates import DuplicateMask, ids_agree
 from .false_negatives import Guide, num_candidates
 
 __all__ = [
     "Candidates",
     "TileMasks",
     "check_document_present",
+    "conditions",
     "duplicate_and_absent_masks",
     "live_rows",
     "positives_present",
@@ -176,6 +177,16 @@ def check_document_present(document_present, docs: Tensor, queries: Tensor) -> b
             f"document_present is on {document_present.device} but queries is on {queries.device}: move it there."
         )
     return True
+
+
+def conditions(problem: Problem, positives: int) -> tuple[tuple[Tensor, str] | None, ...]:
+    """What the candidate inputs must satisfy on the device, for ``core.call.run_op``'s ``conditions`` (read with the
+    op call's one host read): every positive (the first ``positives`` documents) present, and ``query_ids`` equal to
+    their rows of ``world_query_ids``; None where an input is not given."""
+    inputs = problem.candidates
+    present = None if inputs.present is None else positives_present(inputs.present, positives)
+    ids = (None, None) if inputs.duplicates is None else (inputs.duplicates[0], inputs.duplicates[2])
+    return present, ids_agree(*ids, problem.spec.offset)
 
 
 def positives_present(document_present: Tensor, positives: int) -> tuple[Tensor, str]:

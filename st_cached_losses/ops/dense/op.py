@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..candidates.duplicates import check_ids, ids_agree
-from ..candidates.layout import check_document_present, positives_present
+from ..candidates.duplicates import check_ids
+from ..candidates.layout import check_document_present, conditions
 from ..candidates.memory import check_memory
 from ..core.call import run_op
 from ..core.checks import check_chunk_size, check_policies, keywords_of, with_defaults
@@ -89,7 +89,8 @@ def matryoshka_infonce(
             ``hardness_strength * stop_grad(similarity)`` to those negatives' logits.
         hardness_strength: >= 0.
         backend: "auto" or a name of ``ops.backends("matryoshka_infonce")``: "triton", "chunked" ("dense" is
-            deprecated: it warns and runs "chunked"). "auto" runs the Triton kernels only on a GPU where they have been verified (``ops.backend.REGISTRY``'s
+            deprecated: it warns and runs "chunked"). "auto" runs the Triton kernels only on a GPU where they have
+            been verified (``ops.core.backend.REGISTRY``'s
             ``verified``), else the chunked backend on the same device, and falls back to chunked (warning once) if
             Triton cannot compile or launch; the choice is logged once at INFO (``ops.choices()`` lists them).
         chunk_size: query rows per tile of the tiled backends, a positive int (chunked: as given, default from a
@@ -205,10 +206,7 @@ def matryoshka_infonce(
         num_directions=len(problem.spec.directions),
         finish=lambda out: out if out.grads is None else out._replace(grads=_world_gradient(out.grads, world_queries)),
         checked={"memory_documents": memory_documents},
-        conditions=(
-            None if document_present is None else positives_present(document_present, problem.spec.world_batch_size),
-            ids_agree(query_ids, world_query_ids, problem.spec.offset),
-        ),
+        conditions=conditions(problem, problem.spec.world_batch_size),
     )
 
 

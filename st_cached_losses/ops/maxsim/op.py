@@ -13,8 +13,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from ..candidates.duplicates import ids_agree
-from ..candidates.layout import check_document_present, positives_present
+from ..candidates.layout import check_document_present, conditions
 from ..core.call import run_op
 from ..core.checks import check_chunk_size, check_policies, keywords_of, with_defaults
 from ..core.precision import resolve_precision
@@ -174,10 +173,7 @@ def maxsim_infonce(
         backend=backend,
         nonfinite=nonfinite,
         finish=lambda out: out if out.grads is None else out._replace(grads=out.grads[:2]),
-        conditions=(
-            None if document_present is None else positives_present(document_present, problem.spec.positives),
-            ids_agree(query_ids, world_query_ids, problem.spec.offset),
-        ),
+        conditions=conditions(problem, problem.spec.positives),
     )
 
 
