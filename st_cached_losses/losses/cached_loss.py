@@ -22,7 +22,7 @@ from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..gradcache.guide_model import GuideModel
 from ..gradcache.kept_minibatches import StepPlan
 from ..gradcache.loss_components import loss_components
-from ..gradcache.step import LayerDraw, Step
+from ..gradcache.step import LayerDraw, Step, require_step
 from ..gradcache.steps import GradCacheSteps
 from ..ops.backend import backends, check_backend
 from ..ops.core import resolve_precision
@@ -179,6 +179,33 @@ class CachedLossBase(GradCacheSteps):
             return self.last_precision
         embeddings = model_embeddings(self.model)
         return None if embeddings is None else resolve_precision(self.precision, embeddings)
+
+    # ------------------------------------------------------------------------------------------ step (2)
+
+    def calculate_loss(
+        self,
+        reps: list[list[Tensor]],
+        labels: Tensor | None = None,
+        *,
+        with_backward: bool = False,
+        step: Step | None = None,
+    ) -> Tensor:
+        """Step (2) (CachedLossMixin's hook): the loss of the whole batch from the per-mini-batch embeddings of
+        ``step`` (:meth:`step_loss`, which puts the entries in ``step.components``). With ``with_backward`` it
+        back-propagates to the embeddings and returns the detached loss. ``labels`` are unused.
+
+        Raises:
+            ValueError: without the ``step`` of the forward that embedded ``reps`` (call the loss, not this hook).
+        """
+        loss = self.step_loss(reps, require_step(step, type(self).__name__))
+        if with_backward:
+            loss.backward()
+            return loss.detach()
+        return loss
+
+    def step_loss(self, reps: list[list[Tensor]], step: Step) -> Tensor:
+        """This loss's step (2) on ``step``'s embeddings ``reps`` (see :meth:`calculate_loss`)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------ the entries
 

@@ -24,7 +24,7 @@ from ..gradcache.memory_bank import MemoryBank, check_memory_options, end_traini
 from ..gradcache.memory_inputs import step_inputs
 from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
-from ..gradcache.step import Step, require_step
+from ..gradcache.step import Step
 from ..ops import matryoshka_infonce
 from . import base_losses, card, citations
 from .base_losses import (
@@ -273,23 +273,10 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             end_training_forward(self.memory, step.to_bank)  # after the loss: a failing step banks nothing
         return self.entries(total, step)
 
-    def calculate_loss(
-        self,
-        reps: list[list[Tensor]],
-        labels: Tensor | None = None,
-        *,
-        with_backward: bool = False,
-        step: Step | None = None,
-    ) -> Tensor:
-        """Step (2) (CachedLossMixin's hook): the weighted Matryoshka InfoNCE loss of the whole batch from the
+    def step_loss(self, reps: list[list[Tensor]], step: Step) -> Tensor:
+        """Step (2) (:meth:`calculate_loss`): the weighted Matryoshka InfoNCE loss of the whole batch from the
         per-mini-batch embeddings of ``step`` (each column's rows put back in the batch's order), in one call of the
-        op; the per-dim entries go to ``step.components``. With ``with_backward`` it back-propagates to the
-        embeddings and returns the detached loss.
-
-        Raises:
-            ValueError: without the ``step`` of the forward that embedded ``reps`` (call the loss, not this hook).
-        """
-        step = require_step(step, type(self).__name__)
+        op; the per-dim entries go to ``step.components``."""
         columns = step.columns(reps)
         weights = self.dim_weights(step.dims)
         queries, docs, placement = step.gathered(columns[0], columns[1:])
@@ -298,11 +285,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
         out = matryoshka_infonce(dims=step.dims, weights=weights, **inputs, **options)
         self.record_dims(step, step.dims, weights, out.per_dim)
         self.note_masked_share(step, out.masked_share)
-        loss = out.loss
-        if with_backward:
-            loss.backward()
-            loss = loss.detach()
-        return loss
+        return out.loss
 
     def model_embedding_dimension(self) -> int | None:
         """The model's embedding dimension (its forward's, ``truncate_dim`` aside), when it says (a wrapped model is

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..gradcache import _st_compat
 from ..gradcache.layers import base_model, num_hidden_layers
-from ..gradcache.step import Encoded, LayerDraw, Step, require_step
+from ..gradcache.step import Encoded, LayerDraw, Step
 from ..ops import matryoshka_infonce
 from . import card, citations
 from .base_losses import MNRL_LOSSES, check_base_loss
@@ -241,23 +241,10 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                 transformer.forward = own_forward
         return Encoded(torch.cat(embeddings, dim=1))
 
-    def calculate_loss(
-        self,
-        reps: list[list[Tensor]],
-        labels: Tensor | None = None,
-        *,
-        with_backward: bool = False,
-        step: Step | None = None,
-    ) -> Tensor:
-        """Step (2): the 2D loss of the whole batch from the per-mini-batch (rows, S * D) embeddings of ``step``: per
-        drawn layer one call of the op for its dims, and for each prior layer stock's KL term; the entries go to
-        ``step.components``. With ``with_backward`` it back-propagates to the embeddings and returns the detached
-        loss.
-
-        Raises:
-            ValueError: without the ``step`` of the forward that embedded ``reps``.
-        """
-        step = require_step(step, type(self).__name__)
+    def step_loss(self, reps: list[list[Tensor]], step: Step) -> Tensor:
+        """Step (2) (:meth:`calculate_loss`): the 2D loss of the whole batch from the per-mini-batch (rows, S * D)
+        embeddings of ``step``: per drawn layer one call of the op for its dims, and for each prior layer stock's KL
+        term; the entries go to ``step.components``."""
         columns = step.columns(reps)
         width = columns[0].shape[1] // len(step.draw)
         queries, docs, placement = step.gathered(columns[0], columns[1:])
@@ -287,9 +274,6 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                 kl = self._kl(columns, part, teacher, step.row_present()) * self.kl_temperature * self.kl_div_weight
                 total = total + kl
                 step.components[f"loss_layer_{draw.layer}_kl"] = kl.detach()
-        if with_backward:
-            total.backward()
-            total = total.detach()
         return total
 
     def _kl_teacher(self, columns: list[Tensor], width: int) -> Tensor:

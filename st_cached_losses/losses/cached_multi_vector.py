@@ -20,7 +20,7 @@ from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..gradcache.distributed import unwrapped
 from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
-from ..gradcache.step import Encoded, Step, require_step
+from ..gradcache.step import Encoded, Step
 from ..ops import maxsim_infonce
 from ..ops.maxsim.spec import TRITON_MAX_DIMS
 from . import card, citations
@@ -258,24 +258,11 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         output = self.model(features, task=features.get("task"))
         return Encoded(unit_token_vectors(output["token_embeddings"]), output["attention_mask"].bool())
 
-    def calculate_loss(
-        self,
-        reps: list[list[Tensor]],
-        labels: Tensor | None = None,
-        *,
-        with_backward: bool = False,
-        step: Step | None = None,
-    ) -> Tensor:
-        """Step (2) (CachedLossMixin's hook): the weighted Matryoshka MaxSim InfoNCE loss of the whole batch from the
+    def step_loss(self, reps: list[list[Tensor]], step: Step) -> Tensor:
+        """Step (2) (:meth:`calculate_loss`): the weighted Matryoshka MaxSim InfoNCE loss of the whole batch from the
         per-mini-batch token vectors of ``step``, in one call of the op (with ``in_batch_negatives``, the absent
         documents, and every dim of the loss as ``all_dims``, so that the Triton kernels compile once per run however
-        ``n_dims_per_step`` draws); the per-dim entries go to ``step.components``. With ``with_backward`` it
-        back-propagates to the token vectors and returns the detached loss.
-
-        Raises:
-            ValueError: without the ``step`` of the forward that embedded ``reps`` (call the loss, not this hook).
-        """
-        step = require_step(step, type(self).__name__)
+        ``n_dims_per_step`` draws); the per-dim entries go to ``step.components``."""
         weights = self.dim_weights(step.dims)
         inputs = step.gathered_tokens(step.token_columns(reps))
         out = maxsim_infonce(
@@ -295,9 +282,6 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         self.record_dims(step, step.dims, weights, out.per_dim)
         if out.masked_share is not None:
             step.masked_share = self.masked_share = float(out.masked_share)
-        if with_backward:
-            out.loss.backward()
-            return out.loss.detach()
         return out.loss
 
     @property
