@@ -17,8 +17,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..gradcache._st_compat import untruncated_embedding_dimension
 from ..gradcache.activation_budget import AUTO, ActivationBudget
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
+from ..gradcache.distributed import unwrapped
 from ..gradcache.guide_model import GuideModel
 from ..gradcache.kept_minibatches import StepPlan
 from ..gradcache.loss_components import loss_components
@@ -27,6 +29,7 @@ from ..gradcache.steps import GradCacheSteps
 from ..ops.backend import backends, check_backend
 from ..ops.core import resolve_precision
 from . import card
+from .base_losses import mini_batch_defaults
 from .options import LossOptions, check_flag, integer, model_embeddings
 
 __all__ = ["CachedLossBase", "check_flag", "check_model_backend", "integer", "naming_errors", "option_attribute"]
@@ -83,11 +86,9 @@ class CachedLossBase(GradCacheSteps):
         options: the keywords of :class:`.options.LossOptions` as the loss was given them
             (:func:`.options.given_options`), built into ``self.options`` here, with the model (the bars show when
             this loss's or the base loss's ``show_progress_bar`` is True; without in-batch negatives nothing is
-            gathered across processes: :attr:`gathers`).
-        embedding_dim: the dims' bound where the loss knows it (a multi-vector model's token dim), else None for the
-            model's ``get_embedding_dimension()``.
-        default_mini_batch: (mini_batch_size, mini_batch_num_tokens) the base loss implies
-            (:func:`.base_losses.mini_batch_defaults`).
+            gathered across processes: :attr:`gathers`). The dims are bounded as stock bounds them, by the model's
+            untruncated embedding dimension (a multi-vector model's token dim; ``truncate_dim`` aside); the mini-batch
+            defaults are those the base loss implies (:func:`.base_losses.mini_batch_defaults`).
         guide: a GISTEmbed guide embedding step (1)'s mini-batches, or None.
         take_text_ids: take each row's text id (the duplicate mask, a memory bank).
     """
@@ -98,11 +99,11 @@ class CachedLossBase(GradCacheSteps):
         loss: nn.Module,
         options: Mapping[str, Any],
         *,
-        embedding_dim: int | None,
-        default_mini_batch: tuple[int, int | None],
         guide: GuideModel | None = None,
         take_text_ids: bool = False,
     ) -> None:
+        embedding_dim = untruncated_embedding_dimension(unwrapped(model))
+        default_mini_batch = mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE)
         with naming_errors(type(self).__name__):
             checked = LossOptions(
                 **options, model=model, embedding_dim=embedding_dim, default_mini_batch=default_mini_batch

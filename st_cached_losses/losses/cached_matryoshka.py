@@ -18,7 +18,6 @@ from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from torch import Tensor, nn
 
 from ..gradcache._st_compat import has_static_embedding_input, untruncated_embedding_dimension
-from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..gradcache.distributed import unwrapped
 from ..gradcache.memory_bank import MemoryBank, check_memory_options, end_training_forward
 from ..gradcache.memory_inputs import step_inputs
@@ -32,7 +31,6 @@ from .base_losses import (
     check_self_guided_filter,
     cross_row_settings,
     guide_model,
-    mini_batch_defaults,
 )
 from .cached_loss import CachedLossBase, check_flag, check_model_backend, integer, naming_errors, option_attribute
 from .options import given_options
@@ -230,15 +228,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             _check_model(model, backend, owner)
             check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
             check_memory_options(*memory.values(), loss.gather_across_devices)
-        super().__init__(
-            model,
-            loss,
-            options,
-            embedding_dim=untruncated_embedding_dimension(unwrapped(model)),  # stock's bound, truncate_dim aside
-            default_mini_batch=mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE),
-            guide=guide_model(loss),
-            take_text_ids=memory["memory_size"] > 0,
-        )
+        super().__init__(model, loss, options, guide=guide_model(loss), take_text_ids=memory["memory_size"] > 0)
         size = self.options.memory_size
         self.memory = (
             MemoryBank(

@@ -16,7 +16,6 @@ from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
 from torch import Tensor, nn
 
 from ..gradcache._st_compat import untruncated_embedding_dimension
-from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..gradcache.distributed import unwrapped
 from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
@@ -24,7 +23,7 @@ from ..gradcache.step import Encoded, Step
 from ..ops import maxsim_infonce
 from ..ops.maxsim.spec import TRITON_MAX_DIMS
 from . import card, citations
-from .base_losses import check_multi_vector_base_loss, length_normalize, mini_batch_defaults
+from .base_losses import check_multi_vector_base_loss, length_normalize
 from .cached_loss import CachedLossBase, check_flag, check_model_backend, naming_errors
 from .options import given_options
 from .refusals import check_refusals
@@ -188,13 +187,7 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             )
             _check_model(model, backend, owner)
             check_one_token_dim(unwrapped(model), owner)
-        super().__init__(
-            model,
-            loss,
-            options,
-            embedding_dim=untruncated_embedding_dimension(unwrapped(model)),  # stock's bound
-            default_mini_batch=mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE),
-        )
+        super().__init__(model, loss, options)
         if backend == "triton" and in_batch_negatives and len(self.matryoshka_dims) > TRITON_MAX_DIMS:
             raise ValueError(
                 f"{owner} with backend='triton' compiles its kernels once for every token dim of the run (the op's "
