@@ -2,9 +2,10 @@
 mini-batch settings and their defaults, the Matryoshka dims and weights, the ``n_dims_per_step`` draw (stock
 MatryoshkaLoss's ``random.sample`` call), the op's precision, the per-dim entries ``forward`` returns, the model card's
 settings, the activation report, the options every loss takes (:class:`.options.LossOptions`, built here, every
-error naming the class in use) and the backend's one rule; the refused options are :mod:`.refusals`'s.
+error naming the class in use), the backend's one rule and stock's step (2) hook (``calculate_loss``); the refused
+options are :mod:`.refusals`'s.
 
-Each loss adds its base losses (:mod:`.base_losses`), what it embeds (``encode``) and step (2) (``calculate_loss``).
+Each loss adds its base losses (:mod:`.base_losses`), what it embeds (``encode``) and its step (2) (``step_loss``).
 """
 
 from __future__ import annotations
