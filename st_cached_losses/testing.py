@@ -36,9 +36,21 @@ def tiny_sentence_transformer(
     hidden_size: int = 48, num_layers: int = 2, dropout: float = 0.0, seed: int = 0, max_seq_length: int = 64
 ) -> SentenceTransformer:
     """A randomly initialised BERT (mean pooling) with MiniLM's tokenizer; embedding dim = hidden_size."""
-    import torch
     from sentence_transformers.sentence_transformer.model import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    transformer = _tiny_bert(hidden_size, num_layers, dropout, seed, max_seq_length)
+    pooling = Pooling(hidden_size, pooling_mode="mean")
+    return SentenceTransformer(modules=[transformer, pooling], device="cpu")
+
+
+def _tiny_bert(
+    hidden_size: int, num_layers: int, dropout: float, seed: int, max_seq_length: int, **transformer_options: Any
+) -> Any:
+    """A randomly initialised BERT (seeded) with MiniLM's tokenizer, loaded as a sentence-transformers ``Transformer``
+    (``transformer_options``: its other keywords): the first module of the tiny BERT models."""
+    import torch
+    from sentence_transformers.base.modules import Transformer
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     torch.manual_seed(seed)
@@ -56,9 +68,7 @@ def tiny_sentence_transformer(
     with tempfile.TemporaryDirectory() as tmp:
         BertModel(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        transformer = Transformer(tmp, max_seq_length=max_seq_length)
-    pooling = Pooling(hidden_size, pooling_mode="mean")
-    return SentenceTransformer(modules=[transformer, pooling], device="cpu")
+        return Transformer(tmp, max_seq_length=max_seq_length, **transformer_options)
 
 
 def tiny_decoder_sentence_transformer(
@@ -159,27 +169,11 @@ def tiny_multi_vector_encoder(
     (``skiplist_words`` dropped from documents) and, with ``normalize``, a ``Normalize`` of the token vectors.
     ``query_expansion``: the Transformer's ColBERT query expansion (e.g. ``{"strategy": "fixed", "length": 12}``)."""
     import torch
-    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.base.modules import Dense, Normalize
     from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
     from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
-    from transformers import AutoTokenizer, BertConfig, BertModel
 
-    torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path())
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        intermediate_size=2 * hidden_size,
-        max_position_embeddings=max_seq_length + 2,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        BertModel(config).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        transformer = Transformer(tmp, max_seq_length=max_seq_length, query_expansion=query_expansion)
+    transformer = _tiny_bert(hidden_size, num_layers, dropout, seed, max_seq_length, query_expansion=query_expansion)
     projection = Dense(
         hidden_size,
         token_dim,

@@ -8,6 +8,7 @@ time, peak memory and the loss of every step (``--compare-stock``'s runs: :mod:`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -90,24 +91,21 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
         from ..losses.cached_matryoshka import CachedMatryoshkaLoss as Loss
 
         per_step = {}
-    return Loss(
-        model,
-        base,
-        list(dims),
-        **per_step,
-        mini_batch_size=options.mini_batch_size,
-        backend=options.backend,
-        precision=options.loss_precision,
-        false_negative_margin=None if guide is not None else options.false_negative_margin,
-        activation_budget=options.activation_budget,
-        mask_duplicates=options.mask_duplicates,
-        sort_by_length=options.sort_by_length,
-        memory_size=options.memory_size,
-        memory_warmup_steps=options.memory_warmup_steps,
-        memory_max_age=options.memory_max_age,
-        dual_memory=options.dual_memory,
-        in_batch_negatives=options.in_batch_negatives,
-    )
+    return Loss(model, base, list(dims), **per_step, **_loss_options(options, guide))
+
+
+def _loss_options(options: TrainOptions, guide) -> dict[str, Any]:
+    """The loss's options in ``options``: the main job's fields named as the losses' options
+    (:data:`~st_cached_losses.losses.options.OPTION_NAMES`) as given, ``precision`` from ``loss_precision``, and no
+    self-guided filter next to a guide (its margin is the guide loss's)."""
+    from ..losses.options import OPTION_NAMES
+    from .options import TrainOptions
+
+    shared = [field.name for field in dataclasses.fields(TrainOptions) if field.name in OPTION_NAMES]
+    given = {name: getattr(options, name) for name in shared}
+    if guide is not None:
+        given["false_negative_margin"] = None
+    return {**given, "precision": options.loss_precision}
 
 
 def _base_loss(model, options: TrainOptions, guide):

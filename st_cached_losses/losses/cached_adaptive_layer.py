@@ -16,7 +16,7 @@ from sentence_transformers.util import cos_sim, dot_score
 from ..gradcache._st_compat import untruncated_embedding_dimension
 from ..gradcache.step import Step
 from . import card, citations
-from .cached_matryoshka_2d import CachedMatryoshka2dLoss
+from .cached_matryoshka_2d import CachedMatryoshka2dLoss, layer_options
 from .options import given_options
 
 # Without Matryoshka truncation the base loss's similarity_fct applies as is.
@@ -120,17 +120,8 @@ class CachedAdaptiveLayerLoss(CachedMatryoshka2dLoss):
         dim = untruncated_embedding_dimension(model) if isinstance(model, SentenceTransformer) else None
         if dim is None:
             raise ValueError(f"{type(self).__name__} needs a model that reports its embedding dimension.")
-        super().__init__(
-            model,
-            loss,
-            n_layers_per_step=n_layers_per_step,
-            last_layer_weight=last_layer_weight,
-            prior_layers_weight=prior_layers_weight,
-            kl_div_weight=kl_div_weight,
-            kl_temperature=kl_temperature,
-            layer_weighting=layer_weighting,
-            **given_options(locals(), matryoshka_dims=[dim], matryoshka_weights=None, n_dims_per_step=-1),
-        )
+        one_dim = given_options(locals(), matryoshka_dims=[dim], matryoshka_weights=None, n_dims_per_step=-1)
+        super().__init__(model, loss, **layer_options(locals()), **one_dim)
 
     def op_options(self, step: Step) -> dict[str, Any]:
         return {**super().op_options(step), "similarity": _FULL_DIM_SIMILARITY[self.similarity_fct]}

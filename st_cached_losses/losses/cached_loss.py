@@ -2,9 +2,10 @@
 mini-batch settings and their defaults, the Matryoshka dims and weights, the ``n_dims_per_step`` draw (stock
 MatryoshkaLoss's ``random.sample`` call), the op's precision, the per-dim entries ``forward`` returns, the model card's
 settings, the activation report, the options every loss takes (:class:`.options.LossOptions`, built here, every
-error naming the class in use) and the backend's one rule; the refused options are :mod:`.refusals`'s.
+error naming the class in use), the backend's one rule and stock's step (2) hook (``calculate_loss``); the refused
+options are :mod:`.refusals`'s.
 
-Each loss adds its base losses (:mod:`.base_losses`), what it embeds (``encode``) and step (2) (``calculate_loss``).
+Each loss adds its base losses (:mod:`.base_losses`), what it embeds (``encode``) and its step (2) (``step_loss``).
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ from torch import Tensor, nn
 from st_cached_losses.ops.core.backend import backends, check_backend
 from st_cached_losses.ops.core.precision import resolve_precision
 
+from ..gradcache._st_compat import untruncated_embedding_dimension
 from ..gradcache.activation_budget import AUTO, ActivationBudget
 from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
+from ..gradcache.distributed import unwrapped
 from ..gradcache.guide_model import GuideModel
 from ..gradcache.kept_minibatches import StepPlan
 from ..gradcache.loss_components import loss_components
-from ..gradcache.step import LayerDraw, Step
+from ..gradcache.step import LayerDraw, Step, require_step
 from ..gradcache.steps import GradCacheSteps
 from . import card
+from .base_losses import mini_batch_defaults
 from .options import LossOptions, check_flag, integer, model_embeddings
 
 __all__ = ["CachedLossBase", "check_flag", "check_model_backend", "integer", "naming_errors", "option_attribute"]
@@ -84,11 +88,9 @@ class CachedLossBase(GradCacheSteps):
         options: the keywords of :class:`.options.LossOptions` as the loss was given them
             (:func:`.options.given_options`), built into ``self.options`` here, with the model (the bars show when
             this loss's or the base loss's ``show_progress_bar`` is True; without in-batch negatives nothing is
-            gathered across processes: :attr:`gathers`).
-        embedding_dim: the dims' bound where the loss knows it (a multi-vector model's token dim), else None for the
-            model's ``get_embedding_dimension()``.
-        default_mini_batch: (mini_batch_size, mini_batch_num_tokens) the base loss implies
-            (:func:`.base_losses.mini_batch_defaults`).
+            gathered across processes: :attr:`gathers`). The dims are bounded as stock bounds them, by the model's
+            untruncated embedding dimension (a multi-vector model's token dim; ``truncate_dim`` aside); the mini-batch
+            defaults are those the base loss implies (:func:`.base_losses.mini_batch_defaults`).
         guide: a GISTEmbed guide embedding step (1)'s mini-batches, or None.
         take_text_ids: take each row's text id (the duplicate mask, a memory bank).
     """
@@ -99,11 +101,11 @@ class CachedLossBase(GradCacheSteps):
         loss: nn.Module,
         options: Mapping[str, Any],
         *,
-        embedding_dim: int | None,
-        default_mini_batch: tuple[int, int | None],
         guide: GuideModel | None = None,
         take_text_ids: bool = False,
     ) -> None:
+        embedding_dim = untruncated_embedding_dimension(unwrapped(model))
+        default_mini_batch = mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE)
         with naming_errors(type(self).__name__):
             checked = LossOptions(
                 **options, model=model, embedding_dim=embedding_dim, default_mini_batch=default_mini_batch
@@ -181,6 +183,33 @@ class CachedLossBase(GradCacheSteps):
             return self.last_precision
         embeddings = model_embeddings(self.model)
         return None if embeddings is None else resolve_precision(self.precision, embeddings)
+
+    # ------------------------------------------------------------------------------------------ step (2)
+
+    def calculate_loss(
+        self,
+        reps: list[list[Tensor]],
+        labels: Tensor | None = None,
+        *,
+        with_backward: bool = False,
+        step: Step | None = None,
+    ) -> Tensor:
+        """Step (2) (CachedLossMixin's hook): the loss of the whole batch from the per-mini-batch embeddings of
+        ``step`` (:meth:`step_loss`, which puts the entries in ``step.components``). With ``with_backward`` it
+        back-propagates to the embeddings and returns the detached loss. ``labels`` are unused.
+
+        Raises:
+            ValueError: without the ``step`` of the forward that embedded ``reps`` (call the loss, not this hook).
+        """
+        loss = self.step_loss(reps, require_step(step, type(self).__name__))
+        if with_backward:
+            loss.backward()
+            return loss.detach()
+        return loss
+
+    def step_loss(self, reps: list[list[Tensor]], step: Step) -> Tensor:
+        """This loss's step (2) on ``step``'s embeddings ``reps`` (see :meth:`calculate_loss`)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------ the entries
 

@@ -18,13 +18,12 @@ from sentence_transformers.sentence_transformer.model import SentenceTransformer
 from torch import Tensor, nn
 
 from ..gradcache._st_compat import has_static_embedding_input, untruncated_embedding_dimension
-from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..gradcache.distributed import unwrapped
 from ..gradcache.memory_bank import MemoryBank, check_memory_options, end_training_forward
 from ..gradcache.memory_inputs import step_inputs
 from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
-from ..gradcache.step import Step, require_step
+from ..gradcache.step import Step
 from ..ops import matryoshka_infonce
 from . import base_losses, card, citations
 from .base_losses import (
@@ -32,7 +31,6 @@ from .base_losses import (
     check_self_guided_filter,
     cross_row_settings,
     guide_model,
-    mini_batch_defaults,
 )
 from .cached_loss import CachedLossBase, check_flag, check_model_backend, integer, naming_errors, option_attribute
 from .options import given_options
@@ -230,15 +228,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             _check_model(model, backend, owner)
             check_self_guided_filter(loss, false_negative_margin, false_negative_strategy)
             check_memory_options(*memory.values(), loss.gather_across_devices)
-        super().__init__(
-            model,
-            loss,
-            options,
-            embedding_dim=untruncated_embedding_dimension(unwrapped(model)),  # stock's bound, truncate_dim aside
-            default_mini_batch=mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE),
-            guide=guide_model(loss),
-            take_text_ids=memory["memory_size"] > 0,
-        )
+        super().__init__(model, loss, options, guide=guide_model(loss), take_text_ids=memory["memory_size"] > 0)
         size = self.options.memory_size
         self.memory = (
             MemoryBank(
@@ -273,23 +263,10 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
             end_training_forward(self.memory, step.to_bank)  # after the loss: a failing step banks nothing
         return self.entries(total, step)
 
-    def calculate_loss(
-        self,
-        reps: list[list[Tensor]],
-        labels: Tensor | None = None,
-        *,
-        with_backward: bool = False,
-        step: Step | None = None,
-    ) -> Tensor:
-        """Step (2) (CachedLossMixin's hook): the weighted Matryoshka InfoNCE loss of the whole batch from the
+    def step_loss(self, reps: list[list[Tensor]], step: Step) -> Tensor:
+        """Step (2) (:meth:`calculate_loss`): the weighted Matryoshka InfoNCE loss of the whole batch from the
         per-mini-batch embeddings of ``step`` (each column's rows put back in the batch's order), in one call of the
-        op; the per-dim entries go to ``step.components``. With ``with_backward`` it back-propagates to the
-        embeddings and returns the detached loss.
-
-        Raises:
-            ValueError: without the ``step`` of the forward that embedded ``reps`` (call the loss, not this hook).
-        """
-        step = require_step(step, type(self).__name__)
+        op; the per-dim entries go to ``step.components``."""
         columns = step.columns(reps)
         weights = self.dim_weights(step.dims)
         queries, docs, placement = step.gathered(columns[0], columns[1:])
@@ -298,11 +275,7 @@ class CachedMatryoshkaLoss(CachedLossBase, base_losses.BaseLossHyperparameters):
         out = matryoshka_infonce(dims=step.dims, weights=weights, **inputs, **options)
         self.record_dims(step, step.dims, weights, out.per_dim)
         self.note_masked_share(step, out.masked_share)
-        loss = out.loss
-        if with_backward:
-            loss.backward()
-            loss = loss.detach()
-        return loss
+        return out.loss
 
     def model_embedding_dimension(self) -> int | None:
         """The model's embedding dimension (its forward's, ``truncate_dim`` aside), when it says (a wrapped model is

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import Any, Literal
 
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..gradcache import _st_compat
 from ..gradcache.layers import base_model, num_hidden_layers
-from ..gradcache.step import Encoded, LayerDraw, Step, require_step
+from ..gradcache.step import Encoded, LayerDraw, Step
 from ..ops import matryoshka_infonce
 from . import card, citations
 from .base_losses import MNRL_LOSSES, check_base_loss
@@ -38,6 +38,15 @@ from .options import given_options
 
 SUPPORTED_LOSSES = MNRL_LOSSES  # (Cached)MultipleNegativesRankingLoss, as stock's layer-wise losses take
 LAYER_WEIGHTINGS = ("uniform", "log", "linear")
+# The 2D losses' own options, in their signatures' order (the loss's attributes of the same names; its card's entries).
+LAYER_OPTIONS = (
+    "n_layers_per_step",
+    "last_layer_weight",
+    "prior_layers_weight",
+    "kl_div_weight",
+    "kl_temperature",
+    "layer_weighting",
+)
 
 
 @card.public_class
@@ -167,28 +176,16 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                 trainer.train()
                 small = truncate_layers(model, 3)  # embeds with the first 3 layers, as the loss trained them
         """
-        owner = type(self).__name__
+        owner, arguments = type(self).__name__, locals()
         with naming_errors(owner):
             check_base_loss(loss, owner, SUPPORTED_LOSSES, "Matryoshka2dLoss / AdaptiveLayerLoss")
-            n_layers_per_step = integer(n_layers_per_step)
-            num_layers = _check_layer_options(
-                model,
-                n_layers_per_step,
-                kl_temperature,
-                layer_weighting,
-                last_layer_weight=last_layer_weight,
-                prior_layers_weight=prior_layers_weight,
-                kl_div_weight=kl_div_weight,
-            )
+            own = {**layer_options(arguments), "n_layers_per_step": integer(n_layers_per_step)}
+            num_layers = _check_layer_options(model, **own)
         # CachedMatryoshkaLoss checks the options it takes, and refuses (.refusals) the filter and a bank.
-        super().__init__(model, loss, **given_options(locals()))
+        super().__init__(model, loss, **given_options(arguments))
         self.num_layers = num_layers  # transformer layers L: hidden states 0..L, the final layer is L
-        self.n_layers_per_step = n_layers_per_step
-        self.last_layer_weight = last_layer_weight
-        self.prior_layers_weight = prior_layers_weight
-        self.kl_div_weight = kl_div_weight
-        self.kl_temperature = kl_temperature
-        self.layer_weighting = layer_weighting
+        for name, value in own.items():  # plain attributes, assignable as they always were
+            setattr(self, name, value)
 
     def component_names(self) -> list[str]:
         """Names of the entries ``forward`` returns, in order: per layer (final first) its dims, then its KL."""
@@ -244,23 +241,10 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                 transformer.forward = own_forward
         return Encoded(torch.cat(embeddings, dim=1))
 
-    def calculate_loss(
-        self,
-        reps: list[list[Tensor]],
-        labels: Tensor | None = None,
-        *,
-        with_backward: bool = False,
-        step: Step | None = None,
-    ) -> Tensor:
-        """Step (2): the 2D loss of the whole batch from the per-mini-batch (rows, S * D) embeddings of ``step``: per
-        drawn layer one call of the op for its dims, and for each prior layer stock's KL term; the entries go to
-        ``step.components``. With ``with_backward`` it back-propagates to the embeddings and returns the detached
-        loss.
-
-        Raises:
-            ValueError: without the ``step`` of the forward that embedded ``reps``.
-        """
-        step = require_step(step, type(self).__name__)
+    def step_loss(self, reps: list[list[Tensor]], step: Step) -> Tensor:
+        """Step (2) (:meth:`calculate_loss`): the 2D loss of the whole batch from the per-mini-batch (rows, S * D)
+        embeddings of ``step``: per drawn layer one call of the op for its dims, and for each prior layer stock's KL
+        term; the entries go to ``step.components``."""
         columns = step.columns(reps)
         width = columns[0].shape[1] // len(step.draw)
         queries, docs, placement = step.gathered(columns[0], columns[1:])
@@ -290,9 +274,6 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
                 kl = self._kl(columns, part, teacher, step.row_present()) * self.kl_temperature * self.kl_div_weight
                 total = total + kl
                 step.components[f"loss_layer_{draw.layer}_kl"] = kl.detach()
-        if with_backward:
-            total.backward()
-            total = total.detach()
         return total
 
     def _kl_teacher(self, columns: list[Tensor], width: int) -> Tensor:
@@ -317,19 +298,17 @@ class CachedMatryoshka2dLoss(CachedMatryoshkaLoss):
         weighting = self.layer_weighting
         weighting = weighting if isinstance(weighting, str) else getattr(weighting, "__name__", "custom")
         config = super().get_config_dict()
-        layer_options = {
-            "n_layers_per_step": self.n_layers_per_step,
-            "last_layer_weight": self.last_layer_weight,
-            "prior_layers_weight": self.prior_layers_weight,
-            "kl_div_weight": self.kl_div_weight,
-            "kl_temperature": self.kl_temperature,
-            "layer_weighting": weighting,
-        }
-        return {"loss": config.pop("loss"), **layer_options, **config}
+        own = {**{name: getattr(self, name) for name in LAYER_OPTIONS}, "layer_weighting": weighting}
+        return {"loss": config.pop("loss"), **own, **config}
 
     @property
     def citation(self) -> str:
         return citations.MATRYOSHKA_2D + citations.GRADCACHE + citations.MATRYOSHKA
+
+
+def layer_options(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The 2D losses' own options (:data:`LAYER_OPTIONS`) among a loss's ``__init__`` arguments (its ``locals()``)."""
+    return {name: arguments[name] for name in LAYER_OPTIONS}
 
 
 def _check_layer_options(model, n_layers_per_step, kl_temperature, layer_weighting, **weights) -> int:

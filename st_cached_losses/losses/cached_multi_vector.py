@@ -16,15 +16,14 @@ from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
 from torch import Tensor, nn
 
 from ..gradcache._st_compat import untruncated_embedding_dimension
-from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from ..gradcache.distributed import unwrapped
 from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
-from ..gradcache.step import Encoded, Step, require_step
+from ..gradcache.step import Encoded, Step
 from ..ops import maxsim_infonce
 from ..ops.maxsim.spec import TRITON_MAX_DIMS
 from . import card, citations
-from .base_losses import check_multi_vector_base_loss, length_normalize, mini_batch_defaults
+from .base_losses import check_multi_vector_base_loss, length_normalize
 from .cached_loss import CachedLossBase, check_flag, check_model_backend, naming_errors
 from .options import given_options
 from .refusals import check_refusals
@@ -189,13 +188,7 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
             )
             _check_model(model, backend, owner)
             check_one_token_dim(unwrapped(model), owner)
-        super().__init__(
-            model,
-            loss,
-            options,
-            embedding_dim=untruncated_embedding_dimension(unwrapped(model)),  # stock's bound
-            default_mini_batch=mini_batch_defaults(loss, DEFAULT_MINI_BATCH_SIZE),
-        )
+        super().__init__(model, loss, options)
         if backend == "triton" and in_batch_negatives and len(self.matryoshka_dims) > TRITON_MAX_DIMS:
             raise ValueError(
                 f"{owner} with backend='triton' compiles its kernels once for every token dim of the run (the op's "
@@ -259,24 +252,11 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         output = self.model(features, task=features.get("task"))
         return Encoded(unit_token_vectors(output["token_embeddings"]), output["attention_mask"].bool())
 
-    def calculate_loss(
-        self,
-        reps: list[list[Tensor]],
-        labels: Tensor | None = None,
-        *,
-        with_backward: bool = False,
-        step: Step | None = None,
-    ) -> Tensor:
-        """Step (2) (CachedLossMixin's hook): the weighted Matryoshka MaxSim InfoNCE loss of the whole batch from the
+    def step_loss(self, reps: list[list[Tensor]], step: Step) -> Tensor:
+        """Step (2) (:meth:`calculate_loss`): the weighted Matryoshka MaxSim InfoNCE loss of the whole batch from the
         per-mini-batch token vectors of ``step``, in one call of the op (with ``in_batch_negatives``, the absent
         documents, and every dim of the loss as ``all_dims``, so that the Triton kernels compile once per run however
-        ``n_dims_per_step`` draws); the per-dim entries go to ``step.components``. With ``with_backward`` it
-        back-propagates to the token vectors and returns the detached loss.
-
-        Raises:
-            ValueError: without the ``step`` of the forward that embedded ``reps`` (call the loss, not this hook).
-        """
-        step = require_step(step, type(self).__name__)
+        ``n_dims_per_step`` draws); the per-dim entries go to ``step.components``."""
         weights = self.dim_weights(step.dims)
         inputs = step.gathered_tokens(step.token_columns(reps))
         out = maxsim_infonce(
@@ -296,9 +276,6 @@ class CachedMultiVectorMatryoshkaLoss(CachedLossBase):
         self.record_dims(step, step.dims, weights, out.per_dim)
         if out.masked_share is not None:
             step.masked_share = self.masked_share = float(out.masked_share)
-        if with_backward:
-            out.loss.backward()
-            return out.loss.detach()
         return out.loss
 
     @property

@@ -88,9 +88,10 @@ class CachedLossCallback(TrainerCallback):
             from st_cached_losses import CachedLossCallback, CachedMatryoshkaLoss
 
             model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
-            train_dataset = Dataset.from_dict({
+            train_dataset = Dataset.from_dict({  # the bank keeps positives and hard negatives alike
                 "anchor": ["It's nice weather outside today.", "He drove to work."],
                 "positive": ["It's so sunny.", "He took the car to the office."],
+                "negative": ["It's raining hard.", "He walked to the station."],
             })
             base = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
             loss = CachedMatryoshkaLoss(model, base, [384, 256, 128, 64, 32], memory_size=4096)
