@@ -1,4 +1,4 @@
-"""Tools around the dense Triton backend (``st_cached_losses/ops/triton/blocks.py``): its H100 cost model, which
+"""Tools around the dense Triton backend (``st_cached_losses/ops/dense/triton_blocks.py``): its H100 cost model, which
 needs no GPU, and a side-by-side GPU timing of the backends (``python -m benchmarks.gpu`` is the full benchmark; its
 ``--compile-report`` compiles every kernel the CUDA paths launch: ``benchmarks/gpu/compile_report.py``)."""
 

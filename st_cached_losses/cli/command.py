@@ -85,7 +85,7 @@ POSITIVE_INT, POSITIVE_NUMBER = number("a positive integer"), number("a positive
 POSITIVE_INT_OR_AUTO = number("a positive integer", auto=True)
 
 
-# --backend: the names of both ops' registries (ops.backend.backends), the loss checks its own op's.
+# --backend: the names of both ops' registries (ops.core.backend.backends), the loss checks its own op's.
 _OPS = {"matryoshka_infonce": "CachedMatryoshkaLoss, --layers", "maxsim_infonce": "--multi-vector"}
 BACKEND_CHOICES = tuple(dict.fromkeys(name for op in _OPS for name in backends(op)))
 BACKENDS_BY_OP = "; ".join(f"{op} ({losses}): {', '.join(backends(op))}" for op, losses in _OPS.items())

@@ -182,7 +182,7 @@ def available_memory(device: torch.device) -> tuple[int, int, str]:
 
 def step2_bytes(rows: int, columns: int, embedding_dim: int, world_size: int = 1) -> int:
     """Estimated bytes of step (2): ``STEP2_EMBEDDING_COPIES`` fp32 copies of every column's (rows x world_size) x
-    embedding_dim embeddings and one tile of the chunked op (``ops.chunked.DEFAULT_TILE_BYTES``)."""
+    embedding_dim embeddings and one tile of the chunked op (``ops.dense.chunked.DEFAULT_TILE_BYTES``)."""
     return STEP2_EMBEDDING_COPIES * 4 * rows * world_size * columns * embedding_dim + DEFAULT_TILE_BYTES
 
 

@@ -1,4 +1,4 @@
-"""The Matryoshka dims a loss trains for a model: ``ops.spec.check_dims``'s rule against the model's embedding
+"""The Matryoshka dims a loss trains for a model: ``ops.core.spec.check_dims``'s rule against the model's embedding
 dimension, with MatryoshkaLoss's warning when that dimension itself is not trained."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def sorted_dims(
     *,
     embedding_dim: int | None = None,
 ) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """The dims and weights sorted by descending dim, as MatryoshkaLoss does (``ops.spec.check_dims``'s rule), the
+    """The dims and weights sorted by descending dim, as MatryoshkaLoss does (``ops.core.spec.check_dims``'s rule), the
     weights as the user gave them (default 1 each, as stock), warning as stock does when the model's own dimension is
     not trained. A model whose embedding dimension is unknown (``get_embedding_dimension()`` None) bounds no dim, as
     in stock. ``embedding_dim``: the dimension to check against where the loss knows it better than the model's

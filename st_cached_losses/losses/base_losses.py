@@ -176,7 +176,7 @@ def guide_model(loss: nn.Module) -> GuideModel | None:
 
 def check_self_guided_filter(loss: nn.Module, margin: float | None, strategy: str) -> None:
     """Raises ValueError for a self-guided ``false_negative_margin`` next to a GISTEmbed base loss (which has its own
-    guide and margin), or for a margin / strategy the op refuses (:func:`ops.spec.check_false_negative_rule`)."""
+    guide and margin), or for a margin / strategy the op refuses (:func:`ops.core.spec.check_false_negative_rule`)."""
     if margin is None:
         return
     if is_gist(loss):

@@ -38,8 +38,8 @@ __all__ = [
     "model_embeddings",
 ]
 
-# The options that take a fixed set of strings (each checked where its rule lives: ops.precision.PRECISIONS,
-# ops.backend's registry, gradcache.parallel.FSDP_SYNC_MODES, ops.spec.FALSE_NEGATIVE_STRATEGIES).
+# The options that take a fixed set of strings (each checked where its rule lives: ops.core.precision.PRECISIONS,
+# ops.core.backend's registry, gradcache.parallel.FSDP_SYNC_MODES, ops.core.spec.FALSE_NEGATIVE_STRATEGIES).
 Precision = Literal["auto", "bf16", "tf32", "ieee"]
 Backend = Literal["auto", "chunked", "dense", "triton"]
 FsdpSync = Literal["per_backward", "per_step"]

@@ -126,7 +126,7 @@ def check_ids(
 
 def ids_agree(query_ids: Tensor | None, world_query_ids: Tensor | None, offset: int) -> tuple[Tensor, str] | None:
     """With both ``query_ids`` (B,) and ``world_query_ids`` (Bw,) (checked by :func:`check_ids`): the condition that
-    the former are the latter's rows ``[offset, offset + B)``, for ``core.run_op``'s ``conditions`` ((0-dim bool on
+    the former are the latter's rows ``[offset, offset + B)``, for ``core.call.run_op``'s ``conditions`` ((0-dim bool on
     the device, the ValueError's message): read with the op call's one host read, no synchronisation of its own).
     None with either missing: nothing to compare."""
     if query_ids is None or world_query_ids is None:

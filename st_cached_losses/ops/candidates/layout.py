@@ -191,7 +191,7 @@ def conditions(problem: Problem, positives: int) -> tuple[tuple[Tensor, str] | N
 
 def positives_present(document_present: Tensor, positives: int) -> tuple[Tensor, str]:
     """(0-dim bool on the device, the ValueError's message): every positive (the first ``positives`` documents: Bw,
-    the positives' block) is present, for ``core.run_op``'s ``conditions``; the one rule of both ops."""
+    the positives' block) is present, for ``core.call.run_op``'s ``conditions``; the one rule of both ops."""
     message = (
         "document_present is False for a positive (one of the first Bw documents): a row's positive is never absent; "
         "only hard-negative columns may be."

@@ -1,7 +1,7 @@
 """Which backend runs each loss op: the one registry of backends, keyed by op, the usability checks, ``"auto"``
 and its fallback.
 
-One definition of each rule, read by both ops (``core.run_op``), the losses and the command line:
+One definition of each rule, read by both ops (``core.call.run_op``), the losses and the command line:
 
 - :data:`REGISTRY` — ``REGISTRY[op][name]``: every backend of ``matryoshka_infonce`` and ``maxsim_infonce`` with the
   module whose ``forward`` computes it (and, optionally, ``unsupported(spec)``: what of a problem it does not take);

@@ -1,7 +1,7 @@
 """The one host synchronisation of an op call: :class:`HostRead`, and the two-phase call of a backend around it.
 
 An op call reads on the host what only the host can decide with: the NaN policy's finiteness flags, the arguments'
-device-side conditions (``core.run_op``'s ``conditions``: the positives present, ``query_ids`` agreeing with
+device-side conditions (``core.call.run_op``'s ``conditions``: the positives present, ``query_ids`` agreeing with
 ``world_query_ids``) and the few small integers a backend needs there to size its work (MaxSim chunked: each tile's
 count of scored query tokens, which it compacts; the dense Triton kernels: the width of their table of forbidden text
 codes). All of them are computed on the device first and read by one

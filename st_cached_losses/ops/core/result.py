@@ -40,7 +40,7 @@ class InfoNCEOutput:
         per_dim: (K,) the unweighted loss L_k of each Matryoshka dim, in the order of the caller's ``dims``;
             detached, same dtype as ``loss``.
         lse: (K, ndir, B) the logsumexp of each row's logits per dim (the caller's order) and direction (in
-            ``ops.spec.DIRECTIONS`` order, those the call scored); detached, same dtype as ``loss``.
+            ``ops.core.spec.DIRECTIONS`` order, those the call scored); detached, same dtype as ``loss``.
         masked_share: 0-dim fp32, the share of candidates the false-negative filter and the duplicate mask removed
             together (removed / candidates); None when neither is on.
     """

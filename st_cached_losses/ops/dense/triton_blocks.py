@@ -1,44 +1,22 @@
 """The Triton backend of ``matryoshka_infonce``: blocks of R query rows against all columns, cuBLAS GEMMs for every
-matrix product, one fused Triton pass kernel for everything between them (``fused.py``).
+matrix product, one fused Triton pass kernel for everything between them (``triton_fused.py``).
 
 Per block and direction (rows X, columns Y, both in the GEMM operand dtype of ``spec.precision``, ``gemm.py``):
 
 1. K score GEMMs write the band planes S[k] = X[:, band_k] Y[:, band_k]^T (band_k = [d_{k+1}, d_k), dims
-   descending): one pass over D for all dims, in the operand dtype (bf16 planes under "bf16");
+   descending): one pass over D for all dims;
 2. the pass kernel, PASS 1, reads the planes once: every dim's logits with every mask and the hardness, each row's
    per-tile maximum and sum of exp2 (the LSE's partials) and its positive's similarity;
 3. the rows kernel: each row's LSE per dim and direction, the partition's normaliser, the row's loss;
-4. the pass kernel, PASS 2, reads the planes again and writes in place G_k = A_1 + ... + A_k, the gradient of the
-   weighted loss wrt band k's dot products (A_k: dim k's), and the cosine normalisation's row / column scalars;
+4. the pass kernel, PASS 2, rewrites the planes in place as G_k = A_1 + ... + A_k, the gradient of the weighted loss
+   wrt band k's dot products, and the cosine normalisation's row / column scalars;
 5. 2K gradient GEMMs: dX[:, band_k] += G_k Y[:, band_k] and dY[:, band_k] += G_k^T X[:, band_k], fp32
-   accumulation (``gemm.accumulate``); the queries' rows are finished per block (``fused._finish_kernel``), the
-   columns' accumulators once at the end.
+   accumulation; the queries' rows are finished per block, the columns' accumulators once at the end.
 
-Loss and gradients come from one sweep (GradCache's step 2 wants both); a row's LSE is complete within its block,
-so nothing is recomputed; no atomics (deterministic). R comes from a byte budget for a block's planes and partials
-(:func:`block_bytes`): on CUDA a quarter of the free memory, within 64 MiB and 4 GiB (each block re-reads the fp32
-column accumulator, so fewer blocks are cheaper, while the planes' bytes are the same whatever R); elsewhere
-:data:`BLOCK_BYTES` (256 MiB).
-
-The estimate (H100 SXM, D = 768, five dims; its table is docs/design.md's "The CUDA estimate"): bf16 at B = 16384
-~5-5.5 ms (FLOP floor 1.58 ms, the planes' bytes 4.8 ms, one block), at B = 65536 ~80-85 ms (12 blocks).
-
-Each band plane is written by its GEMM, read by both passes, rewritten as G and read by both gradient GEMMs: 6 p K
-= 60 bytes per (row, column) for bf16 planes (p = 2), against 6 D FLOPs = 20 bytes' worth at the card's balance
-(233 FLOP/byte): the design is bounded by bytes at about a quarter of the roofline (the issue's target). fp32 planes
-(TF32, IEEE; R halves) double the bytes: TF32 ~10-11 ms at 16384 (target <= 2x bf16); IEEE fp32 runs its GEMMs on
-the FMA units (~25 ms). bf16 planes round each band's product to bf16, as stock's bf16 scores are; the softmax,
-LSEs and sums run in fp32. Memory beyond the inputs: the planes and partials (the budget: <= 4 GiB and a quarter of
-the free memory on CUDA), the fp32 column accumulator and the gradients: 2x the bf16 inputs + the budget. (At the
-former fixed 256 MiB, B = 65536 took 187 blocks, and the accumulator 75 GB, 22 ms.) The next lever: pass 1 in a
-Triton score GEMM's epilogue (-p K bytes per (row, column): -0.8 ms at 16384, -13 ms at 65536).
-
-Launches per block and direction: K score GEMMs, the pass kernel twice, 2K gradient GEMMs; per block the rows
-kernel, the finishing kernel and 3 small torch ops: 3K + 7 = 22 at K = 5. Per call 37 more (prefix norms, buffers,
-the columns' finishing): 301 at B = 16384 in 12 blocks of 256 MiB (counted by tests/test_triton.py), 59 in the one
-block of a CUDA budget of 4 GiB; no host synchronisation of its own (``torch.cuda.mem_get_info`` is a driver query):
-with duplicate ids the kernels' table of forbidden text codes takes its width from the op call's one host read
-(:func:`prepare`).
+Loss and gradients come from one sweep; a row's LSE is complete within its block, so nothing is recomputed; no
+atomics. R comes from a byte budget for a block's planes and partials (:func:`block_bytes`: on CUDA a quarter of the
+free memory, within 64 MiB and 4 GiB; elsewhere :data:`BLOCK_BYTES`). The cost model: docs/benchmarks.md ("The CUDA
+estimate").
 """
 
 from __future__ import annotations

@@ -99,9 +99,9 @@ class MaxSimSpec:
         return self.mask_duplicates
 
     def infonce_spec(self) -> InfoNCESpec:
-        """The single-vector query_to_doc problem with the same layout: what ``ops.duplicates.DuplicateMask``,
-        ``ops.candidates`` and ``ops.own``'s masks read (where the world batch is known: with the duplicate mask or
-        without in-batch negatives)."""
+        """The single-vector query_to_doc problem with the same layout: what the candidate rules (``ops.candidates``:
+        the duplicate mask, the layout's counts, own candidates) read (where the world batch is known: with the
+        duplicate mask or without in-batch negatives)."""
         if self.world_batch_size is None:
             raise ValueError(
                 "MaxSimSpec.infonce_spec needs the world batch size, known with the duplicate mask or without "

@@ -1,56 +1,16 @@
 """The Triton backend of ``maxsim_infonce``: fused MaxSim over every Matryoshka token dim in one sweep, the InfoNCE
 on the tile's scores, and the gradients from the argmaxes (kernels: ``triton_kernels.py``; shapes: ``triton_plan.py``).
 
-Per query tile (all of B when its buffers fit ``TILE_BYTES``) the launches are: the forward (scores of every dim and
-the (K, M, tokens) argmaxes), the duplicate mask's -inf (torch, only with ids), the InfoNCE rows (LSE, loss, the
-logits' gradient in place) and, with gradients, the query-gradient (row-owned) and document-gradient (column-owned)
-kernels; once per call the inverse prefix norms of each normalised side and the per-dim mean. A row tile's forward and
-backward run together, so no B x M x Lq argmax nor B x M x Lq x Ld tensor exists. Deterministic: no atomics.
+Per query tile (all of B when its buffers fit ``TILE_BYTES``): the forward (scores of every dim and the (K, M, tokens)
+argmaxes), the duplicate mask's and absent documents' -inf (torch), the InfoNCE rows (LSE, loss, the logits' gradient
+in place) and, with gradients, the query-gradient (row-owned) and document-gradient (column-owned) kernels; once per
+call the inverse prefix norms of each normalised side and the per-dim mean. A tile's forward and backward run
+together, so no B x M x Lq argmax nor B x M x Lq x Ld tensor exists. Deterministic: no atomics.
 
-Floors and prediction (H100 SXM; B = 512, Lq 32, Ld 128, D 128, M = 512 pairs, bf16; T = B Lq = 16384 query tokens,
-P = T M Ld = 1.07e9 token pairs):
-- FLOP floor: the forward product 2 P D = 2.75e11 and the document gradient's one-hot product (the same): 5.5e11 on
-  tensor cores, 0.70 ms at bf16 (torch.mm's 782 TFLOP/s measured there), ~1.4 ms at TF32 (IEEE fp32 runs on CUDA
-  cores: ~10 ms). The query gradient's gathers are K T M D FMAs (2.1e9 FLOP per dim) on CUDA cores.
-- Byte floor: Q 4 MiB + C 16 MiB read, their gradients written: 40 MiB, 0.013 ms at 3.35 TB/s (the argmaxes add
-  8 MiB per dim, written once, read twice). FLOP-bound by ~50x; what binds next is L2 -> SM traffic (~5.5 TB/s):
-  the forward reads every document once per 128-token query block (2.1 GB: 0.38 ms), the document gradient the
-  tile's queries once per program (M Ld / BU programs: 2.1 GB at one dim, 4.2 GB at four: 0.38 / 0.76 ms), the
-  query gradient one document token vector per (token, document, dim) (2.1 GB per dim, less what L1 catches when
-  the dims' argmaxes agree).
-- CUDA-core epilogue per token pair and dim: ~4 ops in the forward (document norm and mask, max with argmax, the
-  running max) and ~5 per band slot in the one-hot tile (compare, select, scale, cumsum): ~0.13 ms per dim in the
-  forward, ~0.16 ms per slot in the document gradient at 3.3e13 ops/s.
-- Prediction, bf16: one dim ~1.5 ms (forward ~0.6, query gradient ~0.35, document gradient ~0.5; target <= 2 ms);
-  four dims [128, 96, 64, 32] ~3.2 ms = ~2.2x one dim (forward ~1.0, query gradient ~1.0, document gradient ~1.2):
-  expected to MISS the 1.5x target, by the per-dim CUDA-core work and L2 traffic of the two gradients. fp32
-  inputs: IEEE unless TF32 is allowed (``precision``): ~2.5 ms one dim at TF32, ~10-20 ms IEEE (CUDA cores; Triton's
-  "tf32x3" would give near-IEEE results on tensor cores, not used: the policy says IEEE).
-- B = 4096 (64x the pairs): Ld 128 ~95 ms one dim (9 tiles) / ~200 ms four dims (37 tiles), Ld 256 ~2x. Peak above
-  the input gradients: the tile (<= 64 MiB), the inverse norms (~10 MiB) and, for bf16/fp16 inputs over several
-  tiles, the fp32 document-gradient accumulator (M Ld D floats: 256 MiB at Ld 128, 512 MiB at Ld 256): ~+330 MiB at
-  Ld 128, over the +256 MiB target by that accumulator (fp32 inputs: ~+74 MiB).
-- Launches per call (``benchmarks/gpu/launches.py``): the inverse norms (one per normalised side), per tile the
-  forward, the InfoNCE rows and the two gradients (and the duplicate mask's index_put), the per-dim mean: 7 at
-  B = 512 in one tile with two cosine sides (the chunked backend: ~5,400 on the GPU profile).
-
-Compile-time constants: the band bounds of the run's dims (``spec.all_dims``: a loss drawing ``n_dims_per_step`` of its
-dims passes them all, and a dim not drawn gets weight 0 at run time), never the drawn subset, so a run compiles each
-kernel once; the cost is the work of every dim of the run in each call.
-
-Offsets: int64 where they index the token vectors and the argmaxes; int32 into the tile's (K, queries, M) logits and
-the (K, tokens) inverse norms, the tile capped so that they fit (``triton_plan.int32_tile_queries``, as the dense plan
-caps its rows) and token counts past them refused (``triton_plan.int32_refusal``).
-
-Tile choice (``triton_plan.Plan``): forward programs of BQ whole queries (128 token rows) x 8 documents, each swept in
-chunks of 128 tokens (a running per-dim max), the band chunk BD the widest power of two <= 64 dividing every dim (32
-for [128, 96, 64, 32]), 8 warps, 3 stages, the query blocks varying fastest so that a document block is read from L2
-by every query block at once (IEEE fp32 / fp64 dots, on FMA units: 32 rows x 32-token chunks, BD 16, 4 warps);
-query-gradient programs of 64 token rows (32 for fp32 operands); document-gradient
-programs of 128 document tokens x steps of 32 query tokens at one band, 64 x 16 x all band slots at several. No
-spills on sm_90 with Triton 3.6 or 3.9 (``python -m benchmarks.gpu --compile-report``; its rows also show the
-forward's TF32 variant over an SM's shared memory and the one-hot product on mma.sync); untuned: no GPU has run
-them yet.
+The kernels specialise on the band bounds of the run's dims (``spec.all_dims``), never a drawn subset, so a run
+compiles each kernel once. Offsets are int64 into the token vectors and argmaxes, int32 into a tile's logits and the
+inverse norms, the tile capped so that they fit (``triton_plan``). Floors, predictions and the compile report:
+docs/benchmarks.md ("GPU").
 """
 
 from __future__ import annotations

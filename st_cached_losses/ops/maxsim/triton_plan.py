@@ -212,7 +212,7 @@ def int32_tile_queries(slots: int, num_docs: int, overhang: int) -> int:
     """The most queries per tile whose int32 flat offsets into the tile's logits (and their gradients), (slot *
     queries + query) * M + document, stay below 2**31 in every kernel: the document gradient forms them for all
     ``slots`` band slots (a power of two >= K), and each kernel's last block of queries reaches up to ``overhang`` rows
-    past the tile. (The dense plan caps its rows alike, ``ops/triton/blocks.plan_rows``.) 0: not one query."""
+    past the tile. (The dense plan caps its rows alike, ``ops/dense/triton_blocks.plan_rows``.) 0: not one query."""
     return max(0, (2**31 // num_docs - overhang) // slots)
 
 
