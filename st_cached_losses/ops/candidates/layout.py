@@ -167,15 +167,12 @@ def check_document_present(document_present, docs: Tensor, queries: Tensor) -> b
             f"{getattr(document_present, 'dtype', type(document_present).__name__)} of shape "
             f"{tuple(getattr(document_present, 'shape', ()))}."
         )
-    if document_present.shape[0] != docs.shape[0]:
-        raise ValueError(
-            f"document_present has {document_present.shape[0]} flags but documents has {docs.shape[0]} rows: one per "
-            "document."
-        )
-    if document_present.device != queries.device:
-        raise ValueError(
-            f"document_present is on {document_present.device} but queries is on {queries.device}: move it there."
-        )
+    flags, rows = document_present.shape[0], docs.shape[0]
+    if flags != rows:
+        raise ValueError(f"document_present has {flags} flags but documents has {rows} rows: one per document.")
+    device = document_present.device
+    if device != queries.device:
+        raise ValueError(f"document_present is on {device} but queries is on {queries.device}: move it there.")
     return True
 
 

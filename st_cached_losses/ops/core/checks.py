@@ -24,6 +24,7 @@ __all__ = [
     "check_policies",
     "check_scale",
     "keywords_of",
+    "read_options",
     "with_defaults",
 ]
 
@@ -133,6 +134,13 @@ def with_defaults(op: Callable, options: dict[str, Any]) -> dict[str, Any]:
         raise TypeError(f"{op.__name__} got keywords it does not take: {unknown}.")
     keywords = (p for p in parameters.values() if p.kind is p.KEYWORD_ONLY)
     return {p.name: options.get(p.name, p.default) for p in keywords}
+
+
+def read_options(op: Callable, options: dict[str, Any]) -> dict[str, Any]:
+    """An op's keywords (:func:`with_defaults`), its policies checked first (``nonfinite``, ``precision``)."""
+    options = with_defaults(op, options)
+    check_policies(options["nonfinite"], options["precision"])
+    return options
 
 
 def keywords_of(build: Callable, options: dict[str, Any]) -> dict[str, Any]:

@@ -39,7 +39,8 @@ class Problem:
     spec: Any
     queries: Tensor
     documents: Tensor
-    world_queries: Tensor | None = None
+    world_queries: Tensor | None = None  # dense
+    # multi-vector: which tokens are scored
     query_mask: Tensor | None = None
     document_mask: Tensor | None = None
     candidates: CandidateInputs = CandidateInputs()

@@ -106,17 +106,21 @@ NORM_EPS = 1e-12
 
 
 @dataclass(frozen=True)
-class InfoNCESpec:
-    """Everything a backend needs besides the tensors.
-
-    ``dims`` are sorted in descending order (as ``MatryoshkaLoss`` does), ``weights`` follow them and
-    ``order`` maps each sorted dim back to its position in the caller's ``dims``.
-    """
+class WeightedDims:
+    """What every family's spec starts with: the Matryoshka dims in descending order (as ``MatryoshkaLoss`` sorts
+    them), their weights, ``order`` (each sorted dim's position in the caller's ``dims``) and the logit scale."""
 
     dims: tuple[int, ...]
     weights: tuple[float, ...]
     order: tuple[int, ...]
     scale: float
+
+
+@dataclass(frozen=True)
+class InfoNCESpec(WeightedDims):
+    """Everything a backend of the InfoNCE softmax needs besides the tensors: the weighted dims
+    (:class:`WeightedDims`), the similarity, the layout of the candidates and the rules over them."""
+
     cosine: bool
     offset: int
     batch_size: int  # B: this rank's query rows

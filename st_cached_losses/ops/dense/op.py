@@ -17,7 +17,7 @@ from ..candidates.duplicates import check_ids
 from ..candidates.layout import check_document_present, conditions
 from ..candidates.memory import check_memory
 from ..core.call import run_op
-from ..core.checks import check_chunk_size, check_policies, keywords_of, with_defaults
+from ..core.checks import check_chunk_size, keywords_of, read_options
 from ..core.precision import resolve_precision
 from ..core.problem import CandidateInputs, Problem
 from ..core.result import InfoNCEOutput
@@ -211,14 +211,9 @@ def matryoshka_infonce(
 
 
 def validate(queries: Tensor, documents: Tensor, **options) -> Problem:
-    """:func:`matryoshka_infonce`'s arguments (its keywords in ``options``, its defaults for the others) checked once
-    into the :class:`~st_cached_losses.ops.core.problem.Problem` every backend receives (``need_grad`` unset).
-
-    Raises:
-        ValueError / TypeError: as :func:`matryoshka_infonce`.
-    """
-    o = with_defaults(matryoshka_infonce, options)
-    check_policies(o["nonfinite"], o["precision"])
+    """The :class:`~st_cached_losses.ops.core.problem.Problem` of a :func:`matryoshka_infonce` call (its keywords in
+    ``options``, its defaults for the others), every argument checked once, as the op raises."""
+    o = read_options(matryoshka_infonce, options)
     ids = (o["query_ids"], o["document_ids"], o["world_query_ids"])
     world = o["world_queries"]
     spec = InfoNCESpec.build(

@@ -207,17 +207,9 @@ class _Sweep:
                     torch.mm(rows[:, lo:hi], self.memory.op[:, lo:hi].T, out=planes[k, :, width:])
             pos = self.pos if direction.consts["LABEL"] else None
             masks = self._kernel_masks(direction, drops[index], begin, end)
+            operands = (direction, planes, row_inv, col_inv, self.part_a[index])
             self.launcher.run_pass(
-                1,
-                direction,
-                planes,
-                row_inv,
-                col_inv,
-                self.part_a[index],
-                self.part_b[index],
-                pos,
-                masks=masks,
-                pair0=self._pair0(direction, begin),
+                1, *operands, self.part_b[index], pos, masks=masks, pair0=self._pair0(direction, begin)
             )
         self.launcher.run_rows(
             self.part_a, self.part_b, self.tiles, self.pos, live, self.lse, self.nrm2, self.loss, end - begin, begin

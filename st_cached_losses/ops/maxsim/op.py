@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..candidates.layout import check_document_present, conditions
 from ..core.call import run_op
-from ..core.checks import check_chunk_size, check_policies, keywords_of, with_defaults
+from ..core.checks import check_chunk_size, keywords_of, read_options
 from ..core.precision import resolve_precision
 from ..core.problem import CandidateInputs, Problem
 from ..core.result import InfoNCEOutput
@@ -178,14 +178,9 @@ def maxsim_infonce(
 
 
 def validate(queries: Tensor, documents: Tensor, **options) -> Problem:
-    """:func:`maxsim_infonce`'s arguments (its keywords in ``options``, its defaults for the others) checked once
-    into the :class:`~st_cached_losses.ops.core.problem.Problem` every backend receives (``need_grad`` unset).
-
-    Raises:
-        ValueError / TypeError: as :func:`maxsim_infonce`.
-    """
-    o = with_defaults(maxsim_infonce, options)
-    check_policies(o["nonfinite"], o["precision"])
+    """:func:`maxsim_infonce`'s problem: its keywords in ``options`` (its defaults for the others), the token masks
+    made boolean, every argument checked once (raises as the op does)."""
+    o = read_options(maxsim_infonce, options)
     spec, query_mask, document_mask = MaxSimSpec.build(
         queries, documents, o["query_mask"], o["document_mask"], **keywords_of(MaxSimSpec.build, o)
     )

@@ -18,7 +18,7 @@ from ..candidates.duplicates import check_ids
 from ..core.bands import inverse_prefix_norms
 from ..core.checks import check_dims, check_like_queries, check_offset, check_scale
 from ..core.limits import DTYPES, TRITON_MAX_DIMS
-from ..core.spec import SIMILARITIES, InfoNCESpec, check_in_batch_negatives
+from ..core.spec import SIMILARITIES, InfoNCESpec, WeightedDims, check_in_batch_negatives
 
 __all__ = ["EMPTY_DOCUMENT_SCORE", "SIMILARITIES", "TRITON_MAX_DIMS", "MaxSimSpec", "inverse_prefix_norms"]
 
@@ -28,7 +28,7 @@ EMPTY_DOCUMENT_SCORE = -1e9
 
 
 @dataclass(frozen=True)
-class MaxSimSpec:
+class MaxSimSpec(WeightedDims):
     """Everything a backend needs besides the tensors.
 
     ``dims`` are sorted in descending order, ``weights`` follow them and ``order`` maps each sorted dim back to its
@@ -42,10 +42,6 @@ class MaxSimSpec:
     a superset of ``dims``; empty: ``dims``), on which the Triton kernels specialise (:meth:`over_all_dims`).
     """
 
-    dims: tuple[int, ...]
-    weights: tuple[float, ...]
-    order: tuple[int, ...]
-    scale: float
     query_cosine: bool
     document_cosine: bool
     embedding_dim: int  # D, the token vectors' full dim
