@@ -122,7 +122,7 @@ REGISTRY: dict[str, dict[str, Backend]] = _registry(
 
 
 # Names still taken, with a FutureWarning, that run another backend: "dense" was the test oracle, now in
-# tests/oracles/ (the tests register it; see docs/design.md, "Deprecations").
+# tests/oracles/ (the tests register it; docs/design.md, "Decisions").
 DEPRECATED = {"dense": "chunked"}
 
 

@@ -86,12 +86,11 @@ def op_launches(
     from ..dense import op as dense
     from ..maxsim import op as maxsim
 
-    families = {"matryoshka_infonce": dense, "maxsim_infonce": maxsim}
-    function = getattr(families.get(op, dense), op if op in families else "matryoshka_infonce")
+    family = {dense.OP: dense, maxsim.OP: maxsim}.get(op)
+    function = getattr(family or dense, (family or dense).OP)  # the op's own keywords (the dense op's if unknown)
     unknown = sorted(set(options) - set(inspect.signature(function).parameters))
     if unknown:
         raise TypeError(f"op_launches got keywords {op!r} does not take: {unknown}.")
-    family = families.get(op)
     if family is None:
         raise ValueError(f"op must be 'matryoshka_infonce' or 'maxsim_infonce', got {op!r}.")
     if family is maxsim:  # every token scored unless the caller says otherwise
