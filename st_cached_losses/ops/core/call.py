@@ -1,8 +1,8 @@
-"""What both loss ops share: the arguments' rules, the NaN policy, the precision policy and the one
-``torch.autograd.Function`` that hands a backend's gradients to autograd.
+"""The call every op makes: :func:`run_op` chooses the backend, reads the host once, applies the NaN policy and runs
+the backend inside the one ``torch.autograd.Function`` that hands its gradients to autograd.
 
-``matryoshka_infonce`` (``infonce.py``) and ``maxsim_infonce`` (``maxsim/op.py``) each validate their own problem into
-a spec, then call :func:`run_op` with the backend's inputs. A backend computes the loss of every Matryoshka dim and, in
+Each op (``dense/op.py``, ``maxsim/op.py``) validates its arguments into a ``problem.Problem``, then calls
+:func:`run_op`. A backend computes the loss of every Matryoshka dim and, in
 the same sweep, the gradients of the weighted loss wrt. its inputs; :class:`_CachedGradients`'s backward only scales
 those by ``grad_output`` (accumulation, the AMP scaler).
 """
@@ -20,11 +20,10 @@ from torch import Tensor
 
 from .backend import REGISTRY, TritonUnavailableError, fall_back, note_choice, select_backend
 from .host_read import HostRead, prepare_backend
-from .precision import PRECISIONS, check_precision, decide_precision, resolve_precision
 from .problem import Problem
 from .result import InfoNCEOutput, InfoNCEResult
 
-__all__ = ["PRECISIONS", "all_finite", "check_precision", "decide_precision", "resolve_precision", "run_op"]
+__all__ = ["Prepare", "all_finite", "run_op"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +42,6 @@ class Spec(Protocol):
 
     @property
     def masks(self) -> bool: ...
-
-
-# ---------------------------------------------------------------------------------------------------- the arguments
 
 
 # --------------------------------------------------------------------------------------------- NaN and precision
