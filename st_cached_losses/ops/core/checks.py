@@ -3,6 +3,7 @@ scale, the tile size, tensors that must match the queries, the gathered batch's 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -128,12 +129,19 @@ def with_defaults(op: Callable, options: dict[str, Any]) -> dict[str, Any]:
     Raises:
         TypeError: a keyword ``op`` does not take.
     """
-    parameters = inspect.signature(op).parameters
-    unknown = sorted(set(options) - set(parameters))
+    parameters, defaults = _keywords(op)
+    unknown = sorted(set(options) - parameters)
     if unknown:
         raise TypeError(f"{op.__name__} got keywords it does not take: {unknown}.")
-    keywords = (p for p in parameters.values() if p.kind is p.KEYWORD_ONLY)
-    return {p.name: options.get(p.name, p.default) for p in keywords}
+    return {name: options.get(name, default) for name, default in defaults.items()}
+
+
+@functools.cache
+def _keywords(op: Callable) -> tuple[frozenset[str], dict[str, Any]]:
+    """``op``'s parameter names and its keyword-only parameters' defaults (read once per op: every call reads them)."""
+    parameters = inspect.signature(op).parameters
+    keywords = {p.name: p.default for p in parameters.values() if p.kind is p.KEYWORD_ONLY}
+    return frozenset(parameters), keywords
 
 
 def read_options(op: Callable, options: dict[str, Any]) -> dict[str, Any]:
