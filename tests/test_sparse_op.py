@@ -516,3 +516,45 @@ def test_the_chunked_backend_equals_the_dense_oracle(options):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     if oracle[3].masked_share is not None:
         torch.testing.assert_close(chunked[3].masked_share, oracle[3].masked_share)
+
+
+# --------------------------------------------------------------------------------------------- dtypes and layouts
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_compute_in_fp32(dtype):
+    inputs = batch(negatives=1, dtype=dtype)
+    loss, _, grads = reference([x.double() if x.is_floating_point() else x for x in inputs], (None, 3))
+    got_loss, _, got_grads, _ = op_run(inputs, (None, 3))
+    assert got_loss.dtype == torch.float32 and all(g.dtype == dtype for g in got_grads)
+    torch.testing.assert_close(got_loss.double(), loss.detach(), rtol=1e-5, atol=1e-6)
+    for got, want in zip(got_grads, grads):
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-3)
+
+
+def test_non_contiguous_inputs():
+    qv, qi, dv, di = batch(negatives=1)
+    transposed = (qv.T.contiguous().T, qi.T.contiguous().T, dv.T.contiguous().T, di.T.contiguous().T)
+    assert not transposed[0].is_contiguous()
+    check(transposed, budgets=(None, 4), directions=("query_to_doc", "doc_to_query"))
+
+
+@pytest.mark.parametrize("in_batch_negatives", [True, False])
+def test_rows_without_slots(in_batch_negatives):
+    """K = 0 (every vector empty): every score is 0, the loss log(candidates), the gradients empty."""
+    empty = torch.zeros(4, 0, dtype=torch.float64), torch.zeros(4, 0, dtype=torch.int64)
+    _, per_dim, grads, _ = op_run((*empty, *empty), (None, 2), in_batch_negatives=in_batch_negatives)
+    expected = 0.0 if not in_batch_negatives else float(torch.log(torch.tensor(4.0)))
+    torch.testing.assert_close(per_dim, torch.full((2,), expected, dtype=torch.float64))
+    assert all(g.shape == (4, 0) for g in grads)
+
+
+def test_nonfinite_values_raise_or_propagate():
+    qv, qi, dv, di = batch()
+    qv = _with(qv, (0, 0), float("nan")) if qi[0, 0] >= 0 else _with(qv, (0, 1), float("nan"))
+    with pytest.raises(ValueError, match="NaN"):
+        sparse_infonce(qv, qi, dv, di, vocab_size=V)
+    qv.requires_grad_()
+    out = sparse_infonce(qv, qi, dv, di, vocab_size=V, nonfinite="propagate")
+    out.loss.backward()
+    assert out.loss.isnan() and qv.grad.isnan().all()

@@ -20,7 +20,7 @@ def forward(problem: Problem, ranks: dict[str, Tensor]) -> InfoNCEResult:
     spec = problem.spec
     dtype = torch.promote_types(problem.queries.dtype, torch.float32)
     device, batch, vocab = problem.queries.device, spec.batch_size, spec.vocab_size
-    values = {"q": problem.queries.detach().to(dtype), "c": problem.documents.detach().to(dtype)}
+    values = {key: x.detach().to(dtype).contiguous() for key, x in (("q", problem.queries), ("c", problem.documents))}
     indices = {"q": problem.indices[0], "c": problem.indices[1]}
     excluded, removed = excluded_documents(spec, problem)  # (n, B) each
     blocks = torch.arange(spec.num_columns, device=device) * spec.world_batch_size
