@@ -456,15 +456,49 @@ class _CountTolist(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize(
-    "options", [{}, {"in_batch_negatives": False}, {"query_ids": torch.arange(6), "document_ids": torch.arange(6, 18)}]
-)
+WORLD = sparse_rows(8, 9, seed=5)
+SYNC_CASES = {
+    "plain": {},
+    "own": {"in_batch_negatives": False},
+    "duplicates": {"query_ids": torch.arange(6), "document_ids": torch.arange(6, 18)},
+    "absent": {
+        "document_present": torch.tensor([True] * 6 + [False, True] * 3),
+        "directions": ("query_to_doc", "doc_to_doc"),
+    },
+}
+
+
+@pytest.mark.parametrize("options", SYNC_CASES.values(), ids=SYNC_CASES.keys())
 def test_one_host_synchronisation_per_call(options):
     qv, qi, dv, di = batch(negatives=1)
     qv.requires_grad_()
     counts = collections.Counter()
     with _CountTolist(counts), _Count(counts):
         out = sparse_infonce(qv, qi, dv, di, vocab_size=V, max_active_dims=[None, 3], **options)
+        out.loss.backward()
+    assert counts == {"tolist": 1}
+
+
+def test_one_host_synchronisation_gathered():
+    world_values = WORLD[0].clone().requires_grad_()
+    qv, qi = WORLD[0][2:6].clone().requires_grad_(), WORLD[1][2:6]
+    dv, di = sparse_rows(16, 7, seed=6)
+    counts = collections.Counter()
+    with _CountTolist(counts), _Count(counts):
+        out = sparse_infonce(
+            qv,
+            qi,
+            dv,
+            di,
+            vocab_size=V,
+            max_active_dims=[None, 3],
+            offset=2,
+            world_query_values=world_values,
+            world_query_indices=WORLD[1],
+            directions=("query_to_doc", "query_to_query"),
+            world_query_ids=torch.arange(8),
+            document_ids=torch.arange(8, 24),
+        )
         out.loss.backward()
     assert counts == {"tolist": 1}
 

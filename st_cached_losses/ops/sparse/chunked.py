@@ -63,17 +63,28 @@ def forward(problem: Problem) -> InfoNCEResult:
 
 
 class _Plan:
-    """The call's sources ("q" queries, "c" documents, "w" world queries): values in the compute dtype, vocabulary
-    ids, each slot's rank (``spec.slot_ranks``)."""
+    """The call's sources ("q" queries, "c" documents, "w" world queries, the queries' own when not gathered): values
+    in the compute dtype, vocabulary ids, each slot's rank (``spec.slot_ranks``) where a budget cuts its rows."""
 
     def __init__(self, problem: Problem):
         spec: SparseSpec = problem.spec
         self.spec, self.problem = spec, problem
         self.dtype = torch.promote_types(problem.queries.dtype, torch.float32)
-        tensors = {"q": problem.queries, "c": problem.documents, "w": problem.world_queries}
+        tensors = {"q": problem.queries, "c": problem.documents}
         self.values = {key: x.detach().to(self.dtype).contiguous() for key, x in tensors.items()}
-        self.indices = {key: x.contiguous() for key, x in zip(("q", "c", "w"), problem.indices)}
-        self.ranks = {key: slot_ranks(self.values[key], self.indices[key]) for key in self.values}
+        self.indices = {key: x.contiguous() for key, x in zip(("q", "c"), problem.indices)}
+        if problem.world_queries is problem.queries:  # not gathered: one set of ranks
+            self.values["w"], self.indices["w"] = self.values["q"], self.indices["q"]
+        else:
+            self.values["w"] = problem.world_queries.detach().to(self.dtype).contiguous()
+            self.indices["w"] = problem.indices[2].contiguous()
+        ranks = {}
+        for key, values in self.values.items():
+            cut = min(spec.dims) < values.shape[1]  # else every budget keeps every present slot: no ranks
+            ranks[key] = ranks.get("q") if key == "w" and values is self.values["q"] else None
+            if cut and ranks[key] is None:
+                ranks[key] = slot_ranks(values, self.indices[key])
+        self.ranks = ranks
         self.column_keys = sorted({DIRECTIONS[name].cols for name in spec.directions})
 
     def source(self, key: str) -> tuple[str, slice]:
@@ -83,7 +94,8 @@ class _Plan:
         return key, slice(0, self.values[key].shape[0])
 
     def keep(self, key: str, rows: slice, k: int) -> Tensor:
-        return kept(self.ranks[key][rows], self.indices[key][rows], self.spec.dims[k])
+        ranks = self.ranks[key]
+        return kept(None if ranks is None else ranks[rows], self.indices[key][rows], self.spec.dims[k])
 
     def counts(self) -> Tensor:
         """(columns keys x budgets,) int64: the kept entries of each column set at each budget."""
