@@ -2,13 +2,17 @@
 
 The columns of every direction are held sparse, one CSR matrix (columns, V) and its transpose (V, columns) per
 budget, built once per call from the kept entries (their count read with the call's one host read). One sweep over
-row tiles: per tile and budget the tile's rows are densified into (rows, V) (a scatter), scored against the columns
-(``torch.sparse.mm``), the softmax of every direction taken with the candidate masks of ``candidates.layout`` and
-the logits' gradient A formed at once (each row's LSE is complete in its tile); then
+row tiles: per tile and budget the tile's rows are densified into a (V, rows) buffer (a scatter), scored against the
+columns, the softmax of every direction taken with the candidate masks of ``candidates.layout`` and the logits'
+gradient A formed at once (each row's LSE is complete in its tile); then
 
 - the rows' gradient, A @ C (a sparse product into one (V, rows) buffer), gathered at the rows' kept slots;
 - the columns' gradient at their kept entries only, (Aᵀ R) sampled at C's pattern (``torch.sparse.sampled_addmm``),
   added at their slots.
+
+The scores: on a CPU the tile's rows as CSR times the columns' transpose (sparse x sparse: only the entries whose
+vocabulary ids meet are multiplied); on a GPU, where that product's output size would be read on the host per tile,
+the columns' CSR times the densified rows (``SPARSE_PRODUCT_DEVICES``).
 
 Memory beyond the inputs: their gradients, the columns' CSR copies (nnz per budget), and one tile's densified rows,
 (V, rows) buffer and scores: never a B x M matrix, never a dense copy of all rows. A budget's work is proportional to
@@ -150,10 +154,10 @@ def _offsets(keys: Tensor, size: int) -> Tensor:
     return offsets.cumsum_(0)
 
 
-def default_tile_rows(spec: SparseSpec, row_keys: int) -> int:
+def default_tile_rows(spec: SparseSpec, row_keys: int, itemsize: int = 4) -> int:
     """Rows per tile so that a tile's densified rows, (V, rows) buffer and scores fit in ``TILE_BYTES``."""
     columns = sum(spec.columns(name) for name in spec.directions)
-    per_row = 4 * ((row_keys + 1) * (spec.vocab_size + 1) + 4 * columns)
+    per_row = itemsize * ((row_keys + 1) * (spec.vocab_size + 1) + 4 * columns)
     return max(1, min(spec.batch_size, TILE_BYTES // per_row))
 
 
@@ -161,7 +165,7 @@ def _sweep(problem: Problem, plan: _Plan, nnz: list[int]) -> InfoNCEResult:
     spec = problem.spec
     sweep = _Sweep(problem, plan, nnz)
     row_keys = len({DIRECTIONS[name].rows for name in spec.directions})
-    rows = problem.tile or default_tile_rows(spec, row_keys)
+    rows = problem.tile or default_tile_rows(spec, row_keys, plan.values["q"].element_size())
     for begin in range(0, spec.batch_size, rows):
         sweep.tile(begin, min(begin + rows, spec.batch_size))
     return sweep.result()._replace(tile=f"{min(rows, spec.batch_size)} rows")
