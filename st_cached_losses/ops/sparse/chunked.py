@@ -7,8 +7,8 @@ columns, the softmax of every direction taken with the candidate masks of ``cand
 gradient A formed at once (each row's LSE is complete in its tile); then
 
 - the rows' gradient, A @ C (a sparse product into one (V, rows) buffer), gathered at the rows' kept slots;
-- the columns' gradient at their kept entries only, (Aᵀ R) sampled at C's pattern (``torch.sparse.sampled_addmm``),
-  added at their slots.
+- the columns' gradient at their kept entries only, (Rᵀ A) sampled at Cᵀ's pattern (``torch.sparse.sampled_addmm``;
+  by vocabulary id, so that each densified row of the (V, rows) buffer is read once), added at their slots.
 
 The scores: on a CPU the tile's rows as CSR times the columns' transpose (sparse x sparse: only the entries whose
 vocabulary ids meet are multiplied); on a GPU, where that product's output size would be read on the host per tile,
@@ -114,7 +114,7 @@ class _Plan:
 @dataclass
 class _Columns:
     """One column set at one budget: ``csr`` (columns, V), ``csr_t`` (V, columns) and ``positions`` (nnz,), each
-    entry's flat slot in its source (row-major (N, K)), in ``csr``'s order; on a CPU ``csr_t_wide``, ``csr_t`` with
+    entry's flat slot in its source (row-major (N, K)), in ``csr_t``'s order; on a CPU ``csr_t_wide``, ``csr_t`` with
     empty rows after V (the spare ids of the rows' empty and dropped slots: :meth:`_Sweep._sparse_rows`)."""
 
     csr: Tensor
@@ -144,7 +144,7 @@ def _columns(values: Tensor, indices: Tensor, keep: Tensor, nnz: int, vocab: int
             crow_wide = torch.cat([crow_t, crow_t[-1:].expand(spare)])
             shape = (vocab + spare, count)
             wide = torch.sparse_csr_tensor(crow_wide, rows[by_id], entries[by_id], shape, check_invariants=False)
-    return _Columns(csr, csr_t, positions, wide)
+    return _Columns(csr, csr_t, positions[by_id], wide)
 
 
 def _offsets(keys: Tensor, size: int) -> Tensor:
@@ -334,8 +334,9 @@ class _Sweep:
         by_vocab = self._product("by vocabulary", columns.csr_t, grad.T.contiguous())  # (V, count); Aᵀ contiguous
         slots = plan.indices[source][rows].clamp_min(0)
         self.grads[source][rows] += by_vocab.T.gather(1, slots).mul_(keep)
-        # (Aᵀ R) at C's entries; R as the (V, count) buffer's transpose, A row-major: the fastest layouts measured
-        sampled = torch.sparse.sampled_addmm(columns.csr, grad.T, row_values.T, beta=0.0)
+        # (Rᵀ A) at Cᵀ's entries: each (V, count) row of R read once, A (2 MB at 256 x 2048) from the cache; 4.6x
+        # faster than (Aᵀ R) at C's, which reads R's rows in each column's order
+        sampled = torch.sparse.sampled_addmm(columns.csr_t, row_values, grad, beta=0.0)
         column_source = plan.source(direction.cols)[0]
         self.grads[column_source].view(-1).index_add_(0, columns.positions, sampled.values())
 
