@@ -238,20 +238,17 @@ def _budgets(budgets, weights, vocab: int) -> tuple[list[int], Sequence[float] |
     if None in budgets and vocab in budgets:
         raise ValueError(f"max_active_dims holds both None and vocab_size={vocab}, the same budget: list it once.")
     ints = [vocab if budget is None else budget for budget in budgets]
-    sorted_budgets, _, _ = check_dims(ints, weights, vocab, "max_active_dims", "max_active_dims_weights")
-    del sorted_budgets  # the spec sorts them again, with their weights and order
+    check_dims(ints, weights, vocab, "max_active_dims", "max_active_dims_weights")  # the spec sorts them again
     return ints, weights
 
 
 def _shapes(query_values, document_values, world_values, vocab: int) -> tuple[Tensor, Tensor, Tensor | None]:
     """Meta tensors (rows, V) standing for the dense vectors, so that the InfoNCE layout's checks run unchanged."""
-    meta = [torch.empty(x.shape[0], vocab, dtype=x.dtype, device="meta") for x in (query_values, document_values)]
-    world = (
-        None
-        if world_values is None
-        else torch.empty(world_values.shape[0], vocab, dtype=world_values.dtype, device="meta")
-    )
-    return meta[0], meta[1], world
+    meta = [
+        None if x is None else torch.empty(x.shape[0], vocab, dtype=x.dtype, device="meta")
+        for x in (query_values, document_values, world_values)
+    ]
+    return meta[0], meta[1], meta[2]
 
 
 def _slot_conditions(problem: Problem) -> tuple[tuple[Tensor, str], ...]:
