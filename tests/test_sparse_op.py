@@ -603,3 +603,23 @@ def test_nonfinite_values_raise_or_propagate():
     out = sparse_infonce(qv, qi, dv, di, vocab_size=V, nonfinite="propagate")
     out.loss.backward()
     assert out.loss.isnan() and qv.grad.isnan().all()
+
+
+def test_ties_at_the_budget_keep_the_lower_vocabulary_id():
+    """Zeros at present slots tie: a budget that keeps some of them keeps the lower ids (and their gradient), as
+    the oracle's stable sort of the dense vector; a dropped zero takes none."""
+    values = torch.tensor([[0.0, 0.5, 0.0, 0.0], [0.3, 0.0, -0.7, 0.0]], dtype=torch.float64)
+    indices = torch.tensor([[9, 4, 2, 30], [5, 40, 1, 3]])
+    docs = sparse_rows(2, 6, seed=3, vocab=V)
+    docs = (docs[0], docs[1])
+    docs[1][:, :4] = torch.tensor([[2, 9, 30, 4], [3, 40, 5, 1]])
+    docs[0][:, :4] = 1.0
+    inputs = (values, indices, *docs)
+    oracle = op_run(inputs, (2, None), backend="dense")
+    chunked = op_run(inputs, (2, None), backend="chunked")
+    for got, want in zip(chunked[2], oracle[2]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    # budget 2, row 0: 0.5 (id 4) and the zero at id 2 (lowest of 2, 9, 30); row 1: -0.7 and 0.3
+    only_budget_2 = op_run(inputs, (2,), backend="chunked")[2][0]
+    assert only_budget_2[0, 2] != 0 and only_budget_2[0, 0] == 0 and only_budget_2[0, 3] == 0
+    assert only_budget_2[1, 1] == 0 and only_budget_2[1, 3] == 0
