@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .ops import InfoNCEOutput, matryoshka_infonce, maxsim_infonce
+from .ops import InfoNCEOutput, matryoshka_infonce, maxsim_infonce, sparse_infonce
 
 __all__ = [
     "AbsentNegativesCollator",
@@ -24,6 +24,7 @@ __all__ = [
     "__version__",
     "matryoshka_infonce",
     "maxsim_infonce",
+    "sparse_infonce",
     "truncate_layers",
     "truncate_token_dim",
     "warm_up",
