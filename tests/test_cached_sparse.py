@@ -13,6 +13,7 @@ from sentence_transformers.sparse_encoder.losses import (
     SparseMarginMSELoss,
     SparseMultipleNegativesRankingLoss,
 )
+from sentence_transformers.util import cos_sim
 
 from st_cached_losses import CachedSparseLoss
 from st_cached_losses.testing import tiny_splade_encoder
@@ -304,8 +305,9 @@ def test_bad_options_are_refused_naming_the_class(splade, options, match):
         CachedSparseLoss(splade, SparseMultipleNegativesRankingLoss(splade), 0.1, **options)
 
 
-def test_another_similarity_is_refused(splade):
-    base = SparseMultipleNegativesRankingLoss(splade, similarity_fct=lambda a, b: a @ b.T)
+@pytest.mark.parametrize("similarity_fct", [cos_sim, lambda a, b: a @ b.T])
+def test_another_similarity_is_refused(splade, similarity_fct):
+    base = SparseMultipleNegativesRankingLoss(splade, similarity_fct=similarity_fct)
     with pytest.raises(ValueError, match="CachedSparseLoss supports similarity_fct=dot_score"):
         CachedSparseLoss(splade, base, 0.1)
 

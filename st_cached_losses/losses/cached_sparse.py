@@ -17,7 +17,7 @@ from sentence_transformers.base.modules import Router
 from sentence_transformers.sparse_encoder.losses import FlopsLoss, SparseMultipleNegativesRankingLoss, SpladeLoss
 from sentence_transformers.sparse_encoder.model import SparseEncoder
 from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
-from sentence_transformers.util import cos_sim, dot_score
+from sentence_transformers.util import dot_score
 from torch import Tensor, nn
 
 from .. import ops
@@ -36,7 +36,7 @@ from .sparse_vectors import concatenated, densify, flops, gathered, pad_columns,
 __all__ = ["CachedSparseLoss"]
 
 OP = "sparse_infonce"
-_SIMILARITY = {dot_score: "dot", cos_sim: "cosine"}
+_SIMILARITY = {dot_score: "dot"}  # the op scores by dot products (stock's default), not cosine
 # The modules whose output may end a route: a gradient reaches the weights only at the cached entries.
 _LAST_MODULES = (SpladePooling, SparseStaticEmbedding)
 SPLADE_HARD_NEGATIVES = """
@@ -113,8 +113,8 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
             model: a SparseEncoder whose routes end in ``SpladePooling`` (MLM logits, relu or log1p_relu, max or sum)
                 or ``SparseStaticEmbedding`` (inference-free SPLADE, behind a ``Router``).
             loss: a SparseMultipleNegativesRankingLoss holding the hyperparameters (it is not called): ``scale``,
-                ``similarity_fct`` (dot_score, or cos_sim), ``directions``, ``partition_mode``, ``hardness_mode``,
-                ``hardness_strength``, ``gather_across_devices``.
+                ``similarity_fct`` (dot_score, its default, only), ``directions``, ``partition_mode``,
+                ``hardness_mode``, ``hardness_strength``, ``gather_across_devices``.
             document_regularizer_weight, query_regularizer_weight, document_regularizer, query_regularizer,
                 document_regularizer_threshold, query_regularizer_threshold, use_document_regularizer_only: as stock
                 ``SpladeLoss`` takes them. A regulariser other than FlopsLoss gets the (rows, V) embeddings densified
@@ -143,7 +143,7 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
 
             TypeError: ``model`` that is no SparseEncoder; a non-bool flag.
             ValueError: a base loss other than SparseMultipleNegativesRankingLoss (use stock CachedSpladeLoss); a
-                similarity_fct other than dot_score / cos_sim; a route that does not end in SpladePooling or
+                similarity_fct other than dot_score; a route that does not end in SpladePooling or
                 SparseStaticEmbedding (e.g. CSR's SparseAutoEncoder); bad ``max_active_dims`` or weights, mini-batch
                 settings, ``backend``, ``chunk_size`` or ``precision``; base-loss settings that score other rows with
                 ``in_batch_negatives=False``; ``forward``: fewer than two columns, columns of different lengths,
@@ -408,7 +408,8 @@ def _similarity(similarity_fct: Any, owner: str) -> str:
     if similarity is None:
         name = getattr(similarity_fct, "__name__", type(similarity_fct).__name__)
         raise ValueError(
-            f"{owner} supports similarity_fct=dot_score (stock's default) or cos_sim on the base loss, got {name}."
+            f"{owner} supports similarity_fct=dot_score (stock's default) on the base loss, got {name}: use stock "
+            "CachedSpladeLoss for other similarities."
         )
     return similarity
 
