@@ -297,7 +297,9 @@ def test_a_csr_model_is_refused_naming_its_module():
         (dict(max_active_dims_weights=[1.0]), "max_active_dims_weights needs max_active_dims"),
         (dict(chunk_size=0), "chunk_size must be a positive int"),
         (dict(backend="nope"), "nope"),
+        (dict(backend="triton"), r"backend must be one of \('auto', 'chunked'"),  # no Triton backend
         (dict(mini_batch_size=0), "mini_batch_size"),
+        (dict(precision="fp16"), "precision must be one of"),
     ],
 )
 def test_bad_options_are_refused_naming_the_class(splade, options, match):
@@ -326,6 +328,7 @@ def test_config_has_stocks_keys_and_ours(splade):
     ).get_config_dict()
     assert list(ours)[: len(stock)] == list(stock)
     assert {k: ours[k] for k in stock if k != "loss"} == {k: v for k, v in stock.items() if k != "loss"}
+    assert ours["loss"] == "SparseMultipleNegativesRankingLoss"  # stock's module, by name as the other losses
     assert ours["max_active_dims"] == [None, 8]
     loss = CachedSparseLoss(splade, SparseMultipleNegativesRankingLoss(splade), 0.1)
     assert "gao2021scaling" in loss.citation and "formal2022distillationhardnegativesampling" in loss.citation

@@ -30,7 +30,7 @@ from ..ops.core.backend import backends, check_backend
 from . import card, citations
 from .base_losses import cross_row_settings
 from .cached_loss import CachedLossBase, check_flag, integer, naming_errors
-from .refusals import WITHOUT_IN_BATCH_NEGATIVES
+from .refusals import check_refusals
 from .sparse_vectors import concatenated, densify, flops, gathered, pad_columns, sparsify, static_presence, take_at
 
 __all__ = ["CachedSparseLoss"]
@@ -74,9 +74,9 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
         query_regularizer_threshold: int | None = None,
         use_document_regularizer_only: bool = False,
         mini_batch_size: int | str = 32,
-        *,
         mini_batch_num_tokens: int | None = None,
         show_progress_bar: bool = False,
+        *,
         max_active_dims: Sequence[int | None] | int | None = None,
         max_active_dims_weights: Sequence[float] | None = None,
         backend: str = "auto",
@@ -87,6 +87,12 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
         fsdp_sync: str = "per_backward",
         mask_duplicates: bool = False,
         in_batch_negatives: bool = True,
+        false_negative_margin: float | None = None,
+        false_negative_strategy: str = "absolute",
+        memory_size: int = 0,
+        memory_warmup_steps: int = 0,
+        memory_max_age: int | None = None,
+        dual_memory: bool = False,
     ) -> None:
         """
         The SPLADE loss (InfoNCE with in-batch negatives plus the FLOPS regularisers) of a ``SparseEncoder`` with
@@ -137,6 +143,9 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
             fsdp_sync: under FSDP2, "per_backward" (FSDP's own) or "per_step".
             mask_duplicates: exact duplicates are not negatives (by token ids).
             in_batch_negatives: False: each query scores only its own positive and hard negatives.
+            false_negative_margin, false_negative_strategy, memory_size, memory_warmup_steps, memory_max_age,
+                dual_memory: refused (their defaults only): the sparse op has no false-negative filter nor memory
+                bank (:mod:`st_cached_losses.losses.refusals`).
 
         Raises:
             Every error names the class in use.
@@ -145,9 +154,9 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
             ValueError: a base loss other than SparseMultipleNegativesRankingLoss (use stock CachedSpladeLoss); a
                 similarity_fct other than dot_score; a route that does not end in SpladePooling or
                 SparseStaticEmbedding (e.g. CSR's SparseAutoEncoder); bad ``max_active_dims`` or weights, mini-batch
-                settings, ``backend``, ``chunk_size`` or ``precision``; base-loss settings that score other rows with
-                ``in_batch_negatives=False``; ``forward``: fewer than two columns, columns of different lengths,
-                presence masks (absent hard negatives).
+                settings, ``backend``, ``chunk_size`` or ``precision``; the refused options; base-loss settings that
+                score other rows with ``in_batch_negatives=False``; ``forward``: fewer than two columns, columns of
+                different lengths, presence masks (absent hard negatives).
 
         References:
             - GradCache: https://arxiv.org/abs/2101.06983
@@ -193,8 +202,15 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
             _check_regularizers(document_regularizer, query_regularizer)
             _check_model(model, backend, owner)
             check_flag("in_batch_negatives", in_batch_negatives)
-            if not in_batch_negatives:
-                _check_own_candidates(loss, owner)
+            refused = dict(
+                false_negative_margin=false_negative_margin,
+                false_negative_strategy=false_negative_strategy,
+                memory_size=memory_size,
+                memory_warmup_steps=memory_warmup_steps,
+                memory_max_age=memory_max_age,
+                dual_memory=dual_memory,
+            )
+            check_refusals(type(self), **refused, in_batch_negatives=in_batch_negatives, **cross_row_settings(loss))
             budgets, budget_weights = _budgets(max_active_dims, max_active_dims_weights)
             chunk_size = _chunk_size(chunk_size)
         _SpladeLossInit.__init__(
@@ -359,8 +375,9 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
     # ------------------------------------------------------------------------------------------ reports
 
     def get_config_dict(self) -> dict[str, Any]:
-        """Stock CachedSpladeLoss's settings (SpladeLoss's, then the mini-batch settings), then this loss's own."""
-        config = SpladeLoss.get_config_dict(self)
+        """Stock CachedSpladeLoss's settings (SpladeLoss's, then the mini-batch settings) in JSON values (the base
+        loss by class name), then this loss's own."""
+        config = {key: card.json_value(value) for key, value in SpladeLoss.get_config_dict(self).items()}
         config["mini_batch_size"] = AUTO if self.auto_mini_batch else self.mini_batch_size
         config["mini_batch_num_tokens"] = self.mini_batch_num_tokens
         options = self.options
@@ -456,14 +473,6 @@ def _last_modules(model: SparseEncoder) -> list[nn.Module]:
     if isinstance(last, Router):
         return [route[-1] for route in last.sub_modules.values()]
     return [last]
-
-
-def _check_own_candidates(loss: nn.Module, owner: str) -> None:
-    settings = cross_row_settings(loss)
-    for refusal in WITHOUT_IN_BATCH_NEGATIVES:
-        given = refusal.given(settings)
-        if given:
-            raise ValueError(refusal.message(owner, given))
 
 
 def _budgets(
