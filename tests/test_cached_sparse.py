@@ -383,3 +383,60 @@ def test_trainer_steps_equal_stock(tmp_path):
     assert_grads_close(
         {n: params[n] - start[n] for n in start}, {n: stock_params[n] - start[n] for n in start}
     )  # the updates, each at 1e-4 of its largest entry
+
+
+# --------------------------------------------------------------------------------------------- 2 gloo processes
+
+DISTRIBUTED_WEIGHTS = {"regularised": (0.3, 0.5), "base_only": (0.0, None)}
+
+
+def _distributed_worker(rank, port, out_dir):
+    """One of 2 gloo processes holding half of the batch: each loss's mean loss and gradients over the ranks."""
+    import os
+
+    import torch.distributed as dist
+
+    from tests.distributed_helpers import WORLD_SIZE, batch_texts, child_setup, init_process_group, local_rows
+
+    child_setup(rank, port)
+    model = tiny_splade_encoder(seed=5)
+    init_process_group(rank)  # after the model (tests/distributed_helpers.py says why)
+    feats = [model.preprocess(column[local_rows(rank)]) for column in batch_texts(1)]
+    results = {}
+    for kind in ("ours", "stock"):
+        for weights, (doc, query) in DISTRIBUTED_WEIGHTS.items():
+            base = SparseMultipleNegativesRankingLoss(model, gather_across_devices=True)
+            make = CachedSparseLoss if kind == "ours" else CachedSpladeLoss
+            total, entries, grads = run(model, make(model, base, doc, query, mini_batch_size=MINI_BATCH), feats)
+            for grad in grads.values():
+                dist.all_reduce(grad)
+                grad /= WORLD_SIZE
+            values = torch.tensor([total, *entries.values()])
+            dist.all_reduce(values)
+            results[kind, weights] = ((values / WORLD_SIZE).tolist(), grads)
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "sparse_gathered.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_gathering_equal_stock_and_one_process(tmp_path):
+    """gather_across_devices over 2 gloo processes (each its own rows, its own widths K): the mean over the ranks of
+    the loss, entries and gradients equals stock's gathered CachedSpladeLoss; without regularisers (which stock
+    computes on each rank's own rows) it equals one process on the whole batch."""
+    from tests.distributed_helpers import batch_texts, spawn
+
+    spawn(_distributed_worker, str(tmp_path))
+    results = torch.load(tmp_path / "sparse_gathered.pt")
+    for weights in DISTRIBUTED_WEIGHTS:
+        (ours, ours_grads), (stock, stock_grads) = results["ours", weights], results["stock", weights]
+        assert ours == pytest.approx(stock, rel=1e-4)
+        assert_grads_close(ours_grads, stock_grads)
+    model = tiny_splade_encoder(seed=5)
+    feats = [model.preprocess(column) for column in batch_texts(1)]
+    one = CachedSparseLoss(model, SparseMultipleNegativesRankingLoss(model), 0.0, mini_batch_size=MINI_BATCH)
+    total, _, grads = run(model, one, feats)
+    gathered, gathered_grads = results["ours", "base_only"]
+    assert gathered[0] == pytest.approx(total, rel=1e-4)
+    assert_grads_close(gathered_grads, grads)
