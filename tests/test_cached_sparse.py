@@ -17,7 +17,10 @@ from sentence_transformers.util import cos_sim
 
 from st_cached_losses import CachedSparseLoss
 from st_cached_losses.testing import tiny_splade_encoder
-from tests.helpers import assert_grads_close, parameter_grads, texts
+from tests.helpers import assert_grads_close, parameter_grads, row_by_row, texts
+
+# Also run against the oldest supported sentence-transformers (.ci/run: python -m pytest -m oldest_st).
+pytestmark = pytest.mark.oldest_st
 
 ROWS = 7
 MINI_BATCH = 3  # several mini-batches per column, of different widths K
@@ -164,6 +167,24 @@ def test_dropout_replays_stocks_masks():
     expected = run(model, stock, feats)
     torch.manual_seed(0)
     assert_matches(run(model, ours, feats), expected)
+
+
+def test_without_in_batch_negatives_each_row_is_stocks_loss_alone(splade):
+    """in_batch_negatives=False (no regulariser: FLOPS is a batch statistic): the mean over rows of stock's loss and
+    gradients on each row alone, its own positive and hard negative its only candidates."""
+    rows = [
+        dict(anchor=a, positive=p, negative=n)
+        for a, p, n in zip(texts(ROWS, 0, 1, 10), texts(ROWS, 100, 1, 10), texts(ROWS, 200, 1, 10))
+    ]
+    feats = [splade.preprocess([row[key] for row in rows]) for key in ("anchor", "positive", "negative")]
+    ours = CachedSparseLoss(
+        splade, SparseMultipleNegativesRankingLoss(splade), 0.0, mini_batch_size=MINI_BATCH, in_batch_negatives=False
+    )
+    stock = CachedSpladeLoss(splade, SparseMultipleNegativesRankingLoss(splade), 0.0, mini_batch_size=MINI_BATCH)
+    total, _, grads = run(splade, ours, feats)
+    expected, expected_grads = row_by_row(splade, lambda f, labels: sum(stock(f, labels).values()), rows)
+    assert total == pytest.approx(expected, rel=1e-4)
+    assert_grads_close(grads, expected_grads)
 
 
 def test_a_regularizer_other_than_flops_is_densified(splade):
