@@ -456,15 +456,49 @@ class _CountTolist(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize(
-    "options", [{}, {"in_batch_negatives": False}, {"query_ids": torch.arange(6), "document_ids": torch.arange(6, 18)}]
-)
+WORLD = sparse_rows(8, 9, seed=5)
+SYNC_CASES = {
+    "plain": {},
+    "own": {"in_batch_negatives": False},
+    "duplicates": {"query_ids": torch.arange(6), "document_ids": torch.arange(6, 18)},
+    "absent": {
+        "document_present": torch.tensor([True] * 6 + [False, True] * 3),
+        "directions": ("query_to_doc", "doc_to_doc"),
+    },
+}
+
+
+@pytest.mark.parametrize("options", SYNC_CASES.values(), ids=SYNC_CASES.keys())
 def test_one_host_synchronisation_per_call(options):
     qv, qi, dv, di = batch(negatives=1)
     qv.requires_grad_()
     counts = collections.Counter()
     with _CountTolist(counts), _Count(counts):
         out = sparse_infonce(qv, qi, dv, di, vocab_size=V, max_active_dims=[None, 3], **options)
+        out.loss.backward()
+    assert counts == {"tolist": 1}
+
+
+def test_one_host_synchronisation_gathered():
+    world_values = WORLD[0].clone().requires_grad_()
+    qv, qi = WORLD[0][2:6].clone().requires_grad_(), WORLD[1][2:6]
+    dv, di = sparse_rows(16, 7, seed=6)
+    counts = collections.Counter()
+    with _CountTolist(counts), _Count(counts):
+        out = sparse_infonce(
+            qv,
+            qi,
+            dv,
+            di,
+            vocab_size=V,
+            max_active_dims=[None, 3],
+            offset=2,
+            world_query_values=world_values,
+            world_query_indices=WORLD[1],
+            directions=("query_to_doc", "query_to_query"),
+            world_query_ids=torch.arange(8),
+            document_ids=torch.arange(8, 24),
+        )
         out.loss.backward()
     assert counts == {"tolist": 1}
 
@@ -516,3 +550,45 @@ def test_the_chunked_backend_equals_the_dense_oracle(options):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     if oracle[3].masked_share is not None:
         torch.testing.assert_close(chunked[3].masked_share, oracle[3].masked_share)
+
+
+# --------------------------------------------------------------------------------------------- dtypes and layouts
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_compute_in_fp32(dtype):
+    inputs = batch(negatives=1, dtype=dtype)
+    loss, _, grads = reference([x.double() if x.is_floating_point() else x for x in inputs], (None, 3))
+    got_loss, _, got_grads, _ = op_run(inputs, (None, 3))
+    assert got_loss.dtype == torch.float32 and all(g.dtype == dtype for g in got_grads)
+    torch.testing.assert_close(got_loss.double(), loss.detach(), rtol=1e-5, atol=1e-6)
+    for got, want in zip(got_grads, grads):
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-3)
+
+
+def test_non_contiguous_inputs():
+    qv, qi, dv, di = batch(negatives=1)
+    transposed = (qv.T.contiguous().T, qi.T.contiguous().T, dv.T.contiguous().T, di.T.contiguous().T)
+    assert not transposed[0].is_contiguous()
+    check(transposed, budgets=(None, 4), directions=("query_to_doc", "doc_to_query"))
+
+
+@pytest.mark.parametrize("in_batch_negatives", [True, False])
+def test_rows_without_slots(in_batch_negatives):
+    """K = 0 (every vector empty): every score is 0, the loss log(candidates), the gradients empty."""
+    empty = torch.zeros(4, 0, dtype=torch.float64), torch.zeros(4, 0, dtype=torch.int64)
+    _, per_dim, grads, _ = op_run((*empty, *empty), (None, 2), in_batch_negatives=in_batch_negatives)
+    expected = 0.0 if not in_batch_negatives else float(torch.log(torch.tensor(4.0)))
+    torch.testing.assert_close(per_dim, torch.full((2,), expected, dtype=torch.float64))
+    assert all(g.shape == (4, 0) for g in grads)
+
+
+def test_nonfinite_values_raise_or_propagate():
+    qv, qi, dv, di = batch()
+    qv = _with(qv, (0, 0), float("nan")) if qi[0, 0] >= 0 else _with(qv, (0, 1), float("nan"))
+    with pytest.raises(ValueError, match="NaN"):
+        sparse_infonce(qv, qi, dv, di, vocab_size=V)
+    qv.requires_grad_()
+    out = sparse_infonce(qv, qi, dv, di, vocab_size=V, nonfinite="propagate")
+    out.loss.backward()
+    assert out.loss.isnan() and qv.grad.isnan().all()

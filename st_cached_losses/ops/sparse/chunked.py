@@ -63,17 +63,28 @@ def forward(problem: Problem) -> InfoNCEResult:
 
 
 class _Plan:
-    """The call's sources ("q" queries, "c" documents, "w" world queries): values in the compute dtype, vocabulary
-    ids, each slot's rank (``spec.slot_ranks``)."""
+    """The call's sources ("q" queries, "c" documents, "w" world queries, the queries' own when not gathered): values
+    in the compute dtype, vocabulary ids, each slot's rank (``spec.slot_ranks``) where a budget cuts its rows."""
 
     def __init__(self, problem: Problem):
         spec: SparseSpec = problem.spec
         self.spec, self.problem = spec, problem
         self.dtype = torch.promote_types(problem.queries.dtype, torch.float32)
-        tensors = {"q": problem.queries, "c": problem.documents, "w": problem.world_queries}
-        self.values = {key: x.detach().to(self.dtype) for key, x in tensors.items()}
-        self.indices = dict(zip(("q", "c", "w"), problem.indices))
-        self.ranks = {key: slot_ranks(self.values[key], self.indices[key]) for key in self.values}
+        tensors = {"q": problem.queries, "c": problem.documents}
+        self.values = {key: x.detach().to(self.dtype).contiguous() for key, x in tensors.items()}
+        self.indices = {key: x.contiguous() for key, x in zip(("q", "c"), problem.indices)}
+        if problem.world_queries is problem.queries:  # not gathered: one set of ranks
+            self.values["w"], self.indices["w"] = self.values["q"], self.indices["q"]
+        else:
+            self.values["w"] = problem.world_queries.detach().to(self.dtype).contiguous()
+            self.indices["w"] = problem.indices[2].contiguous()
+        ranks = {}
+        for key, values in self.values.items():
+            cut = min(spec.dims) < values.shape[1]  # else every budget keeps every present slot: no ranks
+            ranks[key] = ranks.get("q") if key == "w" and values is self.values["q"] else None
+            if cut and ranks[key] is None:
+                ranks[key] = slot_ranks(values, self.indices[key])
+        self.ranks = ranks
         self.column_keys = sorted({DIRECTIONS[name].cols for name in spec.directions})
 
     def source(self, key: str) -> tuple[str, slice]:
@@ -83,7 +94,8 @@ class _Plan:
         return key, slice(0, self.values[key].shape[0])
 
     def keep(self, key: str, rows: slice, k: int) -> Tensor:
-        return kept(self.ranks[key][rows], self.indices[key][rows], self.spec.dims[k])
+        ranks = self.ranks[key]
+        return kept(None if ranks is None else ranks[rows], self.indices[key][rows], self.spec.dims[k])
 
     def counts(self) -> Tensor:
         """(columns keys x budgets,) int64: the kept entries of each column set at each budget."""
@@ -180,7 +192,7 @@ class _Sweep:
 
     def _budget(self, k: int, begin: int, end: int, masks) -> None:
         spec, plan = self.spec, self.plan
-        dense: dict[str, tuple[Tensor, Tensor, slice]] = {}  # row source -> (rows (count, V), keep, rows)
+        dense: dict[str, tuple[Tensor, Tensor, slice]] = {}  # row source -> (rows (V, count), keep, rows)
         logits, scores = [], []
         for index, (name, direction) in enumerate(zip(spec.directions, self.directions)):
             source, rows = self._row_source(direction, begin, end)
@@ -188,7 +200,8 @@ class _Sweep:
                 keep = plan.keep(source, rows, k)
                 dense[direction.rows] = (_densify(plan, source, rows, keep, spec.vocab_size), keep, rows)
             columns = self.columns[direction.cols, k]
-            raw = torch.sparse.mm(columns.csr, dense[direction.rows][0].T).T  # (count, columns)
+            # (columns, count) from the contiguous (V, count) rows; the logits' row-major copy is small
+            raw = torch.sparse.mm(columns.csr, dense[direction.rows][0]).T
             logit = self._logits(name, direction, raw, begin, masks.dropped[index])
             self.lse[k, index, begin:end] = torch.logsumexp(logit, dim=1)
             logits.append(logit)
@@ -242,10 +255,11 @@ class _Sweep:
         """A (count, columns) into the rows' kept slots (A @ C, gathered) and the columns' kept entries (sampled)."""
         plan, columns = self.plan, self.columns[direction.cols, k]
         source = "q" if direction.rows == "q" else "c"
-        by_vocab = torch.sparse.mm(columns.csr_t, grad.T)  # (V, count)
+        by_vocab = torch.sparse.mm(columns.csr_t, grad.T.contiguous())  # (V, count); a contiguous Aᵀ is faster
         slots = plan.indices[source][rows].clamp_min(0)
         self.grads[source][rows] += by_vocab.T.gather(1, slots).mul_(keep)
-        sampled = torch.sparse.sampled_addmm(columns.csr, grad.T, row_values, beta=0.0)
+        # (Aᵀ R) at C's entries; R as the (V, count) buffer's transpose, A row-major: the fastest layouts measured
+        sampled = torch.sparse.sampled_addmm(columns.csr, grad.T, row_values.T, beta=0.0)
         column_source = plan.source(direction.cols)[0]
         self.grads[column_source].view(-1).index_add_(0, columns.positions, sampled.values())
 
@@ -260,11 +274,14 @@ class _Sweep:
 
 
 def _densify(plan: _Plan, source: str, rows: slice, keep: Tensor, vocab: int) -> Tensor:
-    """(count, V) the rows' kept entries scattered into zeros (dropped and empty slots into a spare column V)."""
+    """(V, count) the rows' kept entries scattered into zeros, transposed (the sparse products read it contiguous);
+    dropped and empty slots go to a spare row V."""
     values, indices = plan.values[source][rows], plan.indices[source][rows]
-    dense = values.new_zeros(values.shape[0], vocab + 1)
-    dense.scatter_(1, indices.masked_fill(~keep, vocab), values.masked_fill(~keep, 0.0))
-    return dense[:, :vocab]
+    count = values.shape[0]
+    dense = values.new_zeros((vocab + 1) * count)
+    at = indices.masked_fill(~keep, vocab) * count + torch.arange(count, device=values.device)[:, None]
+    dense.scatter_(0, at.reshape(-1), values.masked_fill(~keep, 0.0).reshape(-1))
+    return dense.view(vocab + 1, count)[:vocab]
 
 
 def _own_columns(direction: Direction, spec: SparseSpec, begin: int, count: int, device: torch.device) -> Tensor:

@@ -16,11 +16,12 @@ __all__ = ["forward"]
 
 
 def forward(problem: Problem, ranks: dict[str, Tensor]) -> InfoNCEResult:
-    """Per-budget losses, LSEs (K, 1, B) and gradients; ``ranks``: each source's slot ranks ("q", "c")."""
+    """Per-budget losses, LSEs (K, 1, B) and gradients; ``ranks``: each source's slot ranks ("q", "c"; None where
+    no budget cuts its rows)."""
     spec = problem.spec
     dtype = torch.promote_types(problem.queries.dtype, torch.float32)
     device, batch, vocab = problem.queries.device, spec.batch_size, spec.vocab_size
-    values = {"q": problem.queries.detach().to(dtype), "c": problem.documents.detach().to(dtype)}
+    values = {key: x.detach().to(dtype).contiguous() for key, x in (("q", problem.queries), ("c", problem.documents))}
     indices = {"q": problem.indices[0], "c": problem.indices[1]}
     excluded, removed = excluded_documents(spec, problem)  # (n, B) each
     blocks = torch.arange(spec.num_columns, device=device) * spec.world_batch_size
@@ -33,11 +34,11 @@ def forward(problem: Problem, ranks: dict[str, Tensor]) -> InfoNCEResult:
     for k, budget in enumerate(spec.dims):
         for begin in range(0, batch, rows):
             tile = slice(begin, min(begin + rows, batch))
-            q_keep = kept(ranks["q"][tile], indices["q"][tile], budget)
+            q_keep = kept(_at(ranks["q"], tile), indices["q"][tile], budget)
             dense = values["q"].new_zeros(q_keep.shape[0], vocab + 1)
             dense.scatter_(1, indices["q"][tile].masked_fill(~q_keep, vocab), values["q"][tile] * q_keep)
             docs = own_rows[tile]  # (t, n)
-            d_keep = kept(ranks["c"][docs], indices["c"][docs], budget)  # (t, n, Kd)
+            d_keep = kept(_at(ranks["c"], docs), indices["c"][docs], budget)  # (t, n, Kd)
             slots = indices["c"][docs].masked_fill(~d_keep, vocab)
             d_values = values["c"][docs] * d_keep
             count = docs.shape[0]
@@ -68,3 +69,7 @@ def forward(problem: Problem, ranks: dict[str, Tensor]) -> InfoNCEResult:
         grads_out = (grads["q"].to(problem.queries.dtype), grads["c"].to(problem.queries.dtype), None)
     share = masked_share(removed, spec, problem.candidates.present) if spec.masks else None
     return InfoNCEResult(loss_sum / batch, lse_out, grads_out, tile=f"{min(rows, batch)} rows", masked_share=share)
+
+
+def _at(ranks: Tensor | None, rows) -> Tensor | None:
+    return None if ranks is None else ranks[rows]

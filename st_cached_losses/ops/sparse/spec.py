@@ -34,6 +34,9 @@ def slot_ranks(values: Tensor, indices: Tensor) -> Tensor:
     return torch.empty_like(order).scatter_(1, order, positions)
 
 
-def kept(ranks: Tensor, indices: Tensor, budget: int) -> Tensor:
-    """(N, K) bool: the present slots budget ``budget`` keeps (rank < budget)."""
+def kept(ranks: Tensor | None, indices: Tensor, budget: int) -> Tensor:
+    """(..., K) bool: the present slots budget ``budget`` keeps (rank < budget); every present slot where the budget
+    is at least the slots K (``ranks`` may then be None: no sort needed)."""
+    if budget >= indices.shape[-1]:
+        return indices >= 0
     return (ranks < budget) & (indices >= 0)
