@@ -12,6 +12,7 @@
   the per-dim entries, the card's settings, the activation report, option checks naming the class);
 - ``options.py``: ``LossOptions``, the options every loss takes as one frozen dataclass, with their checks;
 - ``refusals.py``: the one table of the options each loss refuses, with the reason;
+- ``sparse_checks.py``: what the sparse loss accepts (base loss, regularisers, the model's modules, budgets);
 - ``sparse_vectors.py``: the sparse cache (a row's active entries as values and vocabulary ids), the FLOPS
   regulariser on it;
 - ``token_vectors.py``: the token vectors the multi-vector loss scores (L2-normalised as stock's Matryoshka shrink);

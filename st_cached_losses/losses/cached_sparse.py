@@ -9,46 +9,33 @@ sparse cache, never a (B, V) matrix nor a B x M score matrix.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sentence_transformers.base.modules import Router
-from sentence_transformers.sparse_encoder.losses import FlopsLoss, SparseMultipleNegativesRankingLoss, SpladeLoss
+from sentence_transformers.sparse_encoder.losses import FlopsLoss, SpladeLoss
 from sentence_transformers.sparse_encoder.model import SparseEncoder
-from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
-from sentence_transformers.util import dot_score
 from torch import Tensor, nn
 
 from .. import ops
 from ..gradcache.activation_budget import AUTO
-from ..gradcache.distributed import unwrapped
 from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
 from ..gradcache.step import Encoded, LayerDraw, Step
-from ..ops.core.backend import backends, check_backend
 from . import card, citations
 from .base_losses import cross_row_settings
-from .cached_loss import CachedLossBase, check_flag, integer, naming_errors
+from .cached_loss import CachedLossBase, check_flag, naming_errors
 from .refusals import check_refusals
+from .sparse_checks import (
+    check_base_loss,
+    check_budgets,
+    check_chunk_size,
+    check_model,
+    check_regularizers,
+    similarity,
+)
 from .sparse_vectors import concatenated, densify, flops, gathered, pad_columns, sparsify, static_presence, take_at
 
 __all__ = ["CachedSparseLoss"]
-
-OP = "sparse_infonce"
-_SIMILARITY = {dot_score: "dot"}  # the op scores by dot products (stock's default), not cosine
-# The modules whose output may end a route: a gradient reaches the weights only at the cached entries.
-_LAST_MODULES = (SpladePooling, SparseStaticEmbedding)
-SPLADE_HARD_NEGATIVES = """
-@misc{formal2022distillationhardnegativesampling,
-    title={From Distillation to Hard Negative Sampling: Making Sparse Neural IR Models More Effective},
-    author={Thibault Formal and Carlos Lassance and Benjamin Piwowarski and St\\'ephane Clinchant},
-    year={2022},
-    eprint={2205.04733},
-    archivePrefix={arXiv},
-    primaryClass={cs.IR},
-}
-"""
 
 
 class _SpladeLossInit(SpladeLoss):
@@ -198,9 +185,9 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
         """
         owner = type(self).__name__
         with naming_errors(owner):
-            _check_base_loss(loss, owner)
-            _check_regularizers(document_regularizer, query_regularizer)
-            _check_model(model, backend, owner)
+            check_base_loss(loss, owner)
+            check_regularizers(document_regularizer, query_regularizer)
+            check_model(model, backend, owner)
             check_flag("in_batch_negatives", in_batch_negatives)
             refused = dict(
                 false_negative_margin=false_negative_margin,
@@ -211,8 +198,8 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
                 dual_memory=dual_memory,
             )
             check_refusals(type(self), **refused, in_batch_negatives=in_batch_negatives, **cross_row_settings(loss))
-            budgets, budget_weights = _budgets(max_active_dims, max_active_dims_weights)
-            chunk_size = _chunk_size(chunk_size)
+            budgets, budget_weights = check_budgets(max_active_dims, max_active_dims_weights)
+            chunk_size = check_chunk_size(chunk_size)
         _SpladeLossInit.__init__(
             self,
             model,
@@ -326,12 +313,9 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
             nonfinite=nonfinite_policy(step.encoder_dtypes),
             precision=self.op_precision(queries[0]),
         )
-        if self.max_active_dims is None:
-            step.components["base_loss"] = out.loss.detach()
-        else:
-            weights = self.max_active_dims_weights or (1.0,) * len(self.max_active_dims)
-            for budget, weight, value in zip(self.max_active_dims, weights, out.per_dim):
-                step.components[f"base_loss_{_budget_name(budget)}"] = (weight * value).detach()
+        weights = self.max_active_dims_weights or (1.0,) * len(out.per_dim)
+        values = [out.loss] if self.max_active_dims is None else [w * v for w, v in zip(weights, out.per_dim)]
+        step.components.update({name: value.detach() for name, value in zip(self._base_names(), values)})
         if out.masked_share is not None:
             step.masked_share = self.masked_share = float(out.masked_share)
         return out.loss
@@ -341,7 +325,7 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
         loss = self.loss
         return dict(
             scale=loss.scale,
-            similarity=_similarity(loss.similarity_fct, type(self).__name__),
+            similarity=similarity(loss.similarity_fct, type(self).__name__),
             directions=tuple(loss.directions),
             partition_mode=loss.partition_mode,
             hardness_mode=loss.hardness_mode,
@@ -363,14 +347,12 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
 
     def component_names(self) -> list[str]:
         """The entries ``forward`` returns, in stock's order (see the class)."""
-        if self.max_active_dims is None:
-            names = ["base_loss"]
-        else:
-            names = [f"base_loss_{_budget_name(budget)}" for budget in self.max_active_dims]
-        names.append("document_regularizer_loss")
-        if self.query_regularizer_weight is not None:
-            names.append("query_regularizer_loss")
-        return names
+        query = ["query_regularizer_loss"] if self.query_regularizer_weight is not None else []
+        return [*self._base_names(), "document_regularizer_loss", *query]
+
+    def _base_names(self) -> list[str]:
+        budgets = self.max_active_dims
+        return ["base_loss"] if budgets is None else [f"base_loss_{'all' if k is None else k}" for k in budgets]
 
     # ------------------------------------------------------------------------------------------ reports
 
@@ -398,7 +380,7 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
 
     @property
     def citation(self) -> str:
-        return citations.GRADCACHE + SPLADE_HARD_NEGATIVES
+        return citations.GRADCACHE + citations.SPLADE_HARD_NEGATIVES
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -414,93 +396,3 @@ def _regularizer(regularizer: nn.Module, values: Tensor, indices: Tensor, vocab_
     if type(regularizer) is FlopsLoss:
         return flops(values, indices, vocab_size, regularizer.threshold)
     return regularizer.compute_loss_from_embeddings(densify(values, indices, vocab_size))
-
-
-def _budget_name(budget: int | None) -> str:
-    return "all" if budget is None else str(budget)
-
-
-def _similarity(similarity_fct: Any, owner: str) -> str:
-    similarity = _SIMILARITY.get(similarity_fct)
-    if similarity is None:
-        name = getattr(similarity_fct, "__name__", type(similarity_fct).__name__)
-        raise ValueError(
-            f"{owner} supports similarity_fct=dot_score (stock's default) on the base loss, got {name}: use stock "
-            "CachedSpladeLoss for other similarities."
-        )
-    return similarity
-
-
-def _check_base_loss(loss: nn.Module, owner: str) -> None:
-    if type(loss) is not SparseMultipleNegativesRankingLoss:
-        raise ValueError(
-            f"{owner} supports loss=SparseMultipleNegativesRankingLoss, got {type(loss).__name__}: for other base "
-            f"losses use stock sentence_transformers.sparse_encoder.losses.CachedSpladeLoss(model, "
-            f"{type(loss).__name__}(model), ...)."
-        )
-    _similarity(loss.similarity_fct, owner)
-
-
-def _check_regularizers(*regularizers: nn.Module | None) -> None:
-    for regularizer in regularizers:
-        if regularizer is not None and not hasattr(regularizer, "compute_loss_from_embeddings"):
-            raise ValueError(
-                f"a regularizer needs compute_loss_from_embeddings(embeddings), which {type(regularizer).__name__} "
-                "lacks."
-            )
-
-
-def _check_model(model: nn.Module, backend: str, owner: str) -> None:
-    inner = unwrapped(model)
-    if not isinstance(inner, SparseEncoder):
-        raise TypeError(f"{owner} needs a SparseEncoder, got {type(inner).__name__}.")
-    for last in _last_modules(inner):
-        if not isinstance(last, _LAST_MODULES):
-            raise ValueError(
-                f"{owner} takes SPLADE models (routes ending in SpladePooling or SparseStaticEmbedding), whose "
-                f"entries at 0 take no gradient; this model ends in {type(last).__name__}: use stock "
-                "CachedSpladeLoss (or CSRLoss for a SparseAutoEncoder)."
-            )
-    device = getattr(model, "device", None)
-    if device is not None or backend not in backends(OP):
-        check_backend(backend, "cpu" if device is None else device, op=OP)
-
-
-def _last_modules(model: SparseEncoder) -> list[nn.Module]:
-    """The last module of every route: the model's, or each route's of a Router ending the model."""
-    modules = list(model)
-    last = modules[-1]
-    if isinstance(last, Router):
-        return [route[-1] for route in last.sub_modules.values()]
-    return [last]
-
-
-def _budgets(
-    budgets: Sequence[int | None] | int | None, weights: Sequence[float] | None
-) -> tuple[tuple[int | None, ...] | None, tuple[float, ...] | None]:
-    """``max_active_dims`` as a tuple (an int: one budget) of positive ints or None, and their weights."""
-    if budgets is None:
-        if weights is not None:
-            raise ValueError("max_active_dims_weights needs max_active_dims.")
-        return None, None
-    budgets = (budgets,) if isinstance(budgets, numbers.Integral) else tuple(budgets)
-    budgets = tuple(integer(k) for k in budgets)
-    if not budgets or any(k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1) for k in budgets):
-        raise ValueError(f"max_active_dims must be positive ints or None (every entry), got {list(budgets)}.")
-    if len(set(budgets)) != len(budgets):
-        raise ValueError(f"max_active_dims has duplicates: {list(budgets)}.")
-    if weights is None:
-        return budgets, None
-    weights = tuple(weights)
-    if len(weights) != len(budgets) or any(not isinstance(w, numbers.Real) or isinstance(w, bool) for w in weights):
-        raise ValueError(
-            f"max_active_dims_weights must be one number per budget ({len(budgets)}), got {list(weights)}."
-        )
-    return budgets, tuple(float(w) for w in weights)
-
-
-def _chunk_size(value: Any) -> int | None:
-    value = integer(value)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {value!r}.")
-    return value
