@@ -140,15 +140,21 @@ def test_inference_free_router_equals_stock(inference_free):
 ENGINE = {
     "token_budget": dict(stock=dict(mini_batch_num_tokens=20), ours=dict(mini_batch_num_tokens=20)),
     "kept_graphs": dict(stock={}, ours=dict(activation_budget=10**9)),
+    "auto_mini_batch": dict(stock={}, ours=dict(mini_batch_size="auto", activation_budget=2 * 10**7)),
 }
 
 
 @pytest.mark.parametrize("setting", ENGINE)
 def test_the_engines_options_keep_stocks_loss(splade, setting):
-    """Mini-batches packed by tokens (both), and kept step-(1) graphs (an activation budget: no second forward)."""
+    """Mini-batches packed by tokens (both), kept step-(1) graphs (an activation budget: no second forward), and
+    the mini-batch size measured from an activation budget (its probe embeds densely)."""
     feats = features(splade, 3)
-    kwargs = dict(document_regularizer_weight=0.3, query_regularizer_weight=0.5, mini_batch_size=MINI_BATCH)
+    kwargs = dict(document_regularizer_weight=0.3, query_regularizer_weight=0.5)
     options = ENGINE[setting]
+    options = {
+        "stock": {"mini_batch_size": MINI_BATCH, **options["stock"]},
+        "ours": {"mini_batch_size": MINI_BATCH, **options["ours"]},
+    }
     stock = CachedSpladeLoss(splade, SparseMultipleNegativesRankingLoss(splade), **kwargs, **options["stock"])
     ours = CachedSparseLoss(splade, SparseMultipleNegativesRankingLoss(splade), **kwargs, **options["ours"])
     assert_matches(run(splade, ours, feats), run(splade, stock, feats))
