@@ -30,7 +30,7 @@ def forward(problem: Problem, ranks: dict[str, Tensor]) -> InfoNCEResult:
     grads = {key: torch.zeros_like(x) for key, x in values.items()} if problem.need_grad else None
     loss_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
     lse_out = torch.empty(len(spec.dims), 1, batch, dtype=dtype, device=device)
-    rows = problem.tile or max(1, min(batch, TILE_BYTES // (8 * (vocab + 1))))
+    rows = problem.tile or max(1, min(batch, TILE_BYTES // (2 * values["q"].element_size() * (vocab + 1))))
     for k, budget in enumerate(spec.dims):
         for begin in range(0, batch, rows):
             tile = slice(begin, min(begin + rows, batch))
