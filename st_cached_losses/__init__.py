@@ -10,25 +10,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .ops import InfoNCEOutput, matryoshka_infonce, maxsim_infonce, sparse_infonce
-
-__all__ = [
-    "AbsentNegativesCollator",
-    "CachedAdaptiveLayerLoss",
-    "CachedLossCallback",
-    "CachedMatryoshka2dLoss",
-    "CachedMatryoshkaLoss",
-    "CachedMultiVectorMatryoshkaLoss",
-    "CachedSparseLoss",
-    "InfoNCEOutput",
-    "__version__",
-    "matryoshka_infonce",
-    "maxsim_infonce",
-    "sparse_infonce",
-    "truncate_layers",
-    "truncate_token_dim",
-    "warm_up",
-]
+from .ops import InfoNCEOutput as InfoNCEOutput
+from .ops import matryoshka_infonce as matryoshka_infonce
+from .ops import maxsim_infonce as maxsim_infonce
+from .ops import sparse_infonce as sparse_infonce
 
 # Imported lazily: the losses pull in sentence_transformers (seconds), the op does not.
 _LAZY = {
@@ -43,6 +28,9 @@ _LAZY = {
     "truncate_token_dim": "truncation",
     "warm_up": "warmup",
 }
+
+
+__all__ = sorted([*_LAZY, "InfoNCEOutput", "__version__", "matryoshka_infonce", "maxsim_infonce", "sparse_infonce"])
 
 
 def __getattr__(name):

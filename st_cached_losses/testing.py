@@ -30,6 +30,7 @@ def tokenizer_path() -> str:
 if TYPE_CHECKING:
     import torch
     from sentence_transformers.sentence_transformer.model import SentenceTransformer
+    from sentence_transformers.sparse_encoder.model import SparseEncoder
 
 
 def tiny_sentence_transformer(
@@ -45,13 +46,21 @@ def tiny_sentence_transformer(
 
 
 def _tiny_bert(
-    hidden_size: int, num_layers: int, dropout: float, seed: int, max_seq_length: int, **transformer_options: Any
+    hidden_size: int,
+    num_layers: int,
+    dropout: float,
+    seed: int,
+    max_seq_length: int,
+    active_share: float | None = None,
+    **transformer_options: Any,
 ) -> Any:
     """A randomly initialised BERT (seeded) with MiniLM's tokenizer, loaded as a sentence-transformers ``Transformer``
-    (``transformer_options``: its other keywords): the first module of the tiny BERT models."""
+    (``transformer_options``: its other keywords): the first module of the tiny BERT models. With ``active_share``, a
+    BertForMaskedLM (the decoder tied to the word embeddings) whose logits' bias leaves about that share of a row's
+    entries positive (a row of about 8 tokens), loaded for "fill-mask": the SPLADE models' first module."""
     import torch
     from sentence_transformers.base.modules import Transformer
-    from transformers import AutoTokenizer, BertConfig, BertModel
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertModel
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path())
@@ -65,8 +74,14 @@ def _tiny_bert(
         hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout,
     )
+    model = BertModel(config) if active_share is None else BertForMaskedLM(config)
+    if active_share is not None:
+        with torch.no_grad():
+            logit_std = config.initializer_range * hidden_size**0.5
+            model.cls.predictions.bias.fill_(-logit_std * _normal_quantile(1 - active_share / 8))
+            transformer_options.setdefault("transformer_task", "fill-mask")
     with tempfile.TemporaryDirectory() as tmp:
-        BertModel(config).save_pretrained(tmp)
+        model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         return Transformer(tmp, max_seq_length=max_seq_length, **transformer_options)
 
@@ -290,47 +305,27 @@ def _cpu_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
 
 
 def tiny_splade_encoder(
-    hidden_size: int = 48,
-    num_layers: int = 2,
-    dropout: float = 0.0,
-    seed: int = 0,
-    max_seq_length: int = 64,
     inference_free: bool = False,
     pooling_strategy: str = "max",
     activation_function: str = "relu",
     active_share: float = 0.02,
-):
+    **bert_options: Any,
+) -> SparseEncoder:
     """A randomly initialised SPLADE ``SparseEncoder``: a BertForMaskedLM (MiniLM's tokenizer, the decoder tied to the
     word embeddings, its bias set so that about ``active_share`` of a token's logits are positive) as an MLM
     ``Transformer`` and ``SpladePooling``: vocabulary-sized embeddings (30522), a few percent active. With
     ``inference_free``, a ``Router`` whose "query" route is a ``SparseStaticEmbedding`` (one weight per token,
-    seeded in [0, 1) with a tenth at 0) and whose "document" route is the SPLADE model (inference-free SPLADE)."""
+    seeded in [0, 1) with a tenth at 0) and whose "document" route is the SPLADE model (inference-free SPLADE).
+    ``bert_options``: the BERT's ``hidden_size`` (48), ``num_layers`` (2), ``dropout`` (0.0), ``seed`` (0) and
+    ``max_seq_length`` (64), as :func:`tiny_sentence_transformer` takes them."""
     import torch
-    from sentence_transformers.base.modules import Router, Transformer
+    from sentence_transformers.base.modules import Router
     from sentence_transformers.sparse_encoder.model import SparseEncoder
     from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
-    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-    torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path())
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        intermediate_size=2 * hidden_size,
-        max_position_embeddings=max_seq_length + 2,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
-    mlm = BertForMaskedLM(config)
-    with torch.no_grad():  # the logits' bias: a row of about 8 tokens has about active_share of its entries active
-        logit_std = config.initializer_range * hidden_size**0.5
-        mlm.cls.predictions.bias.fill_(-logit_std * _normal_quantile(1 - active_share / 8))
-    with tempfile.TemporaryDirectory() as tmp:
-        mlm.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        transformer = Transformer(tmp, max_seq_length=max_seq_length, transformer_task="fill-mask")
+    bert = {"hidden_size": 48, "num_layers": 2, "dropout": 0.0, "seed": 0, "max_seq_length": 64, **bert_options}
+    transformer = _tiny_bert(**bert, active_share=active_share)
+    tokenizer = transformer.tokenizer
     pooling = SpladePooling(pooling_strategy, activation_function, embedding_dimension=tokenizer.vocab_size)
     if not inference_free:
         return SparseEncoder(modules=[transformer, pooling], device="cpu")

@@ -78,8 +78,7 @@ class BankedPairs:
     queries: Tensor | None = None
     guide_queries: Tensor | None = None
 
-    @property
-    def size(self) -> int:
+    def __len__(self) -> int:  # the banked pairs, P
         return self.docs.shape[0]
 
 
@@ -268,13 +267,13 @@ class MemoryBank(nn.Module):
         if self.docs is None:
             self._allocate(pairs)
         slots = self.slots
-        count = min(pairs.size, slots)  # more pairs than slots: the newest
+        count = min(len(pairs), slots)  # more pairs than slots: the newest
         index = ((self.next_slot + torch.arange(count)) % slots).to(self.docs.device)
         self.steps[index] = self.step
         for name in ("docs", "doc_ids", "query_ids", "guide_docs", "queries", "guide_queries"):
             target = getattr(self, name)
             if target is not None:
-                target[index] = getattr(pairs, name)[pairs.size - count :].detach().to(target.device, target.dtype)
+                target[index] = getattr(pairs, name)[len(pairs) - count :].detach().to(target.device, target.dtype)
         self.next_slot = (self.next_slot + count) % slots
         self.filled = min(slots, self.filled + count)
 

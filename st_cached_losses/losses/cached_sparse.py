@@ -150,14 +150,10 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
             - From Distillation to Hard Negative Sampling (SPLADE): https://arxiv.org/abs/2205.04733
             - FLOPS: https://arxiv.org/abs/2004.05665
 
-        Inputs:
-            +-------------------------------------------------+--------+
-            | Texts                                           | Labels |
-            +=================================================+========+
-            | (query, positive) pairs                         | none   |
-            +-------------------------------------------------+--------+
-            | (query, positive, negative_1, ..., negative_n)  | none   |
-            +-------------------------------------------------+--------+
+        Requirements:
+            1. (query, positive) pairs or (query, positive, negative_1, ..., negative_n) tuples, no labels: stock
+               SparseMultipleNegativesRankingLoss's inputs.
+            2. A large ``per_device_train_batch_size`` with a small ``mini_batch_size``, as stock CachedSpladeLoss.
 
         Example:
             ::

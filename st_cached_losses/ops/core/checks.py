@@ -21,6 +21,7 @@ __all__ = [
     "check_chunk_size",
     "check_dims",
     "check_like_queries",
+    "check_matrix",
     "check_offset",
     "check_policies",
     "check_scale",
@@ -106,6 +107,14 @@ def check_like_queries(name: str, tensor: Tensor, queries: Tensor) -> None:
         raise ValueError(f"{name} is {tensor.dtype} but queries is {queries.dtype}: cast them to one dtype.")
     if tensor.device != queries.device:
         raise ValueError(f"{name} is on {tensor.device} but queries is on {queries.device}: move them together.")
+
+
+def check_matrix(name: str, tensor: Any, columns: str) -> None:
+    """``tensor`` a 2-D torch.Tensor (rows, ``columns``); else a TypeError / ValueError naming ``name``."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (rows, {columns}), got shape {tuple(tensor.shape)}.")
 
 
 def check_offset(offset: Any, batch: int, limit: int, limit_name: str) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .checks import check_dims, check_like_queries, check_offset, check_scale
+from .checks import check_dims, check_like_queries, check_matrix, check_offset, check_scale
 
 __all__ = ["DIRECTIONS", "InfoNCESpec", "check_dims", "check_false_negative_rule", "check_in_batch_negatives"]
 
@@ -317,10 +317,7 @@ def _check_tensors(queries: Tensor, docs: Tensor, world_queries: Tensor | None) 
     if world_queries is not None:
         named["world_queries"] = world_queries
     for name, tensor in named.items():
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
-        if tensor.ndim != 2:
-            raise ValueError(f"{name} must be 2-D (rows, D), got shape {tuple(tensor.shape)}.")
+        check_matrix(name, tensor, "D")
         if not tensor.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}: cast it with .float().")
         if tensor.shape[0] == 0:

@@ -19,7 +19,7 @@ from torch import Tensor
 from ..candidates.duplicates import check_ids
 from ..candidates.layout import check_document_present, conditions
 from ..core.call import run_op
-from ..core.checks import as_int, check_chunk_size, check_dims, read_options
+from ..core.checks import as_int, check_chunk_size, check_dims, check_matrix, read_options
 from ..core.problem import CandidateInputs, Problem
 from ..core.result import InfoNCEOutput
 from ..core.spec import InfoNCESpec
@@ -201,10 +201,7 @@ def validate(
 def _check_pair(name: str, values: Tensor, indices: Tensor, query_values: Tensor) -> None:
     """``{name}_values`` (N, K) floating point like the queries' and ``{name}_indices`` (N, K) int64 beside them."""
     for suffix, tensor in (("values", values), ("indices", indices)):
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"{name}_{suffix} must be a torch.Tensor, got {type(tensor).__name__}.")
-        if tensor.ndim != 2:
-            raise ValueError(f"{name}_{suffix} must be 2-D (rows, K slots), got shape {tuple(tensor.shape)}.")
+        check_matrix(f"{name}_{suffix}", tensor, "K slots")
     if not values.is_floating_point():
         raise TypeError(f"{name}_values must be a floating-point tensor, got {values.dtype}: cast it with .float().")
     if indices.dtype != torch.int64:
