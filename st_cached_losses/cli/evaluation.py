@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["AFTER", "BEFORE", "METRICS", "build_evaluate", "build_multi_vector_evaluate", "evaluate_truncated"]
+__all__ = [
+    "AFTER",
+    "BEFORE",
+    "METRICS",
+    "build_evaluate",
+    "build_multi_vector_evaluate",
+    "build_sparse_evaluate",
+    "evaluate_truncated",
+]
 
 METRICS = ("ndcg@10", "mrr@10", "recall@10")
 BEFORE, AFTER = "before_training", "after_training"  # the stages' names: the card's column labels
@@ -86,6 +94,70 @@ def build_multi_vector_evaluate(test, dims: Sequence[int]) -> Callable[..., dict
 
     evaluate.num_queries, evaluate.num_corpus = len(queries), len(corpus)
     return evaluate
+
+
+def build_sparse_evaluate(test, budgets: Sequence[int | None]) -> Callable[..., dict[str, dict[str, float]]]:
+    """:func:`build_evaluate` for a SparseEncoder: ``evaluate(model, stage="") -> {"<budget>": {"ndcg@10", "mrr@10",
+    "recall@10", "query_active_dims", "corpus_active_dims"}}`` ("all" for the budget None), sentence-transformers'
+    ``SparseInformationRetrievalEvaluator(max_active_dims=budget)`` for each budget, named ``<stage>_budget_<budget>``;
+    the active dims are its mean nonzero entries per query and per document at that budget.
+
+    One encoding per call is shared by all budgets: the queries and the corpus are encoded once with every active
+    entry, and each budget keeps each row's largest entries with ``select_max_active_dims``, which is what
+    ``encode(max_active_dims=budget)`` does to each row (it saves (len(budgets) - 1) encodings of the split).
+    """
+    from .sparse import budget_name
+
+    queries, corpus, relevant = _retrieval_task(test)
+
+    def evaluate(model, stage: str = "") -> dict[str, dict[str, float]]:
+        shared: dict[tuple, Any] = {}  # a fresh encoding per call: the model changes between calls
+        results = {}
+        for budget in budgets:
+            name = _named(stage, f"budget_{budget_name(budget)}")
+            evaluator = _sparse_evaluator(queries, corpus, relevant, name, budget, shared)
+            scores = evaluator(model)
+            prefix = f"{name}_{model.similarity_fn_name}_"
+            found = {metric: float(scores[prefix + metric]) for metric in METRICS}
+            for side in ("query", "corpus"):
+                found[f"{side}_active_dims"] = float(scores[f"{name}_{side}_active_dims"])
+            results[budget_name(budget)] = found
+        return results
+
+    evaluate.num_queries, evaluate.num_corpus = len(queries), len(corpus)
+    return evaluate
+
+
+def _sparse_evaluator(queries, corpus, relevant, name: str, budget: int | None, shared: dict[tuple, Any]):
+    """A ``SparseInformationRetrievalEvaluator(max_active_dims=budget)`` named ``name`` that encodes each list of
+    texts once into ``shared`` (every active entry) and keeps each row's ``budget`` largest entries of it."""
+    from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
+    from sentence_transformers.util import select_max_active_dims
+
+    class SharedEncodingEvaluator(SparseInformationRetrievalEvaluator):
+        def embed_inputs(self, model, sentences, encode_fn_name=None, prompt_name=None, prompt=None, **kwargs):
+            key = (encode_fn_name, prompt_name, prompt, tuple(sentences))
+            if key not in shared:
+                encode = {None: model.encode, "query": model.encode_query, "document": model.encode_document}
+                shared[key] = encode[encode_fn_name](
+                    sentences,
+                    prompt_name=prompt_name,
+                    prompt=prompt,
+                    batch_size=self.batch_size,
+                    show_progress_bar=self.show_progress_bar,
+                    convert_to_sparse_tensor=True,
+                    save_to_cpu=True,
+                    **kwargs,
+                )
+            embeddings = shared[key]
+            if self.max_active_dims is not None:
+                embeddings = select_max_active_dims(embeddings.to_dense(), self.max_active_dims).to_sparse()
+            self._record_sparsity_stats(model, embeddings, "query" if encode_fn_name in ("query", None) else "corpus")
+            return embeddings
+
+    return SharedEncodingEvaluator(
+        queries, corpus, relevant, **_EVALUATOR_SETTINGS, max_active_dims=budget, name=name, show_progress_bar=True
+    )
 
 
 def evaluate_truncated(

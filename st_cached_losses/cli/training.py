@@ -224,6 +224,8 @@ def _training_args(options: TrainOptions, output_dir: str, device: str):
         from sentence_transformers.multi_vector_encoder.training_args import (
             MultiVectorEncoderTrainingArguments as Arguments,
         )
+    elif options.sparse:
+        from sentence_transformers.sparse_encoder.training_args import SparseEncoderTrainingArguments as Arguments
     else:
         from sentence_transformers.sentence_transformer.training_args import (
             SentenceTransformerTrainingArguments as Arguments,
@@ -264,6 +266,8 @@ def scratch_trainer(model, loss, train, options: TrainOptions) -> Iterator[Any]:
     """
     if options.multi_vector:
         from sentence_transformers.multi_vector_encoder.trainer import MultiVectorEncoderTrainer as Trainer
+    elif options.sparse:
+        from sentence_transformers.sparse_encoder.trainer import SparseEncoderTrainer as Trainer
     else:
         from sentence_transformers import SentenceTransformerTrainer as Trainer
 
@@ -291,7 +295,7 @@ def warm_up_kernels(loss, train, options: TrainOptions, device: str) -> dict[str
     and for the multi-vector loss, whose kernels specialise on each batch's padded token counts (they compile at their
     first launch). Returns what results.json records: the target, the backend, the kernel specializations compiled,
     the seconds and ``uncovered`` (``WarmUp.uncovered``: the steps whose kernels compile at their first launch)."""
-    if not device.startswith("cuda") or options.multi_vector:
+    if not device.startswith("cuda") or options.multi_vector or options.sparse:
         return None
     from ..warmup import warm_up
 
