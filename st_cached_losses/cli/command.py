@@ -86,7 +86,10 @@ def budget(text: str) -> int | None:
     """--max-active-dims's argument type: an integer >= 0 or "all" (0 and "all": None, no truncation)."""
     if text == "all":
         return None
-    value = number("an integer >= 0")(text)
+    try:
+        value = number("an integer >= 0")(text)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(str(error).replace(", got", " or all, got")) from None
     return value or None
 
 

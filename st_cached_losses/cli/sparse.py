@@ -117,8 +117,9 @@ def build_splade(source: str, texts: Sequence[str], seed: int) -> tuple[Any, dic
     with torch.random.fork_rng(devices=[]), _transformers_errors_only():
         torch.manual_seed(seed)
         transformer = Transformer(source, transformer_task="fill-mask")
-    model = SparseEncoder(modules=[transformer, SpladePooling("max", "log1p_relu")], device=_device())
     decoder = transformer.auto_model.get_output_embeddings()
+    pooling = SpladePooling("max", "log1p_relu", embedding_dimension=transformer.auto_model.config.vocab_size)
+    model = SparseEncoder(modules=[transformer, pooling], device=_device())
     if decoder is None or decoder.bias is None:
         raise UsageError(f"--model {source!r} has no masked-language-model head with a bias to build SPLADE on")
     tied = decoder.weight is transformer.auto_model.get_input_embeddings().weight
