@@ -174,8 +174,12 @@ def _largest_logits(model, texts: Sequence[str]) -> torch.Tensor:
     """(len(texts), V): each text's largest head logit over its tokens (padding excluded)."""
     features = model.preprocess(list(texts))
     features = {key: value.to(model.device) if torch.is_tensor(value) else value for key, value in features.items()}
+    training = model.training
     model.eval()
-    logits = model[0](features)["token_embeddings"]
+    try:
+        logits = model[0](features)["token_embeddings"]
+    finally:
+        model.train(training)
     mask = features["attention_mask"].unsqueeze(-1).bool()
     return logits.masked_fill(~mask, float("-inf")).amax(dim=1).float()
 
