@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .ops import InfoNCEOutput, matryoshka_infonce, maxsim_infonce
+from .ops import InfoNCEOutput, matryoshka_infonce, maxsim_infonce, sparse_infonce
 
 __all__ = [
     "AbsentNegativesCollator",
@@ -19,10 +19,12 @@ __all__ = [
     "CachedMatryoshka2dLoss",
     "CachedMatryoshkaLoss",
     "CachedMultiVectorMatryoshkaLoss",
+    "CachedSparseLoss",
     "InfoNCEOutput",
     "__version__",
     "matryoshka_infonce",
     "maxsim_infonce",
+    "sparse_infonce",
     "truncate_layers",
     "truncate_token_dim",
     "warm_up",
@@ -36,6 +38,7 @@ _LAZY = {
     "CachedAdaptiveLayerLoss": "losses",
     "CachedLossCallback": "losses",
     "CachedMultiVectorMatryoshkaLoss": "losses",
+    "CachedSparseLoss": "losses",
     "truncate_layers": "truncation",
     "truncate_token_dim": "truncation",
     "warm_up": "warmup",

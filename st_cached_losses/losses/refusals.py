@@ -68,6 +68,20 @@ _TOKENS = (
         "Use CachedMatryoshkaLoss for negatives beyond the batch.",
     ),
 )
+_SPARSE = (
+    Refusal(
+        _FILTER,
+        "false_negative_margin / false_negative_strategy",
+        "the sparse op has no false-negative filter",
+        "Filter a single-vector model with CachedMatryoshkaLoss.",
+    ),
+    Refusal(
+        _BANK,
+        "a memory bank (memory_size and its options)",
+        "the sparse op scores the batch's own documents only",
+        "Use CachedMatryoshkaLoss for negatives beyond the batch.",
+    ),
+)
 
 # What every loss refuses with in_batch_negatives=False: its options, and (by the base loss's attribute names) the
 # settings of its base loss that score other rows' texts (hardness_mode counts with hardness_strength > 0 only).
@@ -108,6 +122,7 @@ REFUSALS: dict[str, tuple[Refusal, ...]] = {
     "CachedMatryoshka2dLoss": _LAYERS,
     "CachedAdaptiveLayerLoss": _LAYERS,
     "CachedMultiVectorMatryoshkaLoss": _TOKENS,
+    "CachedSparseLoss": _SPARSE,
 }
 
 

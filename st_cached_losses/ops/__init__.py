@@ -21,6 +21,7 @@ from .core.precision import PRECISIONS
 from .core.result import InfoNCEOutput
 from .dense.op import matryoshka_infonce
 from .maxsim import maxsim_infonce
+from .sparse import sparse_infonce
 from .triton.probe import TritonUnavailableError
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "matryoshka_infonce",
     "maxsim_infonce",
     "recorded_choices",
+    "sparse_infonce",
 ]

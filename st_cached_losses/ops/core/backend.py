@@ -48,7 +48,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-OPS = ("matryoshka_infonce", "maxsim_infonce")
+OPS = ("matryoshka_infonce", "maxsim_infonce", "sparse_infonce")
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,12 @@ REGISTRY: dict[str, dict[str, Backend]] = _registry(
         kernels=".maxsim.triton_kernels",
     ),
     Backend("maxsim_infonce", "chunked", ".maxsim.chunked", "query tiles against document blocks in PyTorch"),
+    Backend(
+        "sparse_infonce",
+        "chunked",
+        ".sparse.chunked",
+        "row tiles densified one at a time against the columns held sparse (CSR), in PyTorch (any device)",
+    ),
 )
 
 
@@ -148,7 +154,7 @@ def check_backend(backend: str, device: torch.device | str, op: str = "matryoshk
     Args:
         backend: "auto" or a name of ``REGISTRY[op]`` (:func:`backends`).
         device: where the embeddings live (a model's device).
-        op: "matryoshka_infonce" or "maxsim_infonce".
+        op: "matryoshka_infonce", "maxsim_infonce" or "sparse_infonce".
 
     Raises:
         ValueError: an unknown op or name, or a backend that cannot run on ``device`` (the reason named).

@@ -33,7 +33,8 @@ class CandidateInputs:
 class Problem:
     """One op call, validated: the spec (``InfoNCESpec`` or ``MaxSimSpec``), the embeddings in the backend's layout
     (dense: queries (B, D), documents (M, D), world_queries (Bw, D), the gathered queries or the queries themselves;
-    MaxSim: queries (B, Lq, D), documents (M, Ld, D) with boolean token masks), the candidate inputs, the tile size
+    MaxSim: queries (B, Lq, D), documents (M, Ld, D) with boolean token masks; sparse: the values (rows, K) with their
+    ``indices``), the candidate inputs, the tile size
     (query rows per tile; None: the backend's budget) and whether the backend computes gradients."""
 
     spec: Any
@@ -43,6 +44,8 @@ class Problem:
     # multi-vector: which tokens are scored
     query_mask: Tensor | None = None
     document_mask: Tensor | None = None
+    # sparse: the vocabulary ids of queries, documents and world_queries (each (rows, K), -1: an empty slot)
+    indices: tuple[Tensor, Tensor, Tensor] | None = None
     candidates: CandidateInputs = CandidateInputs()
     tile: int | None = None
     need_grad: bool = False
