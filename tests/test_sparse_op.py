@@ -468,8 +468,13 @@ SYNC_CASES = {
 }
 
 
+@pytest.mark.parametrize("gpu_scores", [False, True], ids=["sparse x sparse", "csr x dense"])
 @pytest.mark.parametrize("options", SYNC_CASES.values(), ids=SYNC_CASES.keys())
-def test_one_host_synchronisation_per_call(options):
+def test_one_host_synchronisation_per_call(options, gpu_scores, monkeypatch):
+    from st_cached_losses.ops.sparse import chunked
+
+    if gpu_scores:  # the GPU's products, run here
+        monkeypatch.setattr(chunked, "SPARSE_PRODUCT_DEVICES", ())
     qv, qi, dv, di = batch(negatives=1)
     qv.requires_grad_()
     counts = collections.Counter()
@@ -537,9 +542,15 @@ ORACLE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("scores", ["sparse x sparse", "csr x dense"])
 @pytest.mark.parametrize("options", ORACLE_CASES, ids=range(len(ORACLE_CASES)))
-def test_the_chunked_backend_equals_the_dense_oracle(options):
-    """The oracle (tests/oracles/sparse.py, ``backend="dense"``) and the chunked backend, with budgets that cut."""
+def test_the_chunked_backend_equals_the_dense_oracle(options, scores, monkeypatch):
+    """The oracle (tests/oracles/sparse.py, ``backend="dense"``) and the chunked backend, with budgets that cut, its
+    scores by either product (the CPU's sparse x sparse, the GPU's CSR x densified rows)."""
+    from st_cached_losses.ops.sparse import chunked
+
+    if scores == "csr x dense":
+        monkeypatch.setattr(chunked, "SPARSE_PRODUCT_DEVICES", ())
     inputs = batch(negatives=1)
     budgets, weights = (2, None, 5), (1.0, 0.5, 2.0)
     oracle = op_run(inputs, budgets, weights, backend="dense", **options)
