@@ -45,21 +45,26 @@ def _refused(argv, capsys) -> str:
 
 # ------------------------------------------------------------------------------------------------- options
 
-REFUSED = {
+REFUSED = {  # refused by the sparse job itself, before anything is loaded
     "--dims": ["--dims", "64"],
     "--layers": ["--layers", "1"],
     "--multi-vector": ["--multi-vector"],
     "--guide": ["--guide", "g"],
-    "--false-negative-margin": ["--false-negative-margin", "0.1"],
-    "--memory-size": ["--memory-size", "8"],
-    "--memory-warmup-steps": ["--memory-warmup-steps", "1"],
-    "--memory-max-age": ["--memory-max-age", "2"],
-    "--dual-memory": ["--dual-memory"],
-    "--mask-duplicates": ["--mask-duplicates"],
-    "--no-in-batch-negatives": ["--no-in-batch-negatives"],
-    "--activation-budget": ["--activation-budget", "1000"],
-    "--mini-batch-size auto": ["--mini-batch-size", "auto"],
     "--compare-stock": ["--compare-stock"],
+}
+LOSS_REFUSES = {  # refused by CachedSparseLoss when the job builds it: its message, its arguments as flags
+    "--false-negative-margin": (
+        ["--false-negative-margin", "0.1"],
+        (
+            "--sparse: CachedSparseLoss does not take --false-negative-margin / false_negative_strategy (given: "
+            "--false-negative-margin): the sparse op has no false-negative filter"
+        ),
+    ),
+    "--memory-size": (
+        ["--memory-size", "8"],
+        "--sparse: CachedSparseLoss does not take a memory bank (--memory-size and its options) (given: --memory-size)",
+    ),
+    "--dual-memory": (["--dual-memory"], "--sparse: CachedSparseLoss does not take a memory bank"),
 }
 
 
@@ -72,6 +77,37 @@ def test_options_the_sparse_job_does_not_take_are_one_line_and_exit_2(flag, caps
     err = _refused(["--sparse", *REFUSED[flag]], capsys)
     assert err.startswith(f"st-cached-losses train: error: --sparse does not take {flag}: ")
     assert err.endswith(f"; drop {flag}")
+
+
+@pytest.mark.parametrize("flag", list(LOSS_REFUSES))
+def test_options_the_sparse_loss_refuses_are_one_line_and_exit_2(flag, tiny_dir, tmp_path, capsys):
+    """After loading the model, before anything is evaluated or written."""
+    pytest.importorskip("st_cached_losses").CachedSparseLoss  # noqa: B018  (the loss's own refusals)
+    argv, message = LOSS_REFUSES[flag]
+    out = tmp_path / "out"
+    err = _refused(["--sparse", "--model", str(tiny_dir), "--output-dir", str(out), *argv], capsys)
+    assert err.startswith(f"st-cached-losses train: error: {message}")
+    assert not out.exists()
+
+
+def test_the_options_the_sparse_loss_takes_build_it(tiny_dir, monkeypatch):
+    from st_cached_losses import CachedSparseLoss
+    from st_cached_losses.cli import job
+
+    options = _options(
+        [
+            *("--sparse", "--model", str(tiny_dir), "--mask-duplicates", "--activation-budget", "1000"),
+            *("--max-active-dims", "0", "16", "--mini-batch-size", "4", "--no-sort-by-length", "--backend", "chunked"),
+        ],
+        monkeypatch,
+    )
+    loss = job.prepare(options).loss
+    assert isinstance(loss, CachedSparseLoss)
+    config = loss.get_config_dict()
+    assert config["max_active_dims"] == [None, 16] and config["mask_duplicates"] is True
+    assert config["activation_budget"] == 1000 and config["sort_by_length"] is False
+    assert config["mini_batch_size"] == 4 and config["backend"] == "chunked"
+    assert loss.document_regularizer_weight == 3e-3 and loss.query_regularizer_weight == 5e-3
 
 
 def test_the_dense_job_refuses_budgets(capsys):

@@ -73,6 +73,9 @@ from .sparse import (
     make_sparse_loss,
     sparse_summary,
 )
+from .sparse import (
+    logger as sparse_logger,
+)
 from .training import (
     activation_summary,
     format_activation,
@@ -222,8 +225,11 @@ def _prepare_sparse(options: TrainOptions, model_spec: str, train, test) -> Prep
         loss = make_sparse_loss(model, options, budgets)
     except (TypeError, ValueError) as error:
         raise loss_usage_error(error, options) from error
-    if absent_negatives(train):
-        raise UsageError("--sparse: the training data has null hard negatives, which the sparse job does not take")
+    if hasattr(loss, "absent_documents_refusal"):
+        check_negatives(train, options, loss)
+    elif absent_negatives(train):
+        raise UsageError("--sparse: the training data has null hard negatives, which stock CachedSpladeLoss scores")
+    sparse_logger.info("sparse model: %s", describe(built))  # once the input is accepted: errors stay one line
     return Prepared(model, model_spec, budgets, train, build_sparse_evaluate(test, budgets), loss, sparse=built)
 
 

@@ -243,24 +243,13 @@ class TrainOptions:
             self.max_active_dims = check_budgets(self.max_active_dims)
 
 
-# What the sparse job (a SparseEncoder with CachedSparseLoss) does not take: flag -> (given?, why not).
+# What the sparse job (a SparseEncoder with CachedSparseLoss) does not take: flag -> (given?, why not). The loss's
+# own options (--mask-duplicates, --activation-budget, ...) are the loss's to take or refuse, as for the dense job.
 SPARSE_REFUSES = {
     "--dims": (lambda o: o.dims is not None, "a sparse vector has no Matryoshka dims (its budgets: --max-active-dims)"),
     "--layers": (lambda o: o.layers is not None, "--layers and --sparse each choose the loss"),
     "--multi-vector": (lambda o: o.multi_vector, "--multi-vector and --sparse each choose the model and the loss"),
     "--guide": (lambda o: o.guide is not None, "the sparse loss has no guide model"),
-    "--false-negative-margin": (
-        lambda o: o.false_negative_margin is not None,
-        "the sparse loss has no false-negative filter",
-    ),
-    "--memory-size": (lambda o: bool(o.memory_size), "the sparse loss has no memory bank"),
-    "--memory-warmup-steps": (lambda o: bool(o.memory_warmup_steps), "the sparse loss has no memory bank"),
-    "--memory-max-age": (lambda o: o.memory_max_age is not None, "the sparse loss has no memory bank"),
-    "--dual-memory": (lambda o: o.dual_memory, "the sparse loss has no memory bank"),
-    "--mask-duplicates": (lambda o: o.mask_duplicates, "the sparse job keeps duplicates out of its batches instead"),
-    "--no-in-batch-negatives": (lambda o: not o.in_batch_negatives, "the sparse job trains with in-batch negatives"),
-    "--activation-budget": (lambda o: o.activation_budget is not None, "the sparse loss re-embeds every mini-batch"),
-    "--mini-batch-size auto": (lambda o: o.mini_batch_size == "auto", "pass a number of rows"),
     "--compare-stock": (lambda o: o.compare_stock, "the sparse job has no stock comparison run"),
 }
 
@@ -339,7 +328,12 @@ def loss_usage_error(error: Exception, options: TrainOptions) -> UsageError:
     loss (``--multi-vector``, ``--layers``, ``--guide``), e.g. "--layers: CachedMatryoshka2dLoss does not take a
     memory bank (--memory-size and its options): ..."."""
     message = _ARGUMENT_NAME.sub(_flag, " ".join(str(error).split())).rstrip(".")
-    chosen = {"--multi-vector": options.multi_vector, "--layers": options.layers is not None, "--guide": options.guide}
+    chosen = {
+        "--multi-vector": options.multi_vector,
+        "--layers": options.layers is not None,
+        "--guide": options.guide,
+        "--sparse": getattr(options, "sparse", False),
+    }
     flags = " ".join(flag for flag, value in chosen.items() if value)
     return UsageError(f"{flags}: {message}" if flags else message)
 

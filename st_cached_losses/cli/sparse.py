@@ -85,9 +85,7 @@ def load_sparse_model(spec: str, max_seq_length: int, texts: Sequence[str], seed
     except Exception as error:
         raise UsageError(f"--model {spec!r} cannot be loaded as a sparse model: {first_line(error)}") from error
     model.max_seq_length = max_seq_length
-    built = {"model": spec, **built, "modules": [type(module).__name__ for module in model]}
-    logger.info("sparse model: %s", describe(built))
-    return model, built
+    return model, {"model": spec, **built, "modules": [type(module).__name__ for module in model]}
 
 
 def _is_sparse_encoder(spec: str) -> bool:
@@ -201,28 +199,28 @@ def describe(built: dict[str, Any]) -> str:
 
 def make_sparse_loss(model, options, budgets: Sequence[int | None]):
     """CachedSparseLoss(model, SparseMultipleNegativesRankingLoss(model), ...) with the FLOPS regularisers'
-    weights (:data:`DOCUMENT_REGULARIZER_WEIGHT`, :data:`QUERY_REGULARIZER_WEIGHT`), ``options.mini_batch_size``,
-    ``max_active_dims=budgets``, ``options.backend`` and ``options.loss_precision``; stock CachedSpladeLoss with the
-    same weights where CachedSparseLoss is not installed (it trains every active entry only)."""
+    weights (:data:`DOCUMENT_REGULARIZER_WEIGHT`, :data:`QUERY_REGULARIZER_WEIGHT`), ``max_active_dims=budgets``
+    and the losses' options as the dense job passes them (``mini_batch_size``, ``backend``, ``precision``,
+    ``activation_budget``, ``mask_duplicates``, ...: :func:`~.training.loss_options`), so that the loss itself
+    refuses what it does not take; stock CachedSpladeLoss with the same weights where CachedSparseLoss is not
+    installed (it trains every active entry only, and takes none of the options)."""
     from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss
 
-    size = DEFAULT_MINI_BATCH_SIZE if options.mini_batch_size == "auto" else options.mini_batch_size
-    common = dict(
-        document_regularizer_weight=DOCUMENT_REGULARIZER_WEIGHT,
-        query_regularizer_weight=QUERY_REGULARIZER_WEIGHT,
-        mini_batch_size=size,
-        show_progress_bar=False,
+    from .training import loss_options, shows_progress
+
+    weights = dict(
+        document_regularizer_weight=DOCUMENT_REGULARIZER_WEIGHT, query_regularizer_weight=QUERY_REGULARIZER_WEIGHT
     )
     base = SparseMultipleNegativesRankingLoss(model)
     ours = _cached_sparse_loss()
-    if ours is None:
-        from sentence_transformers.sparse_encoder.losses import CachedSpladeLoss
+    shown = shows_progress(options, str(model.device))
+    if ours is not None:
+        given = loss_options(options, None)
+        return ours(model, base, **weights, **given, show_progress_bar=shown, max_active_dims=list(budgets))
+    from sentence_transformers.sparse_encoder.losses import CachedSpladeLoss
 
-        if options.backend != "auto" or options.loss_precision != "auto":
-            raise UsageError("--backend and --loss-precision need CachedSparseLoss, which this install lacks")
-        return CachedSpladeLoss(model, base, **common)
-    extra = dict(backend=options.backend, precision=options.loss_precision)
-    return ours(model, base, **common, max_active_dims=list(budgets), **extra)
+    size = DEFAULT_MINI_BATCH_SIZE if options.mini_batch_size == "auto" else options.mini_batch_size
+    return CachedSpladeLoss(model, base, **weights, mini_batch_size=size, show_progress_bar=shown)
 
 
 def _cached_sparse_loss():

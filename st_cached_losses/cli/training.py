@@ -29,6 +29,7 @@ __all__ = [
     "activation_summary",
     "format_activation",
     "loss_names",
+    "loss_options",
     "make_loss",
     "memory_summary",
     "multi_vector_summary",
@@ -91,10 +92,10 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
         from ..losses.cached_matryoshka import CachedMatryoshkaLoss as Loss
 
         per_step = {}
-    return Loss(model, base, list(dims), **per_step, **_loss_options(options, guide))
+    return Loss(model, base, list(dims), **per_step, **loss_options(options, guide))
 
 
-def _loss_options(options: TrainOptions, guide) -> dict[str, Any]:
+def loss_options(options: TrainOptions, guide) -> dict[str, Any]:
     """The loss's options in ``options``: the main job's fields named as the losses' options
     (:data:`~st_cached_losses.losses.options.OPTION_NAMES`) as given, ``precision`` from ``loss_precision``, and no
     self-guided filter next to a guide (its margin is the guide loss's)."""
