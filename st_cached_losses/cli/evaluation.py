@@ -129,35 +129,43 @@ def build_sparse_evaluate(test, budgets: Sequence[int | None]) -> Callable[..., 
 
 
 def _sparse_evaluator(queries, corpus, relevant, name: str, budget: int | None, shared: dict[tuple, Any]):
-    """A ``SparseInformationRetrievalEvaluator(max_active_dims=budget)`` named ``name`` that encodes each list of
-    texts once into ``shared`` (every active entry) and keeps each row's ``budget`` largest entries of it."""
+    """A ``SparseInformationRetrievalEvaluator(max_active_dims=budget)`` named ``name`` whose model encodes each list
+    of texts once into ``shared`` (every active entry) and serves each budget's ``max_active_dims`` from it
+    (:class:`_SharedEncoding`); the evaluator's own code does the rest (its sparsity statistics included)."""
     from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
-    from sentence_transformers.util import select_max_active_dims
 
     class SharedEncodingEvaluator(SparseInformationRetrievalEvaluator):
-        def embed_inputs(self, model, sentences, encode_fn_name=None, prompt_name=None, prompt=None, **kwargs):
-            key = (encode_fn_name, prompt_name, prompt, tuple(sentences))
-            if key not in shared:
-                encode = {None: model.encode, "query": model.encode_query, "document": model.encode_document}
-                shared[key] = encode[encode_fn_name](
-                    sentences,
-                    prompt_name=prompt_name,
-                    prompt=prompt,
-                    batch_size=self.batch_size,
-                    show_progress_bar=self.show_progress_bar,
-                    convert_to_sparse_tensor=True,
-                    save_to_cpu=True,
-                    **kwargs,
-                )
-            embeddings = shared[key]
-            if self.max_active_dims is not None:
-                embeddings = select_max_active_dims(embeddings.to_dense(), self.max_active_dims).to_sparse()
-            self._record_sparsity_stats(model, embeddings, "query" if encode_fn_name in ("query", None) else "corpus")
-            return embeddings
+        def embed_inputs(self, model, *args, **kwargs):
+            return super().embed_inputs(_SharedEncoding(model, shared), *args, **kwargs)
 
     return SharedEncodingEvaluator(
         queries, corpus, relevant, **_EVALUATOR_SETTINGS, max_active_dims=budget, name=name, show_progress_bar=True
     )
+
+
+class _SharedEncoding:
+    """A SparseEncoder whose ``encode`` / ``encode_query`` / ``encode_document`` encode each list of texts once with
+    every active entry (cached in ``shared``) and keep each row's ``max_active_dims`` largest entries of it with
+    ``select_max_active_dims``, as ``encode(max_active_dims=k)`` does to each row; anything else is the model's."""
+
+    def __init__(self, model, shared: dict[tuple, Any]):
+        self._model, self._shared = model, shared
+
+    def __getattr__(self, name: str):
+        if name in ("encode", "encode_query", "encode_document"):
+            return functools.partial(self._encode, name)
+        return getattr(self._model, name)
+
+    def _encode(self, method: str, sentences, max_active_dims: int | None = None, **kwargs):
+        from sentence_transformers.util import select_max_active_dims
+
+        key = (method, tuple(sentences), tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key not in self._shared:
+            self._shared[key] = getattr(self._model, method)(sentences, max_active_dims=None, **kwargs)
+        embeddings = self._shared[key]
+        if max_active_dims is None:
+            return embeddings
+        return select_max_active_dims(embeddings.to_dense(), max_active_dims).to_sparse()
 
 
 def evaluate_truncated(
