@@ -387,7 +387,8 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(f"{results['sparse']['description']}; sparse retrieval at each max_active_dims budget:")
     rows = [("all", results["before"], results["after"])]
     rows += [(n, runs["before"], runs["after"]) for n, runs in layers.items()]
-    header = (f"{'layers':>6} " if layers else "") + f"{'dim':>5}  "
+    label = "k" if "sparse" in results else "dim"  # a sparse run's rows are its max_active_dims budgets
+    header = (f"{'layers':>6} " if layers else "") + f"{label:>5}  "
     lines.append(header + "  ".join(f"{name + ' before -> after':>25}" for name in names))
     for n, before_dims, after_dims in rows:
         for dim, before in before_dims.items():
