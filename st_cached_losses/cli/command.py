@@ -314,7 +314,8 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         "with CachedSparseLoss at every --max-active-dims budget, and evaluate sparse retrieval at each budget. "
         "Its defaults differ: "
         + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPARSE_DEFAULTS.items())
-        + "; the options that job does not take are refused (default: off)",
+        + "; --dims, --layers, --multi-vector, --guide and --compare-stock are refused, and the loss options "
+        "CachedSparseLoss does not take with its reason (default: off)",
     )
     p.add_argument(
         "--max-active-dims",
