@@ -33,6 +33,7 @@ from .options import (
     DEFAULT_MAX_SEQ_LENGTH,
     DEFAULT_MINI_BATCH_SIZE,
     DEFAULT_SEED,
+    SPARSE_DEFAULTS,
     TrainOptions,
     check_number,
 )
@@ -79,6 +80,17 @@ def number(kind: str, parse: Callable[[str], Any] = int, auto: bool = False) -> 
 
     convert.__name__ = kind + (" or auto" if auto else "")  # what argparse would print for the type
     return convert
+
+
+def budget(text: str) -> int | None:
+    """--max-active-dims's argument type: an integer >= 0 or "all" (0 and "all": None, no truncation)."""
+    if text == "all":
+        return None
+    try:
+        value = number("an integer >= 0")(text)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(str(error).replace(", got", " or all, got")) from None
+    return value or None
 
 
 POSITIVE_INT, POSITIVE_NUMBER = number("a positive integer"), number("a positive number", float)
@@ -293,6 +305,27 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         "that loss does not take (--false-negative-margin, a memory bank, ...) are refused with its reason "
         "(default: off)",
     )
+    p.add_argument(
+        "--sparse",
+        action="store_true",
+        help="SPLADE: build a SparseEncoder from --model (a saved SparseEncoder as it is; else its transformer with "
+        "its masked-language-model head, the decoder tied to the word embeddings, and SpladePooling max / "
+        "log1p_relu; the head's new bias set so that about 2%% of the vocabulary is active at the start), train it "
+        "with CachedSparseLoss at every --max-active-dims budget, and evaluate sparse retrieval at each budget. "
+        "Its defaults differ: "
+        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPARSE_DEFAULTS.items())
+        + "; --dims, --layers, --multi-vector, --guide and --compare-stock are refused, and the loss options "
+        "CachedSparseLoss does not take with its reason (default: off)",
+    )
+    p.add_argument(
+        "--max-active-dims",
+        type=budget,
+        nargs="+",
+        default=None,
+        metavar="K",
+        help="with --sparse, the budgets: each row keeps its K largest values (0 or 'all': every active entry), "
+        "trained in one sweep and evaluated at each (default: all 256 64)",
+    )
     sorting = p.add_mutually_exclusive_group()
     sorting.add_argument(
         "--sort-by-length",
@@ -340,10 +373,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parser_of(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of ``command``, a subcommand of ``parser`` (:func:`build_parser`'s)."""
+    (subparsers,) = (action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    return subparsers.choices[command]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, or 2 for bad input). argparse's errors raise SystemExit(2)
     after their one line, as argparse's do; ``--help`` prints the usage and raises SystemExit(0)."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "sparse", False):  # the sparse job's own defaults, where the flags are not given
+        parser = build_parser()
+        parser_of(parser, "train").set_defaults(**SPARSE_DEFAULTS)
+        args = parser.parse_args(argv)
     with _info_logs():
         try:
             return args.func(args)

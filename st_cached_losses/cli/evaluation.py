@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["AFTER", "BEFORE", "METRICS", "build_evaluate", "build_multi_vector_evaluate", "evaluate_truncated"]
+__all__ = [
+    "AFTER",
+    "BEFORE",
+    "METRICS",
+    "build_evaluate",
+    "build_multi_vector_evaluate",
+    "build_sparse_evaluate",
+    "evaluate_truncated",
+]
 
 METRICS = ("ndcg@10", "mrr@10", "recall@10")
 BEFORE, AFTER = "before_training", "after_training"  # the stages' names: the card's column labels
@@ -86,6 +94,78 @@ def build_multi_vector_evaluate(test, dims: Sequence[int]) -> Callable[..., dict
 
     evaluate.num_queries, evaluate.num_corpus = len(queries), len(corpus)
     return evaluate
+
+
+def build_sparse_evaluate(test, budgets: Sequence[int | None]) -> Callable[..., dict[str, dict[str, float]]]:
+    """:func:`build_evaluate` for a SparseEncoder: ``evaluate(model, stage="") -> {"<budget>": {"ndcg@10", "mrr@10",
+    "recall@10", "query_active_dims", "corpus_active_dims"}}`` ("all" for the budget None), sentence-transformers'
+    ``SparseInformationRetrievalEvaluator(max_active_dims=budget)`` for each budget, named ``<stage>_budget_<budget>``;
+    the active dims are its mean nonzero entries per query and per document at that budget.
+
+    One encoding per call is shared by all budgets: the queries and the corpus are encoded once with every active
+    entry, and each budget keeps each row's largest entries with ``select_max_active_dims``, which is what
+    ``encode(max_active_dims=budget)`` does to each row (it saves (len(budgets) - 1) encodings of the split).
+    """
+    from .sparse import budget_name
+
+    queries, corpus, relevant = _retrieval_task(test)
+
+    def evaluate(model, stage: str = "") -> dict[str, dict[str, float]]:
+        shared: dict[tuple, Any] = {}  # a fresh encoding per call: the model changes between calls
+        results = {}
+        for budget in budgets:
+            name = _named(stage, f"budget_{budget_name(budget)}")
+            evaluator = _sparse_evaluator(queries, corpus, relevant, name, budget, shared)
+            scores = evaluator(model)
+            prefix = f"{name}_{model.similarity_fn_name}_"
+            found = {metric: float(scores[prefix + metric]) for metric in METRICS}
+            for side in ("query", "corpus"):
+                found[f"{side}_active_dims"] = float(scores[f"{name}_{side}_active_dims"])
+            results[budget_name(budget)] = found
+        return results
+
+    evaluate.num_queries, evaluate.num_corpus = len(queries), len(corpus)
+    return evaluate
+
+
+def _sparse_evaluator(queries, corpus, relevant, name: str, budget: int | None, shared: dict[tuple, Any]):
+    """A ``SparseInformationRetrievalEvaluator(max_active_dims=budget)`` named ``name`` whose model encodes each list
+    of texts once into ``shared`` (every active entry) and serves each budget's ``max_active_dims`` from it
+    (:class:`_SharedEncoding`); the evaluator's own code does the rest (its sparsity statistics included)."""
+    from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
+
+    class SharedEncodingEvaluator(SparseInformationRetrievalEvaluator):
+        def embed_inputs(self, model, *args, **kwargs):
+            return super().embed_inputs(_SharedEncoding(model, shared), *args, **kwargs)
+
+    return SharedEncodingEvaluator(
+        queries, corpus, relevant, **_EVALUATOR_SETTINGS, max_active_dims=budget, name=name, show_progress_bar=True
+    )
+
+
+class _SharedEncoding:
+    """A SparseEncoder whose ``encode`` / ``encode_query`` / ``encode_document`` encode each list of texts once with
+    every active entry (cached in ``shared``) and keep each row's ``max_active_dims`` largest entries of it with
+    ``select_max_active_dims``, as ``encode(max_active_dims=k)`` does to each row; anything else is the model's."""
+
+    def __init__(self, model, shared: dict[tuple, Any]):
+        self._model, self._shared = model, shared
+
+    def __getattr__(self, name: str):
+        if name in ("encode", "encode_query", "encode_document"):
+            return functools.partial(self._encode, name)
+        return getattr(self._model, name)
+
+    def _encode(self, method: str, sentences, max_active_dims: int | None = None, **kwargs):
+        from sentence_transformers.util import select_max_active_dims
+
+        key = (method, tuple(sentences), tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key not in self._shared:
+            self._shared[key] = getattr(self._model, method)(sentences, max_active_dims=None, **kwargs)
+        embeddings = self._shared[key]
+        if max_active_dims is None:
+            return embeddings
+        return select_max_active_dims(embeddings.to_dense(), max_active_dims).to_sparse()
 
 
 def evaluate_truncated(

@@ -41,7 +41,15 @@ from ..ops import recorded_choices
 from .comparison import compare_stock
 from .data import absent_negatives, check_negatives, load_pairs, looks_like_path, warn_degenerate
 from .data import logger as data_logger
-from .evaluation import AFTER, BEFORE, METRICS, build_evaluate, build_multi_vector_evaluate, evaluate_truncated
+from .evaluation import (
+    AFTER,
+    BEFORE,
+    METRICS,
+    build_evaluate,
+    build_multi_vector_evaluate,
+    build_sparse_evaluate,
+    evaluate_truncated,
+)
 from .hub import check_hub_reachable
 from .options import (
     MIN_DEFAULT_DIM,
@@ -56,6 +64,18 @@ from .options import (
     resolve_dims,
 )
 from .run_dir import check_output_dir, write_run
+from .sparse import (
+    CALIBRATION_TEXTS,
+    DEFAULT_BUDGETS,
+    budget_name,
+    describe,
+    load_sparse_model,
+    make_sparse_loss,
+    sparse_summary,
+)
+from .sparse import (
+    logger as sparse_logger,
+)
 from .training import (
     activation_summary,
     format_activation,
@@ -83,18 +103,29 @@ def load_model(spec: str, max_seq_length: int, flag: str = "--model", *, multi_v
         UsageError: a local path that does not exist, a Hub id while the Hub cannot be reached
             (:func:`~.hub.check_hub_reachable`), a model that cannot be loaded, or one whose weights hold NaN or Inf.
     """
+    source = _model_source(spec, flag)
+    from sentence_transformers import SentenceTransformer  # seconds: only once the cheap checks passed
+
+    try:
+        model = _multi_vector_encoder(source, seed) if multi_vector else SentenceTransformer(source)
+    except Exception as error:
+        raise UsageError(f"{flag} {spec!r} cannot be loaded: {first_line(error)}") from error
+    return _checked_model(model, spec, flag, max_seq_length)
+
+
+def _model_source(spec: str, flag: str) -> str:
+    """The local path of ``spec``, or the Hub id once the Hub is reachable; UsageError for a path that does not
+    exist."""
     local = Path(spec).expanduser()
     if not local.exists() and looks_like_path(spec):
         raise UsageError(f"{flag} {spec!r}: no such directory")
     if not local.exists():
         check_hub_reachable(flag, spec)
-    from sentence_transformers import SentenceTransformer  # seconds: only once the cheap checks passed
+    return str(local) if local.exists() else spec
 
-    source = str(local) if local.exists() else spec
-    try:
-        model = _multi_vector_encoder(source, seed) if multi_vector else SentenceTransformer(source)
-    except Exception as error:
-        raise UsageError(f"{flag} {spec!r} cannot be loaded: {first_line(error)}") from error
+
+def _checked_model(model, spec: str, flag: str, max_seq_length: int):
+    """``model`` with ``max_seq_length``, once it reports its dimension and its weights are finite (else UsageError)."""
     if model.get_embedding_dimension() is None:
         raise UsageError(f"{flag} {spec!r} does not report its embedding dimension")
     from ..gradcache.steps import nonfinite_weights  # imports sentence-transformers: not at the CLI's import
@@ -138,6 +169,7 @@ class Prepared(NamedTuple):
     evaluate: Any  # build_evaluate's evaluate(model) over the held-out split
     loss: Any  # make_loss's loss of the options, on model
     guide: Any = None  # the --guide model
+    sparse: dict[str, Any] | None = None  # --sparse: how the model was built (sparse.load_sparse_model)
 
 
 def prepare(options: TrainOptions) -> Prepared:
@@ -158,6 +190,11 @@ def prepare(options: TrainOptions) -> Prepared:
     model_spec = options.model or default_model_path()
     with quiet_loading(), _held_warnings(data_logger) as release:  # bad input below stays one line
         train, test = load_pairs(options.dataset, options.seed, options.max_train_samples, options.max_eval_samples)
+        if options.sparse:
+            job = _prepare_sparse(options, model_spec, train, test)
+            release()
+            warn_degenerate(train, test, options.batch_size, options.seed, options.sampler)
+            return job
         model = load_model(model_spec, options.max_seq_length, multi_vector=options.multi_vector, seed=options.seed)
         guide = None if options.guide is None else load_model(options.guide, options.max_seq_length, "--guide")
         min_dim = MIN_DEFAULT_TOKEN_DIM if options.multi_vector else MIN_DEFAULT_DIM
@@ -172,6 +209,28 @@ def prepare(options: TrainOptions) -> Prepared:
     evaluate = (build_multi_vector_evaluate if options.multi_vector else build_evaluate)(test, dims)
     warn_degenerate(train, test, options.batch_size, options.seed, options.sampler)
     return Prepared(model, model_spec, dims, train, evaluate, loss, guide)
+
+
+def _prepare_sparse(options: TrainOptions, model_spec: str, train, test) -> Prepared:
+    """:func:`prepare`'s --sparse part: the sparse model (:func:`~.sparse.load_sparse_model`, its head calibrated on
+    the first training texts), its budgets, its loss (:func:`~.sparse.make_sparse_loss`), its evaluation."""
+    budgets = list(options.max_active_dims or DEFAULT_BUDGETS)
+    half = CALIBRATION_TEXTS // 2
+    texts = train["anchor"][:half] + train["positive"][:half]
+    model, built = load_sparse_model(_model_source(model_spec, "--model"), options.max_seq_length, texts, options.seed)
+    built["model"] = options.model or "the packaged all-MiniLM-L6-v2"
+    model = _checked_model(model, model_spec, "--model", options.max_seq_length)
+    model.model_card_data.model_name = describe(built)
+    try:
+        loss = make_sparse_loss(model, options, budgets)
+    except (TypeError, ValueError) as error:
+        raise loss_usage_error(error, options) from error
+    if hasattr(loss, "absent_documents_refusal"):
+        check_negatives(train, options, loss)
+    elif absent_negatives(train):
+        raise UsageError("--sparse: the training data has null hard negatives, which stock CachedSpladeLoss scores")
+    sparse_logger.info("sparse model: %s", describe(built))  # once the input is accepted: errors stay one line
+    return Prepared(model, model_spec, budgets, train, build_sparse_evaluate(test, budgets), loss, sparse=built)
 
 
 @contextlib.contextmanager
@@ -229,7 +288,7 @@ def run(options: TrainOptions) -> dict[str, Any]:
     with scratch_trainer(model, loss, job.train, options) as trainer:  # its refusal too comes before any work
         print(
             f"{len(job.train)} training pairs, {job.evaluate.num_queries} held-out queries over "
-            f"{job.evaluate.num_corpus} documents; {'token dims' if options.multi_vector else 'dims'} {job.dims}; "
+            f"{job.evaluate.num_corpus} documents; {_dims_label(options, job.dims)}; "
             f"device {device}",
             flush=True,
         )
@@ -261,6 +320,8 @@ def run(options: TrainOptions) -> dict[str, Any]:
         results["memory"] = memory_summary(loss)
     if options.multi_vector:
         results["multi_vector"] = multi_vector_summary(model, loss)
+    if options.sparse:
+        results["sparse"] = sparse_summary(job.sparse, loss, job.dims)
     if initial is not None:
         results["compare_stock"] = compare_stock(initial, job.dims, job.train, options, first=ours, guide=job.guide)
 
@@ -268,6 +329,13 @@ def run(options: TrainOptions) -> dict[str, Any]:
     print(format_table(results))
     print(f"wrote {options.output_dir / 'model'} and {options.output_dir / 'results.json'}")
     return results
+
+
+def _dims_label(options: TrainOptions, dims: list) -> str:
+    """What the run trains at, for its first line: dims, token dims, or sparse budgets (max active dims)."""
+    if options.sparse:
+        return "max active dims " + " ".join(budget_name(budget) for budget in dims)
+    return f"{'token dims' if options.multi_vector else 'dims'} {dims}"
 
 
 def _config(options: TrainOptions, job: Prepared, steps: int) -> dict[str, Any]:
@@ -284,7 +352,7 @@ def _config(options: TrainOptions, job: Prepared, steps: int) -> dict[str, Any]:
         eval_queries=job.evaluate.num_queries,
         eval_corpus=job.evaluate.num_corpus,
         device=str(job.model.device),
-        loss_precision=job.loss.resolved_precision,
+        loss_precision=getattr(job.loss, "resolved_precision", None),  # None: stock CachedSpladeLoss (--sparse)
         absent_negatives=absent_negatives(job.train),
         versions=_versions(),
     )
@@ -315,9 +383,12 @@ def format_table(results: dict[str, Any]) -> str:
     lines = []
     if "multi_vector" in results:
         lines.append("MaxSim retrieval at each token dim (the model cut by truncate_token_dim):")
+    if "sparse" in results:
+        lines.append(f"{results['sparse']['description']}; sparse retrieval at each max_active_dims budget:")
     rows = [("all", results["before"], results["after"])]
     rows += [(n, runs["before"], runs["after"]) for n, runs in layers.items()]
-    header = (f"{'layers':>6} " if layers else "") + f"{'dim':>5}  "
+    label = "k" if "sparse" in results else "dim"  # a sparse run's rows are its max_active_dims budgets
+    header = (f"{'layers':>6} " if layers else "") + f"{label:>5}  "
     lines.append(header + "  ".join(f"{name + ' before -> after':>25}" for name in names))
     for n, before_dims, after_dims in rows:
         for dim, before in before_dims.items():

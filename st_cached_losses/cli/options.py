@@ -26,8 +26,10 @@ __all__ = [
     "DEFAULT_MINI_BATCH_SIZE",
     "MIN_DEFAULT_DIM",
     "MIN_DEFAULT_TOKEN_DIM",
+    "SPARSE_DEFAULTS",
     "TrainOptions",
     "check_batch_sizes",
+    "check_budgets",
     "check_fp16",
     "check_layers",
     "check_number",
@@ -45,6 +47,15 @@ DEFAULT_MAX_SEQ_LENGTH = 64  # covers 97% of the built-in anchors and 99% of the
 DEFAULT_LEARNING_RATE = 2e-4
 DEFAULT_SEED = 12
 MIN_DEFAULT_DIM = 32
+# --sparse's defaults, where the flags are not given: a SPLADE model's MLM head scores the whole vocabulary at every
+# token (about twice the encoder's work for MiniLM), so the run is cut to exit within 30 minutes on a 2-core CPU.
+SPARSE_DEFAULTS = {
+    "batch_size": 64,
+    "mini_batch_size": 32,
+    "max_seq_length": 32,
+    "max_train_samples": 1000,
+    "max_eval_samples": 400,
+}
 # --multi-vector: the token dim halved while >= 16, so MultiVectorEncoder's 128-dim projection trains 128 64 32 16
 # (jina-colbert-v2 serves 128, 96 and 64; token vectors are many, so the small dims are the ones that save storage).
 MIN_DEFAULT_TOKEN_DIM = 16
@@ -148,6 +159,8 @@ class TrainOptions:
     multi_vector: bool = False  # a MultiVectorEncoder (MaxSim) with CachedMultiVectorMatryoshkaLoss, token dims
     sort_by_length: bool = True  # the loss's: rows of similar length share a mini-batch (False: stock's dropout)
     in_batch_negatives: bool = True  # False: each anchor against its own positive and hard negatives only
+    sparse: bool = False  # a SPLADE SparseEncoder with CachedSparseLoss, evaluated at every max_active_dims budget
+    max_active_dims: Sequence[int | str | None] | None = None  # --sparse's budgets (0 / "all" / None: no truncation)
 
     def __post_init__(self):
         self.output_dir = Path(self.output_dir)
@@ -166,6 +179,7 @@ class TrainOptions:
             )
         self._check_duplicates()
         self._check_compare_stock()
+        self._check_sparse()
 
     @property
     def sampler(self) -> str:
@@ -214,6 +228,49 @@ class TrainOptions:
                     f"--compare-stock compares the same loss, and stock has no {what}: drop {flag.split()[0]} or "
                     "--compare-stock"
                 )
+
+    def _check_sparse(self) -> None:
+        """--sparse: the options its job does not take (:data:`SPARSE_REFUSES`), one line each; --max-active-dims
+        only with it, and its budgets normalised (0 / "all" -> None, no repeats)."""
+        if not self.sparse:
+            if self.max_active_dims is not None:
+                raise UsageError("--max-active-dims is the sparse job's budgets: pass --sparse too, or drop it")
+            return
+        for flag, (given, why) in SPARSE_REFUSES.items():
+            if given(self):
+                raise UsageError(f"--sparse does not take {flag}: {why}; drop {flag}")
+        if self.max_active_dims is not None:
+            self.max_active_dims = check_budgets(self.max_active_dims)
+
+
+# What the sparse job (a SparseEncoder with CachedSparseLoss) does not take: flag -> (given?, why not). The loss's
+# own options (--mask-duplicates, --activation-budget, ...) are the loss's to take or refuse, as for the dense job.
+SPARSE_REFUSES = {
+    "--dims": (lambda o: o.dims is not None, "a sparse vector has no Matryoshka dims (its budgets: --max-active-dims)"),
+    "--layers": (lambda o: o.layers is not None, "--layers and --sparse each choose the loss"),
+    "--multi-vector": (lambda o: o.multi_vector, "--multi-vector and --sparse each choose the model and the loss"),
+    "--guide": (lambda o: o.guide is not None, "the sparse loss has no guide model"),
+    "--compare-stock": (lambda o: o.compare_stock, "the sparse job has no stock comparison run"),
+}
+
+
+def check_budgets(budgets: Sequence[int | str | None]) -> list[int | None]:
+    """--max-active-dims: each a positive integer, or 0 / "all" / None (every active entry: None), none repeated.
+
+    Raises:
+        UsageError: another value, or a repeated budget.
+    """
+    resolved = []
+    for budget in budgets:
+        if budget in (0, "all", None):
+            resolved.append(None)
+            continue
+        _check_option("--max-active-dims", budget, "a positive integer")
+        resolved.append(int(budget))
+    if len(set(resolved)) < len(resolved):
+        shown = " ".join("all" if k is None else str(k) for k in budgets)
+        raise UsageError(f"--max-active-dims {shown}: a budget is repeated (0 and all both mean no truncation)")
+    return resolved
 
 
 KINDS = {  # what each kind of number option must be, e.g. NUMBER_KINDS["batch_size"]
@@ -271,7 +328,12 @@ def loss_usage_error(error: Exception, options: TrainOptions) -> UsageError:
     loss (``--multi-vector``, ``--layers``, ``--guide``), e.g. "--layers: CachedMatryoshka2dLoss does not take a
     memory bank (--memory-size and its options): ..."."""
     message = _ARGUMENT_NAME.sub(_flag, " ".join(str(error).split())).rstrip(".")
-    chosen = {"--multi-vector": options.multi_vector, "--layers": options.layers is not None, "--guide": options.guide}
+    chosen = {
+        "--multi-vector": options.multi_vector,
+        "--layers": options.layers is not None,
+        "--guide": options.guide,
+        "--sparse": getattr(options, "sparse", False),
+    }
     flags = " ".join(flag for flag, value in chosen.items() if value)
     return UsageError(f"{flags}: {message}" if flags else message)
 

@@ -29,6 +29,7 @@ __all__ = [
     "activation_summary",
     "format_activation",
     "loss_names",
+    "loss_options",
     "make_loss",
     "memory_summary",
     "multi_vector_summary",
@@ -91,10 +92,10 @@ def make_loss(model, dims: Sequence[int], options: TrainOptions, stock: bool = F
         from ..losses.cached_matryoshka import CachedMatryoshkaLoss as Loss
 
         per_step = {}
-    return Loss(model, base, list(dims), **per_step, **_loss_options(options, guide))
+    return Loss(model, base, list(dims), **per_step, **loss_options(options, guide))
 
 
-def _loss_options(options: TrainOptions, guide) -> dict[str, Any]:
+def loss_options(options: TrainOptions, guide) -> dict[str, Any]:
     """The loss's options in ``options``: the main job's fields named as the losses' options
     (:data:`~st_cached_losses.losses.options.OPTION_NAMES`) as given, ``precision`` from ``loss_precision``, and no
     self-guided filter next to a guide (its margin is the guide loss's)."""
@@ -224,6 +225,8 @@ def _training_args(options: TrainOptions, output_dir: str, device: str):
         from sentence_transformers.multi_vector_encoder.training_args import (
             MultiVectorEncoderTrainingArguments as Arguments,
         )
+    elif options.sparse:
+        from sentence_transformers.sparse_encoder.training_args import SparseEncoderTrainingArguments as Arguments
     else:
         from sentence_transformers.sentence_transformer.training_args import (
             SentenceTransformerTrainingArguments as Arguments,
@@ -264,6 +267,8 @@ def scratch_trainer(model, loss, train, options: TrainOptions) -> Iterator[Any]:
     """
     if options.multi_vector:
         from sentence_transformers.multi_vector_encoder.trainer import MultiVectorEncoderTrainer as Trainer
+    elif options.sparse:
+        from sentence_transformers.sparse_encoder.trainer import SparseEncoderTrainer as Trainer
     else:
         from sentence_transformers import SentenceTransformerTrainer as Trainer
 
@@ -291,7 +296,7 @@ def warm_up_kernels(loss, train, options: TrainOptions, device: str) -> dict[str
     and for the multi-vector loss, whose kernels specialise on each batch's padded token counts (they compile at their
     first launch). Returns what results.json records: the target, the backend, the kernel specializations compiled,
     the seconds and ``uncovered`` (``WarmUp.uncovered``: the steps whose kernels compile at their first launch)."""
-    if not device.startswith("cuda") or options.multi_vector:
+    if not device.startswith("cuda") or options.multi_vector or options.sparse:
         return None
     from ..warmup import warm_up
 
