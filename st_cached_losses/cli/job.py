@@ -225,10 +225,7 @@ def _prepare_sparse(options: TrainOptions, model_spec: str, train, test) -> Prep
         loss = make_sparse_loss(model, options, budgets)
     except (TypeError, ValueError) as error:
         raise loss_usage_error(error, options) from error
-    if hasattr(loss, "absent_documents_refusal"):
-        check_negatives(train, options, loss)
-    elif absent_negatives(train):
-        raise UsageError("--sparse: the training data has null hard negatives, which stock CachedSpladeLoss scores")
+    check_negatives(train, options, loss)
     sparse_logger.info("sparse model: %s", describe(built))  # once the input is accepted: errors stay one line
     return Prepared(model, model_spec, budgets, train, build_sparse_evaluate(test, budgets), loss, sparse=built)
 
@@ -352,7 +349,7 @@ def _config(options: TrainOptions, job: Prepared, steps: int) -> dict[str, Any]:
         eval_queries=job.evaluate.num_queries,
         eval_corpus=job.evaluate.num_corpus,
         device=str(job.model.device),
-        loss_precision=getattr(job.loss, "resolved_precision", None),  # None: stock CachedSpladeLoss (--sparse)
+        loss_precision=job.loss.resolved_precision,
         absent_negatives=absent_negatives(job.train),
         versions=_versions(),
     )

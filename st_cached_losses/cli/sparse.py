@@ -10,8 +10,7 @@ MiniLM's 30522 entries are active on the built-in texts, a dense vector that SPL
 hundreds of steps to thin out.
 
 The loss (:func:`make_sparse_loss`): :class:`st_cached_losses.CachedSparseLoss` around stock
-``SparseMultipleNegativesRankingLoss`` with every ``--max-active-dims`` budget, or stock ``CachedSpladeLoss`` (every
-active entry only) where this install has no CachedSparseLoss.
+``SparseMultipleNegativesRankingLoss`` with every ``--max-active-dims`` budget.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from typing import Any
 
 import torch
 
-from ..gradcache.defaults import DEFAULT_MINI_BATCH_SIZE
 from .usage import UsageError, first_line
 
 __all__ = [
@@ -202,32 +200,20 @@ def make_sparse_loss(model, options, budgets: Sequence[int | None]):
     weights (:data:`DOCUMENT_REGULARIZER_WEIGHT`, :data:`QUERY_REGULARIZER_WEIGHT`), ``max_active_dims=budgets``
     and the losses' options as the dense job passes them (``mini_batch_size``, ``backend``, ``precision``,
     ``activation_budget``, ``mask_duplicates``, ...: :func:`~.training.loss_options`), so that the loss itself
-    refuses what it does not take; stock CachedSpladeLoss with the same weights where CachedSparseLoss is not
-    installed (it trains every active entry only, and takes none of the options)."""
+    refuses what it does not take."""
     from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss
 
+    from ..losses import CachedSparseLoss
     from .training import loss_options, shows_progress
 
     weights = dict(
         document_regularizer_weight=DOCUMENT_REGULARIZER_WEIGHT, query_regularizer_weight=QUERY_REGULARIZER_WEIGHT
     )
     base = SparseMultipleNegativesRankingLoss(model)
-    ours = _cached_sparse_loss()
     shown = shows_progress(options, str(model.device))
-    if ours is not None:
-        given = loss_options(options, None)
-        return ours(model, base, **weights, **given, show_progress_bar=shown, max_active_dims=list(budgets))
-    from sentence_transformers.sparse_encoder.losses import CachedSpladeLoss
-
-    size = DEFAULT_MINI_BATCH_SIZE if options.mini_batch_size == "auto" else options.mini_batch_size
-    return CachedSpladeLoss(model, base, **weights, mini_batch_size=size, show_progress_bar=shown)
-
-
-def _cached_sparse_loss():
-    """st_cached_losses.CachedSparseLoss, or None before it is installed."""
-    import st_cached_losses
-
-    return getattr(st_cached_losses, "CachedSparseLoss", None)
+    return CachedSparseLoss(
+        model, base, **weights, **loss_options(options, None), show_progress_bar=shown, max_active_dims=list(budgets)
+    )
 
 
 def sparse_summary(built: dict[str, Any], loss, budgets: Sequence[int | None]) -> dict[str, Any]:
