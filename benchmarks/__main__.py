@@ -5,7 +5,8 @@ python -m benchmarks                          # everything committed: train_step
                                               # in-batch negatives on and off),
                                               # compile_step, integrations, scale_out, memory_bank,
                                               # multivector_loss_stage (and in-batch negatives on and off),
-                                              # multivector_train_step, loss_precision (op loss ndcg)
+                                              # multivector_train_step, loss_precision (op loss ndcg),
+                                              # sparse_loss_stage, sparse_train_step
 python -m benchmarks train_step [FLAGS...]    # one benchmark, with its own flags (see --help)
 python -m benchmarks loss_stage [FLAGS...]
 python -m benchmarks compile_step [FLAGS...]  # torch.compile against eager (inductor: C++ compiles, minutes)
@@ -15,6 +16,8 @@ python -m benchmarks memory_bank PARTS...      # the memory bank: loss stage, a 
 python -m benchmarks multivector_loss_stage [FLAGS...]   # late interaction: maxsim_infonce against stock's
 python -m benchmarks multivector_train_step [FLAGS...]   # late interaction: a MultiVectorEncoder's training step
 python -m benchmarks loss_precision PARTS...  # what precision="bf16" costs against IEEE fp32 (op, loss, ndcg: slow)
+python -m benchmarks sparse_loss_stage [FLAGS...]   # SPLADE: sparse_infonce against stock CachedSpladeLoss's step 2
+python -m benchmarks sparse_train_step [FLAGS...]   # SPLADE: a whole step's peak and time against stock
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from benchmarks import (
     multivector_loss_stage,
     multivector_train_step,
     scale_out,
+    sparse_loss_stage,
+    sparse_train_step,
     train_step,
 )
 
@@ -43,6 +48,8 @@ BENCHMARKS = {
     "multivector_loss_stage": multivector_loss_stage.main,
     "multivector_train_step": multivector_train_step.main,
     "loss_precision": loss_precision.main,
+    "sparse_loss_stage": sparse_loss_stage.main,
+    "sparse_train_step": sparse_train_step.main,
 }
 # What `python -m benchmarks` runs: the committed results, each under its own file name.
 EVERYTHING = (
@@ -93,6 +100,8 @@ EVERYTHING = (
     ),
     ("multivector_train_step", ["--contenders", "ours", "ours_kept", "stock", "--repeats", "2"]),
     ("loss_precision", ["op", "loss", "ndcg"]),
+    ("sparse_loss_stage", []),
+    ("sparse_train_step", []),
 )
 
 

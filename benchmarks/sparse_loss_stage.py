@@ -19,8 +19,7 @@ memory grows in.
     python -m benchmarks.sparse_loss_stage                      # B in 1024 2048 4096 8192 16384, 2 threads
     python -m benchmarks.sparse_loss_stage --sizes 64 128 --vocab 2048 --out /tmp/smoke   # smoke run
 
-CSV (contender, B, metric, value, ...) and PNG under benchmarks/results/ (sparse_loss_stage.csv / .png); ours is
-skipped (with a line saying so) where st_cached_losses has no ``sparse_infonce`` yet.
+CSV (contender, B, metric, value, ...) and PNG under benchmarks/results/ (sparse_loss_stage.csv / .png);.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ __all__ = [
     "main",
     "problem",
     "run",
-    "sparse_infonce_or_none",
     "stock_loss",
     "summary_table",
 ]
@@ -101,13 +99,6 @@ def stock_loss(vocab: int):
     return CachedSpladeLoss(model, SparseMultipleNegativesRankingLoss(model), DOCUMENT_WEIGHT, QUERY_WEIGHT)
 
 
-def sparse_infonce_or_none() -> Callable | None:
-    """st_cached_losses.sparse_infonce, or None where this tree has no sparse op yet."""
-    import st_cached_losses
-
-    return getattr(st_cached_losses, "sparse_infonce", None)
-
-
 def contenders(
     queries, documents, vocab: int, mini_batch_size: int, budgets: Sequence[int | None], with_stock: bool
 ) -> dict[str, Callable[[], object]]:
@@ -123,10 +114,8 @@ def contenders(
             return loss.calculate_loss(reps, with_backward=True)
 
         runs["stock"] = stock
-    op = sparse_infonce_or_none()
-    if op is None:
-        print("ours: not run (st_cached_losses has no sparse_infonce in this tree)", flush=True)
-        return runs
+    from st_cached_losses import sparse_infonce as op
+
     for name, dims in (("ours", [None]), ("ours_budgets", list(budgets))):
         runs[name] = _ours(op, queries, documents, vocab, dims)
     return runs

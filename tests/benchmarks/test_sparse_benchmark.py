@@ -54,7 +54,7 @@ def test_sparse_loss_stage_smoke(tmp_path):
     assert (out / "sparse_loss_stage.png").stat().st_size > 0
     records = sparse_loss_stage.read_csv(out / "sparse_loss_stage.csv")
     value = sparse_loss_stage.values(records)
-    names = {"stock"} | ({"ours", "ours_budgets"} if sparse_loss_stage.sparse_infonce_or_none() else set())
+    names = {"stock", "ours", "ours_budgets"}
     for batch in (32, 64):
         matrix = batch * 512 * 4
         assert value[("inputs", batch, "bv_matrix_bytes")] == matrix
