@@ -254,7 +254,13 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
         self._slot = None if step is None or pad else (step, id(sentence_feature), begin, with_grad)
         try:
             return super().embed_minibatch(
-                sentence_feature, begin, end, with_grad, copy_random_state, random_state, **kw
+                sentence_feature=sentence_feature,
+                begin=begin,
+                end=end,
+                with_grad=with_grad,
+                copy_random_state=copy_random_state,
+                random_state=random_state,
+                **kw,
             )
         finally:
             self._slot = None
