@@ -23,7 +23,7 @@ from .host_read import HostRead, prepare_backend
 from .problem import Problem
 from .result import InfoNCEOutput, InfoNCEResult
 
-__all__ = ["Prepare", "all_finite", "run_op"]
+__all__ = ["Prepare", "all_finite", "run_op", "world_gradients"]
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +204,24 @@ def run_op(
     with _autocast_off(queries.device):
         loss, per_dim, lse, masked_share = _CachedGradients.apply(call, need_grad, *inputs.values())
     return InfoNCEOutput(loss, per_dim, lse, masked_share if spec.masks else None)
+
+
+def world_gradients(world_queries: Tensor | None) -> Callable[[InfoNCEResult], InfoNCEResult]:
+    """``run_op``'s ``finish`` for an op with gathered queries: the backend's (d queries, d docs, d world) as the op's
+    inputs take them. Without ``world_queries`` the world is the queries, so their gradients add up; with it, an
+    absent d world is zeros."""
+
+    def finish(result: InfoNCEResult) -> InfoNCEResult:
+        if result.grads is None:
+            return result
+        d_queries, d_docs, d_world = result.grads
+        if world_queries is None:
+            grads = (d_queries if d_world is None else d_queries + d_world), d_docs, None
+        else:
+            grads = d_queries, d_docs, torch.zeros_like(world_queries) if d_world is None else d_world
+        return result._replace(grads=grads)
+
+    return finish
 
 
 def _prepare(op: str, problem: Problem, finish: Callable[[InfoNCEResult], InfoNCEResult] | None) -> Prepare:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from ..candidates.duplicates import check_ids
 from ..candidates.layout import check_document_present, conditions
 from ..candidates.memory import check_memory
-from ..core.call import run_op
+from ..core.call import run_op, world_gradients
 from ..core.checks import check_chunk_size, keywords_of, read_options
 from ..core.precision import resolve_precision
 from ..core.problem import CandidateInputs, Problem
@@ -204,7 +203,7 @@ def matryoshka_infonce(
         backend=backend,
         nonfinite=nonfinite,
         num_directions=len(problem.spec.directions),
-        finish=lambda out: out if out.grads is None else out._replace(grads=_world_gradient(out.grads, world_queries)),
+        finish=world_gradients(world_queries),
         checked={"memory_documents": memory_documents},
         conditions=conditions(problem, problem.spec.world_batch_size),
     )
@@ -252,12 +251,3 @@ def validate(queries: Tensor, documents: Tensor, **options) -> Problem:
         ),
         tile=chunk_size,
     )
-
-
-def _world_gradient(grads: tuple, world_queries: Tensor | None) -> tuple:
-    """The backend's (d queries, d docs, d world) for the op's inputs: without ``world_queries`` the world is the
-    queries, so their gradients add up; with it, an absent d world is zeros."""
-    d_queries, d_docs, d_world = grads
-    if world_queries is None:
-        return (d_queries if d_world is None else d_queries + d_world), d_docs, None
-    return d_queries, d_docs, torch.zeros_like(world_queries) if d_world is None else d_world

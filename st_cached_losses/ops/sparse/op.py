@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..candidates.duplicates import check_ids
 from ..candidates.layout import check_document_present, conditions
-from ..core.call import run_op
+from ..core.call import run_op, world_gradients
 from ..core.checks import as_int, check_chunk_size, check_dims, check_matrix, read_options
 from ..core.problem import CandidateInputs, Problem
 from ..core.result import InfoNCEOutput
@@ -133,7 +133,7 @@ def sparse_infonce(
         backend=backend,
         nonfinite=nonfinite,
         num_directions=len(problem.spec.directions),
-        finish=lambda out: out if out.grads is None else out._replace(grads=_world_gradient(out.grads, world)),
+        finish=world_gradients(world),
         conditions=(*conditions(problem, problem.spec.world_batch_size), *_slot_conditions(problem)),
     )
 
@@ -265,12 +265,3 @@ def _slot_conditions(problem: Problem) -> tuple[tuple[Tensor, str], ...]:
         empty_zero = ~((indices < 0) & (values != 0)).any()
         out.append((empty_zero, f"{name}_values is nonzero at an empty slot (index -1): an empty slot's value is 0."))
     return tuple(out)
-
-
-def _world_gradient(grads: tuple, world_values: Tensor | None) -> tuple:
-    """The backend's (d queries, d docs, d world) for the op's inputs: without world values the world is the
-    queries, so their gradients add up; with them, an absent d world is zeros."""
-    d_queries, d_docs, d_world = grads
-    if world_values is None:
-        return (d_queries if d_world is None else d_queries + d_world), d_docs, None
-    return d_queries, d_docs, torch.zeros_like(world_values) if d_world is None else d_world
