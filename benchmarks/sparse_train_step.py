@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.core.data import batch_of, tokenize, training_pairs
-from benchmarks.core.memory import peak_tensor_bytes
+from benchmarks.core.memory import step_peak_bytes
 from benchmarks.core.report import RESULTS, plot, read_csv, values, write_csv
 from benchmarks.core.timing import spread, time_calls
 
@@ -108,7 +108,7 @@ def run(args) -> list[tuple]:
             rows.append(("inputs", batch, f"{encoder}/bv_matrix_bytes", batch * model.get_embedding_dimension() * 4))
             rows += _timed(encoder, batch, steps, args.repeats)
             for name, fn in steps.items():
-                peak = peak_tensor_bytes(fn)[1]
+                peak = step_peak_bytes(model, fn)
                 gc.collect()
                 rows.append((name, batch, f"{encoder}/peak_bytes", peak))
                 print(f"{encoder} B={batch:>5} {name:>6}: peak {peak / 2**20:9.1f} MiB", flush=True)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.core.data import autocast_model, minibatch_tokens, padded_tokens
-from benchmarks.core.memory import peak_rss_bytes, peak_tensor_bytes, rss_bytes
+from benchmarks.core.memory import peak_rss_bytes, rss_bytes, step_peak_bytes
 from benchmarks.core.phases import PHASES, TimedStep, time_steps
 
 __all__ = [
@@ -95,8 +95,7 @@ def measure_fresh(model, loss, features: list[dict], warmup: list[dict], tensor_
     result.update({f"first_{key}": value for key, value in step.last.items()})
     result.update(kept_share(loss))
     if tensor_peak:
-        gc.collect()
-        _, result["peak_bytes"] = peak_tensor_bytes(step, "cpu")
+        result["peak_bytes"] = step_peak_bytes(step.model, step, "cpu")
     return result
 
 
@@ -166,7 +165,7 @@ def measure_on_device(
         rows += [(name, batch, "out_of_memory", 1) for name in steps]
         return {}, rows
     for name, step in steps.items():
-        rows.append((name, batch, "peak_bytes", peak_tensor_bytes(step, device)[1]))
+        rows.append((name, batch, "peak_bytes", step_peak_bytes(step.model, step, device)))
     rows += _kept_rows(batch, losses)
     for copied in [step.model for step in steps.values()]:
         copied.zero_grad(set_to_none=True)

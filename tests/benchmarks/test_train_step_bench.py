@@ -243,4 +243,6 @@ def test_the_device_method_gives_each_contender_a_model_copy_and_warms_up_on_the
     assert all(parameter.grad is None for parameter in model.parameters())
     value = {(name, metric): v for name, _, metric, v in rows}
     assert value[("ours", "loss_backend_stock")] == value[("stock", "loss_backend_stock")] == 1  # no op of ours ran
-    assert value[("ours", "peak_bytes")] > 0 and value[("stock", "peak_bytes")] > 0
+    # Each peak is counted from the trainer's state between steps (no gradients), so it holds every gradient.
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert value[("ours", "peak_bytes")] >= gradient_bytes and value[("stock", "peak_bytes")] >= gradient_bytes
