@@ -6,8 +6,9 @@ mini_batch_size=...)``, on two encoders:
 
 - "splade": a tiny SPLADE model (a 2-layer, 64-dim BERT with MiniLM's vocabulary, V = 30522, built as the main job
   builds one: its MLM head with the decoder tied to the word embeddings + SpladePooling(max, log1p_relu), the head's
-  bias calibrated so that about 2% of the vocabulary is active): the exact peak of tensor bytes of a step
-  (``peak_tensor_bytes``), ours against stock (issue 50's target: ours <= a quarter of stock's), and its time.
+  bias calibrated so that about 2% of the vocabulary is active): the exact peak of tensor bytes of a step from a
+  state without gradients (``step_peak_bytes``), ours against stock (issue 50's target: ours <= a quarter of
+  stock's), and its time.
 - "static": an inference-free encoder, one ``SparseStaticEmbedding`` (a weight per vocabulary entry of the tokens
   present): the step is nearly all loss stage; its time, ours against stock, in alternating rounds (target: ours at
   least 1.5x faster), and its peak.
