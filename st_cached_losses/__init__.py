@@ -24,6 +24,7 @@ _LAZY = {
     "CachedLossCallback": "losses",
     "CachedMultiVectorMatryoshkaLoss": "losses",
     "CachedSparseLoss": "losses",
+    "UnbiasedFlopsLoss": "losses",
     "truncate_layers": "truncation",
     "truncate_token_dim": "truncation",
     "warm_up": "warmup",

@@ -21,7 +21,7 @@ DIMS = [FULL_DIM, 16]
 
 
 def exported_losses() -> list[str]:
-    """The names in ``st_cached_losses.__all__`` that are losses (torch modules), sorted."""
+    """The names in ``st_cached_losses.__all__`` that are losses (torch modules, not regularisers), sorted."""
     import st_cached_losses
 
     return sorted(
@@ -29,6 +29,7 @@ def exported_losses() -> list[str]:
         for name in st_cached_losses.__all__
         if isinstance(getattr(st_cached_losses, name), type)
         and issubclass(getattr(st_cached_losses, name), torch.nn.Module)
+        and not hasattr(getattr(st_cached_losses, name), "compute_loss_from_embeddings")
     )
 
 

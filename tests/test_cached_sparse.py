@@ -15,7 +15,7 @@ from sentence_transformers.sparse_encoder.losses import (
 )
 from sentence_transformers.util import cos_sim
 
-from st_cached_losses import CachedSparseLoss
+from st_cached_losses import CachedSparseLoss, UnbiasedFlopsLoss
 from st_cached_losses.testing import tiny_splade_encoder
 from tests.helpers import assert_grads_close, parameter_grads, row_by_row, texts
 
@@ -205,6 +205,32 @@ def test_a_regularizer_other_than_flops_is_densified(splade):
     stock = CachedSpladeLoss(splade, SparseMultipleNegativesRankingLoss(splade), **kwargs)
     ours = CachedSparseLoss(splade, SparseMultipleNegativesRankingLoss(splade), **kwargs)
     assert_matches(run(splade, ours, feats), run(splade, stock, feats))
+
+
+def test_unbiased_flops_from_the_cache_equals_stock_with_it(splade):
+    """UnbiasedFlopsLoss as both regularisers (a document threshold splitting the rows): ours computes it from the
+    sparse cache, stock from the dense embeddings; the same loss, components and gradients, and the card names it."""
+    feats = features(splade, 3)
+    kwargs = dict(
+        document_regularizer_weight=0.3,
+        query_regularizer_weight=0.5,
+        document_regularizer=UnbiasedFlopsLoss(splade, threshold=520),
+        query_regularizer=UnbiasedFlopsLoss(splade),
+        mini_batch_size=MINI_BATCH,
+    )
+    stock = CachedSpladeLoss(splade, SparseMultipleNegativesRankingLoss(splade), **kwargs)
+    ours = CachedSparseLoss(splade, SparseMultipleNegativesRankingLoss(splade), **kwargs)
+    ours_run = run(splade, ours, feats)
+    assert_matches(ours_run, run(splade, stock, feats))
+    flops = CachedSparseLoss(
+        splade, SparseMultipleNegativesRankingLoss(splade), 0.3, 0.5, document_regularizer_threshold=520
+    )
+    assert run(splade, flops, feats)[1]["query_regularizer_loss"] != pytest.approx(
+        ours_run[1]["query_regularizer_loss"], rel=1e-2
+    )  # not stock's FlopsLoss under another name
+    config = ours.get_config_dict()
+    assert config["document_regularizer"] == config["query_regularizer"] == "UnbiasedFlopsLoss"
+    assert config["document_regularizer_threshold"] == 520
 
 
 def test_evaluation_equals_stock(splade):

@@ -13,6 +13,7 @@
 - ``options.py``: ``LossOptions``, the options every loss takes as one frozen dataclass, with their checks;
 - ``refusals.py``: the one table of the options each loss refuses, with the reason;
 - ``sparse_checks.py``: what the sparse loss accepts (base loss, regularisers, the model's modules, budgets);
+- ``flops.py``: ``UnbiasedFlopsLoss``, the FLOPS regulariser without its batch-size term (opt-in);
 - ``sparse_vectors.py``: the sparse cache (a row's active entries as values and vocabulary ids), the FLOPS
   regulariser on it;
 - ``token_vectors.py``: the token vectors the multi-vector loss scores (L2-normalised as stock's Matryoshka shrink);
@@ -34,6 +35,7 @@ from .cached_matryoshka_2d import CachedMatryoshka2dLoss
 from .cached_multi_vector import CachedMultiVectorMatryoshkaLoss
 from .cached_sparse import CachedSparseLoss
 from .callback import CachedLossCallback
+from .flops import UnbiasedFlopsLoss
 
 __all__ = [
     "CachedAdaptiveLayerLoss",
@@ -42,4 +44,5 @@ __all__ = [
     "CachedMatryoshkaLoss",
     "CachedMultiVectorMatryoshkaLoss",
     "CachedSparseLoss",
+    "UnbiasedFlopsLoss",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sentence_transformers.sparse_encoder.losses import FlopsLoss, SpladeLoss
+from sentence_transformers.sparse_encoder.losses import SpladeLoss
 from sentence_transformers.sparse_encoder.model import SparseEncoder
 from torch import Tensor, nn
 
@@ -33,7 +33,7 @@ from .sparse_checks import (
     check_regularizers,
     similarity,
 )
-from .sparse_vectors import concatenated, densify, flops, gathered, pad_columns, sparsify, static_presence, take_at
+from .sparse_vectors import concatenated, gathered, pad_columns, regularize, sparsify, static_presence, take_at
 
 __all__ = ["CachedSparseLoss"]
 
@@ -95,8 +95,8 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
 
         A subclass of stock ``SpladeLoss``: the trainer adds its ``SpladeRegularizerWeightSchedulerCallback``, and
         the regulariser weights are read at every step. The FLOPS regulariser ``sum_v (mean_i x_iv)^2`` is stock's:
-        its expectation is ``mu_v^2 + sigma_v^2 / B`` per entry, so its strength falls with the batch size B; tune
-        the weights at the batch size you train with.
+        its expectation is ``mu_v^2 + sigma_v^2 / B`` per entry, so its strength falls with the batch size B: tune
+        the weights at your B, or pass :class:`~st_cached_losses.UnbiasedFlopsLoss` (``mu_v^2`` at every B).
 
         ``forward`` returns stock's entries: ``base_loss`` (with several ``max_active_dims`` budgets, one
         ``base_loss_<k>`` per budget instead, weighted; ``k`` "all" for None), ``document_regularizer_loss`` and,
@@ -110,8 +110,8 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
                 ``hardness_mode``, ``hardness_strength``, ``gather_across_devices``.
             document_regularizer_weight, query_regularizer_weight, document_regularizer, query_regularizer,
                 document_regularizer_threshold, query_regularizer_threshold, use_document_regularizer_only: as stock
-                ``SpladeLoss`` takes them. A regulariser other than FlopsLoss gets the (rows, V) embeddings densified
-                from the cache (exact, at stock's memory for that term).
+                ``SpladeLoss`` takes them. FlopsLoss and UnbiasedFlopsLoss are computed from the cache; another
+                regulariser gets the (rows, V) embeddings densified from it (exact, at stock's memory for that term).
             mini_batch_size: rows per embedding mini-batch (stock's default 32), or "auto" (from
                 ``activation_budget``).
             mini_batch_num_tokens: pack mini-batches by non-padding tokens instead.
@@ -337,13 +337,13 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
     def _regularizers(self, columns: list[tuple[Tensor, Tensor]], step: Step, vocab_size: int) -> Tensor:
         """Stock SpladeLoss's regularisers (this process's rows, as stock), weighted by the weights of this step."""
         documents = columns if self.use_document_regularizer_only else columns[1:]
-        weighted = self.document_regularizer_weight * _regularizer(
+        weighted = self.document_regularizer_weight * regularize(
             self.document_regularizer, *concatenated(documents), vocab_size
         )
         step.components["document_regularizer_loss"] = weighted.detach()
         if self.query_regularizer_weight is None:
             return weighted
-        query = self.query_regularizer_weight * _regularizer(self.query_regularizer, *columns[0], vocab_size)
+        query = self.query_regularizer_weight * regularize(self.query_regularizer, *columns[0], vocab_size)
         step.components["query_regularizer_loss"] = query.detach()
         return weighted + query
 
@@ -392,9 +392,3 @@ def _sparse_indices(step: Step) -> dict[tuple[int, int], Tensor]:
     """(id(column), first row) -> the (rows, K) vocabulary ids step (1) cached for that mini-batch, on the forward's
     step (gone with it)."""
     return vars(step).setdefault("sparse_indices", {})
-
-
-def _regularizer(regularizer: nn.Module, values: Tensor, indices: Tensor, vocab_size: int) -> Tensor:
-    if type(regularizer) is FlopsLoss:
-        return flops(values, indices, vocab_size, regularizer.threshold)
-    return regularizer.compute_loss_from_embeddings(densify(values, indices, vocab_size))

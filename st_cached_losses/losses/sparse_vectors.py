@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from sentence_transformers.sparse_encoder.losses import FlopsLoss
 from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding
 from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank, get_world_size
 from torch import Tensor, nn
@@ -23,8 +24,9 @@ from torch.nn import functional as F
 
 from ..gradcache.distributed import check_same_rows_on_every_rank
 from ..gradcache.minibatches import restore_order
+from .flops import UnbiasedFlopsLoss, unbiased_flops
 
-__all__ = ["concatenated", "densify", "flops", "gathered", "pad_columns", "sparsify", "static_presence", "take_at"]
+__all__ = ["concatenated", "densify", "gathered", "pad_columns", "regularize", "sparsify", "static_presence", "take_at"]
 
 
 @contextmanager
@@ -94,14 +96,19 @@ def pad_columns(
     return columns
 
 
-def flops(values: Tensor, indices: Tensor, vocab_size: int, threshold: float | None) -> Tensor:
-    """Stock ``FlopsLoss`` on the sparse rows: ``sum_v (mean_i x_iv)^2`` over every row, a row with no more than
-    ``threshold`` nonzero entries counting as zeros; one (V,) vector of column sums, never a (rows, V) matrix."""
-    if threshold is not None:
-        kept = ((values != 0).sum(1) > threshold).to(values.dtype)
+def regularize(regularizer: nn.Module, values: Tensor, indices: Tensor, vocab_size: int) -> Tensor:
+    """A ``SpladeLoss`` regulariser on the sparse rows. Stock ``FlopsLoss`` (``sum_v (mean_i x_iv)^2``) and
+    :class:`UnbiasedFlopsLoss` from one (V,) vector of column sums, never a (rows, V) matrix (a row with no more than
+    ``threshold`` nonzero entries counting as zeros); another regulariser on the rows densified (exact)."""
+    if type(regularizer) not in (FlopsLoss, UnbiasedFlopsLoss):
+        return regularizer.compute_loss_from_embeddings(densify(values, indices, vocab_size))
+    if regularizer.threshold is not None:
+        kept = ((values != 0).sum(1) > regularizer.threshold).to(values.dtype)
         values = values * kept.unsqueeze(1)
     valid = indices >= 0
     sums = values.new_zeros(vocab_size).index_add(0, indices.clamp(min=0)[valid], values[valid])
+    if isinstance(regularizer, UnbiasedFlopsLoss):
+        return unbiased_flops(sums, values[valid].square().sum(), values.shape[0])
     return ((sums / values.shape[0]) ** 2).sum()
 
 
