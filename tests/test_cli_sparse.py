@@ -3,6 +3,7 @@ model it builds from a dense checkpoint, its evaluation at every budget, and (sl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -146,6 +147,30 @@ def test_the_sparse_job_has_its_own_defaults_and_given_flags_win(monkeypatch):
     assert (options.batch_size, options.max_seq_length) == (1024, 64)
     dense = _options([], monkeypatch)
     assert (dense.batch_size, dense.max_seq_length, dense.max_train_samples) == (1024, 64, None)
+
+
+def test_a_python_callers_options_get_the_jobs_defaults_as_the_command_line_does(tmp_path):
+    """TrainOptions(sparse=True) from Python: the sparse job's defaults (not the dense job's 1024 pairs of 64 tokens
+    over every pair), given values winning; without sparse, the dense job's, equal to the command line's."""
+    sparse = TrainOptions(output_dir=tmp_path, sparse=True)
+    assert {name: getattr(sparse, name) for name in SPARSE_DEFAULTS} == SPARSE_DEFAULTS
+    given = TrainOptions(output_dir=tmp_path, sparse=True, batch_size=128, max_train_samples=50)
+    assert (given.batch_size, given.max_train_samples, given.max_seq_length) == (
+        128,
+        50,
+        SPARSE_DEFAULTS["max_seq_length"],
+    )
+    dense = TrainOptions(output_dir=tmp_path)
+    args = command.build_parser().parse_args(["train", "--output-dir", str(tmp_path)])
+    assert dense == TrainOptions(
+        **{field.name: getattr(args, field.name) for field in dataclasses.fields(TrainOptions)}
+    )
+    assert (dense.batch_size, dense.mini_batch_size, dense.max_seq_length, dense.max_train_samples) == (
+        1024,
+        32,
+        64,
+        None,
+    )
 
 
 # ------------------------------------------------------------------------------------------------- the model

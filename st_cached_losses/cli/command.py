@@ -138,13 +138,13 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--batch-size",
         type=POSITIVE_INT,
-        default=DEFAULT_BATCH_SIZE,
+        default=None,  # TrainOptions resolves it: the dense or the --sparse job's
         help=f"pairs per step, i.e. the in-batch negatives batch (default: {DEFAULT_BATCH_SIZE})",
     )
     p.add_argument(
         "--mini-batch-size",
         type=POSITIVE_INT_OR_AUTO,
-        default=DEFAULT_MINI_BATCH_SIZE,
+        default=None,  # TrainOptions resolves it: the dense or the --sparse job's
         help="rows embedded at a time: the memory knob, or 'auto': the largest whose activations fit "
         f"--activation-budget (or the free memory), measured at the first step (default: "
         f"{DEFAULT_MINI_BATCH_SIZE})",
@@ -173,7 +173,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-seq-length",
         type=POSITIVE_INT,
-        default=DEFAULT_MAX_SEQ_LENGTH,
+        default=None,  # TrainOptions resolves it: the dense or the --sparse job's
         help=f"tokens per text, for training and evaluation (default: {DEFAULT_MAX_SEQ_LENGTH})",
     )
     p.add_argument(
@@ -373,20 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parser_of(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
-    """The parser of ``command``, a subcommand of ``parser`` (:func:`build_parser`'s)."""
-    (subparsers,) = (action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
-    return subparsers.choices[command]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, or 2 for bad input). argparse's errors raise SystemExit(2)
     after their one line, as argparse's do; ``--help`` prints the usage and raises SystemExit(0)."""
     args = build_parser().parse_args(argv)
-    if getattr(args, "sparse", False):  # the sparse job's own defaults, where the flags are not given
-        parser = build_parser()
-        parser_of(parser, "train").set_defaults(**SPARSE_DEFAULTS)
-        args = parser.parse_args(argv)
     with _info_logs():
         try:
             return args.func(args)

@@ -24,6 +24,7 @@ from .usage import UsageError
 
 __all__ = [
     "DEFAULT_MINI_BATCH_SIZE",
+    "DENSE_DEFAULTS",
     "MIN_DEFAULT_DIM",
     "MIN_DEFAULT_TOKEN_DIM",
     "SPARSE_DEFAULTS",
@@ -47,8 +48,14 @@ DEFAULT_MAX_SEQ_LENGTH = 64  # covers 97% of the built-in anchors and 99% of the
 DEFAULT_LEARNING_RATE = 2e-4
 DEFAULT_SEED = 12
 MIN_DEFAULT_DIM = 32
-# --sparse's defaults, where the flags are not given: a SPLADE model's MLM head scores the whole vocabulary at every
+# The job's defaults of the options whose field is None until TrainOptions resolves it (the command line's flags and a
+# Python caller's TrainOptions alike). --sparse's: a SPLADE model's MLM head scores the whole vocabulary at every
 # token (about twice the encoder's work for MiniLM), so the run is cut to exit within 30 minutes on a 2-core CPU.
+DENSE_DEFAULTS = {
+    "batch_size": DEFAULT_BATCH_SIZE,
+    "mini_batch_size": DEFAULT_MINI_BATCH_SIZE,
+    "max_seq_length": DEFAULT_MAX_SEQ_LENGTH,
+}
 SPARSE_DEFAULTS = {
     "batch_size": 64,
     "mini_batch_size": 32,
@@ -117,7 +124,8 @@ BATCH_SAMPLERS = ("no_duplicates", "batch_sampler")
 @dataclasses.dataclass(kw_only=True)
 class TrainOptions:
     """The options of the main job: one field per flag of ``st-cached-losses train`` (``--batch-size`` is
-    ``batch_size``), with the same defaults; ``st-cached-losses train --help`` describes each.
+    ``batch_size``), with the same defaults (those that differ with ``sparse``, None until resolved:
+    :data:`DENSE_DEFAULTS`, :data:`SPARSE_DEFAULTS`); ``st-cached-losses train --help`` describes each.
 
     Raises:
         UsageError: a number that is not of its kind (:data:`NUMBER_KINDS`: e.g. a size that is not a positive
@@ -130,11 +138,11 @@ class TrainOptions:
     model: str | None = None  # None: the packaged all-MiniLM-L6-v2 (default_model_path)
     dataset: str = "stdlib"
     dims: Sequence[int] | None = None  # None: the model's dim halved while >= MIN_DEFAULT_DIM (MIN_DEFAULT_TOKEN_DIM)
-    batch_size: int = DEFAULT_BATCH_SIZE
-    mini_batch_size: int | str = DEFAULT_MINI_BATCH_SIZE  # or "auto": the largest that fits (activation_budget)
+    batch_size: int | None = None  # None: the job's default (DENSE_DEFAULTS, or SPARSE_DEFAULTS with sparse)
+    mini_batch_size: int | str | None = None  # or "auto": the largest that fits (activation_budget); None: as above
     epochs: float = DEFAULT_EPOCHS
     max_steps: int | None = None
-    max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH
+    max_seq_length: int | None = None  # None: the job's default, as batch_size
     learning_rate: float = DEFAULT_LEARNING_RATE
     seed: int = DEFAULT_SEED
     output_dir: Path | str
@@ -144,8 +152,8 @@ class TrainOptions:
     bf16: bool = False
     fp16: bool = False
     compare_stock: bool = False
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
+    max_train_samples: int | None = None  # None: every pair (with sparse: SPARSE_DEFAULTS')
+    max_eval_samples: int | None = None  # None: every held-out pair (with sparse: SPARSE_DEFAULTS')
     guide: str | None = None  # a guide model (local directory or Hub id): GISTEmbed's false-negative filter
     false_negative_margin: float | None = None  # with a guide, its margin (default 0); alone, self-guided
     activation_budget: int | str | None = None  # bytes of activations step (1) keeps, or "auto"; None: none
@@ -164,6 +172,9 @@ class TrainOptions:
 
     def __post_init__(self):
         self.output_dir = Path(self.output_dir)
+        for name, value in (SPARSE_DEFAULTS if self.sparse else DENSE_DEFAULTS).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         for name, kind in NUMBER_KINDS.items():
             value = getattr(self, name)
             if not ((value is None and name in OPTIONAL) or (value == "auto" and name in AUTO_ALLOWED)):
