@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec
+from ..core.spec import DIRECTIONS, NORM_EPS, Direction, InfoNCESpec, own_columns
 from .memory import Memory
 
 
@@ -78,11 +78,10 @@ class Guide:
 def kept_columns(direction: Direction, spec: InfoNCESpec, begin: int, end: int, device=None) -> Tensor | None:
     """(rows, n) column indices the filter never drops for rows [begin, end): the row's partner, and the
     columns the direction masks itself (the row; its own docs). None where there are none."""
-    own = torch.arange(begin, end, device=device) + direction.pair_column(spec.offset)
-    if direction.mask == "own_docs":
-        return own[:, None] + spec.world_batch_size * torch.arange(spec.num_columns, device=device)
+    if direction.mask == "own_docs":  # a documents direction: the row's positive and its hard negatives
+        return own_columns(direction, spec, begin, end - begin, device)
     if direction.partner or direction.mask == "self":
-        return own[:, None]
+        return own_columns(direction, spec, begin, end - begin, device)[:, :1]
     return None
 
 

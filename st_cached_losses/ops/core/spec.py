@@ -10,11 +10,19 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from .checks import check_dims, check_like_queries, check_matrix, check_offset, check_scale
 
-__all__ = ["DIRECTIONS", "InfoNCESpec", "check_dims", "check_false_negative_rule", "check_in_batch_negatives"]
+__all__ = [
+    "DIRECTIONS",
+    "InfoNCESpec",
+    "check_dims",
+    "check_false_negative_rule",
+    "check_in_batch_negatives",
+    "own_columns",
+]
 
 
 @dataclass(frozen=True)
@@ -262,6 +270,15 @@ class InfoNCESpec(WeightedDims):
             mask_duplicates=bool(mask_duplicates),
             in_batch_negatives=in_batch_negatives,
         )
+
+
+def own_columns(direction: Direction, spec: InfoNCESpec, begin: int, count: int, device=None) -> Tensor:
+    """(count, own columns) int64 for rows [begin, begin + count) of ``direction``: each row's pair column
+    (:meth:`Direction.pair_column`), then, against all documents ("c"), its hard negatives' (one per block of Bw)."""
+    own = torch.arange(count, device=device) + (direction.pair_column(spec.offset) + begin)
+    if direction.cols == "c":
+        return own[:, None] + spec.world_batch_size * torch.arange(spec.num_columns, device=device)
+    return own[:, None]
 
 
 def _false_negative_filter(margin, strategy, guide_queries, guide_documents, queries, docs, world_queries, directions):

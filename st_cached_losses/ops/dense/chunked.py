@@ -34,7 +34,7 @@ from ..core.host_read import HostRead
 from ..core.limits import TILE_BYTES as DEFAULT_TILE_BYTES
 from ..core.problem import Problem
 from ..core.result import InfoNCEResult
-from ..core.spec import DIRECTIONS, Direction, InfoNCESpec
+from ..core.spec import DIRECTIONS, Direction, InfoNCESpec, own_columns
 from . import own
 
 # On a GPU a tile of 64 MiB is ~170 rows at B = 16384 (96 tiles of ~80 launches each): 256 MiB cuts the launches 4x
@@ -230,12 +230,8 @@ class _TileDirection:
         self.memory = memory  # banked columns after ``cols`` (no gradient), or None
         count = rows.shape[0]
         self.row_index = torch.arange(count, device=rows.device)
-        own = self.row_index + (direction.pair_column(spec.offset) + begin)
         # The columns of each row's own documents (positive, then its hard negatives): (count, columns).
-        if direction.cols == "c":
-            self.own_cols = own[:, None] + spec.world_batch_size * torch.arange(spec.num_columns, device=rows.device)
-        else:
-            self.own_cols = own[:, None]
+        self.own_cols = own_columns(direction, spec, begin, count, rows.device)
         self.penalty = _penalty_plan(direction, spec)
 
     def _ones(self, count: int) -> Tensor:

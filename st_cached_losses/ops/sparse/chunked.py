@@ -36,7 +36,7 @@ from ..core.host_read import HostRead
 from ..core.limits import TILE_BYTES
 from ..core.problem import Problem
 from ..core.result import InfoNCEResult
-from ..core.spec import DIRECTIONS, Direction
+from ..core.spec import DIRECTIONS, Direction, own_columns
 from . import own
 from .spec import SparseSpec, kept, slot_ranks
 
@@ -249,7 +249,7 @@ class _Sweep:
             norm = log_norm if spec.partition_mode == "joint" else lse[index]
             grad = logit.sub_(norm[:, None]).exp_().mul_((weight * share * spec.scale) * live[:, None])
             if direction.label:
-                own_col = _own_columns(direction, spec, begin, end - begin, grad.device)[:, 0]
+                own_col = own_columns(direction, spec, begin, end - begin, grad.device)[:, 0]
                 grad[torch.arange(end - begin, device=grad.device), own_col] -= weight * spec.scale * live
             row_values, keep, rows = dense[direction.rows]
             self._backpropagate(direction, grad, row_values, keep, rows, k)
@@ -301,14 +301,14 @@ class _Sweep:
         return torch.addmm(out, sparse, dense, beta=0.0, out=out)
 
     def _positive(self, raw: Tensor, begin: int) -> Tensor:
-        own_col = _own_columns(self.directions[0], self.spec, begin, raw.shape[0], raw.device)[:, 0]
+        own_col = own_columns(self.directions[0], self.spec, begin, raw.shape[0], raw.device)[:, 0]
         return self.spec.scale * raw.gather(1, own_col[:, None]).squeeze(1)
 
     def _logits(self, name: str, direction: Direction, raw: Tensor, begin: int, dropped: Tensor | None) -> Tensor:
         """The tile's logits of one direction: scaled scores, the hardness penalty, every mask at -inf."""
         spec = self.spec
         logit = raw.mul(spec.scale).contiguous()
-        own_cols = _own_columns(direction, spec, begin, raw.shape[0], raw.device)
+        own_cols = own_columns(direction, spec, begin, raw.shape[0], raw.device)
         penalised = spec.penalised if direction.label else None
         if penalised is not None:
             penalty = torch.full_like(logit, spec.hardness_strength if penalised.others else 0.0)
@@ -348,11 +348,3 @@ class _Sweep:
             dtype = self.input_dtype
             grads = (self.grads["q"].to(dtype), self.grads["c"].to(dtype), None if world is None else world.to(dtype))
         return InfoNCEResult(per_dim, self.lse, grads, masked_share=self.candidates.share())
-
-
-def _own_columns(direction: Direction, spec: SparseSpec, begin: int, count: int, device: torch.device) -> Tensor:
-    """(count, own columns): each row's pair column, then (documents' directions) its hard negatives'."""
-    own = torch.arange(count, device=device) + (direction.pair_column(spec.offset) + begin)
-    if direction.cols == "c":
-        return own[:, None] + spec.world_batch_size * torch.arange(spec.num_columns, device=device)
-    return own[:, None]
