@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..candidates.own import excluded_documents, masked_share
+from ..candidates.layout import live_rows
+from ..candidates.own import excluded_documents, masked_share, own_documents
 from ..core.limits import TILE_BYTES
 from ..core.problem import Problem
 from ..core.result import InfoNCEResult
@@ -24,9 +25,8 @@ def forward(problem: Problem, ranks: dict[str, Tensor]) -> InfoNCEResult:
     values = {key: x.detach().to(dtype).contiguous() for key, x in (("q", problem.queries), ("c", problem.documents))}
     indices = {"q": problem.indices[0], "c": problem.indices[1]}
     excluded, removed = excluded_documents(spec, problem)  # (n, B) each
-    blocks = torch.arange(spec.num_columns, device=device) * spec.world_batch_size
-    own_rows = blocks[None, :] + (spec.offset + torch.arange(batch, device=device))[:, None]  # (B, n)
-    live = (~excluded).sum(0) > 1
+    own_rows = own_documents(torch.arange(problem.documents.shape[0], device=device), spec).T  # (B, n) their rows
+    live = live_rows([spec.num_columns - excluded.sum(0)])
     grads = {key: torch.zeros_like(x) for key, x in values.items()} if problem.need_grad else None
     loss_sum = torch.zeros(len(spec.dims), dtype=dtype, device=device)
     lse_out = torch.empty(len(spec.dims), 1, batch, dtype=dtype, device=device)
