@@ -17,6 +17,7 @@ A base loss is not called: it holds the InfoNCE hyperparameters, read at every s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sentence_transformers.multi_vector_encoder.losses import (
@@ -84,8 +85,9 @@ def prefix_similarity(similarity_fct, owner: str = "CachedMatryoshkaLoss") -> st
     return similarity
 
 
-def op_options(loss: nn.Module) -> dict[str, Any]:
-    """``matryoshka_infonce``'s keyword arguments from the base loss's hyperparameters."""
+def op_options(loss: nn.Module, similarity_of: Callable[[Any], str] = prefix_similarity) -> dict[str, Any]:
+    """The op's keyword arguments from the base loss's hyperparameters (``matryoshka_infonce``'s; an MNRL's
+    ``similarity_fct`` mapped by ``similarity_of``, e.g. the sparse op's dot-only rule)."""
     if is_gist(loss):
         directions = ("query_to_doc",) + ("anchor_to_anchor",) * loss.contrast_anchors
         return dict(
@@ -97,7 +99,7 @@ def op_options(loss: nn.Module) -> dict[str, Any]:
         )
     return dict(
         scale=loss.scale,
-        similarity=prefix_similarity(loss.similarity_fct),
+        similarity=similarity_of(loss.similarity_fct),
         directions=tuple(loss.directions),
         partition_mode=loss.partition_mode,
         hardness_mode=loss.hardness_mode,

@@ -9,6 +9,7 @@ sparse cache, never a (B, V) matrix nor a B x M score matrix.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -21,14 +22,14 @@ from ..gradcache.activation_budget import AUTO
 from ..gradcache.minibatches import check_columns
 from ..gradcache.precision import nonfinite_policy
 from ..gradcache.step import Encoded, LayerDraw, Step
+from ..ops.core.checks import check_chunk_size
 from . import card, citations
-from .base_losses import cross_row_settings
+from .base_losses import cross_row_settings, op_options
 from .cached_loss import CachedLossBase, check_flag, naming_errors
 from .refusals import check_refusals
 from .sparse_checks import (
     check_base_loss,
     check_budgets,
-    check_chunk_size,
     check_model,
     check_regularizers,
     similarity,
@@ -300,13 +301,15 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
     def _base_loss(self, columns: list[tuple[Tensor, Tensor]], step: Step, vocab_size: int) -> Tensor:
         queries, documents, placement = gathered(columns[0], columns[1:], step.gather)
         duplicates = step.duplicate_inputs({"world_queries": None} if placement else {})
+        # The base loss's hyperparameters, read at every step as stock reads them.
+        hyperparameters = op_options(self.loss, functools.partial(similarity, owner=type(self).__name__))
         out = ops.sparse_infonce(
             *queries,
             *documents,
             vocab_size=vocab_size,
             max_active_dims=self.max_active_dims or (None,),
             max_active_dims_weights=self.max_active_dims_weights,
-            **self._base_loss_options(),
+            **hyperparameters,
             **placement,
             in_batch_negatives=self.in_batch_negatives,
             **duplicates,
@@ -321,18 +324,6 @@ class CachedSparseLoss(CachedLossBase, _SpladeLossInit):
         if out.masked_share is not None:
             step.masked_share = self.masked_share = float(out.masked_share)
         return out.loss
-
-    def _base_loss_options(self) -> dict[str, Any]:
-        """The op's options from the base loss, read now (as stock reads them at every step)."""
-        loss = self.loss
-        return dict(
-            scale=loss.scale,
-            similarity=similarity(loss.similarity_fct, type(self).__name__),
-            directions=tuple(loss.directions),
-            partition_mode=loss.partition_mode,
-            hardness_mode=loss.hardness_mode,
-            hardness_strength=loss.hardness_strength,
-        )
 
     def _regularizers(self, columns: list[tuple[Tensor, Tensor]], step: Step, vocab_size: int) -> Tensor:
         """Stock SpladeLoss's regularisers (this process's rows, as stock), weighted by the weights of this step."""

@@ -1,7 +1,7 @@
 """What :class:`~st_cached_losses.CachedSparseLoss` accepts, checked before any work: its base loss (stock
 ``SparseMultipleNegativesRankingLoss`` with ``util.dot_score``: the op's scores), its regularisers, the model's
 modules (routes ending where a zero entry takes no gradient: ``SpladePooling``, ``SparseStaticEmbedding``), the
-``max_active_dims`` budgets and their weights, the op's ``chunk_size`` and backend."""
+``max_active_dims`` budgets and their weights, the op's backend (its ``chunk_size``: the op's own check)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ __all__ = [
     "OP",
     "check_base_loss",
     "check_budgets",
-    "check_chunk_size",
     "check_model",
     "check_regularizers",
     "similarity",
@@ -113,10 +112,3 @@ def check_budgets(
             f"max_active_dims_weights must be one number per budget ({len(budgets)}), got {list(weights)}."
         )
     return budgets, tuple(float(w) for w in weights)
-
-
-def check_chunk_size(value: Any) -> int | None:
-    value = integer(value)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {value!r}.")
-    return value
