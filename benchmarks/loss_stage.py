@@ -45,7 +45,7 @@ from benchmarks.core import contenders as registry
 from benchmarks.core.data import embeddings
 from benchmarks.core.memory import peak_tensor_bytes
 from benchmarks.core.report import RESULTS, plot, read_csv, values, write_csv
-from benchmarks.core.timing import Timings, spread, time_calls
+from benchmarks.core.timing import spread, time_alternated, time_calls
 from st_cached_losses import matryoshka_infonce
 from st_cached_losses.ops.dense.chunked import DEFAULT_TILE_BYTES
 
@@ -160,14 +160,7 @@ def _alternated(runs: dict, batch: int, repeats: int, device: str, rows: list) -
     """Time ``runs`` (name -> call) alternately, round by round (one warm-up call each first), append their rows
     (wall seconds' spread, CPU seconds' median, tensor peak, load average) to ``rows``; returns (name, wall spread,
     peak) per run."""
-    timings = {name: Timings() for name in runs}
-    for fn in runs.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            timed = time_calls(fn, 1, 0, device)
-            timings[name].wall.extend(timed.wall)
-            timings[name].cpu.extend(timed.cpu)
+    timings = time_alternated(runs, repeats, device=device)
     done = []
     for name, fn in runs.items():
         stats, peak = spread(timings[name].wall), peak_tensor_bytes(fn, device)[1]

@@ -35,7 +35,7 @@ import torch
 from benchmarks.core.data import batch_of, tokenize, training_pairs
 from benchmarks.core.memory import step_peak_bytes
 from benchmarks.core.report import RESULTS, plot, read_csv, values, write_csv
-from benchmarks.core.timing import spread, time_calls
+from benchmarks.core.timing import spread, time_alternated
 
 __all__ = ["ENCODERS", "losses", "main", "run", "splade_model", "static_model", "step", "summary_table"]
 
@@ -118,18 +118,9 @@ def run(args) -> list[tuple]:
 
 def _timed(encoder: str, batch: int, steps: dict[str, Callable], repeats: int) -> list[tuple]:
     """One untimed step each, then ``repeats`` rounds, each running every loss once (round r starting at the r-th)."""
-    walls: dict[str, list[float]] = {name: [] for name in steps}
-    names = list(steps)
-    for fn in steps.values():
-        fn()
-    for round_ in range(repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            walls[name] += time_calls(steps[name], 1, 0).wall
-            gc.collect()
     rows = []
-    for name, seconds in walls.items():
-        stats = spread(seconds)
+    for name, timings in time_alternated(steps, repeats, rotate=True, collect=True).items():
+        stats = spread(timings.wall)
         rows += [(name, batch, f"{encoder}/seconds_{key}", value) for key, value in stats.items()]
         rows.append((name, batch, f"{encoder}/load_average_1min", os.getloadavg()[0]))
         print(f"{encoder} B={batch:>5} {name:>6}: {stats['median']:8.2f} s a step (median of {repeats})", flush=True)

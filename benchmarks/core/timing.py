@@ -3,6 +3,7 @@ else ``time.perf_counter``; beside it this process's CPU seconds (``time.process
 
 - :class:`Timer`: marks on both clocks and the seconds between two marks (the phases of a training step);
 - :func:`time_calls`: ``repeats`` timed calls after untimed warm-up calls (wall and CPU seconds of each);
+- :func:`time_alternated`: several contenders' calls, timed in alternating rounds;
 - :func:`bench`: a first untimed call (compilation, tile tuning), then calls until both a count and a total time are
   reached: median and 20 / 80 % quantiles (the GPU loss stages);
 - :func:`spread`: median, min, max (and quartiles) of a list of seconds;
@@ -11,6 +12,7 @@ else ``time.perf_counter``; beside it this process's CPU seconds (``time.process
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Budget", "Timer", "Timings", "bench", "spread", "time_calls"]
+__all__ = ["Budget", "Timer", "Timings", "bench", "spread", "time_alternated", "time_calls"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,34 @@ def time_calls(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, device:
         _, wall, cpu = timer.call(fn)
         timings.wall.append(wall)
         timings.cpu.append(cpu)
+    return timings
+
+
+def time_alternated(
+    runs: dict[str, Callable[[], Any]],
+    repeats: int,
+    warmup: int = 1,
+    device: str | torch.device = "cpu",
+    rotate: bool = False,
+    collect: bool = False,
+) -> dict[str, Timings]:
+    """Each contender of ``runs`` (name -> call) called ``warmup`` untimed times, then ``repeats`` rounds, each timing
+    every contender once (``rotate``: round r starts at the r-th, so that none always runs first; ``collect``: garbage
+    collected after each call, outside the timed call: seconds with sentence-transformers imported, worth it for
+    calls of seconds)."""
+    timings = {name: Timings() for name in runs}
+    for fn in runs.values():
+        for _ in range(warmup):
+            fn()
+    names = list(runs)
+    for round_ in range(repeats):
+        shift = round_ % len(names) if rotate and names else 0
+        for name in names[shift:] + names[:shift]:
+            timed = time_calls(runs[name], 1, 0, device)
+            timings[name].wall.extend(timed.wall)
+            timings[name].cpu.extend(timed.cpu)
+            if collect:
+                gc.collect()
     return timings
 
 

@@ -207,6 +207,19 @@ def test_rounds_rotate_so_that_no_contender_always_runs_first(no_gc):
     assert all(len(runs) == 3 for runs in times.values())
 
 
+def test_alternated_calls_warm_up_each_then_rotate_the_rounds(no_gc):
+    from benchmarks.core.timing import time_alternated
+
+    log: list[str] = []
+    runs = {name: (lambda name=name: log.append(name)) for name in "abc"}
+    timings = time_alternated(runs, repeats=3, warmup=1, rotate=True, collect=True)
+    assert log == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]  # the warm-up calls, then the rounds
+    assert all(len(t.wall) == len(t.cpu) == 3 and min(t.wall) >= 0 for t in timings.values())
+    log.clear()
+    time_alternated(runs, repeats=2, warmup=0)
+    assert log == ["a", "b", "c", "a", "b", "c"]  # without rotate: the given order every round
+
+
 class _SpyLoss(torch.nn.Module):
     """Not cached: embeds the first column and sums it, noting which model and which features each call saw."""
 
