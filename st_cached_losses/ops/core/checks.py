@@ -101,12 +101,14 @@ def check_chunk_size(chunk_size: Any) -> int | None:
     return operator.index(chunk_size)
 
 
-def check_like_queries(name: str, tensor: Tensor, queries: Tensor) -> None:
-    """``tensor`` in the queries' dtype and on their device; else a ValueError naming the fix."""
-    if tensor.dtype != queries.dtype:
-        raise ValueError(f"{name} is {tensor.dtype} but queries is {queries.dtype}: cast them to one dtype.")
+def check_like_queries(
+    name: str, tensor: Tensor, queries: Tensor, queries_name: str = "queries", same_dtype: bool = True
+) -> None:
+    """``tensor`` on the queries' device and (``same_dtype``) in their dtype; else a ValueError naming the fix."""
+    if same_dtype and tensor.dtype != queries.dtype:
+        raise ValueError(f"{name} is {tensor.dtype} but {queries_name} is {queries.dtype}: cast them to one dtype.")
     if tensor.device != queries.device:
-        raise ValueError(f"{name} is on {tensor.device} but queries is on {queries.device}: move them together.")
+        raise ValueError(f"{name} is on {tensor.device} but {queries_name} is on {queries.device}: move them together.")
 
 
 def check_matrix(name: str, tensor: Any, columns: str) -> None:

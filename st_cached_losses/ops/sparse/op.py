@@ -19,7 +19,7 @@ from torch import Tensor
 from ..candidates.duplicates import check_ids
 from ..candidates.layout import check_document_present, conditions
 from ..core.call import run_op, world_gradients
-from ..core.checks import as_int, check_chunk_size, check_dims, check_matrix, read_options
+from ..core.checks import as_int, check_chunk_size, check_dims, check_like_queries, check_matrix, read_options
 from ..core.problem import CandidateInputs, Problem
 from ..core.result import InfoNCEOutput
 from ..core.spec import InfoNCESpec
@@ -213,16 +213,8 @@ def _check_pair(name: str, values: Tensor, indices: Tensor, query_values: Tensor
         )
     if values.shape[0] == 0:
         raise ValueError(f"{name}_values is empty (0 rows): the in-batch InfoNCE loss needs at least one pair.")
-    if values.dtype != query_values.dtype:
-        raise ValueError(
-            f"{name}_values is {values.dtype} but query_values is {query_values.dtype}: cast to one dtype."
-        )
-    for suffix, tensor in (("values", values), ("indices", indices)):
-        if tensor.device != query_values.device:
-            raise ValueError(
-                f"{name}_{suffix} is on {tensor.device} but query_values is on {query_values.device}: move them "
-                "together."
-            )
+    check_like_queries(f"{name}_values", values, query_values, "query_values")
+    check_like_queries(f"{name}_indices", indices, query_values, "query_values", same_dtype=False)
 
 
 def _budgets(budgets, weights, vocab: int) -> tuple[list[int], Sequence[float] | None]:
