@@ -20,7 +20,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 
-from benchmarks.core.timing import Timer, spread
+from benchmarks.core.timing import Timer, round_order, spread
 
 PHASES = ("embed", "loss", "backward")
 BASELINE = "stock"
@@ -100,10 +100,8 @@ def time_steps(
     """Phase times of ``repeats`` rounds; each round (and each warm-up round) runs every contender once, in order
     (``rotate``: round r starts at the r-th contender, so that none always runs first or after the same one)."""
     times: dict[str, list[dict[str, float]]] = {name: [] for name in steps}
-    names = list(steps)
     for round_ in range(-warmup, repeats):
-        shift = round_ % len(names) if rotate and names else 0
-        for name in names[shift:] + names[:shift]:
+        for name in round_order(list(steps), round_, rotate):
             step = steps[name]
             step()
             gc.collect()

@@ -3,7 +3,7 @@ else ``time.perf_counter``; beside it this process's CPU seconds (``time.process
 
 - :class:`Timer`: marks on both clocks and the seconds between two marks (the phases of a training step);
 - :func:`time_calls`: ``repeats`` timed calls after untimed warm-up calls (wall and CPU seconds of each);
-- :func:`time_alternated`: several contenders' calls, timed in alternating rounds;
+- :func:`time_alternated`: several contenders' calls, timed in alternating rounds (:func:`round_order`);
 - :func:`bench`: a first untimed call (compilation, tile tuning), then calls until both a count and a total time are
   reached: median and 20 / 80 % quantiles (the GPU loss stages);
 - :func:`spread`: median, min, max (and quartiles) of a list of seconds;
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Budget", "Timer", "Timings", "bench", "spread", "time_alternated", "time_calls"]
+__all__ = ["Budget", "Timer", "Timings", "bench", "round_order", "spread", "time_alternated", "time_calls"]
 
 
 @dataclass(frozen=True)
@@ -104,16 +104,21 @@ def time_alternated(
     for fn in runs.values():
         for _ in range(warmup):
             fn()
-    names = list(runs)
     for round_ in range(repeats):
-        shift = round_ % len(names) if rotate and names else 0
-        for name in names[shift:] + names[:shift]:
+        for name in round_order(list(runs), round_, rotate):
             timed = time_calls(runs[name], 1, 0, device)
             timings[name].wall.extend(timed.wall)
             timings[name].cpu.extend(timed.cpu)
             if collect:
                 gc.collect()
     return timings
+
+
+def round_order(names: list[str], round_: int, rotate: bool) -> list[str]:
+    """The order contenders ``names`` run in round ``round_`` (negative: a warm-up round): as given, or with
+    ``rotate`` starting at the (``round_`` mod n)-th, so that none always runs first or after the same one."""
+    shift = round_ % len(names) if rotate and names else 0
+    return names[shift:] + names[:shift]
 
 
 def spread(seconds: list[float], quartiles: bool = False) -> dict[str, float]:
