@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from sentence_transformers.sparse_encoder.losses import FlopsLoss
 from torch import Tensor, nn
 
-__all__ = ["UnbiasedFlopsLoss", "unbiased_flops"]
+__all__ = ["UnbiasedFlopsLoss", "over_threshold", "unbiased_flops"]
 
 
 class UnbiasedFlopsLoss(nn.Module):
@@ -69,9 +69,7 @@ class UnbiasedFlopsLoss(nn.Module):
     def compute_loss_from_embeddings(self, embeddings: Tensor) -> Tensor:
         """The regulariser of ``embeddings`` (B, V) float (SPLADE values, >= 0): a differentiable scalar tensor of
         their dtype."""
-        if self.threshold is not None:
-            active = (embeddings != 0).sum(dim=1)
-            embeddings = embeddings * (active > self.threshold).to(embeddings.dtype).unsqueeze(1)
+        embeddings = over_threshold(embeddings, self.threshold)
         return unbiased_flops(embeddings.sum(dim=0), embeddings.square().sum(), embeddings.shape[0])
 
     def get_config_dict(self) -> dict:
@@ -86,3 +84,12 @@ def unbiased_flops(column_sums: Tensor, sum_of_squares: Tensor, rows: int) -> Te
     if rows < 2:
         return column_sums.sum() * 0
     return (column_sums.square().sum() - sum_of_squares) / (rows * (rows - 1))
+
+
+def over_threshold(values: Tensor, threshold: float | None) -> Tensor:
+    """``values`` (rows, V) dense or (rows, K) sparse slots (0 where empty) with every row of no more than
+    ``threshold`` nonzero entries zeroed, as stock ``FlopsLoss`` counts them; as given for None."""
+    if threshold is None:
+        return values
+    kept = (values != 0).sum(dim=1) > threshold
+    return values * kept.to(values.dtype).unsqueeze(1)

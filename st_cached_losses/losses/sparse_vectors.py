@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from ..gradcache.distributed import check_same_rows_on_every_rank
 from ..gradcache.minibatches import restore_order
-from .flops import UnbiasedFlopsLoss, unbiased_flops
+from .flops import UnbiasedFlopsLoss, over_threshold, unbiased_flops
 
 __all__ = ["concatenated", "densify", "gathered", "pad_columns", "regularize", "sparsify", "static_presence", "take_at"]
 
@@ -102,9 +102,7 @@ def regularize(regularizer: nn.Module, values: Tensor, indices: Tensor, vocab_si
     ``threshold`` nonzero entries counting as zeros); another regulariser on the rows densified (exact)."""
     if type(regularizer) not in (FlopsLoss, UnbiasedFlopsLoss):
         return regularizer.compute_loss_from_embeddings(densify(values, indices, vocab_size))
-    if regularizer.threshold is not None:
-        kept = ((values != 0).sum(1) > regularizer.threshold).to(values.dtype)
-        values = values * kept.unsqueeze(1)
+    values = over_threshold(values, regularizer.threshold)
     valid = indices >= 0
     sums = values.new_zeros(vocab_size).index_add(0, indices.clamp(min=0)[valid], values[valid])
     if isinstance(regularizer, UnbiasedFlopsLoss):
